@@ -1,0 +1,236 @@
+"""The blocker and warning catalog: code -> layer, summary, remediation, in one table.
+
+The codes are a contract (DESIGN.md): add freely, rename or remove nothing without a
+migration note in CHANGELOG.md. The primary ``gpu_validation_blocker`` is the blocker of
+the lowest layer in ``LAYER_ORDER``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYER_ORDER: tuple[str, ...] = (
+    "probe",
+    "visibility",
+    "driver",
+    "device",
+    "cuda",
+    "jax",
+    "iree",
+    "requirement",
+    "admission",
+)
+_LAYER_RANK = {layer: rank for rank, layer in enumerate(LAYER_ORDER)}
+# jax and iree share one rank: neither is the other's cause.
+_LAYER_RANK["iree"] = _LAYER_RANK["jax"]
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One row of the catalog."""
+
+    code: str
+    layer: str
+    summary: str
+    remediation: str
+
+
+def _rows(layer: str, *rows: tuple[str, str, str]) -> list[CatalogEntry]:
+    return [CatalogEntry(code, layer, summary, fix) for code, summary, fix in rows]
+
+
+BLOCKERS: dict[str, CatalogEntry] = {
+    e.code: e
+    for e in [
+        *_rows(
+            "probe",
+            ("probe_timeout", "A probe child missed its deadline (a hung driver call).",
+             "Look for processes stuck in the driver (D state), dmesg for Xid/NVRM errors; "
+             "reload the driver or reboot the node if the hang persists."),
+            ("probe_crashed", "A probe child was killed by a signal.",
+             "Read the child's stderr in evidence.probe_stderr; a crash inside the driver "
+             "library usually means a broken driver install: reinstall it."),
+            ("probe_error", "A probe failed unexpectedly; the traceback is in evidence.",
+             "Read evidence.probe_stderr and report it as a gpudiag bug if it is not a "
+             "host problem."),
+        ),
+        *_rows(
+            "visibility",
+            ("visible_devices_empty",
+             "CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES hides every GPU.",
+             "Unset CUDA_VISIBLE_DEVICES (\"\", -1 and NoDevFiles hide all GPUs) or set it "
+             "to full GPU UUIDs; NVIDIA_VISIBLE_DEVICES=void/none exposes no GPU."),
+            ("visible_devices_invalid",
+             "CUDA_VISIBLE_DEVICES names an index, UUID or MIG device that does not exist.",
+             "Use `nvidia-smi -L` to list the real GPU-/MIG- UUIDs and set "
+             "CUDA_VISIBLE_DEVICES to those."),
+            ("device_nodes_missing",
+             "/dev/nvidiactl or /dev/nvidiaN is absent while the driver is loaded.",
+             "In a container, pass the devices (--gpus, CDI or the device plugin); on the "
+             "host, run nvidia-modprobe -u -c=0 or check udev rules."),
+            ("device_nodes_no_access", "The GPU device nodes exist but cannot be opened.",
+             "Add the user to the group that owns /dev/nvidia* (often 'video'), or allow "
+             "the devices in the cgroup (DeviceAllow=/dev/nvidia* for systemd units)."),
+        ),
+        *_rows(
+            "driver",
+            ("driver_library_missing", "libnvidia-ml.so.1 cannot be loaded.",
+             "Install the NVIDIA driver (it ships libnvidia-ml.so.1) or add its folder to "
+             "the loader path; in a container use the NVIDIA container toolkit."),
+            ("driver_not_loaded", "NVML reports the NVIDIA kernel driver is not loaded.",
+             "Load the kernel module (modprobe nvidia), check dmesg for why it failed, or "
+             "reinstall the driver for the running kernel."),
+            ("driver_library_mismatch",
+             "The user-space driver library and the kernel module versions differ.",
+             "A driver upgrade left the old kernel module loaded: reboot, or unload and "
+             "reload the nvidia modules when no process uses the GPUs."),
+            ("nvml_no_permission", "NVML was refused access to the GPUs.",
+             "Check device-node permissions and cgroup device rules for this user."),
+            ("nvml_error", "NVML failed in an unexpected way; its code is in evidence.",
+             "Read the NVML error in the blocker message and in nvidia-smi's output."),
+        ),
+        *_rows(
+            "device",
+            ("gpu_lost", "A GPU has fallen off the bus (NVML GPU_IS_LOST or XID 79).",
+             "Drain the node and reset the GPU or reboot; check power, cooling and PCIe "
+             "seating if it recurs."),
+            ("gpu_reset_required",
+             "A GPU needs a reset (NVML RESET_REQUIRED, a recovery action or a critical XID).",
+             "Drain the node, stop GPU processes and run nvidia-smi -r on that GPU, or "
+             "reboot as the recovery action says."),
+            ("gpu_ecc_uncorrectable",
+             "Uncorrectable ECC errors, or row remapping pending or failed.",
+             "Drain the node and reset the GPU to apply pending row remaps; a failed "
+             "remap means the GPU should be replaced (RMA)."),
+            ("gpu_inforom_corrupted", "The GPU's InfoROM is corrupted (NVML 14).",
+             "Drain the node and contact the vendor; the InfoROM needs reflashing."),
+        ),
+        *_rows(
+            "cuda",
+            ("cuda_library_missing", "libcuda.so.1 cannot be loaded.",
+             "Install the NVIDIA driver's CUDA library or add its folder to the loader path."),
+            ("cuda_no_device", "cuInit found no CUDA device (CUDA_ERROR_NO_DEVICE, 100).",
+             "Check CUDA_VISIBLE_DEVICES and that the GPUs are passed into the container."),
+            ("cuda_driver_mismatch",
+             "cuInit: system driver mismatch (CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, 803).",
+             "libcuda and the kernel driver differ (often after an upgrade, or a compat "
+             "package): reboot or remove the mismatched cuda-compat library."),
+            ("cuda_driver_too_old",
+             "The driver is too old for this CUDA runtime (CUDA_ERROR_INSUFFICIENT_DRIVER, 35).",
+             "Upgrade the NVIDIA driver or use a CUDA build that this driver supports."),
+            ("cuda_system_not_ready",
+             "cuInit: system not ready (CUDA_ERROR_SYSTEM_NOT_READY, 802).",
+             "Start nvidia-fabricmanager (NVSwitch systems) and check its log."),
+            ("cuda_devices_unavailable",
+             "The GPU is busy or unavailable (CUDA_ERROR_DEVICES_UNAVAILABLE, 46).",
+             "The GPU is in exclusive-process mode and used by another process: wait, or "
+             "pick another GPU."),
+            ("cuda_out_of_memory", "CUDA ran out of memory (CUDA_ERROR_OUT_OF_MEMORY, 2).",
+             "Other processes hold the GPU memory: see nvidia-smi and pick a free GPU."),
+            ("cuda_init_failed", "cuInit failed with another CUDA error.",
+             "Read the CUDA error name and string in the blocker message."),
+            ("cuda_context_failed",
+             "cuInit worked but creating a context or allocating memory failed.",
+             "Read the CUDA error in the message; check compute mode and other processes."),
+        ),
+        *_rows(
+            "jax",
+            ("jax_not_installed", "JAX is not importable in the job's environment.",
+             "pip install 'jax[cuda12]' (or jax for CPU) in the job's environment."),
+            ("jax_gpu_backend_absent", "JAX has no GPU platform: the CUDA plugin is missing.",
+             "pip install 'jax[cuda12]' so that jax-cuda12-plugin and jax-cuda12-pjrt are "
+             "installed, matching the jax version."),
+            ("jax_cpu_fallback", "JAX came up on the CPU while a GPU was required.",
+             "Set JAX_PLATFORMS=cuda so a missing GPU fails loudly; the backend errors in "
+             "evidence say why the GPU platform did not start."),
+            ("jax_backend_init_failed", "JAX's GPU backend failed to initialize.",
+             "The inner cause (often a cuInit error) is in the message and probe stderr."),
+            ("jax_plugin_version_mismatch",
+             "The JAX CUDA plugin does not match jax/jaxlib (PJRT API version mismatch).",
+             "Install jax, jaxlib and jax-cuda12-plugin/pjrt of the same version."),
+            ("jax_cuda_libs_mismatch", "JAX found missing or mismatched CUDA libraries.",
+             "Install the nvidia-* CUDA wheels jax asks for, or unset LD_LIBRARY_PATH "
+             "entries that shadow them with older copies."),
+            ("jax_preallocation_enabled",
+             "The JAX child ran with preallocation enabled (takes 75% of the GPU).",
+             "Set XLA_PYTHON_CLIENT_PREALLOCATE=false, XLA_PYTHON_CLIENT_ALLOCATOR=platform "
+             "and XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR=false (gpudiag run does)."),
+            ("jax_compute_failed", "A tiny JAX computation failed or gave a wrong result.",
+             "Read the error in the message; a wrong result points at a broken GPU."),
+        ),
+        *_rows(
+            "iree",
+            ("iree_not_installed", "IREE's runtime is not importable.",
+             "pip install iree-base-runtime (and iree-base-compiler to compile)."),
+            ("iree_driver_unavailable", "IREE could not create the HAL driver.",
+             "For cuda: libcuda.so must be on the loader path."),
+            ("iree_no_device", "IREE's driver found no device.",
+             "The inner CUDA error in the message names the cause."),
+            ("iree_device_create_failed", "IREE could not create the device.",
+             "The inner error in the message names the cause (busy GPU, memory)."),
+            ("iree_execute_failed", "IREE failed to compile or run a tiny kernel.",
+             "Read the message; check that the compiler supports the GPU's target."),
+        ),
+        *_rows(
+            "requirement",
+            ("insufficient_devices", "Fewer usable GPUs than the requirement asks for.",
+             "Ask for fewer devices or run where more GPUs are healthy and visible."),
+            ("insufficient_free_memory", "A selected GPU has less free memory than required.",
+             "Wait for other processes to release memory or pick another GPU."),
+        ),
+        *_rows(
+            "admission",
+            ("devices_busy", "Not enough FREE GPUs: others' processes are on them.",
+             "Wait, ask for fewer GPUs, or pick GPUs nobody uses."),
+            ("device_state_unknown", "GPU occupancy could not be read; UNKNOWN is never FREE.",
+             "Check that NVML can list compute processes (permissions, driver)."),
+            ("visible_devices_conflict",
+             "CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES disagree.",
+             "Set both to the same full GPU UUID list, or unset one."),
+            ("admission_changed",
+             "GPU topology, visibility, occupancy or memory changed while admitting.",
+             "Retry; if it keeps happening, something else schedules these GPUs."),
+            ("lock_timeout", "The GPUs stayed locked by other gpudiag jobs past the timeout.",
+             "Wait for them, raise --lock-timeout, or ask for other GPUs."),
+        ),
+    ]
+}
+
+WARNINGS: dict[str, CatalogEntry] = {
+    e.code: e
+    for e in [
+        CatalogEntry("gpu_thermal_throttling", "device", "The GPU is clocked down for heat.",
+                     "Check cooling, airflow and fan status."),
+        CatalogEntry("gpu_power_throttling", "device", "The GPU is clocked down by power limits.",
+                     "Check the power cap and the PSU; expected under heavy load."),
+        CatalogEntry("gpu_ecc_correctable", "device", "The GPU reports correctable ECC errors.",
+                     "Watch the rate; a rising count predicts uncorrectable errors."),
+        CatalogEntry("gpu_persistence_off", "device", "Persistence mode is off.",
+                     "Enable nvidia-persistenced so that init is fast and state is kept."),
+        CatalogEntry("gpu_xid_application", "device",
+                     "An application XID (13 31 43 45 109) was reported.",
+                     "Usually a bug or fault in a job, not in the GPU; read the job's log."),
+        CatalogEntry("device_count_mismatch", "cuda",
+                     "NVML and cuInit disagree on the number of GPUs.",
+                     "Check CUDA_VISIBLE_DEVICES and MIG; a GPU may be hidden or failing."),
+        CatalogEntry("device_nodes_missing", "visibility",
+                     "GPU device nodes are missing but NVML and CUDA initialized.",
+                     "Usually harmless (WSL, some containers)."),
+        CatalogEntry("xid_watcher_gap", "device",
+                     "The XID watcher is not running; critical XIDs could be missed.",
+                     "Read the daemon's log for why the watcher keeps dying."),
+    ]
+}
+
+
+def entry(code: str) -> CatalogEntry:
+    """The catalog row of a blocker or warning code."""
+    found = BLOCKERS.get(code) or WARNINGS.get(code)
+    if found is None:
+        raise KeyError(f"unknown blocker or warning code: {code!r}")
+    return found
+
+
+def layer_rank(layer: str) -> int:
+    """Position of a layer in the root-cause order (lower = closer to the root)."""
+    return _LAYER_RANK[layer]

@@ -1,0 +1,54 @@
+"""Child entry point: ``python -m gpudiag.probes NAME [OPTIONS-JSON]``.
+
+stdout carries exactly one JSON line, the observation. Everything else a library prints to
+fd 1 is sent to stderr, which the parent keeps as evidence. Exit codes: 0 observation
+printed, 2 usage error, 70 the probe itself raised (traceback on stderr).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+
+def _claim_stdout() -> Any:
+    """Keep fd 1 for the observation and point everything else at stderr."""
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(saved, "w", encoding="utf-8")
+
+
+def main(argv: list[str]) -> int:
+    from gpudiag.probes import PROBE_MODULES, load
+
+    if not argv or argv[0] not in PROBE_MODULES:
+        print(f"usage: python -m gpudiag.probes {{{','.join(PROBE_MODULES)}}} [OPTIONS-JSON]",
+              file=sys.stderr)
+        return 2
+    try:
+        options = json.loads(argv[1]) if len(argv) > 1 else {}
+        if not isinstance(options, dict):
+            raise ValueError("options must be a JSON object")
+    except ValueError as e:
+        print(f"bad probe options: {e}", file=sys.stderr)
+        return 2
+    # A crash inside a driver library then leaves a Python stack on stderr.
+    faulthandler.enable(file=sys.stderr)
+    out = _claim_stdout()
+    try:
+        observation = load(argv[0])(options)
+    except Exception:
+        traceback.print_exc(file=sys.stderr)
+        return 70
+    out.write(json.dumps(observation, default=str) + "\n")
+    out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,234 @@
+"""The NVML probe (nvidia-ml-py's ``pynvml``): versions and per-device health.
+
+Runs in a child. An unsupported field is ``None`` with its reason under ``unsupported``; a
+device that fails (GPU lost) fails alone and the others are still reported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Errors that mean the device itself is gone or broken, not that a field is unsupported.
+DEVICE_FATAL = {14, 15, 16}
+_THROTTLE_BITS = {
+    0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap",
+    0x8: "hw_slowdown", 0x10: "sync_boost", 0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+RECOVERY_ACTIONS = {0: "none", 1: "gpu_reset", 2: "node_reboot", 3: "drain_p2p",
+                    4: "drain_and_reset", 5: "recover_imex_domain", 6: "bus_reset",
+                    7: "system_reboot"}
+FIELD_RECOVERY_ACTION = 230
+
+
+def _error_names(pynvml: Any) -> dict[int, str]:
+    return {getattr(pynvml, n): n for n in dir(pynvml) if n.startswith("NVML_ERROR_")}
+
+
+def error_record(pynvml: Any, exc: BaseException) -> dict[str, Any]:
+    """An NVML error as JSON: numeric code, constant name and text."""
+    code = int(getattr(exc, "value", -1))
+    return {"code": code, "name": _error_names(pynvml).get(code, f"NVML_ERROR_{code}"),
+            "message": str(exc)}
+
+
+class _DeviceFailed(Exception):
+    """A device-fatal NVML error (lost, reset required, InfoROM) during a field read."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error["message"])
+        self.error = error
+
+
+class _Fields:
+    """Reads fields of one device; unsupported ones become None plus a reason."""
+
+    def __init__(self, pynvml: Any) -> None:
+        self.pynvml = pynvml
+        self.unsupported: dict[str, str] = {}
+
+    def read(self, name: str, fn: Callable[[], T]) -> T | None:
+        try:
+            return fn()
+        except self.pynvml.NVMLError as e:
+            rec = error_record(self.pynvml, e)
+            if rec["code"] in DEVICE_FATAL:
+                raise _DeviceFailed(rec) from e
+            self.unsupported[name] = f"{rec['name']}: {rec['message']}"
+            return None
+
+
+def _decode(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _memory(pynvml: Any, handle: Any) -> dict[str, int]:
+    mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return {"total_bytes": int(mem.total), "used_bytes": int(mem.used),
+            "free_bytes": int(mem.free)}
+
+
+def _processes(pynvml: Any, handle: Any) -> list[dict[str, Any]]:
+    # The _v3 call directly: the unsuffixed wrapper refuses on an NVML version mismatch.
+    procs = pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle)
+    return [{"pid": int(p.pid),
+             "used_memory_bytes": None if p.usedGpuMemory is None else int(p.usedGpuMemory)}
+            for p in procs]
+
+
+def _field_value(pynvml: Any, handle: Any, field_id: int) -> int:
+    values = pynvml.nvmlDeviceGetFieldValues(handle, [field_id])
+    v = values[0]
+    if v.nvmlReturn != 0:
+        raise pynvml.NVMLError(v.nvmlReturn)
+    member = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
+    return int(getattr(v.value, member.get(int(v.valueType), "ullVal")))
+
+
+def _ecc(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for err_name, err_type in (("corrected", 0), ("uncorrected", 1)):
+        for ctr_name, ctr_type in (("volatile", 0), ("aggregate", 1)):
+            key = f"{ctr_name}_{err_name}"
+            out[key] = fields.read(
+                f"ecc.{key}",
+                lambda e=err_type, c=ctr_type: int(
+                    pynvml.nvmlDeviceGetTotalEccErrors(handle, e, c)),
+            )
+    return out
+
+
+def _remapped(pynvml: Any, handle: Any) -> dict[str, int | bool]:
+    corr, unc, pending, failure = pynvml.nvmlDeviceGetRemappedRows(handle)
+    return {"correctable": int(corr), "uncorrectable": int(unc), "pending": bool(pending),
+            "failure": bool(failure)}
+
+
+def _throttle(pynvml: Any, handle: Any) -> dict[str, Any]:
+    mask = int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+    return {"mask": mask, "reasons": [n for bit, n in _THROTTLE_BITS.items() if mask & bit]}
+
+
+def _mig(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, Any] | None:
+    mode = fields.read("mig.mode", lambda: pynvml.nvmlDeviceGetMigMode(handle))
+    if mode is None:
+        return None
+    current = int(mode[0])
+    out: dict[str, Any] = {"enabled": current == 1, "pending": int(mode[1]) == 1,
+                           "instances": []}
+    if current != 1:
+        return out
+    count = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    for j in range(count):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+        except pynvml.NVMLError as e:
+            if int(getattr(e, "value", -1)) == 6:  # NOT_FOUND: no instance in this slot
+                continue
+            out["instances"].append({"slot": j, "error": error_record(pynvml, e)})
+            continue
+        inst_fields = _Fields(pynvml)
+        inst: dict[str, Any] = {"slot": j}
+        inst["uuid"] = inst_fields.read("uuid", lambda m=mig: _decode(pynvml.nvmlDeviceGetUUID(m)))
+        inst["memory"] = inst_fields.read("memory", lambda m=mig: _memory(pynvml, m))
+        inst["processes"] = inst_fields.read("processes", lambda m=mig: _processes(pynvml, m))
+        inst["unsupported"] = inst_fields.unsupported
+        out["instances"].append(inst)
+    return out
+
+
+def _device(pynvml: Any, index: int) -> dict[str, Any]:
+    dev: dict[str, Any] = {"index": index, "ok": True, "error": None}
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except pynvml.NVMLError as e:
+        dev.update(ok=False, error=error_record(pynvml, e))
+        return dev
+    fields = _Fields(pynvml)
+    try:
+        dev["uuid"] = fields.read("uuid", lambda: _decode(pynvml.nvmlDeviceGetUUID(handle)))
+        dev["name"] = fields.read("name", lambda: _decode(pynvml.nvmlDeviceGetName(handle)))
+        dev["pci_bus_id"] = fields.read(
+            "pci_bus_id", lambda: _decode(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+        dev["memory"] = fields.read("memory", lambda: _memory(pynvml, handle))
+        util = fields.read("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
+        dev["utilization_gpu_ratio"] = None if util is None else int(util.gpu) / 100.0
+        dev["temperature_c"] = fields.read(
+            "temperature", lambda: int(pynvml.nvmlDeviceGetTemperature(handle, 0)))
+        power_mw = fields.read("power", lambda: int(pynvml.nvmlDeviceGetPowerUsage(handle)))
+        dev["power_w"] = None if power_mw is None else power_mw / 1000.0
+        dev["ecc"] = _ecc(pynvml, handle, fields)
+        dev["remapped_rows"] = fields.read("remapped_rows", lambda: _remapped(pynvml, handle))
+        dev["retired_pages_double_bit"] = fields.read(
+            "retired_pages", lambda: len(pynvml.nvmlDeviceGetRetiredPages(handle, 1)))
+        dev["clocks_event_reasons"] = fields.read(
+            "clocks_event_reasons", lambda: _throttle(pynvml, handle))
+        dev["persistence_mode"] = fields.read(
+            "persistence", lambda: int(pynvml.nvmlDeviceGetPersistenceMode(handle)) == 1)
+        dev["compute_mode"] = fields.read(
+            "compute_mode", lambda: int(pynvml.nvmlDeviceGetComputeMode(handle)))
+        dev["mig"] = _mig(pynvml, handle, fields)
+        action = fields.read("recovery_action",
+                             lambda: _field_value(pynvml, handle, FIELD_RECOVERY_ACTION))
+        dev["recovery_action"] = None if action is None else RECOVERY_ACTIONS.get(
+            action, f"action_{action}")
+        dev["processes"] = fields.read("processes", lambda: _processes(pynvml, handle))
+    except _DeviceFailed as e:
+        dev.update(ok=False, error=e.error)
+    dev["unsupported"] = fields.unsupported
+    return dev
+
+
+def _library_load_error() -> str | None:
+    """The loader's own words when libnvidia-ml.so.1 cannot be opened (pynvml hides them)."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def probe(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Initialize NVML and read every device; never raises for an NVML failure."""
+    try:
+        import pynvml
+    except ImportError as e:
+        return {"ok": False, "error": {"code": None, "name": "IMPORT_ERROR",
+                                       "message": f"nvidia-ml-py is not installed: {e}"}}
+    out: dict[str, Any] = {"ok": False, "error": None, "library_error": None}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        out["error"] = error_record(pynvml, e)
+        if out["error"]["code"] == 12:
+            out["library_error"] = _library_load_error()
+        return out
+    try:
+        fields = _Fields(pynvml)
+        out["driver_version"] = fields.read(
+            "driver_version", lambda: _decode(pynvml.nvmlSystemGetDriverVersion()))
+        cuda_version = fields.read("cuda_driver_version",
+                                   lambda: int(pynvml.nvmlSystemGetCudaDriverVersion()))
+        out["cuda_driver_version"] = cuda_version
+        out["nvml_version"] = fields.read(
+            "nvml_version", lambda: _decode(pynvml.nvmlSystemGetNVMLVersion()))
+        out["unsupported"] = fields.unsupported
+        try:
+            count = int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as e:
+            out["error"] = error_record(pynvml, e)
+            return out
+        out["device_count"] = count
+        out["devices"] = [_device(pynvml, i) for i in range(count)]
+        out["ok"] = True
+        return out
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
