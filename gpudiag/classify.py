@@ -262,9 +262,10 @@ def _device_findings(devs: Sequence[Mapping[str, Any]], xids: Sequence[XidEvent]
     by_uuid = {d.get("uuid"): d for d in devs}
     by_index = {d.get("index"): d for d in devs}
     for x in xids:
-        d = by_uuid.get(x.uuid) if x.uuid else by_index.get(x.device_index)
-        if d is None:
+        found = by_uuid.get(x.uuid) if x.uuid else by_index.get(x.device_index)
+        if found is None:
             continue
+        d = found
         label = _dev_label(d)
         if x.xid in LOST_XIDS:
             f.block("gpu_lost", f"GPU {d.get('index')}: XID {x.xid} (fallen off the bus)",

@@ -7,6 +7,7 @@ device that fails (GPU lost) fails alone and the others are still reported.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -95,12 +96,13 @@ def _ecc(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, int | None]:
     for err_name, err_type in (("corrected", 0), ("uncorrected", 1)):
         for ctr_name, ctr_type in (("volatile", 0), ("aggregate", 1)):
             key = f"{ctr_name}_{err_name}"
-            out[key] = fields.read(
-                f"ecc.{key}",
-                lambda e=err_type, c=ctr_type: int(
-                    pynvml.nvmlDeviceGetTotalEccErrors(handle, e, c)),
-            )
+            out[key] = fields.read(f"ecc.{key}", functools.partial(
+                _ecc_count, pynvml, handle, err_type, ctr_type))
     return out
+
+
+def _ecc_count(pynvml: Any, handle: Any, error_type: int, counter_type: int) -> int:
+    return int(pynvml.nvmlDeviceGetTotalEccErrors(handle, error_type, counter_type))
 
 
 def _remapped(pynvml: Any, handle: Any) -> dict[str, int | bool]:
@@ -134,9 +136,11 @@ def _mig(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, Any] | None:
             continue
         inst_fields = _Fields(pynvml)
         inst: dict[str, Any] = {"slot": j}
-        inst["uuid"] = inst_fields.read("uuid", lambda m=mig: _decode(pynvml.nvmlDeviceGetUUID(m)))
-        inst["memory"] = inst_fields.read("memory", lambda m=mig: _memory(pynvml, m))
-        inst["processes"] = inst_fields.read("processes", lambda m=mig: _processes(pynvml, m))
+        inst["uuid"] = inst_fields.read(
+            "uuid", functools.partial(lambda m: _decode(pynvml.nvmlDeviceGetUUID(m)), mig))
+        inst["memory"] = inst_fields.read("memory", functools.partial(_memory, pynvml, mig))
+        inst["processes"] = inst_fields.read("processes",
+                                             functools.partial(_processes, pynvml, mig))
         inst["unsupported"] = inst_fields.unsupported
         out["instances"].append(inst)
     return out

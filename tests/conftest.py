@@ -1,0 +1,98 @@
+"""Shared fixtures: the fake driver rig, a healthy-looking host layout, the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakes.build import FakeDriver, build_fakes
+
+# Variables of the developer's shell that would change what a probe sees.
+_SCRUB = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "JAX_PLATFORMS",
+          "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR",
+          "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR", "FAKE_GPU_STATE_FILE",
+          "GPUDIAG_DEVICE_DIR", "GPUDIAG_DRIVER_PROC_DIR", "GPUDIAG_DAEMON_URL")
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without anything that steers GPUs or the fakes."""
+    return {k: v for k, v in os.environ.items()
+            if k not in _SCRUB and not k.startswith("FAKE_")}
+
+
+@pytest.fixture(scope="session")
+def fakes(tmp_path_factory: pytest.TempPathFactory) -> FakeDriver:
+    """The fake libnvidia-ml, libcuda and nvidia-smi, built once per test session."""
+    return build_fakes(tmp_path_factory.mktemp("fakes"))
+
+
+def make_host_dirs(root: Path, gpus: int = 8, driver_loaded: bool = True,
+                   nodes: bool = True) -> tuple[Path, Path]:
+    """A /dev and a /proc/driver/nvidia look-alike for the host probe's seams."""
+    dev, proc = root / "dev", root / "proc-driver-nvidia"
+    dev.mkdir(parents=True, exist_ok=True)
+    proc.mkdir(parents=True, exist_ok=True)
+    if nodes:
+        for name in ["nvidiactl", "nvidia-uvm", *(f"nvidia{i}" for i in range(gpus))]:
+            (dev / name).write_text("")
+    if driver_loaded:
+        (proc / "version").write_text(
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  Fri Mar 14 2025\n"
+            "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+    return dev, proc
+
+
+EnvFactory = Callable[..., dict[str, str]]
+
+
+@pytest.fixture
+def gpu_env(fakes: FakeDriver, tmp_path: Path) -> EnvFactory:
+    """``gpu_env(**knobs)``: an environment of a host with the fakes and healthy nodes."""
+    dev, proc = make_host_dirs(tmp_path / "host")
+
+    def make(base: Mapping[str, str] | None = None, **knobs: str | int) -> dict[str, str]:
+        env = clean_env() if base is None else dict(base)
+        env.setdefault("GPUDIAG_DEVICE_DIR", str(dev))
+        env.setdefault("GPUDIAG_DRIVER_PROC_DIR", str(proc))
+        return fakes.env(base=env, **knobs)
+
+    return make
+
+
+@pytest.fixture
+def bare_env(tmp_path: Path) -> dict[str, str]:
+    """A GPU-less host: no driver libraries, no nodes, no kernel module (like this machine)."""
+    dev, proc = make_host_dirs(tmp_path / "bare", driver_loaded=False, nodes=False)
+    env = clean_env()
+    env["GPUDIAG_DEVICE_DIR"] = str(dev)
+    env["GPUDIAG_DRIVER_PROC_DIR"] = str(proc)
+    # PATH without any nvidia-smi the machine might have.
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if not (Path(p) / "nvidia-smi").exists())
+    return env
+
+
+def run_gpudiag(args: list[str], env: Mapping[str, str], timeout: float = 120
+                ) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a child, as a user would."""
+    return subprocess.run([sys.executable, "-m", "gpudiag", *args], env=dict(env),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def verdict_of(args: list[str], env: Mapping[str, str], timeout: float = 120
+               ) -> tuple[int, dict[str, Any]]:
+    """Run ``gpudiag ARGS --format json`` (or --json) and return (exit code, record)."""
+    proc = run_gpudiag(args, env, timeout)
+    try:
+        return proc.returncode, json.loads(proc.stdout)
+    except json.JSONDecodeError as e:
+        raise AssertionError(
+            f"no JSON from gpudiag {args}: rc={proc.returncode}\nstdout={proc.stdout}\n"
+            f"stderr={proc.stderr}") from e
