@@ -392,6 +392,14 @@ def _evidence(runs: Mapping[str, ProbeRun], host: Mapping[str, Any] | None,
             "kernel_module_version"),
     }
     ev["probe_stderr"] = {n: r.stderr_tail for n, r in runs.items() if r.stderr_tail}
+    if not ev.get("environment"):
+        # Without a host probe (jax:cpu, iree:local-task) a backend child read it instead.
+        for name in ("jax", "iree"):
+            run = runs.get(name)
+            obs = run.observation if run is not None else None
+            if obs and obs.get("environment") is not None:
+                ev["environment"] = obs["environment"]
+                break
     return ev
 
 
@@ -467,3 +475,15 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
 
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _register_backend_classifiers() -> None:
+    """Fill BACKEND_CLASSIFIERS with the jax and iree classifiers (pure, light modules)."""
+    from gpudiag.classify_iree import classify_iree
+    from gpudiag.classify_jax import classify_jax
+
+    BACKEND_CLASSIFIERS.setdefault("jax", classify_jax)
+    BACKEND_CLASSIFIERS.setdefault("iree", classify_iree)
+
+
+_register_backend_classifiers()

@@ -1,0 +1,250 @@
+"""The IREE probe: can IREE's HAL driver create a device and run a tiny kernel on it?
+
+Runs in a child. For each required driver (default cuda; local-task is added as a control):
+create the driver, query its devices, create the device, then, where iree.compiler is
+installed, compile a tiny kernel for the driver's target and run it, checking the result.
+Every IREE failure is recorded with its status text (``<file>:<line>: STATUS; message``),
+never raised.
+
+Compiling dominates the probe's time (a quarter to a second), so the compiled module is kept
+in a per-user cache keyed by the compiler version, target, flags and source. Only a
+successful compile is cached; the device is created and the kernel runs on every probe, and
+a cached module that fails to run is recompiled and run again before anything is blamed.
+Options: ``{"drivers": [...], "compile": true, "cache": true, "cuda_target": "sm_80"}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpudiag.environment import allow_listed
+
+# IREE 3.13 compiles for sm_80/86/89 without a GPU, not for sm_90+ (FIELD-NOTES).
+DEFAULT_CUDA_TARGET = "sm_80"
+CONTROL_DRIVER = "local-task"
+CPU_DRIVERS = frozenset({"local-task", "local-sync"})
+SOURCE = """
+func.func @probe(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = arith.mulf %a, %b : tensor<4xf32>
+  %1 = arith.addf %0, %a : tensor<4xf32>
+  return %1 : tensor<4xf32>
+}
+"""
+INPUT_A = (1.0, 2.0, 3.0, 4.0)
+INPUT_B = (2.0, 2.0, 2.0, 2.0)
+EXPECTED = tuple(a * b + a for a, b in zip(INPUT_A, INPUT_B, strict=True))
+
+
+def _error(step: str, e: BaseException) -> dict[str, Any]:
+    return {"step": step, "type": type(e).__name__, "message": str(e)}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _target(driver: str, cuda_target: str) -> tuple[str, list[str]] | None:
+    """The compiler backend and flags for a driver, or None when the probe knows none."""
+    if driver in CPU_DRIVERS:
+        return "llvm-cpu", ["--iree-llvmcpu-target-cpu=host"]
+    if driver == "cuda":
+        return "cuda", [f"--iree-cuda-target={cuda_target}"]
+    return None
+
+
+def cache_dir() -> Path | None:
+    """A private per-user cache folder, or None when none is safe to use."""
+    root = os.environ.get("GPUDIAG_CACHE_DIR")
+    base = Path(root) if root else Path(tempfile.gettempdir()) / f"gpudiag-{os.getuid()}"
+    path = base / "iree-vmfb"
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for p in (base, path):
+            st = p.stat()
+            # Another user's or a shared writable folder could feed us a doctored module.
+            if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return None
+    except OSError:
+        return None
+    return path
+
+
+def _cache_key(backend: str, flags: list[str]) -> str:
+    spec = importlib.util.find_spec("iree.compiler")
+    origin = spec.origin if spec is not None and spec.origin else ""
+    try:
+        mtime = str(os.stat(origin).st_mtime_ns) if origin else ""
+    except OSError:
+        mtime = ""
+    text = "\n".join([_version("iree-base-compiler") or "", origin, mtime, backend, *flags,
+                      SOURCE])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _compile(backend: str, flags: list[str], use_cache: bool) -> tuple[bytes, dict[str, Any]]:
+    """The compiled module and how it was obtained; raises what the compiler raises."""
+    folder = cache_dir() if use_cache else None
+    cached = folder / f"{_cache_key(backend, flags)}.vmfb" if folder else None
+    started = time.monotonic()
+    if cached is not None:
+        try:
+            data = cached.read_bytes()
+            if data:
+                return data, {"cached": True, "path": str(cached),
+                              "duration_s": round(time.monotonic() - started, 4)}
+        except OSError:
+            pass
+    import iree.compiler as ireec
+
+    data = bytes(ireec.compile_str(SOURCE, target_backends=[backend], extra_args=flags))
+    info: dict[str, Any] = {"cached": False,
+                            "duration_s": round(time.monotonic() - started, 4)}
+    if cached is not None:
+        try:
+            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, cached)
+            info["path"] = str(cached)
+        except OSError as e:  # no cache is slower, not wrong
+            info["cache_error"] = str(e)
+    return data, info
+
+
+def _run(rt: Any, device: Any, vmfb: bytes) -> dict[str, Any]:
+    import numpy as np
+
+    started = time.monotonic()
+    ctx = rt.SystemContext(config=rt.Config(device=device))
+    module = rt.VmModule.copy_buffer(ctx.instance, vmfb)
+    ctx.add_vm_module(module)
+    result = ctx.modules.module["probe"](np.array(INPUT_A, np.float32),
+                                         np.array(INPUT_B, np.float32))
+    got = tuple(float(x) for x in np.asarray(result).tolist())
+    out: dict[str, Any] = {"ok": got == EXPECTED, "result": list(got),
+                           "expected": list(EXPECTED),
+                           "duration_s": round(time.monotonic() - started, 4)}
+    if not out["ok"]:
+        out["error"] = {"step": "run", "type": "WrongResult",
+                        "message": f"a*b+a gave {list(got)}, expected {list(EXPECTED)}"}
+    return out
+
+
+def _execute(rt: Any, device: Any, driver: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Compile (or reuse) the tiny kernel for this driver and run it on ``device``."""
+    target = _target(driver, str(options.get("cuda_target") or DEFAULT_CUDA_TARGET))
+    if target is None:
+        return {"skipped": f"no compile target known for driver {driver!r}"}
+    backend, flags = target
+    use_cache = bool(options.get("cache", True))
+    out: dict[str, Any] = {"target": backend, "flags": flags}
+    for attempt in ("cached", "fresh") if use_cache else ("fresh",):
+        try:
+            vmfb, out["compile"] = _compile(backend, flags, attempt == "cached")
+        except Exception as e:
+            out["compile"] = {"ok": False, "error": _error("compile", e)}
+            out["ok"] = False
+            out["error"] = out["compile"]["error"]
+            return out
+        try:
+            run = _run(rt, device, vmfb)
+        except Exception as e:
+            run = {"ok": False, "error": _error("run", e)}
+        out["run"] = run
+        out["ok"] = bool(run.get("ok"))
+        out["error"] = run.get("error")
+        if out["ok"] or not out["compile"].get("cached"):
+            break
+        # A cached module that fails is recompiled before the device is blamed.
+        out["cached_attempt"] = {"compile": out["compile"], "run": run}
+    return out
+
+
+def _driver(rt: Any, name: str, compiled_in: list[str], options: Mapping[str, Any]
+            ) -> dict[str, Any]:
+    out: dict[str, Any] = {"driver": name, "ok": False, "compiled_in": name in compiled_in,
+                           "error": None}
+    started = time.monotonic()
+    try:
+        drv = rt.get_driver(name)
+    except Exception as e:
+        out["error"] = _error("driver", e)
+        out["init_s"] = round(time.monotonic() - started, 4)
+        return out
+    try:
+        devices = [dict(d) for d in drv.query_available_devices()]
+    except Exception as e:
+        out["error"] = _error("query", e)
+        out["init_s"] = round(time.monotonic() - started, 4)
+        return out
+    out["devices"] = [{k: str(v) if k != "device_id" else v for k, v in d.items()}
+                      for d in devices]
+    if not devices:
+        out["error"] = {"step": "query", "type": "NoDevice",
+                        "message": f"driver {name} lists no device"}
+        out["init_s"] = round(time.monotonic() - started, 4)
+        return out
+    try:
+        device = drv.create_device(devices[0])
+    except Exception as e:
+        out["error"] = _error("create", e)
+        out["init_s"] = round(time.monotonic() - started, 4)
+        return out
+    out["init_s"] = round(time.monotonic() - started, 4)
+    if options.get("compile", True) and importlib.util.find_spec("iree.compiler") is not None:
+        started = time.monotonic()
+        out["execute"] = _execute(rt, device, name, options)
+        out["compute_s"] = round(time.monotonic() - started, 4)
+        if out["execute"].get("ok") is False:
+            out["error"] = out["execute"]["error"]
+            return out
+    else:
+        out["execute"] = {"skipped": "iree.compiler is not installed" if options.get(
+            "compile", True) else "compile disabled by the caller"}
+    out["ok"] = True
+    return out
+
+
+def probe(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Create each required IREE driver and device and run a tiny kernel; never raises."""
+    required = [str(d) for d in (options.get("drivers") or ["cuda"])]
+    drivers = list(dict.fromkeys(required))
+    if any(d not in CPU_DRIVERS for d in drivers) and CONTROL_DRIVER not in drivers:
+        drivers.append(CONTROL_DRIVER)  # tells "IREE is broken" from "the GPU is"
+    out: dict[str, Any] = {
+        "required": required,
+        "versions": {"iree-base-runtime": _version("iree-base-runtime"),
+                     "iree-base-compiler": _version("iree-base-compiler")},
+        "environment": allow_listed(os.environ),
+        "installed": False,
+        "ok": False,
+    }
+    started = time.monotonic()
+    try:
+        import iree.runtime as rt
+    except Exception as e:
+        out["import_error"] = _error("import", e)
+        return out
+    out["installed"] = True
+    out["import_s"] = round(time.monotonic() - started, 4)
+    out["compiler_installed"] = importlib.util.find_spec("iree.compiler") is not None
+    try:
+        compiled_in = [str(d) for d in rt.query_available_drivers()]
+    except Exception as e:
+        compiled_in = []
+        out["compiled_in_error"] = _error("query_drivers", e)
+    out["compiled_in_drivers"] = compiled_in
+    out["drivers"] = {name: _driver(rt, name, compiled_in, options) for name in drivers}
+    out["ok"] = all(out["drivers"][d]["ok"] for d in required)
+    return out

@@ -1,0 +1,152 @@
+"""The jax probe and classifier, through the real CLI, on real JAX (CPU build) in real children.
+
+GPU failures come from a fake JAX plugin (tests/fakes/jax_plugin) that fails the way
+jax-cuda12-plugin does, so the classifier reads real stderr and real exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import EnvFactory, verdict_of
+
+FAKE_PLUGIN_PATH = Path(__file__).resolve().parent / "fakes" / "jax_plugin"
+
+
+def _codes(record: dict[str, Any]) -> list[str]:
+    return [b["code"] for b in record["blockers"]]
+
+
+def _blocker(record: dict[str, Any], code: str) -> dict[str, Any]:
+    found = [b for b in record["blockers"] if b["code"] == code]
+    assert found, f"{code} not among {_codes(record)}"
+    return found[0]
+
+
+def _with_plugin(env: dict[str, str], mode: str) -> dict[str, str]:
+    env = dict(env)
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{FAKE_PLUGIN_PATH}{os.pathsep}{old}" if old else str(FAKE_PLUGIN_PATH)
+    env["FAKE_JAX_PLUGIN"] = mode
+    return env
+
+
+def test_jax_cpu_is_ready_on_a_gpu_less_host_and_really_computes(bare_env: dict[str, str]
+                                                                   ) -> None:
+    code, record = verdict_of(["preflight", "--require", "jax:cpu", "--format", "json"],
+                              bare_env)
+    assert code == 0, record["blockers"]
+    assert record["gpu_validation_blocker"] == "none"
+    assert record["preallocation_disabled"] == "yes"
+    jax = record["backends"]["jax"]
+    assert jax["status"] == "ok"
+    assert jax["versions"]["jax"] and jax["versions"]["jaxlib"]
+    detail = jax["detail"]
+    assert detail["cpu_allowed"] is True and detail["platform_required"] == "cpu"
+    assert detail["jax_platforms_effective"] == "cpu"
+    assert detail["compute"]["ok"] is True and detail["compute"]["result"] == 64.0
+    assert detail["compute"]["device"].startswith("cpu")
+    assert detail["init_s"] is not None and detail["compute_s"] is not None
+    # Read back inside the child, and the environment evidence is there without a host probe.
+    assert detail["xla_env"] == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                                 "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
+                                 "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR": "false"}
+    env_ev = record["evidence"]["environment"]
+    assert env_ev["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert "HOME" not in env_ev
+
+
+def test_jax_on_healthy_fakes_without_cuda_plugin_is_gpu_backend_absent(
+        gpu_env: EnvFactory) -> None:
+    code, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], gpu_env())
+    assert code == 1
+    assert record["gpu_validation_blocker"] == "jax_gpu_backend_absent"
+    absent = _blocker(record, "jax_gpu_backend_absent")
+    assert "platforms present are: cpu" in absent["message"]
+    assert "Platforms present are: cpu" in absent["message"]  # JAX's own words, kept
+    assert record["backends"]["jax"]["detail"]["platforms"] == ["cpu"]
+    # The job would run on the CPU without an error: said too, as a consequence.
+    assert "jax_cpu_fallback" in _codes(record)
+    # The GPU layers themselves are healthy on the fakes.
+    assert record["backends"]["cuda"]["status"] == "ok"
+    assert record["backends"]["jax"]["status"] == "blocked"
+
+
+def test_jax_on_bare_host_names_the_driver_as_root_cause(bare_env: dict[str, str]) -> None:
+    code, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], bare_env)
+    assert code == 1
+    assert record["gpu_validation_blocker"] == "driver_library_missing"
+    assert "jax_gpu_backend_absent" in _codes(record)
+    assert _blocker(record, "jax_gpu_backend_absent")["layer"] == "jax"
+
+
+def test_leaked_preallocation_is_reported_as_the_child_read_it(bare_env: dict[str, str]
+                                                               ) -> None:
+    env = dict(bare_env, XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    code, record = verdict_of(["preflight", "--require", "jax:cpu", "--format", "json"], env)
+    assert code == 1
+    assert record["gpu_validation_blocker"] == "jax_preallocation_enabled"
+    assert record["preallocation_disabled"] == "no"
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=true" in _blocker(
+        record, "jax_preallocation_enabled")["message"]
+
+
+def test_jax_platforms_cuda_without_device_nodes_is_explained_not_a_probe_error(
+        bare_env: dict[str, str]) -> None:
+    env = dict(bare_env, JAX_PLATFORMS="cuda")
+    code, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
+    assert code == 1
+    assert "probe_error" not in _codes(record)
+    failed = _blocker(record, "jax_backend_init_failed")
+    assert "device nodes missing" in failed["message"]
+    assert "AssertionError" in failed["message"]
+    assert record["backends"]["jax"]["detail"]["init_error"]["type"] == "AssertionError"
+
+
+@pytest.mark.parametrize(("mode", "code", "text"), [
+    ("pjrt_mismatch", "jax_plugin_version_mismatch", "Mismatched PJRT plugin PJRT API version"),
+    ("cuda_libs", "jax_cuda_libs_mismatch",
+     "Unable to use CUDA because of the following issues with CUDA components"),
+    ("cuda_missing", "jax_cuda_libs_mismatch", "Unable to load CUDA. Is it installed?"),
+    ("fallback", "jax_cpu_fallback",
+     "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not "
+     "installed. Falling back to cpu."),
+])
+def test_fake_plugin_failures_classify_from_real_stderr(gpu_env: EnvFactory, mode: str,
+                                                        code: str, text: str) -> None:
+    env = _with_plugin(gpu_env(), mode)
+    rc, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
+    assert rc == 1
+    assert code in _codes(record)
+    assert text in _blocker(record, code)["message"]
+    assert text in record["evidence"]["probe_stderr"]["jax"]
+    assert "probe_error" not in _codes(record)
+
+
+def test_cuinit_failure_keeps_the_inner_cuda_error_from_stderr(gpu_env: EnvFactory) -> None:
+    env = _with_plugin(gpu_env(FAKE_CUDA_INIT_ERROR=100), "cuinit")
+    rc, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
+    assert rc == 1
+    assert record["gpu_validation_blocker"] == "cuda_no_device"  # the lower layer is the root
+    failed = _blocker(record, "jax_backend_init_failed")
+    assert ("Unable to initialize backend 'cuda': FAILED_PRECONDITION: No visible GPU "
+            "devices.") in failed["message"]
+    assert "CUDA_ERROR_NO_DEVICE" in failed["message"]
+    assert "no CUDA-capable device is visible" in failed["message"]
+
+
+def test_jax_not_importable_is_not_installed(bare_env: dict[str, str], tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow" / "jax"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        'raise ModuleNotFoundError("jax requires jaxlib to be installed", name="jaxlib")\n')
+    env = dict(bare_env, PYTHONPATH=str(shadow.parent))
+    rc, record = verdict_of(["preflight", "--require", "jax:cpu", "--format", "json"], env)
+    assert rc == 1
+    assert record["gpu_validation_blocker"] == "jax_not_installed"
+    assert "jaxlib" in _blocker(record, "jax_not_installed")["message"]
+    assert record["backends"]["jax"]["status"] == "not_installed"
