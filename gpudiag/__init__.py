@@ -11,6 +11,10 @@ __version__ = "0.1.0"
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gpudiag.admission import Admission as Admission
+    from gpudiag.admission import AdmissionError as AdmissionError
+    from gpudiag.admission import admit as admit
+    from gpudiag.admission import child_environment as child_environment
     from gpudiag.engine import preflight as preflight
     from gpudiag.requirement import parse_requirement as parse_requirement
     from gpudiag.verdict import Requirement as Requirement
@@ -21,6 +25,10 @@ _LAZY = {
     "parse_requirement": ("gpudiag.requirement", "parse_requirement"),
     "Verdict": ("gpudiag.verdict", "Verdict"),
     "Requirement": ("gpudiag.verdict", "Requirement"),
+    "admit": ("gpudiag.admission", "admit"),
+    "child_environment": ("gpudiag.admission", "child_environment"),
+    "Admission": ("gpudiag.admission", "Admission"),
+    "AdmissionError": ("gpudiag.admission", "AdmissionError"),
 }
 
 
@@ -34,4 +42,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gpudiag' has no attribute {name!r}")
 
 
-__all__ = ["Requirement", "Verdict", "__version__", "parse_requirement", "preflight"]
+__all__ = ["Admission", "AdmissionError", "Requirement", "Verdict", "__version__", "admit",
+           "child_environment", "parse_requirement", "preflight"]
