@@ -145,9 +145,12 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
               show_default=True, help="Output format.")
 @click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
               help="Also write the verdict JSON to PATH atomically.")
+@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
+              "$GPUDIAG_DAEMON_URL or http://127.0.0.1:9477); inline probes if none answers.")
+@click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
               min_free_text: str | None, timeout_text: str | None, fmt: str,
-              record_path: str | None) -> None:
+              record_path: str | None, daemon_url: str | None, no_daemon: bool) -> None:
     """The verdict for a job's requirement: exit 0 ready, 1 blocked, 2 usage, 3 failure."""
     timeout_s = _timeout(timeout_text)
     try:
@@ -155,9 +158,10 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
                                         min_devices=min_devices, min_free_memory=min_free_text)
     except RequirementError as e:
         raise _usage(str(e)) from e
+    from gpudiag.cli_daemon import daemon_or_inline
+
     with _progress("preflight " + require_text):
-        runs, checked_at = run_inline(requirement, timeout_s=timeout_s)
-    verdict = classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at)
+        verdict = daemon_or_inline(requirement, daemon_url, no_daemon, timeout_s)
     _record(verdict, record_path)
     _emit(verdict, fmt)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
@@ -175,4 +179,9 @@ def main(argv: list[str] | None = None) -> Any:
     except Exception as e:  # the last line of defence: a message, never a traceback
         click.echo(f"gpudiag: internal error: {type(e).__name__}: {e}", err=True)
         sys.exit(EXIT_FAILED)
+cli.add_command(__import__("gpudiag.cli_run", fromlist=["run"]).run)
 
+
+from gpudiag.cli_daemon import history, serve  # noqa: E402 - after cli exists
+
+cli.add_command(serve); cli.add_command(history)  # noqa: E702

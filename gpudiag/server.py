@@ -1,0 +1,295 @@
+"""The daemon's HTTP API: a plain WSGI app (tests call it without a socket) and a server.
+
+Handlers read the latest snapshot; only /v1/preflight past max_age_s (or a probe that never
+ran) waits for probes, and then on the scheduler's worker threads with a bounded wait. Every
+error is ``{"error": {"code": ..., "message": ...}}``; bad input is a 4xx, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from typing import Any
+from urllib.parse import parse_qsl
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gpudiag.exporter import SnapshotCollector
+from gpudiag.requirement import RequirementError, parse_requirement
+from gpudiag.scheduler import SCHEDULED_OPTIONS, Scheduler
+from gpudiag.snapshot import ProbeKey, keys_for, verdict_for
+from gpudiag.store import HistoryError, HistoryStore
+
+log = logging.getLogger("gpudiag.server")
+
+MAX_URL_BYTES = 4096
+MAX_PARAMS = 16
+MAX_BODY_BYTES = 4096
+HISTORY_MAX_LIMIT = 1000
+PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max_age_s",
+                    "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility")
+StartResponse = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    """An HTTP error answered with the JSON envelope."""
+
+    status: int
+    code: str
+    message: str
+
+
+_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 404: "Not Found",
+            405: "Method Not Allowed", 413: "Payload Too Large", 414: "URI Too Long",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+def _json_body(status: int, body: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+    data = (json.dumps(body, default=str) + "\n").encode()
+    return (f"{status} {_REASONS.get(status, '')}",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+             ("Cache-Control", "no-store")], data)
+
+
+def _seconds(params: Mapping[str, str], name: str, maximum: float) -> float | None:
+    raw = params.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or value > maximum:
+        raise ApiError(400, "bad_parameter",
+                       f"{name}={raw!r} is not a number of seconds from 0 to {maximum:g}")
+    return value
+
+
+def _int(params: Mapping[str, str], name: str, lo: int, hi: int) -> int | None:
+    raw = params.get(name)
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or not lo <= int(raw) <= hi:
+        raise ApiError(400, "bad_parameter", f"{name}={raw!r} is not an integer from {lo} "
+                       f"to {hi}")
+    return int(raw)
+
+
+def _flag(params: Mapping[str, str], name: str) -> bool:
+    raw = params.get(name)
+    if raw is None:
+        return False
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "no", ""):
+        return False
+    raise ApiError(400, "bad_parameter", f"{name}={raw!r}: accepted 1/0, true/false")
+
+
+class DaemonApp:
+    """The WSGI application of ``gpudiag serve``."""
+
+    def __init__(self, scheduler: Scheduler, store: HistoryStore | None = None) -> None:
+        self.scheduler = scheduler
+        self.store = store
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
+        self._routes: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, str]],
+                                                                  tuple[int, Any]]]] = {
+            "/metrics": (("GET", "HEAD"), self._metrics),
+            "/v1/preflight": (("GET",), self._preflight),
+            "/v1/probe": (("POST",), self._probe),
+            "/v1/history": (("GET",), self._history),
+            "/healthz": (("GET", "HEAD"), self._healthz),
+            "/readyz": (("GET", "HEAD"), self._readyz),
+        }
+
+    def __call__(self, environ: Mapping[str, Any], start_response: StartResponse
+                 ) -> Iterable[bytes]:
+        try:
+            status, headers, body = self._dispatch(environ)
+        except ApiError as e:
+            status, headers, body = _json_body(
+                e.status, {"error": {"code": e.code, "message": e.message}})
+        except Exception:  # a bug of ours: still the envelope, never a traceback page
+            log.exception("request failed: %s %s", environ.get("REQUEST_METHOD"),
+                          environ.get("PATH_INFO"))
+            status, headers, body = _json_body(500, {"error": {
+                "code": "internal", "message": "gpudiag failed to answer; see the daemon log"}})
+        start_response(status, headers)
+        return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
+
+    def _dispatch(self, environ: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        path = str(environ.get("PATH_INFO") or "/")
+        query = str(environ.get("QUERY_STRING") or "")
+        method = str(environ.get("REQUEST_METHOD") or "GET")
+        if len(path) + len(query) > MAX_URL_BYTES:
+            raise ApiError(414, "uri_too_long",
+                           f"the URL is {len(path) + len(query)} bytes; the limit is "
+                           f"{MAX_URL_BYTES}")
+        length_text = str(environ.get("CONTENT_LENGTH") or "0").strip() or "0"
+        if not length_text.isdigit():
+            raise ApiError(400, "bad_request", f"Content-Length {length_text!r} is not a number")
+        if int(length_text) > MAX_BODY_BYTES:
+            raise ApiError(413, "body_too_large",
+                           f"a {length_text} byte body; the limit is {MAX_BODY_BYTES} "
+                           "(parameters go in the query string)")
+        route = self._routes.get(path)
+        if route is None:
+            raise ApiError(404, "not_found", f"no endpoint {path!r}; endpoints: "
+                           f"{', '.join(self._routes)}")
+        methods, handler = route
+        if method not in methods:
+            raise ApiError(405, "method_not_allowed",
+                           f"{method} {path}: accepted {', '.join(methods)}")
+        params = self._params(query)
+        status, payload = handler(params)
+        if path == "/metrics":
+            data = payload
+            return "200 OK", [("Content-Type", CONTENT_TYPE_LATEST),
+                              ("Content-Length", str(len(data)))], data
+        return _json_body(status, payload)
+
+    def _params(self, query: str) -> dict[str, str]:
+        try:
+            pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=False,
+                              max_num_fields=MAX_PARAMS)
+        except ValueError:
+            raise ApiError(400, "too_many_parameters",
+                           f"more than {MAX_PARAMS} query parameters") from None
+        params: dict[str, str] = {}
+        for k, v in pairs:
+            if k in params:
+                raise ApiError(400, "bad_parameter", f"parameter {k!r} is given twice")
+            params[k] = v
+        return params
+
+    @staticmethod
+    def _only(params: Mapping[str, str], allowed: Iterable[str]) -> None:
+        allowed = tuple(allowed)
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            raise ApiError(400, "unknown_parameter",
+                           f"unknown parameter(s) {', '.join(unknown)}; accepted: "
+                           f"{', '.join(allowed) or 'none'}")
+
+    # -- handlers -----------------------------------------------------------------------
+    def _metrics(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ())
+        return 200, generate_latest(self.registry)
+
+    def _preflight(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, PREFLIGHT_PARAMS)
+        cfg = self.scheduler.config
+        min_devices = _int(params, "min_devices", 0, 64)
+        try:
+            requirement = parse_requirement(
+                params.get("require") or cfg.default_requirement,
+                devices=params.get("devices"), min_devices=min_devices,
+                min_free_memory=params.get("min_free_memory"))
+        except RequirementError as e:
+            raise ApiError(400, "bad_requirement", str(e)) from e
+        max_age = _seconds(params, "max_age_s", 86400.0)
+        wait = _seconds(params, "wait_s", cfg.preflight_wait_s)
+        wait = cfg.preflight_wait_s if wait is None else wait
+        visibility = None
+        if _flag(params, "visibility"):
+            visibility = (params.get("cuda_visible_devices"),
+                          params.get("nvidia_visible_devices"))
+        keys = keys_for(requirement)
+        fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
+        snap = self.scheduler.snapshot()
+        verdict = verdict_for(snap, requirement, now_wall=self.scheduler.clock.time(),
+                              policy=self.scheduler.policy, keys=keys, visibility=visibility)
+        if verdict is None:
+            missing = [k.backend for k in keys if k not in snap.results]
+            raise ApiError(503, "not_ready",
+                           f"no result yet for {', '.join(missing)}; probes still running "
+                           f"after {wait:g} s (retry, or raise wait_s)")
+        record = verdict.record()
+        record["fresh"] = fresh
+        return 200, record
+
+    def _probe(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ("backend",))
+        enabled = self.scheduler.config.enabled_backends
+        text = params.get("backend")
+        names = [n.strip().lower() for n in text.split(",")] if text else list(enabled)
+        bad = [n for n in names if n not in SCHEDULED_OPTIONS]
+        if not names or bad:
+            raise ApiError(400, "bad_backend", f"backend={text!r}: unknown {', '.join(bad)}; "
+                           f"accepted: a comma list of {', '.join(SCHEDULED_OPTIONS)}")
+        keys = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in dict.fromkeys(names)]
+        self.scheduler.trigger(keys)
+        return 202, {"accepted": [k.backend for k in keys],
+                     "status": "running; GET /v1/preflight or /metrics for the result"}
+
+    def _history(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ("limit", "blocked", "since_s"))
+        limit = _int(params, "limit", 1, HISTORY_MAX_LIMIT) or 50
+        blocked = _flag(params, "blocked")
+        since_s = _seconds(params, "since_s", 3650 * 86400.0)
+        if self.store is None:
+            raise ApiError(503, "no_history", "this daemon keeps no history (no --state-dir)")
+        since = None if since_s is None else self.scheduler.clock.time() - since_s
+        try:
+            entries = self.store.verdicts(since=since, blocked=blocked, limit=limit)
+            episodes = self.store.episodes(since=since, limit=limit)
+        except HistoryError as e:
+            raise ApiError(503, "history_unavailable", str(e)) from e
+        return 200, {"verdicts": [e.record() for e in entries],
+                     "episodes": [e.record() for e in episodes]}
+
+    def _healthz(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ())
+        if not self.scheduler.alive():
+            raise ApiError(503, "loop_stalled", "the scheduler loop has not run recently")
+        return 200, {"status": "ok"}
+
+    def _readyz(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ())
+        snap = self.scheduler.snapshot()
+        if not snap.round_complete:
+            pending = [k.backend for k in snap.scheduled if k not in snap.results]
+            raise ApiError(503, "first_round_pending",
+                           f"waiting for the first run of {', '.join(pending)}")
+        return 200, {"status": "ready", "seq": snap.seq}
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log: a scrape every few seconds must not flood journald."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class ThreadedWSGIServer(ThreadingMixIn, WSGIServer):
+    """One thread per connection, so a waiting preflight never holds up /metrics."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+
+class _V6Server(ThreadedWSGIServer):
+    address_family = socket.AF_INET6
+
+
+def serve(app: DaemonApp, host: str, port: int) -> tuple[ThreadedWSGIServer, threading.Thread]:
+    """Bind ``host:port`` and serve in a background thread; returns the server and thread."""
+    server_class = _V6Server if ":" in host else ThreadedWSGIServer
+    httpd = make_server(host, port, app, server_class=server_class,
+                        handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="http", daemon=True)
+    thread.start()
+    return httpd, thread
