@@ -60,6 +60,10 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     limits.update(timeouts or {})
     if timeout_s is not None:
         limits = {k: timeout_s for k in limits}
+    # nvidia-smi hangs with a hung driver too: its own deadline must end before the host
+    # probe's, so the host observation still arrives and says that nvidia-smi timed out.
+    smi_timeout = {"nvidia_smi_timeout_s": round(min(5.0, limits["host"] * 0.5), 3)}
+    requests = [(name, smi_timeout if name == "host" else opts) for name, opts in requests]
     child_env = probe_environment(os.environ if env is None else env)
     return run_probes(requests, env=child_env, timeouts=limits), checked_at
 

@@ -1,0 +1,50 @@
+"""The catalog itself: complete, consistent, documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpudiag.blockers import BLOCKERS, LAYER_ORDER, WARNINGS, entry
+from gpudiag.verdict import Finding
+from scripts.gen_blocker_docs import render
+
+DESIGN_CODES = {
+    "probe_timeout", "probe_crashed", "probe_error", "visible_devices_empty",
+    "visible_devices_invalid", "device_nodes_missing", "device_nodes_no_access",
+    "driver_library_missing", "driver_not_loaded", "driver_library_mismatch",
+    "nvml_no_permission", "nvml_error", "gpu_lost", "gpu_reset_required",
+    "gpu_ecc_uncorrectable", "gpu_inforom_corrupted", "cuda_library_missing", "cuda_no_device",
+    "cuda_driver_mismatch", "cuda_driver_too_old", "cuda_system_not_ready",
+    "cuda_devices_unavailable", "cuda_out_of_memory", "cuda_init_failed", "cuda_context_failed",
+    "jax_not_installed", "jax_gpu_backend_absent", "jax_cpu_fallback", "jax_backend_init_failed",
+    "jax_plugin_version_mismatch", "jax_cuda_libs_mismatch", "jax_preallocation_enabled",
+    "jax_compute_failed", "iree_not_installed", "iree_driver_unavailable", "iree_no_device",
+    "iree_device_create_failed", "iree_execute_failed", "insufficient_devices",
+    "insufficient_free_memory", "devices_busy", "device_state_unknown",
+    "visible_devices_conflict", "admission_changed", "lock_timeout",
+}
+
+
+def test_catalog_holds_every_design_code() -> None:
+    assert DESIGN_CODES <= set(BLOCKERS)
+
+
+@pytest.mark.parametrize("code", sorted(BLOCKERS) + sorted(WARNINGS))
+def test_every_row_has_a_layer_summary_and_remediation(code: str) -> None:
+    row = entry(code)
+    assert row.layer in LAYER_ORDER
+    assert row.summary.endswith(".") and row.remediation.endswith(".")
+    finding = Finding.of(code, "why")
+    assert finding.layer == row.layer and finding.remediation == row.remediation
+
+
+def test_unknown_codes_are_refused() -> None:
+    with pytest.raises(KeyError):
+        entry("no_such_code")
+
+
+def test_docs_match_the_catalog() -> None:
+    docs = Path(__file__).resolve().parent.parent / "docs" / "blockers.md"
+    assert docs.read_text() == render(), "run: .venv/bin/python scripts/gen_blocker_docs.py"

@@ -1,0 +1,310 @@
+"""The probe engine end to end: the real CLI, real probe children, the fake driver rig."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gpudiag.blockers import BLOCKERS
+from tests.conftest import EnvFactory, make_host_dirs, run_gpudiag, verdict_of
+from tests.fakes.build import FakeDriver
+
+ENGINE_LAYERS = ("probe", "visibility", "driver", "device", "cuda", "requirement")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """How to produce one blocker code through the fakes."""
+
+    knobs: dict[str, str | int] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    env: Callable[[Path, FakeDriver, EnvFactory], dict[str, str]] | None = None
+    prefix: tuple[str, ...] = ()
+
+
+def _nodes_missing(tmp: Path, fakes: FakeDriver, gpu_env: EnvFactory) -> dict[str, str]:
+    dev, proc = make_host_dirs(tmp / "nonodes", nodes=False, driver_loaded=True)
+    return gpu_env(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc),
+                   FAKE_NVML_INIT_ERROR=9, FAKE_CUDA_INIT_ERROR=100)
+
+
+def _nodes_locked(tmp: Path, fakes: FakeDriver, gpu_env: EnvFactory) -> dict[str, str]:
+    dev, proc = make_host_dirs(tmp / "locked", gpus=2)
+    for node in dev.iterdir():  # owned by a uid that the test's user namespace does not map
+        os.chown(node, 12345, 12345)
+        node.chmod(0)
+    return gpu_env(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc),
+                   FAKE_NVML_DEVICE_COUNT=2, FAKE_NVML_INIT_ERROR=4, FAKE_CUDA_INIT_ERROR=999)
+
+
+def _no_libcuda(tmp: Path, fakes: FakeDriver, gpu_env: EnvFactory) -> dict[str, str]:
+    only_nvml = tmp / "only-nvml"
+    only_nvml.mkdir()
+    (only_nvml / "libnvidia-ml.so.1").symlink_to(fakes.lib_dir / "libnvidia-ml.so.1")
+    env = gpu_env()
+    env["LD_LIBRARY_PATH"] = str(only_nvml)
+    return env
+
+
+def _broken_pynvml(tmp: Path, fakes: FakeDriver, gpu_env: EnvFactory) -> dict[str, str]:
+    shadow = tmp / "shadow"
+    shadow.mkdir()
+    (shadow / "pynvml.py").write_text("raise RuntimeError('a broken pynvml install')\n")
+    env = gpu_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env.get("PYTHONPATH", "")])
+    return env
+
+
+# One row per blocker code of the engine's layers; a code without a row fails the suite.
+FAULTS: dict[str, Fault] = {
+    "probe_timeout": Fault({"FAKE_NVML_INIT_HANG": 1}, ("--timeout", "2")),
+    "probe_crashed": Fault({"FAKE_NVML_INIT_CRASH": 1}),
+    "probe_error": Fault(env=_broken_pynvml),
+    "visible_devices_empty": Fault({"CUDA_VISIBLE_DEVICES": ""}),
+    "visible_devices_invalid": Fault({"CUDA_VISIBLE_DEVICES": "7", "FAKE_NVML_DEVICE_COUNT": 2}),
+    "device_nodes_missing": Fault(env=_nodes_missing),
+    "device_nodes_no_access": Fault(env=_nodes_locked,
+                                    prefix=("unshare", "--user", "--map-root-user")),
+    "driver_library_missing": Fault(env=lambda tmp, f, g: {
+        **g(), "LD_LIBRARY_PATH": str(tmp), "PATH": os.environ.get("PATH", "")}),
+    "driver_not_loaded": Fault({"FAKE_NVML_INIT_ERROR": 9}),
+    "driver_library_mismatch": Fault({"FAKE_NVML_INIT_ERROR": 18}),
+    "nvml_no_permission": Fault({"FAKE_NVML_INIT_ERROR": 4}),
+    "nvml_error": Fault({"FAKE_NVML_INIT_ERROR": 999}),
+    "gpu_lost": Fault({"FAKE_NVML_DEVICE_ERRORS": "1:15"}),
+    "gpu_reset_required": Fault({"FAKE_NVML_DEVICE_ERRORS": "3:16"}),
+    "gpu_ecc_uncorrectable": Fault({"FAKE_NVML_ECC_VOLATILE_UNCORRECTED": "2:3"}),
+    "gpu_inforom_corrupted": Fault({"FAKE_NVML_DEVICE_ERRORS": "0:14"}),
+    "cuda_library_missing": Fault(env=_no_libcuda),
+    "cuda_no_device": Fault({"FAKE_CUDA_INIT_ERROR": 100}),
+    "cuda_driver_mismatch": Fault({"FAKE_CUDA_INIT_ERROR": 803}),
+    "cuda_driver_too_old": Fault({"FAKE_CUDA_INIT_ERROR": 35}),
+    "cuda_system_not_ready": Fault({"FAKE_CUDA_INIT_ERROR": 802}),
+    "cuda_devices_unavailable": Fault({"FAKE_CUDA_CTX_ERROR": 46}),
+    "cuda_out_of_memory": Fault({"FAKE_CUDA_ALLOC_ERROR": 2}),
+    "cuda_init_failed": Fault({"FAKE_CUDA_INIT_ERROR": 999}),
+    "cuda_context_failed": Fault({"FAKE_CUDA_CTX_ERROR": 201}),
+    "insufficient_devices": Fault(args=("--min-devices", "9")),
+    "insufficient_free_memory": Fault(args=("--min-free-memory", "200GiB")),
+}
+ENGINE_CODES = sorted(c for c, e in BLOCKERS.items() if e.layer in ENGINE_LAYERS)
+
+
+def test_every_engine_code_has_a_fault_case() -> None:
+    assert sorted(FAULTS) == ENGINE_CODES
+
+
+@pytest.mark.parametrize("code", ENGINE_CODES)
+def test_each_fault_gives_its_code_end_to_end(code: str, gpu_env: EnvFactory,
+                                              fakes: FakeDriver, tmp_path: Path) -> None:
+    fault = FAULTS[code]
+    if fault.prefix and shutil.which(fault.prefix[0]) is None:
+        pytest.skip(f"{fault.prefix[0]} is not installed, so no user namespace can be made")
+    env = fault.env(tmp_path, fakes, gpu_env) if fault.env else gpu_env(**fault.knobs)
+    args = ["preflight", "--require", "cuda", "--format", "json", *fault.args]
+    proc = subprocess.run([*fault.prefix, sys.executable, "-m", "gpudiag", *args], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    import json
+
+    record = json.loads(proc.stdout)
+    assert record["gpu_validation_blocker"] == code, record["blockers"]
+    primary = record["blockers"][0]
+    assert primary["code"] == code
+    assert primary["layer"] == BLOCKERS[code].layer
+    assert primary["message"] and primary["remediation"] == BLOCKERS[code].remediation
+    assert record["ready"] is False
+
+
+def test_healthy_fakes_are_ready_with_eight_devices(gpu_env: EnvFactory) -> None:
+    rc, record = verdict_of(["preflight", "--require", "cuda", "--format", "json"], gpu_env())
+    assert rc == 0, record["blockers"]
+    assert record["gpu_validation_blocker"] == "none"
+    assert record["ready"] is True
+    assert len(record["devices"]) == 8
+    assert record["devices"][3]["uuid"] == "GPU-f00d0003-0000-4000-8000-000000000003"
+    assert record["devices"][0]["memory_total_bytes"] == 143771 * 2**20
+    assert record["backends"]["cuda"]["status"] == "ok"
+    assert record["backends"]["nvml"]["versions"]["driver"] == "570.124.06"
+    assert record["evidence"]["nvidia_smi"]["exit_code"] == 0
+    assert "NVIDIA H200" in record["evidence"]["nvidia_smi"]["stdout"]
+    assert record["evidence"]["driver"]["kernel_module_version"] == "570.124.06"
+    assert record["preallocation_disabled"] == "yes"
+    assert record["warnings"] == []
+
+
+def test_bare_host_names_the_missing_library_and_nvidia_smi(bare_env: dict[str, str]) -> None:
+    rc, record = verdict_of(["probe", "--backend", "host,nvml,cuda", "--json"], bare_env)
+    assert rc == 1
+    assert record["gpu_validation_blocker"] == "driver_library_missing"
+    message = record["blockers"][0]["message"]
+    assert "libnvidia-ml.so.1" in message and "nvidia-smi is missing" in message
+    assert record["evidence"]["nvidia_smi"]["missing"] is True
+    assert "cuda_library_missing" in [b["code"] for b in record["blockers"]]
+
+
+def test_probe_text_output_ends_with_the_blocker_line(bare_env: dict[str, str]) -> None:
+    proc = run_gpudiag(["probe", "--backend", "host,nvml,cuda"], bare_env)
+    assert proc.returncode == 1
+    assert proc.stdout.rstrip().splitlines()[-1] == "gpu_validation_blocker=driver_library_missing"
+    assert "Install the NVIDIA driver" in proc.stdout  # the remediation is shown
+
+
+@pytest.mark.parametrize("value", ["", "-1", "NoDevFiles"])
+def test_hidden_gpus_are_visible_devices_empty(value: str, gpu_env: EnvFactory) -> None:
+    rc, record = verdict_of(["preflight", "--format", "json"],
+                            gpu_env(CUDA_VISIBLE_DEVICES=value))
+    assert rc == 1 and record["gpu_validation_blocker"] == "visible_devices_empty"
+
+
+def test_a_uuid_prefix_selects_that_device_alone(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, CUDA_VISIBLE_DEVICES="GPU-f00d0001")
+    rc, record = verdict_of(["preflight", "--format", "json"], env)
+    assert rc == 0, record["blockers"]
+    assert [d["uuid"] for d in record["devices"]] == ["GPU-f00d0001-0000-4000-8000-000000000001"]
+
+
+def test_a_lost_gpu_outside_the_selected_devices_does_not_block(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_ERRORS="5:15")
+    rc, record = verdict_of(["preflight", "--devices", "0,1", "--format", "json"], env)
+    assert rc == 0, record["blockers"]
+    rc, record = verdict_of(["preflight", "--format", "json"], env)
+    assert rc == 1 and record["gpu_validation_blocker"] == "gpu_lost"
+    assert record["blockers"][0]["device"] == "index 5"
+
+
+def test_other_devices_are_still_reported_when_one_is_lost(gpu_env: EnvFactory) -> None:
+    rc, record = verdict_of(["probe", "--backend", "nvml", "--json"],
+                            gpu_env(FAKE_NVML_DEVICE_ERRORS="1:15"))
+    assert rc == 1
+    assert len(record["devices"]) == 8
+    assert record["devices"][0]["uuid"].startswith("GPU-f00d0000")
+    assert record["devices"][1]["uuid"] is None
+
+
+def test_a_hung_probe_is_killed_with_its_process_group(gpu_env: EnvFactory,
+                                                       tmp_path: Path) -> None:
+    env = gpu_env(FAKE_NVML_INIT_HANG=1)
+    started = time.monotonic()
+    rc, record = verdict_of(["preflight", "--timeout", "1.5", "--format", "json"], env)
+    assert time.monotonic() - started < 20
+    assert rc == 1
+    assert record["gpu_validation_blocker"] == "probe_timeout"
+    assert record["blockers"][0]["backend"] == "nvml"
+    # The fake's hung init left nothing behind: no process still has the fake library mapped.
+    time.sleep(0.2)
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        assert b"FAKE_NVML_INIT_HANG=1" not in environ, f"process {pid} survived"
+
+
+def test_kv_format_has_the_contract_keys(gpu_env: EnvFactory) -> None:
+    proc = run_gpudiag(["preflight", "--format", "kv"], gpu_env(FAKE_NVML_DEVICE_COUNT=2))
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert "gpu_validation_blocker=none" in lines
+    assert "preallocation_disabled=yes" in lines
+    assert "devices.count=2" in lines
+    assert all("=" in line for line in lines)
+
+
+def test_no_secret_reaches_any_output(gpu_env: EnvFactory, tmp_path: Path) -> None:
+    env = gpu_env(FAKE_NVML_INIT_ERROR=9)
+    env["MY_API_TOKEN"] = "s3cr3t-value-123"
+    env["CUDA_CACHE_PATH"] = str(tmp_path)  # allow-listed, to prove the list works
+    record_file = tmp_path / "verdict.json"
+    outputs = [run_gpudiag(["preflight", "--format", fmt, "--record", str(record_file)], env)
+               for fmt in ("json", "kv", "text")]
+    outputs.append(run_gpudiag(["probe", "--backend", "host,nvml,cuda", "--json"], env))
+    for proc in outputs:
+        assert "s3cr3t-value-123" not in proc.stdout + proc.stderr
+        assert "MY_API_TOKEN" not in proc.stdout
+    assert "s3cr3t-value-123" not in record_file.read_text()
+    assert str(tmp_path) in outputs[0].stdout
+
+
+def test_record_is_written_atomically_next_to_the_output(gpu_env: EnvFactory,
+                                                        tmp_path: Path) -> None:
+    import json
+
+    target = tmp_path / "rec.json"
+    proc = run_gpudiag(["preflight", "--format", "kv", "--record", str(target)], gpu_env())
+    assert proc.returncode == 0
+    assert json.loads(target.read_text())["gpu_validation_blocker"] == "none"
+    assert [p.name for p in tmp_path.iterdir()] == ["rec.json"] or all(
+        not p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["preflight", "--min-free-memory", "eight"], "'eight'"),
+    (["preflight", "--devices", "0,,1"], "'0,,1'"),
+    (["preflight", "--timeout", "soon"], "'soon'"),
+    (["preflight", "--require", "tensorflow"], "'tensorflow'"),
+    (["probe", "--backend", "gpu"], "gpu"),
+    (["preflight", "--format", "yaml"], "yaml"),
+])
+def test_bad_flags_exit_2_naming_the_value(args: list[str], needle: str,
+                                           bare_env: dict[str, str]) -> None:
+    proc = run_gpudiag(args, bare_env)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unwritable_record_path_exits_3_without_traceback(gpu_env: EnvFactory) -> None:
+    proc = run_gpudiag(["preflight", "--record", "/proc/no/such/dir/x.json"], gpu_env())
+    assert proc.returncode == 3
+    assert "could not write --record" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_thermal_throttling_and_correctable_ecc_are_warnings_only(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_CLOCKS_EVENT_REASONS="0:0x40", FAKE_NVML_ECC_VOLATILE_CORRECTED="1:5",
+                  FAKE_NVML_PERSISTENCE="2:0")
+    rc, record = verdict_of(["preflight", "--format", "json"], env)
+    assert rc == 0
+    codes = {w["code"] for w in record["warnings"]}
+    assert {"gpu_thermal_throttling", "gpu_ecc_correctable", "gpu_persistence_off"} <= codes
+
+
+def test_nvml_and_cuda_disagreeing_on_the_count_is_a_warning(gpu_env: EnvFactory) -> None:
+    rc, record = verdict_of(["preflight", "--format", "json"],
+                            gpu_env(FAKE_NVML_DEVICE_COUNT=4, FAKE_CUDA_DEVICE_COUNT=3))
+    assert "device_count_mismatch" in {w["code"] for w in record["warnings"]}
+
+
+def test_missing_nodes_with_working_inits_are_only_a_warning(gpu_env: EnvFactory,
+                                                             tmp_path: Path) -> None:
+    dev, proc = make_host_dirs(tmp_path / "wsl", nodes=False)
+    rc, record = verdict_of(["preflight", "--format", "json"],
+                            gpu_env(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc)))
+    assert rc == 0
+    assert "device_nodes_missing" in {w["code"] for w in record["warnings"]}
+
+
+def test_chatter_on_a_probe_childs_stdout_does_not_spoil_the_observation(
+        gpu_env: EnvFactory, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    # Only the probe children chatter, the way a driver library writing to fd 1 would.
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "if b'gpudiag.probes' in open('/proc/self/cmdline', 'rb').read():\n"
+        "    os.write(1, b'chatter from a library at start-up\\n')\n")
+    env = gpu_env()
+    env["PYTHONPATH"] = str(site)
+    rc, record = verdict_of(["preflight", "--format", "json"], env)
+    assert rc == 0, record["blockers"]
+    assert record["gpu_validation_blocker"] == "none"

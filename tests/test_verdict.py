@@ -1,0 +1,95 @@
+"""The verdict record: JSON round trip, key=value lines, root-cause order; visibility parsing."""
+
+from __future__ import annotations
+
+import json
+
+from gpudiag.classify import classify
+from gpudiag.environment import (
+    KnownDevice,
+    allow_listed,
+    parse_cuda_visible_devices,
+    parse_nvidia_visible_devices,
+    probe_environment,
+    resolve,
+)
+from gpudiag.isolation import ProbeRun, _parse_observation
+from gpudiag.requirement import parse_requirement
+from gpudiag.verdict import Finding, Verdict, primary_blocker
+
+
+def _verdict() -> Verdict:
+    runs = {
+        "nvml": ProbeRun("nvml", {"ok": False, "error": {"code": 9, "name": "x",
+                                                         "message": "Driver Not Loaded"}}, 0.1),
+        "cuda": ProbeRun("cuda", None, 2.0, timed_out=True, error="deadline",
+                         stderr_tail="line one\nline two"),
+    }
+    return classify(runs, parse_requirement("cuda", min_free_memory="1GiB"), host="h",
+                    checked_at="2026-11-29T00:00:00.000Z")
+
+
+def test_root_cause_is_the_lowest_layer_and_consequences_stay() -> None:
+    v = _verdict()
+    assert v.gpu_validation_blocker == "probe_timeout"
+    codes = [b["code"] for b in v.record()["blockers"]]
+    assert codes[0] == "probe_timeout" and "driver_not_loaded" in codes
+    assert "insufficient_devices" in codes
+
+
+def test_record_round_trips_through_json() -> None:
+    v = _verdict()
+    again = Verdict.from_record(json.loads(v.json()))
+    assert again.record() == v.record()
+
+
+def test_kv_lines_never_break_on_newlines_in_values() -> None:
+    v = _verdict()
+    text = v.kv()
+    for line in text.splitlines():
+        assert "=" in line
+    assert "gpu_validation_blocker=probe_timeout" in text.splitlines()
+
+
+def test_primary_of_no_blockers_is_none() -> None:
+    assert primary_blocker([]) is None
+    f = Finding.of("cuda_no_device", "m")
+    assert primary_blocker([f, Finding.of("gpu_lost", "m")]).code == "gpu_lost"  # type: ignore[union-attr]
+
+
+def test_cuda_visible_devices_forms() -> None:
+    assert parse_cuda_visible_devices(None).mode == "unset"
+    for empty in ("", "-1", "NoDevFiles"):
+        assert parse_cuda_visible_devices(empty).mode == "empty"
+    v = parse_cuda_visible_devices("0,GPU-f00d0001,MIG-abc-def,GPU-f00d0002-0000-4000-8000-000000000002,x")
+    assert [e.kind for e in v.entries] == ["index", "uuid_prefix", "mig_uuid", "uuid", "invalid"]
+    assert parse_nvidia_visible_devices("all").mode == "all"
+    assert parse_nvidia_visible_devices("void").mode == "empty"
+    assert parse_nvidia_visible_devices("none").mode == "empty"
+
+
+def test_resolution_never_takes_an_ambiguous_prefix() -> None:
+    devs = [KnownDevice(0, "GPU-aa11"), KnownDevice(1, "GPU-aa22")]
+    res = resolve(parse_cuda_visible_devices("GPU-aa"), devs)
+    assert res.indices == () and res.ambiguous == ("GPU-aa",)
+    assert resolve(parse_cuda_visible_devices("1,0"), devs).indices == (1, 0)
+
+
+def test_allow_list_keeps_gpu_variables_and_drops_secrets() -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "0", "AWS_SECRET_ACCESS_KEY": "x", "SLURM_JOB_GPUS": "0",
+           "SLURM_JOB_ID": "7", "SLURM_JOB_ACCOUNT": "acct", "PATH": "/bin", "HOME": "/root"}
+    assert allow_listed(env) == {"CUDA_VISIBLE_DEVICES": "0", "PATH": "/bin",
+                                 "SLURM_JOB_GPUS": "0", "SLURM_JOB_ID": "7"}
+
+
+def test_probe_environment_fills_in_but_never_overrides_preallocation() -> None:
+    env = probe_environment({"XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    assert env["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+
+
+def test_garbage_observations_are_reported_not_raised() -> None:
+    assert _parse_observation(b"")[0] is None
+    assert _parse_observation(b"not json")[0] is None
+    assert _parse_observation(b"[1, 2]")[0] is None
+    assert _parse_observation(b'noise\n{"ok": true}\n')[0] == {"ok": True}
