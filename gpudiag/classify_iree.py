@@ -83,6 +83,23 @@ def _message(driver: str, err: Mapping[str, Any], compiled_in: bool) -> str:
             f"{st.message}{cuda}{extra}")
 
 
+def _summary(obs: Mapping[str, Any]) -> list[str]:
+    """One short line per driver for people: ``cuda: failed creating the driver``."""
+    out = []
+    for name, d in (obs.get("drivers") or {}).items():
+        err = d.get("error") or {}
+        if not d.get("ok"):
+            out.append(f"{name}: failed {STEP_WORDS.get(str(err.get('step')), 'probing')}")
+            continue
+        ex = d.get("execute") or {}
+        if ex.get("skipped"):
+            out.append(f"{name}: ok (device created; kernel not run: {ex['skipped']})")
+        else:
+            how = "cached module" if (ex.get("compile") or {}).get("cached") else "compiled"
+            out.append(f"{name}: ok (kernel ran, {how})")
+    return out
+
+
 def _detail(obs: Mapping[str, Any]) -> dict[str, Any]:
     drivers: dict[str, Any] = {}
     devices: list[str] = []
@@ -98,7 +115,8 @@ def _detail(obs: Mapping[str, Any]) -> dict[str, Any]:
         init[name] = d.get("init_s")
         if d.get("compute_s") is not None:
             compute[name] = d.get("compute_s")
-    return {"required": obs.get("required"), "drivers": drivers,
+    return {"required": obs.get("required"), "drivers": _summary(obs),
+            "driver_detail": drivers,
             "compiled_in_drivers": obs.get("compiled_in_drivers"), "devices": devices,
             "device_count": len(devices), "import_s": obs.get("import_s"),
             "init_s": init, "compute_s": compute}

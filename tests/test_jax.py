@@ -22,7 +22,7 @@ def _codes(record: dict[str, Any]) -> list[str]:
 
 
 def _blocker(record: dict[str, Any], code: str) -> dict[str, Any]:
-    found = [b for b in record["blockers"] if b["code"] == code]
+    found: list[dict[str, Any]] = [b for b in record["blockers"] if b["code"] == code]
     assert found, f"{code} not among {_codes(record)}"
     return found[0]
 
