@@ -454,6 +454,19 @@ class Admitter:
         requirement = replace(verdict.requirement, min_devices=self.gpus,
                               min_free_memory_bytes=self.min_free_memory_bytes)
         verdict = replace(verdict, requirement=requirement)
+        if first is not None and first.error is None:
+            conflict = [b for b in narrow(first.leaves, self.env).blockers
+                        if b.code == "visible_devices_conflict"]
+            if conflict:
+                # The preflight sees the disagreement only as a name that matches nothing
+                # (or too few devices); the conflict is the cause, so it replaces those.
+                kept = tuple(b for b in verdict.blockers if b.code not in (
+                    "visible_devices_invalid", "insufficient_devices"))
+                raise AdmissionError(replace(
+                    verdict, blockers=(*kept, *conflict),
+                    evidence={**verdict.evidence, "admission": {
+                        "narrowing": narrow(first.leaves, self.env).record(),
+                        "first_observation": first.record()}}))
         if not verdict.ready:
             raise AdmissionError(verdict)
         if self.gpus == 0:
