@@ -1,0 +1,99 @@
+# Shared by gpudiag-prolog.sh and gpudiag-healthcheck.sh: configuration, the bounded
+# preflight call and the drain bookkeeping. Sourced, never run.
+#
+# Slurm starts Prologs and the HealthCheckProgram with an almost empty environment (no PATH,
+# no SLURM_CONF), so everything has a default here and site settings come from a KEY=VALUE
+# file, /etc/default/gpudiag unless GPUDIAG_DEFAULTS names another one.
+
+# PATH is set by the scripts before they source this file.
+# shellcheck disable=SC1090
+[[ -r ${GPUDIAG_DEFAULTS:-/etc/default/gpudiag} ]] && . "${GPUDIAG_DEFAULTS:-/etc/default/gpudiag}"
+
+GPUDIAG=${GPUDIAG:-/opt/gpudiag/bin/gpudiag}
+SCONTROL=${SCONTROL:-scontrol}
+# preflight asks the local daemon first (milliseconds, cached) and falls back to running
+# the probes itself when the daemon does not answer.
+export GPUDIAG_DAEMON_URL=${GPUDIAG_DAEMON_URL:-http://127.0.0.1:9477}
+# Slurm kills a Prolog or health check after 60 s: stay well inside that.
+GPUDIAG_TIMEOUT_S=${GPUDIAG_TIMEOUT_S:-40}
+GPUDIAG_PROBE_TIMEOUT_S=${GPUDIAG_PROBE_TIMEOUT_S:-20}
+# Drains this tooling makes carry this prefix; only those are ever undrained by it.
+GPUDIAG_REASON_PREFIX="gpudiag:"
+
+gpudiag_log() {
+    # syslog when there is one (slurmd's own log does not keep a Prolog's stderr).
+    logger -t gpudiag-slurm -- "$*" 2>/dev/null || true
+    echo "gpudiag-slurm: $*" >&2
+}
+
+# gpudiag_preflight ARGS...: run `gpudiag preflight --format kv ARGS`, bounded in time.
+# Sets PREFLIGHT_RC (0 ready, 1 blocked, 2 usage, 3 failure, 124 timed out),
+# PREFLIGHT_CODE (gpu_validation_blocker, or "unknown") and PREFLIGHT_KV (the record).
+gpudiag_preflight() {
+    local errfile
+    errfile=$(mktemp) || errfile=/dev/null
+    PREFLIGHT_KV=$(timeout --kill-after=5 "$GPUDIAG_TIMEOUT_S" \
+        "$GPUDIAG" preflight --format kv --timeout "$GPUDIAG_PROBE_TIMEOUT_S" "$@" 2>"$errfile")
+    PREFLIGHT_RC=$?
+    PREFLIGHT_ERR=$(tail -c 2000 "$errfile" 2>/dev/null | tr '\n' ' ')
+    [[ $errfile == /dev/null ]] || rm -f "$errfile"
+    PREFLIGHT_CODE=$(sed -n 's/^gpu_validation_blocker=//p' <<<"$PREFLIGHT_KV" | head -n 1)
+    if [[ -z $PREFLIGHT_CODE ]]; then
+        PREFLIGHT_CODE=unknown
+        # "Blocked" without a record is not a verdict: treat it as gpudiag failing.
+        [[ $PREFLIGHT_RC -ne 1 ]] || PREFLIGHT_RC=3
+    fi
+}
+
+# gpudiag_kv KEY: one value of the last preflight record.
+gpudiag_kv() {
+    sed -n "s/^$1=//p" <<<"$PREFLIGHT_KV" | head -n 1
+}
+
+# gpudiag_node_reason NODE: the node's drain/down reason ("" when none), without the
+# "[user@time]" stamp scontrol adds.
+gpudiag_node_reason() {
+    local out
+    out=$("$SCONTROL" show node "$1" 2>/dev/null) || return 1
+    sed -n 's/^[[:space:]]*Reason=\(.*\)$/\1/p' <<<"$out" | head -n 1 | sed 's/ *\[[^]]*\]$//'
+}
+
+# gpudiag_node_state NODE: the State= word, e.g. IDLE+DRAIN.
+gpudiag_node_state() {
+    "$SCONTROL" show node "$1" 2>/dev/null | sed -n 's/.*[[:space:]]State=\([^[:space:]]*\).*/\1/p' | head -n 1
+}
+
+gpudiag_is_own_reason() {
+    [[ $1 == "$GPUDIAG_REASON_PREFIX"* ]]
+}
+
+# gpudiag_drain NODE CODE: drain with "gpudiag: CODE" unless someone else drained it first
+# (their reason is kept: it is theirs to clear).
+gpudiag_drain() {
+    local node=$1 code=$2 reason
+    reason=$(gpudiag_node_reason "$node") || reason=""
+    if [[ -n $reason ]] && ! gpudiag_is_own_reason "$reason"; then
+        gpudiag_log "node $node blocked ($code) but already drained for '$reason': left alone"
+        return 0
+    fi
+    if [[ $reason == "$GPUDIAG_REASON_PREFIX $code" ]]; then
+        return 0
+    fi
+    gpudiag_log "draining $node: $GPUDIAG_REASON_PREFIX $code"
+    "$SCONTROL" update NodeName="$node" State=DRAIN Reason="$GPUDIAG_REASON_PREFIX $code"
+}
+
+# gpudiag_undrain NODE: resume the node only when the drain is gpudiag's own.
+gpudiag_undrain() {
+    local node=$1 reason state
+    reason=$(gpudiag_node_reason "$node") || return 0
+    gpudiag_is_own_reason "$reason" || return 0
+    state=$(gpudiag_node_state "$node")
+    [[ $state == *DRAIN* || $state == *DOWN* || $state == *FAIL* ]] || return 0
+    gpudiag_log "resuming $node: gpudiag reports ready (was '$reason')"
+    "$SCONTROL" update NodeName="$node" State=RESUME
+}
+
+gpudiag_node_name() {
+    echo "${SLURMD_NODENAME:-$(hostname -s)}"
+}

@@ -1,0 +1,32 @@
+#!/bin/bash
+# Slurm HealthCheckProgram: drain a node whose GPUs are blocked with
+# Reason="gpudiag: <code>", and resume it once gpudiag says ready again, touching only the
+# drains gpudiag made (any other reason is an operator's and is left alone).
+#
+#   slurm.conf:  HealthCheckProgram=/usr/local/lib/gpudiag/slurm/gpudiag-healthcheck.sh
+#                HealthCheckInterval=60   HealthCheckNodeState=ANY
+#
+# Nodes without GPU GRES are skipped, so one slurm.conf line serves a mixed cluster.
+# gpudiag's own failure (exit 2, 3, timeout) changes nothing: unknown is not broken.
+set -u
+# slurmd gives no PATH: set one before anything else runs.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
+# shellcheck source=gpudiag-common.sh
+. "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
+
+GPUDIAG_HEALTH_REQUIRE=${GPUDIAG_HEALTH_REQUIRE:-cuda}
+node=$(gpudiag_node_name)
+
+if [[ ${GPUDIAG_REQUIRE_GRES:-yes} == yes ]]; then
+    if ! "$SCONTROL" show node "$node" 2>/dev/null | grep -Eq '^[[:space:]]*Gres=[^[:space:]]*gpu'; then
+        exit 0
+    fi
+fi
+
+gpudiag_preflight --require "$GPUDIAG_HEALTH_REQUIRE"
+case $PREFLIGHT_RC in
+    0) gpudiag_undrain "$node" ;;
+    1) gpudiag_drain "$node" "$PREFLIGHT_CODE" ;;
+    *) gpudiag_log "health check on $node: gpudiag preflight exit $PREFLIGHT_RC, node left as is: $PREFLIGHT_ERR" ;;
+esac
+exit 0

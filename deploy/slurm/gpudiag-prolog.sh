@@ -1,0 +1,66 @@
+#!/bin/bash
+# Slurm Prolog: refuse a job on a node whose GPUs are blocked for it, and write the verdict
+# into the job's record.
+#
+#   slurm.conf:  Prolog=/usr/local/lib/gpudiag/slurm/gpudiag-prolog.sh
+#                (gpudiag-common.sh next to it; gres.conf with AutoDetect=nvml so that
+#                SLURM_JOB_GPUS indices are NVML's)
+#
+# Outcome, from `gpudiag preflight`'s exit code:
+#   0 ready    the job runs; the job record gets "gpudiag: none ...".
+#   1 blocked  the job is refused (exit 1: a batch job is requeued, srun fails); the node
+#              is drained with Reason="gpudiag: <code>" (Slurm would otherwise drain it
+#              with "Prolog error") so the health check can undrain it once it recovers.
+#   2, 3, timeout  gpudiag itself could not answer: logged and recorded; the job runs
+#              unless GPUDIAG_ON_ERROR=refuse (a broken gpudiag must not stop a fleet).
+set -u
+# slurmd gives no PATH: set one before anything else runs.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
+# shellcheck source=gpudiag-common.sh
+. "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
+
+GPUDIAG_PROLOG_REQUIRE=${GPUDIAG_PROLOG_REQUIRE:-cuda}
+# Where the verdict goes in the job's record: AdminComment (users cannot edit it),
+# Comment, or none. Optional: GPUDIAG_RECORD_DIR keeps the full JSON per job.
+GPUDIAG_JOB_FIELD=${GPUDIAG_JOB_FIELD:-AdminComment}
+GPUDIAG_ON_ERROR=${GPUDIAG_ON_ERROR:-allow}
+
+job_gpus=${SLURM_JOB_GPUS:-}
+# Not a GPU job: nothing to check, no RPC, no delay.
+[[ -n $job_gpus ]] || exit 0
+job=${SLURM_JOB_ID:-0}
+node=$(gpudiag_node_name)
+count=$(tr ',' '\n' <<<"$job_gpus" | grep -c .)
+
+# The Prolog runs outside the job's cgroup and sees every GPU; SLURM_JOB_GPUS are indices
+# among all of them, so a CUDA_VISIBLE_DEVICES inherited here must not narrow them again.
+unset CUDA_VISIBLE_DEVICES NVIDIA_VISIBLE_DEVICES
+args=(--require "$GPUDIAG_PROLOG_REQUIRE" --devices "$job_gpus" --min-devices "$count")
+[[ -n ${GPUDIAG_RECORD_DIR:-} ]] && args+=(--record "$GPUDIAG_RECORD_DIR/job-$job.json")
+gpudiag_preflight "${args[@]}"
+
+record_job() {
+    [[ $GPUDIAG_JOB_FIELD == none ]] && return 0
+    "$SCONTROL" update JobId="$job" "$GPUDIAG_JOB_FIELD=$1" \
+        || gpudiag_log "job $job: could not write $GPUDIAG_JOB_FIELD"
+}
+
+case $PREFLIGHT_RC in
+    0)
+        record_job "gpudiag: none ready=true gpus=$job_gpus checked_at=$(gpudiag_kv checked_at) source=$(gpudiag_kv source)"
+        exit 0
+        ;;
+    1)
+        message=$(gpudiag_kv blockers.0.message | cut -c 1-200)
+        record_job "gpudiag: $PREFLIGHT_CODE ready=false gpus=$job_gpus checked_at=$(gpudiag_kv checked_at) source=$(gpudiag_kv source) blockers=$(gpudiag_kv blockers) message=$message"
+        gpudiag_log "job $job refused on $node: $PREFLIGHT_CODE ($message)"
+        gpudiag_drain "$node" "$PREFLIGHT_CODE"
+        exit 1
+        ;;
+    *)
+        record_job "gpudiag: unknown preflight_exit=$PREFLIGHT_RC"
+        gpudiag_log "job $job on $node: gpudiag preflight exit $PREFLIGHT_RC: $PREFLIGHT_ERR"
+        [[ $GPUDIAG_ON_ERROR == refuse ]] && exit 1
+        exit 0
+        ;;
+esac
