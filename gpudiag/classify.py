@@ -416,7 +416,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     cuda_ok = bool(cuda and (cuda.get("init") or {}).get("ok"))
     nodes_present = True
     if requirement.needs_gpu:
-        env = (host_obs or {}).get("environment") or {}
+        env = ((host_obs or {}).get("environment")
+               or (nvml or {}).get("visibility_env") or {})
         raw = (env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES"))
         inits_failed = ("nvml" in runs and not nvml_ok) or ("cuda" in runs and not cuda_ok)
         nodes_present = _device_nodes(host_obs, inits_failed, f)

@@ -124,7 +124,7 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
         raise _usage(f"--backend: {e}") from e
     with _progress("probing " + ", ".join(names)):
         runs, checked_at = run_inline(requirement, timeout_s=timeout_s,
-                                      include_host="host" in names)
+                                      only={n.split(":")[0] for n in names})
     verdict = classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at)
     _emit(verdict, "json" if as_json else "text")
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)

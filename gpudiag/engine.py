@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -25,37 +25,37 @@ def now_rfc3339() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def probes_for(requirement: Requirement, *, include_host: bool = False
+def probes_for(requirement: Requirement, *, only: Collection[str] | None = None
                ) -> list[tuple[str, dict[str, Any] | None]]:
     """The probe children a requirement needs, with their options.
 
     A GPU requirement also runs host, nvml and cuda so the root cause gets named; a CPU-only
     requirement (jax:cpu, iree:local-task) runs only its own backend, so nothing else can
-    block it.
+    block it. ``only`` (``gpudiag probe --backend``) runs exactly the probes named.
     """
     requests: list[tuple[str, dict[str, Any] | None]] = []
     if requirement.needs_gpu:
         requests += [("host", None), ("nvml", None)]
         if any(b.name != "nvml" for b in requirement.backends):
             requests.append(("cuda", None))
-    elif include_host:
-        requests.append(("host", None))
+    if only is not None:
+        requests = [(name, None) for name in ("host", "nvml", "cuda") if name in only]
     jax = requirement.backend("jax")
     if jax is not None:
         requests.append(("jax", {"platform": jax.platform or "gpu"}))
     iree = [b.platform or "cuda" for b in requirement.backends if b.name == "iree"]
     if iree:
         requests.append(("iree", {"drivers": iree}))
-    return requests
+    return requests if only is None else [r for r in requests if r[0] in only]
 
 
 def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
                timeout_s: float | None = None,
-               timeouts: Mapping[str, float] | None = None, include_host: bool = False
+               timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None
                ) -> tuple[dict[str, ProbeRun], str]:
     """Run the probes a requirement needs; returns the runs and the time they started."""
     checked_at = now_rfc3339()
-    requests = probes_for(requirement, include_host=include_host)
+    requests = probes_for(requirement, only=only)
     limits = dict(DEFAULT_TIMEOUTS_S)
     limits.update(timeouts or {})
     if timeout_s is not None:

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,7 +193,8 @@ def test_other_devices_are_still_reported_when_one_is_lost(gpu_env: EnvFactory) 
 
 def test_a_hung_probe_is_killed_with_its_process_group(gpu_env: EnvFactory,
                                                        tmp_path: Path) -> None:
-    env = gpu_env(FAKE_NVML_INIT_HANG=1)
+    marker = f"GPUDIAG_TEST_MARK={uuid.uuid4().hex}"
+    env = gpu_env(FAKE_NVML_INIT_HANG=1, GPUDIAG_TEST_MARK=marker.split("=")[1])
     started = time.monotonic()
     rc, record = verdict_of(["preflight", "--timeout", "1.5", "--format", "json"], env)
     assert time.monotonic() - started < 20
@@ -208,7 +210,7 @@ def test_a_hung_probe_is_killed_with_its_process_group(gpu_env: EnvFactory,
             environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        assert b"FAKE_NVML_INIT_HANG=1" not in environ, f"process {pid} survived"
+        assert marker.encode() not in environ, f"process {pid} survived"
 
 
 def test_kv_format_has_the_contract_keys(gpu_env: EnvFactory) -> None:

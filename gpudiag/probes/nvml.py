@@ -7,6 +7,7 @@ device that fails (GPU lost) fails alone and the others are still reported.
 from __future__ import annotations
 
 import ctypes
+import os
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -204,7 +205,11 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     except ImportError as e:
         return {"ok": False, "error": {"code": None, "name": "IMPORT_ERROR",
                                        "message": f"nvidia-ml-py is not installed: {e}"}}
-    out: dict[str, Any] = {"ok": False, "error": None, "library_error": None}
+    # The visibility variables as this child saw them, for verdicts made without the host
+    # probe (gpudiag probe --backend nvml,cuda).
+    out: dict[str, Any] = {"ok": False, "error": None, "library_error": None,
+                           "visibility_env": {k: os.environ.get(k) for k in (
+                               "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")}}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
