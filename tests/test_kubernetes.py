@@ -1,0 +1,169 @@
+"""Kubernetes manifests: parsed, required fields present, probes on the daemon's real paths
+and port; the node-problem-detector plugin keeps NPD's exit-code protocol."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpudiag.config import DEFAULT_PORT, load_config
+
+yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra (pip install -e .[test])")
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "kubernetes"
+NPD_SCRIPT = K8S / "npd" / "gpudiag-npd.sh"
+NPD_CONFIG = K8S / "npd" / "gpudiag-plugin.json"
+
+
+def documents() -> list[dict[str, Any]]:
+    """Every object of every manifest kustomization.yaml lists."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    out: list[dict[str, Any]] = []
+    for name in kustomization["resources"]:
+        out.extend(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
+    return out
+
+
+def the(kind: str) -> dict[str, Any]:
+    found = [d for d in documents() if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def container() -> dict[str, Any]:
+    spec = the("DaemonSet")["spec"]["template"]["spec"]
+    (c,) = [c for c in spec["containers"] if c["name"] == "gpudiag"]
+    return c
+
+
+def test_every_object_has_api_version_kind_name_and_namespace() -> None:
+    docs = documents()
+    assert {d["kind"] for d in docs} >= {"Namespace", "ServiceAccount", "ConfigMap",
+                                         "DaemonSet", "Service", "ServiceMonitor"}
+    for d in docs:
+        assert d["apiVersion"] and d["metadata"]["name"], d
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == "gpudiag", d["metadata"]
+
+
+def test_daemonset_selector_matches_its_pods_and_the_service() -> None:
+    ds = the("DaemonSet")
+    selector = ds["spec"]["selector"]["matchLabels"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert the("Service")["spec"]["selector"].items() <= pod_labels.items()
+    monitor = the("ServiceMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= the("Service")["metadata"][
+        "labels"].items()
+
+
+def _port_number(name_or_number: str | int) -> int:
+    if isinstance(name_or_number, int):
+        return name_or_number
+    (port,) = [p for p in container()["ports"] if p["name"] == name_or_number]
+    return int(port["containerPort"])
+
+
+@pytest.mark.parametrize(("probe", "path"), [("readinessProbe", "/readyz"),
+                                             ("livenessProbe", "/healthz"),
+                                             ("startupProbe", "/healthz")])
+def test_probes_hit_the_daemon_paths_on_its_port(probe: str, path: str) -> None:
+    get = container()[probe]["httpGet"]
+    assert get["path"] == path
+    assert _port_number(get["port"]) == DEFAULT_PORT
+
+
+def test_daemon_listens_where_the_probes_and_prometheus_look(tmp_path: Path) -> None:
+    config_file = tmp_path / "gpudiag.toml"
+    config_file.write_text(the("ConfigMap")["data"]["gpudiag.toml"])
+    cfg = load_config(config_file)
+    assert cfg.listen_port == DEFAULT_PORT
+    # Every address: the kubelet's probes and Prometheus come from outside the pod.
+    assert cfg.listen_host == "0.0.0.0"
+    args = container()["args"]
+    assert args[:1] == ["serve"]
+    assert args[args.index("--config") + 1] == "/etc/gpudiag/gpudiag.toml"
+    mounts = {m["mountPath"]: m["name"] for m in container()["volumeMounts"]}
+    assert mounts["/etc/gpudiag"] == "config"
+
+
+def test_scrape_configuration_points_at_metrics() -> None:
+    ds_annotations = the("DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+    for notes in (ds_annotations, the("Service")["metadata"]["annotations"]):
+        assert notes["prometheus.io/scrape"] == "true"
+        assert notes["prometheus.io/port"] == str(DEFAULT_PORT)
+        assert notes["prometheus.io/path"] == "/metrics"
+    (endpoint,) = the("ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    (svc_port,) = [p for p in the("Service")["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert svc_port["port"] == DEFAULT_PORT
+    # The alert rules select job="gpudiag": the ServiceMonitor's job is the Service's name.
+    assert the("Service")["metadata"]["name"] == "gpudiag"
+
+
+def test_pod_is_unprivileged_and_takes_no_gpu_from_workloads() -> None:
+    c = container()
+    pod = the("DaemonSet")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert "nvidia.com/gpu" not in json.dumps(c.get("resources", {}))
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in c["env"]
+    assert c["resources"]["limits"]["memory"]
+
+
+def test_npd_plugin_config_follows_the_custom_plugin_schema() -> None:
+    cfg = json.loads(NPD_CONFIG.read_text())
+    assert cfg["plugin"] == "custom"
+    assert cfg["pluginConfig"]["invoke_interval"].endswith("s")
+    condition_types = {c["type"] for c in cfg["conditions"]}
+    for rule in cfg["rules"]:
+        assert rule["type"] in {"temporary", "permanent"}
+        assert Path(rule["path"]).name == NPD_SCRIPT.name
+        assert _seconds(rule["timeout"]) < _seconds(cfg["pluginConfig"]["invoke_interval"])
+        if rule["type"] == "permanent":
+            assert rule["condition"] in condition_types
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    (generator,) = kustomization["configMapGenerator"]
+    assert sorted(generator["files"]) == ["npd/gpudiag-npd.sh", "npd/gpudiag-plugin.json"]
+
+
+def _seconds(text: str) -> float:
+    assert text.endswith("s")
+    return float(text[:-1])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("knobs", "extra", "rc", "message"), [
+    ({}, {}, 0, "gpudiag: ready"),
+    ({"FAKE_CUDA_INIT_ERROR": "999"}, {}, 1, "gpudiag: cuda_init_failed"),
+    ({"FAKE_NVML_INIT_ERROR": "18"}, {}, 1, "gpudiag: driver_library_mismatch"),
+    ({}, {"GPUDIAG_NPD_REQUIRE": "nonsense"}, 2, "gpudiag: preflight failed (exit 2)"),
+], ids=["ready", "cuda-blocked", "driver-mismatch", "gpudiag-usage-error"])
+def test_npd_plugin_maps_preflight_exit_codes_to_npd(
+        gpu_env: Callable[..., dict[str, str]], knobs: dict[str, str],
+        extra: dict[str, str], rc: int, message: str) -> None:
+    env = gpu_env(**knobs)
+    env.update({"GPUDIAG": str(Path(sys.executable).with_name("gpudiag")),
+                "GPUDIAG_DAEMON_URL": f"http://127.0.0.1:{_closed_port()}", **extra})
+    proc = subprocess.run([str(NPD_SCRIPT)], env=env, capture_output=True, text=True,  # noqa: S603
+                          timeout=60, check=False)
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    first_line = proc.stdout.splitlines()[0]
+    assert first_line == message
+    assert len(first_line) <= json.loads(NPD_CONFIG.read_text())["pluginConfig"][
+        "max_output_length"]
