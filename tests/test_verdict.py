@@ -61,7 +61,8 @@ def test_cuda_visible_devices_forms() -> None:
     assert parse_cuda_visible_devices(None).mode == "unset"
     for empty in ("", "-1", "NoDevFiles"):
         assert parse_cuda_visible_devices(empty).mode == "empty"
-    v = parse_cuda_visible_devices("0,GPU-f00d0001,MIG-abc-def,GPU-f00d0002-0000-4000-8000-000000000002,x")
+    full = "GPU-f00d0002-0000-4000-8000-000000000002"
+    v = parse_cuda_visible_devices(f"0,GPU-f00d0001,MIG-abc-def,{full},x")
     assert [e.kind for e in v.entries] == ["index", "uuid_prefix", "mig_uuid", "uuid", "invalid"]
     assert parse_nvidia_visible_devices("all").mode == "all"
     assert parse_nvidia_visible_devices("void").mode == "empty"

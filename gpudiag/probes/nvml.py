@@ -7,8 +7,8 @@ device that fails (GPU lost) fails alone and the others are still reported.
 from __future__ import annotations
 
 import ctypes
-import os
 import functools
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
