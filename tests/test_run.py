@@ -1,0 +1,386 @@
+"""``gpudiag run`` end to end: the real CLI in a child, real children, real JAX on the CPU.
+
+The driver boundary is the fake libnvidia-ml/libcuda; docker is a stand-in script that
+records its argv (no Docker engine runs here).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpudiag.child import env_sha256
+from tests.conftest import EnvFactory, run_gpudiag
+
+PRINT_ENV = ("import json, os; from gpudiag.child import env_sha256; "
+             "print(json.dumps({'env': dict(os.environ), 'sha256': env_sha256(os.environ)}))")
+
+
+def gpu_uuid(i: int) -> str:
+    return f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}"
+
+
+def kv(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition("=")
+        out[key] = value
+    return out
+
+
+def load(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def host(gpu_env: EnvFactory, tmp_path: Path) -> dict[str, str]:
+    """A healthy 4-GPU fake host whose locks live in this test's folder."""
+    return gpu_env(FAKE_NVML_DEVICE_COUNT=4, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+
+
+def gpudiag_run(args: list[str], env: dict[str, str], artifacts: Path, timeout: float = 60
+                ) -> subprocess.CompletedProcess[str]:
+    return run_gpudiag(["run", "--artifacts", str(artifacts), *args], env, timeout)
+
+
+def test_a_python_child_sees_exactly_the_admitted_gpu_and_the_closeout_says_ready(
+        host: dict[str, str], tmp_path: Path) -> None:
+    env = dict(host, SECRET_TOKEN="hunter2-not-for-records")
+    art = tmp_path / "art"
+    proc = gpudiag_run(["--gpus", "1", "--", sys.executable, "-c", PRINT_ENV], env, art)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    child = seen["env"]
+    close = kv(art / "closeout.txt")
+    uuid = close["gpus.0.uuid"]
+    assert uuid == gpu_uuid(0)
+    assert child["CUDA_VISIBLE_DEVICES"] == child["NVIDIA_VISIBLE_DEVICES"] == uuid
+    assert child["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert child["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+    assert child["XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR"] == "false"
+    assert "JAX_PLATFORMS" not in child  # --require cuda: JAX is not part of the job
+    assert close["gpu_execution_route"] == "gpudiag-run"
+    assert close["gpu_validation_blocker"] == "none" and close["ready"] == "true"
+    assert close["exit_code"] == "0" and close["status"] == "exited"
+    assert close["preallocation_disabled"] == "yes" and close["preallocation_source"] == "child"
+    assert close["gpus.count"] == "1" and close["gpus.0.name"] == "NVIDIA H200"
+    assert int(close["gpus.0.memory_total_bytes"]) == 143771 * 2**20
+    for name in ("plan", "environment", "result", "stdout", "stderr", "closeout_json"):
+        assert Path(close[f"artifacts.{name}"]).is_file(), name
+    # The output was streamed and stored, with its hash.
+    assert (art / "stdout.log").read_text() == proc.stdout
+    result = load(art / "result.json")
+    assert result["outputs"]["stdout"]["sha256"] == hashlib.sha256(
+        (art / "stdout.log").read_bytes()).hexdigest()
+    assert result["locks"]["free_after_release"] == {uuid: True}
+    # environment.json: every name and the hash of the whole, the same the child computed.
+    envrec = load(art / "environment.json")
+    assert envrec["sha256"] == seen["sha256"] == env_sha256(child)
+    assert "SECRET_TOKEN" in envrec["keys"]
+    assert envrec["set_by_gpudiag"]["CUDA_VISIBLE_DEVICES"] == uuid
+    plan = load(art / "plan.json")
+    assert plan["argv"] == [sys.executable, "-c", PRINT_ENV]
+    assert plan["admission"]["selected"] == [uuid]
+    assert plan["admission"]["locks"][0]["uuid"] == uuid
+    assert plan["admission"]["first_observation"]["leaves"]
+    assert plan["admission"]["locked_observation"]["leaves"]
+    assert len(plan["fingerprint"]) == 64 and plan["environment"]["set"]["NVIDIA_VISIBLE_DEVICES"]
+    for artifact in art.glob("*.json"):  # stdout.log is the child's own output
+        assert "hunter2" not in artifact.read_text(), artifact.name
+
+
+def test_a_blocked_host_never_starts_argv(gpu_env: EnvFactory, tmp_path: Path) -> None:
+    env = gpu_env(FAKE_NVML_INIT_ERROR=9, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+    marker = tmp_path / "marker"
+    art = tmp_path / "art"
+    proc = gpudiag_run(["--", "touch", str(marker)], env, art)
+    assert proc.returncode == 125, proc.stderr
+    assert not marker.exists()
+    assert "driver_not_loaded" in proc.stderr
+    close = kv(art / "closeout.txt")
+    assert close["gpu_validation_blocker"] == "driver_not_loaded"
+    assert close["launched"] == "false" and close["exit_code"] == "125"
+    assert close["blockers.0.layer"] == "driver" and "nvmlInit" in close["blockers.0.message"]
+    assert close["preallocation_disabled"] == "no"
+    evidence = load(art / "closeout.json")["evidence"]
+    assert evidence["driver"] is not None and "environment" in evidence
+    assert load(art / "verdict.json")["gpu_validation_blocker"] == "driver_not_loaded"
+    assert not (art / "plan.json").exists() and not (art / "stdout.log").exists()
+
+
+def test_jax_on_a_host_without_a_jax_gpu_backend_is_refused_not_run_on_the_cpu(
+        host: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    proc = gpudiag_run(["--require", "jax", "--", "touch", str(marker)], host, tmp_path / "a")
+    assert proc.returncode == 125, proc.stderr
+    assert not marker.exists()
+    close = kv(tmp_path / "a" / "closeout.txt")
+    assert close["gpu_validation_blocker"] == "jax_gpu_backend_absent"
+
+
+@pytest.mark.parametrize(("code", "expected"), [
+    ("pass", 0),
+    ("raise SystemExit(7)", 7),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGUSR1)", 128 + signal.SIGUSR1),
+])
+def test_exit_code_is_the_childs_own_or_128_plus_its_signal(host: dict[str, str],
+                                                             tmp_path: Path, code: str,
+                                                             expected: int) -> None:
+    proc = gpudiag_run(["--", sys.executable, "-c", code], host, tmp_path / "a")
+    assert proc.returncode == expected, proc.stderr
+    close = kv(tmp_path / "a" / "closeout.txt")
+    assert close["exit_code"] == str(expected)
+    if expected > 128:
+        assert close["exit_signal"] == str(signal.SIGUSR1) and close["status"] == "signaled"
+
+
+def test_argv_that_cannot_start_exits_127_and_closes_out(host: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    proc = gpudiag_run(["--", str(tmp_path / "no-such-program")], host, tmp_path / "a")
+    assert proc.returncode == 127
+    close = kv(tmp_path / "a" / "closeout.txt")
+    assert close["status"] == "launch_failed" and "no-such-program" in close["error"]
+
+
+@pytest.mark.parametrize("args", [["--gpus", "many"], ["--min-free-memory", "8XB"],
+                                  ["--timeout", "-1"], ["--require", "cuda,tpu"]])
+def test_bad_flags_exit_125_with_a_clear_message(host: dict[str, str], tmp_path: Path,
+                                                 args: list[str]) -> None:
+    marker = tmp_path / "marker"
+    proc = gpudiag_run([*args, "--", "touch", str(marker)], host, tmp_path / "a")
+    assert proc.returncode == 125
+    assert "Traceback" not in proc.stderr and args[1] in proc.stderr
+    assert not marker.exists()
+
+
+INTERVAL = textwrap.dedent("""
+    import os, sys, time
+    start = time.time()
+    time.sleep(float(sys.argv[2]))
+    with open(sys.argv[1], "a") as fh:
+        fh.write(f"{os.environ['CUDA_VISIBLE_DEVICES']} {start} {time.time()}\\n")
+""")
+
+
+def test_eight_jobs_on_four_gpus_run_four_at_a_time_never_two_on_one_gpu(
+        host: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "intervals"
+    procs = [subprocess.Popen(  # noqa: S603 - fixed argv
+        [sys.executable, "-m", "gpudiag", "run", "--gpus", "1", "--lock-timeout", "120",
+         "--artifacts", str(tmp_path / f"a{i}"), "--", sys.executable, "-c", INTERVAL,
+         str(log), "2.5"], env=host, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(8)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    rows = [line.split() for line in log.read_text().splitlines()]
+    intervals = [(u, float(a), float(b)) for u, a, b in rows]
+    assert len(intervals) == 8
+    assert {u for u, _, _ in intervals} <= {gpu_uuid(i) for i in range(4)}
+    overlaps = [(x, y) for i, x in enumerate(intervals) for y in intervals[i + 1:]
+                if x[0] == y[0] and x[1] < y[2] and y[1] < x[2]]
+    assert overlaps == [], f"two jobs on one GPU at once: {overlaps}"
+    # The most jobs running at one moment: never more than the 4 GPUs, and all 4 in use.
+    peak = max(sum(1 for _, a, b in intervals if a <= t < b) for _, t, _ in intervals)
+    assert peak == 4, intervals
+
+
+GRANDCHILD = textwrap.dedent("""
+    import os, subprocess, sys, time
+    folder = sys.argv[1]
+    if len(sys.argv) > 2:  # the grandchild: drops every inherited fd, outlives its parent
+        os.closerange(3, 4096)
+        time.sleep(1.5)
+        with open(os.path.join(folder, "grandchild_end"), "w") as fh:
+            fh.write(str(time.time()))
+        sys.exit(0)
+    g = subprocess.Popen([sys.executable, os.path.abspath(__file__), folder, "x"],
+                         start_new_session=True)
+    with open(os.path.join(folder, "grandchild_pid"), "w") as fh:
+        fh.write(str(g.pid))
+    open(os.path.join(folder, "child_exited"), "w").close()
+""")
+
+
+def _locked(path: str) -> bool:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_gpu_stays_locked_until_the_last_grandchild_ends(host: dict[str, str],
+                                                           tmp_path: Path) -> None:
+    (tmp_path / "gc.py").write_text(GRANDCHILD)
+    art = tmp_path / "a"
+    proc = subprocess.Popen(  # noqa: S603 - fixed argv
+        [sys.executable, "-m", "gpudiag", "run", "--artifacts", str(art), "--",
+         sys.executable, str(tmp_path / "gc.py"), str(tmp_path)], env=host,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child_exited").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    lock_path = load(art / "plan.json")["admission"]["locks"][0]["path"]
+    time.sleep(0.3)  # the child has exited by now; its orphaned grandchild still runs
+    assert not (tmp_path / "grandchild_end").exists()
+    assert _locked(lock_path), "the GPU was released while a grandchild still ran"
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert not _locked(lock_path)
+    ended = float((tmp_path / "grandchild_end").read_text())
+    result = load(art / "result.json")
+    gc_pid = int((tmp_path / "grandchild_pid").read_text())
+    tracked = {d["pid"]: d for d in result["descendants"]}
+    assert gc_pid in tracked and tracked[gc_pid]["reaped"], result["descendants"]
+    assert result["subreaper"] is True
+    from datetime import datetime
+    released = datetime.fromisoformat(result["locks"]["released_at"].replace("Z", "+00:00"))
+    assert released.timestamp() >= ended
+
+
+TREE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    pids = open(sys.argv[1], "a")
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    for code in (stubborn, "import time; time.sleep(60)"):
+        p = subprocess.Popen([sys.executable, "-c", code], start_new_session=code == stubborn)
+        pids.write(f"{p.pid}\\n")
+    pids.write(f"{os.getpid()}\\n")
+    pids.close()
+    time.sleep(60)
+""")
+
+
+def test_timeout_ends_the_whole_tree(host: dict[str, str], tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+    t0 = time.monotonic()
+    proc = gpudiag_run(["--timeout", "1.5", "--kill-grace", "0.5", "--", sys.executable, "-c",
+                        TREE, str(pid_file)], host, tmp_path / "a")
+    took = time.monotonic() - t0
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "timed out" in proc.stderr and took < 30
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 3
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    close = kv(tmp_path / "a" / "closeout.txt")
+    assert close["timed_out"] == "true" and close["status"] == "timed_out"
+    result = load(tmp_path / "a" / "result.json")
+    assert result["kill"]["term_sent"] and result["kill"]["kill_sent"]  # one ignored TERM
+    assert set(pids) <= {d["pid"] for d in result["descendants"]}
+
+
+def test_sigterm_is_forwarded_to_the_child(host: dict[str, str], tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    code = ("import signal, sys, time, pathlib; "
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42)); "
+            f"pathlib.Path({str(ready)!r}).touch(); time.sleep(30)")
+    proc = subprocess.Popen(  # noqa: S603 - fixed argv
+        [sys.executable, "-m", "gpudiag", "run", "--artifacts", str(tmp_path / "a"), "--",
+         sys.executable, "-c", code], env=host, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 42, err
+    forwarded = load(tmp_path / "a" / "result.json")["forwarded_signals"]
+    assert [f["signal"] for f in forwarded] == [signal.SIGTERM]
+
+
+def test_a_jax_child_on_the_cpu_closes_out_preallocation_disabled_as_seen_inside(
+        bare_env: dict[str, str], tmp_path: Path) -> None:
+    code = "import jax, jax.numpy as jnp; print(jax.default_backend(), float(jnp.ones(4).sum()))"
+    art = tmp_path / "a"
+    proc = gpudiag_run(["--require", "jax:cpu", "--", sys.executable, "-c", code], bare_env,
+                       art, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "cpu 4.0"
+    close = kv(art / "closeout.txt")
+    assert close["preallocation_disabled"] == "yes" and close["preallocation_source"] == "child"
+    assert close["gpu_validation_blocker"] == "none" and close["gpus.count"] == "0"
+    reports = load(art / "closeout.json")["evidence"]["child_reports"]
+    assert len(reports) == 1
+    assert reports[0]["startup"] is True and reports[0]["at_report"] is True
+    assert reports[0]["jax"]["default_backend"] == "cpu"
+    assert reports[0]["environment_matches_plan"] is True
+
+
+def test_a_child_that_turns_preallocation_back_on_is_caught(bare_env: dict[str, str],
+                                                            tmp_path: Path) -> None:
+    code = ("import os; os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'true'; "
+            "import jax; jax.numpy.ones(2).block_until_ready()")
+    art = tmp_path / "a"
+    proc = gpudiag_run(["--require", "jax:cpu", "--", sys.executable, "-c", code], bare_env,
+                       art, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    close = kv(art / "closeout.txt")
+    assert close["preallocation_disabled"] == "no" and close["preallocation_source"] == "child"
+
+
+DOCKER = textwrap.dedent("""\
+    #!{python}
+    import json, os, sys
+    with open(os.environ["FAKE_DOCKER_LOG"], "a") as fh:
+        fh.write(json.dumps(sys.argv[1:]) + "\\n")
+    if sys.argv[1] == "info":
+        print(os.environ.get("FAKE_DOCKER_DEVICES", "null"))
+        sys.exit(0)
+    sys.exit(int(os.environ.get("FAKE_DOCKER_EXIT", "0")))
+""")
+
+
+@pytest.mark.parametrize("cdi", [True, False])
+def test_image_runs_one_docker_run_with_cdi_or_gpus_all_and_the_exact_env(
+        host: dict[str, str], tmp_path: Path, cdi: bool) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    docker = bindir / "docker"
+    docker.write_text(DOCKER.format(python=sys.executable))
+    docker.chmod(0o755)
+    log = tmp_path / "docker.log"
+    devices = [{"Source": "cdi", "ID": f"nvidia.com/gpu={gpu_uuid(i)}"} for i in range(4)]
+    env = dict(host, PATH=f"{bindir}{os.pathsep}{host['PATH']}", FAKE_DOCKER_LOG=str(log),
+               FAKE_DOCKER_EXIT="3", FAKE_DOCKER_DEVICES=json.dumps(devices) if cdi else "null")
+    art = tmp_path / "a"
+    proc = gpudiag_run(["--image", "img:1", "--", "python", "train.py"], env, art)
+    assert proc.returncode == 3, proc.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    runs = [c for c in calls if c[0] == "run"]
+    assert len(runs) == 1
+    argv = runs[0]
+    assert argv[-3:] == ["img:1", "python", "train.py"]
+    uuid = gpu_uuid(0)
+    if cdi:
+        assert ["--device", f"nvidia.com/gpu={uuid}"] == argv[argv.index("--device"):][:2]
+        assert "--gpus" not in argv
+    else:
+        assert argv[argv.index("--gpus") + 1] == "all" and "--device" not in argv
+    envs = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
+    assert f"CUDA_VISIBLE_DEVICES={uuid}" in envs and f"NVIDIA_VISIBLE_DEVICES={uuid}" in envs
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in envs
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR=platform" in envs
+    assert "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR=false" in envs
+    close = kv(art / "closeout.txt")
+    assert close["container_image"] == "img:1"
+    assert close["gpu_injection"] == ("cdi" if cdi else "gpus-all")
+    assert load(art / "plan.json")["docker"]["argv"] == ["docker", *argv]
