@@ -87,7 +87,7 @@ class SnapshotCollector(Collector):
                 versions[f"{k}_version"] = str(v or "")
         info = InfoMetricFamily("gpudiag_build", "gpudiag, driver and library versions.",
                                 labels=list(versions))
-        info.add_metric(list(versions), {})
+        info.add_metric(list(versions.values()), {})
         yield info
 
     def _probes(self, snap: Snapshot) -> Iterator[Metric]:

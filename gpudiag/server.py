@@ -12,6 +12,7 @@ import logging
 import math
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -27,6 +28,7 @@ from gpudiag.requirement import RequirementError, parse_requirement
 from gpudiag.scheduler import SCHEDULED_OPTIONS, Scheduler
 from gpudiag.snapshot import ProbeKey, keys_for, verdict_for
 from gpudiag.store import HistoryError, HistoryStore
+from gpudiag.verdict import Requirement, Verdict
 
 log = logging.getLogger("gpudiag.server")
 
@@ -101,6 +103,9 @@ class DaemonApp:
     def __init__(self, scheduler: Scheduler, store: HistoryStore | None = None) -> None:
         self.scheduler = scheduler
         self.store = store
+        # Verdicts per (snapshot, requirement, visibility): a snapshot never changes.
+        self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None],
+                          Verdict] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
         self._routes: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, str]],
@@ -115,6 +120,7 @@ class DaemonApp:
 
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse
                  ) -> Iterable[bytes]:
+        started = time.perf_counter()
         try:
             status, headers, body = self._dispatch(environ)
         except ApiError as e:
@@ -125,6 +131,9 @@ class DaemonApp:
                           environ.get("PATH_INFO"))
             status, headers, body = _json_body(500, {"error": {
                 "code": "internal", "message": "gpudiag failed to answer; see the daemon log"}})
+        # How long the daemon itself took, apart from the network and the client.
+        headers.append(("Server-Timing",
+                        f"app;dur={(time.perf_counter() - started) * 1000:.2f}"))
         start_response(status, headers)
         return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
 
@@ -193,7 +202,7 @@ class DaemonApp:
         min_devices = _int(params, "min_devices", 0, 64)
         try:
             requirement = parse_requirement(
-                params.get("require") or cfg.default_requirement,
+                params.get("require", cfg.default_requirement),
                 devices=params.get("devices"), min_devices=min_devices,
                 min_free_memory=params.get("min_free_memory"))
         except RequirementError as e:
@@ -208,8 +217,21 @@ class DaemonApp:
         keys = keys_for(requirement)
         fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
-        verdict = verdict_for(snap, requirement, now_wall=self.scheduler.clock.time(),
-                              policy=self.scheduler.policy, keys=keys, visibility=visibility)
+        now = self.scheduler.clock.time()
+        cache_key = (snap.seq, requirement, visibility)
+        verdict = self._cache.get(cache_key)
+        if verdict is None:
+            verdict = verdict_for(snap, requirement, now_wall=now,
+                                  policy=self.scheduler.policy, keys=keys,
+                                  visibility=visibility)
+            if verdict is not None:
+                if len(self._cache) >= 256:
+                    self._cache.clear()
+                self._cache[cache_key] = verdict
+        if verdict is not None:
+            # Classified once per snapshot; only the age moves on between requests.
+            oldest = min(snap.results[k].started_wall for k in keys)
+            verdict = verdict.with_source("daemon", max(0.0, now - oldest))
         if verdict is None:
             missing = [k.backend for k in keys if k not in snap.results]
             raise ApiError(503, "not_ready",

@@ -11,6 +11,7 @@ heartbeats, which the supervisor notices.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import IO, Any
@@ -138,7 +139,11 @@ def main(argv: list[str]) -> int:
     except (ValueError, TypeError, AttributeError) as e:
         print(f"bad watcher options: {e}", file=sys.stderr)
         return 2
-    return watch(sys.stdout, heartbeat_s, telemetry_s)
+    try:
+        return watch(sys.stdout, heartbeat_s, telemetry_s)
+    except BrokenPipeError:
+        # The daemon is gone (even SIGKILLed): its end of the pipe closed, so stop too.
+        os._exit(0)
 
 
 if __name__ == "__main__":

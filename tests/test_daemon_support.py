@@ -1,0 +1,212 @@
+"""Helpers for the daemon tests (no tests here): real probe runs on the fakes, replayed.
+
+The probes run for real once, as children on the fake driver; the scheduler tests then replay
+those ProbeRuns so that scheduling, HTTP and metrics can be tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpudiag.config import BackendConfig, DaemonConfig, XidConfig
+from gpudiag.environment import probe_environment
+from gpudiag.isolation import ProbeRun, run_probe
+from tests.conftest import clean_env, make_host_dirs
+from tests.fakes.build import FakeDriver
+
+
+def host_env(fakes: FakeDriver, root: Path, gpus: int = 8, **knobs: str | int) -> dict[str, str]:
+    """An environment of a host with the fake driver and healthy device nodes."""
+    dev, proc = make_host_dirs(root, gpus=gpus)
+    env = clean_env()
+    env["GPUDIAG_DEVICE_DIR"] = str(dev)
+    env["GPUDIAG_DRIVER_PROC_DIR"] = str(proc)
+    return fakes.env(base=env, **knobs)
+
+
+def real_runs(env: Mapping[str, str], names: tuple[str, ...] = ("host", "nvml", "cuda")
+              ) -> dict[str, ProbeRun]:
+    """Run the probes for real (children on the fakes) and keep what they returned."""
+    child_env = probe_environment(env)
+    return {n: run_probe(n, env=child_env, timeout_s=30) for n in names}
+
+
+@dataclass
+class Replay:
+    """A ProbeRunner that answers with recorded runs; counts calls; can be held on a gate."""
+
+    runs: dict[str, ProbeRun]
+    gate: threading.Event | None = None
+    calls: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, backend: str, env: Mapping[str, str], timeout_s: float,
+                 options: Mapping[str, Any] | None) -> ProbeRun:
+        with self.lock:
+            self.calls.append(backend)
+        if self.gate is not None:
+            self.gate.wait(10)
+        return self.runs[backend]
+
+
+def quick_config(**changes: Any) -> DaemonConfig:
+    """host/nvml/cuda on short intervals, jax/iree off, no watcher (unit tests)."""
+    backends = {
+        "host": BackendConfig(True, 60.0, 10.0), "nvml": BackendConfig(True, 60.0, 10.0),
+        "cuda": BackendConfig(True, 60.0, 10.0), "jax": BackendConfig(False, 300.0, 60.0),
+        "iree": BackendConfig(False, 300.0, 60.0)}
+    base = DaemonConfig(backends=backends, xid=XidConfig(enabled=False), tick_s=0.05,
+                        preflight_wait_s=5.0)
+    from dataclasses import replace
+
+    return replace(base, **changes)
+
+
+def wsgi(app: Any, path: str, method: str = "GET", body_length: int = 0,
+         ) -> tuple[int, dict[str, str], bytes]:
+    """Call a WSGI app without a socket."""
+    p, _, q = path.partition("?")
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": p, "QUERY_STRING": q,
+               "CONTENT_LENGTH": str(body_length), "wsgi.input": None}
+    got: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+        got["status"], got["headers"] = int(status.split()[0]), dict(headers)
+
+    body = b"".join(app(environ, start_response))
+    return got["status"], got["headers"], body
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+DAEMON_TOML = """
+[scheduler]
+tick_s = 0.05
+jitter_ratio = 0.05
+backoff_max_s = 2
+[backends.host]
+interval_s = 5
+[backends.nvml]
+interval_s = 0.5
+deadline_s = {nvml_deadline}
+[backends.cuda]
+interval_s = 2
+[backends.jax]
+enabled = false
+[backends.iree]
+enabled = false
+[xid]
+heartbeat_s = 0.2
+telemetry_s = 1
+gap_warning_s = 5
+"""
+
+
+class Daemon:
+    """A real `gpudiag serve` child on port 0; stderr (JSON logs) is collected."""
+
+    def __init__(self, env: Mapping[str, str], config: Path, state_dir: Path,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0", "--config",
+             str(config), "--state-dir", str(state_dir), "--log-format", "json", *extra_args],
+            env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.url_ready = threading.Event()
+        self.url = ""
+        self.server_ms = float("nan")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self.url_ready.wait(20):
+            self.stop()
+            raise AssertionError("daemon did not start:\n" + "\n".join(self.lines))
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            if not self.url:
+                try:
+                    url = json.loads(line).get("url")
+                except (ValueError, AttributeError):
+                    url = None
+                if url:
+                    self.url = url
+                    self.url_ready.set()
+
+    def get(self, path: str, timeout: float = 30) -> tuple[int, Any]:
+        """GET path; (status, JSON or text)."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                status, data, headers = r.status, r.read(), r.headers
+        except urllib.error.HTTPError as e:
+            status, data, headers = e.code, e.read(), e.headers
+        timing = str(headers.get("Server-Timing") or "")
+        self.server_ms = float(timing.partition("dur=")[2] or "nan")
+        text = data.decode()
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, text
+
+    def wait_ready(self, timeout: float = 20) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.get("/readyz")[0] == 200:
+                return
+            time.sleep(0.05)
+        raise AssertionError("daemon never became ready:\n" + "\n".join(self.lines[-30:]))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._reader.join(5)
+        return int(self.proc.returncode)
+
+
+def processes_with_env(marker: str) -> list[int]:
+    """PIDs whose environment mentions ``marker`` (to find orphaned probe children)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if marker.encode() in fh.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:
+    """Poll until predicate() is truthy; returns its value or raises."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)

@@ -1,0 +1,228 @@
+"""The HTTP API as a WSGI app (no socket), over a real scheduler replaying real probe runs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpudiag.scheduler import Scheduler
+from gpudiag.server import MAX_BODY_BYTES, MAX_PARAMS, MAX_URL_BYTES, DaemonApp, serve
+from gpudiag.store import HistoryStore
+from tests.fakes.build import FakeDriver
+from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wsgi, wait_for
+
+
+@pytest.fixture(scope="module")
+def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return real_runs(host_env(fakes, tmp_path_factory.mktemp("host"), FAKE_NVML_DEVICE_COUNT=2))
+
+
+@pytest.fixture
+def started(healthy_runs: dict, tmp_path: Path) -> Iterator[tuple[DaemonApp, Replay]]:
+    replay = Replay(dict(healthy_runs))
+    sched = Scheduler(quick_config(), runner=replay, env={})
+    store = HistoryStore(tmp_path / "h.sqlite3")
+    sched.on_snapshot(lambda s: s.full and store.record(s.full))
+    sched.start()
+    app = DaemonApp(sched, store)
+    wait_for(lambda: sched.snapshot().round_complete, 5)
+    yield app, replay
+    sched.stop()
+    store.close()
+
+
+def _json(body: bytes) -> dict:
+    return json.loads(body)
+
+
+def test_preflight_answers_from_the_snapshot_with_source_daemon(started) -> None:
+    app, replay = started
+    calls = len(replay.calls)
+    status, headers, body = wsgi(app, "/v1/preflight?require=cuda")
+    rec = _json(body)
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    assert rec["gpu_validation_blocker"] == "none" and rec["ready"] is True
+    assert rec["source"] == "daemon" and rec["age_s"] >= 0
+    assert [d["index"] for d in rec["devices"]] == [0, 1]
+    assert len(replay.calls) == calls  # nothing was re-probed
+
+
+def test_preflight_uses_the_cli_requirement_syntax(started) -> None:
+    app, _ = started
+    status, _, body = wsgi(app, "/v1/preflight?require=cuda&devices=0,1&min_devices=2"
+                                "&min_free_memory=8GiB")
+    rec = _json(body)
+    assert status == 200 and rec["ready"] is True
+    assert rec["requirement"]["min_free_memory_bytes"] == 8 * 2**30
+    status, _, body = wsgi(app, "/v1/preflight?require=cuda&min_devices=3")
+    rec = _json(body)
+    assert status == 200 and rec["gpu_validation_blocker"] == "insufficient_devices"
+
+
+def test_preflight_past_max_age_runs_the_probes_first(started) -> None:
+    app, replay = started
+    before = len(replay.calls)
+    time.sleep(0.05)
+    status, _, body = wsgi(app, "/v1/preflight?require=cuda&max_age_s=0")
+    assert status == 200 and _json(body)["fresh"] is True
+    assert sorted(replay.calls[before:]) == ["cuda", "host", "nvml"]
+
+
+def test_callers_visibility_is_classified_not_the_daemons(started) -> None:
+    app, _ = started
+    status, _, body = wsgi(app, "/v1/preflight?require=cuda&visibility=1"
+                                "&cuda_visible_devices=7")
+    rec = _json(body)
+    assert status == 200 and rec["gpu_validation_blocker"] == "visible_devices_invalid"
+    status, _, body = wsgi(app, "/v1/preflight?require=cuda&visibility=1"
+                                "&cuda_visible_devices=1")
+    rec = _json(body)
+    assert rec["ready"] is True and [d["index"] for d in rec["devices"]] == [1]
+
+
+@pytest.mark.parametrize("query, code", [
+    ("require=cuda,tpu", "bad_requirement"),
+    ("require=", "bad_requirement"),
+    ("devices=zero", "bad_requirement"),
+    ("min_devices=-1", "bad_parameter"),
+    ("min_devices=abc", "bad_parameter"),
+    ("min_free_memory=lots", "bad_requirement"),
+    ("max_age_s=nan", "bad_parameter"),
+    ("max_age_s=-5", "bad_parameter"),
+    ("wait_s=99999", "bad_parameter"),
+    ("visibility=maybe", "bad_parameter"),
+    ("color=blue", "unknown_parameter"),
+    ("require=cuda&require=jax", "bad_parameter"),
+])
+def test_bad_preflight_parameters_get_400_with_the_envelope(started, query: str,
+                                                             code: str) -> None:
+    app, _ = started
+    status, _, body = wsgi(app, f"/v1/preflight?{query}")
+    err = _json(body)["error"]
+    assert status == 400 and err["code"] == code and err["message"]
+
+
+def test_request_limits_answer_414_400_and_413(started) -> None:
+    app, _ = started
+    status, _, body = wsgi(app, "/v1/preflight?require=" + "c" * (MAX_URL_BYTES + 1))
+    assert status == 414 and _json(body)["error"]["code"] == "uri_too_long"
+    many = "&".join(f"p{i}=1" for i in range(MAX_PARAMS + 1))
+    status, _, body = wsgi(app, f"/v1/preflight?{many}")
+    assert status == 400 and _json(body)["error"]["code"] == "too_many_parameters"
+    status, _, body = wsgi(app, "/v1/probe", method="POST", body_length=MAX_BODY_BYTES + 1)
+    assert status == 413 and _json(body)["error"]["code"] == "body_too_large"
+
+
+def test_unknown_paths_and_methods_get_the_envelope(started) -> None:
+    app, _ = started
+    status, _, body = wsgi(app, "/v2/nothing")
+    assert status == 404 and _json(body)["error"]["code"] == "not_found"
+    status, _, body = wsgi(app, "/v1/preflight", method="DELETE")
+    assert status == 405 and _json(body)["error"]["code"] == "method_not_allowed"
+    status, _, body = wsgi(app, "/v1/probe")  # GET on a POST endpoint
+    assert status == 405
+
+
+def test_post_probe_runs_now_and_answers_202(started) -> None:
+    app, replay = started
+    before = len(replay.calls)
+    status, _, body = wsgi(app, "/v1/probe?backend=nvml", method="POST")
+    assert status == 202 and _json(body)["accepted"] == ["nvml"]
+    wait_for(lambda: replay.calls[before:] == ["nvml"], 5)
+    status, _, body = wsgi(app, "/v1/probe?backend=gpu9", method="POST")
+    assert status == 400 and _json(body)["error"]["code"] == "bad_backend"
+
+
+def test_probes_are_single_flight(healthy_runs: dict) -> None:
+    gate = threading.Event()
+    replay = Replay(dict(healthy_runs), gate=gate)
+    sched = Scheduler(quick_config(), runner=replay, env={})
+    app = DaemonApp(sched)
+    try:
+        for _ in range(5):
+            assert wsgi(app, "/v1/probe?backend=nvml", method="POST")[0] == 202
+        time.sleep(0.1)
+        assert replay.calls == ["nvml"]
+        gate.set()
+        wait_for(lambda: sched.snapshot().result("nvml") is not None, 5)
+    finally:
+        gate.set()
+        sched.stop()
+
+
+def test_no_snapshot_and_probes_still_running_answers_503(healthy_runs: dict) -> None:
+    gate = threading.Event()
+    sched = Scheduler(quick_config(), runner=Replay(dict(healthy_runs), gate=gate), env={})
+    app = DaemonApp(sched)
+    try:
+        sched.start()
+        status, _, body = wsgi(app, "/v1/preflight?wait_s=0.2")
+        err = _json(body)["error"]
+        assert status == 503 and err["code"] == "not_ready" and "nvml" in err["message"]
+        status, _, body = wsgi(app, "/readyz")
+        assert status == 503 and _json(body)["error"]["code"] == "first_round_pending"
+        assert wsgi(app, "/healthz")[0] == 200
+        gate.set()
+        wait_for(lambda: wsgi(app, "/readyz")[0] == 200, 5)
+    finally:
+        gate.set()
+        sched.stop()
+
+
+def test_healthz_fails_when_the_loop_is_not_running(healthy_runs: dict) -> None:
+    sched = Scheduler(quick_config(), runner=Replay(dict(healthy_runs)), env={})
+    status, _, body = wsgi(DaemonApp(sched), "/healthz")
+    assert status == 503 and _json(body)["error"]["code"] == "loop_stalled"
+
+
+def test_history_endpoint_lists_verdict_changes(started) -> None:
+    app, _ = started
+    wait_for(lambda: _json(wsgi(app, "/v1/history")[2])["verdicts"], 5)
+    status, _, body = wsgi(app, "/v1/history?limit=5")
+    rec = _json(body)
+    assert status == 200 and rec["verdicts"][0]["gpu_validation_blocker"] == "none"
+    status, _, body = wsgi(app, "/v1/history?blocked=1")
+    assert status == 200 and _json(body)["verdicts"] == []
+    status, _, body = wsgi(app, "/v1/history?limit=0")
+    assert status == 400
+
+
+def test_metrics_render_prometheus_text(started) -> None:
+    app, _ = started
+    status, headers, body = wsgi(app, "/metrics")
+    text = body.decode()
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert "gpudiag_ready 1.0" in text
+    assert 'gpudiag_blocker{code="gpu_lost",layer="device"} 0.0' in text
+
+
+def test_threaded_server_answers_over_loopback_while_a_preflight_waits(
+        healthy_runs: dict) -> None:
+    import urllib.request
+
+    gate = threading.Event()
+    sched = Scheduler(quick_config(), runner=Replay(dict(healthy_runs), gate=gate), env={})
+    sched.start()
+    httpd, _ = serve(DaemonApp(sched), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        waiting = threading.Thread(
+            target=lambda: urllib.request.urlopen(url + "/v1/preflight?wait_s=3", timeout=10),
+            daemon=True)
+        waiting.start()
+        time.sleep(0.1)
+        started_at = time.perf_counter()
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            assert r.status == 200
+        assert time.perf_counter() - started_at < 1.0
+        gate.set()
+        waiting.join(5)
+    finally:
+        gate.set()
+        httpd.shutdown()
+        sched.stop()

@@ -1,0 +1,173 @@
+"""The SQLite history: changes only, blocker episodes, retention, readers, SIGKILL safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from gpudiag.store import HistoryError, HistoryStore
+from gpudiag.verdict import Finding, Requirement, Verdict
+from tests.conftest import run_gpudiag
+
+
+def verdict(*blockers: tuple[str, str], warnings: tuple[str, ...] = (),
+            stderr: str = "", big: int = 0) -> Verdict:
+    """A verdict with the given (code, device) blockers."""
+    return Verdict(
+        requirement=Requirement(),
+        blockers=tuple(Finding.of(code, f"{code} on {dev}", backend="nvml", device=dev or None)
+                       for code, dev in blockers),
+        warnings=tuple(Finding.of(w, w, backend="nvml") for w in warnings),
+        devices=(), backends={},
+        evidence={"driver": {"version": "570"}, "probe_stderr": {"nvml": stderr + "x" * big}},
+        preallocation_disabled=True, host="node1", checked_at="2026-11-29T00:00:00.000Z")
+
+
+def test_only_changes_are_recorded_and_survive_a_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "h.sqlite3"
+    store = HistoryStore(path)
+    first = store.record(verdict())
+    assert first is not None
+    assert store.record(verdict()) is None  # same verdict: no row
+    second = store.record(verdict(("gpu_lost", "GPU-1")))
+    assert second is not None and second > first
+    store.close()
+    reopened = HistoryStore(path)
+    assert reopened.record(verdict(("gpu_lost", "GPU-1"))) is None
+    entries = reopened.verdicts()
+    assert [e.gpu_validation_blocker for e in entries] == ["gpu_lost", "none"]
+    assert entries[0].blockers == ("gpu_lost",) and entries[0].ready is False
+    assert reopened.verdict_record(second)["blockers"][0]["device"] == "GPU-1"
+
+
+def test_blocker_episodes_open_and_close_with_evidence(tmp_path: Path) -> None:
+    clock = iter([10.0, 20.0, 30.0])
+    store = HistoryStore(tmp_path / "h.sqlite3", clock=lambda: next(clock))
+    store.record(verdict(("gpu_lost", "GPU-1"), stderr="Xid 79 seen"))
+    store.record(verdict(("gpu_lost", "GPU-1"), ("cuda_no_device", "")))
+    store.record(verdict())
+    eps = {(e.code, e.device): e for e in store.episodes()}
+    lost = eps[("gpu_lost", "GPU-1")]
+    assert (lost.started, lost.ended) == (10.0, 30.0)
+    assert lost.evidence["probe_stderr"] == "Xid 79 seen"
+    assert lost.evidence["driver"] == {"version": "570"}
+    assert (eps[("cuda_no_device", None)].started, eps[("cuda_no_device", None)].ended) == (
+        20.0, 30.0)
+    assert [e.id for e in store.episodes(since=25.0)] == [e.id for e in store.episodes()]
+    assert store.episodes(since=31.0) == []
+
+
+def test_retention_by_age_keeps_the_newest_verdict(tmp_path: Path) -> None:
+    store = HistoryStore(tmp_path / "h.sqlite3", retention_s=50)
+    store.record(verdict(), now=0.0)
+    store.record(verdict(("gpu_lost", "GPU-0")), now=10.0)
+    store.record(verdict(), now=20.0)
+    store.prune(now=65.0)
+    assert [e.ts for e in store.verdicts()] == [20.0]
+    assert len(store.episodes()) == 1  # it ended at 20, inside the 50 s window
+    store.prune(now=75.0)
+    assert store.episodes() == []
+    store.prune(now=10_000.0)
+    assert [e.ts for e in store.verdicts()] == [20.0]
+
+
+def test_retention_by_size_bounds_the_file(tmp_path: Path) -> None:
+    store = HistoryStore(tmp_path / "h.sqlite3", max_bytes=256 * 1024)
+    for i in range(300):
+        store.record(verdict(("gpu_lost", f"GPU-{i}"), big=3000), now=float(i))
+    store.prune(now=300.0)
+    assert store.size_bytes() <= 256 * 1024
+    ids = [e.id for e in store.verdicts(limit=1000)]
+    assert ids[0] == 300 and len(ids) < 300  # the newest stay, the oldest went
+    assert store.integrity() == "ok"
+
+
+def test_a_reader_reads_while_the_writer_holds_the_database(tmp_path: Path) -> None:
+    path = tmp_path / "h.sqlite3"
+    writer = HistoryStore(path)
+    writer.record(verdict(("gpu_lost", "GPU-0")))
+    reader = HistoryStore(path, readonly=True)
+    assert [e.gpu_validation_blocker for e in reader.verdicts()] == ["gpu_lost"]
+    writer.record(verdict())
+    assert len(reader.verdicts()) == 2
+    with pytest.raises(sqlite3.OperationalError):
+        reader._db.execute("DELETE FROM verdicts")
+
+
+def test_a_missing_history_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(HistoryError, match="no history at .*gpudiag serve"):
+        HistoryStore(tmp_path / "none.sqlite3", readonly=True)
+
+
+def _writer(path: Path, fd: int, seed: int) -> None:
+    """Child after fork: record changing verdicts forever, acknowledging each durable id."""
+    try:
+        store = HistoryStore(path)
+        i = seed * 100_000
+        while True:
+            i += 1
+            row = store.record(verdict(("gpu_lost", f"GPU-{i}"), stderr="e" * (i % 500)))
+            os.write(fd, f"{row}\n".encode())
+    except BaseException:
+        os._exit(1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork to kill writers quickly")
+def test_sigkill_while_writing_200_times_loses_no_acknowledged_verdict(tmp_path: Path) -> None:
+    path = tmp_path / "h.sqlite3"
+    rng = random.Random(4)
+    acked: list[int] = []
+    for n in range(200):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.close(r)
+            _writer(path, w, n)
+        os.close(w)
+        want = rng.randint(1, 6)
+        buf = b""
+        got: list[int] = []
+        while len(got) < want:
+            chunk = os.read(r, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            got += [int(x) for x in lines if x]
+        os.kill(pid, signal.SIGKILL)  # mid-transaction, most likely
+        _, status = os.waitpid(pid, 0)
+        os.close(r)
+        assert os.WIFSIGNALED(status), f"writer {n} exited on its own (status {status})"
+        acked += got
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    stored = {row[0] for row in db.execute("SELECT id FROM verdicts")}
+    assert len(acked) >= 200 and set(acked) <= stored
+    assert db.execute("SELECT COUNT(*) FROM episodes WHERE ended IS NULL").fetchone()[0] == 1
+
+
+def test_history_cli_reads_text_and_json(tmp_path: Path) -> None:
+    store = HistoryStore(tmp_path / "history.sqlite3")
+    store.record(verdict())
+    store.record(verdict(("gpu_lost", "GPU-1")))
+    env = {k: v for k, v in os.environ.items() if k != "STATE_DIRECTORY"}
+    proc = run_gpudiag(["history", "--state-dir", str(tmp_path), "--json"], env)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [v["gpu_validation_blocker"] for v in data["verdicts"]] == ["gpu_lost", "none"]
+    assert data["episodes"][0]["code"] == "gpu_lost" and data["episodes"][0]["ended"] is None
+    proc = run_gpudiag(["history", "--state-dir", str(tmp_path), "--blocked", "--since", "1h"],
+                       env)
+    assert proc.returncode == 0 and "gpu_lost" in proc.stdout and " none " not in proc.stdout
+    proc = run_gpudiag(["history", "--state-dir", str(tmp_path), "--since", "yesterday"], env)
+    assert proc.returncode == 2 and "--since 'yesterday'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_gpudiag(["history", "--state-dir", str(tmp_path / "empty")], env)
+    assert proc.returncode == 3 and "no history at" in proc.stderr
