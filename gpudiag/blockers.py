@@ -116,13 +116,13 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "libcuda and the kernel driver differ (often after an upgrade, or a compat "
              "package): reboot or remove the mismatched cuda-compat library."),
             ("cuda_driver_too_old",
-             "The driver is too old for this CUDA runtime (CUDA_ERROR_INSUFFICIENT_DRIVER, 35).",
+             "The driver is too old for this CUDA runtime (error 35, cudaErrorInsufficientDriver).",
              "Upgrade the NVIDIA driver or use a CUDA build that this driver supports."),
             ("cuda_system_not_ready",
              "cuInit: system not ready (CUDA_ERROR_SYSTEM_NOT_READY, 802).",
              "Start nvidia-fabricmanager (NVSwitch systems) and check its log."),
             ("cuda_devices_unavailable",
-             "The GPU is busy or unavailable (CUDA_ERROR_DEVICES_UNAVAILABLE, 46).",
+             "The GPU is busy or unavailable (CUDA_ERROR_DEVICE_UNAVAILABLE, 46).",
              "The GPU is in exclusive-process mode and used by another process: wait, or "
              "pick another GPU."),
             ("cuda_out_of_memory", "CUDA ran out of memory (CUDA_ERROR_OUT_OF_MEMORY, 2).",

@@ -9,10 +9,13 @@
  * Steering
  * --------
  * The fakes are steered by FAKE_* environment variables.  If FAKE_GPU_STATE_FILE
- * names a file, its KEY=VALUE lines override the environment.  The file is
- * stat()ed on every lookup and re-read whenever its identity, size or mtime
- * changes, so a long-running process sees changes while it runs.  A missing
- * state file simply means "no overrides".
+ * names a file, its KEY=VALUE lines (blank lines and '#' comments ignored;
+ * the last assignment of a key wins) override the environment.  The file is
+ * stat()ed on every lookup and re-read whenever its identity, size, mtime or
+ * ctime changes (and on every lookup during the two seconds after a change,
+ * when coarse timestamps could hide a second write), so a long-running process
+ * sees changes while it runs.  A missing state file means "no overrides".
+ * Writers should replace the file atomically (write a temporary, rename).
  *
  * Per-device list knobs use `IDX:VALUE[,IDX:VALUE...]`; an index may address a
  * MIG instance as `IDX.J`.
@@ -142,9 +145,18 @@ static inline void fake_state_refresh_locked(void) {
         fake_state_clear_locked();
         return;
     }
-    if (fake_state.loaded && strcmp(fake_state.path, path) == 0 && fake_state.dev == st.st_dev &&
-        fake_state.ino == st.st_ino && fake_state.size == st.st_size &&
-        fake_state.mtime.tv_sec == st.st_mtim.tv_sec &&
+    /*
+     * File timestamps are only as fine as the kernel's coarse clock (a few
+     * ms), so two same-size writes in quick succession can leave stat()
+     * unchanged.  While the file was modified within the last two seconds the
+     * cache counts as "racy" and is re-read on every lookup (as git does).
+     */
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    int racy = now.tv_sec - st.st_mtim.tv_sec < 2;
+    if (!racy && fake_state.loaded && strcmp(fake_state.path, path) == 0 &&
+        fake_state.dev == st.st_dev && fake_state.ino == st.st_ino &&
+        fake_state.size == st.st_size && fake_state.mtime.tv_sec == st.st_mtim.tv_sec &&
         fake_state.mtime.tv_nsec == st.st_mtim.tv_nsec &&
         fake_state.ctime.tv_sec == st.st_ctim.tv_sec &&
         fake_state.ctime.tv_nsec == st.st_ctim.tv_nsec) {

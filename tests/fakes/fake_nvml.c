@@ -8,6 +8,9 @@
  * nvidia-ml-py `pynvml` bindings) and the fake nvidia-smi use, with struct
  * layouts matching nvml.h / pynvml.  Symbols not implemented here are absent,
  * so pynvml raises NVMLError_FunctionNotFound for them, as with an old driver.
+ * Every call made before nvmlInit answers NVML_ERROR_UNINITIALIZED, except
+ * nvmlErrorString and nvmlSystemGetNVMLVersion (which nvidia-smi prints after
+ * a failed init, as the real library allows).
  *
  * Knobs (environment, overridden by FAKE_GPU_STATE_FILE; see fake_common.h):
  *   FAKE_NVML_DEVICE_COUNT            number of GPUs (default 8, 0..16)
@@ -15,7 +18,10 @@
  *   FAKE_NVML_INIT_HANG=1             nvmlInit* never returns
  *   FAKE_NVML_INIT_CRASH=1            nvmlInit* raises SIGSEGV
  *   FAKE_NVML_DEVICE_ERRORS=IDX:CODE  handle lookup and every query on IDX fail
- *   FAKE_NVML_UNSUPPORTED=f1,f2       listed query families return NOT_SUPPORTED
+ *   FAKE_NVML_UNSUPPORTED=f1,f2       listed query families return NOT_SUPPORTED:
+ *       power, temperature, utilization, ecc, remapped_rows, retired_pages,
+ *       clocks_event_reasons, persistence, compute_mode, mig, field_values,
+ *       processes, events, memory
  *   FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MEMORY_USED_MIB=IDX[.J]:MIB
  *   FAKE_NVML_UTILIZATION=IDX:PCT, FAKE_NVML_MEMORY_UTILIZATION=IDX:PCT
  *   FAKE_NVML_TEMPERATURE_C=IDX:C (35), FAKE_NVML_POWER_MW=IDX:MW (75000),
