@@ -1,0 +1,4 @@
+func.func @add(%a: tensor<8xf32>, %b: tensor<8xf32>) -> tensor<8xf32> {
+  %0 = arith.addf %a, %b : tensor<8xf32>
+  return %0 : tensor<8xf32>
+}
