@@ -27,23 +27,18 @@ BARE_JAX = "import jax; jax.devices()"
 BARE_IREE = "import iree.runtime as rt; rt.get_driver('local-task').create_default_device()"
 
 
-def median_wall_s(argv: list[str], env: dict[str, str], runs: int,
-                  fresh_cache: bool = False) -> float:
-    """Median wall time of a fresh process, after one warm-up run; exit 0 or 1 accepted."""
-    times = []
-    for i in range(runs + 1):
-        run_env = dict(env)
-        with tempfile.TemporaryDirectory() as cache:
-            if fresh_cache:
-                run_env["GPUDIAG_CACHE_DIR"] = cache
-            started = time.perf_counter()
-            proc = subprocess.run(argv, env=run_env, capture_output=True, check=False)  # noqa: S603
-            elapsed = time.perf_counter() - started
-        if proc.returncode not in (0, 1):
-            raise SystemExit(f"{argv} failed with {proc.returncode}: {proc.stderr[-2000:]!r}")
-        if i:
-            times.append(elapsed)
-    return statistics.median(times)
+def wall_s(argv: list[str], env: dict[str, str], fresh_cache: bool = False) -> float:
+    """Wall time of one fresh process; exit 0 (ready) or 1 (blocked) accepted."""
+    run_env = dict(env)
+    with tempfile.TemporaryDirectory() as cache:
+        if fresh_cache:
+            run_env["GPUDIAG_CACHE_DIR"] = cache
+        started = time.perf_counter()
+        proc = subprocess.run(argv, env=run_env, capture_output=True, check=False)
+        elapsed = time.perf_counter() - started
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"{argv} failed with {proc.returncode}: {proc.stderr[-2000:]!r}")
+    return elapsed
 
 
 def main() -> None:
@@ -53,22 +48,39 @@ def main() -> None:
     env = clean_env()
     py = sys.executable
     gd = [py, "-m", "gpudiag", "probe", "--json", "--backend"]
-    rows: list[tuple[str, float, float]] = []
-    bare_jax = median_wall_s([py, "-c", BARE_JAX], env, args.runs)
-    for spec in ("jax", "jax:cpu"):
-        rows.append((f"gpudiag probe --backend {spec}", bare_jax,
-                     median_wall_s([*gd, spec], env, args.runs)))
-    bare_iree = median_wall_s([py, "-c", BARE_IREE], env, args.runs)
-    for spec, fresh in (("iree", False), ("iree:local-task", False),
-                        ("iree:local-task", True)):
-        label = f"gpudiag probe --backend {spec}" + (" (uncached)" if fresh else "")
-        rows.append((label, bare_iree, median_wall_s([*gd, spec], env, args.runs, fresh)))
-    print(f"runs={args.runs} (median of fresh processes, one warm-up each)")
-    print(f"bare `python -c \"{BARE_JAX}\"`: {bare_jax * 1000:.0f} ms")
-    print(f"bare `python -c \"{BARE_IREE}\"`: {bare_iree * 1000:.0f} ms")
-    for label, bare, ours in rows:
-        print(f"{label:<48} {ours * 1000:6.0f} ms  ratio {ours / bare:5.2f} "
-              f"(target <= 1.25)")
+    # name -> (argv, fresh cache, the bare baseline it is compared with)
+    cases: dict[str, tuple[list[str], bool, str | None]] = {
+        "bare jax": ([py, "-c", BARE_JAX], False, None),
+        "bare iree": ([py, "-c", BARE_IREE], False, None),
+        "gpudiag --version (CLI start, no probe)": ([py, "-m", "gpudiag", "--version"], False,
+                                                    None),
+        "gpudiag probe --backend jax": ([*gd, "jax"], False, "bare jax"),
+        "gpudiag probe --backend jax:cpu": ([*gd, "jax:cpu"], False, "bare jax"),
+        "probe child alone: jax cpu": (
+            [py, "-m", "gpudiag.probes", "jax", '{"platform": "cpu"}'], False, "bare jax"),
+        "gpudiag probe --backend iree": ([*gd, "iree"], False, "bare iree"),
+        "gpudiag probe --backend iree:local-task": ([*gd, "iree:local-task"], False,
+                                                    "bare iree"),
+        "gpudiag probe --backend iree:local-task (uncached)": ([*gd, "iree:local-task"], True,
+                                                               "bare iree"),
+        "probe child alone: iree local-task": (
+            [py, "-m", "gpudiag.probes", "iree", '{"drivers": ["local-task"]}'], False,
+            "bare iree"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    # Interleaved rounds: a busy machine slows every case alike instead of one of them.
+    for i in range(args.runs + 1):
+        for name, (argv, fresh, _) in cases.items():
+            elapsed = wall_s(argv, env, fresh)
+            if i:  # round 0 warms the caches
+                times[name].append(elapsed)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(f"runs={args.runs} (median of fresh processes, interleaved, one warm-up round)")
+    print(f"bare jax  = `python -c \"{BARE_JAX}\"`")
+    print(f"bare iree = `python -c \"{BARE_IREE}\"`")
+    for name, (_, _, base) in cases.items():
+        ratio = f"  ratio {med[name] / med[base]:5.2f} vs {base} (target <= 1.25)" if base else ""
+        print(f"{name:<52} {med[name] * 1000:6.0f} ms{ratio}")
 
 
 if __name__ == "__main__":
