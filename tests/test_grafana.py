@@ -1,0 +1,323 @@
+"""The Grafana dashboard: structure (unique ids, datasource variable everywhere, no
+hard-coded datasource uid), and every PromQL expression evaluated, with the variables
+substituted, against a real Prometheus that scraped real `gpudiag serve` daemons on the fake
+driver: each must return data. The same Prometheus loads the alert rules."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import clean_env, make_host_dirs
+from tests.fakes.build import FakeDriver
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "grafana" / "gpudiag.json"
+PROVISIONING = ROOT / "grafana" / "provisioning"
+RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
+DS_REF = {"type": "prometheus", "uid": "${datasource}"}
+PROMETHEUS = shutil.which("prometheus")
+GPUDIAG = Path(sys.executable).with_name("gpudiag")
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def all_panels() -> list[dict[str, Any]]:
+    out = []
+    for p in dashboard()["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))  # panels inside collapsed rows
+    return out
+
+
+def data_panels() -> list[dict[str, Any]]:
+    return [p for p in all_panels() if p["type"] != "row"]
+
+
+def expressions() -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) for every query of every panel."""
+    return [(p["title"], t["refId"], t["expr"]) for p in data_panels() for t in p["targets"]]
+
+
+# --- structure ----------------------------------------------------------------------------
+
+def test_panel_ids_are_unique() -> None:
+    ids = [p["id"] for p in all_panels()]
+    assert len(ids) == len(set(ids)), sorted(ids)
+
+
+@pytest.mark.parametrize("title", [p["title"] for p in data_panels()])
+def test_every_panel_and_query_uses_the_datasource_variable(title: str) -> None:
+    (panel,) = [p for p in data_panels() if p["title"] == title]
+    assert panel["datasource"] == DS_REF
+    assert panel["targets"], f"{title}: no query"
+    for t in panel["targets"]:
+        assert t["datasource"] == DS_REF
+        assert t["expr"].strip()
+
+
+def test_no_hard_coded_datasource_uid() -> None:
+    text = DASHBOARD.read_text()
+    uids = set(re.findall(r'"uid":\s*"([^"]*)"', text))
+    # The dashboard's own uid and Grafana's built-in annotation source are not datasources.
+    assert uids <= {"${datasource}", dashboard()["uid"], "-- Grafana --"}, uids
+    assert "__inputs" not in dashboard()  # an export-for-sharing file would need import mapping
+    assert "${DS_" not in text
+
+
+def test_variables_and_schema_for_grafana_10() -> None:
+    d = dashboard()
+    assert d["schemaVersion"] >= 38  # Grafana 10.0's
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for name in ("instance", "gpu"):
+        assert variables[name]["type"] == "query"
+        assert variables[name]["datasource"] == DS_REF
+    exprs = " ".join(e for _, _, e in expressions())
+    assert 'instance=~"$instance"' in exprs and 'gpu=~"$gpu"' in exprs
+
+
+def test_panels_do_not_overlap() -> None:
+    cells: dict[tuple[int, int], str] = {}
+    for p in all_panels():
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = p["title"]
+
+
+def test_provisioning_examples_parse() -> None:
+    yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra")
+    providers = yaml.safe_load((PROVISIONING / "dashboards" / "gpudiag.yaml").read_text())
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"]
+    sources = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yaml").read_text())
+    assert sources["datasources"][0]["type"] == "prometheus"
+
+
+# --- a real Prometheus scraping real daemons ----------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+DAEMON_CONFIG = """\
+listen = "127.0.0.1:0"
+[scheduler]
+tick_s = 0.2
+[backends.host]
+interval_s = 5.0
+[backends.nvml]
+interval_s = 1.0
+[backends.cuda]
+interval_s = 2.0
+[backends.jax]
+enabled = false
+[backends.iree]
+enabled = false
+[xid]
+telemetry_s = 1.0
+"""
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[str]
+    instance: str
+
+
+def start_daemon(folder: Path, env: dict[str, str]) -> Daemon:
+    folder.mkdir(parents=True)
+    (folder / "gpudiag.toml").write_text(DAEMON_CONFIG)
+    proc = subprocess.Popen([str(GPUDIAG), "serve", "--config", str(folder / "gpudiag.toml"),
+                             "--state-dir", str(folder / "state")],
+                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 30
+    for line in proc.stderr:
+        match = re.search(r"listening on http://(\S+)", line)
+        if match:
+            # Keep draining stderr so the daemon never blocks on a full pipe.
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return Daemon(proc, match.group(1))
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"gpudiag serve did not start (exit {proc.wait()})")
+
+
+@dataclass
+class Fleet:
+    prometheus_url: str
+    healthy: Daemon
+    blocked: Daemon
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        answer = http_json(url)
+        assert answer["status"] == "success", answer
+        result: list[dict[str, Any]] = answer["data"]["result"]
+        return result
+
+
+def node_env(fakes: FakeDriver, root: Path, **knobs: str) -> dict[str, str]:
+    dev, proc = make_host_dirs(root, gpus=2)
+    base = clean_env()
+    base.update(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc))
+    return fakes.env(base=base, FAKE_NVML_DEVICE_COUNT="2", FAKE_CUDA_DEVICE_COUNT="2",
+                     **knobs)
+
+
+@pytest.fixture(scope="module")
+def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    if PROMETHEUS is None:
+        pytest.skip("prometheus not installed (apt-get install prometheus)")
+    root = tmp_path_factory.mktemp("fleet")
+    healthy = start_daemon(root / "a", node_env(fakes, root / "host-a",
+                                                FAKE_NVML_UTILIZATION="0:40,1:60"))
+    # Node b: GPU 1 fell off the bus (XID 79), has a pending row remap and uncorrectable
+    # ECC errors; GPU 0 saw an application XID 13 (a warning, not a blocker).
+    blocked = start_daemon(root / "b", node_env(
+        fakes, root / "host-b", FAKE_NVML_XIDS="1:79,0:13",
+        FAKE_NVML_REMAPPED_ROWS="1:0/0/1/0", FAKE_NVML_ECC_AGGREGATE_UNCORRECTED="1:2"))
+    port = free_port()
+    rules = root / "gpudiag.rules.yml"
+    shutil.copy(RULES, rules)
+    (root / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files: [{rules}]\n"
+        "scrape_configs:\n  - job_name: gpudiag\n    static_configs:\n"
+        f"      - targets: ['{healthy.instance}', '{blocked.instance}']\n")
+    prometheus = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}",
+         f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(root / "prometheus.log").open("w"))
+    try:
+        yield Fleet(f"http://127.0.0.1:{port}", healthy, blocked)
+    finally:
+        for proc in (prometheus, healthy.proc, blocked.proc):
+            proc.terminate()
+        for proc in (prometheus, healthy.proc, blocked.proc):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def regex_escape(value: str) -> str:
+    """How Grafana puts a multi-value variable's value into a PromQL =~ string."""
+    return re.sub(r"([\\^$*+?.()|\[\]{}])", r"\\\\\1", value)
+
+
+def substitute(expr: str, instance: str, gpu: str) -> str:
+    for name, value in (("$__rate_interval", "10s"), ("$__interval", "1s"),
+                        ("$__range", "10m"), ("$instance", instance), ("$gpu", gpu)):
+        expr = expr.replace(name, value)
+    assert "$" not in expr, expr
+    return expr
+
+
+def wait_for_every_expression(fleet: Fleet, cases: list[tuple[str, str, str]],
+                              timeout_s: float = 60.0) -> dict[str, str]:
+    """Poll until every expression has data (rate windows need a few scrapes)."""
+    deadline = time.monotonic() + timeout_s
+    empty: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        empty = {}
+        for label, expr, _ in cases:
+            try:
+                if not fleet.query(expr):
+                    empty[label] = expr
+            except OSError as e:  # Prometheus still starting
+                empty[label] = f"{expr} ({e})"
+        if not empty:
+            break
+        time.sleep(1.0)
+    return empty
+
+
+def test_every_dashboard_expression_returns_data(fleet: Fleet) -> None:
+    blocked_only = "(" + regex_escape(fleet.blocked.instance) + ")"
+    cases = []
+    for instance, gpu, view in ((".*", ".*", "all nodes"), (blocked_only, "1", "node b gpu 1")):
+        for title, ref, expr in expressions():
+            cases.append((f"{view}: {title} [{ref}]", substitute(expr, instance, gpu), view))
+    empty = wait_for_every_expression(fleet, cases)
+    assert not empty, "expressions without data:\n" + "\n".join(
+        f"  {k}: {v}" for k, v in empty.items())
+    # The data is the daemons' own, not just any series.
+    by_code = fleet.query(substitute(
+        next(e for t, _, e in expressions() if t == "Nodes by blocker code"), ".*", ".*"))
+    assert {r["metric"]["code"] for r in by_code} >= {"gpu_lost"}
+    assert fleet.query("sum(gpudiag_ready)")[0]["value"][1] == "1"
+
+
+def test_dashboard_variables_resolve(fleet: Fleet) -> None:
+    wait_for_every_expression(fleet, [("ready", "gpudiag_gpu_info", "")])
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        match = re.fullmatch(r"label_values\((.*), (\w+)\)", var["query"]["query"])
+        assert match, var["query"]
+        selector = match.group(1).replace("$instance", ".*")
+        url = (f"{fleet.prometheus_url}/api/v1/label/{match.group(2)}/values?"
+               + urllib.parse.urlencode({"match[]": selector}))
+        values = http_json(url)["data"]
+        if var["name"] == "instance":
+            assert set(values) == {fleet.healthy.instance, fleet.blocked.instance}
+        if var["name"] == "gpu":
+            assert set(values) == {"0", "1"}
+
+
+def test_alert_rules_evaluate_on_the_real_metrics(fleet: Fleet) -> None:
+    """The rules load without error in the real Prometheus and alert on node b's XID 79."""
+    deadline = time.monotonic() + 60
+    firing: dict[str, set[str]] = {}
+    while time.monotonic() < deadline:
+        groups = http_json(f"{fleet.prometheus_url}/api/v1/rules")["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        assert rules and all(r["health"] in {"ok", "unknown"} for r in rules), [
+            (r["name"], r.get("lastError")) for r in rules if r["health"] == "err"]
+        firing = {}
+        for alert in http_json(f"{fleet.prometheus_url}/api/v1/alerts")["data"]["alerts"]:
+            firing.setdefault(alert["labels"]["alertname"], set()).add(
+                f'{alert["labels"]["instance"]}/{alert["state"]}')
+        if {"GpudiagCriticalXid", "GpudiagEccUncorrectable", "GpudiagNodeBlocked"} <= set(
+                firing):
+            break
+        time.sleep(1.0)
+    b, a = fleet.blocked.instance, fleet.healthy.instance
+    assert firing.get("GpudiagCriticalXid") == {f"{b}/firing"}, firing
+    assert firing.get("GpudiagEccUncorrectable") == {f"{b}/firing"}, firing
+    # NodeBlocked waits 5 minutes before firing: pending here, and only for node b.
+    assert {s.split("/")[0] for s in firing.get("GpudiagNodeBlocked", set())} == {b}, firing
+    assert not any(s.startswith(a) for states in firing.values() for s in states), firing
