@@ -267,7 +267,10 @@ def default_lock_dir(env: Mapping[str, str] | None = None) -> Path:
         return Path(env["GPUDIAG_LOCK_DIR"])
     system = Path("/run/gpudiag/locks")
     with contextlib.suppress(OSError):
-        system.mkdir(parents=True, exist_ok=True)
+        if not system.is_dir():
+            system.mkdir(parents=True, exist_ok=True)
+            # Shared by every user's jobs, like /tmp: anyone may add a lock, none may delete.
+            system.chmod(0o1777)
     if system.is_dir() and os.access(system, os.W_OK | os.X_OK):
         return system
     # A per-user fallback only excludes this user's own jobs: say so in docs/runner.md.

@@ -6,10 +6,12 @@ in a temporary folder; holders are real processes that the tests SIGKILL.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -239,7 +241,7 @@ with gpudiag.admit(gpus=1, lock_dir=sys.argv[1], timeout=0) as adm:
 
 def _holder(env: dict[str, str], locks: Path, hold_s: float) -> tuple[subprocess.Popen[str],
                                                                      str]:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(locks), str(hold_s)],  # noqa: S603
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(locks), str(hold_s)],
                             env=env,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -337,3 +339,25 @@ def test_lock_files_are_never_named_by_prefix_or_index(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             try_lock(tmp_path, bad)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_complete_runner_example_in_docs_runs(gpu_env: EnvFactory, tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "runner.md").read_text()
+    example = doc.split("## A complete runner", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    script = tmp_path / "runner_example.py"
+    script.write_text(example + textwrap.dedent("""
+        import sys
+        code = run_trial([sys.executable, "-c",
+                          "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
+                         Path(sys.argv[1]))
+        sys.exit(code)
+    """))
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "rec")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == gpu_uuid(0)
+    record = json.loads((tmp_path / "rec" / "record.json").read_text())
+    assert record["outcome"] == "ran" and record["exit_code"] == 0
+    assert record["admission"]["selected"] == [gpu_uuid(0)]
+    assert record["verdict"]["gpu_validation_blocker"] == "none"
