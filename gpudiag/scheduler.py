@@ -159,6 +159,12 @@ class Scheduler:
         """Call ``listener`` (in the publishing thread) after each new snapshot."""
         self._listeners.append(listener)
 
+    def due_in(self, key: ProbeKey) -> float | None:
+        """Seconds until the key's next scheduled run (None: not scheduled)."""
+        with self._lock:
+            due = self._due.get(key)
+        return None if due is None else due - self.clock.monotonic()
+
     def deadline_of(self, backend: str) -> float:
         cfg = self.config.backends.get(backend)
         return cfg.deadline_s if cfg is not None else 60.0

@@ -295,7 +295,8 @@ def test_sigkill_of_the_daemon_keeps_acknowledged_history(rig) -> None:
     for i in range(3):
         daemon = rig["start"]()
         write_state_file(rig["state"], states[i % 2])
-        wait_for(lambda: sum('"history_id"' in line for line in daemon.lines) >= 1, 10)
+        lines = daemon.lines
+        wait_for(lambda: any('"history_id"' in line for line in lines), 10)  # noqa: B023
         daemon.proc.send_signal(signal.SIGKILL)
         daemon.proc.wait(5)
         daemon._reader.join(5)

@@ -14,7 +14,7 @@ from gpudiag.scheduler import Scheduler
 from gpudiag.server import MAX_BODY_BYTES, MAX_PARAMS, MAX_URL_BYTES, DaemonApp, serve
 from gpudiag.store import HistoryStore
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wsgi, wait_for
+from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for, wsgi
 
 
 @pytest.fixture(scope="module")
