@@ -189,6 +189,12 @@ def _fallback(obs: Mapping[str, Any], stderr: str) -> Cause | None:
     """The job would silently run on the CPU: JAX's default backend came up as cpu."""
     if obs.get("default_backend") != "cpu":
         return None
+    if obs.get("required_devices"):
+        # JAX_PLATFORMS=cpu,cuda: the GPU is there, but jit and new arrays default to the CPU.
+        return Cause("jax_cpu_fallback",
+                     f"JAX has GPU devices but its default backend is the CPU "
+                     f"(JAX_PLATFORMS={_platforms(obs)}): jit and un-placed arrays would run "
+                     "on the CPU")
     warned = _FALLBACK_RE.search(stderr)
     said = f"; JAX warned: {warned.group()}" if warned else ""
     return Cause("jax_cpu_fallback",
@@ -216,10 +222,11 @@ def causes(obs: Mapping[str, Any], platform: str, stderr: str) -> list[Cause]:
             out.append(Cause("jax_backend_init_failed",
                              f"JAX did not come up on the CPU (JAX_PLATFORMS=cpu): "
                              f"{_text(err) or 'no cpu device'}"))
-    elif not obs.get("required_devices"):
-        cause = gpu_cause(obs, stderr)
-        if cause is not None:
-            out.append(cause)
+    else:
+        if not obs.get("required_devices"):
+            cause = gpu_cause(obs, stderr)
+            if cause is not None:
+                out.append(cause)
         fallback = _fallback(obs, stderr)
         if fallback is not None and all(c.code != fallback.code for c in out):
             out.append(fallback)

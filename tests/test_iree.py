@@ -82,6 +82,21 @@ def test_iree_context_failure_is_device_create_failed(gpu_env: EnvFactory) -> No
     assert "CUDA_ERROR_DEVICE_UNAVAILABLE" in msg and "busy or unavailable" in msg
 
 
+def test_iree_checks_the_kernel_result_which_the_fake_gpu_cannot_compute(
+        gpu_env: EnvFactory) -> None:
+    # The fake libcuda accepts launches but runs nothing: a probe that did not check the
+    # result would call this GPU healthy.
+    code, record = verdict_of(["preflight", "--require", "iree", "--format", "json"],
+                              gpu_env())
+    assert code == 1
+    assert record["gpu_validation_blocker"] == "iree_execute_failed"
+    assert "expected [3.0, 6.0, 9.0, 12.0]" in _blocker(record, "iree_execute_failed")[
+        "message"]
+    cuda = record["backends"]["iree"]["detail"]["driver_detail"]["cuda"]
+    assert cuda["compile"]["cached"] is False  # a failing cached module was recompiled
+    assert record["backends"]["cuda"]["status"] == "ok"
+
+
 def test_iree_and_jax_combine_and_probe_shows_both(bare_env: dict[str, str]) -> None:
     code, record = verdict_of(["probe", "--backend", "jax:cpu,iree:local-task", "--json"],
                               bare_env)

@@ -7,12 +7,17 @@ jax-cuda12-plugin does, so the classifier reads real stderr and real exceptions.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import EnvFactory, verdict_of
+from gpudiag.classify import classify
+from gpudiag.environment import probe_environment
+from gpudiag.isolation import ProbeRun, run_probe
+from gpudiag.verdict import BackendRequirement, Requirement
+from tests.conftest import EnvFactory, clean_env, verdict_of
 
 FAKE_PLUGIN_PATH = Path(__file__).resolve().parent / "fakes" / "jax_plugin"
 
@@ -150,3 +155,54 @@ def test_jax_not_importable_is_not_installed(bare_env: dict[str, str], tmp_path:
     assert record["gpu_validation_blocker"] == "jax_not_installed"
     assert "jaxlib" in _blocker(record, "jax_not_installed")["message"]
     assert record["backends"]["jax"]["status"] == "not_installed"
+
+
+# The classifier on observations a GPU host would give: a real CPU observation from a real
+# child, with the GPU facts put in (no GPU here to produce them).
+@pytest.fixture(scope="module")
+def cpu_run() -> ProbeRun:
+    env = probe_environment(clean_env())
+    run = run_probe("jax", env=env, timeout_s=120, options={"platform": "cpu"})
+    assert run.ok, run.error
+    return run
+
+
+def _gpu_verdict(run: ProbeRun, **changes: Any) -> dict[str, Any]:
+    gpu_dev = {"id": 0, "platform": "gpu", "kind": "NVIDIA H200"}
+    obs = dict(run.observation or {}, platform_required="gpu", cpu_allowed=False,
+               default_backend="cuda", platforms=["cpu", "cuda"],
+               required_devices=[gpu_dev], devices=[gpu_dev],
+               compute={"ok": True, "result": 64.0, "expected": 64.0, "device": "cuda:0"})
+    obs.update(changes)
+    verdict = classify({"jax": replace(run, observation=obs)},
+                       Requirement(backends=(BackendRequirement("jax"),), min_devices=0),
+                       host="h", checked_at="2026-11-29T00:00:00Z")
+    return verdict.record()
+
+
+def test_a_gpu_that_computes_is_ready(cpu_run: ProbeRun) -> None:
+    record = _gpu_verdict(cpu_run)
+    assert record["ready"] is True, record["blockers"]
+    assert record["backends"]["jax"]["detail"]["cpu_allowed"] is False
+
+
+def test_gpu_present_but_cpu_default_is_a_fallback(cpu_run: ProbeRun) -> None:
+    record = _gpu_verdict(cpu_run, default_backend="cpu", jax_platforms="cpu,cuda")
+    assert record["gpu_validation_blocker"] == "jax_cpu_fallback"
+    assert "'cpu,cuda'" in record["blockers"][0]["message"]
+
+
+def test_a_wrong_gpu_result_is_compute_failed(cpu_run: ProbeRun) -> None:
+    record = _gpu_verdict(cpu_run, compute={
+        "ok": False, "device": "cuda:0",
+        "error": {"type": "WrongResult", "message": "gave 0.0, expected 64.0"}})
+    assert record["gpu_validation_blocker"] == "jax_compute_failed"
+    assert "gave 0.0" in record["blockers"][0]["message"]
+
+
+def test_plugin_version_skew_is_a_mismatch(cpu_run: ProbeRun) -> None:
+    versions = dict((cpu_run.observation or {})["versions"], **{"jax-cuda12-plugin": "0.4.30"})
+    record = _gpu_verdict(cpu_run, versions=versions, default_backend="cpu",
+                          platforms=["cpu"], required_devices=[], compute=None)
+    assert record["gpu_validation_blocker"] == "jax_plugin_version_mismatch"
+    assert "jax-cuda12-plugin 0.4.30" in record["blockers"][0]["message"]
