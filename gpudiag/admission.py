@@ -650,11 +650,13 @@ def compare(first: Observation, locked: Observation, selected: Sequence[str],
 
 
 def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[str, str],
-                            timeout_s: float | None = None
+                            timeout_s: float | None = None, daemon_url: str | None = None
                             ) -> tuple[Verdict, Observation | None]:
-    """The inline preflight verdict, and its nvml run as the first observation when present.
+    """The preflight verdict, and the first observation when the probes ran here.
 
-    The preflight requirement asks for one healthy GPU: admission counts leaves itself (MIG
+    The daemon at ``daemon_url`` answers first when one listens (milliseconds); otherwise
+    the probes run inline and their nvml run doubles as the first observation. The
+    preflight requirement asks for one healthy GPU: admission counts leaves itself (MIG
     instances are leaves the preflight does not count).
     """
     from gpudiag.classify import classify
@@ -666,6 +668,12 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
         # A CPU requirement that still asks for GPUs: NVML must be probed too.
         from gpudiag.verdict import BackendRequirement
         pre = replace(pre, backends=(*pre.backends, BackendRequirement("nvml")))
+    if daemon_url is not None:
+        from gpudiag.client import ask_daemon
+
+        answer = ask_daemon(daemon_url, pre, env=env)
+        if answer.verdict is not None:
+            return answer.verdict, None
     runs, checked_at = run_inline(pre, env=env, timeout_s=timeout_s)
     verdict = classify(runs, pre, host=socket.gethostname(), checked_at=checked_at)
     nvml = runs.get("nvml")
@@ -678,12 +686,14 @@ def admit(gpus: int | None = None, *, min_free_memory: str | int | None = None,
           require: str | Requirement = "cuda", timeout: float = DEFAULT_LOCK_TIMEOUT_S,
           env: Mapping[str, str] | None = None, lock_dir: str | os.PathLike[str] | None = None,
           verdict: Verdict | None = None, probe_timeout_s: float | None = None,
+          daemon_url: str | None = None,
           after_first_observation: Hook | None = None) -> Iterator[Admission]:
     """Preflight, then admit ``gpus`` leaves under full-UUID locks for the ``with`` block.
 
     Raises AdmissionError (its ``verdict`` names the blocker, with evidence) when refused.
     ``timeout`` is how long to wait for GPUs other jobs hold; ``verdict`` skips the
-    preflight when the caller already has one for this requirement.
+    preflight when the caller already has one for this requirement; ``daemon_url`` asks
+    that gpudiag daemon for the verdict first (inline probes when none answers).
     """
     from gpudiag.requirement import parse_requirement, parse_size
 
@@ -695,7 +705,8 @@ def admit(gpus: int | None = None, *, min_free_memory: str | int | None = None,
     base = dict(os.environ if env is None else env)
     first: Observation | None = None
     if verdict is None:
-        verdict, first = preflight_for_admission(requirement, n, base, probe_timeout_s)
+        verdict, first = preflight_for_admission(requirement, n, base, probe_timeout_s,
+                                                 daemon_url)
     admitter = Admitter(env=base, lock_dir=Path(lock_dir) if lock_dir else default_lock_dir(base),
                         gpus=n, min_free_memory_bytes=floor, lock_timeout_s=timeout,
                         after_first_observation=after_first_observation)

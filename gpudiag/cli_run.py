@@ -84,11 +84,15 @@ def _default_artifacts() -> Path:
 @click.option("--lock-dir", "lock_dir_text", metavar="DIR",
               help="Folder of the per-UUID lock files [default: $GPUDIAG_LOCK_DIR, "
               "/run/gpudiag/locks, or $XDG_RUNTIME_DIR/gpudiag/locks].")
+@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon for the verdict "
+              "first [default: $GPUDIAG_DAEMON_URL or http://127.0.0.1:9477]; inline probes "
+              "when none answers.")
+@click.option("--no-daemon", is_flag=True, help="Run the probes here; do not ask a daemon.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- ARGV...")
 def run(require_text: str, gpus: int | None, min_free_text: str | None,
         timeout_text: str | None, grace_text: str, lock_timeout_text: str,
         artifacts_text: str | None, image: str | None, lock_dir_text: str | None,
-        argv: tuple[str, ...]) -> None:
+        daemon_url: str | None, no_daemon: bool, argv: tuple[str, ...]) -> None:
     """Admit GPUs and run ARGV with the exact child environment, then write the closeout.
 
     ARGV never starts when the host is blocked or no GPU can be admitted (exit 125; the
@@ -106,15 +110,20 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
     grace = _seconds(grace_text, "--kill-grace")
     lock_timeout = _seconds(lock_timeout_text, "--lock-timeout", zero_ok=True)
     assert grace is not None and lock_timeout is not None
+    from gpudiag.client import DaemonUrlError, default_url
+
+    url = None if no_daemon else (daemon_url or default_url())
     n = gpus if gpus is not None else (1 if requirement.needs_gpu else 0)
     options = RunOptions(
         argv=tuple(argv), requirement=requirement,
         artifacts=Path(artifacts_text) if artifacts_text else _default_artifacts(),
         lock_dir=Path(lock_dir_text) if lock_dir_text else default_lock_dir(),
         gpus=n, min_free_memory_bytes=floor, timeout_s=_seconds(timeout_text, "--timeout"),
-        kill_grace_s=grace, lock_timeout_s=lock_timeout, image=image)
+        kill_grace_s=grace, lock_timeout_s=lock_timeout, image=image, daemon_url=url)
     try:
         outcome = execute(options, out=sys.stdout.buffer, err=sys.stderr.buffer)
+    except DaemonUrlError as e:
+        raise RunUsageError(f"--daemon-url: {e}") from e
     except RunnerError as e:
         raise RunFailed(str(e)) from e
     except (OSError, ValueError) as e:  # the boundary: a message and 125, never a traceback

@@ -79,6 +79,7 @@ class RunOptions:
     image: str | None = None
     docker: str = "docker"
     cwd: Path = field(default_factory=Path.cwd)
+    daemon_url: str | None = None  # ask this daemon for the verdict first; None: inline
 
 
 @dataclass(frozen=True)
@@ -349,7 +350,7 @@ def closeout_kv(closeout: Mapping[str, Any]) -> str:
         "gpu_execution_route", "gpu_validation_blocker", "ready", "launched", "status",
         "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
         "preallocation_source", "container_image", "gpu_injection", "started_at",
-        "ended_at", "duration_s", "host", "gpudiag_version")]
+        "ended_at", "duration_s", "verdict_source", "host", "gpudiag_version")]
     gpus = closeout.get("gpus") or []
     lines.append(f"gpus.count={len(gpus)}")
     lines.append(f"gpus.uuids={','.join(str(g['uuid']) for g in gpus)}")
@@ -424,7 +425,8 @@ def _base_closeout(options: RunOptions, paths: Mapping[str, str], started: str
         "timed_out": False, "preallocation_disabled": "no", "preallocation_source": "none",
         "container_image": options.image, "gpu_injection": None, "started_at": started,
         "ended_at": None, "duration_s": None, "host": socket.gethostname(),
-        "gpudiag_version": __version__, "gpus": [], "artifacts": dict(paths),
+        "gpudiag_version": __version__, "verdict_source": None, "gpus": [],
+        "artifacts": dict(paths),
         "blockers": [], "evidence": None, "error": None,
     }
 
@@ -483,7 +485,8 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
     paths = _paths(options.artifacts)
     closeout = _base_closeout(options, paths, started)
     verdict, first = preflight_for_admission(options.requirement, options.gpus, base,
-                                             options.probe_timeout_s)
+                                             options.probe_timeout_s, options.daemon_url)
+    closeout["verdict_source"] = verdict.source
     admitter = Admitter(env=base, lock_dir=options.lock_dir, gpus=options.gpus,
                         min_free_memory_bytes=options.min_free_memory_bytes,
                         lock_timeout_s=options.lock_timeout_s,

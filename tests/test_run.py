@@ -22,6 +22,8 @@ import pytest
 
 from gpudiag.child import env_sha256
 from tests.conftest import EnvFactory, run_gpudiag
+from tests.fakes.build import FakeDriver
+from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, write_config
 
 PRINT_ENV = ("import json, os; from gpudiag.child import env_sha256; "
              "print(json.dumps({'env': dict(os.environ), 'sha256': env_sha256(os.environ)}))")
@@ -46,11 +48,18 @@ def load(path: Path) -> Any:
 @pytest.fixture
 def host(gpu_env: EnvFactory, tmp_path: Path) -> dict[str, str]:
     """A healthy 4-GPU fake host whose locks live in this test's folder."""
-    return gpu_env(FAKE_NVML_DEVICE_COUNT=4, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+    return gpu_env(FAKE_NVML_DEVICE_COUNT=4, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"),
+                   GPUDIAG_DAEMON_URL=NO_DAEMON)
+
+
+# Nothing listens on the discard port: no daemon a developer runs can answer these tests.
+NO_DAEMON = "http://127.0.0.1:9"
 
 
 def gpudiag_run(args: list[str], env: dict[str, str], artifacts: Path, timeout: float = 60
                 ) -> subprocess.CompletedProcess[str]:
+    env = dict(env)
+    env.setdefault("GPUDIAG_DAEMON_URL", NO_DAEMON)
     return run_gpudiag(["run", "--artifacts", str(artifacts), *args], env, timeout)
 
 
@@ -176,7 +185,7 @@ INTERVAL = textwrap.dedent("""
 def test_eight_jobs_on_four_gpus_run_four_at_a_time_never_two_on_one_gpu(
         host: dict[str, str], tmp_path: Path) -> None:
     log = tmp_path / "intervals"
-    procs = [subprocess.Popen(  # noqa: S603 - fixed argv
+    procs = [subprocess.Popen(
         [sys.executable, "-m", "gpudiag", "run", "--gpus", "1", "--lock-timeout", "120",
          "--artifacts", str(tmp_path / f"a{i}"), "--", sys.executable, "-c", INTERVAL,
          str(log), "2.5"], env=host, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -228,7 +237,7 @@ def test_a_gpu_stays_locked_until_the_last_grandchild_ends(host: dict[str, str],
                                                            tmp_path: Path) -> None:
     (tmp_path / "gc.py").write_text(GRANDCHILD)
     art = tmp_path / "a"
-    proc = subprocess.Popen(  # noqa: S603 - fixed argv
+    proc = subprocess.Popen(
         [sys.executable, "-m", "gpudiag", "run", "--artifacts", str(art), "--",
          sys.executable, str(tmp_path / "gc.py"), str(tmp_path)], env=host,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -292,7 +301,7 @@ def test_sigterm_is_forwarded_to_the_child(host: dict[str, str], tmp_path: Path)
     code = ("import signal, sys, time, pathlib; "
             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42)); "
             f"pathlib.Path({str(ready)!r}).touch(); time.sleep(30)")
-    proc = subprocess.Popen(  # noqa: S603 - fixed argv
+    proc = subprocess.Popen(
         [sys.executable, "-m", "gpudiag", "run", "--artifacts", str(tmp_path / "a"), "--",
          sys.executable, "-c", code], env=host, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
@@ -384,3 +393,36 @@ def test_image_runs_one_docker_run_with_cdi_or_gpus_all_and_the_exact_env(
     assert close["container_image"] == "img:1"
     assert close["gpu_injection"] == ("cdi" if cdi else "gpus-all")
     assert load(art / "plan.json")["docker"]["argv"] == ["docker", *argv]
+
+
+def test_the_verdict_comes_from_a_running_daemon_and_admission_still_observes(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+    cfg = write_config(tmp_path / "gpudiag.toml", DAEMON_TOML.format(nvml_deadline=10))
+    daemon = Daemon(env, cfg, tmp_path / "state")
+    try:
+        daemon.wait_ready()
+        env["GPUDIAG_DAEMON_URL"] = daemon.url
+        art = tmp_path / "a"
+        proc = run_gpudiag(["run", "--artifacts", str(art), "--", sys.executable, "-c",
+                            "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"], env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == gpu_uuid(0)
+        close = kv(art / "closeout.txt")
+        assert close["verdict_source"] == "daemon" and close["gpu_validation_blocker"] == "none"
+        # The daemon's verdict says the host is fine; occupancy is still observed here, now.
+        plan = load(art / "plan.json")
+        assert plan["admission"]["first_observation"]["leaves"]
+        assert plan["admission"]["locked_observation"]["leaves"]
+    finally:
+        daemon.stop()
+
+
+def test_a_non_python_child_is_verified_from_the_plan_environment(host: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    proc = gpudiag_run(["--", "sh", "-c", 'echo "$XLA_PYTHON_CLIENT_PREALLOCATE"; exit 5'],
+                       host, tmp_path / "a")
+    assert proc.returncode == 5 and proc.stdout == "false\n"
+    close = kv(tmp_path / "a" / "closeout.txt")
+    assert close["preallocation_disabled"] == "yes" and close["preallocation_source"] == "plan"
