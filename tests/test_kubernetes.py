@@ -160,7 +160,7 @@ def test_npd_plugin_maps_preflight_exit_codes_to_npd(
     env = gpu_env(**knobs)
     env.update({"GPUDIAG": str(Path(sys.executable).with_name("gpudiag")),
                 "GPUDIAG_DAEMON_URL": f"http://127.0.0.1:{_closed_port()}", **extra})
-    proc = subprocess.run([str(NPD_SCRIPT)], env=env, capture_output=True, text=True,  # noqa: S603
+    proc = subprocess.run([str(NPD_SCRIPT)], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == rc, proc.stdout + proc.stderr
     first_line = proc.stdout.splitlines()[0]

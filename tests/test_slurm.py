@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.build import write_state_file
+from tests.test_grafana import start_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "deploy" / "slurm"
 PROLOG = SLURM / "gpudiag-prolog.sh"
@@ -110,7 +113,7 @@ class SlurmNode:
         env.update(extra or {})
         (self.folder / "calls.jsonl").write_text("")
         start = time.monotonic()
-        proc = subprocess.run([str(script)], env=env, capture_output=True, text=True,  # noqa: S603
+        proc = subprocess.run([str(script)], env=env, capture_output=True, text=True,
                               timeout=SLURM_LIMIT_S, check=False)
         duration = time.monotonic() - start
         calls = [json.loads(line) for line in
@@ -273,3 +276,44 @@ def test_scripts_need_no_environment_beyond_what_slurm_gives(node: SlurmNode) ->
     out = node.run(HEALTHCHECK, {"FAKE_CUDA_INIT_ERROR": "999"}, extra={"PATH": ""})
     assert out.state["reason"] == "gpudiag: cuda_init_failed", out.stderr
     assert os.access(PROLOG, os.X_OK) and os.access(HEALTHCHECK, os.X_OK)
+
+
+# --- with the daemon running --------------------------------------------------------------
+
+def test_scripts_ask_the_running_daemon_and_follow_its_state(
+        node: SlurmNode, tmp_path: Path) -> None:
+    """A real `gpudiag serve` on the fakes; the GPU state changes while it runs."""
+    state_file = tmp_path / "gpu-state"
+    write_state_file(state_file, {})
+    daemon = start_daemon(tmp_path / "daemon", node.make_env(FAKE_GPU_STATE_FILE=str(state_file)))
+    url = {"GPUDIAG_DAEMON_URL": f"http://{daemon.instance}"}
+    try:
+        admitted = wait_for(lambda: node.run(PROLOG, extra={**job_env("0,1"), **url}),
+                            lambda o: "source=daemon" in str(o.state["jobs"]))
+        assert admitted.returncode == 0, admitted.stderr
+        assert admitted.state["jobs"]["4242"]["AdminComment"].startswith("gpudiag: none")
+
+        write_state_file(state_file, {"FAKE_NVML_DEVICE_ERRORS": "0:15"})
+        drained = wait_for(lambda: node.run(HEALTHCHECK, extra=url),
+                           lambda o: o.state["reason"] == "gpudiag: gpu_lost")
+        assert drained.state["state"] == "IDLE+DRAIN"
+
+        write_state_file(state_file, {})
+        resumed = wait_for(lambda: node.run(HEALTHCHECK, extra=url),
+                           lambda o: o.state["reason"] == "")
+        assert resume_calls(resumed) == [["update", f"NodeName={NODE}", "State=RESUME"]]
+    finally:
+        daemon.proc.terminate()
+        daemon.proc.wait(15)
+
+
+def wait_for(action: Callable[[], Outcome], done: Callable[[Outcome], bool],
+             timeout_s: float = 30.0) -> Outcome:
+    """Run ``action`` until ``done`` holds for its outcome (the daemon re-probes every 1 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = action()
+        if done(out) or time.monotonic() > deadline:
+            assert done(out), (out.calls, out.state, out.stderr)
+            return out
+        time.sleep(0.5)

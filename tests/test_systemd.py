@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def testable_unit(tmp_path: Path) -> Path:
 @needs_analyze
 def test_systemd_analyze_verify_is_silent(testable_unit: Path) -> None:
     assert SYSTEMD_ANALYZE is not None
-    proc = subprocess.run([SYSTEMD_ANALYZE, "verify", str(testable_unit)],  # noqa: S603
+    proc = subprocess.run([SYSTEMD_ANALYZE, "verify", str(testable_unit)],
                           capture_output=True,
                           text=True, timeout=60, check=False, cwd=testable_unit.parent)
     # Unknown keys and bad values only warn with exit 0: the stderr is what counts.
@@ -72,7 +73,7 @@ def test_systemd_analyze_verify_is_silent(testable_unit: Path) -> None:
 
 def exposure(unit: Path) -> tuple[float, str]:
     assert SYSTEMD_ANALYZE is not None
-    proc = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager",  # noqa: S603
+    proc = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", "--no-pager",
                            str(unit)], capture_output=True, text=True, timeout=60,
                           check=False, cwd=unit.parent)
     match = re.search(r"Overall exposure level for \S+: (\d+\.\d+) (\w+)", proc.stdout)
@@ -213,3 +214,37 @@ def test_wedged_scheduler_loop_stops_the_watchdog_keepalive(
     finally:
         gate.release.set()
         scheduler.stop()
+
+
+def test_gpudiag_serve_notifies_ready_then_keepalives_that_stop_when_frozen(
+        notify_socket: tuple[socket.socket, str], gpu_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The real daemon: READY=1 once serving, WATCHDOG=1 while the loop runs, none while the
+    process is frozen (what systemd's watchdog sees of a hung daemon), STOPPING=1 on TERM."""
+    sock, path = notify_socket
+    config = tmp_path / "gpudiag.toml"
+    config.write_text('listen = "127.0.0.1:0"\n[scheduler]\ntick_s = 0.1\n'
+                      "[backends.jax]\nenabled = false\n[backends.iree]\nenabled = false\n")
+    env = gpu_env()
+    env.update(NOTIFY_SOCKET=path, WATCHDOG_USEC="2000000")
+    gpudiag = Path(sys.executable).with_name("gpudiag")
+    proc = subprocess.Popen([str(gpudiag), "serve", "--config", str(config),
+                             "--state-dir", str(tmp_path / "state")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        first = received(sock, 2.5)
+        ready = [m for m in first if m.startswith("READY=1")]
+        assert ready and "STATUS=serving on http://127.0.0.1:" in ready[0], first
+        assert first.count("WATCHDOG=1") >= 5, first
+        proc.send_signal(signal.SIGSTOP)
+        received(sock, 0.3)
+        assert received(sock, 1.0) == []
+        proc.send_signal(signal.SIGCONT)
+        assert received(sock, 1.0).count("WATCHDOG=1") >= 3
+        proc.terminate()
+        assert proc.wait(15) == 0
+        assert "STOPPING=1" in received(sock, 0.5)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
