@@ -100,13 +100,12 @@ def serve(listen: str | None, config_path: str | None, state_dir: str | None,
                    f"{cfg.default_requirement}")
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
-    run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir())
+    run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path)
 
 
-def run_daemon(cfg: DaemonConfig, state_dir: Path) -> None:
+def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None) -> None:
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
-    from gpudiag.environment import probe_environment
-    from gpudiag.scheduler import Scheduler
+    from gpudiag.scheduler import Scheduler, child_environment
     from gpudiag.sdnotify import Notifier
     from gpudiag.server import DaemonApp
     from gpudiag.server import serve as http_serve
@@ -122,7 +121,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path) -> None:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
     notifier = Notifier()
     wake: list[Any] = []
-    watcher = XidWatcher(cfg.xid, probe_environment(os.environ),
+    watcher = XidWatcher(cfg.xid, child_environment(os.environ),
                          on_change=lambda: wake[0]() if wake else None)
     scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher)
     wake.append(scheduler.wake)
@@ -148,6 +147,18 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+
+    def on_hup(*_: Any) -> None:
+        # A reload must not kill the daemon (SIGHUP's default); settings apply on restart.
+        try:
+            load_config(config_path)
+            verdict = "the file is valid"
+        except ConfigError as e:
+            verdict = f"the file is invalid: {e}"
+        log.warning("SIGHUP: live reload is not supported; restart to apply the config (%s)",
+                    verdict)
+
+    signal.signal(signal.SIGHUP, on_hup)
     watcher.start()
     scheduler.start()
     url = f"http://{host if ':' not in str(host) else f'[{host}]'}:{port}"

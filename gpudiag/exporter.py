@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from gpudiag import __version__
 from gpudiag.blockers import BLOCKERS, WARNINGS
-from gpudiag.snapshot import OUTCOMES, Snapshot
+from gpudiag.snapshot import OUTCOMES, ProbeKey, Snapshot
 
 
 def _gpu_labels(d: Mapping[str, Any]) -> list[str]:
@@ -70,7 +70,7 @@ class SnapshotCollector(Collector):
                                "1 when the backend initialized without a blocker, else 0.",
                                labels=["backend"])
         statuses = snap.full.backends if snap.full is not None else {}
-        for key in snap.scheduled:
+        for key in _first_per_backend(snap):
             status = statuses.get(key.backend)
             up.add_metric([key.backend], 1.0 if status is not None and status.status == "ok"
                           else 0.0)
@@ -101,7 +101,7 @@ class SnapshotCollector(Collector):
         init = GaugeMetricFamily("gpudiag_backend_init_seconds",
                                  "Time the backend's own initialization took in the probe.",
                                  labels=["backend"])
-        for key in snap.scheduled:
+        for key in _first_per_backend(snap):
             stats = snap.stats.get(key)
             for outcome in OUTCOMES:
                 n = stats.runs_by_outcome.get(outcome, 0) if stats is not None else 0
@@ -198,6 +198,14 @@ class SnapshotCollector(Collector):
                                 "Seconds since the daemon last published a snapshot.")
         age.add_metric([], max(0.0, now - snap.published_wall))
         yield from (up, restarts, gap, age)
+
+
+def _first_per_backend(snap: Snapshot) -> list[ProbeKey]:
+    """One scheduled key per backend (a jax:cpu default requirement adds a second jax)."""
+    seen: dict[str, ProbeKey] = {}
+    for key in snap.scheduled:
+        seen.setdefault(key.backend, key)
+    return list(seen.values())
 
 
 def _add(family: GaugeMetricFamily | CounterMetricFamily, labels: list[str],

@@ -30,6 +30,7 @@ from gpudiag.snapshot import (
     Snapshot,
     VerdictPolicy,
     WatcherState,
+    keys_for,
     outcome_of,
     verdict_for,
 )
@@ -69,6 +70,18 @@ def isolated_runner(backend: str, env: Mapping[str, str], timeout_s: float,
                     options: Mapping[str, Any] | None) -> ProbeRun:
     """The real runner: one isolated child per probe."""
     return run_probe(backend, env=env, timeout_s=timeout_s, options=options)
+
+
+# The daemon's own systemd channel: children must not speak for it.
+SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+def child_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """The probe children's environment: the daemon's, minus its systemd channel."""
+    env = probe_environment(base)
+    for name in SYSTEMD_ONLY:
+        env.pop(name, None)
+    return env
 
 
 class WatcherSource(Protocol):
@@ -120,7 +133,7 @@ class Scheduler:
         self._rng = rng or random.Random()
         self._notifier = notifier or Notifier(env={})
         self._watcher = watcher
-        self._env = probe_environment(os.environ if env is None else env)
+        self._env = child_environment(os.environ if env is None else env)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -130,8 +143,11 @@ class Scheduler:
                                     gap_warning_s=config.xid.gap_warning_s)
         self.full_requirement = full_requirement(config)
         self.ready_requirement = parse_requirement(config.default_requirement)
-        self.scheduled: tuple[ProbeKey, ...] = tuple(
-            ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends)
+        scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
+        # gpudiag_ready must always be computable: what the default requirement needs runs
+        # on its backend's interval even when that backend is switched off.
+        scheduled += [k for k in keys_for(self.ready_requirement) if k not in scheduled]
+        self.scheduled: tuple[ProbeKey, ...] = tuple(scheduled)
         self._interval = {k: config.backends[k.backend].interval_s for k in self.scheduled}
         self._due: dict[ProbeKey, float] = {}
         self._inflight: dict[ProbeKey, Flight] = {}
@@ -192,6 +208,11 @@ class Scheduler:
         self._wake.set()
 
     # -- on demand ---------------------------------------------------------------------
+    def running(self, key: ProbeKey) -> bool:
+        """Whether a run of ``key`` is in flight (a caller joining it starts nothing)."""
+        with self._lock:
+            return key in self._inflight
+
     def trigger(self, keys: Sequence[ProbeKey]) -> dict[ProbeKey, Flight]:
         """Run these probes now unless one is already running (single-flight)."""
         return {k: self._launch(k) for k in keys}

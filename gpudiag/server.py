@@ -10,20 +10,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
 from typing import Any
 from urllib.parse import parse_qsl
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpudiag.exporter import SnapshotCollector
+from gpudiag.httpserver import HttpServer
+from gpudiag.httpserver import start as start_http
 from gpudiag.requirement import RequirementError, parse_requirement
 from gpudiag.scheduler import SCHEDULED_OPTIONS, Scheduler
 from gpudiag.snapshot import ProbeKey, keys_for, verdict_for
@@ -48,11 +47,12 @@ class ApiError(Exception):
     status: int
     code: str
     message: str
+    retry_after_s: float | None = None
 
 
 _REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 404: "Not Found",
             405: "Method Not Allowed", 413: "Payload Too Large", 414: "URI Too Long",
-            500: "Internal Server Error", 503: "Service Unavailable"}
+            429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 def _json_body(status: int, body: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
@@ -97,15 +97,58 @@ def _flag(params: Mapping[str, str], name: str) -> bool:
     raise ApiError(400, "bad_parameter", f"{name}={raw!r}: accepted 1/0, true/false")
 
 
+@dataclass(frozen=True)
+class ProbeRateLimit:
+    """How often clients may make the daemon start a probe (per backend): a token bucket.
+
+    Only runs that a request starts count (POST /v1/probe, and /v1/preflight past
+    max_age_s); joining a run in flight and the scheduled runs are free.
+    """
+
+    burst: int = 10
+    refill_s: float = 2.0
+
+
+class ProbeBuckets:
+    """Token buckets per backend for on-demand probe runs."""
+
+    def __init__(self, limit: ProbeRateLimit, clock: Callable[[], float]) -> None:
+        self.limit = limit
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tokens: dict[str, tuple[float, float]] = {}  # backend -> (tokens, at)
+
+    def take(self, backends: Iterable[str]) -> float:
+        """Take one token for each backend, all or none; 0.0, or seconds until possible."""
+        now = self._clock()
+        names = list(dict.fromkeys(backends))
+        with self._lock:
+            levels = {}
+            for name in names:
+                tokens, at = self._tokens.get(name, (float(self.limit.burst), now))
+                levels[name] = min(float(self.limit.burst),
+                                   tokens + (now - at) / self.limit.refill_s)
+            short = [n for n in names if levels[n] < 1.0]
+            if short:
+                return max((1.0 - levels[n]) * self.limit.refill_s for n in short)
+            for name in names:
+                self._tokens[name] = (levels[name] - 1.0, now)
+            return 0.0
+
+
 class DaemonApp:
     """The WSGI application of ``gpudiag serve``."""
 
-    def __init__(self, scheduler: Scheduler, store: HistoryStore | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, store: HistoryStore | None = None, *,
+                 probe_limit: ProbeRateLimit | None = None) -> None:
         self.scheduler = scheduler
         self.store = store
+        self.probe_limit = probe_limit or ProbeRateLimit()
+        self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Verdicts per (snapshot, requirement, visibility): a snapshot never changes.
         self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None],
                           Verdict] = {}
+        self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
         self._routes: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, str]],
@@ -126,6 +169,8 @@ class DaemonApp:
         except ApiError as e:
             status, headers, body = _json_body(
                 e.status, {"error": {"code": e.code, "message": e.message}})
+            if e.retry_after_s is not None:
+                headers.append(("Retry-After", str(max(1, math.ceil(e.retry_after_s)))))
         except Exception:  # a bug of ours: still the envelope, never a traceback page
             log.exception("request failed: %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
@@ -194,7 +239,15 @@ class DaemonApp:
     # -- handlers -----------------------------------------------------------------------
     def _metrics(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ())
-        return 200, generate_latest(self.registry)
+        # Rendered at most once per snapshot and second: a snapshot never changes, and the
+        # only time-derived series (snapshot age, watcher gap) move in whole seconds anyway.
+        key = (self.scheduler.snapshot().seq, int(self.scheduler.clock.time()))
+        cached = self._metrics_cache
+        if cached is not None and cached[0] == key:
+            return 200, cached[1]
+        text = generate_latest(self.registry)
+        self._metrics_cache = (key, text)
+        return 200, text
 
     def _preflight(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, PREFLIGHT_PARAMS)
@@ -215,6 +268,12 @@ class DaemonApp:
             visibility = (params.get("cuda_visible_devices"),
                           params.get("nvidia_visible_devices"))
         keys = keys_for(requirement)
+        if max_age is not None:
+            results = self.scheduler.snapshot().results
+            now_wall = self.scheduler.clock.time()
+            self._limit([k for k in keys if k in results
+                         and now_wall - results[k].started_wall > max_age],
+                        "max_age_s")
         fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
@@ -251,9 +310,24 @@ class DaemonApp:
             raise ApiError(400, "bad_backend", f"backend={text!r}: unknown {', '.join(bad)}; "
                            f"accepted: a comma list of {', '.join(SCHEDULED_OPTIONS)}")
         keys = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in dict.fromkeys(names)]
+        self._limit(keys, "POST /v1/probe")
         self.scheduler.trigger(keys)
         return 202, {"accepted": [k.backend for k in keys],
                      "status": "running; GET /v1/preflight or /metrics for the result"}
+
+    def _limit(self, keys: Iterable[ProbeKey], what: str) -> None:
+        """429 when the keys that would start a run have used up their on-demand budget."""
+        starting = [k.backend for k in keys if not self.scheduler.running(k)]
+        if not starting:
+            return
+        retry = self._buckets.take(starting)
+        if retry > 0:
+            lim = self.probe_limit
+            raise ApiError(429, "rate_limited",
+                           f"{what}: on-demand runs of {', '.join(starting)} are limited to "
+                           f"{lim.burst} at once and then one per {lim.refill_s:g} s per "
+                           f"backend; retry in {retry:.1f} s (the scheduled results stay "
+                           "available without max_age_s)", retry_after_s=retry)
 
     def _history(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ("limit", "blocked", "since_s"))
@@ -287,31 +361,11 @@ class DaemonApp:
         return 200, {"status": "ready", "seq": snap.seq}
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """No access log: a scrape every few seconds must not flood journald."""
+def serve(app: DaemonApp, host: str, port: int, **options: Any
+          ) -> tuple[HttpServer, threading.Thread]:
+    """Bind ``host:port`` and serve in a background thread; returns the server and thread.
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class ThreadedWSGIServer(ThreadingMixIn, WSGIServer):
-    """One thread per connection, so a waiting preflight never holds up /metrics."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
-
-class _V6Server(ThreadedWSGIServer):
-    address_family = socket.AF_INET6
-
-
-def serve(app: DaemonApp, host: str, port: int) -> tuple[ThreadedWSGIServer, threading.Thread]:
-    """Bind ``host:port`` and serve in a background thread; returns the server and thread."""
-    server_class = _V6Server if ":" in host else ThreadedWSGIServer
-    httpd = make_server(host, port, app, server_class=server_class,
-                        handler_class=_QuietHandler)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                              name="http", daemon=True)
-    thread.start()
-    return httpd, thread
+    The transport (gpudiag.httpserver) reads request heads on one selector thread and runs
+    complete requests on bounded worker pools: slow or abusive clients cannot exhaust threads.
+    """
+    return start_http(app, host, port, **options)

@@ -307,3 +307,14 @@ def test_sigkill_of_the_daemon_keeps_acknowledged_history(rig) -> None:
     assert len(acked) >= 3 and acked <= {r[0] for r in db.execute("SELECT id FROM verdicts")}
     # The watcher child notices its reader is gone (broken pipe) and exits by itself; the
     # rig's teardown checks that nothing is left.
+
+
+def test_sighup_keeps_the_daemon_running_and_says_why(rig) -> None:
+    daemon = rig["start"]()
+    daemon.wait_ready()
+    daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: any("SIGHUP" in line for line in daemon.lines), 5)
+    assert daemon.proc.poll() is None and daemon.get("/healthz")[0] == 200
+    line = next(json.loads(x) for x in daemon.lines if "SIGHUP" in x)
+    assert line["level"] == "warning" and "the file is valid" in line["msg"]
+    assert daemon.stop() == 0
