@@ -149,9 +149,9 @@ def gpu_cause(obs: Mapping[str, Any], stderr: str) -> Cause | None:
                  "none of /dev/nvidia0, /dev/nvidiactl, /dev/dxg exists (device nodes "
                  "missing), so JAX skipped its CUDA backend, and ")
         return Cause("jax_backend_init_failed",
-                      f"JAX_PLATFORMS={_platforms(obs)}: {nodes}with no platform left JAX "
-                      f"failed with a bare AssertionError at {init_error.get('where')} "
-                      f"({init_error.get('code')})")
+                     f"JAX_PLATFORMS={_platforms(obs)}: {nodes}with no platform left JAX "
+                     f"failed with a bare AssertionError at {init_error.get('where')} "
+                     f"({init_error.get('code')})")
     if skew:
         return Cause("jax_plugin_version_mismatch", f"JAX has no GPU platform: {skew}")
     if init_error:

@@ -114,6 +114,8 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     platform = str(options.get("platform") or "gpu").lower()
     platform = "gpu" if platform in GPU_PLATFORMS else platform
     caller_platforms = os.environ.get("JAX_PLATFORMS")
+    # Evidence is the environment as the job would get it, before the CPU pin below.
+    environment = allow_listed(os.environ)
     if platform == "cpu":
         # A CPU-only job must not depend on a GPU plugin initializing: pin JAX to the CPU.
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -127,7 +129,7 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         "xla_env": xla_env,
         "preallocation_disabled": preallocation_disabled(
             {k: v for k, v in xla_env.items() if v is not None}),
-        "environment": allow_listed(os.environ),
+        "environment": environment,
         "versions": _versions(),
         "installed": False,
         "ok": False,
