@@ -63,6 +63,7 @@ def test_jax_cpu_is_ready_on_a_gpu_less_host_and_really_computes(bare_env: dict[
     env_ev = record["evidence"]["environment"]
     assert env_ev["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert "HOME" not in env_ev
+    assert "JAX_PLATFORMS" not in env_ev  # the caller set none; the CPU pin is the probe's
 
 
 def test_jax_on_healthy_fakes_without_cuda_plugin_is_gpu_backend_absent(
@@ -79,6 +80,16 @@ def test_jax_on_healthy_fakes_without_cuda_plugin_is_gpu_backend_absent(
     # The GPU layers themselves are healthy on the fakes.
     assert record["backends"]["cuda"]["status"] == "ok"
     assert record["backends"]["jax"]["status"] == "blocked"
+
+
+def test_jax_platforms_cuda_cpu_silent_fallback_is_a_blocker(gpu_env: EnvFactory) -> None:
+    # JAX_PLATFORMS=cuda,cpu exits 0 with a CpuDevice and no warning: the silent fallback.
+    env = gpu_env(JAX_PLATFORMS="cuda,cpu")
+    code, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
+    assert code == 1
+    fallback = _blocker(record, "jax_cpu_fallback")
+    assert "JAX_PLATFORMS='cuda,cpu'" in fallback["message"]
+    assert record["backends"]["jax"]["detail"]["default_backend"] == "cpu"
 
 
 def test_jax_on_bare_host_names_the_driver_as_root_cause(bare_env: dict[str, str]) -> None:
