@@ -242,11 +242,14 @@ def narrow(leaves: Sequence[Leaf], env: Mapping[str, str]) -> Narrowing:
                 f"{vis.variable}={vis.raw!r}: {', '.join(repr(b) for b in bad)} names no "
                 "observed GPU or MIG instance by index or full UUID (UUID prefixes are never "
                 "identities for admission)"))
-    if allowed_c is not None and allowed_n is not None and allowed_c != allowed_n:
+    # CUDA narrowing within NVIDIA's set is how containers work; naming a leaf NVIDIA's
+    # list hides is the two disagreeing.
+    if allowed_c is not None and allowed_n is not None and not allowed_c <= allowed_n:
         blockers.append(Finding.of(
             "visible_devices_conflict",
             f"CUDA_VISIBLE_DEVICES={raw_c!r} selects {sorted(allowed_c)} but "
-            f"NVIDIA_VISIBLE_DEVICES={raw_n!r} selects {sorted(allowed_n)}"))
+            f"NVIDIA_VISIBLE_DEVICES={raw_n!r} selects {sorted(allowed_n)}; "
+            f"{sorted(allowed_c - allowed_n)} is hidden by NVIDIA_VISIBLE_DEVICES"))
     allowed: frozenset[str] | None
     if allowed_c is None:
         allowed = allowed_n
@@ -457,6 +460,10 @@ class Admitter:
         requirement = replace(verdict.requirement, min_devices=self.gpus,
                               min_free_memory_bytes=self.min_free_memory_bytes)
         verdict = replace(verdict, requirement=requirement)
+        both_lists = all(self.env.get(v, "").strip().lower() not in ("", "all", "void", "none")
+                         for v in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"))
+        if not verdict.ready and first is None and both_lists and self.gpus:
+            first = self.observer(self.env)  # only to tell a conflict from a bad name
         if first is not None and first.error is None:
             conflict = [b for b in narrow(first.leaves, self.env).blockers
                         if b.code == "visible_devices_conflict"]
@@ -655,7 +662,7 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
     """The preflight verdict, and the first observation when the probes ran here.
 
     The daemon at ``daemon_url`` answers first when one listens (milliseconds); otherwise
-    the probes run inline and their nvml run doubles as the first observation. The
+    the probes run inline, and their nvml run may double as the first observation. The
     preflight requirement asks for one healthy GPU: admission counts leaves itself (MIG
     instances are leaves the preflight does not count).
     """
@@ -677,7 +684,11 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
     runs, checked_at = run_inline(pre, env=env, timeout_s=timeout_s)
     verdict = classify(runs, pre, host=socket.gethostname(), checked_at=checked_at)
     nvml = runs.get("nvml")
-    first = observation_from_run(nvml) if nvml is not None else None
+    # The nvml run doubles as the first observation only when no probe that opens a GPU
+    # context (cuda, jax, iree) ran beside it: on a real GPU that probe's own process and
+    # memory would show up as occupancy and then vanish (a false BUSY or admission_changed).
+    alone = set(runs) <= {"host", "nvml"}
+    first = observation_from_run(nvml) if nvml is not None and alone else None
     return verdict, first
 
 

@@ -49,6 +49,7 @@ PLAN_SCHEMA = "gpudiag.plan/1"
 CLOSEOUT_SCHEMA = "gpudiag.closeout/1"
 PR_SET_CHILD_SUBREAPER = 36
 TICK_S = 0.05
+MAX_TRACKED = 4096
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ARTIFACT_NAMES = {
     "plan": "plan.json", "environment": "environment.json", "verdict": "verdict.json",
@@ -213,6 +214,7 @@ class Tree:
 
     def __init__(self) -> None:
         self.seen: dict[int, _Descendant] = {}
+        self.total = 0
         self.root = os.getpid()
 
     def scan(self) -> list[int]:
@@ -231,7 +233,9 @@ class Tree:
             ppid, comm = table[pid]
             d = self.seen.get(pid)
             if d is None:
-                self.seen[pid] = _Descendant(pid, ppid, comm, now, now, _cmdline(pid))
+                self.total += 1
+                if len(self.seen) < MAX_TRACKED:  # a fork loop must not grow the record
+                    self.seen[pid] = _Descendant(pid, ppid, comm, now, now, _cmdline(pid))
             else:
                 d.last_seen, d.comm = now, comm
         return alive
@@ -239,6 +243,9 @@ class Tree:
     def reaped(self, pid: int, status: int) -> None:
         d = self.seen.get(pid)
         if d is None:
+            if len(self.seen) >= MAX_TRACKED:
+                return
+            self.total += 1
             now = time.time()
             d = self.seen[pid] = _Descendant(pid, -1, "?", now, now, [])
         d.reaped, d.status = True, status
@@ -596,6 +603,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         "outputs": {name: {"path": str(t.log), "bytes": t.size, "sha256": t.sha.hexdigest()}
                     for name, t in (("stdout", tees[0]), ("stderr", tees[1]))},
         "descendants": tree.record(),
+        "descendants_seen": tree.total,
         "subreaper": subreaper,
         "locks": {"released": True, "descendants_ended_at": descendants_ended_at,
                   "released_at": released_at, "free_after_release": free_after,

@@ -159,6 +159,11 @@ def test_visibility_narrows_and_never_widens(gpu_env: EnvFactory, locks: Path) -
                    NVIDIA_VISIBLE_DEVICES=f"{gpu_uuid(3)},{gpu_uuid(1)}")
     with gpudiag.admit(gpus=2, env=both, lock_dir=locks, timeout=0) as adm:
         assert set(adm.uuids) == {gpu_uuid(1), gpu_uuid(3)}
+    # CUDA's list within NVIDIA's narrows further, as inside a container.
+    within = gpu_env(FAKE_NVML_DEVICE_COUNT=4, CUDA_VISIBLE_DEVICES=gpu_uuid(3),
+                     NVIDIA_VISIBLE_DEVICES=f"{gpu_uuid(1)},{gpu_uuid(3)}")
+    with gpudiag.admit(gpus=1, env=within, lock_dir=locks, timeout=0) as adm:
+        assert adm.uuids == (gpu_uuid(3),)
 
 
 def test_visibility_variables_that_disagree_are_a_conflict(gpu_env: EnvFactory,

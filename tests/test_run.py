@@ -175,9 +175,19 @@ def test_bad_flags_exit_125_with_a_clear_message(host: dict[str, str], tmp_path:
 
 INTERVAL = textwrap.dedent("""
     import os, sys, time
+    log, starts = sys.argv[1], sys.argv[1] + ".starts"
     start = time.time()
-    time.sleep(float(sys.argv[2]))
-    with open(sys.argv[1], "a") as fh:
+    with open(starts, "a") as fh:
+        fh.write("x\\n")
+    mine = sum(1 for _ in open(starts))
+    # A barrier per wave of 4: every admitted job stays until its wave is complete, so the
+    # peak is exactly the number of GPUs however slowly the jobs start (bounded wait).
+    wave_full = 4 * ((mine - 1) // 4 + 1)
+    deadline = time.time() + 30
+    while sum(1 for _ in open(starts)) < wave_full and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    with open(log, "a") as fh:
         fh.write(f"{os.environ['CUDA_VISIBLE_DEVICES']} {start} {time.time()}\\n")
 """)
 
@@ -188,7 +198,7 @@ def test_eight_jobs_on_four_gpus_run_four_at_a_time_never_two_on_one_gpu(
     procs = [subprocess.Popen(
         [sys.executable, "-m", "gpudiag", "run", "--gpus", "1", "--lock-timeout", "120",
          "--artifacts", str(tmp_path / f"a{i}"), "--", sys.executable, "-c", INTERVAL,
-         str(log), "2.5"], env=host, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         str(log)], env=host, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(8)]
     for p in procs:
         _, err = p.communicate(timeout=120)
