@@ -141,6 +141,10 @@ class HistoryStore:
         self._lock = threading.Lock()
         self._last_fp: str | None = None
         self._writes = 0
+        # Retention also by time, so that a store with few changes is still pruned
+        # (every 50 writes alone could keep rows for months past the retention).
+        self._prune_every_s = min(3600.0, max(1.0, retention_s / 10))
+        self._last_prune = -float("inf")
         try:
             if readonly:
                 if not self.path.exists():
@@ -204,7 +208,7 @@ class HistoryStore:
                 raise
             self._last_fp = fp
             self._writes += 1
-            if self._writes % 50 == 0:
+            if self._writes % 50 == 0 or ts - self._last_prune >= self._prune_every_s:
                 self._prune_locked(ts)
             row_id = cur.lastrowid
             return int(row_id) if row_id is not None else None
@@ -240,6 +244,7 @@ class HistoryStore:
 
     def _prune_locked(self, now: float) -> None:
         db = self._db
+        self._last_prune = now
         cutoff = now - self.retention_s
         db.execute("BEGIN IMMEDIATE")
         try:
