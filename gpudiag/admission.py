@@ -349,7 +349,11 @@ def release(locks: Sequence[LockInfo]) -> None:
     """Close the lock files (the kernel drops the flock once no process holds the file)."""
     for lk in locks:
         with contextlib.suppress(OSError):
-            os.close(lk.fd)
+            st = os.fstat(lk.fd)
+            # Idempotent: a second release must not close an unrelated file that reused
+            # the descriptor number.
+            if (st.st_dev, st.st_ino) == (lk.device, lk.inode):
+                os.close(lk.fd)
 
 
 # --- admission ------------------------------------------------------------------------------

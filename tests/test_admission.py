@@ -366,3 +366,18 @@ def test_the_complete_runner_example_in_docs_runs(gpu_env: EnvFactory, tmp_path:
     assert record["outcome"] == "ran" and record["exit_code"] == 0
     assert record["admission"]["selected"] == [gpu_uuid(0)]
     assert record["verdict"]["gpu_validation_blocker"] == "none"
+
+
+def test_releasing_twice_never_closes_a_reused_descriptor(tmp_path: Path) -> None:
+    from gpudiag.admission import release, try_lock
+
+    lk = try_lock(tmp_path, gpu_uuid(0))
+    assert lk is not None
+    release([lk])
+    with open(tmp_path / "other", "w") as fh:
+        if fh.fileno() != lk.fd:
+            os.dup2(fh.fileno(), lk.fd)  # the number now belongs to an unrelated file
+        release([lk])
+        assert os.fstat(lk.fd).st_ino == os.fstat(fh.fileno()).st_ino  # still open
+        if fh.fileno() != lk.fd:
+            os.close(lk.fd)
