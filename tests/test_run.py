@@ -6,6 +6,7 @@ records its argv (no Docker engine runs here).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -232,6 +233,15 @@ GRANDCHILD = textwrap.dedent("""
 """)
 
 
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie nobody reaped yet (its files are closed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def _locked(path: str) -> bool:
     fd = os.open(path, os.O_RDWR)
     try:
@@ -436,3 +446,34 @@ def test_a_non_python_child_is_verified_from_the_plan_environment(host: dict[str
     assert proc.returncode == 5 and proc.stdout == "false\n"
     close = kv(tmp_path / "a" / "closeout.txt")
     assert close["preallocation_disabled"] == "yes" and close["preallocation_source"] == "plan"
+
+
+def test_sigkill_of_gpudiag_itself_leaves_the_gpu_locked_while_argv_lives(
+        host: dict[str, str], tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    code = ("import os, pathlib, time; "
+            f"pathlib.Path({str(ready)!r}).write_text(str(os.getpid())); time.sleep(2)")
+    art = tmp_path / "a"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpudiag", "run", "--artifacts", str(art), "--",
+         sys.executable, "-c", code], env=host, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not (ready.exists() and ready.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    child = int(ready.read_text())
+    lock_path = load(art / "plan.json")["admission"]["locks"][0]["path"]
+    proc.kill()
+    proc.wait()
+    try:
+        # The child inherited the lock file: the kernel keeps the flock while it lives.
+        assert _locked(lock_path)
+        deadline = time.monotonic() + 20
+        while _locked(lock_path):
+            assert time.monotonic() < deadline, "the lock outlived the child"
+            time.sleep(0.05)
+        assert _gone(child)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
