@@ -40,7 +40,7 @@ class RunCommand(click.Command):
         except RunUsageError:
             raise
         except click.UsageError as e:
-            raise RunUsageError(e.message, ctx=e.ctx) from e
+            raise RunUsageError(e.format_message(), ctx=e.ctx) from e
 
 
 def _seconds(text: str | None, name: str, *, zero_ok: bool = False) -> float | None:

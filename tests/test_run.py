@@ -477,3 +477,21 @@ def test_sigkill_of_gpudiag_itself_leaves_the_gpu_locked_while_argv_lives(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+def test_docker_without_cdi_listing_falls_back_to_gpus_all_once(tmp_path: Path) -> None:
+    from gpudiag.containers import discovered_devices, docker_run_argv, plan_docker
+
+    missing = str(tmp_path / "no-docker")
+    ids, why = discovered_devices(missing)
+    assert ids == () and why is not None and "no-docker" in why
+    plan = plan_docker("img", ["run.sh"], [gpu_uuid(1)], {"CUDA_VISIBLE_DEVICES": gpu_uuid(1)},
+                       docker=missing)
+    assert plan.injection == "gpus-all" and plan.info_error
+    assert plan.argv.count("--gpus") == 1 and "--device" not in plan.argv
+    # CDI only when every admitted UUID is listed: never a mix of both ways.
+    partial = docker_run_argv("img", ["x"], [gpu_uuid(0), gpu_uuid(1)], {},
+                              discovered=[f"nvidia.com/gpu={gpu_uuid(0)}"])
+    assert partial.injection == "gpus-all" and "--device" not in partial.argv
+    none = plan_docker("img", ["x"], [], {"CUDA_VISIBLE_DEVICES": ""}, docker=missing)
+    assert none.injection == "none" and "--gpus" not in none.argv and none.info_error is None
