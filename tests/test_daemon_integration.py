@@ -138,8 +138,12 @@ def test_a_hung_probe_never_slows_metrics_or_preflight(rig) -> None:
     became = time.monotonic() - hung_at
     assert verdict["gpu_validation_blocker"] == "probe_timeout", verdict["blockers"]
     assert verdict["blockers"][0]["backend"] == "nvml"
-    # The next nvml run starts within 0.5 s (interval) and is killed 1.5 s in (deadline).
-    assert 1.4 <= became <= 4.0
+    assert "missed its 1.5 s deadline" in verdict["blockers"][0]["message"]
+    # Killed at its deadline: the hung child ran 1.5 s (plus the kill), no longer.
+    assert 1.5 <= verdict["backends"]["nvml"]["duration_s"] < 2.5
+    # The next nvml run starts within 0.5 s (interval) of the hang, so the verdict changed
+    # within interval + deadline (+ scheduling slack on a busy machine).
+    assert became <= 4.0
     # The daemon's own time for every answer; over loopback, what a client saw, at the 90th
     # percentile: this 2-core machine is shared, so single answers wait for a CPU now and
     # then (the benchmark reports the full distribution).

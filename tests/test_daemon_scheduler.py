@@ -193,9 +193,10 @@ def test_the_loop_sends_keepalives_and_stops_when_wedged(tmp_path: Path) -> None
     try:
         sched.start()
         alive = _drain(sock, 0.5)
-        assert alive.count("WATCHDOG=1") >= 5 and sched.alive()
+        assert alive.count("WATCHDOG=1") >= 3 and sched.alive()
         watcher.wedge.set()
-        time.sleep(0.2)
+        time.sleep(0.3)
+        _drain(sock, 0.05)  # what was sent before the loop reached the wedge
         wedged = _drain(sock, 0.6)
         assert wedged.count("WATCHDOG=1") == 0
         assert not sched.alive(limit_s=0.5)
