@@ -70,7 +70,7 @@ class Findings:
 
     def warn(self, code: str, message: str, *, backend: str | None = None,
              device: str | None = None) -> None:
-        f = Finding.of(code, message, backend=backend, device=device)
+        f = Finding.of(code, message, backend=backend, device=device, warning=True)
         if f not in self.warnings:
             self.warnings.append(f)
 

@@ -195,7 +195,7 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
             extra.append(Finding.of(
                 "xid_watcher_gap", f"the XID watcher has been down for {gap:.0f} s "
                 f"(limit {policy.gap_warning_s:g} s, {watcher.restarts} restart(s)){why}",
-                backend="nvml"))
+                backend="nvml", warning=True))
     verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
                        source="daemon", xids=xids, extra_warnings=extra)
     if overridden:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpudiag import __version__
-from gpudiag.blockers import entry, layer_rank
+from gpudiag.blockers import WARNINGS, entry, layer_rank
 
 SCHEMA = "gpudiag.verdict/1"
 JSONValue = Any  # a JSON-able value; evidence is free-form by design
@@ -36,9 +36,10 @@ class Finding:
 
     @classmethod
     def of(cls, code: str, message: str, *, backend: str | None = None,
-           device: str | None = None) -> Finding:
+           device: str | None = None, warning: bool = False) -> Finding:
         """A finding whose layer and remediation come from the catalog."""
-        row = entry(code)
+        # A code can be both (device_nodes_missing): a warning takes the warning's row.
+        row = WARNINGS[code] if warning and code in WARNINGS else entry(code)
         return cls(code=code, layer=row.layer, message=message, remediation=row.remediation,
                    backend=backend, device=device)
 
