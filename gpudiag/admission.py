@@ -37,6 +37,7 @@ FREE, BUSY, UNKNOWN = "FREE", "BUSY", "UNKNOWN"
 DEFAULT_LOCK_TIMEOUT_S = 60.0
 OBSERVE_TIMEOUT_S = 10.0
 LOCK_POLL_S = 0.05
+REOBSERVE_S = 2.0
 _FULL_UUID_RE = re.compile(
     r"^(GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
 
@@ -568,8 +569,9 @@ class Admitter:
         return None
 
     def _wait_for_release(self, lock_dir: Path, uuids: Sequence[str], deadline: float) -> None:
-        """Poll the others' locks (cheap) until one frees or the deadline passes."""
-        while self.clock() < deadline:
+        """Poll others' locks until one frees, a fresh look is due, or the deadline passes."""
+        until = min(deadline, self.clock() + REOBSERVE_S)
+        while self.clock() < until:
             for uuid in uuids:
                 lk = try_lock(lock_dir, uuid)
                 if lk is not None:

@@ -381,3 +381,26 @@ def test_releasing_twice_never_closes_a_reused_descriptor(tmp_path: Path) -> Non
         assert os.fstat(lk.fd).st_ino == os.fstat(fh.fileno()).st_ino  # still open
         if fh.fileno() != lk.fd:
             os.close(lk.fd)
+
+
+def test_a_waiting_admission_notices_a_busy_gpu_becoming_free(gpu_env: EnvFactory,
+                                                              locks: Path,
+                                                              tmp_path: Path) -> None:
+    import threading
+
+    state = tmp_path / "state"
+    write_state_file(state, {"FAKE_NVML_PROCESSES": "0:4242:100"})
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, FAKE_GPU_STATE_FILE=str(state))
+    holder_env = dict(env, CUDA_VISIBLE_DEVICES=gpu_uuid(1))
+    proc, held = _holder(holder_env, locks, 60)
+    timer = threading.Timer(1.0, write_state_file, args=(state, {}))
+    timer.start()
+    try:
+        assert held == gpu_uuid(1)
+        with gpudiag.admit(gpus=1, env=env, lock_dir=locks, timeout=20) as adm:
+            assert adm.uuids == (gpu_uuid(0),)  # the busy one, once its process was gone
+            assert adm.attempts >= 2
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait()
