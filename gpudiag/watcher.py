@@ -109,6 +109,7 @@ class XidWatcher:
     def _supervise(self) -> None:
         backoff = 0.5
         first = True
+        last_error: str | None = None
         while not self._stop.is_set():
             if not first:
                 with self._lock:
@@ -119,8 +120,12 @@ class XidWatcher:
             if self._stop.is_set():
                 break
             self._went_down(error)
-            log.warning("XID watcher down: %s; restarting in %.1f s", error, backoff,
-                        extra={"error": error, "backoff_s": backoff})
+            # Once per kind of failure, not once per restart: a GPU-less host would
+            # otherwise log a line a minute forever.
+            level = logging.WARNING if error != last_error else logging.DEBUG
+            last_error = error
+            log.log(level, "XID watcher down: %s; restarting in %.1f s", error, backoff,
+                    extra={"error": error, "backoff_s": backoff})
             # A child that ran well for a while earns a fresh, short backoff.
             if time.monotonic() - started > 10 * backoff:
                 backoff = 0.5

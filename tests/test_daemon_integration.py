@@ -184,6 +184,10 @@ def test_xid_79_is_gpu_lost_and_xid_13_only_a_warning(rig) -> None:
         assert before <= ts <= after
     assert _metric(text, 'gpudiag_blocker{code="gpu_lost",layer="device"}') == 1
     assert _metric(text, 'gpudiag_warning{code="gpu_xid_application",layer="device"}') == 1
+    if shutil.which("promtool"):  # the daemon's real output, XID series included
+        lint = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
+                              capture_output=True, timeout=30, check=False)
+        assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), lint.stdout
     # The history recorded the change with its evidence, readable while the daemon runs.
     proc = run_gpudiag(["history", "--state-dir", str(rig["tmp"] / "state"), "--json"],
                        rig["env"])
