@@ -3,20 +3,25 @@ node's state; `gpudiag preflight` is the real one, on the fake driver."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fakes.build import write_state_file
+from tests.conftest import clean_env, make_host_dirs
+from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_grafana import start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -317,3 +322,232 @@ def wait_for(action: Callable[[], Outcome], done: Callable[[Outcome], bool],
             assert done(out), (out.calls, out.state, out.stderr)
             return out
         time.sleep(0.5)
+
+
+# --- a real single-node Slurm cluster -----------------------------------------------------
+
+SLURM_BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "scontrol", "sbatch", "scancel")
+
+
+@dataclass
+class RealSlurm:
+    """munged + slurmctld + slurmd on 127.0.0.1, with the gpudiag scripts configured."""
+
+    folder: Path
+    host: str
+    env: dict[str, str]
+    gpu_state: Path
+
+    def scontrol(self, *args: str) -> str:
+        proc = subprocess.run(["scontrol", *args], env=self.env, capture_output=True,
+                              text=True, timeout=30, check=False)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    def node_field(self, key: str) -> str:
+        match = re.search(rf"(?:^|\s){key}=(.*?)(?:$|\s+\w+=)", self.scontrol("show", "node",
+                                                                             self.host), re.M)
+        return match.group(1).strip() if match else ""
+
+    def reason(self) -> str:
+        """The node's Reason without the [user@time] stamp."""
+        text = self.scontrol("show", "node", self.host)
+        match = re.search(r"^\s*Reason=(.*?)(?: \[[^]]*\])?$", text, re.M)
+        return match.group(1) if match else ""
+
+    def set_gpus(self, **knobs: str) -> None:
+        write_state_file(self.gpu_state, knobs)
+
+    def healthcheck(self, enabled: bool) -> None:
+        flag = self.folder / "healthcheck-off"
+        if enabled:
+            flag.unlink(missing_ok=True)
+            return
+        flag.write_text("")
+        # A run that started before the flag may still drain: wait until it is over.
+        with (self.folder / "healthcheck.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def wait(self, what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}: "
+                                     f"{self.scontrol('show', 'node', self.host)}")
+            time.sleep(0.3)
+
+
+def _slurm_missing() -> str | None:
+    missing = [b for b in SLURM_BINARIES if shutil.which(b) is None]
+    if missing:
+        return f"Slurm/munge not installed ({', '.join(missing)}): apt-get install slurm-wlm munge"
+    if os.geteuid() != 0:
+        return "a real slurmd with GPU GRES needs root (mknod of the device files)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def real_slurm(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[RealSlurm]:
+    reason = _slurm_missing()
+    if reason:
+        pytest.skip(reason)
+    d = Path(tempfile.mkdtemp(prefix="gds"))  # short: the munge socket path has a length cap
+    os.chmod(d, 0o755)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for sub in ("state", "spool", "dev", "munge", "jobs"):
+            (d / sub).mkdir()
+        (d / "munge").chmod(0o755)
+        for i in range(2):
+            subprocess.run(["mknod", str(d / f"dev/nvidia{i}"), "c", "195", str(i)],
+                           check=True)
+        host = socket.gethostname().split(".")[0]
+        log = (d / "daemons.log").open("wb")
+        subprocess.run(["mungekey", "-c", "-k", str(d / "munge.key")], check=True,
+                       capture_output=True)
+        procs.append(subprocess.Popen(
+            ["munged", "-F", f"--key-file={d}/munge.key", f"--socket={d}/munge/munge.socket.2",
+             f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log",
+             f"--seed-file={d}/munged.seed"], stdout=log, stderr=log))
+        host_dirs = tmp_path_factory.mktemp("slurm-host")
+        dev, proc_dir = make_host_dirs(host_dirs, gpus=2)
+        gpu_state = d / "gpu-state"
+        write_state_file(gpu_state, {})
+        fake_env = fakes.env(base={})
+        # What a site puts in /etc/default/gpudiag (sourced, every assignment exported).
+        (d / "defaults").write_text("\n".join([
+            f"SLURM_CONF={d}/slurm.conf",
+            f"GPUDIAG={Path(sys.executable).with_name('gpudiag')}",
+            f"GPUDIAG_DAEMON_URL=http://127.0.0.1:{closed_port()}",
+            f"PATH={fake_env['PATH']}:/usr/sbin:/usr/bin:/sbin:/bin",
+            f"LD_LIBRARY_PATH={fake_env['LD_LIBRARY_PATH']}",
+            f"GPUDIAG_DEVICE_DIR={dev}", f"GPUDIAG_DRIVER_PROC_DIR={proc_dir}",
+            f"FAKE_GPU_STATE_FILE={gpu_state}", "FAKE_NVML_DEVICE_COUNT=2",
+            "FAKE_CUDA_DEVICE_COUNT=2", ""]))
+        for name, script in (("prolog", PROLOG), ("healthcheck", HEALTHCHECK)):
+            # The health check runs under a lock so that pausing it can wait out a run.
+            guard = (f"exec 9>{d}/healthcheck.lock\nflock 9\n"
+                     f"[[ -e {d}/healthcheck-off ]] && exit 0\n") if name == "healthcheck" else ""
+            (d / name).write_text(f"#!/bin/bash\n{guard}"
+                                  f"GPUDIAG_DEFAULTS={d}/defaults exec {script}\n")
+            (d / name).chmod(0o755)
+        (d / "slurm.conf").write_text(f"""\
+ClusterName=gpudiagtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={d}/munge/munge.socket.2
+SlurmctldPort={closed_port()}
+SlurmdPort={closed_port()}
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+MailProg=/bin/true
+ReturnToService=2
+Prolog={d}/prolog
+HealthCheckProgram={d}/healthcheck
+HealthCheckInterval=1
+HealthCheckNodeState=ANY
+GresTypes=gpu
+NodeName={host} NodeAddr=127.0.0.1 Gres=gpu:2 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+        (d / "gres.conf").write_text(
+            f"AutoDetect=off\nNodeName={host} Name=gpu File={d}/dev/nvidia[0-1]\n")
+        env = {**clean_env(), "SLURM_CONF": str(d / "slurm.conf")}
+        for daemon in ("slurmctld", "slurmd"):
+            procs.append(subprocess.Popen([daemon, "-D", "-f", str(d / "slurm.conf")],
+                                          env=env, stdout=log, stderr=log, cwd=d))
+        cluster = RealSlurm(d, host, env, gpu_state)
+        cluster.wait("the node to come up idle",
+                     lambda: cluster.node_field("State").startswith("IDLE")
+                     and "DRAIN" not in cluster.node_field("State"))
+        yield cluster
+    finally:
+        subprocess.run(["scancel", "--user=root"], env={**clean_env(),
+                       "SLURM_CONF": str(d / "slurm.conf")}, capture_output=True, check=False)
+        subprocess.run(["scontrol", "shutdown"], env={**clean_env(),
+                       "SLURM_CONF": str(d / "slurm.conf")}, capture_output=True, check=False)
+        # slurmctld and slurmd end on `scontrol shutdown`; munged needs a signal.
+        for proc in reversed(procs):
+            if proc.args[0] == "munged":
+                proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_real_slurm_healthcheck_drains_and_undrains_only_its_own(real_slurm: RealSlurm) -> None:
+    s = real_slurm
+    s.set_gpus(FAKE_CUDA_INIT_ERROR="999")
+    s.wait("gpudiag's drain", lambda: s.reason() == "gpudiag: cuda_init_failed")
+    assert "DRAIN" in s.node_field("State")
+    s.set_gpus()
+    s.wait("the resume", lambda: s.reason() == "" and "DRAIN" not in s.node_field("State"))
+    # An operator's drain survives healthy and blocked health checks alike.
+    s.scontrol("update", f"NodeName={s.host}", "State=DRAIN", "Reason=ops: PSU swap")
+    time.sleep(3)
+    assert s.reason() == "ops: PSU swap"
+    s.set_gpus(FAKE_CUDA_INIT_ERROR="999")
+    time.sleep(3)
+    assert s.reason() == "ops: PSU swap"
+    assert "DRAIN" in s.node_field("State")
+    s.set_gpus()
+    s.scontrol("update", f"NodeName={s.host}", "State=RESUME")
+    s.wait("the operator's resume", lambda: "DRAIN" not in s.node_field("State"))
+
+
+def _job_field(s: RealSlurm, job: str, key: str) -> str:
+    text = s.scontrol("show", "job", job)
+    if key == "AdminComment":  # free text (ours has key=value pairs): the rest of its line
+        match = re.search(r"^\s*AdminComment=(.*)$", text, re.M)
+    else:
+        match = re.search(rf"(?:^|\s){key}=(\S*)", text, re.M)
+    return match.group(1).strip() if match else ""
+
+
+@pytest.mark.slow
+def test_real_slurm_prolog_records_and_refuses(real_slurm: RealSlurm) -> None:
+    s = real_slurm
+    s.set_gpus()
+    s.wait("an idle node", lambda: s.node_field("State") == "IDLE")
+
+    def submit() -> str:
+        out = subprocess.run(["sbatch", "--parsable", "--gres=gpu:1", "-o", "/dev/null",
+                              "--wrap", "true"], env=s.env, capture_output=True, text=True,
+                             timeout=30, check=True, cwd=s.folder)
+        return out.stdout.strip().split(";")[0]
+
+    ok = submit()
+    s.wait("the job to complete", lambda: _job_field(s, ok, "JobState") == "COMPLETED")
+    assert _job_field(s, ok, "AdminComment").startswith("gpudiag: none ready=true gpus=")
+
+    # The health check is paused so that the Prolog is the one to meet the broken GPUs.
+    s.healthcheck(enabled=False)
+    try:
+        s.set_gpus(FAKE_CUDA_INIT_ERROR="999")
+        refused = submit()
+        s.wait("gpudiag's Prolog drain", lambda: s.reason() == "gpudiag: cuda_init_failed")
+        s.wait("the verdict in the job record",
+               lambda: _job_field(s, refused, "AdminComment").startswith(
+                   "gpudiag: cuda_init_failed ready=false"))
+        assert _job_field(s, refused, "JobState") != "COMPLETED"
+        subprocess.run(["scancel", refused], env=s.env, check=True, timeout=30)
+    finally:
+        s.healthcheck(enabled=True)
+    s.set_gpus()
+    s.wait("the health check to undo the Prolog's drain",
+           lambda: s.reason() == "" and "DRAIN" not in s.node_field("State"))

@@ -6,8 +6,14 @@
 # file, /etc/default/gpudiag unless GPUDIAG_DEFAULTS names another one.
 
 # PATH is set by the scripts before they source this file.
-# shellcheck disable=SC1090
-[[ -r ${GPUDIAG_DEFAULTS:-/etc/default/gpudiag} ]] && . "${GPUDIAG_DEFAULTS:-/etc/default/gpudiag}"
+# Every assignment there is exported (set -a): gpudiag itself may need some (LD_LIBRARY_PATH,
+# SLURM_CONF for scontrol, CUDA_* for the probes).
+if [[ -r ${GPUDIAG_DEFAULTS:-/etc/default/gpudiag} ]]; then
+    set -a
+    # shellcheck disable=SC1090
+    . "${GPUDIAG_DEFAULTS:-/etc/default/gpudiag}"
+    set +a
+fi
 
 GPUDIAG=${GPUDIAG:-/opt/gpudiag/bin/gpudiag}
 SCONTROL=${SCONTROL:-scontrol}
