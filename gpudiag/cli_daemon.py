@@ -171,7 +171,41 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     httpd.shutdown()
     scheduler.stop()
     watcher.stop()
+    # A probe child still running (even hung in the driver) must not hold the exit up to
+    # its deadline, nor outlive the daemon: kill each child's process group.
+    killed = kill_child_groups()
+    if killed:
+        log.info("killed %d running probe child(ren) on the way out", killed)
+    scheduler.drain()
     store.close()
+
+
+def kill_child_groups() -> int:
+    """SIGKILL the process group of every direct child of this process (Linux /proc)."""
+    me, own_group, count = os.getpid(), os.getpgrp(), 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            ppid, pgid = int(fields[1]), int(fields[2])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid != me:
+            continue
+        try:
+            if pgid != own_group:
+                os.killpg(pgid, signal.SIGKILL)
+            else:
+                os.kill(int(entry), signal.SIGKILL)
+            count += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return count
 
 
 _SINCE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")

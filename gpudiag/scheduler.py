@@ -203,6 +203,10 @@ class Scheduler:
             self._thread.join(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def drain(self) -> None:
+        """Wait for the worker threads to finish (after stop(); children already killed)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     def wake(self) -> None:
         """Make the loop look at its state now (the watcher calls this on events)."""
         self._wake.set()

@@ -63,6 +63,13 @@ def _metric(text: str, line_start: str) -> float:
     raise AssertionError(f"no sample {line_start!r} in /metrics")
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -202,7 +209,7 @@ def test_a_dying_watcher_is_restarted_and_its_gap_becomes_a_warning(rig) -> None
     # NVML init now fails for every new child: the watcher keeps dying on restart.
     write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_ERROR": 999})
     watchers = [p for p in processes_with_env(str(rig["state"]))
-                if b"xid_watch" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                if b"xid_watch" in _cmdline(p)]
     assert len(watchers) == 1
     os.kill(watchers[0], signal.SIGKILL)
     text = wait_for(lambda: (t := daemon.get("/metrics")[1]) and _metric(
@@ -219,7 +226,7 @@ def test_gap_past_the_limit_is_the_xid_watcher_gap_warning(rig) -> None:
     daemon.wait_ready()
     write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_ERROR": 999})
     for p in processes_with_env(str(rig["state"])):
-        if b"xid_watch" in Path(f"/proc/{p}/cmdline").read_bytes():
+        if b"xid_watch" in _cmdline(p):
             os.kill(p, signal.SIGKILL)
     # gap_warning_s is 5 in DAEMON_TOML; nvml now blocks too, the warning rides along.
     rec = wait_for(lambda: (r := daemon.get("/v1/preflight")[1]) and any(
@@ -326,3 +333,17 @@ def test_sighup_keeps_the_daemon_running_and_says_why(rig) -> None:
     line = next(json.loads(x) for x in daemon.lines if "SIGHUP" in x)
     assert line["level"] == "warning" and "the file is valid" in line["msg"]
     assert daemon.stop() == 0
+
+
+def test_sigterm_while_a_probe_hangs_exits_at_once_and_leaves_nothing(rig) -> None:
+    daemon = rig["start"](nvml_deadline=60)
+    daemon.wait_ready()
+    write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_HANG": 1})
+    # Wait until an nvml child is hung in nvmlInit (the state file is read at init).
+    wait_for(lambda: any(b"gpudiag.probes\x00nvml" in _cmdline(p)
+                         for p in processes_with_env(str(rig["state"]))), 10)
+    time.sleep(1.0)
+    t = time.monotonic()
+    assert daemon.stop() == 0
+    assert time.monotonic() - t < 5, "the daemon waited for the hung probe's deadline"
+    assert any("killed" in line and "probe child" in line for line in daemon.lines)
