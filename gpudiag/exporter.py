@@ -80,11 +80,12 @@ class SnapshotCollector(Collector):
         obs = (nvml.run.observation or {}) if nvml is not None else {}
         versions["driver_version"] = str(obs.get("driver_version") or "")
         versions["cuda_driver_version"] = str(obs.get("cuda_driver_version") or "")
-        for backend, keys in (("jax", ("jax", "jaxlib")), ("iree", ("iree",))):
+        # label <- the first version key the backend reports (IREE names its package).
+        for backend, label, keys in (("jax", "jax", ("jax",)), ("jax", "jaxlib", ("jaxlib",)),
+                                     ("iree", "iree", ("iree-base-runtime", "iree"))):
             status = statuses.get(backend)
-            for k in keys:
-                v = status.versions.get(k) if status is not None else None
-                versions[f"{k}_version"] = str(v or "")
+            found = [status.versions.get(k) for k in keys] if status is not None else []
+            versions[f"{label}_version"] = str(next((v for v in found if v), ""))
         info = InfoMetricFamily("gpudiag_build", "gpudiag, driver and library versions.",
                                 labels=list(versions))
         info.add_metric(list(versions.values()), {})
