@@ -226,3 +226,36 @@ def test_threaded_server_answers_over_loopback_while_a_preflight_waits(
         gate.set()
         httpd.shutdown()
         sched.stop()
+
+
+def test_default_requirement_drives_ready_and_a_bare_preflight(healthy_runs: dict) -> None:
+    runs = dict(healthy_runs)
+    sched = Scheduler(quick_config(default_requirement="nvml"), runner=Replay(runs), env={})
+    try:
+        sched.start()
+        app = DaemonApp(sched)
+        wait_for(lambda: wsgi(app, "/readyz")[0] == 200, 5)
+        status, _, body = wsgi(app, "/v1/preflight")
+        assert status == 200 and _json(body)["requirement"]["backends"] == ["nvml"]
+        assert "gpudiag_ready 1.0" in wsgi(app, "/metrics")[2].decode()
+    finally:
+        sched.stop()
+
+
+def test_a_probe_variant_nobody_schedules_runs_on_demand_once(healthy_runs: dict) -> None:
+    from gpudiag.isolation import ProbeRun
+
+    runs = dict(healthy_runs)
+    runs["jax"] = ProbeRun("jax", {"ok": False}, 0.1, exit_code=0)
+    replay = Replay(runs)
+    sched = Scheduler(quick_config(), runner=replay, env={})
+    try:
+        sched.start()
+        app = DaemonApp(sched)
+        wait_for(lambda: sched.snapshot().round_complete, 5)
+        assert "jax" not in replay.calls
+        assert wsgi(app, "/v1/preflight?require=jax:cpu")[0] == 200
+        assert wsgi(app, "/v1/preflight?require=jax:cpu")[0] == 200
+        assert replay.calls.count("jax") == 1  # then served from the snapshot
+    finally:
+        sched.stop()
