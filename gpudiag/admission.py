@@ -18,6 +18,7 @@ import os
 import random
 import re
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -313,9 +314,17 @@ def try_lock(lock_dir: Path, uuid: str) -> LockInfo | None:
     try:
         lock_dir.mkdir(parents=True, exist_ok=True)
         # Never unlinked: a lock file that vanished under a waiter would split the lock.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        # O_NOFOLLOW: the lock folder is shared (sticky, world-writable), so a symlink planted
+        # there must not make this process truncate and write a file the planter chose.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError as e:
-        raise LockFailed(f"cannot open lock file {path}: {e.strerror or e}") from e
+        raise LockFailed(f"cannot open lock file {path}: {e.strerror or e} (a lock file must "
+                         "be a regular file, not a symlink)") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise LockFailed(f"lock file {path} is not a plain regular file (a FIFO, device or "
+                         "hard link someone planted?); remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -8,6 +8,7 @@ executed / is not found, as ``env`` and ``docker run`` do.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,9 @@ import click
 from gpudiag.requirement import RequirementError, parse_requirement, parse_size, parse_timeout
 
 EXIT_REFUSED = 125
+
+# A docker image reference: never an option, no spaces or control characters.
+_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}$")
 
 
 class RunUsageError(click.UsageError):
@@ -107,6 +111,10 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
         floor = parse_size(min_free_text) if min_free_text is not None else None
     except RequirementError as e:
         raise RunUsageError(str(e)) from e
+    if image is not None and not _IMAGE_RE.match(image):
+        # The image lands in `docker run`'s argv: "-..." would be read as a docker option.
+        raise RunUsageError(f"--image {image!r} is not an image reference; accepted: "
+                            "[REGISTRY/]NAME[:TAG][@DIGEST], e.g. nvcr.io/nvidia/jax:25.04")
     grace = _seconds(grace_text, "--kill-grace")
     lock_timeout = _seconds(lock_timeout_text, "--lock-timeout", zero_ok=True)
     assert grace is not None and lock_timeout is not None

@@ -12,6 +12,7 @@ One request per connection (``Connection: close``): scrapers and the client reco
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import logging
 import queue
@@ -38,8 +39,8 @@ MAX_BODY_BYTES = 4096       # read and discarded; the API takes parameters in th
 HEAD_TIMEOUT_S = 10.0       # the whole head (and body) must arrive within this
 WRITE_TIMEOUT_S = 30.0      # the whole response must be taken within this
 MAX_PENDING = 512           # connections still sending their head; past it the oldest goes
-WORKERS = 16                # threads per pool
-MAX_QUEUED = 64             # requests waiting for a worker per pool; past it: 503
+WORKERS = 8                 # threads per pool
+MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
 SUMMARY_INTERVAL_S = 60.0
 SLOW_PATHS = frozenset({"/v1/preflight"})
 
@@ -56,6 +57,8 @@ ABUSE_KINDS: dict[str, str] = {
     "connection_cap": "more connections sending heads than the cap; the oldest was dropped",
     "busy": "every worker busy and the queue full; answered 503",
     "client_gone": "a client disconnected before taking the whole response",
+    "cross_site": "a browser request from another site (Origin on a POST, or a Host that is "
+                  "not loopback: DNS rebinding); answered 403",
 }
 
 
@@ -191,10 +194,48 @@ def _too_large(buf: bytes) -> None:
                      "bytes", kind="head_too_large")
 
 
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cross_site(request: Request, loopback: bool) -> str | None:
+    """Why a browser-borne request is refused (CSRF, DNS rebinding), or None.
+
+    Programs (Prometheus, curl, the gpudiag client) send no Origin and name the address they
+    dialled in Host; a web page can only make a browser send a POST with its Origin, or, after
+    DNS rebinding, a request whose Host is the page's own domain name.
+    """
+    headers = dict(request.headers)
+    origin = headers.get("origin")
+    if origin is not None and request.method not in ("GET", "HEAD"):
+        return (f"{request.method} with Origin {origin[:100]!r}: web pages may not drive the "
+                "daemon; call it from a program (no Origin header)")
+    host = headers.get("host")
+    if loopback and host is not None:
+        name = host.strip()
+        if name.startswith("["):
+            name = name[1:].partition("]")[0]
+        elif name.count(":") == 1:
+            name = name.partition(":")[0]
+        if name.lower() not in ("localhost", "localhost."):
+            try:
+                ipaddress.ip_address(name)
+            except ValueError:
+                return (f"Host {host[:100]!r}: a daemon on loopback answers only to an IP "
+                        "address or localhost (DNS rebinding defence)")
+    return None
+
+
 def error_response(status: int, code: str, message: str) -> bytes:
     """A complete HTTP response carrying the JSON error envelope."""
     body = (json.dumps({"error": {"code": code, "message": message}}) + "\n").encode()
-    reason = {400: "Bad Request", 408: "Request Timeout", 414: "URI Too Long",
+    reason = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout",
+              414: "URI Too Long",
               431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "")
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n")
@@ -268,6 +309,7 @@ class HttpServer:
             self._listen.close()
             raise
         self.server_address: tuple[Any, ...] = self._listen.getsockname()
+        self.loopback = _is_loopback(host)
         self._pending: dict[int, _Conn] = {}   # reading a head, oldest first
         self._writing: dict[int, _Conn] = {}   # writing a response, oldest first
         self._outbox: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
@@ -400,6 +442,11 @@ class HttpServer:
     def _dispatch(self, conn: _Conn, request: Request) -> None:
         self._forget(conn)
         conn.buf = bytearray()
+        refusal = cross_site(request, self.loopback)
+        if refusal is not None:
+            self.abuse.note("cross_site", conn.peer)
+            self._answer_and_drop(conn, error_response(403, "cross_site_request", refusal))
+            return
         path = request.target.partition("?")[0]
         pool = self._slow if path in SLOW_PATHS else self._fast
         if not pool.submit(lambda: self._handle(conn, request)):

@@ -52,7 +52,7 @@ def server(healthy_runs: dict) -> Iterator[tuple[HttpServer, Replay]]:
     app = DaemonApp(sched)
     wait_for(lambda: sched.snapshot().round_complete, 5)
     httpd, thread = serve(app, "127.0.0.1", 0, head_timeout_s=1.0, write_timeout_s=1.0,
-                          max_pending=200, workers=8, max_queued=32)
+                          max_pending=200, workers=8, max_queued=512)
     yield httpd, replay
     httpd.shutdown()
     thread.join(5)
@@ -86,7 +86,7 @@ def raw(port: int, data: bytes, timeout: float = 5.0) -> tuple[int, dict[str, st
 
 
 def get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    status, _, body = raw(port, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), timeout)
+    status, _, body = raw(port, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode(), timeout)
     return status, body
 
 
@@ -104,7 +104,7 @@ def _rss_bytes() -> int:
 
 def test_a_plain_request_is_served_with_connection_close(server) -> None:
     httpd, _ = server
-    status, headers, body = raw(_port(httpd), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, headers, body = raw(_port(httpd), b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert status == 200 and json.loads(body) == {"status": "ok"}
     assert headers["connection"] == "close" and int(headers["content-length"]) == len(body)
     status, headers, body = raw(_port(httpd), b"HEAD /metrics HTTP/1.0\r\n\r\n")
@@ -116,7 +116,7 @@ def test_slow_clients_that_trickle_bytes_time_out_while_others_are_served(server
     port = _port(httpd)
     slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(50)]
     try:
-        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+        request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
         started = time.monotonic()
         for i in range(4):  # a byte every 0.2 s: each recv succeeds, the head never completes
             for s in slow:
@@ -396,3 +396,25 @@ def test_requests_joining_a_run_in_flight_cost_nothing(healthy_runs: dict) -> No
     finally:
         gate.set()
         sched.stop()
+
+
+# -- browsers: CSRF and DNS rebinding -------------------------------------------------------
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/probe HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n\r\n",
+    b"GET /v1/history HTTP/1.1\r\nHost: evil.example:9477\r\n\r\n",
+    b"GET /metrics HTTP/1.1\r\nHost: rebind.attacker.test\r\n\r\n",
+])
+def test_browser_borne_requests_are_refused_with_403(server, request_bytes: bytes) -> None:
+    httpd, replay = server
+    before = len(replay.calls)
+    status, _, body = raw(_port(httpd), request_bytes)
+    assert status == 403 and json.loads(body)["error"]["code"] == "cross_site_request"
+    assert replay.calls[before:] == []
+
+
+@pytest.mark.parametrize("host", [b"127.0.0.1", b"127.0.0.1:9477", b"localhost:9477",
+                                  b"[::1]:9477", b"localhost"])
+def test_programs_naming_a_loopback_address_are_served(server, host: bytes) -> None:
+    httpd, _ = server
+    status, _, _ = raw(_port(httpd), b"GET /healthz HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+    assert status == 200
