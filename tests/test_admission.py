@@ -357,7 +357,8 @@ def test_the_complete_runner_example_in_docs_runs(gpu_env: EnvFactory, tmp_path:
                          Path(sys.argv[1]))
         sys.exit(code)
     """))
-    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"),
+                  GPUDIAG_DAEMON_URL="http://127.0.0.1:9")  # nothing listens: inline
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "rec")], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -366,6 +367,7 @@ def test_the_complete_runner_example_in_docs_runs(gpu_env: EnvFactory, tmp_path:
     assert record["outcome"] == "ran" and record["exit_code"] == 0
     assert record["admission"]["selected"] == [gpu_uuid(0)]
     assert record["verdict"]["gpu_validation_blocker"] == "none"
+    assert record["verdict"]["source"] == "inline"
 
 
 def test_releasing_twice_never_closes_a_reused_descriptor(tmp_path: Path) -> None:
