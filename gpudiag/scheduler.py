@@ -277,7 +277,7 @@ class Scheduler:
             self._inflight.pop(key, None)
             snapshot = self._publish_locked()
         if previous is None or previous.outcome != result.outcome:
-            log.info("probe %s %s in %.2f s", key.backend, result.outcome, run.duration_s,
+            log.info("probe %s: child %s in %.2f s", key.backend, result.outcome, run.duration_s,
                      extra={"backend": key.backend, "outcome": result.outcome,
                             "duration_s": round(run.duration_s, 4), "error": run.error})
         else:
