@@ -495,3 +495,21 @@ def test_docker_without_cdi_listing_falls_back_to_gpus_all_once(tmp_path: Path) 
     assert partial.injection == "gpus-all" and "--device" not in partial.argv
     none = plan_docker("img", ["x"], [], {"CUDA_VISIBLE_DEVICES": ""}, docker=missing)
     assert none.injection == "none" and "--gpus" not in none.argv and none.info_error is None
+
+
+def test_the_child_hook_chains_to_the_sitecustomize_it_shadows(host: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    marker = tmp_path / "their-hook-ran"
+    (theirs / "sitecustomize.py").write_text(
+        f"import pathlib; pathlib.Path({str(marker)!r}).write_text('yes')\n")
+    env = dict(host, PYTHONPATH=str(theirs))
+    art = tmp_path / "a"
+    proc = gpudiag_run(["--", sys.executable, "-c", "import sys; print(sys.path[1:3])"], env,
+                       art)
+    assert proc.returncode == 0, proc.stderr
+    assert marker.read_text() == "yes"  # the job's own sitecustomize still ran
+    # The hook first, the job's PYTHONPATH kept after it.
+    assert proc.stdout.strip() == repr([str(art / "python-hook"), str(theirs)])
+    assert kv(art / "closeout.txt")["preallocation_source"] == "child"
