@@ -97,6 +97,24 @@ def _flag(params: Mapping[str, str], name: str) -> bool:
     raise ApiError(400, "bad_parameter", f"{name}={raw!r}: accepted 1/0, true/false")
 
 
+# IREE drivers a request over HTTP may name (the ones IREE compiles in): each distinct driver
+# list is a probe key the scheduler keeps, so arbitrary names would grow it without bound.
+HTTP_IREE_DRIVERS = ("cuda", "hip", "local-sync", "local-task", "vulkan")
+
+
+def _check_http_keys(keys: Iterable[ProbeKey]) -> None:
+    """400 for probe options an HTTP caller may not invent (unknown or repeated drivers)."""
+    for key in keys:
+        if key.backend != "iree":
+            continue
+        drivers = list((key.options_dict() or {}).get("drivers") or [])
+        bad = [d for d in drivers if d not in HTTP_IREE_DRIVERS]
+        if bad or len(set(drivers)) != len(drivers):
+            raise ApiError(400, "bad_requirement",
+                           f"IREE drivers {drivers!r}: over HTTP each of "
+                           f"{', '.join(HTTP_IREE_DRIVERS)} at most once")
+
+
 @dataclass(frozen=True)
 class ProbeRateLimit:
     """How often clients may make the daemon start a probe (per backend): a token bucket.
@@ -268,12 +286,14 @@ class DaemonApp:
             visibility = (params.get("cuda_visible_devices"),
                           params.get("nvidia_visible_devices"))
         keys = keys_for(requirement)
-        if max_age is not None:
-            results = self.scheduler.snapshot().results
-            now_wall = self.scheduler.clock.time()
-            self._limit([k for k in keys if k in results
-                         and now_wall - results[k].started_wall > max_age],
-                        "max_age_s")
+        _check_http_keys(keys)
+        results = self.scheduler.snapshot().results
+        now_wall = self.scheduler.clock.time()
+        # A run this request would start (result missing, or older than max_age_s) is
+        # on-demand work: rate-limited per backend.
+        self._limit([k for k in keys if k not in results or (
+            max_age is not None and now_wall - results[k].started_wall > max_age)],
+            "max_age_s" if max_age is not None else "GET /v1/preflight")
         fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()

@@ -418,3 +418,23 @@ def test_programs_naming_a_loopback_address_are_served(server, host: bytes) -> N
     httpd, _ = server
     status, _, _ = raw(_port(httpd), b"GET /healthz HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
     assert status == 200
+
+
+def test_preflight_cannot_invent_probe_keys_or_run_new_ones_past_the_budget(
+        healthy_runs: dict) -> None:
+    app, replay, sched = _limited_app(healthy_runs, burst=1)
+    try:
+        for query in ("require=iree:zzz", "require=iree:metal-x"):
+            status, _, body = wsgi(app, f"/v1/preflight?{query}")
+            assert status == 400 and json.loads(body)["error"]["code"] == "bad_requirement"
+        # A requirement whose probe never ran starts a run: that is on-demand work too.
+        assert wsgi(app, "/v1/preflight?require=iree:local-task&wait_s=2")[0] == 200
+        assert replay.calls.count("iree") == 1
+        status, _, body = wsgi(app, "/v1/preflight?require=iree:vulkan&wait_s=2")
+        assert status == 429 and json.loads(body)["error"]["code"] == "rate_limited"
+        assert replay.calls.count("iree") == 1
+        # The result it has is answered from the snapshot, as often as asked.
+        for _ in range(5):
+            assert wsgi(app, "/v1/preflight?require=iree:local-task")[0] == 200
+    finally:
+        sched.stop()
