@@ -279,8 +279,30 @@ def default_lock_dir(env: Mapping[str, str] | None = None) -> Path:
     if system.is_dir() and os.access(system, os.W_OK | os.X_OK):
         return system
     # A per-user fallback only excludes this user's own jobs: say so in docs/runner.md.
-    runtime = env.get("XDG_RUNTIME_DIR") or f"/tmp/gpudiag-{os.getuid()}"
-    return Path(runtime) / "gpudiag" / "locks"
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "gpudiag" / "locks"
+    return _private_tmp_root() / "gpudiag" / "locks"
+
+
+def _private_tmp_root() -> Path:
+    return Path(f"/tmp/gpudiag-{os.getuid()}")
+
+
+def _check_private_root(lock_dir: Path) -> None:
+    """The /tmp fallback must be this user's own folder: another user could have made it
+    first, and whoever owns a lock folder can delete a held lock file and split the lock."""
+    root = _private_tmp_root()
+    if root != lock_dir and root not in lock_dir.parents:
+        return
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise LockFailed(f"{root} is not a folder of uid {os.getuid()} closed to others "
+                         f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): someone "
+                         "else may have made it; remove it, or set GPUDIAG_LOCK_DIR or "
+                         "XDG_RUNTIME_DIR")
 
 
 @dataclass(frozen=True)
@@ -312,6 +334,7 @@ def try_lock(lock_dir: Path, uuid: str) -> LockInfo | None:
     """Take the lock of ``uuid`` without waiting; None when another process holds it."""
     path = _lock_path(lock_dir, uuid)
     try:
+        _check_private_root(lock_dir)
         lock_dir.mkdir(parents=True, exist_ok=True)
         # Never unlinked: a lock file that vanished under a waiter would split the lock.
         # O_NOFOLLOW: the lock folder is shared (sticky, world-writable), so a symlink planted
