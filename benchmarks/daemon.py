@@ -59,6 +59,34 @@ def http_get(host: str, port: int, path: str) -> tuple[float, float, int]:
     return ms, server, status
 
 
+FLOOR_SERVER = """
+import socketserver, sys
+body = b"x" * int(sys.argv[1])
+head = b"HTTP/1.0 200 OK\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body)
+class H(socketserver.StreamRequestHandler):
+    def handle(self):
+        while self.rfile.readline() not in (b"\\r\\n", b"\\n", b""):
+            pass
+        self.wfile.write(head + body)
+class S(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    request_queue_size = 128
+s = S(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+
+
+def http_body(host: str, port: int, path: str) -> bytes:
+    """The body of one GET."""
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data.split(b"\r\n\r\n", 1)[1]
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * q))]
@@ -204,6 +232,22 @@ def main() -> int:
               f"{args.preflight_s:g} s: {len(c)} requests, {err} errors; client p50 "
               f"{pct(c, .5):.2f} ms p99 {pct(c, .99):.2f} ms (target p99 <= 5 ms); daemon "
               f"p50 {pct(s, .5):.2f} ms p99 {pct(s, .99):.2f} ms")
+        # The floor on this machine: the same load against a minimal threaded Python server
+        # that answers a fixed body of the same size (no routing, no verdict, no JSON).
+        size = len(http_body(host, port, path))
+        floor = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, str(size)],
+                                 stdout=subprocess.PIPE, text=True)
+        assert floor.stdout is not None
+        floor_port = int(floor.stdout.readline())
+        try:
+            fc, _, _ = load("127.0.0.1", floor_port, "/", args.clients, args.preflight_s,
+                            args.rate)
+        finally:
+            floor.kill()
+            floor.wait()
+        print(f"  same load on a minimal threaded Python server ({size} byte body): client "
+              f"p50 {pct(fc, .5):.2f} ms p99 {pct(fc, .99):.2f} ms -> daemon/minimal p99 "
+              f"{pct(c, .99) / pct(fc, .99):.2f}x")
         c2, s2, err2 = load(host, port, path, args.clients, 5.0, None)
         print(f"/v1/preflight, {args.clients} clients closed loop for 5 s: "
               f"{len(c2) / 5:.0f} req/s, {err2} errors; client p50 {pct(c2, .5):.2f} ms p99 "
