@@ -39,6 +39,10 @@ MAX_BODY_BYTES = 4096       # read and discarded; the API takes parameters in th
 HEAD_TIMEOUT_S = 10.0       # the whole head (and body) must arrive within this
 WRITE_TIMEOUT_S = 30.0      # the whole response must be taken within this
 MAX_PENDING = 512           # connections still sending their head; past it the oldest goes
+# Client connections open at once, in every state. Under systemd's default soft limit of 1024
+# file descriptors, with room for the daemon's own (SQLite, probe pipes, the watcher).
+MAX_CONNECTIONS = 768
+ACCEPT_PAUSE_S = 0.1        # after EMFILE: stop accepting briefly instead of spinning
 WORKERS = 8                 # threads per pool
 MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
 SUMMARY_INTERVAL_S = 60.0
@@ -292,8 +296,12 @@ class HttpServer:
                  head_timeout_s: float = HEAD_TIMEOUT_S,
                  write_timeout_s: float = WRITE_TIMEOUT_S, max_pending: int = MAX_PENDING,
                  workers: int = WORKERS, max_queued: int = MAX_QUEUED,
+                 max_connections: int = MAX_CONNECTIONS,
                  abuse: AbuseLog | None = None) -> None:
         self.app = app
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self._accept_resume: float | None = None
         self.head_timeout_s = head_timeout_s
         self.write_timeout_s = write_timeout_s
         self.max_pending = max_pending
@@ -349,6 +357,9 @@ class HttpServer:
                         self._read(key.data)
                 self._expire()
                 self.abuse.flush()
+                if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
+                    self._accept_resume = None
+                    self._sel.register(self._listen, selectors.EVENT_READ, None)
         finally:
             for conn in [*self._pending.values(), *self._writing.values()]:
                 self._drop(conn)
@@ -382,18 +393,30 @@ class HttpServer:
                 sock, addr = self._listen.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # EMFILE and friends: stop accepting for this round
+            except OSError as e:
+                # EMFILE and friends: the listener stays readable, so pause instead of spinning.
                 log.debug("accept failed: %s", e)
+                self._sel.unregister(self._listen)
+                self._accept_resume = time.monotonic() + ACCEPT_PAUSE_S
                 return
             sock.setblocking(False)
             peer = str(addr[0]) if isinstance(addr, tuple) else str(addr)
-            if len(self._pending) >= self.max_pending:
+            if self.open_connections >= self.max_connections:
+                if not self._pending:  # everyone has sent a request: the newcomer waits
+                    self.abuse.note("connection_cap", peer)
+                    sock.close()
+                    continue
+                oldest = next(iter(self._pending.values()))
+                self.abuse.note("connection_cap", oldest.peer)
+                self._drop(oldest)
+            elif len(self._pending) >= self.max_pending:
                 # Slowloris defence: the connection that has waited longest gives way, so a
                 # client that sends its request promptly is still served.
                 oldest = next(iter(self._pending.values()))
                 self.abuse.note("connection_cap", oldest.peer)
                 self._drop(oldest)
             conn = _Conn(sock, peer, time.monotonic() + self.head_timeout_s)
+            self.open_connections += 1
             self._pending[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -478,7 +501,7 @@ class HttpServer:
                 self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
             except (ValueError, OSError):  # closed meanwhile
                 self._writing.pop(conn.sock.fileno(), None)
-                conn.sock.close()
+                self._close(conn)
                 continue
             self._write(conn)
 
@@ -524,9 +547,15 @@ class HttpServer:
         except (KeyError, ValueError):
             pass
 
+    def _close(self, conn: _Conn) -> None:
+        # Every client socket is closed here, on the selector thread: the count stays exact.
+        if conn.sock.fileno() >= 0:
+            self.open_connections -= 1
+            conn.sock.close()
+
     def _drop(self, conn: _Conn) -> None:
         self._forget(conn)
-        conn.sock.close()
+        self._close(conn)
 
     def _answer_and_drop(self, conn: _Conn, data: bytes) -> None:
         # Best effort and never blocking: an error answer is small enough for the socket
@@ -536,7 +565,7 @@ class HttpServer:
             conn.sock.send(data)
         except OSError:
             pass
-        conn.sock.close()
+        self._close(conn)
 
     # -- worker threads ------------------------------------------------------------------
     def _handle(self, conn: _Conn, request: Request) -> None:

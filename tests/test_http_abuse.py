@@ -438,3 +438,26 @@ def test_preflight_cannot_invent_probe_keys_or_run_new_ones_past_the_budget(
             assert wsgi(app, "/v1/preflight?require=iree:local-task")[0] == 200
     finally:
         sched.stop()
+
+
+def test_open_connections_are_capped_below_the_file_descriptor_limit(healthy_runs: dict
+                                                                      ) -> None:
+    sched = Scheduler(quick_config(), runner=Replay(dict(healthy_runs)), env={})
+    sched.start()
+    httpd, thread = serve(DaemonApp(sched), "127.0.0.1", 0, head_timeout_s=5.0,
+                          max_connections=50, max_pending=40)
+    port = _port(httpd)
+    idle = []
+    try:
+        wait_for(lambda: sched.snapshot().round_complete, 5)
+        for _ in range(200):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        wait_for(lambda: httpd.pending > 0, 5)
+        assert get(port, "/healthz")[0] == 200  # the oldest idle one gave way
+        assert httpd.open_connections <= 50
+    finally:
+        for s in idle:
+            s.close()
+        httpd.shutdown()
+        thread.join(5)
+        sched.stop()
