@@ -103,7 +103,6 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
     closeout names the blocker with its evidence). Otherwise the exit code is the child's
     own, or 128+N when it died by signal N.
     """
-    from gpudiag.admission import default_lock_dir
     from gpudiag.runner import RunnerError, RunOptions, execute
 
     try:
@@ -125,7 +124,7 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
     options = RunOptions(
         argv=tuple(argv), requirement=requirement,
         artifacts=Path(artifacts_text) if artifacts_text else _default_artifacts(),
-        lock_dir=Path(lock_dir_text) if lock_dir_text else default_lock_dir(),
+        lock_dir=Path(lock_dir_text) if lock_dir_text else None,
         gpus=n, min_free_memory_bytes=floor, timeout_s=_seconds(timeout_text, "--timeout"),
         kill_grace_s=grace, lock_timeout_s=lock_timeout, image=image, daemon_url=url)
     try:

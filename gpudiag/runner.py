@@ -32,6 +32,7 @@ from gpudiag.admission import (
     AdmissionError,
     Admitter,
     Hook,
+    default_lock_dir,
     gpudiag_variables,
     preflight_for_admission,
     try_lock,
@@ -70,7 +71,7 @@ class RunOptions:
     argv: tuple[str, ...]
     requirement: Requirement
     artifacts: Path
-    lock_dir: Path
+    lock_dir: Path | None  # None: default_lock_dir(), resolved only when GPUs are admitted
     gpus: int
     min_free_memory_bytes: int | None = None
     timeout_s: float | None = None
@@ -494,7 +495,10 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
     verdict, first = preflight_for_admission(options.requirement, options.gpus, base,
                                              options.probe_timeout_s, options.daemon_url)
     closeout["verdict_source"] = verdict.source
-    admitter = Admitter(env=base, lock_dir=options.lock_dir, gpus=options.gpus,
+    lock_dir = options.lock_dir
+    if lock_dir is None:
+        lock_dir = default_lock_dir(base) if options.gpus else Path(os.devnull)
+    admitter = Admitter(env=base, lock_dir=lock_dir, gpus=options.gpus,
                         min_free_memory_bytes=options.min_free_memory_bytes,
                         lock_timeout_s=options.lock_timeout_s,
                         after_first_observation=after_first_observation)
