@@ -93,14 +93,18 @@ def _target(driver: str, cuda_target: str) -> tuple[str, list[str]] | None:
 def cache_dir() -> Path | None:
     """A private per-user cache folder, or None when none is safe to use."""
     root = os.environ.get("GPUDIAG_CACHE_DIR")
-    base = Path(root) if root else Path(tempfile.gettempdir()) / f"gpudiag-{os.getuid()}"
+    # A folder the user names may be reached through links; the default one may not.
+    base = (Path(root).resolve() if root
+            else Path(tempfile.gettempdir()) / f"gpudiag-{os.getuid()}")
     path = base / "iree-vmfb"
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         for p in (base, path):
-            st = p.stat()
-            # Another user's or a shared writable folder could feed us a doctored module.
-            if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            st = p.lstat()
+            # Another user's folder, a shared writable one or a planted link could feed us
+            # a doctored module.
+            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
+                    or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
                 return None
     except OSError:
         return None
