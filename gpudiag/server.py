@@ -291,10 +291,18 @@ class DaemonApp:
         now_wall = self.scheduler.clock.time()
         # A run this request would start (result missing, or older than max_age_s) is
         # on-demand work: rate-limited per backend.
-        self._limit([k for k in keys if k not in results or (
-            max_age is not None and now_wall - results[k].started_wall > max_age)],
-            "max_age_s" if max_age is not None else "GET /v1/preflight")
-        fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
+        try:
+            self._limit([k for k in keys if k not in results or (
+                max_age is not None and now_wall - results[k].started_wall > max_age)],
+                "max_age_s" if max_age is not None else "GET /v1/preflight")
+        except ApiError:
+            if any(k not in results for k in keys):
+                raise
+            # Past the budget with results at hand: the snapshot's verdict, marked
+            # "fresh": false with its age_s, as when the probes outrun wait_s.
+            fresh = False
+        else:
+            fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
         cache_key = (snap.seq, requirement, visibility)

@@ -364,7 +364,7 @@ def test_post_probe_is_rate_limited_per_backend_with_429_and_retry_after(
         sched.stop()
 
 
-def test_preflight_max_age_runs_are_rate_limited_but_cached_answers_are_not(
+def test_preflight_max_age_runs_past_the_budget_answer_from_the_snapshot(
         healthy_runs: dict) -> None:
     app, replay, sched = _limited_app(healthy_runs, burst=2)
     try:
@@ -373,8 +373,11 @@ def test_preflight_max_age_runs_are_rate_limited_but_cached_answers_are_not(
             status, _, body = wsgi(app, "/v1/preflight?require=cuda&max_age_s=0")
             assert status == 200 and json.loads(body)["fresh"] is True
         time.sleep(0.02)
+        runs = len(replay.calls)
+        # Past the budget: the snapshot's verdict, marked not fresh, and no new run.
         status, _, body = wsgi(app, "/v1/preflight?require=cuda&max_age_s=0")
-        assert status == 429 and json.loads(body)["error"]["code"] == "rate_limited"
+        assert status == 200 and json.loads(body)["fresh"] is False
+        assert json.loads(body)["age_s"] > 0 and len(replay.calls) == runs
         # Without max_age_s (or with a generous one) the snapshot answers, unlimited.
         for _ in range(20):
             assert wsgi(app, "/v1/preflight?require=cuda")[0] == 200
