@@ -279,7 +279,9 @@ def daemon_or_inline(requirement: Requirement, daemon_url: str | None, no_daemon
 
     if not no_daemon:
         try:
-            answer = ask_daemon(daemon_url or default_url(), requirement)
+            # --timeout bounds the wait for the daemon too (a Slurm prolog has 60 s in all).
+            answer = ask_daemon(daemon_url or default_url(), requirement,
+                                read_timeout_s=min(60.0, timeout_s or 60.0))
         except DaemonUrlError as e:
             raise click.UsageError(f"--daemon-url: {e}") from e
         if answer.verdict is not None:

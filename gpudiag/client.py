@@ -112,7 +112,8 @@ def preflight(requirement: Requirement, *, url: str | None = None, use_daemon: b
               ) -> Verdict:
     """The daemon's verdict when one answers, else one from probes run here (source inline)."""
     if use_daemon:
-        answer = ask_daemon(url or default_url(env), requirement, env=env)
+        answer = ask_daemon(url or default_url(env), requirement, env=env,
+                            read_timeout_s=min(60.0, timeout_s or 60.0))
         if answer.verdict is not None:
             return answer.verdict
     from gpudiag.engine import preflight_inline

@@ -77,12 +77,17 @@ def preflight_inline(requirement: Requirement, *, env: Mapping[str, str] | None 
 
 def preflight(require: str | Requirement = "cuda", *, devices: str | None = None,
               min_devices: int | None = None, min_free_memory: str | int | None = None,
-              env: Mapping[str, str] | None = None, timeout_s: float | None = None) -> Verdict:
-    """The verdict for a requirement (Python API).
+              env: Mapping[str, str] | None = None, timeout_s: float | None = None,
+              daemon_url: str | None = None, use_daemon: bool = True) -> Verdict:
+    """The verdict for a requirement (Python API): the local daemon first, else inline probes.
 
     ``require`` uses the CLI syntax (``"cuda,jax"``, ``"jax:cpu"``, ``"iree:local-task"``).
-    ``env`` is the environment the job would run with (default: this process's).
+    ``env`` is the environment the job would run with (default: this process's); its
+    visibility variables travel to the daemon. The verdict's ``source`` says which answered.
     """
+    from gpudiag.client import preflight as daemon_first
+
     requirement = require if isinstance(require, Requirement) else parse_requirement(
         require, devices=devices, min_devices=min_devices, min_free_memory=min_free_memory)
-    return preflight_inline(requirement, env=env, timeout_s=timeout_s)
+    return daemon_first(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
+                        timeout_s=timeout_s)

@@ -23,8 +23,12 @@ _SCRUB = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "JAX_PLATFORMS",
 
 def clean_env() -> dict[str, str]:
     """This process's environment without anything that steers GPUs or the fakes."""
-    return {k: v for k, v in os.environ.items()
-            if k not in _SCRUB and not k.startswith("FAKE_")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in _SCRUB and not k.startswith("FAKE_")}
+    # Never ask a daemon that happens to run on this machine's default port: port 1 refuses
+    # at once. Tests that want a daemon pass its URL.
+    env["GPUDIAG_DAEMON_URL"] = "http://127.0.0.1:1"
+    return env
 
 
 @pytest.fixture(scope="session")
