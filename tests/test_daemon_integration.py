@@ -151,13 +151,15 @@ def test_a_hung_probe_never_slows_metrics_or_preflight(rig) -> None:
     # The next nvml run starts within 0.5 s (interval) of the hang, so the verdict changed
     # within interval + deadline (+ scheduling slack on a busy machine).
     assert became <= 4.0
-    # The daemon's own time for every answer; over loopback, what a client saw, at the 90th
-    # percentile: this 2-core machine is shared, so single answers wait for a CPU now and
-    # then (the benchmark reports the full distribution).
+    # Every answer within 50 ms of the daemon's own time; over loopback, 99% of what a
+    # client saw within 50 ms and none anywhere near the 1.5 s a blocked thread would take.
+    # (This 2-core machine is shared: a single answer may wait for a CPU now and then; the
+    # usual max here is 15-25 ms.)
     client_ms.sort()
-    p90 = client_ms[int(len(client_ms) * 0.9)]
+    p99 = client_ms[int(len(client_ms) * 0.99)]
+    seen = f"p99 {p99:.1f} ms, max {client_ms[-1]:.1f} ms over {len(client_ms)} answers"
     assert max(server_ms) < 50, f"daemon took {max(server_ms):.1f} ms while a probe hung"
-    assert p90 < 50, f"p90 {p90:.1f} ms, max {client_ms[-1]:.1f} ms while a probe hung"
+    assert p99 < 50 and client_ms[-1] < 250, seen
     status, text = daemon.get("/metrics")
     assert _metric(text, 'gpudiag_probe_runs_total{backend="nvml",outcome="timeout"}') >= 1
     assert _metric(text, 'gpudiag_blocker{code="probe_timeout",layer="probe"}') == 1
