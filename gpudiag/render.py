@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import IO, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpudiag.requirement import format_size
@@ -37,7 +38,7 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None)
         style = _STATUS_STYLE.get(b["status"], "")
         duration = "-" if b["duration_s"] is None else f"{b['duration_s']:.2f}s"
         backends.add_row(name, f"[{style}]{b['status']}[/{style}]" if style else b["status"],
-                         duration, _facts(name, b))
+                         duration, escape(_facts(name, b)))
     console.print(backends)
     if record["devices"]:
         devices = Table(title="Devices", title_justify="left")
@@ -57,8 +58,9 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None)
             table.add_column(col, overflow="fold")
         for item in items:
             where = "/".join(x for x in (item["backend"], item["device"]) if x) or "-"
-            table.add_row(f"[{style}]{item['code']}[/{style}]", item["layer"], where,
-                          item["message"], item["remediation"])
+            # Messages carry text like jax[cuda12] that rich would read as markup.
+            table.add_row(f"[{style}]{item['code']}[/{style}]", item["layer"], escape(where),
+                          escape(item["message"]), escape(item["remediation"]))
         console.print(table)
     console.print(f"preallocation_disabled={record['preallocation_disabled']}", highlight=False)
     console.print(f"gpu_validation_blocker={record['gpu_validation_blocker']}", highlight=False,

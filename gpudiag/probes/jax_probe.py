@@ -134,6 +134,11 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         "installed": False,
         "ok": False,
     }
+    if not out["preallocation_disabled"]:
+        # The reading above is the verdict (jax_preallocation_enabled); the probe itself must
+        # never take 75% of a shared card, so it initializes JAX with preallocation off.
+        os.environ.update(PREALLOCATION_OFF)
+        out["probe_forced_preallocation_off"] = True
     started = time.monotonic()
     try:
         import jax
