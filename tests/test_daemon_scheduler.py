@@ -272,3 +272,48 @@ def test_probe_children_do_not_inherit_the_systemd_channel() -> None:
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
     assert env["PATH"] == "/bin" and env["CUDA_VISIBLE_DEVICES"] == "0"
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+
+def _watch_lines(env: dict, count: int) -> tuple[list[dict], int | None]:
+    import json
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "gpudiag.probes.xid_watch",
+                             json.dumps({"heartbeat_s": 0.1, "telemetry_s": 0.3})],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines = []
+    try:
+        for _ in range(count):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(json.loads(line))
+    finally:
+        code = proc.poll()
+        proc.kill()
+        proc.wait()
+    return lines, code
+
+
+def test_the_watcher_child_streams_xids_and_telemetry_from_nvml(fakes, tmp_path: Path) -> None:
+    from tests.test_daemon_support import host_env
+
+    env = host_env(fakes, tmp_path, gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   FAKE_NVML_XIDS="1:48,0:13", FAKE_NVML_TEMPERATURE_C="0:61")
+    lines, _ = _watch_lines(env, 6)
+    kinds = [m["type"] for m in lines]
+    assert kinds[:2] == ["hello", "telemetry"] and "heartbeat" in kinds
+    assert [d["index"] for d in lines[0]["devices"]] == [0, 1]
+    assert lines[1]["gpus"][0]["temperature_c"] == 61
+    xids = [(m["device_index"], m["xid"], m["uuid"][-1]) for m in lines if m["type"] == "xid"]
+    assert xids == [(1, 48, "1"), (0, 13, "0")]
+
+
+def test_the_watcher_child_reports_nvml_init_failure_and_exits(fakes, tmp_path: Path) -> None:
+    from tests.test_daemon_support import host_env
+
+    env = host_env(fakes, tmp_path, gpus=2, FAKE_NVML_INIT_ERROR=9)
+    lines, _ = _watch_lines(env, 1)
+    assert lines[0]["type"] == "error" and lines[0]["code"] == 9
+    assert "nvmlInit failed" in lines[0]["message"]
