@@ -267,6 +267,14 @@ class Scheduler:
             log.exception("probe %s could not run", key.backend)
             run = ProbeRun(key.backend, None, 0.0, error=f"gpudiag could not run the probe: "
                            f"{type(e).__name__}: {e}")
+        if self._stop.is_set():
+            # Stopping: the daemon kills running children on its way out, and that kill is
+            # not the host's doing; published, it would be recorded as a probe_crashed
+            # episode left open in the history until the next start.
+            with self._lock:
+                self._inflight.pop(key, None)
+            flight.done.set()
+            return
         finished = self.clock.time()
         result = ProbeResult(key, run, flight.started_wall, finished)
         with self._lock:

@@ -24,3 +24,32 @@ def test_a_short_soak_with_flapping_faults_meets_every_target(tmp_path: Path) ->
     assert report.injected >= 3 and report.matched == report.injected, summary
     assert report.still_open == [] and report.rows_past_retention == 0, summary
     assert report.integrity == "ok" and report.daemon_exit == 0, summary
+
+
+def test_a_probe_killed_while_the_daemon_stops_is_not_published() -> None:
+    """Found by the soak: the kill on the way out was recorded as an open probe_crashed."""
+    import threading
+    from collections.abc import Mapping
+    from typing import Any
+
+    from gpudiag.isolation import ProbeRun
+    from gpudiag.scheduler import Scheduler
+    from tests.test_daemon_support import quick_config, wait_for
+
+    started, release = threading.Event(), threading.Event()
+
+    def runner(backend: str, env: Mapping[str, str], timeout_s: float,
+               options: Mapping[str, Any] | None) -> ProbeRun:
+        started.set()
+        release.wait(10)
+        return ProbeRun(backend, None, 0.1, signal=9, error="killed by signal 9 (SIGKILL)")
+
+    sched = Scheduler(quick_config(), runner=runner, env={})
+    published: list[int] = []
+    sched.on_snapshot(lambda snap: published.append(snap.seq))
+    sched.start()
+    wait_for(started.is_set, 5)
+    sched.stop()
+    release.set()
+    wait_for(lambda: not any(sched.running(k) for k in sched.scheduled), 5)
+    assert published == [] and sched.snapshot().results == {}
