@@ -310,3 +310,36 @@ def test_chatter_on_a_probe_childs_stdout_does_not_spoil_the_observation(
     rc, record = verdict_of(["preflight", "--format", "json"], env)
     assert rc == 0, record["blockers"]
     assert record["gpu_validation_blocker"] == "none"
+
+
+def test_a_hung_probe_dies_with_a_sigkilled_parent(gpu_env: EnvFactory) -> None:
+    marker = uuid.uuid4().hex
+    env = gpu_env(FAKE_NVML_INIT_HANG=1, GPUDIAG_TEST_MARK=marker)
+    parent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os; from gpudiag.isolation import run_probe; "
+         "run_probe('nvml', env=os.environ, timeout_s=300)"], env=env)
+
+    def probe_pids() -> list[int]:
+        found = []
+        for pid in os.listdir("/proc"):
+            try:
+                if pid.isdigit() and pid != str(parent.pid) and marker.encode() in Path(
+                        f"/proc/{pid}/environ").read_bytes() and b"gpudiag.probes" in Path(
+                        f"/proc/{pid}/cmdline").read_bytes():
+                    if "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
+                        found.append(int(pid))
+            except OSError:
+                continue
+        return found
+
+    deadline = time.monotonic() + 30
+    while not probe_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert probe_pids(), "the probe child never started"
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while probe_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert probe_pids() == [], "the hung probe outlived its SIGKILLed parent"

@@ -23,6 +23,32 @@ def _claim_stdout() -> Any:
     return os.fdopen(saved, "w", encoding="utf-8")
 
 
+def _die_with_parent() -> None:
+    """End this probe's whole process group if the process that started it dies.
+
+    A SIGKILLed daemon cannot kill its probe children, and they run in their own session:
+    without this a hung probe would outlive it. ctypes calls release the GIL, so this thread
+    runs even while a driver call hangs (short of a task stuck in the kernel).
+    """
+    import signal
+    import threading
+    import time
+
+    # The parent names itself: a child orphaned before this line runs is caught too.
+    try:
+        parent = int(os.environ.get("GPUDIAG_PROBE_PARENT_PID", ""))
+    except ValueError:
+        parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="gpudiag-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     from gpudiag.probes import PROBE_MODULES, load
 
@@ -39,6 +65,7 @@ def main(argv: list[str]) -> int:
         return 2
     # A crash inside a driver library then leaves a Python stack on stderr.
     faulthandler.enable(file=sys.stderr)
+    _die_with_parent()
     out = _claim_stdout()
     try:
         observation = load(argv[0])(options)
