@@ -7,6 +7,7 @@ failed.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import socket
 import sys
 from collections.abc import Iterator
@@ -15,8 +16,6 @@ from typing import Any
 import click
 
 from gpudiag import __version__
-from gpudiag.classify import classify
-from gpudiag.engine import run_inline
 from gpudiag.requirement import (
     RequirementError,
     parse_requirement,
@@ -81,7 +80,25 @@ def _record(verdict: Verdict, path: str | None) -> None:
         raise Failed(f"could not write --record {path}: {e.strerror or e}") from e
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose heavier subcommands load only when they run: `probe` starts fast."""
+
+    lazy: dict[str, str] = {"serve": "gpudiag.cli_daemon:serve",
+                            "history": "gpudiag.cli_daemon:history",
+                            "run": "gpudiag.cli_run:run"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module, attr = self.lazy[cmd_name].split(":")
+            command: click.Command = getattr(importlib.import_module(module), attr)
+            return command
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpudiag")
 def cli() -> None:
     """gpudiag: can this job's backend really initialize on this host's GPUs now, and if
@@ -122,6 +139,9 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
                        else Requirement(backends=(), min_devices=0))
     except RequirementError as e:
         raise _usage(f"--backend: {e}") from e
+    from gpudiag.classify import classify
+    from gpudiag.engine import run_inline
+
     with _progress("probing " + ", ".join(names)):
         runs, checked_at = run_inline(requirement, timeout_s=timeout_s,
                                       only={n.split(":")[0] for n in names})
@@ -179,9 +199,3 @@ def main(argv: list[str] | None = None) -> Any:
     except Exception as e:  # the last line of defence: a message, never a traceback
         click.echo(f"gpudiag: internal error: {type(e).__name__}: {e}", err=True)
         sys.exit(EXIT_FAILED)
-cli.add_command(__import__("gpudiag.cli_run", fromlist=["run"]).run)
-
-
-from gpudiag.cli_daemon import history, serve  # noqa: E402 - after cli exists
-
-cli.add_command(serve); cli.add_command(history)  # noqa: E702

@@ -29,7 +29,7 @@ fi
 # Only reinstall when pyproject.toml changed since the last successful install.
 stamp=.venv/.gpudiag-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[jax,iree,test]' \
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[jax,iree,test]' --config-settings editable_mode=compat \
         2> >(grep -v "^WARNING: Location" >&2)
     touch "$stamp"
 fi
