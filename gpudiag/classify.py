@@ -7,7 +7,7 @@ root cause brings with it stays listed under ``blockers`` as consequences.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpudiag.environment import (
@@ -19,6 +19,7 @@ from gpudiag.environment import (
     resolve,
 )
 from gpudiag.isolation import ProbeRun
+from gpudiag.observation import observation_problem
 from gpudiag.verdict import (
     BackendRequirement,
     BackendStatus,
@@ -94,6 +95,17 @@ BACKEND_CLASSIFIERS: dict[str, BackendClassifier] = {}
 def _obs(runs: Mapping[str, ProbeRun], name: str) -> Mapping[str, Any] | None:
     run = runs.get(name)
     return run.observation if run is not None and run.ok else None
+
+
+def checked_run(run: ProbeRun) -> ProbeRun:
+    """The run, or a probe_error run when its observation has a shape gpudiag cannot read."""
+    if run.observation is None:
+        return run
+    why = observation_problem(run.backend, run.observation)
+    if why is None:
+        return run
+    return replace(run, observation=None,
+                   error=f"probe {run.backend} returned a malformed observation: {why}")
 
 
 def _probe_layer(runs: Mapping[str, ProbeRun], f: Findings) -> None:
@@ -409,6 +421,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     """The verdict for ``requirement`` from what the probe children observed."""
     f = Findings()
     f.warnings.extend(extra_warnings)
+    runs = {name: checked_run(run) for name, run in runs.items()}
     _probe_layer(runs, f)
     host_obs, nvml, cuda = _obs(runs, "host"), _obs(runs, "nvml"), _obs(runs, "cuda")
     devices: list[DeviceInfo] = []

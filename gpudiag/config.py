@@ -254,7 +254,7 @@ def load_config(path: str | Path | None) -> DaemonConfig:
             raw = tomllib.load(fh)
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from e
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config {path} is not valid TOML: {e}") from e
     try:
         return from_mapping(raw)

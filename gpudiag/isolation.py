@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.observation import observation_problem
+
 STDERR_TAIL_BYTES = 64 * 1024
 STDOUT_LIMIT_BYTES = 16 * 1024 * 1024
 KNOWN_PROBES = ("host", "nvml", "cuda", "jax", "iree", "devices")
@@ -70,7 +72,8 @@ def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
     started = time.monotonic()
     try:
         proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-            argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            argv, env={**env, "GPUDIAG_PROBE_PARENT_PID": str(os.getpid())},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
         )
     except OSError as e:
@@ -105,6 +108,11 @@ def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
     if observation is None:
         return ProbeRun(backend, None, duration, code, None, False, tail,
                         f"probe {backend} printed no valid observation: {parse_error}",
+                        tuple(argv))
+    malformed = observation_problem(backend, observation)
+    if malformed is not None:
+        return ProbeRun(backend, None, duration, code, None, False, tail,
+                        f"probe {backend} returned a malformed observation: {malformed}",
                         tuple(argv))
     return ProbeRun(backend, observation, duration, code, None, False, tail, None, tuple(argv))
 

@@ -349,7 +349,8 @@ def _kv_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return str(value).replace("\n", "\\n").replace("\r", "\\r")
+    # The backslash first, so that a reader can undo the escapes (as verdict.render_kv).
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def closeout_kv(closeout: Mapping[str, Any]) -> str:

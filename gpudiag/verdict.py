@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpudiag import __version__
-from gpudiag.blockers import WARNINGS, entry, layer_rank
+from gpudiag.blockers import LAYER_ORDER, WARNINGS, entry, layer_rank
 
 SCHEMA = "gpudiag.verdict/1"
 JSONValue = Any  # a JSON-able value; evidence is free-form by design
@@ -213,10 +213,11 @@ class Verdict:
             if record.get("schema") != SCHEMA:
                 raise RecordError(f"schema is {record.get('schema')!r}, expected {SCHEMA!r}")
             req = record["requirement"]
-            return cls(
+            verdict = cls(
                 requirement=Requirement(
                     backends=tuple(_parse_backend_spec(s) for s in req["backends"]),
-                    devices=tuple(req["devices"]) if req.get("devices") is not None else None,
+                    devices=tuple(_str(d, "requirement.devices") for d in req["devices"])
+                    if req.get("devices") is not None else None,
                     min_devices=req.get("min_devices"),
                     min_free_memory_bytes=req.get("min_free_memory_bytes"),
                 ),
@@ -232,22 +233,42 @@ class Verdict:
                 source=str(record.get("source", "inline")),
                 gpudiag_version=str(record.get("gpudiag_version", "")),
             )
+            # What the CLI does next with a daemon's answer: render it. A record that
+            # cannot be rendered is not one, and must fail here, not in the renderer.
+            verdict.kv()
+            return verdict
         except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise RecordError(f"not a {SCHEMA} record: {e}") from e
+            raise RecordError(f"not a {SCHEMA} record: {e!r}") from e
+
+
+def _str(value: JSONValue, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where} holds {value!r}, not a string")
+    return value
+
+
+def _opt_str(value: JSONValue, where: str) -> str | None:
+    return None if value is None else _str(value, where)
 
 
 def _finding(raw: Mapping[str, JSONValue]) -> Finding:
-    return Finding(code=raw["code"], layer=raw["layer"], message=raw["message"],
-                   remediation=raw["remediation"], backend=raw.get("backend"),
-                   device=raw.get("device"))
+    layer = _str(raw["layer"], "a finding's layer")
+    if layer not in LAYER_ORDER:
+        raise ValueError(f"layer {layer!r} is not one of {', '.join(LAYER_ORDER)}")
+    return Finding(code=_str(raw["code"], "a finding's code"), layer=layer,
+                   message=_str(raw["message"], "a finding's message"),
+                   remediation=_str(raw["remediation"], "a finding's remediation"),
+                   backend=_opt_str(raw.get("backend"), "a finding's backend"),
+                   device=_opt_str(raw.get("device"), "a finding's device"))
 
 
-def _parse_backend_spec(spec: str) -> BackendRequirement:
-    name, _, platform = spec.partition(":")
+def _parse_backend_spec(spec: JSONValue) -> BackendRequirement:
+    name, _, platform = _str(spec, "requirement.backends").partition(":")
     return BackendRequirement(name, platform or None)
 
 
-_KV_UNSAFE = re.compile(r"[\n\r]")
+_KV_UNSAFE = re.compile(r"[\\\n\r]")
+_KV_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r"}
 
 
 def _kv_value(value: JSONValue) -> str:
@@ -257,8 +278,9 @@ def _kv_value(value: JSONValue) -> str:
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
-    # One record line per key: newlines inside values are escaped, never emitted raw.
-    return _KV_UNSAFE.sub(lambda m: "\\n" if m.group() == "\n" else "\\r", str(value))
+    # One record line per key: newlines inside values are escaped, never emitted raw; the
+    # backslash is escaped too, so a reader can undo it (a literal "\\n" stays itself).
+    return _KV_UNSAFE.sub(lambda m: _KV_ESCAPES[m.group()], str(value))
 
 
 def render_kv(record: Mapping[str, JSONValue]) -> str:
