@@ -563,6 +563,8 @@ def _wait_record(running: RunningDaemon, case: Case, fresh: bool, timeout: float
     def shows() -> bool:
         nonlocal last
         last = running.preflight(query)
+        if fresh and not last.get("fresh"):
+            return False  # rate-limited: the snapshot may still be the previous case's
         pool = last["warnings"] if _is_warning(case) else last["blockers"]
         return any(f["code"] == case.code for f in pool)
 

@@ -448,7 +448,8 @@ def test_a_malformed_observation_is_a_probe_error_not_a_crash(real_observations:
 
 
 # -- HTTP query strings ------------------------------------------------------------------------
-ALLOWED_STATUS = {200, 202, 400, 404, 405, 413, 414, 503}
+# 429: on-demand probe runs (POST /v1/probe, max_age_s) are rate-limited per backend.
+ALLOWED_STATUS = {200, 202, 400, 404, 405, 413, 414, 429, 503}
 
 
 @pytest.fixture(scope="module")
