@@ -53,9 +53,16 @@ def main() -> None:
         bare = [sys.executable, "-c", BARE]
         t_gpudiag = median_wall_s(gpudiag, env, args.runs)
         t_bare = median_wall_s(bare, env, args.runs)
+        # Where the difference goes: the CLI's own start, and one probe child alone.
+        t_cli = median_wall_s([sys.executable, "-m", "gpudiag", "--version"], env, args.runs)
+        t_child = median_wall_s([sys.executable, "-m", "gpudiag.probes", "nvml"], env,
+                                args.runs)
     print(f"devices={args.devices} runs={args.runs} cpus={os.cpu_count()}")
     print(f"gpudiag probe --backend nvml,cuda  median {t_gpudiag * 1000:8.1f} ms")
     print(f"bare pynvml init + device count    median {t_bare * 1000:8.1f} ms")
+    print(f"gpudiag --version (CLI start)      median {t_cli * 1000:8.1f} ms")
+    print(f"nvml probe child alone             median {t_child * 1000:8.1f} ms "
+          f"(ratio {t_child / t_bare:.2f})")
     print(f"ratio {t_gpudiag / t_bare:.2f} (target <= 1.5)")
 
 
