@@ -458,7 +458,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         if run is not None and classifier is not None and req.name not in backends:
             backends[req.name] = classifier(run, req, gpu, f)
     if "host" in runs:
-        backends["host"] = _status(runs["host"], f, "host")
+        backends["host"] = _status(runs["host"], f, "host", {}, _host_detail(host_obs))
     if "nvml" in runs:
         backends["nvml"] = _status(runs["nvml"], f, "nvml", {
             "driver": (nvml or {}).get("driver_version"),
@@ -485,6 +485,18 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         checked_at=checked_at,
         source=source,
     )
+
+
+def _host_detail(host: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The host facts a person looks for first: nvidia-smi, device nodes, kernel module."""
+    if host is None:
+        return {}
+    smi = host.get("nvidia_smi") or {}
+    smi_state = ("missing" if smi.get("missing") else "timed out" if smi.get("timed_out")
+                 else f"exit {smi.get('exit_code')}")
+    nodes = host.get("device_nodes") or {}
+    return {"nvidia_smi": smi_state, "device_nodes": len(nodes.get("nodes") or []),
+            "kernel_module": (host.get("driver_proc") or {}).get("kernel_module_version")}
 
 
 def _str(value: Any) -> str | None:

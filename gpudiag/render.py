@@ -18,8 +18,12 @@ def _facts(name: str, backend: dict[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in backend["versions"].items() if v)
     detail = backend["detail"]
     bits = [versions] if versions else []
-    for key in ("device_count", "default_backend", "platforms", "devices", "drivers",
-                "init_s", "compute_s"):
+    for key in ("error", "init"):  # NVML's and cuInit's own error names
+        err = detail.get(key)
+        if isinstance(err, dict) and err.get("name") and not err.get("ok"):
+            bits.append(f"{key}={err['name']}")
+    for key in ("nvidia_smi", "device_nodes", "kernel_module", "device_count",
+                "default_backend", "platforms", "devices", "drivers", "init_s", "compute_s"):
         value = detail.get(key)
         if value not in (None, [], {}, ""):
             bits.append(f"{key}={value}")
