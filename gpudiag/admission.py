@@ -373,7 +373,7 @@ def lock_holder(lock_dir: Path, uuid: str) -> dict[str, Any] | None:
     try:
         text = _lock_path(lock_dir, uuid).read_text(encoding="utf-8", errors="replace")
         value = json.loads(text) if text.strip() else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # anyone may write a lock file
         return None
     return value if isinstance(value, dict) else None
 

@@ -95,10 +95,11 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
         conn.close()
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return DaemonAnswer(None, f"daemon at {url} answered {resp.status} without JSON")
     if resp.status != 200:
-        err = (data.get("error") or {}) if isinstance(data, dict) else {}
+        err = data.get("error") if isinstance(data, dict) else None
+        err = err if isinstance(err, dict) else {}
         return DaemonAnswer(None, f"daemon at {url} answered {resp.status} "
                             f"{err.get('code')}: {err.get('message')}")
     try:

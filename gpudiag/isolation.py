@@ -129,6 +129,8 @@ def _parse_observation(out: bytes) -> tuple[dict[str, Any] | None, str | None]:
         value = json.loads(last)
     except json.JSONDecodeError as e:
         return None, f"not JSON ({e.msg} at column {e.colno}): {last[:200]!r}"
+    except RecursionError:
+        return None, f"JSON nested too deeply to read: {last[:200]!r}"
     if not isinstance(value, dict):
         return None, f"a JSON {type(value).__name__}, not an object"
     return value, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import selectors
 import signal
@@ -191,19 +192,28 @@ class XidWatcher:
     def _handle(self, line: bytes) -> str | None:
         try:
             msg = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or absurdly nested
             return None  # a library printed to stdout; not ours
         if not isinstance(msg, dict):
             return None
         kind = msg.get("type")
         if kind == "hello":
             self._came_up()
-            log.info("XID watcher watching %d GPU(s)", len(msg.get("devices") or []))
+            devices = msg.get("devices")
+            log.info("XID watcher watching %d GPU(s)",
+                     len(devices) if isinstance(devices, list) else 0)
         elif kind == "xid":
             self._xid(msg)
         elif kind == "telemetry":
-            gpus = {int(g["index"]): g for g in msg.get("gpus") or [] if "index" in g}
-            self._update(telemetry=gpus, telemetry_wall=float(msg.get("ts") or self._wall()))
+            # Only well-formed readings reach the exporter; a bad one is dropped, not fatal.
+            raw = msg.get("gpus")
+            gpus = {g["index"]: g for g in (raw if isinstance(raw, list) else [])
+                    if isinstance(g, dict) and _is_int(g.get("index"))}
+            ts = msg.get("ts")
+            wall = self._wall()
+            if isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts):
+                wall = float(ts)
+            self._update(telemetry=gpus, telemetry_wall=wall)
         elif kind == "error":
             return str(msg.get("message"))
         return None
@@ -211,10 +221,10 @@ class XidWatcher:
     def _xid(self, msg: Mapping[str, Any]) -> None:
         try:
             xid = int(msg["xid"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return
         index = msg.get("device_index")
-        gpu = int(index) if isinstance(index, int) else None
+        gpu = index if _is_int(index) else None
         uuid = msg.get("uuid") if isinstance(msg.get("uuid"), str) else None
         ts = self._wall()
         event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts)
@@ -230,3 +240,7 @@ class XidWatcher:
                                       self._counts.values(),
                                       key=lambda c: (c.gpu or -1, c.xid))))
         self._on_change()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

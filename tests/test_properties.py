@@ -344,7 +344,7 @@ def test_iree_status_texts_parse_without_raising(text: str) -> None:
 # -- a probe child's stdout --------------------------------------------------------------------
 @FAST
 @given(st.binary(max_size=300) | st.lists(JSON.map(json.dumps), max_size=3).map(
-    lambda lines: "\n".join(lines).encode()))
+    lambda lines: "\n".join(lines).encode()) | st.just(b"[" * 5000 + b"]" * 5000))
 def test_probe_stdout_is_an_observation_or_says_why_not(out: bytes) -> None:
     obs, why = _parse_observation(out)
     assert (obs is None) != (why is None)
@@ -607,3 +607,90 @@ def test_from_record_gives_a_verdict_or_a_record_error(data: st.DataObject) -> N
     verdict.kv()
     assert Verdict.from_record(rec).record() == rec
     assert all(f["layer"] in LAYER_ORDER for f in rec["blockers"])
+
+
+# -- the XID watcher child's JSON lines --------------------------------------------------------
+DEEP = b"[" * 5000 + b"]" * 5000
+READINGS = st.lists(st.dictionaries(st.sampled_from(["index", "memory_used_bytes",
+                                                     "temperature_c"]), JSON), max_size=3)
+WATCHER_MESSAGE = st.fixed_dictionaries(
+    {"type": st.sampled_from(["hello", "xid", "telemetry", "error", "heartbeat", "other"])},
+    optional={"devices": JSON, "device_index": JSON, "uuid": JSON, "ts": JSON,
+              "message": JSON, "gpus": JSON | READINGS,
+              "xid": JSON | st.sampled_from([79, "79", 1e308, float("inf"), True])})
+WATCHER_LINE = st.one_of(st.binary(max_size=80), JSON.map(lambda v: json.dumps(v).encode()),
+                         WATCHER_MESSAGE.map(lambda d: json.dumps(d).encode()), st.just(DEEP))
+
+
+@FAST
+@given(st.lists(WATCHER_LINE, min_size=1, max_size=6))
+def test_watcher_lines_never_break_the_supervisor_or_the_exporter(lines: list[bytes]) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpudiag.config import XidConfig
+    from gpudiag.exporter import SnapshotCollector
+    from gpudiag.snapshot import Snapshot
+    from gpudiag.watcher import XidWatcher
+
+    watcher = XidWatcher(XidConfig(), env={})
+    for line in lines:
+        why = watcher._handle(line)
+        assert why is None or isinstance(why, str)
+    state = watcher.state()
+    snap = Snapshot(seq=1, published_wall=0.0, results={}, stats={}, scheduled=(),
+                    watcher=state, full=None, ready=None)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snap))
+    generate_latest(registry)
+    assert all(isinstance(k, int) and isinstance(v, Mapping) for k, v in
+               state.telemetry.items())
+
+
+# -- a daemon's answer, as `gpudiag preflight` reads it ------------------------------------------
+class _Answers:
+    """What the stand-in daemon answers next: status and body."""
+
+    status = 200
+    body = b"{}"
+
+
+@pytest.fixture(scope="module")
+def answering_daemon() -> Iterator[str]:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the stdlib names it
+            self.send_response(_Answers.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(_Answers.body)))
+            self.end_headers()
+            self.wfile.write(_Answers.body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@SLOW
+@given(st.sampled_from([200, 400, 404, 429, 500, 503]), st.data())
+def test_any_daemon_answer_is_a_verdict_or_a_reason(answering_daemon: str, status: int,
+                                                    data: st.DataObject) -> None:
+    from gpudiag.client import ask_daemon
+
+    valid = data.draw(verdicts()).record()
+    body = data.draw(st.one_of(
+        st.builds(lambda v: json.dumps(v).encode(), st.one_of(mutated_once(valid), JSON)),
+        st.builds(lambda e: json.dumps({"error": e}).encode(), JSON),
+        st.binary(max_size=40), st.just(b"[" * 5000 + b"]" * 5000)))
+    _Answers.status, _Answers.body = status, body
+    answer = ask_daemon(answering_daemon, parse_requirement("cuda"), env={})
+    assert (answer.verdict is None) != (answer.reason == "daemon")
+    if answer.verdict is not None:
+        answer.verdict.kv()
