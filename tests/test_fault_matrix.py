@@ -492,7 +492,7 @@ enabled = false
 [xid]
 heartbeat_s = 0.2
 telemetry_s = 5
-hold_s = 3
+hold_s = 6
 gap_warning_s = 1
 restart_backoff_max_s = 0.5
 """
@@ -583,7 +583,7 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
     rig = running.rig
     rig.reset()
     if case.via_daemon:
-        # Held XIDs of the case before must be gone (hold_s = 3), so the root cause is ours.
+        # Held XIDs of the case before must be gone (hold_s = 6), so the root cause is ours.
         wait_for(lambda: running.preflight("&max_age_s=0")["ready"], 15, interval=0.1)
     write_state_file(rig.state, dict(case.knobs))
     if case.mutate is not None:
