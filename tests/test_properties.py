@@ -234,6 +234,21 @@ def test_deadlines_are_positive_finite_seconds_or_errors(value: Any) -> None:
     assert math.isfinite(seconds) and 0 < seconds <= 86400
 
 
+@FAST
+@given(TEXT)
+def test_history_since_is_a_duration_or_a_usage_error(text: str) -> None:
+    import click
+
+    from gpudiag.cli_daemon import parse_since
+
+    try:
+        seconds = parse_since(text)
+    except click.UsageError as e:
+        assert repr(text) in str(e)
+        return
+    assert seconds >= 0
+
+
 # -- TOML config -------------------------------------------------------------------------------
 KEYS = ["listen", "default_requirement", "preflight_wait_s", "scheduler", "tick_s",
         "jitter_ratio", "backoff_max_s", "backends", "host", "nvml", "cuda", "jax", "iree",
