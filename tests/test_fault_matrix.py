@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
@@ -500,12 +499,13 @@ restart_backoff_max_s = 0.5
 
 @dataclass
 class RunningDaemon:
+    """The matrix's one real daemon, its rig and the cases it has seen."""
+
     rig: Rig
     daemon: Daemon
     state_dir: Path
     prefix: tuple[str, ...]
     seen: list[Case] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def preflight(self, query: str = "") -> dict[str, Any]:
         status, rec = self.daemon.get(f"/v1/preflight?require=cuda{query}")
@@ -528,8 +528,8 @@ def running(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
     # Inside a user namespace root is mapped, so nodes owned by an unmapped uid are denied
     # (device_nodes_no_access); everything else behaves as outside.
     prefix = UNSHARE if shutil.which("unshare") else ()
-    daemon = Daemon(rig.env(), config, root / "state",
-                    extra_args=()) if not prefix else _daemon_in(prefix, rig, config, root)
+    daemon = _daemon_in(prefix, rig, config, root) if prefix else Daemon(
+        rig.env(), config, root / "state")
     try:
         daemon.wait_ready()
         yield RunningDaemon(rig, daemon, root / "state", prefix)
