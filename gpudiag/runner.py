@@ -40,7 +40,7 @@ from gpudiag.admission import (
 from gpudiag.admission import release as release_locks
 from gpudiag.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
 from gpudiag.fileio import atomic_write
-from gpudiag.verdict import Requirement, Verdict
+from gpudiag.verdict import Requirement, Verdict, kv_value
 
 EXIT_REFUSED = 125
 EXIT_CANNOT_EXECUTE = 126
@@ -342,20 +342,9 @@ def _wait_tree(proc: subprocess.Popen[bytes], tree: Tree, timeout_s: float | Non
 # --- closeout -------------------------------------------------------------------------------
 
 
-def _kv_value(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    # The backslash first, so that a reader can undo the escapes (as verdict.render_kv).
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-
-
 def closeout_kv(closeout: Mapping[str, Any]) -> str:
     """closeout.txt: one key=value per line, scalars first, then flattened lists."""
-    lines = [f"{k}={_kv_value(closeout.get(k))}" for k in (
+    lines = [f"{k}={kv_value(closeout.get(k))}" for k in (
         "gpu_execution_route", "gpu_validation_blocker", "ready", "launched", "status",
         "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
         "preallocation_source", "container_image", "gpu_injection", "started_at",
@@ -366,18 +355,18 @@ def closeout_kv(closeout: Mapping[str, Any]) -> str:
     for i, g in enumerate(gpus):
         for k in ("uuid", "kind", "parent_uuid", "name", "memory_total_bytes",
                   "memory_free_bytes"):
-            lines.append(f"gpus.{i}.{k}={_kv_value(g.get(k))}")
+            lines.append(f"gpus.{i}.{k}={kv_value(g.get(k))}")
     for k, v in (closeout.get("artifacts") or {}).items():
         lines.append(f"artifacts.{k}={v}")
     blockers = closeout.get("blockers") or []
     lines.append(f"blockers={','.join(b['code'] for b in blockers)}")
     for i, b in enumerate(blockers):
         for k in ("code", "layer", "device", "message", "remediation"):
-            lines.append(f"blockers.{i}.{k}={_kv_value(b.get(k))}")
+            lines.append(f"blockers.{i}.{k}={kv_value(b.get(k))}")
     if closeout.get("evidence") is not None:
-        lines.append(f"evidence={_kv_value(closeout['evidence'])}")
+        lines.append(f"evidence={kv_value(closeout['evidence'])}")
     if closeout.get("error"):
-        lines.append(f"error={_kv_value(closeout['error'])}")
+        lines.append(f"error={kv_value(closeout['error'])}")
     return "\n".join(lines) + "\n"
 
 
