@@ -7,7 +7,7 @@ goes stale and nothing is removed by hand. Every known blocker code is present a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import (
@@ -19,8 +19,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gpudiag import __version__
-from gpudiag.blockers import BLOCKERS, WARNINGS
+from gpudiag.blockers import BLOCKERS, WARNINGS, CatalogEntry
 from gpudiag.snapshot import OUTCOMES, ProbeKey, Snapshot
+from gpudiag.verdict import Finding
 
 
 def _gpu_labels(d: Mapping[str, Any]) -> list[str]:
@@ -52,20 +53,11 @@ class SnapshotCollector(Collector):
             "gpudiag_ready", "1 when the daemon's default requirement is met, else 0.")
         ready.add_metric([], 1.0 if snap.ready is not None and snap.ready.ready else 0.0)
         yield ready
-        present = {b.code for b in snap.full.blockers} if snap.full is not None else set()
-        blocker = GaugeMetricFamily(
-            "gpudiag_blocker", "1 when this blocker code is present on the host, else 0.",
-            labels=["code", "layer"])
-        for code, row in BLOCKERS.items():
-            blocker.add_metric([code, row.layer], 1.0 if code in present else 0.0)
-        yield blocker
-        warned = {w.code for w in snap.full.warnings} if snap.full is not None else set()
-        warning = GaugeMetricFamily(
-            "gpudiag_warning", "1 when this warning code is present on the host, else 0.",
-            labels=["code", "layer"])
-        for code, row in WARNINGS.items():
-            warning.add_metric([code, row.layer], 1.0 if code in warned else 0.0)
-        yield warning
+        full = snap.full
+        yield _codes("gpudiag_blocker", "blocker", BLOCKERS,
+                     full.blockers if full is not None else ())
+        yield _codes("gpudiag_warning", "warning", WARNINGS,
+                     full.warnings if full is not None else ())
         up = GaugeMetricFamily("gpudiag_backend_up",
                                "1 when the backend initialized without a blocker, else 0.",
                                labels=["backend"])
@@ -199,6 +191,18 @@ class SnapshotCollector(Collector):
                                 "Seconds since the daemon last published a snapshot.")
         age.add_metric([], max(0.0, now - snap.published_wall))
         yield from (up, restarts, gap, age)
+
+
+def _codes(name: str, kind: str, table: Mapping[str, CatalogEntry],
+           found: Iterable[Finding]) -> GaugeMetricFamily:
+    """Every code of ``table`` as 0 or 1 (1 when in ``found``), so alerts need no absent()."""
+    present = {f.code for f in found}
+    family = GaugeMetricFamily(
+        name, f"1 when this {kind} code is present on the host, else 0.",
+        labels=["code", "layer"])
+    for code, row in table.items():
+        family.add_metric([code, row.layer], 1.0 if code in present else 0.0)
+    return family
 
 
 def _first_per_backend(snap: Snapshot) -> list[ProbeKey]:
