@@ -35,7 +35,7 @@ def env_sha256(env: Mapping[str, str]) -> str:
 
 
 def preallocation_off(env: Mapping[str, str]) -> bool:
-    """Whether ``env`` disables XLA preallocation (same rule as gpudiag.environment)."""
+    """Whether ``env`` disables XLA preallocation (gpudiag.environment uses this rule too)."""
     return (env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").strip().lower() in _FALSE
             and env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower() == "platform"
             and env.get("XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR", "").strip().lower()

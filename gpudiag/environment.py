@@ -7,6 +7,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gpudiag.child import preallocation_off
+
 # Evidence never holds a variable outside this allow-list: no secrets in records.
 EVIDENCE_ALLOW_PATTERNS: tuple[str, ...] = (
     "CUDA_*", "NVIDIA_*", "XLA_*", "JAX_*", "TF_CPP_*", "IREE_*", "SLURM_*GPU*",
@@ -20,8 +22,6 @@ PREALLOCATION_OFF: dict[str, str] = {
     "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR": "false",
 }
 
-_FALSE = {"false", "0", "no", "off"}
-
 
 def allow_listed(env: Mapping[str, str]) -> dict[str, str]:
     """The subset of ``env`` that evidence may record."""
@@ -31,10 +31,9 @@ def allow_listed(env: Mapping[str, str]) -> dict[str, str]:
 
 def preallocation_disabled(env: Mapping[str, str]) -> bool:
     """Whether ``env`` (as a child really saw it) disables XLA preallocation."""
-    prealloc = env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").strip().lower()
-    allocator = env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower()
-    host_alloc = env.get("XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR", "").strip().lower()
-    return prealloc in _FALSE and allocator == "platform" and host_alloc in _FALSE
+    # The rule lives in gpudiag.child, which must stay self-contained (it is copied into
+    # the run's sitecustomize.py).
+    return preallocation_off(env)
 
 
 def probe_environment(base: Mapping[str, str]) -> dict[str, str]:
