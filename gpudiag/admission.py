@@ -502,8 +502,8 @@ class Admitter:
         if not verdict.ready and first is None and both_lists and self.gpus:
             first = self.observer(self.env)  # only to tell a conflict from a bad name
         if first is not None and first.error is None:
-            conflict = [b for b in narrow(first.leaves, self.env).blockers
-                        if b.code == "visible_devices_conflict"]
+            narrowing = narrow(first.leaves, self.env)
+            conflict = [b for b in narrowing.blockers if b.code == "visible_devices_conflict"]
             if conflict:
                 # The preflight sees the disagreement only as a name that matches nothing
                 # (or too few devices); the conflict is the cause, so it replaces those.
@@ -512,7 +512,7 @@ class Admitter:
                 raise AdmissionError(replace(
                     verdict, blockers=(*kept, *conflict),
                     evidence={**verdict.evidence, "admission": {
-                        "narrowing": narrow(first.leaves, self.env).record(),
+                        "narrowing": narrowing.record(),
                         "first_observation": first.record()}}))
         if not verdict.ready:
             raise AdmissionError(verdict)
