@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Collection, Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -20,9 +21,15 @@ DEFAULT_TIMEOUTS_S: dict[str, float] = {
 }
 
 
+def rfc3339(wall: float) -> str:
+    """A wall-clock time as RFC 3339 UTC with milliseconds."""
+    dt = datetime.fromtimestamp(wall, timezone.utc)
+    return dt.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def now_rfc3339() -> str:
     """The current UTC time, RFC 3339 with a Z."""
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return rfc3339(time.time())
 
 
 def probes_for(requirement: Requirement, *, only: Collection[str] | None = None

@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from typing import Any
 
 from gpudiag.classify import XidEvent, classify
-from gpudiag.engine import probes_for
+from gpudiag.engine import probes_for, rfc3339
 from gpudiag.isolation import ProbeRun
 from gpudiag.verdict import Finding, Requirement, Verdict
 
@@ -141,12 +140,6 @@ class VerdictPolicy:
 
     xid_hold_s: float = 3600.0
     gap_warning_s: float = 60.0
-
-
-def rfc3339(wall: float) -> str:
-    """A wall-clock time as RFC 3339 UTC with milliseconds."""
-    dt = datetime.fromtimestamp(wall, timezone.utc)
-    return dt.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _with_visibility(run: ProbeRun, visibility: tuple[str | None, str | None]) -> ProbeRun:
