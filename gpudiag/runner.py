@@ -344,7 +344,7 @@ def _wait_tree(proc: subprocess.Popen[bytes], tree: Tree, timeout_s: float | Non
 
 def closeout_kv(closeout: Mapping[str, Any]) -> str:
     """closeout.txt: one key=value per line, scalars first, then flattened lists."""
-    lines = [f"{k}={kv_value(closeout.get(k))}" for k in (
+    lines = [f"{k}={kv_value(closeout.get(k), lenient=True)}" for k in (
         "gpu_execution_route", "gpu_validation_blocker", "ready", "launched", "status",
         "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
         "preallocation_source", "container_image", "gpu_injection", "started_at",
@@ -355,18 +355,18 @@ def closeout_kv(closeout: Mapping[str, Any]) -> str:
     for i, g in enumerate(gpus):
         for k in ("uuid", "kind", "parent_uuid", "name", "memory_total_bytes",
                   "memory_free_bytes"):
-            lines.append(f"gpus.{i}.{k}={kv_value(g.get(k))}")
+            lines.append(f"gpus.{i}.{k}={kv_value(g.get(k), lenient=True)}")
     for k, v in (closeout.get("artifacts") or {}).items():
         lines.append(f"artifacts.{k}={v}")
     blockers = closeout.get("blockers") or []
     lines.append(f"blockers={','.join(b['code'] for b in blockers)}")
     for i, b in enumerate(blockers):
         for k in ("code", "layer", "device", "message", "remediation"):
-            lines.append(f"blockers.{i}.{k}={kv_value(b.get(k))}")
+            lines.append(f"blockers.{i}.{k}={kv_value(b.get(k), lenient=True)}")
     if closeout.get("evidence") is not None:
-        lines.append(f"evidence={kv_value(closeout['evidence'])}")
+        lines.append(f"evidence={kv_value(closeout['evidence'], lenient=True)}")
     if closeout.get("error"):
-        lines.append(f"error={kv_value(closeout['error'])}")
+        lines.append(f"error={kv_value(closeout['error'], lenient=True)}")
     return "\n".join(lines) + "\n"
 
 

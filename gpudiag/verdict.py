@@ -271,15 +271,19 @@ _KV_UNSAFE = re.compile(r"[\\\n\r]")
 _KV_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r"}
 
 
-def kv_value(value: Any) -> str:
-    """One ``key=value`` value: "" for None, true/false, compact JSON, escaped text."""
+def kv_value(value: Any, *, lenient: bool = False) -> str:
+    """One ``key=value`` value: "" for None, true/false, compact JSON, escaped text.
+
+    ``lenient`` renders non-JSON objects inside a dict or list with str() (the closeout);
+    a verdict record must be JSON, so there they raise TypeError (from_record relies on it).
+    """
     if value is None:
         return ""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
-        # default=str: a closeout (runner.closeout_kv) may carry non-JSON scalars.
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+        return json.dumps(value, sort_keys=True, separators=(",", ":"),
+                          default=str if lenient else None)
     # One record line per key: newlines inside values are escaped, never emitted raw; the
     # backslash is escaped too, so a reader can undo it (a literal "\\n" stays itself).
     return _KV_UNSAFE.sub(lambda m: _KV_ESCAPES[m.group()], str(value))
