@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpudiag.exporter import SnapshotCollector
+from gpudiag.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
 from gpudiag.httpserver import HttpServer
 from gpudiag.httpserver import start as start_http
 from gpudiag.requirement import RequirementError, parse_requirement
@@ -33,7 +34,6 @@ log = logging.getLogger("gpudiag.server")
 
 MAX_URL_BYTES = 4096
 MAX_PARAMS = 16
-MAX_BODY_BYTES = 4096
 HISTORY_MAX_LIMIT = 1000
 PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max_age_s",
                     "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility")
