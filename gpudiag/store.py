@@ -170,9 +170,10 @@ class HistoryStore:
             raise HistoryError(f"{self.path}: SQLite refused WAL mode (got {mode})")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA busy_timeout=5000")
-        db.executescript(_DDL)
-        db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-                   (str(SCHEMA_VERSION),))
+        # One transaction: a crash while the schema is created leaves all of it or none,
+        # never a verdicts table without its episodes table.
+        db.executescript("BEGIN IMMEDIATE;\n" + _DDL + "\nINSERT OR IGNORE INTO meta (key, value) "
+                         f"VALUES ('schema_version', '{int(SCHEMA_VERSION)}');\nCOMMIT;")
         row = db.execute("SELECT fingerprint FROM verdicts ORDER BY id DESC LIMIT 1").fetchone()
         self._last_fp = row[0] if row else None
 

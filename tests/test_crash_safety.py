@@ -91,13 +91,18 @@ def test_history_database_survives_sigkill_anywhere_in_record_and_prune(tmp_path
         db = sqlite3.connect(path)
         try:
             assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-            for (record,) in db.execute("SELECT record FROM verdicts"):
-                json.loads(record)
-            for (evidence,) in db.execute("SELECT evidence FROM episodes"):
-                json.loads(evidence)
-            rows_seen = max(rows_seen, db.execute("SELECT MAX(id) FROM verdicts").fetchone()[0]
-                            or 0)
+            tables = {r[0] for r in db.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            # The schema is created in one transaction: all of it or (killed first) none.
+            assert tables in (set(), {"meta", "verdicts", "episodes"}), tables
+            if tables:
+                assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+                for (record,) in db.execute("SELECT record FROM verdicts"):
+                    json.loads(record)
+                for (evidence,) in db.execute("SELECT evidence FROM episodes"):
+                    json.loads(evidence)
+                rows_seen = max(rows_seen, db.execute(
+                    "SELECT MAX(id) FROM verdicts").fetchone()[0] or 0)
         finally:
             db.close()
         # The daemon's own open after a crash works and sees the same rows.
