@@ -662,8 +662,15 @@ def test_job_and_admission_faults_agree_in_exporter_and_history(
     else:
         assert case.env is not None
         env = case.env(running.rig, tmp_path)
-        rec = _cli(["preflight", "--no-daemon", "--require", case.require, "--format", "json",
-                    *case.cli_args], env)
+        argv = ["preflight", "--no-daemon", "--require", case.require, "--format", "json",
+                *case.cli_args]
+        rec = _cli(argv, env)
+        if case.code == "iree_execute_failed" and _iree_child_crashed(rec):
+            # The fake libcuda has no kernels, only stubs: once in several full runs IREE's
+            # failed-launch path crashed on it (seen as probe_crashed, which is the right
+            # verdict for a crashing child). That is the fake's limit, not the product's;
+            # one more run tells the two apart.
+            rec = _cli(argv, env)
         _check_record(case, rec, "gpudiag preflight")
         if case.query:
             # The daemon answers the same job the same way.
@@ -688,6 +695,10 @@ def test_job_and_admission_faults_agree_in_exporter_and_history(
     assert hist["verdicts"][-1]["gpu_validation_blocker"] == rec["gpu_validation_blocker"]
     eps = [e for e in hist["episodes"] if e["code"] == case.code]
     assert eps and eps[0]["ended"] is not None and eps[0]["layer"] == BLOCKERS[case.code].layer
+
+
+def _iree_child_crashed(rec: dict[str, Any]) -> bool:
+    return any(b["code"] == "probe_crashed" and b["backend"] == "iree" for b in rec["blockers"])
 
 
 def test_docs_faults_names_every_catalog_code() -> None:
