@@ -125,7 +125,10 @@ def test_build_layout_and_speed(tmp_path: Path) -> None:
 def test_sources_compile_warning_free(tmp_path: Path) -> None:
     # -Og runs gcc's flow-based warnings (uninitialised use, format truncation)
     # at about half the cost of -O2.
-    build_fakes(tmp_path / "strict", extra_cflags=("-Og", "-Werror"))
+    # -Werror turns any warning into a build failure (RuntimeError with gcc's stderr).
+    built = build_fakes(tmp_path / "strict", extra_cflags=("-Og", "-Werror"))
+    assert (built.lib_dir / "libnvidia-ml.so.1").is_file()
+    assert (built.lib_dir / "libcuda.so.1").is_file()
 
 
 def test_build_failure_raises_with_gcc_stderr(
