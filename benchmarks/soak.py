@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import build_fakes, write_state_file
+from tests.test_daemon_support import processes_with_env
 
 RSS_TARGET_BYTES = 5 * 2**20
 EPISODE_SLACK_S = 12.0
@@ -228,21 +229,6 @@ def children_of(pid: int) -> list[tuple[int, str]]:
         fields = stat[stat.rfind(")") + 2:].split()
         if len(fields) > 1 and int(fields[1]) == pid:
             found.append((int(entry), fields[0]))
-    return found
-
-
-def processes_with_marker(marker: str) -> list[int]:
-    """PIDs whose environment holds ``marker`` (the daemon and everything it started)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if marker.encode() in fh.read():
-                    found.append(int(entry))
-        except OSError:
-            continue
     return found
 
 
@@ -459,9 +445,9 @@ def _soak(root: Path, total_s: float, scale: float, warmup_s: float | None,
     report.duration_s = time.monotonic() - started
     # Probe children die at their deadlines at the latest.
     end = time.monotonic() + 5
-    while processes_with_marker(marker) and time.monotonic() < end:
+    while processes_with_env(marker) and time.monotonic() < end:
         time.sleep(0.2)
-    report.leftover_processes = processes_with_marker(marker)
+    report.leftover_processes = processes_with_env(marker)
     for p in report.leftover_processes:  # never leave them behind, even when reporting them
         try:
             os.kill(p, signal.SIGKILL)

@@ -29,6 +29,7 @@ from gpudiag.runner import _write_closeout, closeout_kv
 from gpudiag.store import HistoryStore
 from gpudiag.verdict import Finding, Requirement, Verdict
 from tests.conftest import EnvFactory
+from tests.test_daemon_support import processes_with_env
 
 KILLS = 40
 
@@ -179,19 +180,6 @@ def test_a_killed_lock_holder_never_keeps_the_lock(tmp_path: Path) -> None:
             assert holder_record is None or set(holder_record) >= {"pid", "since", "uuid"}
 
 
-def _marked(marker: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as fh:
-                    if marker.encode() in fh.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_gpudiag_run_killed_anywhere_leaves_whole_artifacts_and_free_locks(
         gpu_env: EnvFactory, tmp_path: Path, seed: int) -> None:
@@ -209,9 +197,9 @@ def test_gpudiag_run_killed_anywhere_leaves_whole_artifacts_and_free_locks(
     proc.kill()
     proc.wait(10)
     end = time.monotonic() + 10
-    while _marked(marker) and time.monotonic() < end:  # the job itself may still run
+    while processes_with_env(marker) and time.monotonic() < end:  # the job itself may still run
         time.sleep(0.05)
-    assert not _marked(marker), "processes of the killed run outlived the job"
+    assert not processes_with_env(marker), "processes of the killed run outlived the job"
     locks = [try_lock(lock_dir, u) for u in GPU_UUIDS]
     assert all(lk is not None for lk in locks), "a GPU stayed locked after every holder died"
     release([lk for lk in locks if lk is not None])
