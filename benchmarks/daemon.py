@@ -156,8 +156,8 @@ def render_times(env: dict[str, str]) -> tuple[float, float]:
     """The Collector's full render over a real 8-GPU snapshot, without the daemon's cache."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from gpudiag.exporter import SnapshotCollector
-    from gpudiag.scheduler import Scheduler
+    from gpudiag.daemon.exporter import SnapshotCollector
+    from gpudiag.daemon.scheduler import Scheduler
     from tests.test_daemon_support import Replay, quick_config, real_runs, wait_for
 
     sched = Scheduler(quick_config(), runner=Replay(real_runs(env)), env={})

@@ -6,29 +6,29 @@ Nothing happens at import: no NVML, CUDA, JAX or IREE is touched here.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING, Any
 
+from gpudiag.core.version import __version__
+
 if TYPE_CHECKING:
-    from gpudiag.admission import Admission as Admission
-    from gpudiag.admission import AdmissionError as AdmissionError
-    from gpudiag.admission import admit as admit
-    from gpudiag.admission import child_environment as child_environment
-    from gpudiag.engine import preflight as preflight
-    from gpudiag.requirement import parse_requirement as parse_requirement
-    from gpudiag.verdict import Requirement as Requirement
-    from gpudiag.verdict import Verdict as Verdict
+    from gpudiag.core.requirement import parse_requirement as parse_requirement
+    from gpudiag.core.verdict import Requirement as Requirement
+    from gpudiag.core.verdict import Verdict as Verdict
+    from gpudiag.engine.api import preflight as preflight
+    from gpudiag.runner.admission import Admission as Admission
+    from gpudiag.runner.admission import AdmissionError as AdmissionError
+    from gpudiag.runner.admission import admit as admit
+    from gpudiag.runner.admission import child_environment as child_environment
 
 _LAZY = {
-    "preflight": ("gpudiag.engine", "preflight"),
-    "parse_requirement": ("gpudiag.requirement", "parse_requirement"),
-    "Verdict": ("gpudiag.verdict", "Verdict"),
-    "Requirement": ("gpudiag.verdict", "Requirement"),
-    "admit": ("gpudiag.admission", "admit"),
-    "child_environment": ("gpudiag.admission", "child_environment"),
-    "Admission": ("gpudiag.admission", "Admission"),
-    "AdmissionError": ("gpudiag.admission", "AdmissionError"),
+    "preflight": ("gpudiag.engine.api", "preflight"),
+    "parse_requirement": ("gpudiag.core.requirement", "parse_requirement"),
+    "Verdict": ("gpudiag.core.verdict", "Verdict"),
+    "Requirement": ("gpudiag.core.verdict", "Requirement"),
+    "admit": ("gpudiag.runner.admission", "admit"),
+    "child_environment": ("gpudiag.runner.admission", "child_environment"),
+    "Admission": ("gpudiag.runner.admission", "Admission"),
+    "AdmissionError": ("gpudiag.runner.admission", "AdmissionError"),
 }
 
 

@@ -1,5 +1,5 @@
 """``python -m gpudiag`` is the ``gpudiag`` command."""
 
-from gpudiag.cli import main
+from gpudiag.cli.commands import main
 
 main()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpudiag.blockers import BLOCKERS, LAYER_ORDER, WARNINGS
+from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS
 
 
 def render() -> str:
     """The catalog as Markdown, one table per layer, then the warnings."""
     out = ["# Blocker and warning codes", "",
-           "Generated from `gpudiag/blockers.py` by `scripts/gen_blocker_docs.py`; do not edit.",
+           "Generated from `gpudiag/core/catalog.py` by `scripts/gen_blocker_docs.py`; "
+           "do not edit.",
            "The primary `gpu_validation_blocker` is the blocker of the lowest layer, in this "
            "order: " + " < ".join(f"`{layer}`" for layer in LAYER_ORDER) + ".", ""]
     for layer in LAYER_ORDER:

@@ -19,19 +19,18 @@ from typing import Any
 import pytest
 
 import gpudiag
-from gpudiag.admission import (
+from gpudiag.core.environment import PREALLOCATION_OFF, is_full_uuid
+from gpudiag.engine.locks import default_lock_dir
+from gpudiag.runner.admission import (
     BUSY,
     FREE,
     UNKNOWN,
     Admission,
     AdmissionError,
     Observation,
-    default_lock_dir,
-    is_full_uuid,
     leaves_from_nvml,
     narrow,
 )
-from gpudiag.environment import PREALLOCATION_OFF
 from tests.conftest import EnvFactory
 from tests.fakes.build import write_state_file
 
@@ -338,7 +337,7 @@ def test_index_entries_narrow_by_nvml_index() -> None:
 
 
 def test_lock_files_are_never_named_by_prefix_or_index(tmp_path: Path) -> None:
-    from gpudiag.admission import try_lock
+    from gpudiag.engine.locks import try_lock
 
     for bad in ("GPU-f00d", "0", "../x"):
         with pytest.raises(ValueError):
@@ -371,7 +370,7 @@ def test_the_complete_runner_example_in_docs_runs(gpu_env: EnvFactory, tmp_path:
 
 
 def test_releasing_twice_never_closes_a_reused_descriptor(tmp_path: Path) -> None:
-    from gpudiag.admission import release, try_lock
+    from gpudiag.engine.locks import release, try_lock
 
     lk = try_lock(tmp_path, gpu_uuid(0))
     assert lk is not None
@@ -390,8 +389,8 @@ def test_a_waiting_admission_notices_a_busy_gpu_becoming_free(gpu_env: EnvFactor
                                                               tmp_path: Path) -> None:
     import threading
 
-    from gpudiag.admission import Admitter, observe, preflight_for_admission
-    from gpudiag.requirement import parse_requirement
+    from gpudiag.core.requirement import parse_requirement
+    from gpudiag.runner.admission import Admitter, observe, preflight_for_admission
 
     state = tmp_path / "state"
     write_state_file(state, {"FAKE_NVML_PROCESSES": "0:4242:100"})

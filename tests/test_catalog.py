@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.blockers import BLOCKERS, LAYER_ORDER, WARNINGS, entry
-from gpudiag.verdict import Finding
+from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS, entry
+from gpudiag.core.verdict import Finding
 from scripts.gen_blocker_docs import render
 
 DESIGN_CODES = {

@@ -23,11 +23,11 @@ from typing import NoReturn
 
 import pytest
 
-from gpudiag.admission import lock_holder, release, try_lock
-from gpudiag.fileio import atomic_write
-from gpudiag.runner import _write_closeout, closeout_kv
-from gpudiag.store import HistoryStore
-from gpudiag.verdict import Finding, Requirement, Verdict
+from gpudiag.core.fileio import atomic_write
+from gpudiag.core.verdict import Finding, Requirement, Verdict
+from gpudiag.daemon.store import HistoryStore
+from gpudiag.engine.locks import lock_holder, release, try_lock
+from gpudiag.runner.execute import _write_closeout, closeout_kv
 from tests.conftest import EnvFactory
 from tests.test_daemon_support import processes_with_env
 

@@ -7,14 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.config import (
-    DEFAULT_PORT,
-    ConfigError,
-    DaemonConfig,
-    from_mapping,
-    load_config,
-    parse_listen,
-)
+from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.daemon.config import ConfigError, DaemonConfig, from_mapping, load_config, parse_listen
 from tests.conftest import run_gpudiag
 
 FULL = """

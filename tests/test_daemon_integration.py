@@ -267,8 +267,9 @@ def test_daemon_never_loads_driver_or_framework_libraries(rig) -> None:
     for lib in ("libnvidia-ml", "libcuda", "jaxlib", "iree"):
         assert lib not in maps, f"the daemon process mapped {lib}"
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, gpudiag.cli, gpudiag.server, gpudiag.scheduler, "
-         "gpudiag.watcher, gpudiag.exporter; print(sorted(m for m in sys.modules if "
+        [sys.executable, "-c", "import sys, gpudiag.cli.commands, gpudiag.daemon.app, "
+         "gpudiag.daemon.scheduler, "
+         "gpudiag.daemon.watcher, gpudiag.daemon.exporter; print(sorted(m for m in sys.modules if "
          "m.split('.')[0] in ('pynvml', 'jax', 'jaxlib', 'iree', 'ctypes')))"],
         capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "[]"

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from gpudiag.config import BackendConfig, XidConfig
-from gpudiag.isolation import ProbeRun
-from gpudiag.scheduler import Scheduler, failure_signature
-from gpudiag.sdnotify import Notifier
-from gpudiag.snapshot import ProbeKey, WatcherState
-from gpudiag.watcher import XidWatcher
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.daemon.config import BackendConfig, XidConfig
+from gpudiag.daemon.scheduler import Scheduler, failure_signature
+from gpudiag.daemon.sdnotify import Notifier
+from gpudiag.daemon.snapshot import ProbeKey, WatcherState
+from gpudiag.daemon.watcher import XidWatcher
 from tests.test_daemon_support import Replay, quick_config, wait_for
 
 NVML = ProbeKey("nvml")
@@ -265,7 +265,7 @@ def test_xids_older_than_the_hold_time_leave_the_verdict(tmp_path: Path) -> None
 
 
 def test_probe_children_do_not_inherit_the_systemd_channel() -> None:
-    from gpudiag.scheduler import child_environment
+    from gpudiag.daemon.scheduler import child_environment
 
     env = child_environment({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "PATH": "/bin",
                              "CUDA_VISIBLE_DEVICES": "0"})

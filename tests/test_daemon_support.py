@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpudiag.config import BackendConfig, DaemonConfig, XidConfig
-from gpudiag.environment import probe_environment
-from gpudiag.isolation import ProbeRun, run_probe
+from gpudiag.core.environment import probe_environment
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.daemon.config import BackendConfig, DaemonConfig, XidConfig
+from gpudiag.engine.isolation import run_probe
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
 

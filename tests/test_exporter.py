@@ -11,11 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpudiag.blockers import BLOCKERS, WARNINGS
-from gpudiag.classify import XidEvent
-from gpudiag.exporter import SnapshotCollector
-from gpudiag.scheduler import Scheduler
-from gpudiag.snapshot import Snapshot, WatcherState, XidCount
+from gpudiag.core.catalog import BLOCKERS, WARNINGS
+from gpudiag.core.findings import XidEvent
+from gpudiag.daemon.exporter import SnapshotCollector
+from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.snapshot import Snapshot, WatcherState, XidCount
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for
 

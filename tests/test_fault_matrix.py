@@ -39,13 +39,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import gpudiag
-from gpudiag.admission import AdmissionError
-from gpudiag.blockers import BLOCKERS, WARNINGS
-from gpudiag.cli_daemon import history as history_cmd
-from gpudiag.exporter import SnapshotCollector
-from gpudiag.snapshot import Snapshot, WatcherState
-from gpudiag.store import HistoryStore, default_path
-from gpudiag.verdict import Verdict
+from gpudiag.cli.daemon import history as history_cmd
+from gpudiag.core.catalog import BLOCKERS, WARNINGS
+from gpudiag.core.verdict import Verdict
+from gpudiag.daemon.exporter import SnapshotCollector
+from gpudiag.daemon.snapshot import Snapshot, WatcherState
+from gpudiag.daemon.store import HistoryStore, default_path
+from gpudiag.runner.admission import AdmissionError
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import Daemon, wait_for

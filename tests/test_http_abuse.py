@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from gpudiag.httpserver import MAX_HEAD_BYTES, AbuseLog, HttpServer
-from gpudiag.scheduler import Scheduler
-from gpudiag.server import DaemonApp, ProbeRateLimit, serve
-from gpudiag.snapshot import ProbeKey
+from gpudiag.daemon.app import DaemonApp, ProbeRateLimit, serve
+from gpudiag.daemon.httpserver import MAX_HEAD_BYTES, AbuseLog, HttpServer
+from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.snapshot import ProbeKey
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import (
     DAEMON_TOML,
@@ -280,7 +280,7 @@ def test_abuse_is_logged_once_per_kind_then_summarised(caplog: pytest.LogCapture
                                                        ) -> None:
     now = [0.0]
     abuse = AbuseLog(interval_s=60.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="gpudiag.server"):
+    with caplog.at_level(logging.WARNING, logger="gpudiag.daemon.app"):
         for _ in range(500):
             abuse.note("malformed", "127.0.0.1")
             abuse.flush()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpudiag.classify_iree import parse_status
+from gpudiag.core.classify_iree import parse_status
 from tests.conftest import EnvFactory, run_gpudiag, verdict_of
 
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from gpudiag.classify import classify
-from gpudiag.environment import probe_environment
-from gpudiag.isolation import ProbeRun, run_probe
-from gpudiag.verdict import BackendRequirement, Requirement
+from gpudiag.core.classify import classify
+from gpudiag.core.environment import probe_environment
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.verdict import BackendRequirement, Requirement
+from gpudiag.engine.isolation import run_probe
 from tests.conftest import EnvFactory, clean_env, verdict_of
 
 FAKE_PLUGIN_PATH = Path(__file__).resolve().parent / "fakes" / "jax_plugin"

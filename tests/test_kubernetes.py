@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from gpudiag.config import DEFAULT_PORT, load_config
+from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.daemon.config import load_config
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra (pip install -e .[test])")
 

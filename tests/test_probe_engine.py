@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.blockers import BLOCKERS
+from gpudiag.core.catalog import BLOCKERS
 from tests.conftest import EnvFactory, make_host_dirs, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
 
@@ -317,7 +317,7 @@ def test_a_hung_probe_dies_with_a_sigkilled_parent(gpu_env: EnvFactory) -> None:
     env = gpu_env(FAKE_NVML_INIT_HANG=1, GPUDIAG_TEST_MARK=marker)
     parent = subprocess.Popen(
         [sys.executable, "-c",
-         "import os; from gpudiag.isolation import run_probe; "
+         "import os; from gpudiag.engine.isolation import run_probe; "
          "run_probe('nvml', env=os.environ, timeout_s=300)"], env=env)
 
     def probe_pids() -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpudiag.blockers import BLOCKERS
+from gpudiag.core.catalog import BLOCKERS
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra (pip install -e .[test])")
 
@@ -115,7 +115,7 @@ def test_every_alert_has_severity_and_summary(name: str) -> None:
 def test_remediation_block_matches_the_catalog() -> None:
     text = RULES.read_text()
     assert rewrite(text) == text, (
-        "the remediation annotation is out of date with gpudiag/blockers.py: "
+        "the remediation annotation is out of date with gpudiag/core/catalog.py: "
         "run `python -m tests.test_prometheus_rules`")
 
 

@@ -25,21 +25,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpudiag.blockers import BLOCKERS, LAYER_ORDER, WARNINGS
-from gpudiag.classify import classify
-from gpudiag.classify_iree import parse_status
-from gpudiag.classify_jax import causes, cuda_error_meaning, gpu_cause
-from gpudiag.config import ConfigError, DaemonConfig, from_mapping, load_config, parse_listen
-from gpudiag.engine import probes_for
-from gpudiag.environment import (
+from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS
+from gpudiag.core.classify import classify
+from gpudiag.core.classify_iree import parse_status
+from gpudiag.core.classify_jax import causes, cuda_error_meaning, gpu_cause
+from gpudiag.core.environment import (
     KnownDevice,
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
     resolve,
 )
-from gpudiag.isolation import ProbeRun, _parse_observation
-from gpudiag.observation import observation_problem
-from gpudiag.requirement import (
+from gpudiag.core.observation import observation_problem
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.requirement import (
     RequirementError,
     parse_backends,
     parse_devices,
@@ -47,10 +45,7 @@ from gpudiag.requirement import (
     parse_size,
     parse_timeout,
 )
-from gpudiag.scheduler import Scheduler
-from gpudiag.server import DaemonApp
-from gpudiag.store import HistoryStore
-from gpudiag.verdict import (
+from gpudiag.core.verdict import (
     BackendRequirement,
     BackendStatus,
     DeviceInfo,
@@ -59,6 +54,12 @@ from gpudiag.verdict import (
     Requirement,
     Verdict,
 )
+from gpudiag.daemon.app import DaemonApp
+from gpudiag.daemon.config import ConfigError, DaemonConfig, from_mapping, load_config, parse_listen
+from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.store import HistoryStore
+from gpudiag.engine.isolation import _parse_observation
+from gpudiag.engine.plan import probes_for
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Replay, host_env, quick_config, wait_for, wsgi
 
@@ -239,7 +240,7 @@ def test_deadlines_are_positive_finite_seconds_or_errors(value: Any) -> None:
 def test_history_since_is_a_duration_or_a_usage_error(text: str) -> None:
     import click
 
-    from gpudiag.cli_daemon import parse_since
+    from gpudiag.cli.daemon import parse_since
 
     try:
         seconds = parse_since(text)
@@ -377,8 +378,8 @@ REQUIREMENTS = [parse_requirement(r) for r in (
 def real_observations(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
                       ) -> dict[str, ProbeRun]:
     """Real observations from every probe on the fakes (2 GPUs, one with MIG, a busy one)."""
-    from gpudiag.environment import probe_environment
-    from gpudiag.isolation import run_probes
+    from gpudiag.core.environment import probe_environment
+    from gpudiag.engine.isolation import run_probes
 
     env = probe_environment(host_env(
         fakes, tmp_path_factory.mktemp("obs"), gpus=2, FAKE_NVML_DEVICE_COUNT=2,
@@ -642,10 +643,10 @@ WATCHER_LINE = st.one_of(st.binary(max_size=80), JSON.map(lambda v: json.dumps(v
 def test_watcher_lines_never_break_the_supervisor_or_the_exporter(lines: list[bytes]) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from gpudiag.config import XidConfig
-    from gpudiag.exporter import SnapshotCollector
-    from gpudiag.snapshot import Snapshot
-    from gpudiag.watcher import XidWatcher
+    from gpudiag.daemon.config import XidConfig
+    from gpudiag.daemon.exporter import SnapshotCollector
+    from gpudiag.daemon.snapshot import Snapshot
+    from gpudiag.daemon.watcher import XidWatcher
 
     watcher = XidWatcher(XidConfig(), env={})
     for line in lines:
@@ -697,7 +698,7 @@ def answering_daemon() -> Iterator[str]:
 @given(st.sampled_from([200, 400, 404, 429, 500, 503]), st.data())
 def test_any_daemon_answer_is_a_verdict_or_a_reason(answering_daemon: str, status: int,
                                                     data: st.DataObject) -> None:
-    from gpudiag.client import ask_daemon
+    from gpudiag.engine.client import ask_daemon
 
     valid = data.draw(verdicts()).record()
     body = data.draw(st.one_of(

@@ -7,9 +7,9 @@ import json
 import subprocess
 import sys
 
-from gpudiag.render import render_text
-from gpudiag.requirement import parse_requirement
-from gpudiag.verdict import Finding, Verdict
+from gpudiag.cli.render import render_text
+from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.verdict import Finding, Verdict
 from tests.conftest import clean_env
 
 

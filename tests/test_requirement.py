@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpudiag.requirement import (
+from gpudiag.core.requirement import (
     RequirementError,
     parse_backends,
     parse_devices,
@@ -12,7 +12,7 @@ from gpudiag.requirement import (
     parse_size,
     parse_timeout,
 )
-from gpudiag.verdict import BackendRequirement
+from gpudiag.core.verdict import BackendRequirement
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from gpudiag.child import env_sha256
+from gpudiag.core.child import env_sha256
 from tests.conftest import EnvFactory, run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, write_config
 
-PRINT_ENV = ("import json, os; from gpudiag.child import env_sha256; "
+PRINT_ENV = ("import json, os; from gpudiag.core.child import env_sha256; "
              "print(json.dumps({'env': dict(os.environ), 'sha256': env_sha256(os.environ)}))")
 
 
@@ -480,7 +480,7 @@ def test_sigkill_of_gpudiag_itself_leaves_the_gpu_locked_while_argv_lives(
 
 
 def test_docker_without_cdi_listing_falls_back_to_gpus_all_once(tmp_path: Path) -> None:
-    from gpudiag.containers import discovered_devices, docker_run_argv, plan_docker
+    from gpudiag.runner.containers import discovered_devices, docker_run_argv, plan_docker
 
     missing = str(tmp_path / "no-docker")
     ids, why = discovered_devices(missing)

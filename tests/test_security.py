@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.admission import LockFailed, try_lock
-from gpudiag.config import DaemonConfig
+from gpudiag.daemon.config import DaemonConfig
+from gpudiag.engine.locks import LockFailed, try_lock
 from tests.conftest import EnvFactory, run_gpudiag
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpudiag"
@@ -105,7 +105,7 @@ def test_the_daemon_listens_on_loopback_unless_told_otherwise() -> None:
 
 def test_a_tmp_lock_folder_someone_else_could_write_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpudiag.admission as admission
+    import gpudiag.runner.admission as admission
 
     root = tmp_path / "gpudiag-uid"
     monkeypatch.setattr(admission, "_private_tmp_root", lambda: root)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.scheduler import Scheduler
-from gpudiag.server import MAX_BODY_BYTES, MAX_PARAMS, MAX_URL_BYTES, DaemonApp, serve
-from gpudiag.store import HistoryStore
+from gpudiag.daemon.app import MAX_BODY_BYTES, MAX_PARAMS, MAX_URL_BYTES, DaemonApp, serve
+from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.store import HistoryStore
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for, wsgi
 
@@ -243,7 +243,7 @@ def test_default_requirement_drives_ready_and_a_bare_preflight(healthy_runs: dic
 
 
 def test_a_probe_variant_nobody_schedules_runs_on_demand_once(healthy_runs: dict) -> None:
-    from gpudiag.isolation import ProbeRun
+    from gpudiag.core.probe_run import ProbeRun
 
     runs = dict(healthy_runs)
     runs["jax"] = ProbeRun("jax", {"ok": False}, 0.1, exit_code=0)

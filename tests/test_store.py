@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from gpudiag.config import BackendConfig
-from gpudiag.scheduler import Scheduler
-from gpudiag.store import HistoryError, HistoryStore
-from gpudiag.verdict import Finding, Requirement, Verdict
+from gpudiag.core.verdict import Finding, Requirement, Verdict
+from gpudiag.daemon.config import BackendConfig
+from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.store import HistoryError, HistoryStore
 from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import host_env, quick_config, real_runs

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.config import DaemonConfig, load_config
+from gpudiag.daemon.config import DaemonConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "gpudiag.service"
@@ -177,7 +177,7 @@ class GateWatcher:
         self.release = threading.Event()
 
     def state(self):  # type: ignore[no-untyped-def]
-        from gpudiag.snapshot import WatcherState
+        from gpudiag.daemon.snapshot import WatcherState
 
         if self.wedged.is_set():
             self.release.wait(30)
@@ -186,9 +186,9 @@ class GateWatcher:
 
 def test_wedged_scheduler_loop_stops_the_watchdog_keepalive(
         notify_socket: tuple[socket.socket, str], gpu_env) -> None:  # type: ignore[no-untyped-def]
-    from gpudiag.config import from_mapping
-    from gpudiag.scheduler import Scheduler
-    from gpudiag.sdnotify import Notifier
+    from gpudiag.daemon.config import from_mapping
+    from gpudiag.daemon.scheduler import Scheduler
+    from gpudiag.daemon.sdnotify import Notifier
 
     sock, path = notify_socket
     config = from_mapping({"scheduler": {"tick_s": 0.05},

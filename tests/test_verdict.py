@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from gpudiag.classify import classify
-from gpudiag.environment import (
+from gpudiag.core.classify import classify
+from gpudiag.core.environment import (
     KnownDevice,
     allow_listed,
     parse_cuda_visible_devices,
@@ -13,9 +13,10 @@ from gpudiag.environment import (
     probe_environment,
     resolve,
 )
-from gpudiag.isolation import ProbeRun, _parse_observation
-from gpudiag.requirement import parse_requirement
-from gpudiag.verdict import Finding, Verdict, primary_blocker
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.verdict import Finding, Verdict, primary_blocker
+from gpudiag.engine.isolation import _parse_observation
 
 
 def _verdict() -> Verdict:

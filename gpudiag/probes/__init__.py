@@ -1,4 +1,4 @@
-"""Probes: each runs INSIDE a child process and returns a JSON-able observation.
+"""Layer 2. Probes: each runs INSIDE a child process and returns a JSON-able observation.
 
 Heavy imports (pynvml, ctypes on libcuda, jax, iree) happen inside the probe functions, in
 the child, never in the daemon. ``python -m gpudiag.probes NAME [OPTIONS-JSON]`` runs one.

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from gpudiag.environment import (
+from gpudiag.core.environment import (
     allow_listed,
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,

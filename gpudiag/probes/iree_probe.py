@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpudiag.environment import allow_listed
+from gpudiag.core.environment import allow_listed
 
 # IREE 3.13 compiles for sm_80/86/89 without a GPU, not for sm_90+ (FIELD-NOTES).
 DEFAULT_CUDA_TARGET = "sm_80"

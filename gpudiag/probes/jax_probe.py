@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from gpudiag.environment import PREALLOCATION_OFF, allow_listed, preallocation_disabled
+from gpudiag.core.environment import PREALLOCATION_OFF, allow_listed, preallocation_disabled
 
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",

@@ -1,0 +1,201 @@
+"""The thin click layer: parse flags, call the library, render, map to exit codes.
+
+Exit codes (DESIGN.md): 0 ready, 1 blocked, 2 usage or configuration error, 3 gpudiag itself
+failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+from gpudiag.core.requirement import (
+    RequirementError,
+    parse_requirement,
+    parse_timeout,
+)
+from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.core.version import __version__
+
+EXIT_READY, EXIT_BLOCKED, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+PROBE_BACKENDS = ("host", "nvml", "cuda", "jax", "iree")
+
+
+class Failed(click.ClickException):
+    """gpudiag itself could not do its job (exit 3), as opposed to a blocked host (exit 1)."""
+
+    exit_code = EXIT_FAILED
+
+
+def _usage(message: str) -> click.UsageError:
+    return click.UsageError(message)
+
+
+def _timeout(value: str | None, name: str = "--timeout") -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_timeout(value, name=name)
+    except RequirementError as e:
+        raise _usage(str(e)) from e
+
+
+@contextlib.contextmanager
+def _progress(message: str) -> Iterator[None]:
+    """A live spinner on a terminal; nothing at all when stderr is a pipe or a file."""
+    if sys.stderr.isatty():
+        from rich.console import Console
+
+        with Console(stderr=True).status(message):
+            yield
+    else:
+        yield
+
+
+def _emit(verdict: Verdict, fmt: str) -> None:
+    if fmt == "json":
+        click.echo(verdict.json())
+    elif fmt == "kv":
+        click.echo(verdict.kv(), nl=False)
+    else:
+        from gpudiag.cli.render import render_text
+
+        render_text(verdict, sys.stdout, color=sys.stdout.isatty())
+
+
+def _record(verdict: Verdict, path: str | None) -> None:
+    if path is None:
+        return
+    from gpudiag.core.fileio import atomic_write
+
+    try:
+        atomic_write(path, verdict.json() + "\n")
+    except OSError as e:
+        raise Failed(f"could not write --record {path}: {e.strerror or e}") from e
+
+
+class LazyGroup(click.Group):
+    """A group whose heavier subcommands load only when they run: `probe` starts fast."""
+
+    lazy: dict[str, str] = {"serve": "gpudiag.cli.daemon:serve",
+                            "history": "gpudiag.cli.daemon:history",
+                            "run": "gpudiag.cli.run:run"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy:
+            module, attr = self.lazy[cmd_name].split(":")
+            command: click.Command = getattr(importlib.import_module(module), attr)
+            return command
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpudiag")
+def cli() -> None:
+    """gpudiag: can this job's backend really initialize on this host's GPUs now, and if
+    not, why?
+
+    Every probe runs in an isolated child process with a deadline. The verdict's
+    gpu_validation_blocker is `none` or a stable reason code, with evidence.
+    """
+
+
+def _parse_backends(text: str) -> list[str]:
+    names = [b.strip().lower() for b in text.split(",") if b.strip()]
+    bad = [b for b in names if b.split(":")[0] not in PROBE_BACKENDS]
+    if not names or bad:
+        raise _usage(f"--backend {text!r}: unknown backend(s) {', '.join(bad) or '(none)'}; "
+                     f"accepted: a comma list of {', '.join(PROBE_BACKENDS)}")
+    return names
+
+
+@cli.command()
+@click.option("--backend", "backend_text", default=",".join(PROBE_BACKENDS), show_default=True,
+              metavar="LIST", help="Backends to probe, comma-separated (jax:cpu and "
+              "iree:local-task pick a platform).")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict record as JSON.")
+@click.option("--timeout", "timeout_text", metavar="S",
+              help="Deadline in seconds for each probe child (default: per backend).")
+def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
+    """Probe every backend and device and show blockers with their remediation.
+
+    Exits 0 when everything probed is ready, 1 when blocked, 2 on bad flags, 3 when gpudiag
+    itself failed.
+    """
+    timeout_s = _timeout(timeout_text)
+    names = _parse_backends(backend_text)
+    specs = [n for n in names if n.split(":")[0] != "host"]
+    try:
+        requirement = (parse_requirement(",".join(specs)) if specs
+                       else Requirement(backends=(), min_devices=0))
+    except RequirementError as e:
+        raise _usage(f"--backend: {e}") from e
+    from gpudiag.core.classify import classify
+    from gpudiag.engine.inline import run_inline
+
+    with _progress("probing " + ", ".join(names)):
+        runs, checked_at = run_inline(requirement, timeout_s=timeout_s,
+                                      only={n.split(":")[0] for n in names})
+    verdict = classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at)
+    _emit(verdict, "json" if as_json else "text")
+    sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
+
+
+@cli.command()
+@click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
+              help="What the job needs: cuda, nvml, jax (on a GPU), jax:cpu, iree (cuda "
+              "driver), iree:DRIVER; comma-separated.")
+@click.option("--devices", "devices_text", metavar="LIST",
+              help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
+@click.option("--min-devices", type=click.IntRange(0, 64), metavar="N",
+              help="At least N usable GPUs (default 1 for GPU requirements).")
+@click.option("--min-free-memory", "min_free_text", metavar="SIZE",
+              help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")
+@click.option("--timeout", "timeout_text", metavar="S", help="Deadline per probe, in seconds.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
+              show_default=True, help="Output format.")
+@click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
+              help="Also write the verdict JSON to PATH atomically.")
+@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
+              "$GPUDIAG_DAEMON_URL or http://127.0.0.1:9477); inline probes if none answers.")
+@click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
+def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
+              min_free_text: str | None, timeout_text: str | None, fmt: str,
+              record_path: str | None, daemon_url: str | None, no_daemon: bool) -> None:
+    """The verdict for a job's requirement: exit 0 ready, 1 blocked, 2 usage, 3 failure."""
+    timeout_s = _timeout(timeout_text)
+    try:
+        requirement = parse_requirement(require_text, devices=devices_text,
+                                        min_devices=min_devices, min_free_memory=min_free_text)
+    except RequirementError as e:
+        raise _usage(str(e)) from e
+    from gpudiag.cli.daemon import daemon_or_inline
+
+    with _progress("preflight " + require_text):
+        verdict = daemon_or_inline(requirement, daemon_url, no_daemon, timeout_s)
+    _record(verdict, record_path)
+    _emit(verdict, fmt)
+    sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console entry point: click's own exits for usage errors; 3 when gpudiag itself fails."""
+    try:
+        return cli.main(args=argv, prog_name="gpudiag", standalone_mode=True)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        click.echo("gpudiag: interrupted", err=True)
+        sys.exit(130)
+    except Exception as e:  # the last line of defence: a message, never a traceback
+        click.echo(f"gpudiag: internal error: {type(e).__name__}: {e}", err=True)
+        sys.exit(EXIT_FAILED)

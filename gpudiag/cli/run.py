@@ -1,0 +1,138 @@
+"""``gpudiag run``: preflight, admit GPUs, run ARGV with the exact environment, close out.
+
+Exit codes (DESIGN.md): the child's own; 128+N when it died by signal N; 125 when gpudiag
+refused (blocked, not admitted) or failed before launch; 126/127 when ARGV cannot be
+executed / is not found, as ``env`` and ``docker run`` do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from gpudiag.core.requirement import RequirementError, parse_requirement, parse_size, parse_timeout
+
+EXIT_REFUSED = 125
+
+# A docker image reference: never an option, no spaces or control characters.
+_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}$")
+
+
+class RunUsageError(click.UsageError):
+    """Bad flags for ``gpudiag run``: 125, since ARGV was never started."""
+
+    exit_code = EXIT_REFUSED
+
+
+class RunFailed(click.ClickException):
+    """gpudiag failed before launch."""
+
+    exit_code = EXIT_REFUSED
+
+
+class RunCommand(click.Command):
+    """A command whose usage errors exit 125: ARGV was never started."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except RunUsageError:
+            raise
+        except click.UsageError as e:
+            raise RunUsageError(e.format_message(), ctx=e.ctx) from e
+
+
+def _seconds(text: str | None, name: str, *, zero_ok: bool = False) -> float | None:
+    if text is None:
+        return None
+    if zero_ok and text.strip() in ("0", "0.0"):
+        return 0.0
+    try:
+        return parse_timeout(text, name=name)
+    except RequirementError as e:
+        raise RunUsageError(str(e)) from e
+
+
+def _default_artifacts() -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    root = os.environ.get("GPUDIAG_ARTIFACTS_DIR") or "gpudiag-runs"
+    return Path(root) / f"{stamp}-{os.getpid()}"
+
+
+@click.command("run", cls=RunCommand, context_settings={"ignore_unknown_options": False,
+                                        "allow_interspersed_args": False})
+@click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
+              help="What the job needs: cuda, nvml, jax (on the GPU: JAX_PLATFORMS=cuda), "
+              "jax:cpu, iree, iree:DRIVER; comma-separated.")
+@click.option("--gpus", type=click.IntRange(0, 64), default=None, metavar="N",
+              help="GPUs (or MIG instances) to admit [default: 1 for a GPU requirement, "
+              "else 0].")
+@click.option("--min-free-memory", "min_free_text", metavar="SIZE",
+              help="Free memory each admitted GPU must have, e.g. 8GiB.")
+@click.option("--timeout", "timeout_text", metavar="S",
+              help="End the whole process tree after S seconds (SIGTERM, grace, SIGKILL).")
+@click.option("--kill-grace", "grace_text", default="5", show_default=True, metavar="S",
+              help="Seconds between SIGTERM and SIGKILL when --timeout fires.")
+@click.option("--lock-timeout", "lock_timeout_text", default="60", show_default=True,
+              metavar="S", help="How long to wait for GPUs that other jobs hold (0: do not wait).")
+@click.option("--artifacts", "artifacts_text", metavar="DIR",
+              help="Where plan.json, logs, result.json and the closeout go "
+              "[default: $GPUDIAG_ARTIFACTS_DIR or ./gpudiag-runs, one folder per run].")
+@click.option("--image", metavar="IMAGE",
+              help="Run ARGV in this container image with one `docker run`.")
+@click.option("--lock-dir", "lock_dir_text", metavar="DIR",
+              help="Folder of the per-UUID lock files [default: $GPUDIAG_LOCK_DIR, "
+              "/run/gpudiag/locks, or $XDG_RUNTIME_DIR/gpudiag/locks].")
+@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon for the verdict "
+              "first [default: $GPUDIAG_DAEMON_URL or http://127.0.0.1:9477]; inline probes "
+              "when none answers.")
+@click.option("--no-daemon", is_flag=True, help="Run the probes here; do not ask a daemon.")
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- ARGV...")
+def run(require_text: str, gpus: int | None, min_free_text: str | None,
+        timeout_text: str | None, grace_text: str, lock_timeout_text: str,
+        artifacts_text: str | None, image: str | None, lock_dir_text: str | None,
+        daemon_url: str | None, no_daemon: bool, argv: tuple[str, ...]) -> None:
+    """Admit GPUs and run ARGV with the exact child environment, then write the closeout.
+
+    ARGV never starts when the host is blocked or no GPU can be admitted (exit 125; the
+    closeout names the blocker with its evidence). Otherwise the exit code is the child's
+    own, or 128+N when it died by signal N.
+    """
+    from gpudiag.runner.execute import RunnerError, RunOptions, execute
+
+    try:
+        requirement = parse_requirement(require_text)
+        floor = parse_size(min_free_text) if min_free_text is not None else None
+    except RequirementError as e:
+        raise RunUsageError(str(e)) from e
+    if image is not None and not _IMAGE_RE.match(image):
+        # The image lands in `docker run`'s argv: "-..." would be read as a docker option.
+        raise RunUsageError(f"--image {image!r} is not an image reference; accepted: "
+                            "[REGISTRY/]NAME[:TAG][@DIGEST], e.g. nvcr.io/nvidia/jax:25.04")
+    grace = _seconds(grace_text, "--kill-grace")
+    lock_timeout = _seconds(lock_timeout_text, "--lock-timeout", zero_ok=True)
+    assert grace is not None and lock_timeout is not None
+    from gpudiag.engine.client import DaemonUrlError, default_url
+
+    url = None if no_daemon else (daemon_url or default_url())
+    n = gpus if gpus is not None else (1 if requirement.needs_gpu else 0)
+    options = RunOptions(
+        argv=tuple(argv), requirement=requirement,
+        artifacts=Path(artifacts_text) if artifacts_text else _default_artifacts(),
+        lock_dir=Path(lock_dir_text) if lock_dir_text else None,
+        gpus=n, min_free_memory_bytes=floor, timeout_s=_seconds(timeout_text, "--timeout"),
+        kill_grace_s=grace, lock_timeout_s=lock_timeout, image=image, daemon_url=url)
+    try:
+        outcome = execute(options, out=sys.stdout.buffer, err=sys.stderr.buffer)
+    except DaemonUrlError as e:
+        raise RunUsageError(f"--daemon-url: {e}") from e
+    except RunnerError as e:
+        raise RunFailed(str(e)) from e
+    except (OSError, ValueError) as e:  # the boundary: a message and 125, never a traceback
+        raise RunFailed(f"failed before or around launch: {type(e).__name__}: {e}") from e
+    sys.exit(outcome.exit_code)

@@ -1,0 +1,291 @@
+"""Pure JAX classification: the jax probe's observation and stderr -> jax blockers.
+
+The real cause of a JAX GPU failure is mostly in the child's stderr (JAX's warnings, XLA's
+C++ log), not in the exception: the exception says "No visible GPU devices", the log says
+which cuInit error. Specific causes are tried first; the CPU fallback is reported next to
+them, never instead of them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpudiag.core.findings import Findings, GpuContext
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.verdict import BackendRequirement, BackendStatus
+
+BACKEND = "jax"
+GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
+                        "jax-cuda13-pjrt")
+CUDA_ERROR_MEANINGS: dict[str, str] = {
+    "CUDA_ERROR_NO_DEVICE": "no CUDA-capable device is visible",
+    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": "libcuda and the kernel driver versions differ",
+    "CUDA_ERROR_INSUFFICIENT_DRIVER": "the driver is older than this CUDA needs",
+    "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE": "the cuda-compat library does not support "
+                                                "this GPU",
+    "CUDA_ERROR_SYSTEM_NOT_READY": "the system is not ready (fabric manager not running?)",
+    "CUDA_ERROR_DEVICE_UNAVAILABLE": "the GPU is busy or unavailable (exclusive-process "
+                                     "mode, or held by another process)",
+    "CUDA_ERROR_INVALID_DEVICE": "the device ordinal is not valid",
+    "CUDA_ERROR_NO_BINARY_FOR_GPU": "no kernel image for this GPU's architecture",
+    "CUDA_ERROR_UNSUPPORTED_PTX_VERSION": "the driver is too old for this PTX",
+    "CUDA_ERROR_INVALID_PTX": "the PTX could not be compiled for this GPU",
+    "CUDA_ERROR_ECC_UNCORRECTABLE": "an uncorrectable ECC error was detected",
+    "CUDA_ERROR_LAUNCH_FAILED": "a kernel launch failed",
+    "CUDA_ERROR_ILLEGAL_ADDRESS": "a kernel accessed an illegal address",
+    "CUDA_ERROR_OUT_OF_MEMORY": "the GPU is out of memory",
+    "CUDA_ERROR_NOT_INITIALIZED": "the CUDA driver is not initialized",
+    "CUDA_ERROR_UNKNOWN": "an unknown CUDA error (often a driver or device-node problem)",
+    "CUDA_ERROR_OPERATING_SYSTEM": "an operating-system call inside the driver failed",
+    "CUDA_ERROR_NOT_PERMITTED": "the operation is not permitted",
+}
+
+_MISMATCH_RE = re.compile(r"Mismatched PJRT plugin PJRT API version[^\n]*")
+_LIBS_RE = re.compile(r"(Unable to use CUDA because of the following issues with CUDA "
+                      r"components:(?:\n(?!\n)[^\n]*){0,6}|Unable to load (?:CUDA|[\w.]+)\. "
+                      r"Is it installed\?|Outdated [\w.]+ installation found\.[^\n]*)")
+_FALLBACK_RE = re.compile(r"An NVIDIA GPU may be present on this machine, but a CUDA-enabled "
+                          r"jaxlib is not installed\. Falling back to \w+\.")
+_CUINIT_RE = re.compile(r"failed call to cuInit:[^\n]*")
+_CUDA_ERROR_RE = re.compile(r"\bCUDA_ERROR_[A-Z_]+\b")
+_INIT_RE = re.compile(r"Unable to initialize backend '(?:cuda|gpu|rocm)':[^\n]*")
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One JAX blocker: its code and message."""
+
+    code: str
+    message: str
+
+
+def _platforms(obs: Mapping[str, Any]) -> str:
+    value = obs.get("jax_platforms")
+    return "(unset)" if value is None else repr(value)
+
+
+def _text(error: Mapping[str, Any] | None) -> str:
+    if not error:
+        return ""
+    return f"{error.get('type')}: {error.get('message')}"
+
+
+def cuda_error_meaning(text: str) -> str | None:
+    """``CUDA_ERROR_NO_DEVICE (no CUDA-capable device is visible)`` for the first name in text."""
+    m = _CUDA_ERROR_RE.search(text)
+    if m is None:
+        return None
+    meaning = CUDA_ERROR_MEANINGS.get(m.group())
+    return f"{m.group()} ({meaning})" if meaning else m.group()
+
+
+def _inner_cause(texts: Sequence[str]) -> str | None:
+    """The cuInit line XLA logged, with its CUDA_ERROR name explained."""
+    for text in texts:
+        m = _CUINIT_RE.search(text)
+        if m:
+            meaning = cuda_error_meaning(m.group())
+            return m.group().strip() + (f" [{meaning}]" if meaning else "")
+    for text in texts:
+        meaning = cuda_error_meaning(text)
+        if meaning:
+            return meaning
+    return None
+
+
+def _plugin_version_skew(versions: Mapping[str, Any]) -> str | None:
+    jaxlib = versions.get("jaxlib")
+    skewed = [f"{name} {versions[name]}" for name in PLUGIN_DISTRIBUTIONS
+              if versions.get(name) and jaxlib and versions[name] != jaxlib]
+    return f"{', '.join(skewed)} installed with jaxlib {jaxlib}" if skewed else None
+
+
+def _gpu_errors(obs: Mapping[str, Any]) -> dict[str, str]:
+    errors = obs.get("backend_errors") or {}
+    return {str(k): str(v) for k, v in errors.items() if k in GPU_PLATFORMS}
+
+
+def gpu_cause(obs: Mapping[str, Any], stderr: str) -> Cause | None:
+    """Why JAX has no usable GPU, most specific cause first; None when it has one."""
+    init_error = obs.get("init_error")
+    init_text = _text(init_error)
+    errors = _gpu_errors(obs)
+    texts = [init_text, *errors.values(), stderr]
+    platforms = obs.get("platforms") or []
+    present = ",".join(platforms) or "none"
+    jax_platforms = obs.get("jax_platforms")
+    versions = obs.get("versions") or {}
+
+    for text in texts:
+        m = _MISMATCH_RE.search(text)
+        if m:
+            return Cause("jax_plugin_version_mismatch",
+                         f"the JAX CUDA plugin was refused: {m.group().strip()}; "
+                         f"platforms present are: {present}")
+    skew = _plugin_version_skew(versions)
+    for text in texts:
+        m = _LIBS_RE.search(text)
+        if m:
+            found = " ".join(m.group().split())
+            return Cause("jax_cuda_libs_mismatch",
+                         f"JAX's CUDA plugin did not register the cuda backend: {found}; "
+                         f"platforms present are: {present}")
+    init_line = next((m.group() for t in texts if (m := _INIT_RE.search(t))), None)
+    if init_line is not None:
+        inner = _inner_cause([stderr, *errors.values()])
+        because = f"; inner cause from stderr: {inner}" if inner else ""
+        if skew:
+            because += f"; note: {skew}"
+        return Cause("jax_backend_init_failed", f"{init_line.strip()}{because}")
+    if init_error and init_error.get("type") == "AssertionError" and not init_error.get(
+            "message"):
+        nodes = ("" if obs.get("nvidia_gpu_visible") is not False else
+                 "none of /dev/nvidia0, /dev/nvidiactl, /dev/dxg exists (device nodes "
+                 "missing), so JAX skipped its CUDA backend, and ")
+        return Cause("jax_backend_init_failed",
+                     f"JAX_PLATFORMS={_platforms(obs)}: {nodes}with no platform left JAX "
+                     f"failed with a bare AssertionError at {init_error.get('where')} "
+                     f"({init_error.get('code')})")
+    if skew:
+        return Cause("jax_plugin_version_mismatch", f"JAX has no GPU platform: {skew}")
+    if init_error:
+        inner = _inner_cause([stderr])
+        return Cause("jax_backend_init_failed",
+                     f"JAX failed to initialize: {init_text}"
+                     + (f"; inner cause from stderr: {inner}" if inner else ""))
+    has_plugin = any(versions.get(n) for n in PLUGIN_DISTRIBUTIONS)
+    registered = obs.get("registered_platforms") or []
+    if jax_platforms and not any(p.strip() in GPU_PLATFORMS
+                                 for p in str(jax_platforms).split(",")):
+        return Cause("jax_cpu_fallback",
+                     f"JAX_PLATFORMS={_platforms(obs)} keeps JAX off the GPU; platforms "
+                     f"present are: {present}")
+    if "cuda" in registered and "cuda" not in platforms:
+        why = ("JAX found no /dev/nvidia0, /dev/nvidiactl or /dev/dxg (device nodes missing)"
+               if obs.get("nvidia_gpu_visible") is False else "no error was recorded")
+        return Cause("jax_backend_init_failed",
+                     f"the cuda backend is registered but did not start: {why}; platforms "
+                     f"present are: {present}")
+    required = _text(obs.get("required_error"))
+    fallback = next((m.group() for t in texts if (m := _FALLBACK_RE.search(t))), None)
+    if not has_plugin and "cuda" not in registered:
+        said = f"; JAX says: {fallback}" if fallback else ""
+        return Cause("jax_gpu_backend_absent",
+                     f"JAX has no GPU platform: no jax-cuda12/13 plugin is installed "
+                     f"(jaxlib {versions.get('jaxlib')}); platforms present are: {present}"
+                     f"{said}" + (f" ({required})" if required else ""))
+    return Cause("jax_backend_init_failed",
+                 f"JAX has no GPU device; platforms present are: {present}"
+                 + (f" ({required})" if required else ""))
+
+
+def _fallback(obs: Mapping[str, Any], stderr: str) -> Cause | None:
+    """The job would silently run on the CPU: JAX's default backend came up as cpu."""
+    if obs.get("default_backend") != "cpu":
+        return None
+    if obs.get("required_devices"):
+        # JAX_PLATFORMS=cpu,cuda: the GPU is there, but jit and new arrays default to the CPU.
+        return Cause("jax_cpu_fallback",
+                     f"JAX has GPU devices but its default backend is the CPU "
+                     f"(JAX_PLATFORMS={_platforms(obs)}): jit and un-placed arrays would run "
+                     "on the CPU")
+    warned = _FALLBACK_RE.search(stderr)
+    said = f"; JAX warned: {warned.group()}" if warned else ""
+    return Cause("jax_cpu_fallback",
+                 f"JAX initialized on the CPU as its default backend while a GPU is required "
+                 f"(JAX_PLATFORMS={_platforms(obs)}): a job would run on the CPU "
+                 f"without an error{said}")
+
+
+def _compute_failure(obs: Mapping[str, Any]) -> Cause | None:
+    compute = obs.get("compute")
+    if not compute or compute.get("ok"):
+        return None
+    err = compute.get("error") or {}
+    return Cause("jax_compute_failed",
+                 f"a tiny jitted computation on {compute.get('device')} failed: "
+                 f"{err.get('type')}: {err.get('message')}")
+
+
+def causes(obs: Mapping[str, Any], platform: str, stderr: str) -> list[Cause]:
+    """Every JAX blocker the observation shows for the required platform, cause first."""
+    out: list[Cause] = []
+    if platform == "cpu":
+        if not obs.get("required_devices"):
+            err = obs.get("init_error") or obs.get("required_error")
+            out.append(Cause("jax_backend_init_failed",
+                             f"JAX did not come up on the CPU (JAX_PLATFORMS=cpu): "
+                             f"{_text(err) or 'no cpu device'}"))
+    else:
+        if not obs.get("required_devices"):
+            cause = gpu_cause(obs, stderr)
+            if cause is not None:
+                out.append(cause)
+        fallback = _fallback(obs, stderr)
+        if fallback is not None and all(c.code != fallback.code for c in out):
+            out.append(fallback)
+    compute = _compute_failure(obs)
+    if compute is not None:
+        out.append(compute)
+    if not obs.get("preallocation_disabled"):
+        xla = obs.get("xla_env") or {}
+        seen = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in xla.items())
+        out.append(Cause("jax_preallocation_enabled",
+                         f"the JAX child read {seen}: XLA would preallocate 75% of each GPU"))
+    return out
+
+
+def _detail(obs: Mapping[str, Any], platform: str) -> dict[str, Any]:
+    devices = [f"{d.get('platform')}:{d.get('id')} {d.get('kind')}"
+               for d in obs.get("devices") or []]
+    return {
+        "platform_required": platform,
+        "cpu_allowed": platform == "cpu",
+        "jax_platforms": obs.get("jax_platforms"),
+        "jax_platforms_effective": obs.get("jax_platforms_effective"),
+        "default_backend": obs.get("default_backend"),
+        "platforms": obs.get("platforms"),
+        "registered_platforms": obs.get("registered_platforms"),
+        "devices": devices,
+        "device_count": len(obs.get("required_devices") or []),
+        "backend_errors": obs.get("backend_errors"),
+        "init_error": obs.get("init_error") and {
+            k: v for k, v in obs["init_error"].items() if k != "traceback"},
+        "required_error": obs.get("required_error") and {
+            k: v for k, v in obs["required_error"].items() if k != "traceback"},
+        "compute": obs.get("compute"),
+        "xla_env": obs.get("xla_env"),
+        "preallocation_disabled": obs.get("preallocation_disabled"),
+        "import_s": obs.get("import_s"),
+        "init_s": obs.get("init_s"),
+        "compute_s": obs.get("compute_s"),
+    }
+
+
+def classify_jax(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
+                 f: Findings) -> BackendStatus:
+    """The jax backend's status; its blockers go into ``f`` (lower layers name the root)."""
+    platform = "cpu" if req.platform == "cpu" else "gpu"
+    duration = round(run.duration_s, 4)
+    obs = run.observation
+    if obs is None or not run.ok:
+        # The probe layer already holds the timeout/crash/error blocker for this child.
+        return BackendStatus("blocked", duration, {}, {"error": run.error})
+    versions = {k: v for k, v in (obs.get("versions") or {}).items() if v}
+    if not obs.get("installed"):
+        err = obs.get("import_error") or {}
+        f.block("jax_not_installed", f"import jax failed: {_text(err)}", backend=BACKEND)
+        return BackendStatus("not_installed", duration, versions,
+                             {"import_error": _text(err)})
+    found = causes(obs, platform, run.stderr_tail)
+    for cause in found:
+        message = cause.message
+        if platform == "gpu" and cause.code != "jax_preallocation_enabled" and gpu.gpu_blocked:
+            message += " (the GPU layers below are blocked too: see the primary blocker)"
+        f.block(cause.code, message, backend=BACKEND)
+    return BackendStatus("blocked" if found else "ok", duration, versions,
+                         _detail(obs, platform))

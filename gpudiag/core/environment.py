@@ -1,0 +1,174 @@
+"""Visibility variables, the allow-listed evidence environment, and the child environment."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gpudiag.core.child import preallocation_off
+
+# Evidence never holds a variable outside this allow-list: no secrets in records.
+EVIDENCE_ALLOW_PATTERNS: tuple[str, ...] = (
+    "CUDA_*", "NVIDIA_*", "XLA_*", "JAX_*", "TF_CPP_*", "IREE_*", "SLURM_*GPU*",
+    "SLURM_JOB_ID", "LD_LIBRARY_PATH", "PATH",
+)
+
+# The child environment that disables JAX/XLA preallocation (DESIGN.md).
+PREALLOCATION_OFF: dict[str, str] = {
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
+    "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR": "false",
+}
+
+
+def allow_listed(env: Mapping[str, str]) -> dict[str, str]:
+    """The subset of ``env`` that evidence may record."""
+    return {k: v for k, v in sorted(env.items())
+            if any(fnmatch.fnmatchcase(k, p) for p in EVIDENCE_ALLOW_PATTERNS)}
+
+
+def preallocation_disabled(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` (as a child really saw it) disables XLA preallocation."""
+    # The rule lives in gpudiag.core.child, which must stay self-contained (it is copied into
+    # the run's sitecustomize.py).
+    return preallocation_off(env)
+
+
+def probe_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """What a probe child runs with: the caller's environment, preallocation off by default.
+
+    A value the caller already set is kept, so a leaked ``XLA_PYTHON_CLIENT_PREALLOCATE=true``
+    reaches the probe and is reported (jax_preallocation_enabled) instead of hidden.
+    """
+    env = dict(base)
+    for key, value in PREALLOCATION_OFF.items():
+        env.setdefault(key, value)
+    return env
+
+
+_UUID_RE = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$")
+_INDEX_RE = re.compile(r"^[0-9]+$")
+
+
+@dataclass(frozen=True)
+class VisibleEntry:
+    """One entry of a visibility list."""
+
+    raw: str
+    kind: str  # "index" | "uuid" | "uuid_prefix" | "mig_uuid" | "mig_legacy" | "invalid"
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """A parsed CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES value."""
+
+    variable: str
+    raw: str | None
+    mode: str  # "unset" | "all" | "empty" | "list"
+    entries: tuple[VisibleEntry, ...] = ()
+    reason: str | None = None
+
+    def record(self) -> dict[str, object]:
+        return {"variable": self.variable, "raw": self.raw, "mode": self.mode,
+                "entries": [{"raw": e.raw, "kind": e.kind} for e in self.entries],
+                "reason": self.reason}
+
+
+def _entry(token: str) -> VisibleEntry:
+    if _INDEX_RE.match(token):
+        return VisibleEntry(token, "index")
+    if token.startswith("MIG-GPU-") or (token.startswith("MIG-") and "/" in token):
+        return VisibleEntry(token, "mig_legacy")
+    if _UUID_RE.match(token):
+        kind = "mig_uuid" if token.startswith("MIG-") else "uuid"
+        # A full GPU UUID has 5 groups of 8-4-4-4-12 hex digits.
+        if kind == "uuid" and len(token) < len("GPU-") + 36:
+            kind = "uuid_prefix"
+        return VisibleEntry(token, kind)
+    return VisibleEntry(token, "invalid")
+
+
+def parse_cuda_visible_devices(raw: str | None) -> Visibility:
+    """Parse CUDA_VISIBLE_DEVICES the way the CUDA driver reads it."""
+    var = "CUDA_VISIBLE_DEVICES"
+    if raw is None:
+        return Visibility(var, None, "unset")
+    value = raw.strip()
+    if value in ("", "-1", "NoDevFiles"):
+        return Visibility(var, raw, "empty", reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU")
+    entries = tuple(_entry(t.strip()) for t in value.split(","))
+    return Visibility(var, raw, "list", entries)
+
+
+def parse_nvidia_visible_devices(raw: str | None) -> Visibility:
+    """Parse NVIDIA_VISIBLE_DEVICES as the NVIDIA container runtime reads it."""
+    var = "NVIDIA_VISIBLE_DEVICES"
+    if raw is None:
+        return Visibility(var, None, "unset")
+    value = raw.strip()
+    if value.lower() == "all":
+        return Visibility(var, raw, "all")
+    if value.lower() in ("void", "none", ""):
+        return Visibility(var, raw, "empty",
+                          reason=f"NVIDIA_VISIBLE_DEVICES={raw!r} exposes no GPU")
+    entries = tuple(_entry(t.strip()) for t in value.split(","))
+    return Visibility(var, raw, "list", entries)
+
+
+@dataclass(frozen=True)
+class KnownDevice:
+    """What resolution needs to know of a device: its index and full UUIDs."""
+
+    index: int
+    uuid: str
+    mig_uuids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A visibility list resolved against the real devices."""
+
+    indices: tuple[int, ...]
+    unresolved: tuple[str, ...]  # entries that name no device (or are ambiguous)
+    ambiguous: tuple[str, ...] = ()
+
+
+def resolve(vis: Visibility, devices: Sequence[KnownDevice]) -> Resolution:
+    """Which physical devices a visibility list selects, in its order, and what it misnames."""
+    if vis.mode in ("unset", "all"):
+        return Resolution(tuple(d.index for d in devices), ())
+    if vis.mode == "empty":
+        return Resolution((), ())
+    chosen: list[int] = []
+    unresolved: list[str] = []
+    ambiguous: list[str] = []
+    by_index = {d.index: d for d in devices}
+    for e in vis.entries:
+        match: list[int] = []
+        if e.kind == "index":
+            if int(e.raw) in by_index:
+                match = [int(e.raw)]
+        elif e.kind in ("uuid", "uuid_prefix"):
+            match = [d.index for d in devices if d.uuid.lower().startswith(e.raw.lower())]
+        elif e.kind == "mig_uuid":
+            match = [d.index for d in devices
+                     if any(m.lower() == e.raw.lower() for m in d.mig_uuids)]
+        if len(match) > 1:
+            ambiguous.append(e.raw)
+            unresolved.append(e.raw)
+        elif not match:
+            unresolved.append(e.raw)
+        elif match[0] not in chosen:
+            chosen.append(match[0])
+    return Resolution(tuple(chosen), tuple(unresolved), tuple(ambiguous))
+
+
+_FULL_UUID_RE = re.compile(
+    r"^(GPU|MIG)-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+
+
+def is_full_uuid(text: str) -> bool:
+    """Whether ``text`` is a complete GPU-/MIG- UUID (prefixes are never identities)."""
+    return bool(_FULL_UUID_RE.match(text))

@@ -1,0 +1,145 @@
+"""Parsers for what callers ask: requirement strings, sizes, device lists, deadlines.
+
+The same syntax serves the CLI, the Python API and HTTP. Every parser raises
+``RequirementError`` naming the bad value and the accepted forms.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+from gpudiag.core.verdict import BackendRequirement, Requirement
+
+BACKENDS = ("cuda", "nvml", "jax", "iree")
+JAX_PLATFORMS = ("gpu", "cuda", "cpu")
+IREE_DRIVER_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+MAX_DEVICES = 64
+
+
+class RequirementError(ValueError):
+    """A requirement, size, device list or deadline that cannot be understood."""
+
+
+def parse_backends(text: str) -> tuple[BackendRequirement, ...]:
+    """``cuda,jax,iree:local-task`` -> backend requirements (duplicates merged)."""
+    specs = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s for s in specs):
+        raise RequirementError(
+            f"requirement {text!r} is empty or has an empty item; accepted: a comma list of "
+            f"{', '.join(BACKENDS)}, with jax:cpu|gpu and iree:DRIVER (e.g. cuda,jax,iree)")
+    out: list[BackendRequirement] = []
+    for spec in specs:
+        name, sep, platform = spec.partition(":")
+        name = name.lower()
+        if name not in BACKENDS:
+            raise RequirementError(
+                f"unknown backend {name!r} in requirement {text!r}; accepted: "
+                f"{', '.join(BACKENDS)} (jax:cpu, iree:local-task and the like pick a platform)")
+        plat: str | None = platform.lower() if sep else None
+        if sep and not plat:
+            raise RequirementError(f"{spec!r} has an empty platform after ':'")
+        if name == "jax" and plat is not None:
+            if plat not in JAX_PLATFORMS:
+                raise RequirementError(
+                    f"JAX platform {plat!r} in {spec!r} is not one of {', '.join(JAX_PLATFORMS)}")
+            plat = "gpu" if plat == "cuda" else plat
+        if name == "iree" and plat is not None and not IREE_DRIVER_RE.match(plat):
+            raise RequirementError(
+                f"IREE driver {plat!r} in {spec!r} is not a driver name (e.g. cuda, local-task)")
+        if name in ("cuda", "nvml") and plat is not None:
+            raise RequirementError(f"{name} takes no platform, got {spec!r}")
+        req = BackendRequirement(name, None if plat == "gpu" else plat)
+        if req not in out:
+            out.append(req)
+    return tuple(out)
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+SIZE_FORMS = "plain bytes (8589934592), or a number with B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+
+
+def parse_size(text: str) -> int:
+    """``8GiB`` -> 8589934592; ``8GB`` -> 8000000000; ``123`` -> 123 bytes."""
+    m = _SIZE_RE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise RequirementError(f"size {text!r} is not understood; accepted: {SIZE_FORMS}")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or value > 2**63 - 1:
+        raise RequirementError(f"size {text!r} is too large")
+    return int(value)
+
+
+def format_size(n: int | None) -> str:
+    """Bytes for people: 1.5 GiB."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+_DEVICE_RE = re.compile(r"^([0-9]{1,3}|(GPU|MIG)-[0-9a-fA-F-]{1,64})$")
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """``0,1`` or ``GPU-...`` UUIDs -> device selectors (indices within visible devices)."""
+    items = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s for s in items):
+        raise RequirementError(
+            f"device list {text!r} is empty or has an empty item; accepted: comma-separated "
+            "indices (0,1) or full GPU-/MIG- UUIDs")
+    for item in items:
+        if not _DEVICE_RE.match(item):
+            raise RequirementError(
+                f"device {item!r} in {text!r} is neither an index (0-999) nor a GPU-/MIG- UUID")
+    if len(items) > MAX_DEVICES:
+        raise RequirementError(f"device list {text!r} names more than {MAX_DEVICES} devices")
+    if len(set(items)) != len(items):
+        raise RequirementError(f"device list {text!r} names a device twice")
+    return tuple(items)
+
+
+def parse_timeout(text: str | float, *, name: str = "timeout") -> float:
+    """A deadline in seconds: a positive finite number up to one day."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise RequirementError(
+            f"{name} {text!r} is not a number of seconds; accepted: e.g. 30 or 2.5") from None
+    if not math.isfinite(value) or value <= 0 or value > 86400:
+        raise RequirementError(f"{name} {text!r} must be more than 0 and at most 86400 seconds")
+    return value
+
+
+def parse_requirement(require: str | Iterable[str] = "cuda", *, devices: str | None = None,
+                      min_devices: int | None = None,
+                      min_free_memory: str | int | None = None) -> Requirement:
+    """Build a Requirement from the CLI/API/HTTP forms."""
+    text = require if isinstance(require, str) else ",".join(require)
+    backends = parse_backends(text)
+    devs = parse_devices(devices) if devices is not None else None
+    if min_devices is not None and (min_devices < 0 or min_devices > MAX_DEVICES):
+        raise RequirementError(f"min_devices {min_devices} must be between 0 and {MAX_DEVICES}")
+    mem: int | None
+    if min_free_memory is None:
+        mem = None
+    elif isinstance(min_free_memory, int):
+        if min_free_memory < 0:
+            raise RequirementError(f"min_free_memory {min_free_memory} must not be negative")
+        mem = min_free_memory
+    else:
+        mem = parse_size(min_free_memory)
+    return Requirement(backends=backends, devices=devs, min_devices=min_devices,
+                       min_free_memory_bytes=mem)

@@ -1,0 +1,324 @@
+"""The verdict record (schema ``gpudiag.verdict/1``): dataclasses and their renderings.
+
+Frozen dataclasses cross module boundaries; dicts appear only at the JSON edge
+(``Verdict.record()`` / ``Verdict.from_record()``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpudiag.core.catalog import LAYER_ORDER, WARNINGS, entry, layer_rank
+from gpudiag.core.version import __version__
+
+SCHEMA = "gpudiag.verdict/1"
+JSONValue = Any  # a JSON-able value; evidence is free-form by design
+
+
+class RecordError(ValueError):
+    """A verdict record that does not follow the schema."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A blocker or a warning: one code with where it applies and what to do."""
+
+    code: str
+    layer: str
+    message: str
+    remediation: str
+    backend: str | None = None
+    device: str | None = None
+
+    @classmethod
+    def of(cls, code: str, message: str, *, backend: str | None = None,
+           device: str | None = None, warning: bool = False) -> Finding:
+        """A finding whose layer and remediation come from the catalog."""
+        # A code can be both (device_nodes_missing): a warning takes the warning's row.
+        row = WARNINGS[code] if warning and code in WARNINGS else entry(code)
+        return cls(code=code, layer=row.layer, message=message, remediation=row.remediation,
+                   backend=backend, device=device)
+
+    def record(self) -> dict[str, JSONValue]:
+        return {"code": self.code, "layer": self.layer, "backend": self.backend,
+                "device": self.device, "message": self.message,
+                "remediation": self.remediation}
+
+
+@dataclass(frozen=True)
+class BackendRequirement:
+    """One required backend; ``platform`` is JAX's platform or IREE's driver."""
+
+    name: str
+    platform: str | None = None
+
+    @property
+    def needs_gpu(self) -> bool:
+        """Whether this requirement can only be met by an NVIDIA GPU."""
+        if self.name in ("cuda", "nvml"):
+            return True
+        if self.name == "jax":
+            return self.platform in (None, "gpu", "cuda")
+        if self.name == "iree":
+            return self.platform in (None, "cuda")
+        return False
+
+    def spec(self) -> str:
+        return self.name if self.platform is None else f"{self.name}:{self.platform}"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What a job needs from this host."""
+
+    backends: tuple[BackendRequirement, ...] = (BackendRequirement("cuda"),)
+    devices: tuple[str, ...] | None = None
+    min_devices: int | None = None
+    min_free_memory_bytes: int | None = None
+
+    @property
+    def needs_gpu(self) -> bool:
+        return any(b.needs_gpu for b in self.backends)
+
+    def backend(self, name: str) -> BackendRequirement | None:
+        return next((b for b in self.backends if b.name == name), None)
+
+    @property
+    def effective_min_devices(self) -> int:
+        if self.min_devices is not None:
+            return self.min_devices
+        if self.devices is not None:
+            return len(self.devices)
+        return 1 if self.needs_gpu else 0
+
+    def record(self) -> dict[str, JSONValue]:
+        return {
+            "backends": [b.spec() for b in self.backends],
+            "devices": list(self.devices) if self.devices is not None else None,
+            "min_devices": self.effective_min_devices,
+            "min_free_memory_bytes": self.min_free_memory_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One GPU the job could use, as the verdict reports it."""
+
+    index: int
+    uuid: str | None
+    name: str | None
+    pci_bus_id: str | None
+    memory_total_bytes: int | None
+    memory_free_bytes: int | None
+
+    def record(self) -> dict[str, JSONValue]:
+        return {"index": self.index, "uuid": self.uuid, "name": self.name,
+                "pci_bus_id": self.pci_bus_id, "memory_total_bytes": self.memory_total_bytes,
+                "memory_free_bytes": self.memory_free_bytes}
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """How one backend fared: ok, blocked, not_installed or skipped."""
+
+    status: str
+    duration_s: float | None
+    versions: Mapping[str, str | None] = field(default_factory=dict)
+    detail: Mapping[str, JSONValue] = field(default_factory=dict)
+
+    def record(self) -> dict[str, JSONValue]:
+        return {"status": self.status, "duration_s": self.duration_s,
+                "versions": dict(self.versions), "detail": dict(self.detail)}
+
+
+def primary_blocker(blockers: Sequence[Finding]) -> Finding | None:
+    """The root cause: the blocker of the lowest layer (first listed wins a tie)."""
+    if not blockers:
+        return None
+    return min(blockers, key=lambda b: layer_rank(b.layer))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer to: can this job's backend initialize on this host's GPUs now?"""
+
+    requirement: Requirement
+    blockers: tuple[Finding, ...]
+    warnings: tuple[Finding, ...]
+    devices: tuple[DeviceInfo, ...]
+    backends: Mapping[str, BackendStatus]
+    evidence: Mapping[str, JSONValue]
+    preallocation_disabled: bool
+    host: str
+    checked_at: str
+    age_s: float = 0.0
+    source: str = "inline"
+    gpudiag_version: str = __version__
+
+    @property
+    def primary(self) -> Finding | None:
+        return primary_blocker(self.blockers)
+
+    @property
+    def gpu_validation_blocker(self) -> str:
+        """``none`` or the root-cause code."""
+        primary = self.primary
+        return "none" if primary is None else primary.code
+
+    @property
+    def ready(self) -> bool:
+        return not self.blockers
+
+    def with_source(self, source: str, age_s: float) -> Verdict:
+        return replace(self, source=source, age_s=round(age_s, 3))
+
+    def record(self) -> dict[str, JSONValue]:
+        """The JSON record of DESIGN.md."""
+        return {
+            "schema": SCHEMA,
+            "gpu_validation_blocker": self.gpu_validation_blocker,
+            "ready": self.ready,
+            "blockers": [b.record() for b in self._ordered_blockers()],
+            "warnings": [w.record() for w in self.warnings],
+            "requirement": self.requirement.record(),
+            "devices": [d.record() for d in self.devices],
+            "backends": {name: s.record() for name, s in self.backends.items()},
+            "evidence": dict(self.evidence),
+            "preallocation_disabled": "yes" if self.preallocation_disabled else "no",
+            "host": self.host,
+            "checked_at": self.checked_at,
+            "age_s": self.age_s,
+            "source": self.source,
+            "gpudiag_version": self.gpudiag_version,
+        }
+
+    def _ordered_blockers(self) -> list[Finding]:
+        return sorted(self.blockers, key=lambda b: layer_rank(b.layer))
+
+    def json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.record(), indent=indent, sort_keys=False)
+
+    def kv(self) -> str:
+        """``key=value`` lines: the scalar fields first, then flattened lists."""
+        return render_kv(self.record())
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, JSONValue]) -> Verdict:
+        """Rebuild a verdict from its JSON record (e.g. the daemon's answer)."""
+        try:
+            if record.get("schema") != SCHEMA:
+                raise RecordError(f"schema is {record.get('schema')!r}, expected {SCHEMA!r}")
+            req = record["requirement"]
+            verdict = cls(
+                requirement=Requirement(
+                    backends=tuple(_parse_backend_spec(s) for s in req["backends"]),
+                    devices=tuple(_str(d, "requirement.devices") for d in req["devices"])
+                    if req.get("devices") is not None else None,
+                    min_devices=req.get("min_devices"),
+                    min_free_memory_bytes=req.get("min_free_memory_bytes"),
+                ),
+                blockers=tuple(_finding(b) for b in record["blockers"]),
+                warnings=tuple(_finding(w) for w in record["warnings"]),
+                devices=tuple(DeviceInfo(**d) for d in record["devices"]),
+                backends={n: BackendStatus(**s) for n, s in record["backends"].items()},
+                evidence=dict(record["evidence"]),
+                preallocation_disabled=record["preallocation_disabled"] == "yes",
+                host=str(record["host"]),
+                checked_at=str(record["checked_at"]),
+                age_s=float(record.get("age_s", 0.0)),
+                source=str(record.get("source", "inline")),
+                gpudiag_version=str(record.get("gpudiag_version", "")),
+            )
+            # What the CLI does next with a daemon's answer: render it. A record that
+            # cannot be rendered is not one, and must fail here, not in the renderer.
+            verdict.kv()
+            return verdict
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise RecordError(f"not a {SCHEMA} record: {e!r}") from e
+
+
+def _str(value: JSONValue, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where} holds {value!r}, not a string")
+    return value
+
+
+def _opt_str(value: JSONValue, where: str) -> str | None:
+    return None if value is None else _str(value, where)
+
+
+def _finding(raw: Mapping[str, JSONValue]) -> Finding:
+    layer = _str(raw["layer"], "a finding's layer")
+    if layer not in LAYER_ORDER:
+        raise ValueError(f"layer {layer!r} is not one of {', '.join(LAYER_ORDER)}")
+    return Finding(code=_str(raw["code"], "a finding's code"), layer=layer,
+                   message=_str(raw["message"], "a finding's message"),
+                   remediation=_str(raw["remediation"], "a finding's remediation"),
+                   backend=_opt_str(raw.get("backend"), "a finding's backend"),
+                   device=_opt_str(raw.get("device"), "a finding's device"))
+
+
+def _parse_backend_spec(spec: JSONValue) -> BackendRequirement:
+    name, _, platform = _str(spec, "requirement.backends").partition(":")
+    return BackendRequirement(name, platform or None)
+
+
+_KV_UNSAFE = re.compile(r"[\\\n\r]")
+_KV_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r"}
+
+
+def kv_value(value: Any, *, lenient: bool = False) -> str:
+    """One ``key=value`` value: "" for None, true/false, compact JSON, escaped text.
+
+    ``lenient`` renders non-JSON objects inside a dict or list with str() (the closeout);
+    a verdict record must be JSON, so there they raise TypeError (from_record relies on it).
+    """
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"),
+                          default=str if lenient else None)
+    # One record line per key: newlines inside values are escaped, never emitted raw; the
+    # backslash is escaped too, so a reader can undo it (a literal "\\n" stays itself).
+    return _KV_UNSAFE.sub(lambda m: _KV_ESCAPES[m.group()], str(value))
+
+
+def render_kv(record: Mapping[str, JSONValue]) -> str:
+    """Flatten a verdict record into ``key=value`` lines (stable order, one per key)."""
+    lines = [
+        f"gpu_validation_blocker={record['gpu_validation_blocker']}",
+        f"ready={kv_value(record['ready'])}",
+        f"preallocation_disabled={record['preallocation_disabled']}",
+    ]
+    for key in ("schema", "host", "checked_at", "age_s", "source", "gpudiag_version"):
+        lines.append(f"{key}={kv_value(record[key])}")
+    req = record["requirement"]
+    lines.append(f"requirement.backends={','.join(req['backends'])}")
+    lines.append(f"requirement.devices={','.join(req['devices'] or [])}")
+    lines.append(f"requirement.min_devices={kv_value(req['min_devices'])}")
+    lines.append(f"requirement.min_free_memory_bytes={kv_value(req['min_free_memory_bytes'])}")
+    lines.append(f"blockers={','.join(b['code'] for b in record['blockers'])}")
+    for kind in ("blockers", "warnings"):
+        for i, item in enumerate(record[kind]):
+            for k in ("code", "layer", "backend", "device", "message", "remediation"):
+                lines.append(f"{kind}.{i}.{k}={kv_value(item[k])}")
+    lines.append(f"devices.count={len(record['devices'])}")
+    for dev in record["devices"]:
+        for k, v in dev.items():
+            if k != "index":
+                lines.append(f"devices.{dev['index']}.{k}={kv_value(v)}")
+    for name, backend in record["backends"].items():
+        lines.append(f"backends.{name}.status={backend['status']}")
+        lines.append(f"backends.{name}.duration_s={kv_value(backend['duration_s'])}")
+        for k, v in backend["versions"].items():
+            lines.append(f"backends.{name}.versions.{k}={kv_value(v)}")
+    driver = record["evidence"].get("driver") or {}
+    for k, v in driver.items():
+        lines.append(f"evidence.driver.{k}={kv_value(v)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,399 @@
+"""The daemon's HTTP API: a plain WSGI app (tests call it without a socket) and a server.
+
+Handlers read the latest snapshot; only /v1/preflight past max_age_s (or a probe that never
+ran) waits for probes, and then on the scheduler's worker threads with a bounded wait. Every
+error is ``{"error": {"code": ..., "message": ...}}``; bad input is a 4xx, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gpudiag.core.requirement import RequirementError, parse_requirement
+from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.daemon.exporter import SnapshotCollector
+from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
+from gpudiag.daemon.httpserver import HttpServer
+from gpudiag.daemon.httpserver import start as start_http
+from gpudiag.daemon.scheduler import SCHEDULED_OPTIONS, Scheduler
+from gpudiag.daemon.snapshot import ProbeKey, keys_for, verdict_for
+from gpudiag.daemon.store import HistoryError, HistoryStore
+
+log = logging.getLogger("gpudiag.daemon.app")
+
+MAX_URL_BYTES = 4096
+MAX_PARAMS = 16
+HISTORY_MAX_LIMIT = 1000
+PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max_age_s",
+                    "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility")
+StartResponse = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    """An HTTP error answered with the JSON envelope."""
+
+    status: int
+    code: str
+    message: str
+    retry_after_s: float | None = None
+
+
+_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 404: "Not Found",
+            405: "Method Not Allowed", 413: "Payload Too Large", 414: "URI Too Long",
+            429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+def _json_body(status: int, body: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+    data = (json.dumps(body, default=str) + "\n").encode()
+    return (f"{status} {_REASONS.get(status, '')}",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+             ("Cache-Control", "no-store")], data)
+
+
+def _seconds(params: Mapping[str, str], name: str, maximum: float) -> float | None:
+    raw = params.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or value > maximum:
+        raise ApiError(400, "bad_parameter",
+                       f"{name}={raw!r} is not a number of seconds from 0 to {maximum:g}")
+    return value
+
+
+def _int(params: Mapping[str, str], name: str, lo: int, hi: int) -> int | None:
+    raw = params.get(name)
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or not lo <= int(raw) <= hi:
+        raise ApiError(400, "bad_parameter", f"{name}={raw!r} is not an integer from {lo} "
+                       f"to {hi}")
+    return int(raw)
+
+
+def _flag(params: Mapping[str, str], name: str) -> bool:
+    raw = params.get(name)
+    if raw is None:
+        return False
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "no", ""):
+        return False
+    raise ApiError(400, "bad_parameter", f"{name}={raw!r}: accepted 1/0, true/false")
+
+
+# IREE drivers a request over HTTP may name (the ones IREE compiles in): each distinct driver
+# list is a probe key the scheduler keeps, so arbitrary names would grow it without bound.
+HTTP_IREE_DRIVERS = ("cuda", "hip", "local-sync", "local-task", "vulkan")
+
+
+def _check_http_keys(keys: Iterable[ProbeKey]) -> None:
+    """400 for probe options an HTTP caller may not invent (unknown or repeated drivers)."""
+    for key in keys:
+        if key.backend != "iree":
+            continue
+        drivers = list((key.options_dict() or {}).get("drivers") or [])
+        bad = [d for d in drivers if d not in HTTP_IREE_DRIVERS]
+        if bad or len(set(drivers)) != len(drivers):
+            raise ApiError(400, "bad_requirement",
+                           f"IREE drivers {drivers!r}: over HTTP each of "
+                           f"{', '.join(HTTP_IREE_DRIVERS)} at most once")
+
+
+@dataclass(frozen=True)
+class ProbeRateLimit:
+    """How often clients may make the daemon start a probe (per backend): a token bucket.
+
+    Only runs that a request starts count (POST /v1/probe, and /v1/preflight past
+    max_age_s); joining a run in flight and the scheduled runs are free.
+    """
+
+    burst: int = 10
+    refill_s: float = 2.0
+
+
+class ProbeBuckets:
+    """Token buckets per backend for on-demand probe runs."""
+
+    def __init__(self, limit: ProbeRateLimit, clock: Callable[[], float]) -> None:
+        self.limit = limit
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tokens: dict[str, tuple[float, float]] = {}  # backend -> (tokens, at)
+
+    def take(self, backends: Iterable[str]) -> float:
+        """Take one token for each backend, all or none; 0.0, or seconds until possible."""
+        now = self._clock()
+        names = list(dict.fromkeys(backends))
+        with self._lock:
+            levels = {}
+            for name in names:
+                tokens, at = self._tokens.get(name, (float(self.limit.burst), now))
+                levels[name] = min(float(self.limit.burst),
+                                   tokens + (now - at) / self.limit.refill_s)
+            short = [n for n in names if levels[n] < 1.0]
+            if short:
+                return max((1.0 - levels[n]) * self.limit.refill_s for n in short)
+            for name in names:
+                self._tokens[name] = (levels[name] - 1.0, now)
+            return 0.0
+
+
+class DaemonApp:
+    """The WSGI application of ``gpudiag serve``."""
+
+    def __init__(self, scheduler: Scheduler, store: HistoryStore | None = None, *,
+                 probe_limit: ProbeRateLimit | None = None) -> None:
+        self.scheduler = scheduler
+        self.store = store
+        self.probe_limit = probe_limit or ProbeRateLimit()
+        self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
+        # Verdicts per (snapshot, requirement, visibility): a snapshot never changes.
+        self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None],
+                          Verdict] = {}
+        self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
+        self._routes: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, str]],
+                                                                  tuple[int, Any]]]] = {
+            "/metrics": (("GET", "HEAD"), self._metrics),
+            "/v1/preflight": (("GET",), self._preflight),
+            "/v1/probe": (("POST",), self._probe),
+            "/v1/history": (("GET",), self._history),
+            "/healthz": (("GET", "HEAD"), self._healthz),
+            "/readyz": (("GET", "HEAD"), self._readyz),
+        }
+
+    def __call__(self, environ: Mapping[str, Any], start_response: StartResponse
+                 ) -> Iterable[bytes]:
+        started = time.perf_counter()
+        try:
+            status, headers, body = self._dispatch(environ)
+        except ApiError as e:
+            status, headers, body = _json_body(
+                e.status, {"error": {"code": e.code, "message": e.message}})
+            if e.retry_after_s is not None:
+                headers.append(("Retry-After", str(max(1, math.ceil(e.retry_after_s)))))
+        except Exception:  # a bug of ours: still the envelope, never a traceback page
+            log.exception("request failed: %s %s", environ.get("REQUEST_METHOD"),
+                          environ.get("PATH_INFO"))
+            status, headers, body = _json_body(500, {"error": {
+                "code": "internal", "message": "gpudiag failed to answer; see the daemon log"}})
+        # How long the daemon itself took, apart from the network and the client.
+        headers.append(("Server-Timing",
+                        f"app;dur={(time.perf_counter() - started) * 1000:.2f}"))
+        start_response(status, headers)
+        return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
+
+    def _dispatch(self, environ: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+        path = str(environ.get("PATH_INFO") or "/")
+        query = str(environ.get("QUERY_STRING") or "")
+        method = str(environ.get("REQUEST_METHOD") or "GET")
+        if len(path) + len(query) > MAX_URL_BYTES:
+            raise ApiError(414, "uri_too_long",
+                           f"the URL is {len(path) + len(query)} bytes; the limit is "
+                           f"{MAX_URL_BYTES}")
+        length_text = str(environ.get("CONTENT_LENGTH") or "0").strip() or "0"
+        if not length_text.isdigit():
+            raise ApiError(400, "bad_request", f"Content-Length {length_text!r} is not a number")
+        if int(length_text) > MAX_BODY_BYTES:
+            raise ApiError(413, "body_too_large",
+                           f"a {length_text} byte body; the limit is {MAX_BODY_BYTES} "
+                           "(parameters go in the query string)")
+        route = self._routes.get(path)
+        if route is None:
+            raise ApiError(404, "not_found", f"no endpoint {path!r}; endpoints: "
+                           f"{', '.join(self._routes)}")
+        methods, handler = route
+        if method not in methods:
+            raise ApiError(405, "method_not_allowed",
+                           f"{method} {path}: accepted {', '.join(methods)}")
+        params = self._params(query)
+        status, payload = handler(params)
+        if path == "/metrics":
+            data = payload
+            return "200 OK", [("Content-Type", CONTENT_TYPE_LATEST),
+                              ("Content-Length", str(len(data)))], data
+        return _json_body(status, payload)
+
+    def _params(self, query: str) -> dict[str, str]:
+        try:
+            pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=False,
+                              max_num_fields=MAX_PARAMS)
+        except ValueError:
+            raise ApiError(400, "too_many_parameters",
+                           f"more than {MAX_PARAMS} query parameters") from None
+        params: dict[str, str] = {}
+        for k, v in pairs:
+            if k in params:
+                raise ApiError(400, "bad_parameter", f"parameter {k!r} is given twice")
+            params[k] = v
+        return params
+
+    @staticmethod
+    def _only(params: Mapping[str, str], allowed: Iterable[str]) -> None:
+        allowed = tuple(allowed)
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            raise ApiError(400, "unknown_parameter",
+                           f"unknown parameter(s) {', '.join(unknown)}; accepted: "
+                           f"{', '.join(allowed) or 'none'}")
+
+    # -- handlers -----------------------------------------------------------------------
+    def _metrics(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ())
+        # Rendered at most once per snapshot and second: a snapshot never changes, and the
+        # only time-derived series (snapshot age, watcher gap) move in whole seconds anyway.
+        key = (self.scheduler.snapshot().seq, int(self.scheduler.clock.time()))
+        cached = self._metrics_cache
+        if cached is not None and cached[0] == key:
+            return 200, cached[1]
+        text = generate_latest(self.registry)
+        self._metrics_cache = (key, text)
+        return 200, text
+
+    def _preflight(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, PREFLIGHT_PARAMS)
+        cfg = self.scheduler.config
+        min_devices = _int(params, "min_devices", 0, 64)
+        try:
+            requirement = parse_requirement(
+                params.get("require", cfg.default_requirement),
+                devices=params.get("devices"), min_devices=min_devices,
+                min_free_memory=params.get("min_free_memory"))
+        except RequirementError as e:
+            raise ApiError(400, "bad_requirement", str(e)) from e
+        max_age = _seconds(params, "max_age_s", 86400.0)
+        wait = _seconds(params, "wait_s", cfg.preflight_wait_s)
+        wait = cfg.preflight_wait_s if wait is None else wait
+        visibility = None
+        if _flag(params, "visibility"):
+            visibility = (params.get("cuda_visible_devices"),
+                          params.get("nvidia_visible_devices"))
+        keys = keys_for(requirement)
+        _check_http_keys(keys)
+        results = self.scheduler.snapshot().results
+        now_wall = self.scheduler.clock.time()
+        # A run this request would start (result missing, or older than max_age_s) is
+        # on-demand work: rate-limited per backend.
+        try:
+            self._limit([k for k in keys if k not in results or (
+                max_age is not None and now_wall - results[k].started_wall > max_age)],
+                "max_age_s" if max_age is not None else "GET /v1/preflight")
+        except ApiError:
+            if any(k not in results for k in keys):
+                raise
+            # Past the budget with results at hand: the snapshot's verdict, marked
+            # "fresh": false with its age_s, as when the probes outrun wait_s.
+            fresh = False
+        else:
+            fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
+        snap = self.scheduler.snapshot()
+        now = self.scheduler.clock.time()
+        cache_key = (snap.seq, requirement, visibility)
+        verdict = self._cache.get(cache_key)
+        if verdict is None:
+            verdict = verdict_for(snap, requirement, now_wall=now,
+                                  policy=self.scheduler.policy, keys=keys,
+                                  visibility=visibility)
+            if verdict is not None:
+                if len(self._cache) >= 256:
+                    self._cache.clear()
+                self._cache[cache_key] = verdict
+        if verdict is not None:
+            # Classified once per snapshot; only the age moves on between requests.
+            oldest = min(snap.results[k].started_wall for k in keys)
+            verdict = verdict.with_source("daemon", max(0.0, now - oldest))
+        if verdict is None:
+            missing = [k.backend for k in keys if k not in snap.results]
+            raise ApiError(503, "not_ready",
+                           f"no result yet for {', '.join(missing)}; probes still running "
+                           f"after {wait:g} s (retry, or raise wait_s)")
+        record = verdict.record()
+        record["fresh"] = fresh
+        return 200, record
+
+    def _probe(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ("backend",))
+        enabled = self.scheduler.config.enabled_backends
+        text = params.get("backend")
+        names = [n.strip().lower() for n in text.split(",")] if text else list(enabled)
+        bad = [n for n in names if n not in SCHEDULED_OPTIONS]
+        if not names or bad:
+            raise ApiError(400, "bad_backend", f"backend={text!r}: unknown {', '.join(bad)}; "
+                           f"accepted: a comma list of {', '.join(SCHEDULED_OPTIONS)}")
+        keys = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in dict.fromkeys(names)]
+        self._limit(keys, "POST /v1/probe")
+        self.scheduler.trigger(keys)
+        return 202, {"accepted": [k.backend for k in keys],
+                     "status": "running; GET /v1/preflight or /metrics for the result"}
+
+    def _limit(self, keys: Iterable[ProbeKey], what: str) -> None:
+        """429 when the keys that would start a run have used up their on-demand budget."""
+        starting = [k.backend for k in keys if not self.scheduler.running(k)]
+        if not starting:
+            return
+        retry = self._buckets.take(starting)
+        if retry > 0:
+            lim = self.probe_limit
+            raise ApiError(429, "rate_limited",
+                           f"{what}: on-demand runs of {', '.join(starting)} are limited to "
+                           f"{lim.burst} at once and then one per {lim.refill_s:g} s per "
+                           f"backend; retry in {retry:.1f} s (the scheduled results stay "
+                           "available without max_age_s)", retry_after_s=retry)
+
+    def _history(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ("limit", "blocked", "since_s"))
+        limit = _int(params, "limit", 1, HISTORY_MAX_LIMIT) or 50
+        blocked = _flag(params, "blocked")
+        since_s = _seconds(params, "since_s", 3650 * 86400.0)
+        if self.store is None:
+            raise ApiError(503, "no_history", "this daemon keeps no history (no --state-dir)")
+        since = None if since_s is None else self.scheduler.clock.time() - since_s
+        try:
+            entries = self.store.verdicts(since=since, blocked=blocked, limit=limit)
+            episodes = self.store.episodes(since=since, limit=limit)
+        except HistoryError as e:
+            raise ApiError(503, "history_unavailable", str(e)) from e
+        return 200, {"verdicts": [e.record() for e in entries],
+                     "episodes": [e.record() for e in episodes]}
+
+    def _healthz(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ())
+        if not self.scheduler.alive():
+            raise ApiError(503, "loop_stalled", "the scheduler loop has not run recently")
+        return 200, {"status": "ok"}
+
+    def _readyz(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        self._only(params, ())
+        snap = self.scheduler.snapshot()
+        if not snap.round_complete:
+            pending = [k.backend for k in snap.scheduled if k not in snap.results]
+            raise ApiError(503, "first_round_pending",
+                           f"waiting for the first run of {', '.join(pending)}")
+        return 200, {"status": "ready", "seq": snap.seq}
+
+
+def serve(app: DaemonApp, host: str, port: int, **options: Any
+          ) -> tuple[HttpServer, threading.Thread]:
+    """Bind ``host:port`` and serve in a background thread; returns the server and thread.
+
+    The transport (gpudiag.daemon.httpserver) reads request heads on one selector thread and runs
+    complete requests on bounded worker pools: slow or abusive clients cannot exhaust threads.
+    """
+    return start_http(app, host, port, **options)

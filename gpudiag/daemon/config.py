@@ -1,0 +1,262 @@
+"""The daemon's configuration: a TOML file, every key validated with a clear error.
+
+Unknown keys are errors (a typo must not silently fall back to a default). Durations are
+seconds and may be fractions so that tests can run the scheduler quickly.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
+
+DEFAULT_HOST = "127.0.0.1"
+# Unassigned in Prometheus's default-port registry (9400 is dcgm-exporter, 9835 nvidia_gpu).
+SCHEDULED_BACKENDS = ("host", "nvml", "cuda", "jax", "iree")
+DEFAULT_INTERVALS_S = {"host": 60.0, "nvml": 15.0, "cuda": 60.0, "jax": 300.0, "iree": 300.0}
+DEFAULT_DEADLINES_S = {"host": 10.0, "nvml": 10.0, "cuda": 15.0, "jax": 60.0, "iree": 90.0}
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration file or value that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How one backend is scheduled."""
+
+    enabled: bool
+    interval_s: float
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class XidConfig:
+    """The supervised NVML event watcher."""
+
+    enabled: bool = True
+    hold_s: float = 3600.0
+    gap_warning_s: float = 60.0
+    heartbeat_s: float = 1.0
+    telemetry_s: float = 5.0
+    restart_backoff_max_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class HistoryConfig:
+    """Retention of the SQLite history."""
+
+    retention_s: float = 30 * 86400.0
+    max_bytes: int = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``gpudiag serve`` can be told."""
+
+    listen_host: str = DEFAULT_HOST
+    listen_port: int = DEFAULT_PORT
+    default_requirement: str = "cuda"
+    preflight_wait_s: float = 20.0
+    jitter_ratio: float = 0.1
+    backoff_max_s: float = 600.0
+    tick_s: float = 0.5
+    backends: Mapping[str, BackendConfig] = field(default_factory=lambda: {
+        name: BackendConfig(True, DEFAULT_INTERVALS_S[name], DEFAULT_DEADLINES_S[name])
+        for name in SCHEDULED_BACKENDS})
+    xid: XidConfig = field(default_factory=XidConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+    log_format: str = "text"
+    log_level: str = "info"
+
+    @property
+    def enabled_backends(self) -> tuple[str, ...]:
+        return tuple(n for n in SCHEDULED_BACKENDS if self.backends[n].enabled)
+
+    def with_listen(self, text: str) -> DaemonConfig:
+        """A copy listening on ``HOST:PORT`` (the --listen flag wins over the file)."""
+        host, port = parse_listen(text, "--listen")
+        return replace(self, listen_host=host, listen_port=port)
+
+
+def parse_listen(text: str, key: str = "listen") -> tuple[str, int]:
+    """``127.0.0.1:9477``, ``[::1]:9477`` or ``:9477`` -> (host, port)."""
+    forms = "accepted: HOST:PORT, e.g. 127.0.0.1:9477 or [::1]:9477 (port 0 picks a free one)"
+    if not isinstance(text, str) or ":" not in text:
+        raise ConfigError(f"{key} {text!r} is not HOST:PORT; {forms}")
+    host, _, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    host = host or DEFAULT_HOST
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"{key} {text!r}: port {port_text!r} is not 0-65535; {forms}")
+    return host, int(port_text)
+
+
+class _Table:
+    """One TOML table being read: typed getters that remember which keys were used."""
+
+    def __init__(self, raw: Mapping[str, Any], where: str) -> None:
+        self.raw, self.where, self.used = raw, where, set[str]()
+
+    def _key(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def get(self, key: str) -> Any:
+        self.used.add(key)
+        return self.raw.get(key)
+
+    def seconds(self, key: str, default: float, *, minimum: float = 0.01,
+                maximum: float = 366 * 86400.0) -> float:
+        value = self.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+                value) or not minimum <= value <= maximum:
+            raise ConfigError(f"{self._key(key)} = {value!r}: expected a number of seconds from "
+                              f"{minimum:g} to {maximum:g}")
+        return float(value)
+
+    def ratio(self, key: str, default: float) -> float:
+        value = self.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.5:
+            raise ConfigError(f"{self._key(key)} = {value!r}: expected a number from 0 to 0.5")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self._key(key)} = {value!r}: expected true or false")
+        return value
+
+    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str) or value.lower() not in choices:
+            raise ConfigError(f"{self._key(key)} = {value!r}: expected one of "
+                              f"{', '.join(choices)}")
+        return value.lower()
+
+    def table(self, key: str) -> _Table:
+        value = self.get(key)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self._key(key)} must be a table ([{self._key(key)}])")
+        return _Table(value, self._key(key))
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.raw) - self.used)
+        if unknown:
+            allowed = ", ".join(sorted(self.used))
+            raise ConfigError(f"unknown key(s) {', '.join(self._key(k) for k in unknown)}; "
+                              f"accepted here: {allowed}")
+
+
+def _size(t: _Table, key: str, default: int) -> int:
+    value = t.get(key)
+    if value is None:
+        return default
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 4096:
+        return value
+    if isinstance(value, str):
+        try:
+            size = parse_size(value)
+        except RequirementError as e:
+            raise ConfigError(f"{t._key(key)}: {e}") from e
+        if size >= 4096:
+            return size
+    raise ConfigError(f"{t._key(key)} = {value!r}: expected bytes (at least 4096) or a size "
+                      "such as \"64MiB\"")
+
+
+def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
+    """Validate a parsed TOML document into a DaemonConfig."""
+    top = _Table(raw, "")
+    base = DaemonConfig()
+    listen = top.get("listen")
+    host, port = (base.listen_host, base.listen_port) if listen is None else parse_listen(listen)
+    requirement = top.get("default_requirement")
+    if requirement is None:
+        requirement = base.default_requirement
+    try:
+        if not isinstance(requirement, str):
+            raise RequirementError(f"{requirement!r} is not a string")
+        parse_backends(requirement)
+    except RequirementError as e:
+        raise ConfigError(f"default_requirement: {e}") from e
+    sched = top.table("scheduler")
+    backends_t = top.table("backends")
+    backends: dict[str, BackendConfig] = {}
+    for name in SCHEDULED_BACKENDS:
+        b = backends_t.table(name)
+        backends[name] = BackendConfig(
+            enabled=b.flag("enabled", True),
+            interval_s=b.seconds("interval_s", DEFAULT_INTERVALS_S[name]),
+            deadline_s=b.seconds("deadline_s", DEFAULT_DEADLINES_S[name], maximum=3600.0))
+        b.finish()
+    backends_t.finish()
+    x = top.table("xid")
+    d = XidConfig()
+    xid = XidConfig(enabled=x.flag("enabled", d.enabled), hold_s=x.seconds("hold_s", d.hold_s),
+                    gap_warning_s=x.seconds("gap_warning_s", d.gap_warning_s),
+                    heartbeat_s=x.seconds("heartbeat_s", d.heartbeat_s, maximum=60.0),
+                    telemetry_s=x.seconds("telemetry_s", d.telemetry_s, maximum=3600.0),
+                    restart_backoff_max_s=x.seconds("restart_backoff_max_s",
+                                                    d.restart_backoff_max_s, maximum=3600.0))
+    x.finish()
+    h = top.table("history")
+    hd = HistoryConfig()
+    history = HistoryConfig(retention_s=h.seconds("retention_s", hd.retention_s, minimum=1.0,
+                                                  maximum=3650 * 86400.0),
+                            max_bytes=_size(h, "max_bytes", hd.max_bytes))
+    h.finish()
+    log = top.table("log")
+    log_format = log.choice("format", base.log_format, LOG_FORMATS)
+    log_level = log.choice("level", base.log_level, LOG_LEVELS)
+    log.finish()
+    cfg = DaemonConfig(
+        listen_host=host, listen_port=port, default_requirement=requirement,
+        preflight_wait_s=top.seconds("preflight_wait_s", base.preflight_wait_s, maximum=600.0),
+        jitter_ratio=sched.ratio("jitter_ratio", base.jitter_ratio),
+        backoff_max_s=sched.seconds("backoff_max_s", base.backoff_max_s, maximum=86400.0),
+        tick_s=sched.seconds("tick_s", base.tick_s, maximum=5.0),
+        backends=backends, xid=xid, history=history, log_format=log_format,
+        log_level=log_level)
+    sched.finish()
+    top.finish()
+    return cfg
+
+
+def load_config(path: str | Path | None) -> DaemonConfig:
+    """Read and validate a TOML config file; ``None`` gives the defaults."""
+    if path is None:
+        return DaemonConfig()
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from e
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {path} is not valid TOML: {e}") from e
+    try:
+        return from_mapping(raw)
+    except ConfigError as e:
+        raise ConfigError(f"config {path}: {e}") from e

@@ -1,0 +1,220 @@
+"""A prometheus_client Collector that renders the latest snapshot; it never runs probes.
+
+Every scrape builds its metric families fresh from one immutable Snapshot, so no label set
+goes stale and nothing is removed by hand. Every known blocker code is present as 0 or 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from gpudiag.core.catalog import BLOCKERS, WARNINGS, CatalogEntry
+from gpudiag.core.verdict import Finding
+from gpudiag.core.version import __version__
+from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
+
+
+def _gpu_labels(d: Mapping[str, Any]) -> list[str]:
+    return [str(d.get("index")), str(d.get("uuid") or "")]
+
+
+class SnapshotCollector(Collector):
+    """Collects from ``snapshot()`` at scrape time (the seam: any callable returning one)."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot],
+                 wall: Callable[[], float] = time.time) -> None:
+        self._snapshot = snapshot
+        self._wall = wall
+
+    def describe(self) -> list[Metric]:
+        # Nothing to describe up front: registration must not call collect().
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        now = self._wall()
+        yield from self._verdict(snap)
+        yield from self._probes(snap)
+        yield from self._gpus(snap)
+        yield from self._xids(snap, now)
+
+    def _verdict(self, snap: Snapshot) -> Iterator[Metric]:
+        ready = GaugeMetricFamily(
+            "gpudiag_ready", "1 when the daemon's default requirement is met, else 0.")
+        ready.add_metric([], 1.0 if snap.ready is not None and snap.ready.ready else 0.0)
+        yield ready
+        full = snap.full
+        yield _codes("gpudiag_blocker", "blocker", BLOCKERS,
+                     full.blockers if full is not None else ())
+        yield _codes("gpudiag_warning", "warning", WARNINGS,
+                     full.warnings if full is not None else ())
+        up = GaugeMetricFamily("gpudiag_backend_up",
+                               "1 when the backend initialized without a blocker, else 0.",
+                               labels=["backend"])
+        statuses = snap.full.backends if snap.full is not None else {}
+        for key in _first_per_backend(snap):
+            status = statuses.get(key.backend)
+            up.add_metric([key.backend], 1.0 if status is not None and status.status == "ok"
+                          else 0.0)
+        yield up
+        versions: dict[str, str] = {"version": __version__}
+        nvml = snap.result("nvml")
+        obs = (nvml.run.observation or {}) if nvml is not None else {}
+        versions["driver_version"] = str(obs.get("driver_version") or "")
+        versions["cuda_driver_version"] = str(obs.get("cuda_driver_version") or "")
+        # label <- the first version key the backend reports (IREE names its package).
+        for backend, label, keys in (("jax", "jax", ("jax",)), ("jax", "jaxlib", ("jaxlib",)),
+                                     ("iree", "iree", ("iree-base-runtime", "iree"))):
+            status = statuses.get(backend)
+            found = [status.versions.get(k) for k in keys] if status is not None else []
+            versions[f"{label}_version"] = str(next((v for v in found if v), ""))
+        info = InfoMetricFamily("gpudiag_build", "gpudiag, driver and library versions.",
+                                labels=list(versions))
+        info.add_metric(list(versions.values()), {})
+        yield info
+
+    def _probes(self, snap: Snapshot) -> Iterator[Metric]:
+        duration = GaugeMetricFamily("gpudiag_probe_duration_seconds",
+                                     "Wall time of the latest probe child.", labels=["backend"])
+        runs = CounterMetricFamily("gpudiag_probe_runs", "Probe children run, by outcome.",
+                                   labels=["backend", "outcome"])
+        success = GaugeMetricFamily("gpudiag_probe_last_success_timestamp_seconds",
+                                    "When the backend's probe last found it healthy.",
+                                    labels=["backend"])
+        init = GaugeMetricFamily("gpudiag_backend_init_seconds",
+                                 "Time the backend's own initialization took in the probe.",
+                                 labels=["backend"])
+        for key in _first_per_backend(snap):
+            stats = snap.stats.get(key)
+            for outcome in OUTCOMES:
+                n = stats.runs_by_outcome.get(outcome, 0) if stats is not None else 0
+                runs.add_metric([key.backend, outcome], float(n))
+            if stats is None:
+                continue
+            if stats.last_duration_s is not None:
+                duration.add_metric([key.backend], stats.last_duration_s)
+            if stats.last_success_wall is not None:
+                success.add_metric([key.backend], stats.last_success_wall)
+            result = snap.results.get(key)
+            obs = (result.run.observation or {}) if result is not None else {}
+            seconds = obs.get("init_duration_s", obs.get("init_s"))
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                init.add_metric([key.backend], float(seconds))
+        yield from (duration, runs, success, init)
+
+    def _gpus(self, snap: Snapshot) -> Iterator[Metric]:
+        nvml = snap.result("nvml")
+        obs = (nvml.run.observation or {}) if nvml is not None else {}
+        devices = [d for d in (obs.get("devices") or []) if isinstance(d, dict)]
+        tele = snap.watcher.telemetry
+        fresh = (snap.watcher.telemetry_wall is not None and nvml is not None
+                 and snap.watcher.telemetry_wall > nvml.finished_wall)
+        gl = ["gpu", "uuid"]
+        info = GaugeMetricFamily("gpudiag_gpu_info", "One series per GPU NVML reports.",
+                                 labels=["gpu", "uuid", "name", "pci_bus_id"])
+        mem = {k: GaugeMetricFamily(f"gpudiag_gpu_memory_{k}_bytes", f"GPU memory {k}.",
+                                    labels=gl) for k in ("total", "used", "free")}
+        util = GaugeMetricFamily("gpudiag_gpu_utilization_ratio",
+                                 "GPU busy fraction over NVML's sample period.", labels=gl)
+        temp = GaugeMetricFamily("gpudiag_gpu_temperature_celsius", "GPU core temperature.",
+                                 labels=gl)
+        power = GaugeMetricFamily("gpudiag_gpu_power_watts", "GPU board power draw.",
+                                  labels=gl)
+        ecc = CounterMetricFamily("gpudiag_gpu_ecc_errors", "Aggregate ECC errors by type.",
+                                  labels=[*gl, "type"])
+        rows = GaugeMetricFamily("gpudiag_gpu_remapped_rows",
+                                 "Remapped rows by state (pending/failure are 0 or 1).",
+                                 labels=[*gl, "state"])
+        for d in devices:
+            labels = _gpu_labels(d)
+            info.add_metric([*labels, str(d.get("name") or ""), str(d.get("pci_bus_id") or "")],
+                            1.0)
+            if not d.get("ok"):
+                continue
+            live = tele.get(int(d["index"])) if fresh and isinstance(d.get("index"), int) else None
+            m = d.get("memory") or {}
+            values = {"total": m.get("total_bytes"), "used": m.get("used_bytes"),
+                      "free": m.get("free_bytes"),
+                      "util": d.get("utilization_gpu_ratio"), "temp": d.get("temperature_c"),
+                      "power": d.get("power_w")}
+            if live:
+                values.update({k: live.get(src, values[k]) for k, src in (
+                    ("total", "memory_total_bytes"), ("used", "memory_used_bytes"),
+                    ("free", "memory_free_bytes"), ("util", "utilization_gpu_ratio"),
+                    ("temp", "temperature_c"), ("power", "power_w"))})
+            for k in ("total", "used", "free"):
+                _add(mem[k], labels, values[k])
+            _add(util, labels, values["util"])
+            _add(temp, labels, values["temp"])
+            _add(power, labels, values["power"])
+            e = d.get("ecc") or {}
+            for kind in ("corrected", "uncorrected"):
+                _add(ecc, [*labels, kind], e.get(f"aggregate_{kind}"))
+            r = d.get("remapped_rows") or {}
+            for state in ("correctable", "uncorrectable", "pending", "failure"):
+                if state in r:
+                    _add(rows, [*labels, state], float(r[state]))
+        yield from (info, *mem.values(), util, temp, power, ecc, rows)
+
+    def _xids(self, snap: Snapshot, now: float) -> Iterator[Metric]:
+        w = snap.watcher
+        labels = ["gpu", "uuid", "xid"]
+        total = CounterMetricFamily("gpudiag_gpu_xid_errors", "XID events seen by the watcher.",
+                                    labels=labels)
+        last = GaugeMetricFamily("gpudiag_gpu_xid_last_timestamp_seconds",
+                                 "When the watcher last saw this XID.", labels=labels)
+        for c in w.xid_counts:
+            lv = ["" if c.gpu is None else str(c.gpu), c.uuid or "", str(c.xid)]
+            total.add_metric(lv, float(c.count))
+            last.add_metric(lv, c.last_timestamp)
+        yield from (total, last)
+        up = GaugeMetricFamily("gpudiag_xid_watcher_up",
+                               "1 while the XID watcher child runs and answers.")
+        up.add_metric([], 1.0 if w.running else 0.0)
+        restarts = CounterMetricFamily("gpudiag_xid_watcher_restarts",
+                                       "Times the XID watcher child was restarted.")
+        restarts.add_metric([], float(w.restarts))
+        gap = CounterMetricFamily("gpudiag_xid_watcher_gap_seconds",
+                                  "Seconds during which no XID watcher was running.")
+        gap.add_metric([], w.gap_total_s(now) if w.enabled else 0.0)
+        age = GaugeMetricFamily("gpudiag_snapshot_age_seconds",
+                                "Seconds since the daemon last published a snapshot.")
+        age.add_metric([], max(0.0, now - snap.published_wall))
+        yield from (up, restarts, gap, age)
+
+
+def _codes(name: str, kind: str, table: Mapping[str, CatalogEntry],
+           found: Iterable[Finding]) -> GaugeMetricFamily:
+    """Every code of ``table`` as 0 or 1 (1 when in ``found``), so alerts need no absent()."""
+    present = {f.code for f in found}
+    family = GaugeMetricFamily(
+        name, f"1 when this {kind} code is present on the host, else 0.",
+        labels=["code", "layer"])
+    for code, row in table.items():
+        family.add_metric([code, row.layer], 1.0 if code in present else 0.0)
+    return family
+
+
+def _first_per_backend(snap: Snapshot) -> list[ProbeKey]:
+    """One scheduled key per backend (a jax:cpu default requirement adds a second jax)."""
+    seen: dict[str, ProbeKey] = {}
+    for key in snap.scheduled:
+        seen.setdefault(key.backend, key)
+    return list(seen.values())
+
+
+def _add(family: GaugeMetricFamily | CounterMetricFamily, labels: list[str],
+         value: Any) -> None:
+    """Add a sample only for a real number: a missing reading is an absent series, not NaN."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        family.add_metric(labels, float(value))

@@ -1,0 +1,630 @@
+"""A small HTTP/1.1 server for a WSGI app that stays up under abusive clients.
+
+One selector thread accepts connections and collects request heads without a thread per
+connection, so slow clients that trickle bytes, idle connections and floods of connections cost
+a file descriptor and a bounded buffer each, never a thread. Only a complete request goes to a
+bounded worker pool (one pool for the endpoints that may wait for probes, one for the rest, so a
+waiting preflight never holds up /metrics). Every limit answers with the JSON error envelope or
+closes the connection; abuse is logged once per kind and then summarised at most once a minute.
+One request per connection (``Connection: close``): scrapers and the client reconnect anyway.
+"""
+
+from __future__ import annotations
+
+import io
+import ipaddress
+import json
+import logging
+import queue
+import re
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("gpudiag.daemon.app")
+
+MAX_HEAD_BYTES = 16384      # request line and headers together
+MAX_HEADERS = 64
+MAX_BODY_BYTES = 4096       # read and discarded; the API takes parameters in the query
+HEAD_TIMEOUT_S = 10.0       # the whole head (and body) must arrive within this
+WRITE_TIMEOUT_S = 30.0      # the whole response must be taken within this
+MAX_PENDING = 512           # connections still sending their head; past it the oldest goes
+# Client connections open at once, in every state. Under systemd's default soft limit of 1024
+# file descriptors, with room for the daemon's own (SQLite, probe pipes, the watcher).
+MAX_CONNECTIONS = 768
+ACCEPT_PAUSE_S = 0.1        # after EMFILE: stop accepting briefly instead of spinning
+WORKERS = 8                 # threads per pool
+MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
+SUMMARY_INTERVAL_S = 60.0
+SLOW_PATHS = frozenset({"/v1/preflight"})
+
+_METHOD_RE = re.compile(rb"^[A-Z]{1,16}$")
+_TOKEN_RE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
+_VERSION_RE = re.compile(rb"^HTTP/1\.[01]$")
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+# What each rejection means, for the log line the first time it happens.
+ABUSE_KINDS: dict[str, str] = {
+    "slow_client": "a client sent no complete request within the head timeout",
+    "head_too_large": "a request line or headers over the size limit",
+    "malformed": "a malformed request line, header or body framing",
+    "connection_cap": "more connections sending heads than the cap; the oldest was dropped",
+    "busy": "every worker busy and the queue full; answered 503",
+    "client_gone": "a client disconnected before taking the whole response",
+    "cross_site": "a browser request from another site (Origin on a POST, or a Host that is "
+                  "not loopback: DNS rebinding); answered 403",
+}
+
+
+class AbuseLog:
+    """Counts rejected or broken requests; logs each kind once, then a summary per interval."""
+
+    def __init__(self, interval_s: float = SUMMARY_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 logger: logging.Logger = log) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._log = logger
+        self._lock = threading.Lock()
+        self.totals: dict[str, int] = dict.fromkeys(ABUSE_KINDS, 0)
+        self._since: dict[str, int] = {}
+        self._seen: set[str] = set()
+        self._last_summary = clock()
+
+    def note(self, kind: str, peer: str) -> None:
+        """Count one occurrence; the first of its kind is logged at once."""
+        with self._lock:
+            self.totals[kind] = self.totals.get(kind, 0) + 1
+            first = kind not in self._seen
+            if first:
+                self._seen.add(kind)
+            else:
+                self._since[kind] = self._since.get(kind, 0) + 1
+        if first:
+            self._log.warning("http: %s (from %s); further ones are counted in "
+                              "gpudiag_http_rejected_total and summarised at most every %g s",
+                              ABUSE_KINDS.get(kind, kind), peer, self.interval_s,
+                              extra={"abuse": kind, "peer": peer})
+
+    def flush(self) -> None:
+        """Log the counts since the last summary, at most once per interval."""
+        now = self._clock()
+        with self._lock:
+            if not self._since or now - self._last_summary < self.interval_s:
+                return
+            counts, self._since = self._since, {}
+            self._last_summary = now
+        self._log.warning("http: rejected or broken requests in the last %.0f s: %s",
+                          self.interval_s,
+                          ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+                          extra={"abuse_counts": counts})
+
+
+class AbuseCollector(Collector):
+    """``gpudiag_http_rejected_total{reason}``, read from the AbuseLog on each scrape."""
+
+    def __init__(self, abuse: AbuseLog) -> None:
+        self.abuse = abuse
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("gpudiag_http_rejected",
+                                     "HTTP requests rejected or broken off, by reason",
+                                     labels=["reason"])
+        for kind, n in sorted(self.abuse.totals.items()):
+            family.add_metric([kind], float(n))
+        yield family
+
+
+@dataclass(frozen=True)
+class Request:
+    """A complete request head (and its small body) ready for the app."""
+
+    method: str
+    target: str
+    version: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+class BadRequest(Exception):
+    """A request we answer with an error envelope straight from the selector thread."""
+
+    def __init__(self, status: int, code: str, message: str, kind: str = "malformed") -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.kind = status, code, message, kind
+
+
+def parse_head(head: bytes) -> tuple[str, str, str, tuple[tuple[str, str], ...]]:
+    """Request line and headers -> (method, target, version, headers); BadRequest if not HTTP."""
+    lines = head.replace(b"\r\n", b"\n").split(b"\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3:
+        raise BadRequest(400, "bad_request_line",
+                         f"request line {lines[0][:80]!r} is not 'METHOD /path HTTP/1.1'")
+    method, target, version = parts
+    if not _METHOD_RE.match(method):
+        raise BadRequest(400, "bad_method", f"method {method[:40]!r} is not an HTTP method")
+    if not target.startswith(b"/") or any(c < 0x21 or c == 0x7F for c in target):
+        raise BadRequest(400, "bad_request_target",
+                         f"request target {target[:80]!r} is not an origin-form path")
+    if not _VERSION_RE.match(version):
+        raise BadRequest(400, "bad_http_version",
+                         f"version {version[:20]!r}: accepted HTTP/1.0 and HTTP/1.1")
+    headers: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        if len(headers) >= MAX_HEADERS:
+            raise BadRequest(431, "too_many_headers", f"more than {MAX_HEADERS} headers",
+                             kind="head_too_large")
+        name, sep, value = line.partition(b":")
+        if not sep or not _TOKEN_RE.match(name):
+            raise BadRequest(400, "bad_header", f"header line {line[:80]!r} is not 'Name: value'")
+        headers.append((name.decode("ascii").lower(), value.strip().decode("latin-1")))
+    return method.decode("ascii"), target.decode("latin-1"), version.decode("ascii"), tuple(
+        headers)
+
+
+def body_length(headers: Iterable[tuple[str, str]]) -> int:
+    """The Content-Length to read (0 when absent); BadRequest for framing we do not take."""
+    lengths = {v for k, v in headers if k == "content-length"}
+    if any(k == "transfer-encoding" for k, _ in headers):
+        raise BadRequest(400, "bad_body", "Transfer-Encoding bodies are not accepted; "
+                         "parameters go in the query string")
+    if not lengths:
+        return 0
+    if len(lengths) > 1 or not next(iter(lengths)).isdigit():
+        raise BadRequest(400, "bad_body", f"Content-Length {sorted(lengths)!r} is not one number")
+    return int(next(iter(lengths)))
+
+
+def _too_large(buf: bytes) -> None:
+    """Raise 414 when the request line alone is over the limit, else 431."""
+    line_end = buf.find(b"\n")
+    if line_end < 0 or line_end > MAX_HEAD_BYTES:
+        raise BadRequest(414, "uri_too_long", f"the request line is over {MAX_HEAD_BYTES} "
+                         "bytes", kind="head_too_large")
+    raise BadRequest(431, "headers_too_large", f"the request head is over {MAX_HEAD_BYTES} "
+                     "bytes", kind="head_too_large")
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cross_site(request: Request, loopback: bool) -> str | None:
+    """Why a browser-borne request is refused (CSRF, DNS rebinding), or None.
+
+    Programs (Prometheus, curl, the gpudiag client) send no Origin and name the address they
+    dialled in Host; a web page can only make a browser send a POST with its Origin, or, after
+    DNS rebinding, a request whose Host is the page's own domain name.
+    """
+    headers = dict(request.headers)
+    origin = headers.get("origin")
+    if origin is not None and request.method not in ("GET", "HEAD"):
+        return (f"{request.method} with Origin {origin[:100]!r}: web pages may not drive the "
+                "daemon; call it from a program (no Origin header)")
+    host = headers.get("host")
+    if loopback and host is not None:
+        name = host.strip()
+        if name.startswith("["):
+            name = name[1:].partition("]")[0]
+        elif name.count(":") == 1:
+            name = name.partition(":")[0]
+        if name.lower() not in ("localhost", "localhost."):
+            try:
+                ipaddress.ip_address(name)
+            except ValueError:
+                return (f"Host {host[:100]!r}: a daemon on loopback answers only to an IP "
+                        "address or localhost (DNS rebinding defence)")
+    return None
+
+
+def error_response(status: int, code: str, message: str) -> bytes:
+    """A complete HTTP response carrying the JSON error envelope."""
+    body = (json.dumps({"error": {"code": code, "message": message}}) + "\n").encode()
+    reason = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout",
+              414: "URI Too Long",
+              431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "")
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n")
+    if status == 503:
+        head += "Retry-After: 1\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    peer: str
+    deadline: float
+    buf: bytearray = field(default_factory=bytearray)
+    out: memoryview | None = None
+
+
+class _Pool:
+    """A worker pool with a bounded number of requests running or queued."""
+
+    def __init__(self, name: str, workers: int, queued: int) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._slots = threading.BoundedSemaphore(workers + queued)
+
+    def submit(self, fn: Callable[[], None]) -> bool:
+        if not self._slots.acquire(blocking=False):
+            return False
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                self._slots.release()
+
+        try:
+            self._executor.submit(run)
+        except RuntimeError:  # shut down
+            self._slots.release()
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class HttpServer:
+    """Serves a WSGI app on one address; ``serve_forever`` in a thread, ``shutdown`` to stop.
+
+    Workers only run the app; reading heads and writing responses happen on the selector
+    thread without blocking, so a client that never reads cannot hold a worker either.
+    """
+
+    def __init__(self, app: WsgiApp, host: str, port: int, *,
+                 head_timeout_s: float = HEAD_TIMEOUT_S,
+                 write_timeout_s: float = WRITE_TIMEOUT_S, max_pending: int = MAX_PENDING,
+                 workers: int = WORKERS, max_queued: int = MAX_QUEUED,
+                 max_connections: int = MAX_CONNECTIONS,
+                 abuse: AbuseLog | None = None) -> None:
+        self.app = app
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self._accept_resume: float | None = None
+        self.head_timeout_s = head_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self.max_pending = max_pending
+        self.abuse = abuse or AbuseLog()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listen = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listen.bind((host, port))
+            self._listen.listen(1024)
+            self._listen.setblocking(False)
+        except OSError:
+            self._listen.close()
+            raise
+        self.server_address: tuple[Any, ...] = self._listen.getsockname()
+        self.loopback = _is_loopback(host)
+        self._pending: dict[int, _Conn] = {}   # reading a head, oldest first
+        self._writing: dict[int, _Conn] = {}   # writing a response, oldest first
+        self._outbox: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._fast = _Pool("http", workers, max_queued)
+        self._slow = _Pool("http-wait", workers, max_queued)
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._sel = selectors.DefaultSelector()
+
+    @property
+    def pending(self) -> int:
+        """Connections still sending their request head."""
+        return len(self._pending)
+
+    @property
+    def writing(self) -> int:
+        """Connections whose response is still being written."""
+        return len(self._writing)
+
+    def serve_forever(self, poll_interval: float = 0.2) -> None:
+        """Accept, read heads, dispatch and write responses until ``shutdown``."""
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(timeout=poll_interval):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data is self._wake_r:
+                        self._drain_outbox()
+                    elif key.data.out is not None:
+                        self._write(key.data)
+                    else:
+                        self._read(key.data)
+                self._expire()
+                self.abuse.flush()
+                if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
+                    self._accept_resume = None
+                    self._sel.register(self._listen, selectors.EVENT_READ, None)
+        finally:
+            for conn in [*self._pending.values(), *self._writing.values()]:
+                self._drop(conn)
+            self._sel.close()
+            self._stopped.set()
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop serving; requests still running in workers are dropped."""
+        self._stop.set()
+        self._wake()
+        self._stopped.wait(timeout_s)
+        self._listen.close()
+        self._fast.shutdown()
+        self._slow.shutdown()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def server_close(self) -> None:
+        self._listen.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # full (the loop will wake anyway) or closed
+            pass
+
+    # -- selector thread -----------------------------------------------------------------
+    def _accept(self) -> None:
+        for _ in range(256):
+            try:
+                sock, addr = self._listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                # EMFILE and friends: the listener stays readable, so pause instead of spinning.
+                log.debug("accept failed: %s", e)
+                self._sel.unregister(self._listen)
+                self._accept_resume = time.monotonic() + ACCEPT_PAUSE_S
+                return
+            sock.setblocking(False)
+            peer = str(addr[0]) if isinstance(addr, tuple) else str(addr)
+            if self.open_connections >= self.max_connections:
+                if not self._pending:  # everyone has sent a request: the newcomer waits
+                    self.abuse.note("connection_cap", peer)
+                    sock.close()
+                    continue
+                oldest = next(iter(self._pending.values()))
+                self.abuse.note("connection_cap", oldest.peer)
+                self._drop(oldest)
+            elif len(self._pending) >= self.max_pending:
+                # Slowloris defence: the connection that has waited longest gives way, so a
+                # client that sends its request promptly is still served.
+                oldest = next(iter(self._pending.values()))
+                self.abuse.note("connection_cap", oldest.peer)
+                self._drop(oldest)
+            conn = _Conn(sock, peer, time.monotonic() + self.head_timeout_s)
+            self.open_connections += 1
+            self._pending[sock.fileno()] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        if not data:
+            self._drop(conn)
+            return
+        conn.buf += data
+        try:
+            request = self._complete(conn)
+        except BadRequest as e:
+            self.abuse.note(e.kind, conn.peer)
+            self._answer_and_drop(conn, error_response(e.status, e.code, e.message))
+            return
+        if request is not None:
+            self._dispatch(conn, request)
+
+    def _complete(self, conn: _Conn) -> Request | None:
+        buf = bytes(conn.buf)
+        ends = [i for i in (buf.find(b"\r\n\r\n"), buf.find(b"\n\n")) if i >= 0]
+        if not ends:
+            if len(buf) > MAX_HEAD_BYTES:
+                _too_large(buf)
+            return None
+        end = min(ends)
+        sep = 4 if buf[end:end + 4] == b"\r\n\r\n" else 2
+        if end > MAX_HEAD_BYTES:
+            _too_large(buf)
+        method, target, version, headers = parse_head(buf[:end])
+        length = body_length(headers)
+        if length > MAX_BODY_BYTES:
+            # The app answers 413 from the header alone; the body is never read.
+            return Request(method, target, version, headers, b"")
+        body = buf[end + sep:]
+        if len(body) < length:
+            return None
+        return Request(method, target, version, headers, body[:length])
+
+    def _dispatch(self, conn: _Conn, request: Request) -> None:
+        self._forget(conn)
+        conn.buf = bytearray()
+        refusal = cross_site(request, self.loopback)
+        if refusal is not None:
+            self.abuse.note("cross_site", conn.peer)
+            self._answer_and_drop(conn, error_response(403, "cross_site_request", refusal))
+            return
+        path = request.target.partition("?")[0]
+        pool = self._slow if path in SLOW_PATHS else self._fast
+        if not pool.submit(lambda: self._handle(conn, request)):
+            self.abuse.note("busy", conn.peer)
+            self._answer_and_drop(conn, error_response(503, "busy",
+                                                       "every worker is busy; retry"))
+
+    def _drain_outbox(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            return
+        while True:
+            try:
+                conn, data = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if len(self._writing) >= self.max_pending:
+                oldest = next(iter(self._writing.values()))
+                self.abuse.note("client_gone", oldest.peer)
+                self._drop(oldest)
+            conn.out = memoryview(data)
+            conn.deadline = time.monotonic() + self.write_timeout_s
+            self._writing[conn.sock.fileno()] = conn
+            try:
+                self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
+            except (ValueError, OSError):  # closed meanwhile
+                self._writing.pop(conn.sock.fileno(), None)
+                self._close(conn)
+                continue
+            self._write(conn)
+
+    def _write(self, conn: _Conn) -> None:
+        assert conn.out is not None
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.abuse.note("client_gone", conn.peer)
+            self._drop(conn)
+            return
+        conn.out = conn.out[sent:]
+        if not len(conn.out):
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._drop(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._pending.values()):
+            if conn.deadline > now:
+                break  # insertion order is deadline order
+            self.abuse.note("slow_client", conn.peer)
+            self._answer_and_drop(conn, error_response(
+                408, "request_timeout",
+                f"no complete request within {self.head_timeout_s:g} s"))
+        for conn in list(self._writing.values()):
+            if conn.deadline > now:
+                break
+            self.abuse.note("client_gone", conn.peer)
+            self._drop(conn)
+
+    def _forget(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        self._pending.pop(fd, None)
+        self._writing.pop(fd, None)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _close(self, conn: _Conn) -> None:
+        # Every client socket is closed here, on the selector thread: the count stays exact.
+        if conn.sock.fileno() >= 0:
+            self.open_connections -= 1
+            conn.sock.close()
+
+    def _drop(self, conn: _Conn) -> None:
+        self._forget(conn)
+        self._close(conn)
+
+    def _answer_and_drop(self, conn: _Conn, data: bytes) -> None:
+        # Best effort and never blocking: an error answer is small enough for the socket
+        # buffer, and a client that does not read it is not waited for.
+        self._forget(conn)
+        try:
+            conn.sock.send(data)
+        except OSError:
+            pass
+        self._close(conn)
+
+    # -- worker threads ------------------------------------------------------------------
+    def _handle(self, conn: _Conn, request: Request) -> None:
+        self._outbox.put((conn, self._run_app(conn, request)))
+        self._wake()
+
+    def _run_app(self, conn: _Conn, request: Request) -> bytes:
+        path, _, query = request.target.partition("?")
+        environ: dict[str, Any] = {
+            "REQUEST_METHOD": request.method, "PATH_INFO": unquote(path, "latin-1"),
+            "QUERY_STRING": query, "SERVER_PROTOCOL": request.version,
+            "SERVER_NAME": str(self.server_address[0]),
+            "SERVER_PORT": str(self.server_address[1]), "REMOTE_ADDR": conn.peer,
+            "SCRIPT_NAME": "", "CONTENT_LENGTH": "", "CONTENT_TYPE": "",
+            "wsgi.version": (1, 0), "wsgi.url_scheme": "http",
+            "wsgi.input": io.BytesIO(request.body), "wsgi.errors": sys.stderr,
+            "wsgi.multithread": True, "wsgi.multiprocess": False, "wsgi.run_once": False,
+        }
+        for name, value in request.headers:
+            if name == "content-length":
+                environ["CONTENT_LENGTH"] = value
+            elif name == "content-type":
+                environ["CONTENT_TYPE"] = value
+            else:
+                key = "HTTP_" + name.upper().replace("-", "_")
+                environ[key] = f"{environ[key]},{value}" if key in environ else value
+        started: dict[str, Any] = {}
+
+        def start_response(status: str, headers: list[tuple[str, str]],
+                           exc_info: Any = None) -> Callable[[bytes], None]:
+            started["status"], started["headers"] = status, headers
+            return lambda _data: None
+
+        try:
+            body = b"".join(self.app(environ, start_response))
+        except Exception:  # the app's bug: still the envelope, never a hung connection
+            log.exception("request failed: %s %s", request.method, path)
+            return error_response(500, "internal",
+                                  "gpudiag failed to answer; see the daemon log")
+        head = [f"HTTP/1.1 {started.get('status', '500 Internal Server Error')}"]
+        head += [f"{k}: {v}" for k, v in started.get("headers", [])
+                 if k.lower() != "connection"]
+        head.append("Connection: close")
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+def register_metrics(app: object, abuse: AbuseLog) -> None:
+    """Expose the rejection counters on the app's registry, when it has one."""
+    registry = getattr(app, "registry", None)
+    if registry is not None:
+        registry.register(AbuseCollector(abuse))
+
+
+def start(app: WsgiApp, host: str, port: int, **options: Any
+          ) -> tuple[HttpServer, threading.Thread]:
+    """Bind and serve in a background thread; returns the server and its thread."""
+    server = HttpServer(app, host, port, **options)
+    register_metrics(app, server.abuse)
+    thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
+    thread.start()
+    return server, thread
+

@@ -1,0 +1,378 @@
+"""Periodic probes with jitter, deadlines, single-flight and backoff; publishes snapshots.
+
+Probes run in worker threads (each one a child process via ``isolation.run_probe``); the loop
+thread only decides what is due, so it never blocks and its keep-alive to systemd stops only
+when the loop itself is wedged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from gpudiag.core.environment import probe_environment
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.verdict import BackendRequirement, Requirement
+from gpudiag.daemon.config import DaemonConfig
+from gpudiag.daemon.sdnotify import Notifier
+from gpudiag.daemon.snapshot import (
+    OUTCOMES,
+    BackendStats,
+    ProbeKey,
+    ProbeResult,
+    Snapshot,
+    VerdictPolicy,
+    WatcherState,
+    keys_for,
+    outcome_of,
+    verdict_for,
+)
+from gpudiag.engine.isolation import run_probe
+
+log = logging.getLogger("gpudiag.daemon.scheduler")
+
+# Default options of the scheduled jax and iree children (the same as a plain `jax`/`iree`).
+SCHEDULED_OPTIONS: dict[str, dict[str, Any] | None] = {
+    "host": None, "nvml": None, "cuda": None,
+    "jax": {"platform": "gpu"}, "iree": {"drivers": ["cuda"]},
+}
+
+
+class Clock(Protocol):
+    """Time source seam: tests pass a fake."""
+
+    def monotonic(self) -> float: ...
+
+    def time(self) -> float: ...
+
+
+class SystemClock:
+    """The real clocks."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def time(self) -> float:
+        return time.time()
+
+
+ProbeRunner = Callable[[str, Mapping[str, str], float, Mapping[str, Any] | None], ProbeRun]
+
+
+def isolated_runner(backend: str, env: Mapping[str, str], timeout_s: float,
+                    options: Mapping[str, Any] | None) -> ProbeRun:
+    """The real runner: one isolated child per probe."""
+    return run_probe(backend, env=env, timeout_s=timeout_s, options=options)
+
+
+# The daemon's own systemd channel: children must not speak for it.
+SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+def child_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """The probe children's environment: the daemon's, minus its systemd channel."""
+    env = probe_environment(base)
+    for name in SYSTEMD_ONLY:
+        env.pop(name, None)
+    return env
+
+
+class WatcherSource(Protocol):
+    """What the scheduler needs from the XID watcher."""
+
+    def state(self) -> WatcherState: ...
+
+
+@dataclass
+class Flight:
+    """One probe run in progress; callers wait on ``done``."""
+
+    started_wall: float
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def full_requirement(config: DaemonConfig) -> Requirement:
+    """What `gpudiag probe` would check: every enabled backend (drives gpudiag_blocker)."""
+    names = [n for n in config.enabled_backends if n != "host"]
+    if not names:
+        return Requirement(backends=(), min_devices=0)
+    return Requirement(backends=tuple(BackendRequirement(n) for n in names))
+
+
+def failure_signature(run: ProbeRun) -> str | None:
+    """None when the probe found the host healthy; else what failed, to detect repeats."""
+    if not run.ok:
+        return f"{outcome_of(run)}:{run.exit_code}:{run.signal}"
+    obs = run.observation or {}
+    if obs.get("ok") is False:
+        err = obs.get("error")
+        return f"obs:{err.get('code') if isinstance(err, dict) else err}"
+    init = obs.get("init")
+    if isinstance(init, dict) and init.get("ok") is False:
+        return f"init:{init.get('code')}"
+    return None
+
+
+class Scheduler:
+    """Runs the probes on their intervals and on demand; owns the current Snapshot."""
+
+    def __init__(self, config: DaemonConfig, *, env: Mapping[str, str] | None = None,
+                 clock: Clock | None = None, runner: ProbeRunner = isolated_runner,
+                 rng: random.Random | None = None, notifier: Notifier | None = None,
+                 watcher: WatcherSource | None = None, max_workers: int = 8) -> None:
+        self.config = config
+        self.clock: Clock = clock or SystemClock()
+        self._runner = runner
+        self._rng = rng or random.Random()
+        self._notifier = notifier or Notifier(env={})
+        self._watcher = watcher
+        self._env = child_environment(os.environ if env is None else env)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
+                                    gap_warning_s=config.xid.gap_warning_s)
+        self.full_requirement = full_requirement(config)
+        self.ready_requirement = parse_requirement(config.default_requirement)
+        scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
+        # gpudiag_ready must always be computable: what the default requirement needs runs
+        # on its backend's interval even when that backend is switched off.
+        scheduled += [k for k in keys_for(self.ready_requirement) if k not in scheduled]
+        self.scheduled: tuple[ProbeKey, ...] = tuple(scheduled)
+        self._interval = {k: config.backends[k.backend].interval_s for k in self.scheduled}
+        self._due: dict[ProbeKey, float] = {}
+        self._inflight: dict[ProbeKey, Flight] = {}
+        self._results: dict[ProbeKey, ProbeResult] = {}
+        self._stats: dict[ProbeKey, BackendStats] = {}
+        self._failures: dict[ProbeKey, tuple[str, int]] = {}
+        self._heartbeat = self.clock.monotonic()
+        self._listeners: list[Callable[[Snapshot], None]] = []
+        self._snapshot = Snapshot(seq=0, published_wall=self.clock.time(), results={},
+                                  stats={}, scheduled=self.scheduled,
+                                  watcher=self._watcher_state(), full=None, ready=None)
+
+    # -- reading -----------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The latest published snapshot (a plain attribute read: never waits)."""
+        return self._snapshot
+
+    def alive(self, limit_s: float | None = None) -> bool:
+        """Whether the loop ran recently (healthz)."""
+        limit = limit_s if limit_s is not None else max(5.0, 10 * self.config.tick_s)
+        running = self._thread is not None and self._thread.is_alive()
+        return running and self.clock.monotonic() - self._heartbeat < limit
+
+    def on_snapshot(self, listener: Callable[[Snapshot], None]) -> None:
+        """Call ``listener`` (in the publishing thread) after each new snapshot."""
+        self._listeners.append(listener)
+
+    def due_in(self, key: ProbeKey) -> float | None:
+        """Seconds until the key's next scheduled run (None: not scheduled)."""
+        with self._lock:
+            due = self._due.get(key)
+        return None if due is None else due - self.clock.monotonic()
+
+    def deadline_of(self, backend: str) -> float:
+        cfg = self.config.backends.get(backend)
+        return cfg.deadline_s if cfg is not None else 60.0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop; every scheduled probe is due at once (the first round)."""
+        now = self.clock.monotonic()
+        with self._lock:
+            for key in self.scheduled:
+                self._due.setdefault(key, now)
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop; running probe children finish or die at their deadlines."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def drain(self) -> None:
+        """Wait for the worker threads to finish (after stop(); children already killed)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def wake(self) -> None:
+        """Make the loop look at its state now (the watcher calls this on events)."""
+        self._wake.set()
+
+    # -- on demand ---------------------------------------------------------------------
+    def running(self, key: ProbeKey) -> bool:
+        """Whether a run of ``key`` is in flight (a caller joining it starts nothing)."""
+        with self._lock:
+            return key in self._inflight
+
+    def trigger(self, keys: Sequence[ProbeKey]) -> dict[ProbeKey, Flight]:
+        """Run these probes now unless one is already running (single-flight)."""
+        return {k: self._launch(k) for k in keys}
+
+    def ensure_fresh(self, keys: Sequence[ProbeKey], max_age_s: float | None,
+                     wait_s: float) -> bool:
+        """Run the probes that are missing or older than max_age_s; wait at most wait_s.
+
+        Returns whether every needed result is now present and fresh enough.
+        """
+        now_wall = self.clock.time()
+        results = self._snapshot.results
+        stale = [k for k in keys if k not in results or (
+            max_age_s is not None and now_wall - results[k].started_wall > max_age_s)]
+        if not stale:
+            return True
+        flights = [self._launch(k) for k in stale]
+        end = self.clock.monotonic() + wait_s
+        for f in flights:
+            if not f.done.wait(max(0.0, end - self.clock.monotonic())):
+                return False
+        return True
+
+    # -- internals ---------------------------------------------------------------------
+    def _watcher_state(self) -> WatcherState:
+        return self._watcher.state() if self._watcher is not None else WatcherState()
+
+    def _launch(self, key: ProbeKey) -> Flight:
+        with self._lock:
+            flight = self._inflight.get(key)
+            if flight is not None:
+                return flight
+            flight = Flight(started_wall=self.clock.time())
+            self._inflight[key] = flight
+        try:
+            self._pool.submit(self._run, key, flight)
+        except RuntimeError:  # the pool is shut down: the daemon is stopping
+            with self._lock:
+                self._inflight.pop(key, None)
+            flight.done.set()
+        return flight
+
+    def _run(self, key: ProbeKey, flight: Flight) -> None:
+        deadline = self.deadline_of(key.backend)
+        try:
+            run = self._runner(key.backend, self._env, deadline, key.options_dict())
+        except Exception as e:  # the runner itself failed: a probe_error, not a dead worker
+            log.exception("probe %s could not run", key.backend)
+            run = ProbeRun(key.backend, None, 0.0, error=f"gpudiag could not run the probe: "
+                           f"{type(e).__name__}: {e}")
+        if self._stop.is_set():
+            # Stopping: the daemon kills running children on its way out, and that kill is
+            # not the host's doing; published, it would be recorded as a probe_crashed
+            # episode left open in the history until the next start.
+            with self._lock:
+                self._inflight.pop(key, None)
+            flight.done.set()
+            return
+        finished = self.clock.time()
+        result = ProbeResult(key, run, flight.started_wall, finished)
+        with self._lock:
+            previous = self._results.get(key)
+            self._results[key] = result
+            self._record_stats(key, result)
+            self._schedule_next(key, run)
+            self._inflight.pop(key, None)
+            snapshot = self._publish_locked()
+        if previous is None or previous.outcome != result.outcome:
+            log.info("probe %s: child %s in %.2f s", key.backend, result.outcome, run.duration_s,
+                     extra={"backend": key.backend, "outcome": result.outcome,
+                            "duration_s": round(run.duration_s, 4), "error": run.error})
+        else:
+            log.debug("probe %s %s", key.backend, result.outcome)
+        flight.done.set()
+        self._notify(snapshot)
+
+    def _record_stats(self, key: ProbeKey, result: ProbeResult) -> None:
+        old = self._stats.get(key) or BackendStats(runs_by_outcome=dict.fromkeys(OUTCOMES, 0))
+        runs = dict(old.runs_by_outcome)
+        runs[result.outcome] = runs.get(result.outcome, 0) + 1
+        ok = failure_signature(result.run) is None
+        self._stats[key] = BackendStats(
+            runs_by_outcome=runs, last_duration_s=result.run.duration_s,
+            last_success_wall=result.finished_wall if ok else old.last_success_wall,
+            consecutive_failures=0 if ok else old.consecutive_failures + 1)
+
+    def _schedule_next(self, key: ProbeKey, run: ProbeRun) -> None:
+        interval = self._interval.get(key)
+        if interval is None:  # an on-demand variant (e.g. jax:cpu): no schedule of its own
+            return
+        signature = failure_signature(run)
+        streak = 0
+        if signature is not None:
+            prev_sig, prev_n = self._failures.get(key, ("", 0))
+            streak = prev_n + 1 if prev_sig == signature else 1
+            self._failures[key] = (signature, streak)
+        else:
+            self._failures.pop(key, None)
+        delay = interval
+        if streak >= 2:
+            # Failing the same way again: back off, but never below the plain interval.
+            delay = min(interval * 2 ** (streak - 1), max(interval, self.config.backoff_max_s))
+        jitter = self.config.jitter_ratio
+        delay *= 1.0 + self._rng.uniform(-jitter, jitter)
+        self._due[key] = self.clock.monotonic() + delay
+
+    def _publish_locked(self) -> Snapshot:
+        old = self._snapshot
+        watcher = self._watcher_state()
+        now = self.clock.time()
+        base = Snapshot(seq=old.seq + 1, published_wall=now, results=dict(self._results),
+                        stats=dict(self._stats), scheduled=self.scheduled, watcher=watcher,
+                        full=None, ready=None)
+        full = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
+        ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
+        self._snapshot = replace(base, full=full, ready=ready)
+        return self._snapshot
+
+    def republish(self) -> Snapshot:
+        """Publish a new snapshot from the current state (watcher news, expiring holds)."""
+        with self._lock:
+            snapshot = self._publish_locked()
+        self._notify(snapshot)
+        return snapshot
+
+    def _notify(self, snapshot: Snapshot) -> None:
+        for listener in self._listeners:
+            try:
+                listener(snapshot)
+            except Exception:  # a broken listener must not stop probing
+                log.exception("snapshot listener failed")
+
+    def _loop(self) -> None:
+        tick = self.config.tick_s
+        gap_flag = False
+        while not self._stop.is_set():
+            now = self.clock.monotonic()
+            self._heartbeat = now
+            self._notifier.watchdog()
+            with self._lock:
+                due = [k for k, t in self._due.items() if t <= now and k not in self._inflight]
+                for k in due:
+                    # Pushed out now; the finished run sets the real next time.
+                    self._due[k] = now + self._interval[k]
+            for k in due:
+                self._launch(k)
+            watcher = self._watcher_state()
+            snap = self._snapshot
+            wall = self.clock.time()
+            over = watcher.enabled and watcher.gap_s(wall) > self.policy.gap_warning_s
+            if watcher != snap.watcher or over != gap_flag:
+                gap_flag = over
+                self.republish()
+            with self._lock:
+                next_due = min(self._due.values(), default=now + tick)
+            wait = min(tick, max(0.0, next_due - self.clock.monotonic()))
+            self._wake.wait(wait)
+            self._wake.clear()

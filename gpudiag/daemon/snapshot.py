@@ -1,0 +1,211 @@
+"""The daemon's immutable snapshot: latest probe results, watcher state, derived verdicts.
+
+The scheduler publishes a new Snapshot after every probe; the exporter, the HTTP API and the
+history recorder only read snapshots, so none of them ever waits on a probe.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpudiag.core.classify import classify
+from gpudiag.core.clock import rfc3339
+from gpudiag.core.findings import XidEvent
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.verdict import Finding, Requirement, Verdict
+from gpudiag.engine.plan import probes_for
+
+OUTCOMES = ("ok", "error", "timeout", "crashed")
+
+
+@dataclass(frozen=True, order=True)
+class ProbeKey:
+    """One probe child as the scheduler runs it: backend plus canonical options JSON."""
+
+    backend: str
+    options: str = ""
+
+    @classmethod
+    def of(cls, backend: str, options: Mapping[str, Any] | None = None) -> ProbeKey:
+        return cls(backend, json.dumps(dict(options), sort_keys=True) if options else "")
+
+    def options_dict(self) -> dict[str, Any] | None:
+        return json.loads(self.options) if self.options else None
+
+
+def keys_for(requirement: Requirement) -> tuple[ProbeKey, ...]:
+    """The probe keys a requirement needs (the same choice inline preflight makes)."""
+    return tuple(ProbeKey.of(name, opts) for name, opts in probes_for(requirement))
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One finished probe run with its wall-clock times."""
+
+    key: ProbeKey
+    run: ProbeRun
+    started_wall: float
+    finished_wall: float
+
+    @property
+    def outcome(self) -> str:
+        return outcome_of(self.run)
+
+
+def outcome_of(run: ProbeRun) -> str:
+    """ok, timeout, crashed or error: how the child itself fared (not the host)."""
+    if run.timed_out:
+        return "timeout"
+    if run.signal is not None:
+        return "crashed"
+    return "ok" if run.ok else "error"
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """The daemon's own health for one probe key."""
+
+    runs_by_outcome: Mapping[str, int] = field(default_factory=dict)
+    last_duration_s: float | None = None
+    last_success_wall: float | None = None
+    consecutive_failures: int = 0
+
+
+@dataclass(frozen=True)
+class XidCount:
+    """How often one XID was seen on one GPU, and when last."""
+
+    gpu: int | None
+    uuid: str | None
+    xid: int
+    count: int
+    last_timestamp: float
+
+
+@dataclass(frozen=True)
+class WatcherState:
+    """The XID watcher as the snapshot shows it; gap time is computed from ``down_since``."""
+
+    enabled: bool = False
+    running: bool = False
+    restarts: int = 0
+    gap_seconds_closed: float = 0.0
+    down_since_wall: float | None = None
+    last_error: str | None = None
+    xid_counts: tuple[XidCount, ...] = ()
+    recent: tuple[XidEvent, ...] = ()
+    telemetry: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    telemetry_wall: float | None = None
+
+    def gap_s(self, now_wall: float) -> float:
+        """How long the watcher has been down right now (0 while it runs)."""
+        if self.down_since_wall is None:
+            return 0.0
+        return max(0.0, now_wall - self.down_since_wall)
+
+    def gap_total_s(self, now_wall: float) -> float:
+        return self.gap_seconds_closed + self.gap_s(now_wall)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the daemon knows at one moment; never mutated once published."""
+
+    seq: int
+    published_wall: float
+    results: Mapping[ProbeKey, ProbeResult]
+    stats: Mapping[ProbeKey, BackendStats]
+    scheduled: tuple[ProbeKey, ...]
+    watcher: WatcherState
+    full: Verdict | None
+    ready: Verdict | None
+
+    @property
+    def round_complete(self) -> bool:
+        """Whether every scheduled probe has finished at least once."""
+        return all(k in self.results for k in self.scheduled)
+
+    def result(self, backend: str) -> ProbeResult | None:
+        """The latest result of a scheduled backend."""
+        for key in self.scheduled:
+            if key.backend == backend:
+                return self.results.get(key)
+        return None
+
+
+@dataclass(frozen=True)
+class VerdictPolicy:
+    """What the snapshot adds to classify: XID hold time and the watcher gap limit."""
+
+    xid_hold_s: float = 3600.0
+    gap_warning_s: float = 60.0
+
+
+def _with_visibility(run: ProbeRun, visibility: tuple[str | None, str | None]) -> ProbeRun:
+    """The host run as if the job's CUDA_/NVIDIA_VISIBLE_DEVICES had been in force."""
+    obs = dict(run.observation or {})
+    env = dict(obs.get("environment") or {})
+    names = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+    for name, value in zip(names, visibility, strict=True):
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    obs["environment"] = env
+    return replace(run, observation=obs)
+
+
+def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float,
+                policy: VerdictPolicy, keys: Sequence[ProbeKey] | None = None,
+                visibility: tuple[str | None, str | None] | None = None) -> Verdict | None:
+    """The verdict for ``requirement`` from the snapshot; None while a needed probe never ran.
+
+    ``visibility`` substitutes the caller's CUDA_/NVIDIA_VISIBLE_DEVICES for the daemon's:
+    visibility is classified purely from the host observation, so the daemon can answer for
+    a job that sees a subset of the GPUs.
+    """
+    needed = keys if keys is not None else keys_for(requirement)
+    found = [snapshot.results.get(k) for k in needed]
+    results = [r for r in found if r is not None]
+    if len(results) != len(found):
+        return None
+    runs = {r.key.backend: r.run for r in results}
+    overridden = False
+    if visibility is not None and "host" in runs and runs["host"].observation is not None:
+        before = (runs["host"].observation.get("environment") or {})
+        overridden = (before.get("CUDA_VISIBLE_DEVICES"),
+                      before.get("NVIDIA_VISIBLE_DEVICES")) != visibility
+        runs["host"] = _with_visibility(runs["host"], visibility)
+    oldest = min((r.started_wall for r in results), default=now_wall)
+    xids = [x for x in snapshot.watcher.recent if now_wall - x.timestamp <= policy.xid_hold_s]
+    extra: list[Finding] = []
+    watcher = snapshot.watcher
+    if watcher.enabled and requirement.needs_gpu:
+        gap = watcher.gap_s(now_wall)
+        if gap > policy.gap_warning_s:
+            why = f": {watcher.last_error}" if watcher.last_error else ""
+            extra.append(Finding.of(
+                "xid_watcher_gap", f"the XID watcher has been down for {gap:.0f} s "
+                f"(limit {policy.gap_warning_s:g} s, {watcher.restarts} restart(s)){why}",
+                backend="nvml", warning=True))
+    verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
+                       source="daemon", xids=xids, extra_warnings=extra)
+    if overridden:
+        # cuInit ran with the daemon's visibility, so its device count is not the job's.
+        verdict = replace(verdict, warnings=tuple(
+            w for w in verdict.warnings if w.code != "device_count_mismatch"))
+    return verdict.with_source("daemon", max(0.0, now_wall - oldest))
+
+
+_HOST: list[str] = []
+
+
+def _hostname() -> str:
+    if not _HOST:
+        import socket
+
+        _HOST.append(socket.gethostname())
+    return _HOST[0]

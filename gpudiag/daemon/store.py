@@ -1,0 +1,340 @@
+"""SQLite history (WAL): every verdict change and every blocker episode, bounded retention.
+
+Durability: WAL with ``synchronous=FULL``, so a commit has been fsynced to the WAL before
+``record()`` returns. A SIGKILL loses nothing committed (the OS keeps written pages even at
+NORMAL); FULL also survives power loss, and verdict changes are rare enough that the fsync
+per change costs nothing. Readers (``gpudiag history``) open the file read-only while the
+daemon writes: WAL lets them read without blocking it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpudiag.core.verdict import Verdict
+
+SCHEMA_VERSION = 1
+EVIDENCE_TEXT_LIMIT = 4096
+DB_NAME = "history.sqlite3"
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS verdicts (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    checked_at TEXT NOT NULL,
+    requirement TEXT NOT NULL,
+    blocker TEXT NOT NULL,
+    ready INTEGER NOT NULL,
+    blockers TEXT NOT NULL,
+    warnings TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS verdicts_ts ON verdicts (ts);
+CREATE TABLE IF NOT EXISTS episodes (
+    id INTEGER PRIMARY KEY,
+    code TEXT NOT NULL,
+    layer TEXT NOT NULL,
+    backend TEXT,
+    device TEXT,
+    started REAL NOT NULL,
+    ended REAL,
+    message TEXT NOT NULL,
+    evidence TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS episodes_open ON episodes (ended);
+"""
+
+
+class HistoryError(Exception):
+    """The history database cannot be opened or read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One verdict change as stored."""
+
+    id: int
+    ts: float
+    checked_at: str
+    requirement: str
+    gpu_validation_blocker: str
+    ready: bool
+    blockers: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.id, "ts": self.ts, "checked_at": self.checked_at,
+                "requirement": self.requirement,
+                "gpu_validation_blocker": self.gpu_validation_blocker, "ready": self.ready,
+                "blockers": list(self.blockers), "warnings": list(self.warnings)}
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One stretch of time during which a blocker was present."""
+
+    id: int
+    code: str
+    layer: str
+    backend: str | None
+    device: str | None
+    started: float
+    ended: float | None
+    message: str
+    evidence: Mapping[str, Any]
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.id, "code": self.code, "layer": self.layer,
+                "backend": self.backend, "device": self.device, "started": self.started,
+                "ended": self.ended, "message": self.message, "evidence": dict(self.evidence)}
+
+
+def _tail(text: Any, limit: int = EVIDENCE_TEXT_LIMIT) -> Any:
+    if isinstance(text, str) and len(text) > limit:
+        return text[-limit:]
+    return text
+
+
+def fingerprint(verdict: Verdict) -> str:
+    """What makes a verdict a change: blocker, findings and where they apply, not timing."""
+    key = {
+        "requirement": [b.spec() for b in verdict.requirement.backends],
+        "blocker": verdict.gpu_validation_blocker,
+        "blockers": sorted([b.code, b.backend or "", b.device or ""] for b in verdict.blockers),
+        "warnings": sorted([w.code, w.backend or "", w.device or ""] for w in verdict.warnings),
+    }
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def _stored_record(verdict: Verdict) -> dict[str, Any]:
+    """The verdict record with bulky evidence cut down (the history must stay small)."""
+    rec = verdict.record()
+    ev = rec.get("evidence") or {}
+    rec["evidence"] = {
+        "driver": ev.get("driver"),
+        "probe_stderr": {k: _tail(v) for k, v in (ev.get("probe_stderr") or {}).items()},
+        "nvidia_smi": {k: _tail(v) for k, v in (ev.get("nvidia_smi") or {}).items()}
+        if isinstance(ev.get("nvidia_smi"), dict) else None,
+    }
+    return rec
+
+
+class HistoryStore:
+    """The history database; one writer (the daemon), any number of read-only readers."""
+
+    def __init__(self, path: str | Path, *, retention_s: float = 30 * 86400.0,
+                 max_bytes: int = 64 * 2**20, readonly: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.retention_s = retention_s
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last_fp: str | None = None
+        self._writes = 0
+        # Retention also by time, so that a store with few changes is still pruned
+        # (every 50 writes alone could keep rows for months past the retention).
+        self._prune_every_s = min(3600.0, max(1.0, retention_s / 10))
+        self._last_prune = -float("inf")
+        try:
+            if readonly:
+                if not self.path.exists():
+                    raise HistoryError(f"no history at {self.path} (has `gpudiag serve` run "
+                                       "with this --state-dir?)")
+                self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
+                                           check_same_thread=False, timeout=5.0)
+                self._db.execute("PRAGMA query_only=ON")
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(str(self.path), check_same_thread=False,
+                                           timeout=5.0, isolation_level=None)
+                self._setup()
+        except sqlite3.Error as e:
+            raise HistoryError(f"cannot open history {self.path}: {e}") from e
+
+    def _setup(self) -> None:
+        db = self._db
+        # auto_vacuum only takes effect before the first table exists.
+        db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise HistoryError(f"{self.path}: SQLite refused WAL mode (got {mode})")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=5000")
+        # One transaction: a crash while the schema is created leaves all of it or none,
+        # never a verdicts table without its episodes table.
+        db.executescript("BEGIN IMMEDIATE;\n" + _DDL + "\nINSERT OR IGNORE INTO meta (key, value) "
+                         f"VALUES ('schema_version', '{int(SCHEMA_VERSION)}');\nCOMMIT;")
+        row = db.execute("SELECT fingerprint FROM verdicts ORDER BY id DESC LIMIT 1").fetchone()
+        self._last_fp = row[0] if row else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- writing -------------------------------------------------------------------------
+    def record(self, verdict: Verdict, now: float | None = None) -> int | None:
+        """Store the verdict if it differs from the last one; returns its id once durable."""
+        fp = fingerprint(verdict)
+        ts = self._clock() if now is None else now
+        with self._lock:
+            if fp == self._last_fp:
+                return None
+            rec = _stored_record(verdict)
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                cur = db.execute(
+                    "INSERT INTO verdicts (ts, checked_at, requirement, blocker, ready, "
+                    "blockers, warnings, fingerprint, record) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (ts, verdict.checked_at,
+                     ",".join(b.spec() for b in verdict.requirement.backends),
+                     verdict.gpu_validation_blocker, int(verdict.ready),
+                     ",".join(sorted({b.code for b in verdict.blockers})),
+                     ",".join(sorted({w.code for w in verdict.warnings})), fp,
+                     json.dumps(rec, separators=(",", ":"), default=str)))
+                self._episodes(verdict, rec, ts)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            self._last_fp = fp
+            self._writes += 1
+            if self._writes % 50 == 0 or ts - self._last_prune >= self._prune_every_s:
+                self._prune_locked(ts)
+            row_id = cur.lastrowid
+            return int(row_id) if row_id is not None else None
+
+    def _episodes(self, verdict: Verdict, rec: Mapping[str, Any], ts: float) -> None:
+        db = self._db
+        current = {(b.code, b.backend or "", b.device or ""): b for b in verdict.blockers}
+        open_rows = db.execute("SELECT id, code, IFNULL(backend,''), IFNULL(device,'') "
+                               "FROM episodes WHERE ended IS NULL").fetchall()
+        open_keys = set()
+        for row_id, code, backend, device in open_rows:
+            key = (code, backend, device)
+            if key in current:
+                open_keys.add(key)
+            else:
+                db.execute("UPDATE episodes SET ended=? WHERE id=?", (ts, row_id))
+        stderr = (rec.get("evidence") or {}).get("probe_stderr") or {}
+        for key, b in current.items():
+            if key in open_keys:
+                continue
+            evidence = {"driver": (rec.get("evidence") or {}).get("driver"),
+                        "probe_stderr": stderr.get(b.backend or "", ""),
+                        "checked_at": verdict.checked_at}
+            db.execute("INSERT INTO episodes (code, layer, backend, device, started, ended, "
+                       "message, evidence) VALUES (?,?,?,?,?,NULL,?,?)",
+                       (b.code, b.layer, b.backend, b.device, ts, _tail(b.message),
+                        json.dumps(evidence, default=str)))
+
+    def prune(self, now: float | None = None) -> None:
+        """Apply retention by age and by size."""
+        with self._lock:
+            self._prune_locked(self._clock() if now is None else now)
+
+    def _prune_locked(self, now: float) -> None:
+        db = self._db
+        self._last_prune = now
+        cutoff = now - self.retention_s
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            # The newest verdict stays whatever its age: it is the current state.
+            db.execute("DELETE FROM verdicts WHERE ts < ? AND id < "
+                       "(SELECT MAX(id) FROM verdicts)", (cutoff,))
+            db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        for _ in range(20):
+            if self.size_bytes() <= self.max_bytes:
+                break
+            n = db.execute("SELECT COUNT(*) FROM verdicts").fetchone()[0]
+            if n <= 1:
+                break
+            drop = max(1, n // 4)
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("DELETE FROM verdicts WHERE id IN (SELECT id FROM verdicts "
+                       "ORDER BY id LIMIT ?)", (drop,))
+            db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND id IN (SELECT id "
+                       "FROM episodes WHERE ended IS NOT NULL ORDER BY id LIMIT ?)", (drop,))
+            db.execute("COMMIT")
+            db.execute("PRAGMA incremental_vacuum")
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def size_bytes(self) -> int:
+        """The database's size in pages (the WAL is checkpointed into it)."""
+        pages = self._db.execute("PRAGMA page_count").fetchone()[0]
+        free = self._db.execute("PRAGMA freelist_count").fetchone()[0]
+        size = self._db.execute("PRAGMA page_size").fetchone()[0]
+        return int((pages - free) * size)
+
+    # -- reading -------------------------------------------------------------------------
+    def verdicts(self, *, since: float | None = None, blocked: bool = False,
+                 limit: int = 50) -> list[HistoryEntry]:
+        """Verdict changes, newest first."""
+        sql = ("SELECT id, ts, checked_at, requirement, blocker, ready, blockers, warnings "
+               "FROM verdicts WHERE 1=1")
+        args: list[Any] = []
+        if since is not None:
+            sql += " AND ts >= ?"
+            args.append(since)
+        if blocked:
+            sql += " AND ready = 0"
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit)
+        rows = self._query(sql, args)
+        return [HistoryEntry(int(r[0]), float(r[1]), str(r[2]), str(r[3]), str(r[4]),
+                             bool(r[5]), _split(r[6]), _split(r[7])) for r in rows]
+
+    def episodes(self, *, since: float | None = None, limit: int = 50) -> list[Episode]:
+        """Blocker episodes that were open at any time since ``since``, newest first."""
+        sql = ("SELECT id, code, layer, backend, device, started, ended, message, evidence "
+               "FROM episodes")
+        args: list[Any] = []
+        if since is not None:
+            sql += " WHERE ended IS NULL OR ended >= ?"
+            args.append(since)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit)
+        return [Episode(int(r[0]), str(r[1]), str(r[2]), r[3], r[4], float(r[5]),
+                        None if r[6] is None else float(r[6]), str(r[7]), json.loads(r[8]))
+                for r in self._query(sql, args)]
+
+    def verdict_record(self, row_id: int) -> dict[str, Any] | None:
+        rows = self._query("SELECT record FROM verdicts WHERE id = ?", [row_id])
+        return json.loads(rows[0][0]) if rows else None
+
+    def ids(self) -> list[int]:
+        return [int(r[0]) for r in self._query("SELECT id FROM verdicts ORDER BY id", [])]
+
+    def integrity(self) -> str:
+        rows = self._query("PRAGMA integrity_check", [])
+        return "; ".join(str(r[0]) for r in rows)
+
+    def _query(self, sql: str, args: Sequence[Any]) -> list[tuple[Any, ...]]:
+        with self._lock:
+            try:
+                return list(self._db.execute(sql, list(args)).fetchall())
+            except sqlite3.Error as e:
+                raise HistoryError(f"cannot read history {self.path}: {e}") from e
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(t for t in text.split(",") if t)
+
+
+def default_path(state_dir: str | Path) -> Path:
+    """Where the daemon keeps its history inside the state dir."""
+    return Path(state_dir) / DB_NAME

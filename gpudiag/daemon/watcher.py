@@ -1,0 +1,246 @@
+"""Supervises the XID watcher child: reads its JSON lines, restarts it with backoff.
+
+The watcher is never silently gone: while it is down (dead, silent past its heartbeat limit,
+or backing off before a restart) the gap is counted, shows in metrics, and past the
+configured limit becomes the ``xid_watcher_gap`` warning in verdicts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import IO, Any
+
+from gpudiag.core.findings import XidEvent
+from gpudiag.core.probe_run import bounded_tail
+from gpudiag.daemon.config import XidConfig
+from gpudiag.daemon.snapshot import WatcherState, XidCount
+
+log = logging.getLogger("gpudiag.daemon.watcher")
+MAX_RECENT = 1000
+LINE_LIMIT = 1 << 20
+
+
+def watcher_argv(config: XidConfig) -> list[str]:
+    """The child's argv: no shell, options as one JSON argument."""
+    options = {"heartbeat_s": config.heartbeat_s, "telemetry_s": config.telemetry_s}
+    return [sys.executable, "-m", "gpudiag.probes.xid_watch", json.dumps(options)]
+
+
+class XidWatcher:
+    """Runs and restarts the watcher child; ``state()`` is what snapshots show."""
+
+    def __init__(self, config: XidConfig, env: Mapping[str, str], *,
+                 on_change: Callable[[], None] | None = None,
+                 argv: list[str] | None = None, wall: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self._env = dict(env)
+        self._argv = argv or watcher_argv(config)
+        self._on_change = on_change or (lambda: None)
+        self._wall = wall
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._counts: dict[tuple[int | None, str | None, int], XidCount] = {}
+        self._state = WatcherState(enabled=config.enabled,
+                                   down_since_wall=wall() if config.enabled else None)
+
+    def state(self) -> WatcherState:
+        """The current state, with XIDs older than the hold time dropped."""
+        with self._lock:
+            now = self._wall()
+            recent = tuple(x for x in self._state.recent if now - x.timestamp
+                           <= self.config.hold_s)
+            if recent != self._state.recent:
+                self._state = replace(self._state, recent=recent)
+            return self._state
+
+    def start(self) -> None:
+        if not self.config.enabled:
+            return
+        self._thread = threading.Thread(target=self._supervise, name="xid-watcher",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._kill()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _kill(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _update(self, **changes: Any) -> None:
+        with self._lock:
+            self._state = replace(self._state, **changes)
+        self._on_change()
+
+    def _went_down(self, error: str) -> None:
+        with self._lock:
+            st = self._state
+            down = st.down_since_wall if st.down_since_wall is not None else self._wall()
+            self._state = replace(st, running=False, down_since_wall=down, last_error=error)
+        self._on_change()
+
+    def _came_up(self) -> None:
+        with self._lock:
+            st = self._state
+            closed = st.gap_seconds_closed + st.gap_s(self._wall())
+            self._state = replace(st, running=True, down_since_wall=None,
+                                  gap_seconds_closed=closed)
+        self._on_change()
+
+    def _supervise(self) -> None:
+        backoff = 0.5
+        first = True
+        last_error: str | None = None
+        while not self._stop.is_set():
+            if not first:
+                with self._lock:
+                    self._state = replace(self._state, restarts=self._state.restarts + 1)
+            first = False
+            started = time.monotonic()
+            error = self._run_once()
+            if self._stop.is_set():
+                break
+            self._went_down(error)
+            # Once per kind of failure, not once per restart: a GPU-less host would
+            # otherwise log a line a minute forever.
+            level = logging.WARNING if error != last_error else logging.DEBUG
+            last_error = error
+            log.log(level, "XID watcher down: %s; restarting in %.1f s", error, backoff,
+                    extra={"error": error, "backoff_s": backoff})
+            # A child that ran well for a while earns a fresh, short backoff.
+            if time.monotonic() - started > 10 * backoff:
+                backoff = 0.5
+            if self._stop.wait(backoff):
+                break
+            backoff = min(backoff * 2, self.config.restart_backoff_max_s)
+
+    def _run_once(self) -> str:
+        """Run one child until it dies or goes silent; returns why it stopped."""
+        try:
+            proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+                self._argv, env=self._env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        except OSError as e:
+            return f"could not start the watcher child: {e}"
+        self._proc = proc
+        assert proc.stdout is not None and proc.stderr is not None
+        stderr = bytearray()
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        silence_limit = max(3 * self.config.heartbeat_s, 2.0) + self.config.telemetry_s
+        last_line = time.monotonic()
+        buf = b""
+        reason = "the watcher child exited"
+        open_streams = 2
+        try:
+            while open_streams and not self._stop.is_set():
+                if time.monotonic() - last_line > silence_limit:
+                    reason = f"the watcher child was silent for more than {silence_limit:g} s"
+                    break
+                for key, _ in sel.select(timeout=0.2):
+                    stream: IO[bytes] = key.fileobj  # type: ignore[assignment]
+                    chunk = os.read(stream.fileno(), 65536)
+                    if not chunk:
+                        sel.unregister(stream)
+                        open_streams -= 1
+                        continue
+                    if key.data == "err":
+                        stderr += chunk
+                        del stderr[:-4096]
+                        continue
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    if len(buf) > LINE_LIMIT:
+                        buf = b""
+                    for line in lines:
+                        last_line = time.monotonic()
+                        err = self._handle(line)
+                        if err is not None:
+                            reason = err
+        finally:
+            sel.close()
+            self._kill()
+            code = proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+            self._proc = None
+        tail = bounded_tail(bytes(stderr), 512).strip()
+        detail = f" (exit status {code})" + (f"; stderr: {tail}" if tail else "")
+        return reason + detail
+
+    def _handle(self, line: bytes) -> str | None:
+        try:
+            msg = json.loads(line)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or absurdly nested
+            return None  # a library printed to stdout; not ours
+        if not isinstance(msg, dict):
+            return None
+        kind = msg.get("type")
+        if kind == "hello":
+            self._came_up()
+            devices = msg.get("devices")
+            log.info("XID watcher watching %d GPU(s)",
+                     len(devices) if isinstance(devices, list) else 0)
+        elif kind == "xid":
+            self._xid(msg)
+        elif kind == "telemetry":
+            # Only well-formed readings reach the exporter; a bad one is dropped, not fatal.
+            raw = msg.get("gpus")
+            gpus = {g["index"]: g for g in (raw if isinstance(raw, list) else [])
+                    if isinstance(g, dict) and _is_int(g.get("index"))}
+            ts = msg.get("ts")
+            wall = self._wall()
+            if isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts):
+                wall = float(ts)
+            self._update(telemetry=gpus, telemetry_wall=wall)
+        elif kind == "error":
+            return str(msg.get("message"))
+        return None
+
+    def _xid(self, msg: Mapping[str, Any]) -> None:
+        try:
+            xid = int(msg["xid"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return
+        index = msg.get("device_index")
+        gpu = index if _is_int(index) else None
+        uuid = msg.get("uuid") if isinstance(msg.get("uuid"), str) else None
+        ts = self._wall()
+        event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts)
+        log.warning("XID %d on GPU %s (%s)", xid, gpu, uuid,
+                    extra={"xid": xid, "gpu": gpu, "uuid": uuid})
+        with self._lock:
+            key = (gpu, uuid, xid)
+            old = self._counts.get(key)
+            self._counts[key] = XidCount(gpu, uuid, xid, (old.count if old else 0) + 1, ts)
+            recent = (*self._state.recent, event)[-MAX_RECENT:]
+            self._state = replace(self._state, recent=recent,
+                                  xid_counts=tuple(sorted(
+                                      self._counts.values(),
+                                      key=lambda c: (c.gpu or -1, c.xid))))
+        self._on_change()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

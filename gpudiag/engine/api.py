@@ -1,0 +1,25 @@
+"""The public preflight API: ``gpudiag.preflight()``, the local daemon first, else inline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.engine.client import preflight as daemon_first
+
+
+def preflight(require: str | Requirement = "cuda", *, devices: str | None = None,
+              min_devices: int | None = None, min_free_memory: str | int | None = None,
+              env: Mapping[str, str] | None = None, timeout_s: float | None = None,
+              daemon_url: str | None = None, use_daemon: bool = True) -> Verdict:
+    """The verdict for a requirement (Python API): the local daemon first, else inline probes.
+
+    ``require`` uses the CLI syntax (``"cuda,jax"``, ``"jax:cpu"``, ``"iree:local-task"``).
+    ``env`` is the environment the job would run with (default: this process's); its
+    visibility variables travel to the daemon. The verdict's ``source`` says which answered.
+    """
+    requirement = require if isinstance(require, Requirement) else parse_requirement(
+        require, devices=devices, min_devices=min_devices, min_free_memory=min_free_memory)
+    return daemon_first(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
+                        timeout_s=timeout_s)

@@ -1,0 +1,146 @@
+"""Full-UUID GPU locks: one lock file per GPU leaf, flock'ed, shared by every user's jobs.
+
+``gpudiag run``, ``gpudiag.admit()`` and the probes that touch a GPU (cuda, jax, iree) take the
+same lock, so a probe and a job never meet on one GPU. Non-blocking: a taken lock is skipped
+or waited for by the caller, never here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpudiag.core.environment import is_full_uuid
+
+
+def default_lock_dir(env: Mapping[str, str] | None = None) -> Path:
+    """GPUDIAG_LOCK_DIR, else /run/gpudiag/locks when usable, else under XDG_RUNTIME_DIR."""
+    env = os.environ if env is None else env
+    if env.get("GPUDIAG_LOCK_DIR"):
+        return Path(env["GPUDIAG_LOCK_DIR"])
+    system = Path("/run/gpudiag/locks")
+    with contextlib.suppress(OSError):
+        if not system.is_dir():
+            system.mkdir(parents=True, exist_ok=True)
+            # Shared by every user's jobs, like /tmp: anyone may add a lock, none may delete.
+            system.chmod(0o1777)
+    if system.is_dir() and os.access(system, os.W_OK | os.X_OK):
+        return system
+    # A per-user fallback only excludes this user's own jobs: say so in docs/runner.md.
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "gpudiag" / "locks"
+    return _private_tmp_root() / "gpudiag" / "locks"
+
+
+def _private_tmp_root() -> Path:
+    return Path(f"/tmp/gpudiag-{os.getuid()}")
+
+
+def _check_private_root(lock_dir: Path) -> None:
+    """The /tmp fallback must be this user's own folder: another user could have made it
+    first, and whoever owns a lock folder can delete a held lock file and split the lock."""
+    root = _private_tmp_root()
+    if root != lock_dir and root not in lock_dir.parents:
+        return
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o700)
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise LockFailed(f"{root} is not a folder of uid {os.getuid()} closed to others "
+                         f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): someone "
+                         "else may have made it; remove it, or set GPUDIAG_LOCK_DIR or "
+                         "XDG_RUNTIME_DIR")
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One held lock: the full UUID, its file and the file's identity."""
+
+    uuid: str
+    path: str
+    device: int
+    inode: int
+    fd: int = field(compare=False)
+
+    def record(self) -> dict[str, Any]:
+        return {"uuid": self.uuid, "path": self.path, "device": self.device,
+                "inode": self.inode}
+
+
+class LockFailed(Exception):
+    """A lock file could not be opened (as opposed to being held by someone else)."""
+
+
+def _lock_path(lock_dir: Path, uuid: str) -> Path:
+    if not is_full_uuid(uuid):
+        raise ValueError(f"{uuid!r} is not a full GPU-/MIG- UUID; locks name full UUIDs only")
+    return lock_dir / f"{uuid}.lock"
+
+
+def try_lock(lock_dir: Path, uuid: str) -> LockInfo | None:
+    """Take the lock of ``uuid`` without waiting; None when another process holds it."""
+    path = _lock_path(lock_dir, uuid)
+    try:
+        _check_private_root(lock_dir)
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        # Never unlinked: a lock file that vanished under a waiter would split the lock.
+        # O_NOFOLLOW: the lock folder is shared (sticky, world-writable), so a symlink planted
+        # there must not make this process truncate and write a file the planter chose.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        raise LockFailed(f"cannot open lock file {path}: {e.strerror or e} (a lock file must "
+                         "be a regular file, not a symlink)") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise LockFailed(f"lock file {path} is not a plain regular file (a FIFO, device or "
+                         "hard link someone planted?); remove it")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError as e:
+        os.close(fd)
+        raise LockFailed(f"cannot lock {path}: {e.strerror or e}") from e
+    with contextlib.suppress(OSError):
+        st = os.fstat(fd)
+        if st.st_uid == os.getuid():
+            os.fchmod(fd, 0o666)  # other users' jobs must be able to open it too
+        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": time.time(), "uuid": uuid}) + "\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+    st = os.fstat(fd)
+    return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd)
+
+
+def lock_holder(lock_dir: Path, uuid: str) -> dict[str, Any] | None:
+    """What the last holder wrote into the lock file (evidence only; may be stale)."""
+    try:
+        text = _lock_path(lock_dir, uuid).read_text(encoding="utf-8", errors="replace")
+        value = json.loads(text) if text.strip() else None
+    except (OSError, ValueError, RecursionError):  # anyone may write a lock file
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def release(locks: Sequence[LockInfo]) -> None:
+    """Close the lock files (the kernel drops the flock once no process holds the file)."""
+    for lk in locks:
+        with contextlib.suppress(OSError):
+            st = os.fstat(lk.fd)
+            # Idempotent: a second release must not close an unrelated file that reused
+            # the descriptor number.
+            if (st.st_dev, st.st_ino) == (lk.device, lk.inode):
+                os.close(lk.fd)

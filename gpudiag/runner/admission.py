@@ -1,0 +1,639 @@
+"""GPU admission: observe leaves, narrow to visibility, lock full UUIDs, re-observe under lock.
+
+One direction only (DESIGN.md, "Admission and the child environment"): observe -> narrow
+(never widen) -> pick FREE leaves with enough memory -> flock one file per full UUID ->
+observe again while holding the locks -> abort on any change. Every refusal is a Verdict
+whose blocker comes from the catalog, with the leaves and lock holders as evidence.
+Observations run in a probe child (``python -m gpudiag.probes nvml``): this process never
+loads NVML itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpudiag.core.environment import (
+    PREALLOCATION_OFF,
+    Visibility,
+    is_full_uuid,
+    parse_cuda_visible_devices,
+    parse_nvidia_visible_devices,
+)
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.verdict import Finding, Requirement, Verdict
+from gpudiag.engine.isolation import run_probe
+from gpudiag.engine.locks import (
+    LockFailed,
+    LockInfo,
+    default_lock_dir,
+    lock_holder,
+    release,
+    try_lock,
+)
+
+FREE, BUSY, UNKNOWN = "FREE", "BUSY", "UNKNOWN"
+DEFAULT_LOCK_TIMEOUT_S = 60.0
+OBSERVE_TIMEOUT_S = 10.0
+LOCK_POLL_S = 0.05
+REOBSERVE_S = 2.0
+
+
+class AdmissionError(Exception):
+    """Admission refused or failed; ``verdict`` says why, with a catalog blocker and evidence."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        primary = verdict.primary
+        super().__init__(f"{verdict.gpu_validation_blocker}: "
+                         f"{primary.message if primary else 'not admitted'}")
+        self.verdict = verdict
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One schedulable unit: a GPU without MIG, or one MIG instance (then not its parent)."""
+
+    uuid: str | None
+    kind: str  # "gpu" | "mig"
+    index: int  # NVML index of the physical GPU: evidence only, never an identity
+    parent_uuid: str | None
+    name: str | None
+    memory_total_bytes: int | None
+    memory_free_bytes: int | None
+    occupancy: str  # FREE | BUSY | UNKNOWN
+    pids: tuple[int, ...] = ()
+    reason: str | None = None  # why BUSY or UNKNOWN
+    mig_slot: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.uuid or f"index {self.index}" + (
+            f" MIG slot {self.mig_slot}" if self.mig_slot is not None else "")
+
+    def record(self) -> dict[str, Any]:
+        return {"uuid": self.uuid, "kind": self.kind, "index": self.index,
+                "mig_slot": self.mig_slot, "parent_uuid": self.parent_uuid, "name": self.name,
+                "memory_total_bytes": self.memory_total_bytes,
+                "memory_free_bytes": self.memory_free_bytes, "occupancy": self.occupancy,
+                "pids": list(self.pids), "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The leaves NVML showed at one moment (``error`` set when NVML could not be read)."""
+
+    leaves: tuple[Leaf, ...]
+    observed_at: float  # time.time()
+    duration_s: float
+    error: str | None = None
+
+    def leaf(self, uuid: str) -> Leaf | None:
+        return next((lf for lf in self.leaves if lf.uuid == uuid), None)
+
+    def topology(self) -> list[tuple[str | None, str, str | None]]:
+        return sorted(((lf.uuid, lf.kind, lf.parent_uuid) for lf in self.leaves),
+                      key=lambda t: (str(t[0]), t[1], str(t[2])))
+
+    def record(self) -> dict[str, Any]:
+        return {"observed_at": self.observed_at, "duration_s": round(self.duration_s, 4),
+                "error": self.error, "leaves": [lf.record() for lf in self.leaves]}
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _occupancy(ok: bool, uuid: Any, memory: Any, processes: Any, error: Any
+               ) -> tuple[str, tuple[int, ...], str | None]:
+    if not ok or error:
+        return UNKNOWN, (), f"the device could not be read: {error}"
+    if not isinstance(uuid, str) or not is_full_uuid(uuid):
+        return UNKNOWN, (), f"no full UUID could be read (got {uuid!r})"
+    if not isinstance(memory, Mapping) or _int(memory.get("free_bytes")) is None:
+        return UNKNOWN, (), "memory could not be read"
+    if not isinstance(processes, list):
+        return UNKNOWN, (), "compute processes could not be listed"
+    pids = tuple(int(p["pid"]) for p in processes if isinstance(p, Mapping) and "pid" in p)
+    if processes:
+        return BUSY, pids, f"{len(processes)} compute process(es) of others: pids " + ", ".join(
+            str(p) for p in pids)
+    return FREE, (), None
+
+
+def leaves_from_nvml(nvml: Mapping[str, Any]) -> tuple[Leaf, ...]:
+    """The schedulable leaves in an ``nvml`` probe observation (MIG instances replace GPUs)."""
+    leaves: list[Leaf] = []
+    for dev in nvml.get("devices") or []:
+        index = int(dev.get("index", -1))
+        uuid = dev.get("uuid")
+        mig = dev.get("mig") or {}
+        if mig.get("enabled"):
+            for inst in mig.get("instances") or []:
+                mem = inst.get("memory") or {}
+                occ, pids, reason = _occupancy(
+                    bool(dev.get("ok")), inst.get("uuid"), inst.get("memory"),
+                    inst.get("processes"), inst.get("error"))
+                leaves.append(Leaf(
+                    uuid=inst.get("uuid") if isinstance(inst.get("uuid"), str) else None,
+                    kind="mig", index=index, parent_uuid=uuid, name=dev.get("name"),
+                    memory_total_bytes=_int(mem.get("total_bytes")),
+                    memory_free_bytes=_int(mem.get("free_bytes")), occupancy=occ, pids=pids,
+                    reason=reason, mig_slot=_int(inst.get("slot"))))
+            if not mig.get("instances"):
+                leaves.append(Leaf(uuid=None, kind="mig", index=index, parent_uuid=uuid,
+                                   name=dev.get("name"), memory_total_bytes=None,
+                                   memory_free_bytes=None, occupancy=UNKNOWN,
+                                   reason="MIG is on but no instance could be read"))
+            continue
+        mem = dev.get("memory") or {}
+        occ, pids, reason = _occupancy(bool(dev.get("ok")), uuid, dev.get("memory"),
+                                       dev.get("processes"), dev.get("error"))
+        leaves.append(Leaf(
+            uuid=uuid if isinstance(uuid, str) else None, kind="gpu", index=index,
+            parent_uuid=None, name=dev.get("name"),
+            memory_total_bytes=_int(mem.get("total_bytes")),
+            memory_free_bytes=_int(mem.get("free_bytes")), occupancy=occ, pids=pids,
+            reason=reason))
+    return tuple(leaves)
+
+
+def observation_from_run(run: ProbeRun) -> Observation:
+    """An Observation from a finished ``nvml`` probe run."""
+    obs = run.observation
+    if not run.ok or obs is None:
+        return Observation((), time.time(), run.duration_s, run.error or "no observation")
+    if not obs.get("ok"):
+        err = obs.get("error") or {}
+        return Observation((), time.time(), run.duration_s,
+                           f"NVML failed: {err.get('name')} ({err.get('code')}): "
+                           f"{err.get('message')}")
+    return Observation(leaves_from_nvml(obs), time.time(), run.duration_s)
+
+
+def observe(env: Mapping[str, str], timeout_s: float = OBSERVE_TIMEOUT_S) -> Observation:
+    """Observe every leaf now, in an ``nvml`` probe child."""
+    return observation_from_run(run_probe("nvml", env=env, timeout_s=timeout_s))
+
+
+# --- visibility -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Narrowing:
+    """Which leaves the caller's visibility variables allow (``None``: no restriction)."""
+
+    allowed: frozenset[str] | None
+    blockers: tuple[Finding, ...] = ()
+    cuda_visible_devices: str | None = None
+    nvidia_visible_devices: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"allowed": None if self.allowed is None else sorted(self.allowed),
+                "CUDA_VISIBLE_DEVICES": self.cuda_visible_devices,
+                "NVIDIA_VISIBLE_DEVICES": self.nvidia_visible_devices,
+                "blockers": [b.record() for b in self.blockers]}
+
+
+def _allowed_by(vis: Visibility, leaves: Sequence[Leaf]) -> tuple[frozenset[str] | None,
+                                                                   list[str]]:
+    """The leaf UUIDs one visibility variable selects, and the entries it misnames."""
+    if vis.mode in ("unset", "all"):
+        return None, []
+    if vis.mode == "empty":
+        return frozenset(), []
+    known = [lf for lf in leaves if lf.uuid]
+    allowed: set[str] = set()
+    bad: list[str] = []
+    for e in vis.entries:
+        match: list[str] = []
+        if e.kind == "index":
+            match = [str(lf.uuid) for lf in known if lf.index == int(e.raw)]
+        elif e.kind == "uuid":
+            match = [str(lf.uuid) for lf in known
+                     if str(lf.uuid).lower() == e.raw.lower()
+                     or str(lf.parent_uuid or "").lower() == e.raw.lower()]
+        elif e.kind == "mig_uuid":
+            match = [str(lf.uuid) for lf in known if str(lf.uuid).lower() == e.raw.lower()]
+        # uuid_prefix, mig_legacy and invalid entries never identify a leaf here.
+        if not match:
+            bad.append(e.raw)
+        allowed.update(match)
+    return frozenset(allowed), bad
+
+
+def narrow(leaves: Sequence[Leaf], env: Mapping[str, str]) -> Narrowing:
+    """Apply CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES: they narrow, never widen."""
+    raw_c, raw_n = env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES")
+    cvd, nvd = parse_cuda_visible_devices(raw_c), parse_nvidia_visible_devices(raw_n)
+    allowed_c, bad_c = _allowed_by(cvd, leaves)
+    allowed_n, bad_n = _allowed_by(nvd, leaves)
+    blockers: list[Finding] = []
+    for vis, bad in ((cvd, bad_c), (nvd, bad_n)):
+        if bad:
+            blockers.append(Finding.of(
+                "visible_devices_invalid",
+                f"{vis.variable}={vis.raw!r}: {', '.join(repr(b) for b in bad)} names no "
+                "observed GPU or MIG instance by index or full UUID (UUID prefixes are never "
+                "identities for admission)"))
+    # CUDA narrowing within NVIDIA's set is how containers work; naming a leaf NVIDIA's
+    # list hides is the two disagreeing.
+    if allowed_c is not None and allowed_n is not None and not allowed_c <= allowed_n:
+        blockers.append(Finding.of(
+            "visible_devices_conflict",
+            f"CUDA_VISIBLE_DEVICES={raw_c!r} selects {sorted(allowed_c)} but "
+            f"NVIDIA_VISIBLE_DEVICES={raw_n!r} selects {sorted(allowed_n)}; "
+            f"{sorted(allowed_c - allowed_n)} is hidden by NVIDIA_VISIBLE_DEVICES"))
+    allowed: frozenset[str] | None
+    if allowed_c is None:
+        allowed = allowed_n
+    elif allowed_n is None:
+        allowed = allowed_c
+    else:
+        allowed = allowed_c & allowed_n
+    return Narrowing(allowed, tuple(blockers), raw_c, raw_n)
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Admitted leaves, the evidence of how they were chosen, and the locks that hold them."""
+
+    requirement: Requirement
+    verdict: Verdict
+    gpus: int
+    leaves: tuple[Leaf, ...]
+    candidates: tuple[Leaf, ...]
+    first: Observation | None
+    locked: Observation | None
+    locks: tuple[LockInfo, ...]
+    narrowing: Narrowing | None
+    lock_dir: str | None
+    attempts: int = 1
+    waited_s: float = 0.0
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(str(lf.uuid) for lf in self.leaves)
+
+    @property
+    def jax_platforms(self) -> str | None:
+        """JAX_PLATFORMS for the child: cuda when JAX must run on the GPU (no fallback)."""
+        jax = self.requirement.backend("jax")
+        if jax is None:
+            return None
+        return "cpu" if jax.platform == "cpu" else "cuda"
+
+    def fingerprint(self) -> str:
+        """A hash of what was admitted and how it looked under the locks."""
+        payload = {"uuids": list(self.uuids),
+                   "locked": [lf.record() for lf in (self.locked.leaves if self.locked else ())],
+                   "locks": [lk.record() for lk in self.locks]}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    def release(self) -> None:
+        """Drop this process's hold on the locks."""
+        release(self.locks)
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "gpus": self.gpus,
+            "selected": list(self.uuids),
+            "leaves": [lf.record() for lf in self.leaves],
+            "candidates": [lf.record() for lf in self.candidates],
+            "first_observation": self.first.record() if self.first else None,
+            "locked_observation": self.locked.record() if self.locked else None,
+            "locks": [lk.record() for lk in self.locks],
+            "lock_dir": self.lock_dir,
+            "narrowing": self.narrowing.record() if self.narrowing else None,
+            "attempts": self.attempts,
+            "waited_s": round(self.waited_s, 3),
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def child_environment(admission: Admission, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The exact child environment: ``base_env`` plus the admitted GPUs and preallocation off.
+
+    Both visibility variables name the admitted full UUIDs (empty when none was admitted, so
+    the child cannot reach a GPU it was not given); JAX_PLATFORMS=cuda when JAX must run on
+    the GPU, so a missing GPU backend fails loudly instead of falling back to the CPU.
+    """
+    env = dict(base_env)
+    env.update(gpudiag_variables(admission.uuids, admission.jax_platforms))
+    return env
+
+
+def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None) -> dict[str, str]:
+    """The variables gpudiag sets in a child (DESIGN.md's exact child environment)."""
+    for u in uuids:
+        if not is_full_uuid(u):
+            raise ValueError(f"{u!r} is not a full GPU-/MIG- UUID")
+    listed = ",".join(uuids)
+    out = {"CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
+    if jax_platforms is not None:
+        out["JAX_PLATFORMS"] = jax_platforms
+    out.update(PREALLOCATION_OFF)
+    return out
+
+
+Hook = Callable[[Observation], None]
+
+
+@dataclass(frozen=True)
+class Admitter:
+    """Admits ``gpus`` leaves for a ready verdict; seams are fields with real defaults."""
+
+    env: Mapping[str, str]
+    lock_dir: Path
+    gpus: int
+    min_free_memory_bytes: int | None = None
+    lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S
+    observer: Callable[[Mapping[str, str]], Observation] = observe
+    # Test seam: runs after the first observation, before the locks (inject a change here).
+    after_first_observation: Hook | None = None
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+
+    def admit(self, verdict: Verdict, first: Observation | None = None) -> Admission:
+        """Admit or raise AdmissionError; ``first`` reuses an observation made just before."""
+        requirement = replace(verdict.requirement, min_devices=self.gpus,
+                              min_free_memory_bytes=self.min_free_memory_bytes)
+        verdict = replace(verdict, requirement=requirement)
+        both_lists = all(self.env.get(v, "").strip().lower() not in ("", "all", "void", "none")
+                         for v in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"))
+        if not verdict.ready and first is None and both_lists and self.gpus:
+            first = self.observer(self.env)  # only to tell a conflict from a bad name
+        if first is not None and first.error is None:
+            narrowing = narrow(first.leaves, self.env)
+            conflict = [b for b in narrowing.blockers if b.code == "visible_devices_conflict"]
+            if conflict:
+                # The preflight sees the disagreement only as a name that matches nothing
+                # (or too few devices); the conflict is the cause, so it replaces those.
+                kept = tuple(b for b in verdict.blockers if b.code not in (
+                    "visible_devices_invalid", "insufficient_devices"))
+                raise AdmissionError(replace(
+                    verdict, blockers=(*kept, *conflict),
+                    evidence={**verdict.evidence, "admission": {
+                        "narrowing": narrowing.record(),
+                        "first_observation": first.record()}}))
+        if not verdict.ready:
+            raise AdmissionError(verdict)
+        if self.gpus == 0:
+            return Admission(requirement, verdict, 0, (), (), None, None, (), None, None)
+        started = self.clock()
+        deadline = started + self.lock_timeout_s
+        attempts = 0
+        obs = first
+        while True:
+            attempts += 1
+            if obs is None:
+                obs = self.observer(self.env)
+            outcome = self._attempt(verdict, obs, deadline)
+            if isinstance(outcome, Admission):
+                return replace(outcome, attempts=attempts, waited_s=self.clock() - started)
+            obs = None  # held by others and freed since: observe afresh
+
+    def _refuse(self, verdict: Verdict, code: str, message: str, evidence: Mapping[str, Any],
+                extra: Sequence[Finding] = ()) -> AdmissionError:
+        ev = dict(verdict.evidence)
+        ev["admission"] = dict(evidence)
+        blockers = (*verdict.blockers, *extra, Finding.of(code, message))
+        return AdmissionError(replace(verdict, blockers=blockers, evidence=ev))
+
+    def _attempt(self, verdict: Verdict, obs: Observation, deadline: float
+                 ) -> Admission | None:
+        lock_dir = self.lock_dir
+        evidence: dict[str, Any] = {"gpus": self.gpus, "lock_dir": str(lock_dir),
+                                    "min_free_memory_bytes": self.min_free_memory_bytes,
+                                    "first_observation": obs.record()}
+        if obs.error is not None:
+            raise self._refuse(verdict, "device_state_unknown",
+                               f"GPU occupancy could not be observed: {obs.error}", evidence)
+        narrowing = narrow(obs.leaves, self.env)
+        evidence["narrowing"] = narrowing.record()
+        if narrowing.blockers:
+            primary = narrowing.blockers[-1]
+            raise self._refuse(verdict, primary.code, primary.message, evidence,
+                               narrowing.blockers[:-1])
+        candidates = [lf for lf in obs.leaves
+                      if narrowing.allowed is None or (lf.uuid in narrowing.allowed)]
+        blocked_devices = {b.device for b in verdict.blockers if b.device}
+        floor = self.min_free_memory_bytes
+        eligible = [lf for lf in candidates
+                    if lf.occupancy == FREE and lf.uuid and is_full_uuid(lf.uuid)
+                    and lf.uuid not in blocked_devices and lf.parent_uuid not in blocked_devices
+                    and (floor is None or (lf.memory_free_bytes or 0) >= floor)]
+        held: list[LockInfo] = []
+        others: list[Leaf] = []  # eligible or busy leaves whose lock another job holds
+        try:
+            for lf in eligible:
+                if len(held) == self.gpus:
+                    break
+                lk = try_lock(lock_dir, str(lf.uuid))
+                if lk is None:
+                    others.append(lf)
+                else:
+                    held.append(lk)
+            # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it.
+            for lf in candidates:
+                if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
+                    probe = try_lock(lock_dir, lf.uuid)
+                    if probe is None:
+                        others.append(lf)
+                    else:
+                        release([probe])
+        except LockFailed as e:
+            release(held)
+            raise self._refuse(verdict, "device_state_unknown", str(e), evidence) from e
+        if len(held) == self.gpus:
+            return self._confirm(verdict, obs, narrowing, candidates, held, evidence)
+        release(held)
+        evidence["candidates"] = [lf.record() for lf in candidates]
+        evidence["held_by_others"] = [
+            {"uuid": lf.uuid, "holder": lock_holder(lock_dir, str(lf.uuid))} for lf in others]
+        if len(held) + len(others) < self.gpus:
+            raise self._shortage(verdict, candidates, evidence)
+        if self.clock() >= deadline:
+            raise self._refuse(
+                verdict, "lock_timeout",
+                f"{len(others)} GPU(s) that could serve this job stayed locked by other jobs "
+                f"for {self.lock_timeout_s:g} s ({', '.join(str(lf.uuid) for lf in others)})",
+                evidence)
+        self._wait_for_release(lock_dir, [str(lf.uuid) for lf in others], deadline)
+        return None
+
+    def _wait_for_release(self, lock_dir: Path, uuids: Sequence[str], deadline: float) -> None:
+        """Poll others' locks until one frees, a fresh look is due, or the deadline passes."""
+        until = min(deadline, self.clock() + REOBSERVE_S)
+        while self.clock() < until:
+            for uuid in uuids:
+                lk = try_lock(lock_dir, uuid)
+                if lk is not None:
+                    release([lk])
+                    # Jitter so that waiters freed together do not race in lockstep.
+                    self.sleep(random.uniform(0.0, LOCK_POLL_S))
+                    return
+            self.sleep(LOCK_POLL_S)
+
+    def _shortage(self, verdict: Verdict, candidates: Sequence[Leaf],
+                  evidence: Mapping[str, Any]) -> AdmissionError:
+        need = self.gpus
+        free = [lf for lf in candidates if lf.occupancy == FREE]
+        busy = [lf for lf in candidates if lf.occupancy == BUSY]
+        unknown = [lf for lf in candidates if lf.occupancy == UNKNOWN]
+        floor = self.min_free_memory_bytes
+        short = [lf for lf in free
+                 if floor is not None and (lf.memory_free_bytes or 0) < floor]
+        parts = [f"{len(candidates)} visible leaf/leaves", f"{len(free)} FREE",
+                 f"{len(busy)} BUSY", f"{len(unknown)} UNKNOWN"]
+        summary = f"asked for {need}; " + ", ".join(parts)
+        if busy and len(free) < need:
+            detail = "; ".join(f"{lf.label}: {lf.reason}" for lf in busy)
+            return self._refuse(verdict, "devices_busy", f"{summary}. {detail}", evidence)
+        if unknown and len(free) < need:
+            detail = "; ".join(f"{lf.label}: {lf.reason}" for lf in unknown)
+            return self._refuse(verdict, "device_state_unknown", f"{summary}. {detail}",
+                                evidence)
+        if short:
+            detail = "; ".join(f"{lf.label} has {lf.memory_free_bytes} bytes free"
+                               for lf in short)
+            return self._refuse(verdict, "insufficient_free_memory",
+                                f"{summary}; need {floor} bytes free per leaf. {detail}",
+                                evidence)
+        return self._refuse(verdict, "insufficient_devices", summary, evidence)
+
+    def _confirm(self, verdict: Verdict, first: Observation, narrowing: Narrowing,
+                 candidates: Sequence[Leaf], held: list[LockInfo],
+                 evidence: dict[str, Any]) -> Admission:
+        """Observe again under the locks; any change that matters aborts (no retry)."""
+        if self.after_first_observation is not None:
+            self.after_first_observation(first)
+        locked = self.observer(self.env)
+        evidence["locked_observation"] = locked.record()
+        changes = compare(first, locked, [lk.uuid for lk in held], narrowing, self.env)
+        if changes:
+            release(held)
+            raise self._refuse(verdict, "admission_changed",
+                               "changed between the first observation and the one under the "
+                               "locks: " + "; ".join(changes), evidence | {"changes": changes})
+        leaves = tuple(lf for uuid in (lk.uuid for lk in held)
+                       if (lf := locked.leaf(uuid)) is not None)
+        return Admission(verdict.requirement, verdict, self.gpus, leaves, tuple(candidates),
+                         first, locked, tuple(held), narrowing, str(self.lock_dir))
+
+
+def compare(first: Observation, locked: Observation, selected: Sequence[str],
+            narrowing: Narrowing, env: Mapping[str, str]) -> list[str]:
+    """What changed that matters: topology, visibility, and the selected leaves' state.
+
+    Other leaves' occupancy is not compared: GPUs that other jobs hold legitimately change
+    while we admit, and that does not affect ours.
+    """
+    changes: list[str] = []
+    if locked.error is not None:
+        return [f"the observation under the locks failed: {locked.error}"]
+    if first.topology() != locked.topology():
+        changes.append(f"topology {first.topology()} -> {locked.topology()}")
+    again = narrow(locked.leaves, env)
+    if again.allowed != narrowing.allowed or again.blockers:
+        changes.append("visibility: the visible leaves differ")
+    for uuid in selected:
+        a, b = first.leaf(uuid), locked.leaf(uuid)
+        if a is None or b is None:
+            changes.append(f"{uuid} disappeared")
+            continue
+        if a.occupancy != b.occupancy or a.pids != b.pids:
+            changes.append(f"{uuid} occupancy {a.occupancy} -> {b.occupancy}"
+                           + (f" ({b.reason})" if b.reason else ""))
+        if (a.memory_total_bytes, a.memory_free_bytes) != (b.memory_total_bytes,
+                                                           b.memory_free_bytes):
+            changes.append(f"{uuid} memory free {a.memory_free_bytes} -> "
+                           f"{b.memory_free_bytes} bytes (total {a.memory_total_bytes} -> "
+                           f"{b.memory_total_bytes})")
+    return changes
+
+
+# --- the public entry point -----------------------------------------------------------------
+
+
+def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[str, str],
+                            timeout_s: float | None = None, daemon_url: str | None = None
+                            ) -> tuple[Verdict, Observation | None]:
+    """The preflight verdict, and the first observation when the probes ran here.
+
+    The daemon at ``daemon_url`` answers first when one listens (milliseconds); otherwise
+    the probes run inline, and their nvml run may double as the first observation. The
+    preflight requirement asks for one healthy GPU: admission counts leaves itself (MIG
+    instances are leaves the preflight does not count).
+    """
+    from gpudiag.core.classify import classify
+    from gpudiag.engine.inline import run_inline
+
+    pre = replace(requirement, min_devices=min(gpus, 1) if requirement.needs_gpu or gpus
+                  else requirement.min_devices, min_free_memory_bytes=None)
+    if gpus > 0 and not pre.needs_gpu:
+        # A CPU requirement that still asks for GPUs: NVML must be probed too.
+        from gpudiag.core.verdict import BackendRequirement
+        pre = replace(pre, backends=(*pre.backends, BackendRequirement("nvml")))
+    if daemon_url is not None:
+        from gpudiag.engine.client import ask_daemon
+
+        answer = ask_daemon(daemon_url, pre, env=env)
+        if answer.verdict is not None:
+            return answer.verdict, None
+    runs, checked_at = run_inline(pre, env=env, timeout_s=timeout_s)
+    verdict = classify(runs, pre, host=socket.gethostname(), checked_at=checked_at)
+    nvml = runs.get("nvml")
+    # The nvml run doubles as the first observation only when no probe that opens a GPU
+    # context (cuda, jax, iree) ran beside it: on a real GPU that probe's own process and
+    # memory would show up as occupancy and then vanish (a false BUSY or admission_changed).
+    alone = set(runs) <= {"host", "nvml"}
+    first = observation_from_run(nvml) if nvml is not None and alone else None
+    return verdict, first
+
+
+@contextlib.contextmanager
+def admit(gpus: int | None = None, *, min_free_memory: str | int | None = None,
+          require: str | Requirement = "cuda", timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+          env: Mapping[str, str] | None = None, lock_dir: str | os.PathLike[str] | None = None,
+          verdict: Verdict | None = None, probe_timeout_s: float | None = None,
+          daemon_url: str | None = None,
+          after_first_observation: Hook | None = None) -> Iterator[Admission]:
+    """Preflight, then admit ``gpus`` leaves under full-UUID locks for the ``with`` block.
+
+    Raises AdmissionError (its ``verdict`` names the blocker, with evidence) when refused.
+    ``timeout`` is how long to wait for GPUs other jobs hold; ``verdict`` skips the
+    preflight when the caller already has one for this requirement; ``daemon_url`` asks
+    that gpudiag daemon for the verdict first (inline probes when none answers).
+    """
+    from gpudiag.core.requirement import parse_requirement, parse_size
+
+    requirement = require if isinstance(require, Requirement) else parse_requirement(require)
+    n = (1 if requirement.needs_gpu else 0) if gpus is None else gpus
+    if n < 0 or n > 64:
+        raise ValueError(f"gpus={n} must be between 0 and 64")
+    floor = parse_size(min_free_memory) if isinstance(min_free_memory, str) else min_free_memory
+    base = dict(os.environ if env is None else env)
+    first: Observation | None = None
+    if verdict is None:
+        verdict, first = preflight_for_admission(requirement, n, base, probe_timeout_s,
+                                                 daemon_url)
+    admitter = Admitter(env=base, lock_dir=Path(lock_dir) if lock_dir else default_lock_dir(base),
+                        gpus=n, min_free_memory_bytes=floor, lock_timeout_s=timeout,
+                        after_first_observation=after_first_observation)
+    admission = admitter.admit(replace(verdict, requirement=requirement), first)
+    try:
+        yield admission
+    finally:
+        admission.release()

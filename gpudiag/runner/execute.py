@@ -1,0 +1,649 @@
+"""The ``gpudiag run`` execution route: preflight, admit, plan, launch, wait, release, close out.
+
+The plan is written and fsynced before launch and the child environment is derived from the
+plan alone. The child starts with shell=False in a new session; this process becomes a child
+subreaper, so every descendant (orphans too) stays its child until reaped, and the GPU locks
+are released only once the child and every descendant have ended. The lock files are also
+inherited by the child, so the kernel keeps a GPU locked while any of its processes lives,
+even if this process is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any, BinaryIO
+
+from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
+from gpudiag.core.fileio import atomic_write
+from gpudiag.core.verdict import Requirement, Verdict, kv_value
+from gpudiag.core.version import __version__
+from gpudiag.engine.locks import default_lock_dir, try_lock
+from gpudiag.engine.locks import release as release_locks
+from gpudiag.runner.admission import (
+    Admission,
+    AdmissionError,
+    Admitter,
+    Hook,
+    gpudiag_variables,
+    preflight_for_admission,
+)
+
+EXIT_REFUSED = 125
+EXIT_CANNOT_EXECUTE = 126
+EXIT_NOT_FOUND = 127
+ROUTE = "gpudiag-run"
+PLAN_SCHEMA = "gpudiag.plan/1"
+CLOSEOUT_SCHEMA = "gpudiag.closeout/1"
+PR_SET_CHILD_SUBREAPER = 36
+TICK_S = 0.05
+MAX_TRACKED = 4096
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ARTIFACT_NAMES = {
+    "plan": "plan.json", "environment": "environment.json", "verdict": "verdict.json",
+    "result": "result.json", "stdout": "stdout.log", "stderr": "stderr.log",
+    "closeout_json": "closeout.json", "closeout_txt": "closeout.txt",
+    "child_reports": "child-reports",
+}
+
+
+class RunnerError(Exception):
+    """gpudiag could not get as far as launching (bad artifacts dir, unusable plan)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything one ``gpudiag run`` needs."""
+
+    argv: tuple[str, ...]
+    requirement: Requirement
+    artifacts: Path
+    lock_dir: Path | None  # None: default_lock_dir(), resolved only when GPUs are admitted
+    gpus: int
+    min_free_memory_bytes: int | None = None
+    timeout_s: float | None = None
+    kill_grace_s: float = 5.0
+    lock_timeout_s: float = 60.0
+    probe_timeout_s: float | None = None
+    image: str | None = None
+    docker: str = "docker"
+    cwd: Path = field(default_factory=Path.cwd)
+    daemon_url: str | None = None  # ask this daemon for the verdict first; None: inline
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """The exit code ``gpudiag run`` returns and the closeout it wrote."""
+
+    exit_code: int
+    closeout: Mapping[str, Any]
+
+
+def set_child_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux 3.4+)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _now() -> str:
+    from gpudiag.core.clock import now_rfc3339
+
+    return now_rfc3339()
+
+
+def _paths(artifacts: Path) -> dict[str, str]:
+    return {k: str(artifacts / v) for k, v in ARTIFACT_NAMES.items()}
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, indent=2, sort_keys=False, default=str) + "\n"
+
+
+# --- plan and environment ------------------------------------------------------------------
+
+
+def build_plan(options: RunOptions, admission: Admission, base_env: Mapping[str, str],
+               hook_dir: Path | None) -> dict[str, Any]:
+    """The plan record: what will run, where, on which leaves, with which variables."""
+    variables = gpudiag_variables(admission.uuids, admission.jax_platforms)
+    python_path: str | None = None
+    report_dir: str | None = None
+    if hook_dir is not None:
+        python_path = os.pathsep.join(
+            [str(hook_dir), *([base_env["PYTHONPATH"]] if base_env.get("PYTHONPATH") else [])])
+        report_dir = str(options.artifacts / ARTIFACT_NAMES["child_reports"])
+    plan: dict[str, Any] = {
+        "schema": PLAN_SCHEMA,
+        "created_at": _now(),
+        "host": socket.gethostname(),
+        "gpudiag_version": __version__,
+        "argv": list(options.argv),
+        "cwd": str(options.cwd),
+        "image": options.image,
+        "requirement": admission.requirement.record(),
+        "timeout_s": options.timeout_s,
+        "admission": admission.record(),
+        "environment": {
+            "set": variables,
+            "python_hook": {"PYTHONPATH": python_path, REPORT_DIR_VAR: report_dir},
+            "base_sha256": env_sha256(base_env),
+        },
+        "docker": None,
+    }
+    return plan
+
+
+def environment_from_plan(plan: Mapping[str, Any], base_env: Mapping[str, str]
+                          ) -> dict[str, str]:
+    """The exact child environment, from the plan alone (plus the caller's base env)."""
+    spec = plan["environment"]
+    env = dict(base_env)
+    env.update({str(k): str(v) for k, v in spec["set"].items()})
+    for key, value in (spec.get("python_hook") or {}).items():
+        if value is not None:
+            env[str(key)] = str(value)
+    return env
+
+
+def fingerprint(plan: Mapping[str, Any]) -> str:
+    """A hash of the plan without its own fingerprint and timestamps."""
+    body = {k: v for k, v in plan.items() if k not in ("fingerprint", "created_at")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def environment_record(env: Mapping[str, str], plan: Mapping[str, Any]) -> dict[str, Any]:
+    """environment.json: the variables gpudiag set, every name, and a hash of the whole."""
+    set_keys = dict(plan["environment"]["set"])
+    hook = {k: v for k, v in (plan["environment"].get("python_hook") or {}).items()
+            if v is not None}
+    return {"set_by_gpudiag": {**set_keys, **hook}, "keys": sorted(env),
+            "sha256": env_sha256(env), "count": len(env)}
+
+
+# --- process tree ---------------------------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, comm) for every process /proc shows now."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                raw = fh.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        close = raw.rfind(")")
+        comm = raw[raw.find("(") + 1:close]
+        fields = raw[close + 2:].split()
+        if len(fields) > 1:
+            table[int(entry.name)] = (int(fields[1]), comm)
+    return table
+
+
+@dataclass
+class _Descendant:
+    pid: int
+    ppid: int
+    comm: str
+    first_seen: float
+    last_seen: float
+    cmdline: list[str]
+    reaped: bool = False
+    status: int | None = None
+
+
+class Tree:
+    """Every descendant of this process seen so far (it is their subreaper)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, _Descendant] = {}
+        self.total = 0
+        self.root = os.getpid()
+
+    def scan(self) -> list[int]:
+        """Refresh; returns the pids alive below this process now."""
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        alive: list[int] = []
+        stack = list(children.get(self.root, []))
+        now = time.time()
+        while stack:
+            pid = stack.pop()
+            alive.append(pid)
+            stack.extend(children.get(pid, []))
+            ppid, comm = table[pid]
+            d = self.seen.get(pid)
+            if d is None:
+                self.total += 1
+                if len(self.seen) < MAX_TRACKED:  # a fork loop must not grow the record
+                    self.seen[pid] = _Descendant(pid, ppid, comm, now, now, _cmdline(pid))
+            else:
+                d.last_seen, d.comm = now, comm
+        return alive
+
+    def reaped(self, pid: int, status: int) -> None:
+        d = self.seen.get(pid)
+        if d is None:
+            if len(self.seen) >= MAX_TRACKED:
+                return
+            self.total += 1
+            now = time.time()
+            d = self.seen[pid] = _Descendant(pid, -1, "?", now, now, [])
+        d.reaped, d.status = True, status
+
+    def record(self) -> list[dict[str, Any]]:
+        return [{"pid": d.pid, "ppid": d.ppid, "comm": d.comm, "cmdline": d.cmdline,
+                 "first_seen": d.first_seen, "last_seen": d.last_seen, "reaped": d.reaped,
+                 "wait_status": d.status} for d in sorted(self.seen.values(),
+                                                         key=lambda x: x.first_seen)]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read(4096)
+    except OSError:
+        return []
+    return [p.decode("utf-8", "replace") for p in raw.split(b"\0") if p]
+
+
+class _Tee(threading.Thread):
+    """Copy one pipe to a log file and a stream, hashing what passed."""
+
+    def __init__(self, pipe: IO[bytes], log: Path, stream: BinaryIO | None) -> None:
+        super().__init__(daemon=True)
+        self.pipe, self.log, self.stream = pipe, log, stream
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def run(self) -> None:
+        with open(self.log, "wb") as out:
+            while True:
+                chunk = os.read(self.pipe.fileno(), 65536)
+                if not chunk:
+                    break
+                out.write(chunk)
+                out.flush()
+                self.sha.update(chunk)
+                self.size += len(chunk)
+                if self.stream is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        self.stream.write(chunk)
+                        self.stream.flush()
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def _signal_all(pids: Sequence[int], pgid: int, sig: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, sig)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+@dataclass
+class _Wait:
+    main_status: int | None = None
+    timed_out: bool = False
+    term_sent_at: float | None = None
+    kill_sent_at: float | None = None
+    forwarded: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _wait_tree(proc: subprocess.Popen[bytes], tree: Tree, timeout_s: float | None,
+               grace_s: float, state: _Wait) -> None:
+    """Reap the child and every descendant; on the deadline, TERM then KILL the whole tree."""
+    started = time.monotonic()
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no child left: the child and every descendant have ended
+        if pid != 0:
+            tree.reaped(pid, status)
+            if pid == proc.pid:
+                state.main_status = status
+                proc.returncode = os.waitstatus_to_exitcode(status)
+            continue
+        alive = tree.scan()
+        now = time.monotonic()
+        if timeout_s is not None and now - started >= timeout_s:
+            if state.term_sent_at is None:
+                state.timed_out = True
+                state.term_sent_at = now
+                _signal_all(alive, proc.pid, signal.SIGTERM)
+            elif now - state.term_sent_at >= grace_s:
+                state.kill_sent_at = state.kill_sent_at or now
+                _signal_all(alive, proc.pid, signal.SIGKILL)
+        time.sleep(TICK_S)
+
+
+# --- closeout -------------------------------------------------------------------------------
+
+
+def closeout_kv(closeout: Mapping[str, Any]) -> str:
+    """closeout.txt: one key=value per line, scalars first, then flattened lists."""
+    lines = [f"{k}={kv_value(closeout.get(k), lenient=True)}" for k in (
+        "gpu_execution_route", "gpu_validation_blocker", "ready", "launched", "status",
+        "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
+        "preallocation_source", "container_image", "gpu_injection", "started_at",
+        "ended_at", "duration_s", "verdict_source", "host", "gpudiag_version")]
+    gpus = closeout.get("gpus") or []
+    lines.append(f"gpus.count={len(gpus)}")
+    lines.append(f"gpus.uuids={','.join(str(g['uuid']) for g in gpus)}")
+    for i, g in enumerate(gpus):
+        for k in ("uuid", "kind", "parent_uuid", "name", "memory_total_bytes",
+                  "memory_free_bytes"):
+            lines.append(f"gpus.{i}.{k}={kv_value(g.get(k), lenient=True)}")
+    for k, v in (closeout.get("artifacts") or {}).items():
+        lines.append(f"artifacts.{k}={v}")
+    blockers = closeout.get("blockers") or []
+    lines.append(f"blockers={','.join(b['code'] for b in blockers)}")
+    for i, b in enumerate(blockers):
+        for k in ("code", "layer", "device", "message", "remediation"):
+            lines.append(f"blockers.{i}.{k}={kv_value(b.get(k), lenient=True)}")
+    if closeout.get("evidence") is not None:
+        lines.append(f"evidence={kv_value(closeout['evidence'], lenient=True)}")
+    if closeout.get("error"):
+        lines.append(f"error={kv_value(closeout['error'], lenient=True)}")
+    return "\n".join(lines) + "\n"
+
+
+def _write_closeout(paths: Mapping[str, str], closeout: dict[str, Any]) -> None:
+    atomic_write(paths["closeout_json"], _json(closeout))
+    atomic_write(paths["closeout_txt"], closeout_kv(closeout))
+
+
+def child_reports(folder: Path) -> list[dict[str, Any]]:
+    """The reports Python processes of the run wrote about themselves."""
+    out: list[dict[str, Any]] = []
+    if not folder.is_dir():
+        return out
+    for path in sorted(folder.glob("child-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            value = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(value, dict):
+                out.append(value)
+    return out
+
+
+def preallocation_verdict(env: Mapping[str, str], reports: Sequence[Mapping[str, Any]]
+                          ) -> tuple[bool, str, list[dict[str, Any]]]:
+    """yes/no, its source (child or plan), and what each reporting child saw."""
+    planned = preallocation_off(env)
+    seen = []
+    for r in reports:
+        startup = (r.get("startup") or {}).get("preallocation_disabled")
+        now = (r.get("now") or {}).get("preallocation_disabled")
+        seen.append({"pid": r.get("pid"), "argv": r.get("argv"), "startup": startup,
+                     "at_report": now, "jax": r.get("jax"),
+                     "environment_matches_plan": (r.get("startup") or {}).get("sha256")
+                     == env_sha256(env)})
+    if not reports:
+        return planned, "plan", seen
+    ok = planned and all(s["startup"] is True and s["at_report"] is True for s in seen)
+    return ok, "child", seen
+
+
+def _gpu_slots(admission: Admission | None) -> list[dict[str, Any]]:
+    if admission is None:
+        return []
+    return [{"uuid": lf.uuid, "kind": lf.kind, "parent_uuid": lf.parent_uuid, "name": lf.name,
+             "index": lf.index, "memory_total_bytes": lf.memory_total_bytes,
+             "memory_free_bytes": lf.memory_free_bytes} for lf in admission.leaves]
+
+
+def _base_closeout(options: RunOptions, paths: Mapping[str, str], started: str
+                   ) -> dict[str, Any]:
+    return {
+        "schema": CLOSEOUT_SCHEMA, "gpu_execution_route": ROUTE,
+        "gpu_validation_blocker": "none", "ready": False, "launched": False,
+        "status": "refused", "exit_code": EXIT_REFUSED, "exit_signal": None,
+        "timed_out": False, "preallocation_disabled": "no", "preallocation_source": "none",
+        "container_image": options.image, "gpu_injection": None, "started_at": started,
+        "ended_at": None, "duration_s": None, "host": socket.gethostname(),
+        "gpudiag_version": __version__, "verdict_source": None, "gpus": [],
+        "artifacts": dict(paths),
+        "blockers": [], "evidence": None, "error": None,
+    }
+
+
+def _refused(options: RunOptions, paths: Mapping[str, str], closeout: dict[str, Any],
+             verdict: Verdict, t0: float, err: BinaryIO | None) -> RunOutcome:
+    record = verdict.record()
+    atomic_write(paths["verdict"], _json(record))
+    closeout.update(
+        gpu_validation_blocker=verdict.gpu_validation_blocker, ready=False,
+        blockers=record["blockers"], ended_at=_now(),
+        duration_s=round(time.monotonic() - t0, 3),
+        evidence=record["evidence"].get("admission") or _blocker_evidence(record))
+    atomic_write(paths["result"], _json({"launched": False, "exit_code": EXIT_REFUSED,
+                                         "reason": verdict.gpu_validation_blocker}))
+    _write_closeout(paths, closeout)
+    primary = verdict.primary
+    _say(err, f"gpudiag run: refused: {verdict.gpu_validation_blocker}: "
+              f"{primary.message if primary else ''}\ngpudiag run: closeout "
+              f"{paths['closeout_txt']}\n")
+    return RunOutcome(EXIT_REFUSED, closeout)
+
+
+def _blocker_evidence(record: Mapping[str, Any]) -> dict[str, Any]:
+    ev = record.get("evidence") or {}
+    return {"driver": ev.get("driver"), "environment": ev.get("environment"),
+            "device_nodes": ev.get("device_nodes"), "probe_stderr": ev.get("probe_stderr")}
+
+
+def _say(err: BinaryIO | None, text: str) -> None:
+    if err is not None:
+        with contextlib.suppress(OSError, ValueError):
+            err.write(text.encode("utf-8", "replace"))
+            err.flush()
+
+
+# --- the route ------------------------------------------------------------------------------
+
+
+def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
+            out: BinaryIO | None = None, err: BinaryIO | None = None,
+            after_first_observation: Hook | None = None) -> RunOutcome:
+    """Run ``options.argv`` the gpudiag way; returns the exit code and the closeout.
+
+    This process becomes a subreaper and reaps every child it has: call it from a process
+    that owns no other children (the CLI does).
+    """
+    t0 = time.monotonic()
+    started = _now()
+    base = dict(os.environ if env is None else env)
+    try:
+        options.artifacts.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunnerError(f"cannot create the artifacts dir {options.artifacts}: "
+                          f"{e.strerror or e}") from e
+    paths = _paths(options.artifacts)
+    closeout = _base_closeout(options, paths, started)
+    verdict, first = preflight_for_admission(options.requirement, options.gpus, base,
+                                             options.probe_timeout_s, options.daemon_url)
+    closeout["verdict_source"] = verdict.source
+    lock_dir = options.lock_dir
+    if lock_dir is None:
+        lock_dir = default_lock_dir(base) if options.gpus else Path(os.devnull)
+    admitter = Admitter(env=base, lock_dir=lock_dir, gpus=options.gpus,
+                        min_free_memory_bytes=options.min_free_memory_bytes,
+                        lock_timeout_s=options.lock_timeout_s,
+                        after_first_observation=after_first_observation)
+    try:
+        admission = admitter.admit(
+            _with_requirement(verdict, options.requirement), first)
+    except AdmissionError as e:
+        return _refused(options, paths, closeout, e.verdict, t0, err)
+    try:
+        return _launch(options, base, admission, paths, closeout, t0, out, err)
+    finally:
+        admission.release()
+
+
+def _with_requirement(verdict: Verdict, requirement: Requirement) -> Verdict:
+    from dataclasses import replace
+
+    return replace(verdict, requirement=requirement)
+
+
+def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
+            paths: Mapping[str, str], closeout: dict[str, Any], t0: float,
+            out: BinaryIO | None, err: BinaryIO | None) -> RunOutcome:
+    hook_dir: Path | None = None
+    if options.image is None:
+        hook_dir = options.artifacts / "python-hook"
+        hook_dir.mkdir(exist_ok=True)
+        (options.artifacts / ARTIFACT_NAMES["child_reports"]).mkdir(exist_ok=True)
+        atomic_write(hook_dir / "sitecustomize.py", sitecustomize_source())
+    plan = build_plan(options, admission, base, hook_dir)
+    argv: list[str] = list(options.argv)
+    if options.image is not None:
+        from gpudiag.runner.containers import plan_docker
+
+        docker = plan_docker(options.image, options.argv, admission.uuids,
+                             plan["environment"]["set"], docker=options.docker,
+                             name=f"gpudiag-{os.getpid()}-{int(time.time())}")
+        plan["docker"] = docker.record()
+        argv = list(docker.argv)
+        closeout["gpu_injection"] = docker.injection
+    plan["launch_argv"] = argv
+    plan["fingerprint"] = fingerprint(plan)
+    atomic_write(paths["plan"], _json(plan))
+    atomic_write(paths["verdict"], _json(admission.verdict.record()))
+    # Derived from the plan as written, read back: nothing else decides the environment.
+    written = json.loads(Path(paths["plan"]).read_text(encoding="utf-8"))
+    env = environment_from_plan(written, base)
+    atomic_write(paths["environment"], _json(environment_record(env, written)))
+    closeout.update(gpus=_gpu_slots(admission), ready=True)
+
+    subreaper = set_child_subreaper()
+    tree = Tree()
+    state = _Wait()
+    start_wall, start_mono = _now(), time.monotonic()
+    try:
+        proc = subprocess.Popen(  # noqa: S603 - argv as given, never a shell
+            written["launch_argv"], env=env, cwd=str(options.cwd), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            pass_fds=[lk.fd for lk in admission.locks])
+    except OSError as e:
+        code = (EXIT_NOT_FOUND if isinstance(e, FileNotFoundError)
+                else EXIT_CANNOT_EXECUTE if isinstance(e, PermissionError) else EXIT_REFUSED)
+        closeout.update(status="launch_failed", exit_code=code, ended_at=_now(),
+                        duration_s=round(time.monotonic() - t0, 3),
+                        error=f"cannot start {written['launch_argv'][0]!r}: {e.strerror or e}")
+        atomic_write(paths["result"], _json({"launched": False, "exit_code": code,
+                                             "error": closeout["error"]}))
+        _write_closeout(paths, closeout)
+        _say(err, f"gpudiag run: {closeout['error']}\n")
+        return RunOutcome(code, closeout)
+    assert proc.stdout is not None and proc.stderr is not None
+    tees = [_Tee(proc.stdout, Path(paths["stdout"]), out),
+            _Tee(proc.stderr, Path(paths["stderr"]), err)]
+    for t in tees:
+        t.start()
+    previous = _forward_signals(proc.pid, state)
+    try:
+        _wait_tree(proc, tree, options.timeout_s, options.kill_grace_s, state)
+    finally:
+        _restore_signals(previous)
+    end_mono = time.monotonic()
+    for t in tees:
+        t.join(timeout=5.0)
+    descendants_ended_at = _now()
+    admission.release()
+    released_at = _now()
+    # Evidence that nothing kept the locks: each can be taken (and dropped) right away.
+    free_after = {}
+    for lk in admission.locks:
+        again = try_lock(Path(lk.path).parent, lk.uuid)
+        free_after[lk.uuid] = again is not None
+        if again is not None:
+            release_locks([again])
+    status = state.main_status if state.main_status is not None else 0
+    code, sig = _exit_code(status)
+    reports = child_reports(options.artifacts / ARTIFACT_NAMES["child_reports"])
+    prealloc, source, seen = preallocation_verdict(env, reports)
+    result = {
+        "launched": True, "argv": written["launch_argv"], "pid": proc.pid,
+        "exit_code": code, "exit_signal": sig, "wait_status": status,
+        "timed_out": state.timed_out, "started_at": start_wall, "ended_at": _now(),
+        "duration_s": round(end_mono - start_mono, 3),
+        "kill": {"grace_s": options.kill_grace_s, "term_sent": state.term_sent_at is not None,
+                 "kill_sent": state.kill_sent_at is not None},
+        "forwarded_signals": state.forwarded,
+        "outputs": {name: {"path": str(t.log), "bytes": t.size, "sha256": t.sha.hexdigest()}
+                    for name, t in (("stdout", tees[0]), ("stderr", tees[1]))},
+        "descendants": tree.record(),
+        "descendants_seen": tree.total,
+        "subreaper": subreaper,
+        "locks": {"released": True, "descendants_ended_at": descendants_ended_at,
+                  "released_at": released_at, "free_after_release": free_after,
+                  "held": [lk.record() for lk in admission.locks]},
+        "child_reports": seen,
+        "plan_fingerprint": written["fingerprint"],
+    }
+    atomic_write(paths["result"], _json(result))
+    closeout.update(
+        launched=True, status="timed_out" if state.timed_out else (
+            "signaled" if sig is not None else "exited"),
+        exit_code=code, exit_signal=sig, timed_out=state.timed_out,
+        preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
+        ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
+        evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
+    _write_closeout(paths, closeout)
+    if state.timed_out:
+        _say(err, f"gpudiag run: timed out after {options.timeout_s:g} s; the whole tree "
+                  f"was ended (exit {code})\n")
+    return RunOutcome(code, closeout)
+
+
+def _exit_code(status: int) -> tuple[int, int | None]:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return 128 + sig, sig
+    return os.WEXITSTATUS(status), None
+
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+
+
+def _forward_signals(pgid: int, state: _Wait) -> dict[int, SignalHandler]:
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        state.forwarded.append({"signal": signum, "at": time.time()})
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signum)
+
+    previous: dict[int, SignalHandler] = {}
+    for sig in FORWARDED_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread: no forwarding
+            previous[sig] = signal.signal(sig, forward)
+    return previous
+
+
+def _restore_signals(previous: Mapping[int, SignalHandler]) -> None:
+    for sig, handler in previous.items():
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(sig, handler)
+
