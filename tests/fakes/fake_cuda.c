@@ -19,11 +19,6 @@
  *   FAKE_CUDA_INIT_HANG=1      cuInit never returns
  *   FAKE_CUDA_INIT_CRASH=1     cuInit raises SIGSEGV
  *   FAKE_CUDA_CTX_ERROR=<n>    context creation / primary context retain fail
- *   FAKE_CUDA_CONTEXT_MIB=<n>  device memory a new context needs (default 500); a GPU
- *                              (or MIG instance) with less free refuses it with
- *                              CUDA_ERROR_OUT_OF_MEMORY (2)
- *   FAKE_CUDA_CONTEXT_LOG=PATH append one JSON line per context creation attempt
- *                              and per device allocation (see log_device_event)
  *   FAKE_CUDA_ALLOC_ERROR=<n>  device allocations fail
  *   FAKE_CUDA_LAUNCH_ERROR=<n> kernel launches (and graphs with kernels) fail
  *   FAKE_CUDA_DRIVER_VERSION   cuDriverGetVersion (default 12080)
@@ -31,6 +26,10 @@
  *   FAKE_GPU_NAME, FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MIG,
  *   FAKE_NVML_MEMORY_USED_MIB  shared with the fake NVML
  *
+ * Busy GPUs:
+ *   FAKE_CUDA_CONTEXT_MIB=<n>  device memory a new context needs (default 500)
+ *   FAKE_CUDA_CONTEXT_LOG=PATH append one JSON line per context creation attempt
+ *                              and per device allocation (see log_device_event)
  * Contexts follow the GPU's state as the fake NVML reports it (fake_common.h):
  * creating one (cuCtxCreate*, or the first cuDevicePrimaryCtxRetain of a device
  * in this process) fails with
@@ -42,6 +41,9 @@
  *   - CUDA_ERROR_OUT_OF_MEMORY (2) when the device's total memory, less
  *     FAKE_NVML_MEMORY_USED_MIB and this process's own allocations, is below
  *     FAKE_CUDA_CONTEXT_MIB.  A context's memory is not charged afterwards.
+ * Contexts made through the fake are invisible to other processes: only the
+ * processes listed in FAKE_NVML_PROCESSES make a GPU busy (tests/fakes/jobs.py
+ * lists real ones).
  * Device ordinals map to physical GPUs through CUDA_VISIBLE_DEVICES (indices,
  * unique GPU UUID prefixes, MIG UUIDs), and these checks and the log use the
  * physical GPU.
@@ -138,10 +140,7 @@ static void trace(const char *fmt, ...) {
     fprintf(stderr, "fake-cuda: %s\n", line);
 }
 
-/* The driver entry point this thread is in (set by TRACE_CALL), named in the context log. */
-static _Thread_local const char *t_api_call;
-
-#define TRACE_CALL() (t_api_call = __func__, trace("%s", __func__))
+#define TRACE_CALL() trace("%s", __func__)
 
 typedef struct {
     int code;
@@ -581,7 +580,8 @@ static CUresult ctx_occupancy_error(CUdevice dev) {
  *    UUID), "gpu_uuid" (the physical GPU's), "result" (CUresult), "time" (Unix
  *    seconds), "cuda_visible_devices" (string or null), "bytes" (allocs only)}
  */
-static void log_device_event(const char *event, CUdevice dev, CUresult rc, long long bytes) {
+static void log_device_event(const char *event, const char *call, CUdevice dev, CUresult rc,
+                             long long bytes) {
     char *path = fake_get_dup("FAKE_CUDA_CONTEXT_LOG");
     if (!path || !*fake_strip(path)) {
         free(path);
@@ -597,7 +597,7 @@ static void log_device_event(const char *event, CUdevice dev, CUresult rc, long 
     long long now_us = fake_now_us();
     fake_line_t line = {.len = 0};
     fake_line_add(&line, "{\"event\": \"%s\", \"call\": ", event);
-    fake_line_add_json_string(&line, t_api_call);
+    fake_line_add_json_string(&line, call);
     fake_line_add(&line, ", \"pid\": %ld, \"ordinal\": %d, \"gpu\": %d, \"mig\": ", (long)getpid(),
                   dev, v->gpu);
     if (v->mig >= 0)
@@ -633,18 +633,18 @@ static CUresult ctx_create_checked(CUcontext *pctx, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
-static CUresult ctx_create(CUcontext *pctx, CUdevice dev) {
+static CUresult ctx_create(CUcontext *pctx, CUdevice dev, const char *call) {
     CHECK_DEVICE(dev);
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = ctx_create_checked(pctx, dev);
-    log_device_event("context", dev, rc, -1);
+    log_device_event("context", call, dev, rc, -1);
     return rc;
 }
 
 FAKE_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     TRACE_CALL();
     (void)flags;
-    return ctx_create(pctx, dev);
+    return ctx_create(pctx, dev, __func__);
 }
 FAKE_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     return cuCtxCreate_v2(pctx, flags, dev);
@@ -655,14 +655,14 @@ FAKE_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, void *paramsArray, int numP
     (void)paramsArray;
     (void)numParams;
     (void)flags;
-    return ctx_create(pctx, dev);
+    return ctx_create(pctx, dev, __func__);
 }
 FAKE_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, void *ctxCreateParams, unsigned int flags,
                                     CUdevice dev) {
     TRACE_CALL();
     (void)ctxCreateParams;
     (void)flags;
-    return ctx_create(pctx, dev);
+    return ctx_create(pctx, dev, __func__);
 }
 
 /* Drops every occurrence of ctx from this thread's stack. */
@@ -761,7 +761,7 @@ FAKE_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
         g_primary_refs[dev]++;
     }
     pthread_mutex_unlock(&g_ctx_lock);
-    log_device_event("context", dev, rc, -1);
+    log_device_event("context", __func__, dev, rc, -1);
     if (!rc) *pctx = &g_primary[dev];
     return rc;
 }
@@ -1083,12 +1083,12 @@ static CUresult device_alloc_on(int dev, CUdeviceptr *dptr, size_t size) {
     return CUDA_SUCCESS;
 }
 
-static CUresult device_alloc(CUdeviceptr *dptr, size_t size) {
+static CUresult device_alloc(CUdeviceptr *dptr, size_t size, const char *call) {
     CHECK_CTX();
     if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
     int dev = current_device();
     CUresult rc = device_alloc_on(dev, dptr, size);
-    log_device_event("alloc", dev, rc, size > (size_t)LLONG_MAX ? LLONG_MAX : (long long)size);
+    log_device_event("alloc", call, dev, rc, size > (size_t)LLONG_MAX ? LLONG_MAX : (long long)size);
     return rc;
 }
 
@@ -1105,19 +1105,19 @@ static CUresult device_free(CUdeviceptr dptr) {
 
 FAKE_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     TRACE_CALL();
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
     TRACE_CALL();
     (void)flags;
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream s) {
     TRACE_CALL();
     if (!stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
@@ -1372,7 +1372,7 @@ FAKE_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize,
     CHECK_INIT();
     if (!pool_ok(pool)) return CUDA_ERROR_INVALID_VALUE;
     if (!stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev) {

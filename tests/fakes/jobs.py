@@ -174,6 +174,10 @@ class FakeJobs:
     jobs'. Jobs are real ``sleep`` processes that end by themselves after ``lifetime_s``, so a
     crashed test leaves nothing behind for long. Use as a context manager: leaving it stops every
     job and leaves the state file with ``knobs`` and no job.
+
+    The state file is written at once and always holds the three OWNED_KNOBS, so the
+    environment's values of those knobs never apply; point the processes under test at it with
+    ``FAKE_GPU_STATE_FILE=jobs.state_file``.
     """
 
     def __init__(
