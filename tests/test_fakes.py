@@ -954,6 +954,19 @@ def _parent_pid(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        pid = _parent_pid(pid)
+        chain.append(pid)
+    return chain
+
+
+def _gone(pid: int) -> bool:
+    """No such process, not even a zombie."""
+    return not Path(f"/proc/{pid}").exists()
+
+
 def test_fake_jobs_come_and_go_on_exclusive_gpus(fake_driver: FakeDriver, tmp_path: Path) -> None:
     log = tmp_path / "contexts.jsonl"
     knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 3}
@@ -962,15 +975,14 @@ def test_fake_jobs_come_and_go_on_exclusive_gpus(fake_driver: FakeDriver, tmp_pa
         env = {"FAKE_GPU_STATE_FILE": str(jobs.state_file), "FAKE_CUDA_CONTEXT_LOG": str(log)}
         idle = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
         job = jobs.start(0, memory_mib=70_000)
-        # A real process, alive, and not a child of ours (nobody in our process tree).
-        assert Path(f"/proc/{job.pid}").exists() and _parent_pid(job.pid) != os.getpid()
+        # A real process, alive, and not in our process tree.
+        assert not _gone(job.pid) and os.getpid() not in _ancestors(job.pid)
         nvml = child_json(fake_driver, NVML_OCCUPANCY, **env)
         busy = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
         assert jobs.running == (job,) and jobs.busy(0) and not jobs.busy(1)
         done = jobs.stop(job)
         assert done.stopped_at is not None and done.started_at <= done.stopped_at
-        assert not Path(f"/proc/{job.pid}").exists() or "Z" in Path(
-            f"/proc/{job.pid}/stat").read_text().split(")")[-1][:3]
+        assert _gone(job.pid)
         after = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
     assert idle == after == [[0, 0], [0, 0], [0, 0]]
     assert busy == [[46, 46], [0, 0], [0, 0]]
@@ -995,7 +1007,7 @@ def test_fake_jobs_fill_memory_mig_instances_and_own_children(
         env = {"FAKE_GPU_STATE_FILE": str(jobs.state_file)}
         full = jobs.start(1, memory_mib=H200_MIB - 100)
         mine = jobs.start(0, memory_mib=5, detach=False)
-        assert _parent_pid(mine.pid) == os.getpid() and _parent_pid(full.pid) != os.getpid()
+        assert _parent_pid(mine.pid) == os.getpid() and os.getpid() not in _ancestors(full.pid)
         out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
         assert out == [[0, 0], [2, 2]]  # DEFAULT mode: only GPU 1's memory is short
         jobs.set_knobs(FAKE_NVML_MIG="0:2")
@@ -1017,10 +1029,27 @@ def test_fake_jobs_fill_memory_mig_instances_and_own_children(
             jobs.start("GPU-0")
         pids = [full.pid, on_mig.pid]
     assert jobs.running == () and len(jobs.history) == 3
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(
-            f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
-    assert mine.pid not in {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    assert all(_gone(pid) for pid in [*pids, mine.pid])
+
+
+def test_fake_jobs_end_when_the_test_process_dies(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from tests.fakes.jobs import FakeJobs
+        jobs = FakeJobs({str(tmp_path / "state")!r})
+        print(jobs.start(0).pid, jobs.start(1).pid, flush=True)
+        os.kill(os.getpid(), 9)
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids)
 
 
 # --------------------------------------------------------------------------

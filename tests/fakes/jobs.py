@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -44,18 +43,41 @@ OWNED_KNOBS = ("FAKE_NVML_PROCESSES", "FAKE_NVML_COMPUTE_MODE", "FAKE_NVML_MEMOR
 #: Environment variable set in every job process (find leftovers with processes_with_env).
 JOB_MARKER = "GPUDIAG_FAKE_JOB"
 
-# Runs in a short-lived intermediate process: the job forks off it, starts its own session and
-# is re-parented when the intermediate exits, so it is nobody's child in the caller's tree.
-_SPAWN = """
-import os, sys
-pid = os.fork()
-if pid == 0:
-    os.setsid()
-    fd = os.open(os.devnull, os.O_RDWR)
-    for n in (0, 1, 2):
-        os.dup2(fd, n)
-    os.execvp("sleep", ["sleep", sys.argv[1]])
-print(pid, flush=True)
+# The job launcher: started through a short-lived intermediate that exits at once, so that it
+# and the jobs it forks are re-parented away from the caller (nobody's descendants in the caller's
+# process tree). It forks a `sleep` per "start" and kills and reaps it on "stop PID", so that no
+# zombie stays behind; at EOF on its stdin (FakeJobs closed, or the test process died) it ends
+# every job it started and exits.
+_LAUNCHER = """
+import os, signal, sys
+if os.fork():
+    os._exit(0)
+os.setsid()
+null = os.open(os.devnull, os.O_RDWR)
+jobs = set()
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    cmd = line.split()
+    if cmd[0] == "start":
+        pid = os.fork()
+        if pid == 0:
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.execvp("sleep", ["sleep", sys.argv[1]])
+        jobs.add(pid)
+        print(pid, flush=True)
+    elif cmd[0] == "stop":
+        pid = int(cmd[1])
+        if pid in jobs:
+            jobs.discard(pid)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        print("stopped", pid, flush=True)
+for pid in jobs:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 """
 
 
@@ -72,18 +94,6 @@ def _gpu_of(key: str) -> int:
     return int(key.split(".")[0])
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks (/proc/PID/stat field 22), None when gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] == "Z":  # a zombie (its parent has not reaped it yet) is gone for us
-        return None
-    return int(fields[19])
-
-
 @dataclass(frozen=True)
 class FakeJob:
     """One job: a sleeping process on a fake GPU (``"IDX"``) or MIG instance (``"IDX.J"``).
@@ -97,7 +107,6 @@ class FakeJob:
     memory_mib: int
     started_at: float
     stopped_at: float | None = None
-    start_ticks: int | None = None
 
     @property
     def gpu(self) -> int:
@@ -171,9 +180,10 @@ class FakeJobs:
     ``knobs`` are further state-file knobs written with every update (change them with
     :meth:`set_knobs`); ``compute_modes`` maps a physical GPU to its NVML compute mode (3 is
     EXCLUSIVE_PROCESS); ``memory_used_mib`` is a GPU's (``"IDX[.J]"``) used memory besides the
-    jobs'. Jobs are real ``sleep`` processes that end by themselves after ``lifetime_s``, so a
-    crashed test leaves nothing behind for long. Use as a context manager: leaving it stops every
-    job and leaves the state file with ``knobs`` and no job.
+    jobs'. Jobs are real ``sleep`` processes (ending by themselves after ``lifetime_s``), started
+    by a detached launcher that ends them all when this object is closed or its process dies.
+    Use as a context manager: leaving it stops every job and leaves the state file with
+    ``knobs`` and no job.
 
     The state file is written at once and always holds the three OWNED_KNOBS, so the
     environment's values of those knobs never apply; point the processes under test at it with
@@ -198,6 +208,7 @@ class FakeJobs:
         self._running: list[FakeJob] = []
         self._history: list[FakeJob] = []
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._launcher: subprocess.Popen[str] | None = None
         self._publish()
 
     # ---- the jobs ------------------------------------------------------------------------
@@ -214,8 +225,7 @@ class FakeJobs:
             raise ValueError(f"memory_mib must be >= 0, not {memory_mib}")
         pid = self._spawn(detach)
         with self._lock:
-            job = FakeJob(device=key, pid=pid, memory_mib=memory_mib, started_at=time.time(),
-                          start_ticks=_start_time(pid))
+            job = FakeJob(device=key, pid=pid, memory_mib=memory_mib, started_at=time.time())
             self._running.append(job)
             self._publish()
         return job
@@ -302,7 +312,13 @@ class FakeJobs:
 
     def close(self) -> None:
         """Stops every job and leaves the state file with the other knobs only."""
-        self.stop_all()
+        with self._lock:
+            self.stop_all()
+            launcher, self._launcher = self._launcher, None
+        if launcher is not None and launcher.stdin is not None and launcher.stdout is not None:
+            launcher.stdin.close()  # EOF: the launcher exits
+            launcher.stdout.read()
+            launcher.stdout.close()
 
     def __enter__(self) -> FakeJobs:
         return self
@@ -346,23 +362,29 @@ class FakeJobs:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self._children[proc.pid] = proc
             return proc.pid
-        out = subprocess.run([sys.executable, "-c", _SPAWN, lifetime], env=env,
-                             capture_output=True, text=True, timeout=30, check=True)
-        return int(out.stdout.strip())
+        with self._lock:
+            if self._launcher is None:
+                self._launcher = subprocess.Popen(
+                    [sys.executable, "-c", _LAUNCHER, lifetime], env=env, text=True,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                self._launcher.wait(timeout=30)  # the intermediate; the launcher lives on
+            return int(self._ask("start"))
+
+    def _ask(self, command: str) -> str:
+        with self._lock:  # one command and its answer at a time
+            launcher = self._launcher
+            assert launcher is not None and launcher.stdin and launcher.stdout
+            launcher.stdin.write(command + "\n")
+            launcher.stdin.flush()
+            answer = launcher.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the fake job launcher ended before answering {command!r}")
+        return answer.strip()
 
     def _kill(self, job: FakeJob) -> None:
         child = self._children.pop(job.pid, None)
         if child is not None:
             child.kill()
             child.wait()
-            return
-        # Not our child: check it is still the same process (PIDs are reused) before killing.
-        if job.start_ticks is None or _start_time(job.pid) != job.start_ticks:
-            return
-        try:
-            os.kill(job.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 5.0
-        while _start_time(job.pid) is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        else:
+            self._ask(f"stop {job.pid}")  # killed and reaped once this answers
