@@ -397,3 +397,18 @@ def test_tcp_in_read_only_mode_answers_metrics_and_refuses_post_probe(
     text = wait_for(lambda: (t := tcp_http(daemon.url, "GET", "/metrics")[1]) and
                     'gpudiag_http_rejected_total{reason="read_only"} 2.0' in t and t, 10)
     assert 'reason="read_only"' in text
+
+
+def test_security_doc_names_only_tests_that_exist() -> None:
+    """docs/security.md closes the port-squatting risk by naming tests: they must be real."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "security.md").read_text()
+    section = doc[doc.index("## Trusting the answer"):doc.index("## What runs as whom")]
+    named = set(re.findall(r"`(?:tests/\w+\.py::)?(test_\w+)`", section))
+    assert len(named) >= 8
+    defined = set()
+    for path in (root / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"^def (test_\w+)", path.read_text(), re.M))
+    assert named <= defined, named - defined
