@@ -21,7 +21,6 @@ import re
 import selectors
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
@@ -33,6 +32,8 @@ from urllib.parse import unquote
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from gpudiag.core.peercred import peer_credentials
 
 log = logging.getLogger("gpudiag.daemon.app")
 
@@ -252,13 +253,6 @@ def read_only_refusal(request: Request, where: str) -> str | None:
     return (f"{request.method} {path[:100]}: {where} is read-only (tcp_read_only = true) and "
             f"serves only GET {', '.join(sorted(READ_ONLY_PATHS))}; preflight and probe "
             "requests go to the daemon's unix socket (GPUDIAG_DAEMON_URL=unix:PATH)")
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a unix socket (SO_PEERCRED)."""
-    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", data)
-    return pid, uid, gid
 
 
 class SocketInUse(OSError):
@@ -524,10 +518,10 @@ class HttpServer:
         if self.unix_path is None:
             return str(addr[0]) if isinstance(addr, tuple) else str(addr)
         try:
-            pid, uid, _gid = peer_credentials(sock)
+            peer = peer_credentials(sock)
         except OSError:
             return "unix"
-        return f"unix pid {pid} uid {uid}"
+        return f"unix pid {peer.pid} uid {peer.uid}"
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -580,7 +574,7 @@ class HttpServer:
             self._answer_and_drop(conn, error_response(403, "cross_site_request", refusal))
             return
         if self.read_only:
-            refusal = read_only_refusal(request, f"{self.describe()}")
+            refusal = read_only_refusal(request, self.describe())
             if refusal is not None:
                 self.abuse.note("read_only", conn.peer)
                 self._answer_and_drop(conn, error_response(403, "read_only", refusal))

@@ -18,13 +18,13 @@ import os
 import pwd
 import socket
 import stat
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
 from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.peercred import peer_credentials
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 
 # The daemon's socket under systemd (RuntimeDirectory=gpudiag/daemon) and in the Kubernetes
@@ -136,13 +136,6 @@ def socket_folder_owner(socket_path: str) -> tuple[int, str]:
     return st.st_uid, f"the owner of {folder}"
 
 
-def peer_of(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process that listens at the other end of a unix socket."""
-    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", data)
-    return pid, uid
-
-
 def _connect(address: DaemonAddress, env: Mapping[str, str], timeout_s: float
              ) -> tuple[socket.socket | None, str, bool]:
     """A connected socket to a trusted daemon, or None with why (and whether refused)."""
@@ -162,14 +155,15 @@ def _connect(address: DaemonAddress, env: Mapping[str, str], timeout_s: float
         sock.close()
         return None, f"no daemon at {url}: {e.strerror or e}", False
     try:
-        pid, uid = peer_of(sock)
+        peer = peer_credentials(sock)
         want, why = configured or socket_folder_owner(address.socket_path)
     except OSError as e:
         sock.close()
         return None, f"refused the answer at {url}: cannot check who answers: {e}", True
-    if uid != want:
+    if peer.uid != want:
         sock.close()
-        return None, (f"refused the answer at {url}: the peer runs as uid {uid} (pid {pid}), "
+        return None, (f"refused the answer at {url}: the peer runs as uid {peer.uid} "
+                      f"(pid {peer.pid}), "
                       f"not as the daemon's user, uid {want} ({why}); if the daemon runs as "
                       "another user, set GPUDIAG_DAEMON_USER"), True
     return sock, "", False
