@@ -223,10 +223,14 @@ def start_socket(app: WsgiApp, cfg: DaemonConfig, tcp: HttpServer) -> HttpServer
 
     path = default_socket_path(cfg)
     if path is None:
+        log = logging.getLogger("gpudiag.daemon")
         if cfg.tcp_read_only:
-            logging.getLogger("gpudiag.daemon").warning(
-                "tcp_read_only is set but no socket is configured: nothing serves "
-                "/v1/preflight or POST /v1/probe (set socket = PATH or --socket)")
+            log.warning("tcp_read_only is set but no socket is configured: nothing serves "
+                        "/v1/preflight or POST /v1/probe (set socket = PATH or --socket)")
+        else:
+            # Clients ask the socket by default and never fall back to TCP on their own.
+            log.info("no unix socket (--socket PATH or socket = in the config): clients "
+                     "reach this daemon only with GPUDIAG_DAEMON_URL=http://HOST:PORT")
         return None
     try:
         Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
