@@ -166,7 +166,9 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
 @click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
               help="Also write the verdict JSON to PATH atomically.")
 @click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
-              "$GPUDIAG_DAEMON_URL or http://127.0.0.1:9477); inline probes if none answers.")
+              "$GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT "
+              "also works); inline probes if none answers or the socket's peer is not the "
+              "daemon's user ($GPUDIAG_DAEMON_USER).")
 @click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
               min_free_text: str | None, timeout_text: str | None, fmt: str,
