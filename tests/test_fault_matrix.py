@@ -329,6 +329,9 @@ CASES: tuple[Case, ...] = (
     _d("gpu_ecc_uncorrectable", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"},
        variant="remap_pending"),
     _d("gpu_inforom_corrupted"),
+    # The fake delivers each entry of FAKE_NVML_XIDS once per watcher process, by position:
+    # the "N:1" (informational) entries stand in for those the cases before consumed.
+    _d("node_reboot_required", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,0:54"}, via_daemon=True),
     # cuda
     _d("cuda_library_missing", {}, mutate=Rig.unlink_cuda),
     _d("cuda_no_device"),
@@ -379,7 +382,7 @@ WARNING_CASES: tuple[Case, ...] = (
     _d("gpu_power_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "1:0x4"}),
     _d("gpu_ecc_correctable", {"FAKE_NVML_ECC_VOLATILE_CORRECTED": "1:5"}),
     _d("gpu_persistence_off", {"FAKE_NVML_PERSISTENCE": "2:0"}),
-    _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:13"}, via_daemon=True),
+    _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,3:1,2:13"}, via_daemon=True),
     _d("device_count_mismatch", {"FAKE_CUDA_DEVICE_COUNT": "3"}),
     _d("device_nodes_missing", {}, mutate=Rig.remove_nodes, variant="warning"),
     # The watcher child cannot start while NVML fails: the gap grows past gap_warning_s.
