@@ -104,6 +104,10 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "remap means the GPU should be replaced (RMA)."),
             ("gpu_inforom_corrupted", "The GPU's InfoROM is corrupted (NVML 14).",
              "Drain the node and contact the vendor; the InfoROM needs reflashing."),
+            ("gpu_missing",
+             "An NVIDIA GPU on the PCI bus, or one of expected_gpus, is missing from NVML.",
+             "Drain the node; check dmesg for the GPU (NVRM, PCIe AER, RmInitAdapter "
+             "errors), reseat or power-cycle it, and replace it if it stays missing."),
             ("node_reboot_required",
              "An XID asks for a node reboot or power-off service (docs/xids.md lists them).",
              "Drain the node and follow the XID's action in docs/xids.md (reboot, power "

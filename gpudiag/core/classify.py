@@ -21,6 +21,7 @@ from gpudiag.core.environment import (
     resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.missing import missing_gpu_findings
 from gpudiag.core.observation import observation_problem
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import (
@@ -376,7 +377,8 @@ def _evidence(runs: Mapping[str, ProbeRun], host: Mapping[str, Any] | None,
 
 def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: str,
              checked_at: str, source: str = "inline", xids: Sequence[XidEvent] = (),
-             extra_warnings: Sequence[Finding] = ()) -> Verdict:
+             extra_warnings: Sequence[Finding] = (),
+             expected_gpus: int | None = None) -> Verdict:
     """The verdict for ``requirement`` from what the probe children observed."""
     f = Findings()
     f.warnings.extend(extra_warnings)
@@ -398,6 +400,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         candidates = _visibility(host_obs, raw, all_devs, nvml_ok, f)
         selected = _select(candidates, requirement, f)
         _device_findings(selected, xids, f)
+        missing_gpu_findings(host_obs, nvml, cuda, expected_gpus, f)
         uuids = {str(d["uuid"]) for d in selected if d.get("uuid")} if nvml_ok else None
         _cuda_findings(cuda, uuids, f)
         if nvml_ok and cuda_ok and cuda is not None and requirement.devices is None:

@@ -76,6 +76,7 @@ class DaemonConfig:
     history: HistoryConfig = field(default_factory=HistoryConfig)
     log_format: str = "text"
     log_level: str = "info"
+    expected_gpus: int | None = None  # NVIDIA GPUs this node must show; None: PCI decides
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -183,6 +184,17 @@ def _size(t: _Table, key: str, default: int) -> int:
                       "such as \"64MiB\"")
 
 
+def _expected_gpus(t: _Table) -> int | None:
+    value = t.get("expected_gpus")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+        raise ConfigError(f"{t._key('expected_gpus')} = {value!r}: expected the number of "
+                          "NVIDIA GPUs this node must show, an integer from 1 to 1024 "
+                          "(leave it out to compare the PCI bus with NVML only)")
+    return value
+
+
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
     top = _Table(raw, "")
@@ -229,6 +241,7 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     log_level = log.choice("level", base.log_level, LOG_LEVELS)
     log.finish()
     cfg = DaemonConfig(
+        expected_gpus=_expected_gpus(top),
         listen_host=host, listen_port=port, default_requirement=requirement,
         preflight_wait_s=top.seconds("preflight_wait_s", base.preflight_wait_s, maximum=600.0),
         jitter_ratio=sched.ratio("jitter_ratio", base.jitter_ratio),

@@ -141,7 +141,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
-                                    gap_warning_s=config.xid.gap_warning_s)
+                                    gap_warning_s=config.xid.gap_warning_s,
+                                    expected_gpus=config.expected_gpus)
         self.full_requirement = full_requirement(config)
         self.ready_requirement = parse_requirement(config.default_requirement)
         scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
