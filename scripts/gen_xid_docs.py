@@ -19,7 +19,9 @@ def render() -> str:
            "block the GPU, `gpu_xid_application` is a warning, `info` XIDs are counted in "
            "`gpudiag_gpu_xid_errors_total` only. An XID missing from this table is counted "
            "the same way and logged once (\"not in NVIDIA's XID catalog\"). "
-           "`gpudiag clear --gpu UUID` releases a held XID after a repair.", "",
+           "`gpudiag clear --gpu UUID` releases a held XID after a repair; docs/daemon.md "
+           "says why no NVML reading proves a reset, so the daemon never clears by itself.",
+           "",
            "## Buckets", "", "| NVIDIA bucket | gpudiag code | what to do |", "|---|---|---|"]
     out += [f"| `{bucket}` | {_code(code)} | {action} |"
             for bucket, (code, action) in BUCKET_CODES.items()]

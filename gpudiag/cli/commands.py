@@ -85,7 +85,8 @@ class LazyGroup(click.Group):
 
     lazy: dict[str, str] = {"serve": "gpudiag.cli.daemon:serve",
                             "history": "gpudiag.cli.daemon:history",
-                            "run": "gpudiag.cli.run:run"}
+                            "run": "gpudiag.cli.run:run",
+                            "clear": "gpudiag.cli.clear:clear"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})

@@ -69,6 +69,21 @@ class XidWatcher:
                 self._state = replace(self._state, recent=recent)
             return self._state
 
+    def clear(self, uuid: str | None, before_wall: float) -> int:
+        """Release held XIDs of GPU ``uuid`` (None: all) seen at or before ``before_wall``.
+
+        What ``gpudiag clear`` does after a repair; counters stay (they are history), and an
+        XID that arrives later holds its GPU again. Returns how many were released.
+        """
+        with self._lock:
+            keep = tuple(x for x in self._state.recent if x.timestamp > before_wall
+                         or (uuid is not None and x.uuid != uuid))
+            released = len(self._state.recent) - len(keep)
+            self._state = replace(self._state, recent=keep)
+        if released:
+            self._on_change()
+        return released
+
     def start(self) -> None:
         if not self.config.enabled:
             return
