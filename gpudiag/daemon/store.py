@@ -51,6 +51,10 @@ CREATE TABLE IF NOT EXISTS episodes (
     evidence TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS episodes_open ON episodes (ended);
+"""
+# Created with the first `gpudiag clear` (most nodes never have one): the base schema above
+# stays what every history has, and a history from before clears existed reads as none.
+_CLEARS_DDL = """
 CREATE TABLE IF NOT EXISTS clears (
     id INTEGER PRIMARY KEY,
     ts REAL NOT NULL,
@@ -58,8 +62,7 @@ CREATE TABLE IF NOT EXISTS clears (
     gpu TEXT,
     reason TEXT NOT NULL,
     released INTEGER NOT NULL
-);
-"""
+)"""
 
 
 @dataclass(frozen=True)
@@ -267,8 +270,16 @@ class HistoryStore:
         """Store an applied `gpudiag clear`; returns its id once durable."""
         ts = self._clock() if now is None else now
         with self._lock:
-            cur = self._db.execute("INSERT INTO clears (ts, uid, gpu, reason, released) "
-                                   "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(_CLEARS_DDL)
+                cur = db.execute("INSERT INTO clears (ts, uid, gpu, reason, released) "
+                                 "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
             return int(cur.lastrowid or 0)
 
     def prune(self, now: float | None = None) -> None:
@@ -286,7 +297,9 @@ class HistoryStore:
             db.execute("DELETE FROM verdicts WHERE ts < ? AND id < "
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
             db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
-            db.execute("DELETE FROM clears WHERE ts < ?", (cutoff,))
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
+                          "name='clears'").fetchone():
+                db.execute("DELETE FROM clears WHERE ts < ?", (cutoff,))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
