@@ -212,6 +212,8 @@ def test_clear_releases_held_xids_and_a_gpu_that_still_fails_is_blocked_again(
         clears = json.loads(hist.stdout)["clears"]
         assert [(c["uid"], c["gpu"], c["reason"], c["released_xids"]) for c in clears] == [
             (os.getuid(), None, "reset both GPUs", 2)]
+        status, api = daemon.get("/v1/history")
+        assert status == 200 and [c["reason"] for c in api["clears"]] == ["reset both GPUs"]
         text = run_gpudiag(["history", "--state-dir", str(state)], env).stdout
         assert "all GPUs  by uid" in text and "reset both GPUs" in text
         assert any("cleared by uid" in line for line in daemon.lines)
