@@ -129,6 +129,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
+    from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
     from gpudiag.daemon.scheduler import Scheduler, child_environment
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
@@ -148,7 +149,20 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     wake: list[Any] = []
     watcher = XidWatcher(cfg.xid, child_environment(os.environ),
                          on_change=lambda: wake[0]() if wake else None)
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher)
+    late: list[Scheduler] = []
+
+    def record_clear(request: ClearRequest, released: int) -> None:
+        store.record_clear(uid=request.uid, gpu=request.gpu, reason=request.reason,
+                           released=released)
+
+    clears = ClearPoller(state_dir, release=watcher.clear, record=record_clear,
+                         recheck=lambda: late[0].trigger(recheck_keys(late[0].scheduled)))
+    try:
+        clears.prepare()
+    except OSError as e:
+        raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll)
+    late.append(scheduler)
     wake.append(scheduler.wake)
 
     def record(snap: Snapshot) -> None:
@@ -308,13 +322,15 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         try:
             entries = store.verdicts(since=since, blocked=blocked, limit=limit)
             episodes = store.episodes(since=since, limit=limit)
+            clears = store.clears(since=since, limit=limit)
         finally:
             store.close()
     except HistoryError as e:
         raise _Failed(str(e)) from e
     if as_json:
         click.echo(json.dumps({"verdicts": [v.record() for v in entries],
-                               "episodes": [ep.record() for ep in episodes]}, indent=2))
+                               "episodes": [ep.record() for ep in episodes],
+                               "clears": [c.record() for c in clears]}, indent=2))
         return
     if not entries:
         click.echo("no verdict changes" + (" in that time" if since_text else ""))
@@ -328,6 +344,11 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         end = "ongoing" if ep.ended is None else _when(ep.ended)
         where = "/".join(x for x in (ep.backend, ep.device) if x) or "-"
         click.echo(f"{_when(ep.started)} .. {end}  {ep.code}  {where}: {ep.message}")
+    if clears:
+        click.echo("\nclears (gpudiag clear):")
+    for c in clears:
+        click.echo(f"{_when(c.ts)}  {c.gpu or 'all GPUs'}  by uid {c.uid}: "
+                   f"{c.reason or '(no reason)'}; {c.released} held XID(s) released")
 
 
 def daemon_or_inline(requirement: Requirement, daemon_url: str | None, no_daemon: bool,

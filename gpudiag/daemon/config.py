@@ -83,6 +83,7 @@ class DaemonConfig:
     socket_path: str | None = None
     # TCP answers only the monitoring endpoints (/metrics, /healthz, /readyz, /v1/history).
     tcp_read_only: bool = False
+    expected_gpus: int | None = None  # NVIDIA GPUs this node must show; None: PCI decides
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -210,6 +211,17 @@ def _size(t: _Table, key: str, default: int) -> int:
                       "such as \"64MiB\"")
 
 
+def _expected_gpus(t: _Table) -> int | None:
+    value = t.get("expected_gpus")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+        raise ConfigError(f"{t._key('expected_gpus')} = {value!r}: expected the number of "
+                          "NVIDIA GPUs this node must show, an integer from 1 to 1024 "
+                          "(leave it out to compare the PCI bus with NVML only)")
+    return value
+
+
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
     top = _Table(raw, "")
@@ -259,6 +271,7 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     socket_path = None if socket_raw is None else parse_socket(socket_raw)
     cfg = DaemonConfig(
         socket_path=socket_path, tcp_read_only=top.flag("tcp_read_only", False),
+        expected_gpus=_expected_gpus(top),
         listen_host=host, listen_port=port, default_requirement=requirement,
         preflight_wait_s=top.seconds("preflight_wait_s", base.preflight_wait_s, maximum=600.0),
         jitter_ratio=sched.ratio("jitter_ratio", base.jitter_ratio),

@@ -127,13 +127,15 @@ class Scheduler:
     def __init__(self, config: DaemonConfig, *, env: Mapping[str, str] | None = None,
                  clock: Clock | None = None, runner: ProbeRunner = isolated_runner,
                  rng: random.Random | None = None, notifier: Notifier | None = None,
-                 watcher: WatcherSource | None = None, max_workers: int = 8) -> None:
+                 watcher: WatcherSource | None = None, max_workers: int = 8,
+                 on_tick: Callable[[], object] | None = None) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self._runner = runner
         self._rng = rng or random.Random()
         self._notifier = notifier or Notifier(env={})
         self._watcher = watcher
+        self._on_tick = on_tick
         self._env = child_environment(os.environ if env is None else env)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
@@ -141,7 +143,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
-                                    gap_warning_s=config.xid.gap_warning_s)
+                                    gap_warning_s=config.xid.gap_warning_s,
+                                    expected_gpus=config.expected_gpus)
         self.full_requirement = full_requirement(config)
         self.ready_requirement = parse_requirement(config.default_requirement)
         scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
@@ -364,6 +367,11 @@ class Scheduler:
                     self._due[k] = now + self._interval[k]
             for k in due:
                 self._launch(k)
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()  # e.g. pending `gpudiag clear` requests
+                except Exception:  # a broken hook must not stop probing
+                    log.exception("scheduler tick hook failed")
             watcher = self._watcher_state()
             snap = self._snapshot
             wall = self.clock.time()

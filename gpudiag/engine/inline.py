@@ -35,7 +35,9 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
 
 
 def preflight_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
-                     timeout_s: float | None = None) -> Verdict:
+                     timeout_s: float | None = None,
+                     expected_gpus: int | None = None) -> Verdict:
     """The verdict for a requirement from probes run here and now."""
     runs, checked_at = run_inline(requirement, env=env, timeout_s=timeout_s)
-    return classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at)
+    return classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at,
+                    expected_gpus=expected_gpus)
