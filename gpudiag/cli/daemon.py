@@ -34,6 +34,12 @@ class _Failed(click.ClickException):
     exit_code = EXIT_FAILED
 
 
+class _Unusable(click.ClickException):
+    """The state directory cannot be used, or another daemon holds it: exit 2."""
+
+    exit_code = EXIT_USAGE
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line (journald keeps it as MESSAGE), extras as fields."""
 
@@ -108,10 +114,13 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
+    from gpudiag.daemon.exporter import HistoryCollector
+    from gpudiag.daemon.recorder import HistoryRecorder
     from gpudiag.daemon.scheduler import Scheduler, child_environment
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
-    from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
+    from gpudiag.daemon.statedir import StateDirError, check_writable, lock_state_dir, open_history
+    from gpudiag.daemon.store import HistoryError
     from gpudiag.daemon.watcher import XidWatcher
 
     log = logging.getLogger("gpudiag.daemon")
@@ -119,10 +128,15 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     # CPython's 5 ms default when a request thread wakes up beside a busy one.
     sys.setswitchinterval(0.0005)
     try:
-        store = HistoryStore(default_path(state_dir), retention_s=cfg.history.retention_s,
-                             max_bytes=cfg.history.max_bytes)
-    except (HistoryError, OSError) as e:
-        raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
+        # The lock first: a second daemon must not even open (or move aside) the history.
+        state_lock = lock_state_dir(state_dir)
+        check_writable(state_dir)
+        opened = open_history(state_dir, retention_s=cfg.history.retention_s,
+                              max_bytes=cfg.history.max_bytes)
+    except (StateDirError, HistoryError, OSError) as e:
+        raise _Unusable(f"cannot use --state-dir {state_dir}: {e}") from e
+    store = opened.store
+    recorder = HistoryRecorder(store, damaged=opened.damaged)
     notifier = Notifier()
     wake: list[Any] = []
     watcher = XidWatcher(cfg.xid, child_environment(os.environ),
@@ -133,15 +147,20 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     def record(snap: Snapshot) -> None:
         if snap.full is None:
             return
-        row = store.record(snap.full)
-        if row is not None:
+        for change in recorder.record(snap.full):
+            if change.verdict is not snap.full:  # a kept change, said when it was made
+                continue
+            where: dict[str, Any] = ({"history_id": change.history_id}
+                                     if change.history_id is not None
+                                     else {"history_pending": True})
             log.info("verdict changed: %s", snap.full.gpu_validation_blocker,
-                     extra={"history_id": row, "ready": snap.full.ready,
+                     extra={**where, "ready": snap.full.ready,
                             "blockers": sorted({b.code for b in snap.full.blockers}),
                             "warnings": sorted({w.code for w in snap.full.warnings})})
 
     scheduler.on_snapshot(record)
     app = DaemonApp(scheduler, store)
+    app.registry.register(HistoryCollector(recorder.health))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port)
     except OSError as e:
@@ -182,6 +201,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         log.info("killed %d running probe child(ren) on the way out", killed)
     scheduler.drain()
     store.close()
+    state_lock.release()
 
 
 def kill_child_groups() -> int:
@@ -241,10 +261,13 @@ def _when(ts: float) -> str:
 def history(state_dir: str | None, since_text: str | None, blocked: bool, limit: int,
             as_json: bool) -> None:
     """Show the daemon's verdict changes and blocker episodes (works while it runs)."""
+    from gpudiag.daemon.statedir import damaged_histories
     from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 
     since = time.time() - parse_since(since_text) if since_text else None
-    path = default_path(Path(state_dir) if state_dir else default_state_dir())
+    folder = Path(state_dir) if state_dir else default_state_dir()
+    path = default_path(folder)
+    damaged = damaged_histories(folder)
     try:
         store = HistoryStore(path, readonly=True)
         try:
@@ -256,8 +279,13 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         raise _Failed(str(e)) from e
     if as_json:
         click.echo(json.dumps({"verdicts": [v.record() for v in entries],
-                               "episodes": [ep.record() for ep in episodes]}, indent=2))
+                               "episodes": [ep.record() for ep in episodes],
+                               "damaged": [str(folder / n) for n in damaged]}, indent=2))
         return
+    for name in damaged:
+        # Earlier history lives on in that file (readable with sqlite3 if not too damaged).
+        click.echo(f"note: a damaged history was moved aside to {folder / name}; the history "
+                   "below starts after it", err=True)
     if not entries:
         click.echo("no verdict changes" + (" in that time" if since_text else ""))
     for entry in entries:

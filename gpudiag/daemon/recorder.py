@@ -1,0 +1,141 @@
+"""Writes verdict changes to the history and treats a failing store as a state, not a flood.
+
+A full disk or an I/O error makes writes fail for minutes or hours. The recorder then logs
+one line when writing starts failing (with SQLite's or the OS's cause) and one when it works
+again, keeps the changes made meanwhile in memory (bounded: past the bound the oldest are
+dropped, said once and counted), and writes them in order, with their own times, once the
+store takes writes again. Its state is a frozen ``HistoryHealth`` that the exporter renders.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpudiag.core.verdict import Verdict
+from gpudiag.daemon.store import HistoryError, fingerprint
+
+log = logging.getLogger("gpudiag.daemon.history")
+
+MAX_PENDING = 256
+
+
+class VerdictWriter(Protocol):
+    """What the recorder needs of the store (the seam: tests pass a failing fake)."""
+
+    @property
+    def last_fingerprint(self) -> str | None: ...
+
+    def record(self, verdict: Verdict, now: float | None = None) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class HistoryHealth:
+    """Whether the history takes writes, and what was kept back or lost meanwhile."""
+
+    writable: bool
+    write_errors: int
+    pending: int
+    dropped: int
+    last_error: str | None
+    damaged: tuple[str, ...] = ()  # damaged histories moved aside at start (file names)
+
+
+@dataclass(frozen=True)
+class Written:
+    """One verdict change that reached the history, or is kept until it can."""
+
+    verdict: Verdict
+    history_id: int | None  # None: kept in memory until the history takes writes
+
+
+class HistoryRecorder:
+    """Feeds verdict changes to the store in order; a failing store never raises here."""
+
+    def __init__(self, store: VerdictWriter, *, max_pending: int = MAX_PENDING,
+                 clock: Callable[[], float] = time.time,
+                 damaged: tuple[str, ...] = ()) -> None:
+        self._store = store
+        self._max_pending = max(1, max_pending)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[float, Verdict]] = deque()
+        self._last_fp = store.last_fingerprint
+        self._writable = True
+        self._errors = 0
+        self._dropped = 0
+        self._dropped_this_outage = 0
+        self._last_error: str | None = None
+        self._damaged = damaged
+
+    def record(self, verdict: Verdict) -> list[Written]:
+        """Queue the verdict if it is a change, then write what is queued, oldest first."""
+        fp = fingerprint(verdict)
+        with self._lock:
+            if fp == self._last_fp:
+                if not self._pending:
+                    return []
+                new: list[Verdict] = []
+            else:
+                self._last_fp = fp
+                self._pending.append((self._clock(), verdict))
+                new = [verdict]
+                self._bound()
+            written = self._flush()
+        ids = {id(v): row for v, row in written}
+        out = [Written(v, row) for v, row in written]
+        # A change that could not be written yet is still said (without a history id).
+        out += [Written(v, None) for v in new if id(v) not in ids]
+        return out
+
+    def health(self) -> HistoryHealth:
+        """The current state, for /metrics."""
+        with self._lock:
+            return HistoryHealth(self._writable, self._errors, len(self._pending),
+                                 self._dropped, self._last_error, self._damaged)
+
+    def _bound(self) -> None:
+        while len(self._pending) > self._max_pending:
+            self._pending.popleft()
+            self._dropped += 1
+            self._dropped_this_outage += 1
+            if self._dropped_this_outage == 1:
+                log.warning("history: more than %d verdict changes wait for the history; the "
+                            "oldest are dropped (counted in gpudiag_history_dropped_total)",
+                            self._max_pending, extra={"max_pending": self._max_pending})
+
+    def _flush(self) -> list[tuple[Verdict, int]]:
+        written: list[tuple[Verdict, int]] = []
+        while self._pending:
+            ts, verdict = self._pending[0]
+            try:
+                row = self._store.record(verdict, now=ts)
+            except HistoryError as e:
+                self._errors += 1
+                cause = str(e.__cause__ or e)
+                self._last_error = cause
+                if self._writable:
+                    self._writable = False
+                    # One line per outage, with the cause; no traceback for a full disk.
+                    log.error("history not writable: %s; verdict changes are kept in memory "
+                              "(up to %d) and written when it is", cause, self._max_pending,
+                              extra={"cause": cause, "error": str(e)})
+                break
+            self._pending.popleft()
+            if row is not None:
+                written.append((verdict, row))
+        if not self._pending and not self._writable:
+            self._writable = True
+            log.warning("history writable again: wrote %d verdict change(s) kept while it was "
+                        "not%s", len(written),
+                        f", {self._dropped_this_outage} dropped past the bound"
+                        if self._dropped_this_outage else "",
+                        extra={"written": len(written),
+                               "dropped": self._dropped_this_outage})
+            self._dropped_this_outage = 0
+        return written
