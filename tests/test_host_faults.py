@@ -202,3 +202,25 @@ def test_a_state_dir_that_is_a_file_is_unusable(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(StateDirError, match="file"):
         lock_state_dir(tmp_path / "file")
+
+
+def test_a_history_that_cannot_open_at_start_is_retried_on_each_change() -> None:
+    store = FlakyStore()
+    attempts: list[int] = []
+
+    def opener() -> FlakyStore:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise HistoryWriteError("cannot open history h.sqlite3: database or disk is full")
+        return store
+
+    rec = HistoryRecorder(None, opener=opener, clock=_clock(),  # type: ignore[arg-type]
+                          open_error=HistoryWriteError("cannot open: disk full"))
+    assert rec.health().writable is False and rec.health().write_errors == 1
+    rec.record(CHANGES[0])
+    rec.record(CHANGES[1])
+    assert rec.store is None and rec.health().pending == 2
+    rec.record(CHANGES[2])
+    assert rec.store is store and [b for _, b in store.rows] == ["none", "gpu_lost",
+                                                                 "cuda_no_device"]
+    assert rec.health().writable is True and rec.health().write_errors == 3

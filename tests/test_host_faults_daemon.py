@@ -181,3 +181,28 @@ def test_a_state_dir_that_is_a_file_stays_a_startup_error(host: dict[str, Any]) 
         capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and f"cannot use --state-dir {path / 'sub'}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_daemon_started_on_a_full_disk_serves_and_opens_its_history_once_there_is_room(
+        host: dict[str, Any]) -> None:
+    with small_tmpfs(host["tmp"] / "disk", "1m") as disk:
+        state_dir = disk / "state"
+        first = host["start"](state_dir)
+        wait_for(lambda: _changes(first) and _changes(first)[0].get("history_id"), 10)
+        assert first.stop() == 0
+        filler = fill(disk)  # a restart (say, by systemd) finds the disk full
+        daemon = host["start"](state_dir)
+        daemon.wait_ready()
+        assert _metric(daemon, "gpudiag_history_writable") == 0
+        assert daemon.get("/v1/preflight")[0] == 200  # verdicts go on regardless
+        _change_to(host, daemon, {"FAKE_NVML_XIDS": "0:79"})
+        filler.unlink()
+        wait_for(lambda: _metric(daemon, "gpudiag_history_writable") == 1, 10)
+        status, body = daemon.get("/v1/history")
+        assert status == 200
+        assert body["verdicts"][0]["gpu_validation_blocker"] == "gpu_lost"
+        logs = _logs(daemon)
+        assert [p["msg"].split(":")[0] for p in logs if p["msg"].startswith("history ")] == [
+            "history not writable", "history writable again"]
+        assert not any("Traceback" in line for line in daemon.lines)
+        assert daemon.stop() == 0

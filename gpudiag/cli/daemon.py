@@ -115,12 +115,11 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.exporter import HistoryCollector
-    from gpudiag.daemon.recorder import HistoryRecorder
     from gpudiag.daemon.scheduler import Scheduler, child_environment
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
-    from gpudiag.daemon.statedir import StateDirError, check_writable, lock_state_dir, open_history
-    from gpudiag.daemon.store import HistoryError
+    from gpudiag.daemon.statedir import StateDirError, check_writable, lock_state_dir, start_history
+    from gpudiag.daemon.store import HistoryStore
     from gpudiag.daemon.watcher import XidWatcher
 
     log = logging.getLogger("gpudiag.daemon")
@@ -131,12 +130,10 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         # The lock first: a second daemon must not even open (or move aside) the history.
         state_lock = lock_state_dir(state_dir)
         check_writable(state_dir)
-        opened = open_history(state_dir, retention_s=cfg.history.retention_s,
-                              max_bytes=cfg.history.max_bytes)
-    except (StateDirError, HistoryError, OSError) as e:
+    except StateDirError as e:
         raise _Unusable(f"cannot use --state-dir {state_dir}: {e}") from e
-    store = opened.store
-    recorder = HistoryRecorder(store, damaged=opened.damaged)
+    recorder = start_history(state_dir, retention_s=cfg.history.retention_s,
+                             max_bytes=cfg.history.max_bytes)
     notifier = Notifier()
     wake: list[Any] = []
     watcher = XidWatcher(cfg.xid, child_environment(os.environ),
@@ -147,7 +144,10 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     def record(snap: Snapshot) -> None:
         if snap.full is None:
             return
-        for change in recorder.record(snap.full):
+        changes = recorder.record(snap.full)
+        if app.store is None and isinstance(recorder.store, HistoryStore):
+            app.store = recorder.store  # opened late (the disk was full at start)
+        for change in changes:
             if change.verdict is not snap.full:  # a kept change, said when it was made
                 continue
             where: dict[str, Any] = ({"history_id": change.history_id}
@@ -159,7 +159,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                             "warnings": sorted({w.code for w in snap.full.warnings})})
 
     scheduler.on_snapshot(record)
-    app = DaemonApp(scheduler, store)
+    store = recorder.store
+    app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
     app.registry.register(HistoryCollector(recorder.health))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port)
@@ -200,7 +201,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     if killed:
         log.info("killed %d running probe child(ren) on the way out", killed)
     scheduler.drain()
-    store.close()
+    if isinstance(recorder.store, HistoryStore):
+        recorder.store.close()
     state_lock.release()
 
 

@@ -57,21 +57,27 @@ class Written:
 class HistoryRecorder:
     """Feeds verdict changes to the store in order; a failing store never raises here."""
 
-    def __init__(self, store: VerdictWriter, *, max_pending: int = MAX_PENDING,
-                 clock: Callable[[], float] = time.time,
-                 damaged: tuple[str, ...] = ()) -> None:
+    def __init__(self, store: VerdictWriter | None, *, max_pending: int = MAX_PENDING,
+                 clock: Callable[[], float] = time.time, damaged: tuple[str, ...] = (),
+                 opener: Callable[[], VerdictWriter] | None = None,
+                 open_error: HistoryError | None = None) -> None:
+        """``store`` None: the history could not be opened (``open_error`` says why, e.g. a
+        full disk at start); ``opener`` is retried on every change until it works."""
         self._store = store
+        self._opener = opener
         self._max_pending = max(1, max_pending)
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: deque[tuple[float, Verdict]] = deque()
-        self._last_fp = store.last_fingerprint
+        self._last_fp = store.last_fingerprint if store is not None else None
         self._writable = True
         self._errors = 0
         self._dropped = 0
         self._dropped_this_outage = 0
         self._last_error: str | None = None
         self._damaged = damaged
+        if store is None:
+            self._failed(open_error or HistoryError("the history is not open"))
 
     def record(self, verdict: Verdict) -> list[Written]:
         """Queue the verdict if it is a change, then write what is queued, oldest first."""
@@ -109,22 +115,35 @@ class HistoryRecorder:
                             "oldest are dropped (counted in gpudiag_history_dropped_total)",
                             self._max_pending, extra={"max_pending": self._max_pending})
 
+    def _failed(self, e: HistoryError) -> None:
+        self._errors += 1
+        cause = str(e.__cause__ or e)
+        self._last_error = cause
+        if self._writable:
+            self._writable = False
+            # One line per outage, with the cause; no traceback for a full disk.
+            log.error("history not writable: %s; verdict changes are kept in memory "
+                      "(up to %d) and written when it is", cause, self._max_pending,
+                      extra={"cause": cause, "error": str(e)})
+
+    @property
+    def store(self) -> VerdictWriter | None:
+        """The open store (None until a history that could not be opened at start opens)."""
+        with self._lock:
+            return self._store
+
     def _flush(self) -> list[tuple[Verdict, int]]:
         written: list[tuple[Verdict, int]] = []
         while self._pending:
             ts, verdict = self._pending[0]
             try:
+                if self._store is None:
+                    if self._opener is None:
+                        raise HistoryError("the history is not open")
+                    self._store = self._opener()
                 row = self._store.record(verdict, now=ts)
             except HistoryError as e:
-                self._errors += 1
-                cause = str(e.__cause__ or e)
-                self._last_error = cause
-                if self._writable:
-                    self._writable = False
-                    # One line per outage, with the cause; no traceback for a full disk.
-                    log.error("history not writable: %s; verdict changes are kept in memory "
-                              "(up to %d) and written when it is", cause, self._max_pending,
-                              extra={"cause": cause, "error": str(e)})
+                self._failed(e)
                 break
             self._pending.popleft()
             if row is not None:

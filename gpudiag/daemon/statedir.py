@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudiag.daemon.store import DB_NAME, HistoryDamagedError, HistoryStore
+from gpudiag.daemon.recorder import HistoryRecorder
+from gpudiag.daemon.store import DB_NAME, HistoryDamagedError, HistoryError, HistoryStore
 
 log = logging.getLogger("gpudiag.daemon.statedir")
 
@@ -151,9 +152,28 @@ def open_history(state_dir: Path, *, retention_s: float, max_bytes: int,
     try:
         store = HistoryStore(db, retention_s=retention_s, max_bytes=max_bytes, check=True)
     except HistoryDamagedError as e:
-        moved = move_aside(db, wall)
+        try:
+            moved = move_aside(db, wall)
+        except OSError as err:
+            raise HistoryError(f"history {db} is damaged ({e.__cause__ or e}) and cannot be "
+                               f"moved aside: {err.strerror or err}") from err
         log.error("history %s is damaged (%s); moved it aside to %s and started a fresh one",
                   db, e.__cause__ or e, moved.name,
                   extra={"damaged": str(moved), "cause": str(e.__cause__ or e)})
         store = HistoryStore(db, retention_s=retention_s, max_bytes=max_bytes, check=True)
     return OpenedHistory(store, moved, damaged_histories(state_dir))
+
+
+def start_history(state_dir: Path, *, retention_s: float, max_bytes: int) -> HistoryRecorder:
+    """The daemon's recorder; a history that cannot be opened now (a full disk at start) is
+    a history that is not writable yet, retried on every change, not a daemon that exits."""
+
+    def opener() -> HistoryStore:
+        return open_history(state_dir, retention_s=retention_s, max_bytes=max_bytes).store
+
+    try:
+        opened = open_history(state_dir, retention_s=retention_s, max_bytes=max_bytes)
+    except HistoryError as e:
+        return HistoryRecorder(None, opener=opener, open_error=e,
+                               damaged=damaged_histories(state_dir))
+    return HistoryRecorder(opened.store, opener=opener, damaged=opened.damaged)
