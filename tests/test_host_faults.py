@@ -224,3 +224,26 @@ def test_a_history_that_cannot_open_at_start_is_retried_on_each_change() -> None
     assert rec.store is store and [b for _, b in store.rows] == ["none", "gpu_lost",
                                                                  "cuda_no_device"]
     assert rec.health().writable is True and rec.health().write_errors == 3
+
+
+def test_metrics_never_wait_on_a_write_stuck_in_the_disk() -> None:
+    import threading
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class StuckStore(FlakyStore):
+        def record(self, v: Verdict, now: float | None = None) -> int | None:
+            entered.set()
+            gate.wait(10)  # a write hung in D state on a dying disk or NFS
+            return super().record(v, now)
+
+    rec = HistoryRecorder(StuckStore(), clock=_clock())  # type: ignore[arg-type]
+    writer = threading.Thread(target=rec.record, args=(CHANGES[1],))
+    writer.start()
+    assert entered.wait(5)
+    done = threading.Event()
+    threading.Thread(target=lambda: (rec.health(), done.set()), daemon=True).start()
+    assert done.wait(1.0), "health() waited on the stuck write"
+    gate.set()
+    writer.join(5)
+    assert rec.health().pending == 0

@@ -78,6 +78,7 @@ class HistoryRecorder:
         self._damaged = damaged
         if store is None:
             self._failed(open_error or HistoryError("the history is not open"))
+        self._health = self._current()
 
     def record(self, verdict: Verdict) -> list[Written]:
         """Queue the verdict if it is a change, then write what is queued, oldest first."""
@@ -93,6 +94,7 @@ class HistoryRecorder:
                 new = [verdict]
                 self._bound()
             written = self._flush()
+            self._health = self._current()
         ids = {id(v): row for v, row in written}
         out = [Written(v, row) for v, row in written]
         # A change that could not be written yet is still said (without a history id).
@@ -100,10 +102,15 @@ class HistoryRecorder:
         return out
 
     def health(self) -> HistoryHealth:
-        """The current state, for /metrics."""
-        with self._lock:
-            return HistoryHealth(self._writable, self._errors, len(self._pending),
-                                 self._dropped, self._last_error, self._damaged)
+        """The state after the latest write attempt, for /metrics.
+
+        Lock-free on purpose: a scrape must never wait on a write stuck in the disk.
+        """
+        return self._health
+
+    def _current(self) -> HistoryHealth:
+        return HistoryHealth(self._writable, self._errors, len(self._pending), self._dropped,
+                             self._last_error, self._damaged)
 
     def _bound(self) -> None:
         while len(self._pending) > self._max_pending:
@@ -129,8 +136,7 @@ class HistoryRecorder:
     @property
     def store(self) -> VerdictWriter | None:
         """The open store (None until a history that could not be opened at start opens)."""
-        with self._lock:
-            return self._store
+        return self._store
 
     def _flush(self) -> list[tuple[Verdict, int]]:
         written: list[tuple[Verdict, int]] = []
