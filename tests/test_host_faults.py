@@ -113,6 +113,7 @@ def test_past_the_bound_the_oldest_waiting_changes_are_dropped_said_once_and_cou
     dropped = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) == 2  # one when dropping starts, one in the recovery line
     assert "3 dropped" in dropped[-1].getMessage()
+    assert "checked at 2026-11-29T00:00:00.000Z" in dropped[0].getMessage()  # which, said
 
 
 def test_history_metrics_render_the_health() -> None:

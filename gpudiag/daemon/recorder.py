@@ -74,6 +74,7 @@ class HistoryRecorder:
         self._errors = 0
         self._dropped = 0
         self._dropped_this_outage = 0
+        self._dropped_span: tuple[str | None, str | None] = (None, None)
         self._last_error: str | None = None
         self._damaged = damaged
         if store is None:
@@ -114,13 +115,17 @@ class HistoryRecorder:
 
     def _bound(self) -> None:
         while len(self._pending) > self._max_pending:
-            self._pending.popleft()
+            _, lost = self._pending.popleft()
             self._dropped += 1
             self._dropped_this_outage += 1
+            self._dropped_span = (self._dropped_span[0] or lost.checked_at, lost.checked_at)
             if self._dropped_this_outage == 1:
                 log.warning("history: more than %d verdict changes wait for the history; the "
-                            "oldest are dropped (counted in gpudiag_history_dropped_total)",
-                            self._max_pending, extra={"max_pending": self._max_pending})
+                            "oldest are dropped (counted in gpudiag_history_dropped_total), "
+                            "first the one checked at %s (%s)", self._max_pending,
+                            lost.checked_at, lost.gpu_validation_blocker,
+                            extra={"max_pending": self._max_pending,
+                                   "dropped_checked_at": lost.checked_at})
 
     def _failed(self, e: HistoryError) -> None:
         self._errors += 1
@@ -156,11 +161,14 @@ class HistoryRecorder:
                 written.append((verdict, row))
         if not self._pending and not self._writable:
             self._writable = True
+            first, last = self._dropped_span
             log.warning("history writable again: wrote %d verdict change(s) kept while it was "
                         "not%s", len(written),
-                        f", {self._dropped_this_outage} dropped past the bound"
+                        f", {self._dropped_this_outage} dropped past the bound (checked at "
+                        f"{first} .. {last}; the log above still has them)"
                         if self._dropped_this_outage else "",
                         extra={"written": len(written),
                                "dropped": self._dropped_this_outage})
             self._dropped_this_outage = 0
+            self._dropped_span = (None, None)
         return written
