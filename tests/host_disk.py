@@ -22,16 +22,19 @@ NOT_ROOT = "a small tmpfs for the full-disk tests needs root (CI and the dev con
 
 
 @contextmanager
-def small_tmpfs(where: Path, size: str = "1m") -> Iterator[Path]:
-    """Mount a tmpfs of ``size`` at ``where`` for the duration; skips when that is not allowed."""
+def small_tmpfs(where: Path, size: str = "1m", options: str = "") -> Iterator[Path]:
+    """Mount a tmpfs of ``size`` at ``where`` for the duration; skips when that is not allowed.
+
+    ``options``: more mount options, e.g. ``ro`` for a filesystem even root cannot write.
+    """
     if os.geteuid() != 0:
         pytest.skip(NOT_ROOT)
     if shutil.which("mount") is None:
         pytest.skip("no mount(8) on this host for the full-disk tests")
     where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755",
-                           "gpudiag-test", str(where)], capture_output=True, text=True,
-                          timeout=30, check=False)
+    opts = f"size={size},mode=0755" + (f",{options}" if options else "")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "gpudiag-test", str(where)],
+                          capture_output=True, text=True, timeout=30, check=False)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs for the full-disk tests: {proc.stderr.strip()}")
     try:

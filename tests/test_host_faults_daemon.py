@@ -172,15 +172,26 @@ def test_a_second_daemon_on_the_same_state_dir_exits_2_naming_the_first(
     host["start"](state_dir).wait_ready()
 
 
+def _serve_fails(host: dict[str, Any], state_dir: Path) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0", "--config",
+         str(host["cfg"]), "--state-dir", str(state_dir)], env=host["env"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and f"cannot use --state-dir {state_dir}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
 def test_a_state_dir_that_is_a_file_stays_a_startup_error(host: dict[str, Any]) -> None:
     path = host["tmp"] / "not-a-dir"
     path.write_text("x")
-    proc = subprocess.run(
-        [sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0", "--config",
-         str(host["cfg"]), "--state-dir", str(path / "sub")], env=host["env"],
-        capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 2 and f"cannot use --state-dir {path / 'sub'}" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    _serve_fails(host, path / "sub")
+
+
+def test_a_state_dir_that_cannot_be_written_stays_a_startup_error(
+        host: dict[str, Any]) -> None:
+    with small_tmpfs(host["tmp"] / "ro", "64k", "ro") as ro:
+        assert "Read-only file system" in _serve_fails(host, ro)
 
 
 def test_a_daemon_started_on_a_full_disk_serves_and_opens_its_history_once_there_is_room(
