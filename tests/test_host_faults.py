@@ -248,3 +248,41 @@ def test_metrics_never_wait_on_a_write_stuck_in_the_disk() -> None:
     gate.set()
     writer.join(5)
     assert rec.health().pending == 0
+
+
+def test_a_write_stuck_in_the_disk_never_blocks_whoever_publishes_snapshots() -> None:
+    import threading
+    import time as _time
+
+    from gpudiag.daemon.recorder import RecorderThread, Written
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class StuckStore(FlakyStore):
+        def record(self, v: Verdict, now: float | None = None) -> int | None:
+            entered.set()
+            gate.wait(10)  # the disk hangs until the gate opens
+            return super().record(v, now)
+
+    store = StuckStore()
+    said: list[tuple[str, int | None]] = []
+
+    def written(v: Verdict | None, changes: list[Written]) -> None:
+        said.extend((c.verdict.gpu_validation_blocker, c.history_id) for c in changes)
+
+    writer = RecorderThread(HistoryRecorder(store, clock=_clock()),  # type: ignore[arg-type]
+                            written, max_queued=2)
+    writer.start()
+    writer.submit(CHANGES[0])
+    assert entered.wait(5)
+    t0 = _time.monotonic()
+    for v in [*CHANGES[1:], CHANGES[-1], CHANGES[-1]]:  # repeats are no change: not queued
+        writer.submit(v)
+    assert _time.monotonic() - t0 < 0.5  # the publisher never waited on the disk
+    health = writer.health()
+    assert health.pending == 2 and health.dropped == 2  # 1 stuck in the write, 2 queued
+    assert writer.stop(timeout_s=0.2) is False  # stuck: the daemon exits without waiting
+    gate.set()
+    _time.sleep(0.5)
+    assert [b for _, b in store.rows] == ["none", "gpu_lost", "cuda_no_device"]
+    assert said == [("none", 1), ("gpu_lost", 2), ("cuda_no_device", 3)]

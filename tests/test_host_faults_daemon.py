@@ -97,7 +97,7 @@ def test_a_full_disk_is_one_line_each_way_and_the_history_keeps_every_change_in_
         errors = wait_for(lambda: (n := _metric(daemon, "gpudiag_history_write_errors_total"))
                           >= 3 and n, 10)
         assert _metric(daemon, "gpudiag_history_pending") >= 3
-        time.sleep(1.5)  # a few more snapshots retry against the full disk
+        time.sleep(2.5)  # the writer retries every second against the full disk
         assert _metric(daemon, "gpudiag_history_write_errors_total") > errors
         filler.unlink()
         wait_for(lambda: _metric(daemon, "gpudiag_history_writable") == 1, 10)

@@ -115,6 +115,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.exporter import HistoryCollector
+    from gpudiag.daemon.recorder import RecorderThread, Written
     from gpudiag.daemon.scheduler import Scheduler, child_environment
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
@@ -141,27 +142,30 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher)
     wake.append(scheduler.wake)
 
-    def record(snap: Snapshot) -> None:
-        if snap.full is None:
-            return
-        changes = recorder.record(snap.full)
+    def written(verdict: Verdict | None, changes: list[Written]) -> None:
         if app.store is None and isinstance(recorder.store, HistoryStore):
             app.store = recorder.store  # opened late (the disk was full at start)
         for change in changes:
-            if change.verdict is not snap.full:  # a kept change, said when it was made
+            if change.verdict is not verdict:  # a kept change, said when it was made
                 continue
             where: dict[str, Any] = ({"history_id": change.history_id}
                                      if change.history_id is not None
                                      else {"history_pending": True})
-            log.info("verdict changed: %s", snap.full.gpu_validation_blocker,
-                     extra={**where, "ready": snap.full.ready,
-                            "blockers": sorted({b.code for b in snap.full.blockers}),
-                            "warnings": sorted({w.code for w in snap.full.warnings})})
+            log.info("verdict changed: %s", verdict.gpu_validation_blocker,
+                     extra={**where, "ready": verdict.ready,
+                            "blockers": sorted({b.code for b in verdict.blockers}),
+                            "warnings": sorted({w.code for w in verdict.warnings})})
+
+    writer = RecorderThread(recorder, written)
+
+    def record(snap: Snapshot) -> None:
+        if snap.full is not None:
+            writer.submit(snap.full)
 
     scheduler.on_snapshot(record)
     store = recorder.store
     app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
-    app.registry.register(HistoryCollector(recorder.health))
+    app.registry.register(HistoryCollector(writer.health))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port)
     except OSError as e:
@@ -183,6 +187,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                     verdict)
 
     signal.signal(signal.SIGHUP, on_hup)
+    writer.start()
     watcher.start()
     scheduler.start()
     url = f"http://{host if ':' not in str(host) else f'[{host}]'}:{port}"
@@ -201,7 +206,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     if killed:
         log.info("killed %d running probe child(ren) on the way out", killed)
     scheduler.drain()
-    if isinstance(recorder.store, HistoryStore):
+    # A write stuck in the disk must not hold the exit up either: closing would wait on it.
+    if writer.stop() and isinstance(recorder.store, HistoryStore):
         recorder.store.close()
     state_lock.release()
 

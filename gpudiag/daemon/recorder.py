@@ -10,11 +10,12 @@ store takes writes again. Its state is a frozen ``HistoryHealth`` that the expor
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gpudiag.core.verdict import Verdict
@@ -62,7 +63,7 @@ class HistoryRecorder:
                  opener: Callable[[], VerdictWriter] | None = None,
                  open_error: HistoryError | None = None) -> None:
         """``store`` None: the history could not be opened (``open_error`` says why, e.g. a
-        full disk at start); ``opener`` is retried on every change until it works."""
+        full disk at start); ``opener`` is retried with every write attempt until it works."""
         self._store = store
         self._opener = opener
         self._max_pending = max(1, max_pending)
@@ -101,6 +102,20 @@ class HistoryRecorder:
         # A change that could not be written yet is still said (without a history id).
         out += [Written(v, None) for v in new if id(v) not in ids]
         return out
+
+    def retry(self) -> list[Written]:
+        """Try again to write what waits (nothing happens when nothing waits)."""
+        with self._lock:
+            if not self._pending and self._store is not None:
+                return []
+            written = self._flush()
+            self._health = self._current()
+        return [Written(v, row) for v, row in written]
+
+    @property
+    def waiting(self) -> bool:
+        """True while changes wait for the history (or the history is not open yet)."""
+        return bool(self._pending) or self._store is None
 
     def health(self) -> HistoryHealth:
         """The state after the latest write attempt, for /metrics.
@@ -172,3 +187,82 @@ class HistoryRecorder:
             self._dropped_this_outage = 0
             self._dropped_span = (None, None)
         return written
+
+
+class RecorderThread:
+    """Runs the recorder on its own thread: a write stuck in a dying disk (D state, a hung
+    NFS mount) must never hold up the scheduler's loop, its watchdog keep-alive or probes.
+
+    ``submit`` only queues (bounded; a full queue drops and counts, as the recorder does);
+    ``on_written`` gets the verdict and what ``record`` returned, on this thread, in order
+    (the verdict None after a retry). While changes
+    wait for the history, it retries every ``retry_s`` even when nothing new comes.
+    """
+
+    _STOP = object()
+
+    def __init__(self, recorder: HistoryRecorder,
+                 on_written: Callable[[Verdict | None, list[Written]], None],
+                 max_queued: int = 4 * MAX_PENDING, retry_s: float = 1.0) -> None:
+        self.recorder = recorder
+        self._retry_s = retry_s
+        self._on_written = on_written
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queued)
+        self._last_fp: str | None = None
+        self._submit_lock = threading.Lock()
+        self.overflow = 0
+        self._thread = threading.Thread(target=self._run, name="gpudiag-history", daemon=True)
+
+    def start(self) -> None:
+        """Start the writer thread."""
+        self._thread.start()
+
+    def submit(self, verdict: Verdict) -> None:
+        """Queue a snapshot's verdict when it is a change (so the queue holds changes only)."""
+        fp = fingerprint(verdict)
+        with self._submit_lock:  # probe workers publish concurrently
+            if fp == self._last_fp:
+                return
+            self._last_fp = fp
+            try:
+                self._queue.put_nowait(verdict)
+            except queue.Full:
+                self.overflow += 1
+                if self.overflow == 1:
+                    log.warning("history: the writer is stuck (a hung disk?); verdict changes "
+                                "are dropped (counted in gpudiag_history_dropped_total) until "
+                                "it moves again")
+
+    def health(self) -> HistoryHealth:
+        """The recorder's health, with what waits in (or overflowed) this thread's queue."""
+        h = self.recorder.health()
+        return replace(h, pending=h.pending + self._queue.qsize(),
+                       dropped=h.dropped + self.overflow)
+
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Write what is queued and end the thread; False when a write is still stuck."""
+        try:
+            self._queue.put(self._STOP, timeout=timeout_s)
+        except queue.Full:  # the writer is stuck
+            return False
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._retry_s if self.recorder.waiting
+                                       else None)
+            except queue.Empty:
+                item = None
+            if item is self._STOP:
+                return
+            try:
+                if isinstance(item, Verdict):
+                    self._on_written(item, self.recorder.record(item))
+                else:
+                    # Kept changes were said when they were made; the callback still learns
+                    # that the history moved (it may have opened late).
+                    self._on_written(None, self.recorder.retry())
+            except Exception:  # a bug of ours: said, and the writer goes on
+                log.exception("history writer failed")

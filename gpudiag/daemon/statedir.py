@@ -166,7 +166,7 @@ def open_history(state_dir: Path, *, retention_s: float, max_bytes: int,
 
 def start_history(state_dir: Path, *, retention_s: float, max_bytes: int) -> HistoryRecorder:
     """The daemon's recorder; a history that cannot be opened now (a full disk at start) is
-    a history that is not writable yet, retried on every change, not a daemon that exits."""
+    a history that is not writable yet, retried while changes wait, not a daemon that exits."""
 
     def opener() -> HistoryStore:
         return open_history(state_dir, retention_s=retention_s, max_bytes=max_bytes).store
