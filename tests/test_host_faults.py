@@ -270,8 +270,9 @@ def test_a_write_stuck_in_the_disk_never_blocks_whoever_publishes_snapshots() ->
     def written(v: Verdict | None, changes: list[Written]) -> None:
         said.extend((c.verdict.gpu_validation_blocker, c.history_id) for c in changes)
 
+    submitted = iter(float(t) for t in range(100, 200))
     writer = RecorderThread(HistoryRecorder(store, clock=_clock()),  # type: ignore[arg-type]
-                            written, max_queued=2)
+                            written, max_queued=2, clock=lambda: next(submitted))
     writer.start()
     writer.submit(CHANGES[0])
     assert entered.wait(5)
@@ -285,4 +286,5 @@ def test_a_write_stuck_in_the_disk_never_blocks_whoever_publishes_snapshots() ->
     gate.set()
     _time.sleep(0.5)
     assert [b for _, b in store.rows] == ["none", "gpu_lost", "cuda_no_device"]
+    assert [t for t, _ in store.rows] == [100.0, 101.0, 102.0]  # stamped when submitted
     assert said == [("none", 1), ("gpu_lost", 2), ("cuda_no_device", 3)]

@@ -82,8 +82,9 @@ class HistoryRecorder:
             self._failed(open_error or HistoryError("the history is not open"))
         self._health = self._current()
 
-    def record(self, verdict: Verdict) -> list[Written]:
-        """Queue the verdict if it is a change, then write what is queued, oldest first."""
+    def record(self, verdict: Verdict, at: float | None = None) -> list[Written]:
+        """Queue the verdict if it is a change (made at ``at``, default now), then write what
+        is queued, oldest first."""
         fp = fingerprint(verdict)
         with self._lock:
             if fp == self._last_fp:
@@ -92,7 +93,7 @@ class HistoryRecorder:
                 new: list[Verdict] = []
             else:
                 self._last_fp = fp
-                self._pending.append((self._clock(), verdict))
+                self._pending.append((self._clock() if at is None else at, verdict))
                 new = [verdict]
                 self._bound()
             written = self._flush()
@@ -106,7 +107,7 @@ class HistoryRecorder:
     def retry(self) -> list[Written]:
         """Try again to write what waits (nothing happens when nothing waits)."""
         with self._lock:
-            if not self._pending and self._store is not None:
+            if not self.waiting:
                 return []
             written = self._flush()
             self._health = self._current()
@@ -160,13 +161,17 @@ class HistoryRecorder:
 
     def _flush(self) -> list[tuple[Verdict, int]]:
         written: list[tuple[Verdict, int]] = []
+        if self._store is None:
+            try:
+                if self._opener is None:
+                    raise HistoryError("the history is not open")
+                self._store = self._opener()
+            except HistoryError as e:
+                self._failed(e)
+                return written
         while self._pending:
             ts, verdict = self._pending[0]
             try:
-                if self._store is None:
-                    if self._opener is None:
-                        raise HistoryError("the history is not open")
-                    self._store = self._opener()
                 row = self._store.record(verdict, now=ts)
             except HistoryError as e:
                 self._failed(e)
@@ -203,8 +208,10 @@ class RecorderThread:
 
     def __init__(self, recorder: HistoryRecorder,
                  on_written: Callable[[Verdict | None, list[Written]], None],
-                 max_queued: int = 4 * MAX_PENDING, retry_s: float = 1.0) -> None:
+                 max_queued: int = 4 * MAX_PENDING, retry_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.recorder = recorder
+        self._clock = clock
         self._retry_s = retry_s
         self._on_written = on_written
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_queued)
@@ -225,7 +232,8 @@ class RecorderThread:
                 return
             self._last_fp = fp
             try:
-                self._queue.put_nowait(verdict)
+                # Stamped now: a change waiting behind a stuck write keeps its own time.
+                self._queue.put_nowait((self._clock(), verdict))
             except queue.Full:
                 self.overflow += 1
                 if self.overflow == 1:
@@ -258,8 +266,9 @@ class RecorderThread:
             if item is self._STOP:
                 return
             try:
-                if isinstance(item, Verdict):
-                    self._on_written(item, self.recorder.record(item))
+                if isinstance(item, tuple):
+                    at, verdict = item
+                    self._on_written(verdict, self.recorder.record(verdict, at))
                 else:
                     # Kept changes were said when they were made; the callback still learns
                     # that the history moved (it may have opened late).
