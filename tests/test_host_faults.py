@@ -274,12 +274,13 @@ def test_a_write_stuck_in_the_disk_never_blocks_whoever_publishes_snapshots() ->
     writer = RecorderThread(HistoryRecorder(store, clock=_clock()),  # type: ignore[arg-type]
                             written, max_queued=2, clock=lambda: next(submitted))
     writer.start()
-    writer.submit(CHANGES[0])
-    assert entered.wait(5)
     t0 = _time.monotonic()
+    writer.submit(CHANGES[0], wait_s=0.2)
+    assert entered.wait(5)
     for v in [*CHANGES[1:], CHANGES[-1], CHANGES[-1]]:  # repeats are no change: not queued
-        writer.submit(v)
-    assert _time.monotonic() - t0 < 0.5  # the publisher never waited on the disk
+        writer.submit(v, wait_s=0.2)
+    # The publisher waited at most wait_s per change, never on the disk itself.
+    assert _time.monotonic() - t0 < 2.0
     health = writer.health()
     assert health.pending == 2 and health.dropped == 2  # 1 stuck in the write, 2 queued
     assert writer.stop(timeout_s=0.2) is False  # stuck: the daemon exits without waiting
@@ -288,3 +289,15 @@ def test_a_write_stuck_in_the_disk_never_blocks_whoever_publishes_snapshots() ->
     assert [b for _, b in store.rows] == ["none", "gpu_lost", "cuda_no_device"]
     assert [t for t, _ in store.rows] == [100.0, 101.0, 102.0]  # stamped when submitted
     assert said == [("none", 1), ("gpu_lost", 2), ("cuda_no_device", 3)]
+
+
+def test_on_a_healthy_disk_a_change_is_written_when_submit_returns() -> None:
+    from gpudiag.daemon.recorder import RecorderThread
+
+    store = FlakyStore()
+    writer = RecorderThread(HistoryRecorder(store), lambda v, c: None)  # type: ignore[arg-type]
+    writer.start()
+    for i, v in enumerate(CHANGES, 1):
+        writer.submit(v)
+        assert len(store.rows) == i  # as when the listener wrote it itself
+    assert writer.stop() is True

@@ -224,22 +224,28 @@ class RecorderThread:
         """Start the writer thread."""
         self._thread.start()
 
-    def submit(self, verdict: Verdict) -> None:
-        """Queue a snapshot's verdict when it is a change (so the queue holds changes only)."""
+    def submit(self, verdict: Verdict, wait_s: float = 1.0) -> None:
+        """Queue a snapshot's verdict when it is a change (so the queue holds changes only),
+        then wait up to ``wait_s`` for it to be written: on a healthy disk the change is in
+        the history when the snapshot's listeners return, as when they wrote it themselves.
+        """
         fp = fingerprint(verdict)
+        done = threading.Event()
         with self._submit_lock:  # probe workers publish concurrently
             if fp == self._last_fp:
                 return
             self._last_fp = fp
             try:
                 # Stamped now: a change waiting behind a stuck write keeps its own time.
-                self._queue.put_nowait((self._clock(), verdict))
+                self._queue.put_nowait((self._clock(), verdict, done))
             except queue.Full:
                 self.overflow += 1
                 if self.overflow == 1:
                     log.warning("history: the writer is stuck (a hung disk?); verdict changes "
                                 "are dropped (counted in gpudiag_history_dropped_total) until "
                                 "it moves again")
+                return
+        done.wait(wait_s)
 
     def health(self) -> HistoryHealth:
         """The recorder's health, with what waits in (or overflowed) this thread's queue."""
@@ -267,8 +273,11 @@ class RecorderThread:
                 return
             try:
                 if isinstance(item, tuple):
-                    at, verdict = item
-                    self._on_written(verdict, self.recorder.record(verdict, at))
+                    at, verdict, done = item
+                    try:
+                        self._on_written(verdict, self.recorder.record(verdict, at))
+                    finally:
+                        done.set()
                 else:
                     # Kept changes were said when they were made; the callback still learns
                     # that the history moved (it may have opened late).
