@@ -72,12 +72,12 @@ def _emit(verdict: Verdict, fmt: str) -> None:
 def _record(verdict: Verdict, path: str | None) -> None:
     if path is None:
         return
-    from gpudiag.core.fileio import atomic_write
+    from gpudiag.core.fileio import atomic_write, write_failure
 
     try:
-        atomic_write(path, verdict.json() + "\n")
+        atomic_write(path, verdict.json() + "\n")  # the old file or the new, never half
     except OSError as e:
-        raise Failed(f"could not write --record {path}: {e.strerror or e}") from e
+        raise Failed(f"could not write --record {path}: {write_failure(e)}") from e
 
 
 class LazyGroup(click.Group):

@@ -37,6 +37,12 @@ class _Failed(click.ClickException):
     exit_code = EXIT_FAILED
 
 
+class _Unusable(click.ClickException):
+    """The state directory cannot be used, or another daemon holds it: exit 2."""
+
+    exit_code = EXIT_USAGE
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line (journald keeps it as MESSAGE), extras as fields."""
 
@@ -130,10 +136,13 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
+    from gpudiag.daemon.exporter import HistoryCollector
+    from gpudiag.daemon.recorder import RecorderThread, Written
     from gpudiag.daemon.scheduler import Scheduler, child_environment
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
-    from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
+    from gpudiag.daemon.statedir import StateDirError, check_writable, lock_state_dir, start_history
+    from gpudiag.daemon.store import HistoryError, HistoryStore
     from gpudiag.daemon.watcher import XidWatcher
 
     log = logging.getLogger("gpudiag.daemon")
@@ -141,10 +150,13 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     # CPython's 5 ms default when a request thread wakes up beside a busy one.
     sys.setswitchinterval(0.0005)
     try:
-        store = HistoryStore(default_path(state_dir), retention_s=cfg.history.retention_s,
+        # The lock first: a second daemon must not even open (or move aside) the history.
+        state_lock = lock_state_dir(state_dir)
+        check_writable(state_dir)
+    except StateDirError as e:
+        raise _Unusable(f"cannot use --state-dir {state_dir}: {e}") from e
+    recorder = start_history(state_dir, retention_s=cfg.history.retention_s,
                              max_bytes=cfg.history.max_bytes)
-    except (HistoryError, OSError) as e:
-        raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
     notifier = Notifier()
     wake: list[Any] = []
     watcher = XidWatcher(cfg.xid, child_environment(os.environ),
@@ -152,8 +164,18 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     late: list[Scheduler] = []
 
     def record_clear(request: ClearRequest, released: int) -> None:
-        store.record_clear(uid=request.uid, gpu=request.gpu, reason=request.reason,
-                           released=released)
+        # The store is locked per call; it may be missing while the disk is full.
+        history = recorder.store
+        if not isinstance(history, HistoryStore):
+            log.warning("clear of %s applied but not recorded: the history is not writable",
+                        request.gpu or "all GPUs", extra={"uid": request.uid})
+            return
+        try:
+            history.record_clear(uid=request.uid, gpu=request.gpu, reason=request.reason,
+                                 released=released)
+        except HistoryError as e:
+            log.warning("clear of %s applied but not recorded: %s", request.gpu or "all GPUs",
+                        e, extra={"uid": request.uid})
 
     clears = ClearPoller(state_dir, release=watcher.clear, record=record_clear,
                          recheck=lambda: late[0].trigger(recheck_keys(late[0].scheduled)))
@@ -165,18 +187,30 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     late.append(scheduler)
     wake.append(scheduler.wake)
 
+    def written(verdict: Verdict | None, changes: list[Written]) -> None:
+        if app.store is None and isinstance(recorder.store, HistoryStore):
+            app.store = recorder.store  # opened late (the disk was full at start)
+        for change in changes:
+            if change.verdict is not verdict:  # a kept change, said when it was made
+                continue
+            where: dict[str, Any] = ({"history_id": change.history_id}
+                                     if change.history_id is not None
+                                     else {"history_pending": True})
+            log.info("verdict changed: %s", verdict.gpu_validation_blocker,
+                     extra={**where, "ready": verdict.ready,
+                            "blockers": sorted({b.code for b in verdict.blockers}),
+                            "warnings": sorted({w.code for w in verdict.warnings})})
+
+    writer = RecorderThread(recorder, written)
+
     def record(snap: Snapshot) -> None:
-        if snap.full is None:
-            return
-        row = store.record(snap.full)
-        if row is not None:
-            log.info("verdict changed: %s", snap.full.gpu_validation_blocker,
-                     extra={"history_id": row, "ready": snap.full.ready,
-                            "blockers": sorted({b.code for b in snap.full.blockers}),
-                            "warnings": sorted({w.code for w in snap.full.warnings})})
+        if snap.full is not None:
+            writer.submit(snap.full)
 
     scheduler.on_snapshot(record)
-    app = DaemonApp(scheduler, store)
+    store = recorder.store
+    app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
+    app.registry.register(HistoryCollector(writer.health))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,
                                     read_only=cfg.tcp_read_only)
@@ -200,6 +234,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                     verdict)
 
     signal.signal(signal.SIGHUP, on_hup)
+    writer.start()
     watcher.start()
     scheduler.start()
     url = f"http://{host if ':' not in str(host) else f'[{host}]'}:{port}"
@@ -224,7 +259,10 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     if killed:
         log.info("killed %d running probe child(ren) on the way out", killed)
     scheduler.drain()
-    store.close()
+    # A write stuck in the disk must not hold the exit up either: closing would wait on it.
+    if writer.stop() and isinstance(recorder.store, HistoryStore):
+        recorder.store.close()
+    state_lock.release()
 
 
 def start_socket(app: WsgiApp, cfg: DaemonConfig, tcp: HttpServer) -> HttpServer | None:
@@ -313,10 +351,13 @@ def _when(ts: float) -> str:
 def history(state_dir: str | None, since_text: str | None, blocked: bool, limit: int,
             as_json: bool) -> None:
     """Show the daemon's verdict changes and blocker episodes (works while it runs)."""
+    from gpudiag.daemon.statedir import damaged_histories
     from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 
     since = time.time() - parse_since(since_text) if since_text else None
-    path = default_path(Path(state_dir) if state_dir else default_state_dir())
+    folder = Path(state_dir) if state_dir else default_state_dir()
+    path = default_path(folder)
+    damaged = damaged_histories(folder)
     try:
         store = HistoryStore(path, readonly=True)
         try:
@@ -330,8 +371,13 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
     if as_json:
         click.echo(json.dumps({"verdicts": [v.record() for v in entries],
                                "episodes": [ep.record() for ep in episodes],
-                               "clears": [c.record() for c in clears]}, indent=2))
+                               "clears": [c.record() for c in clears],
+                               "damaged": [str(folder / n) for n in damaged]}, indent=2))
         return
+    for name in damaged:
+        # Earlier history lives on in that file (readable with sqlite3 if not too damaged).
+        click.echo(f"note: a damaged history was moved aside to {folder / name}; the history "
+                   "below starts after it", err=True)
     if not entries:
         click.echo("no verdict changes" + (" in that time" if since_text else ""))
     for entry in entries:

@@ -133,7 +133,7 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
         raise RunUsageError(
             str(e) if isinstance(e, DaemonUserError) else f"--daemon-url: {e}") from e
     except RunnerError as e:
-        raise RunFailed(str(e)) from e
+        raise RunFailed(f"{e}; ARGV was not started") from e
     except (OSError, ValueError) as e:  # the boundary: a message and 125, never a traceback
         raise RunFailed(f"failed before or around launch: {type(e).__name__}: {e}") from e
     sys.exit(outcome.exit_code)

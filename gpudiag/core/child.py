@@ -84,7 +84,12 @@ def report(path: str | None = None, *, final: bool = False) -> dict[str, Any]:
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
         except OSError:
-            pass  # the report is evidence; it must never break the child
+            # The report is evidence; it must never break the child, nor leave half a file
+            # behind (a full disk fails the write after the temporary was created).
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return record
 
 

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from gpudiag.core.catalog import BLOCKERS, WARNINGS, CatalogEntry
 from gpudiag.core.verdict import Finding
 from gpudiag.core.version import __version__
+from gpudiag.daemon.recorder import HistoryHealth
 from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
 
 
@@ -191,6 +192,40 @@ class SnapshotCollector(Collector):
                                 "Seconds since the daemon last published a snapshot.")
         age.add_metric([], max(0.0, now - snap.published_wall))
         yield from (up, restarts, gap, age)
+
+
+class HistoryCollector(Collector):
+    """The history's health: writable, write errors, changes waiting or dropped, damage."""
+
+    def __init__(self, health: Callable[[], HistoryHealth]) -> None:
+        self._health = health
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        h = self._health()
+        writable = GaugeMetricFamily(
+            "gpudiag_history_writable",
+            "1 when the last write to the history database worked, 0 while writes fail.")
+        writable.add_metric([], 1.0 if h.writable else 0.0)
+        errors = CounterMetricFamily(
+            "gpudiag_history_write_errors",
+            "Writes to the history database that failed (disk full, I/O error).")
+        errors.add_metric([], float(h.write_errors))
+        pending = GaugeMetricFamily(
+            "gpudiag_history_pending",
+            "Verdict changes kept in memory until the history takes writes again.")
+        pending.add_metric([], float(h.pending))
+        dropped = CounterMetricFamily(
+            "gpudiag_history_dropped",
+            "Verdict changes dropped because too many waited for the history.")
+        dropped.add_metric([], float(h.dropped))
+        damaged = GaugeMetricFamily(
+            "gpudiag_history_damaged_files",
+            "Damaged histories this daemon moved aside at start (history.sqlite3.damaged-*).")
+        damaged.add_metric([], float(len(h.damaged)))
+        yield from (writable, errors, pending, dropped, damaged)
 
 
 def _codes(name: str, kind: str, table: Mapping[str, CatalogEntry],

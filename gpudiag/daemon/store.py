@@ -85,6 +85,34 @@ class HistoryError(Exception):
     """The history database cannot be opened or read; the message names the file."""
 
 
+class HistoryWriteError(HistoryError):
+    """A write to the history failed (disk full, I/O error); nothing of it was kept."""
+
+
+class HistoryDamagedError(HistoryError):
+    """The history file is not a usable SQLite database (damaged, or not a database)."""
+
+
+# SQLite's primary result codes that mean "this file is damaged", not "the host is unwell".
+_DAMAGED_CODES = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
+
+
+def is_damaged(error: sqlite3.Error) -> bool:
+    """True when SQLite says the file itself is damaged or not a database."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return isinstance(code, int) and (code & 0xFF) in _DAMAGED_CODES
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    """Roll back what is still open: SQLite itself rolls back on a full disk or an I/O error,
+    and a second ROLLBACK would fail ("no transaction is active") over the real cause."""
+    if db.in_transaction:
+        try:
+            db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # the connection is unusable; the caller reports the original error
+
+
 @dataclass(frozen=True)
 class HistoryEntry:
     """One verdict change as stored."""
@@ -160,7 +188,7 @@ class HistoryStore:
 
     def __init__(self, path: str | Path, *, retention_s: float = 30 * 86400.0,
                  max_bytes: int = 64 * 2**20, readonly: bool = False,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, check: bool = False) -> None:
         self.path = Path(path)
         self.retention_s = retention_s
         self.max_bytes = max_bytes
@@ -172,6 +200,7 @@ class HistoryStore:
         # (every 50 writes alone could keep rows for months past the retention).
         self._prune_every_s = min(3600.0, max(1.0, retention_s / 10))
         self._last_prune = -float("inf")
+        self.prune_error: str | None = None
         try:
             if readonly:
                 if not self.path.exists():
@@ -182,11 +211,38 @@ class HistoryStore:
                 self._db.execute("PRAGMA query_only=ON")
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                if check:
+                    self._check()
                 self._db = sqlite3.connect(str(self.path), check_same_thread=False,
                                            timeout=5.0, isolation_level=None)
-                self._setup()
+                try:
+                    self._setup()
+                except BaseException:
+                    self._db.close()  # a damaged file is moved aside: let go of it first
+                    raise
         except sqlite3.Error as e:
+            if is_damaged(e):
+                raise HistoryDamagedError(f"history {self.path} is damaged: {e}") from e
             raise HistoryError(f"cannot open history {self.path}: {e}") from e
+
+    def _check(self) -> None:
+        """HistoryDamagedError when the existing file is damaged; read-only, on purpose.
+
+        A read-write connection to a damaged file checkpoints its WAL into it and deletes the
+        WAL on close: the newest changes would be lost before the file is moved aside.
+        quick_check reads every page once (0.1-0.2 s for 63 MiB, measured), so a file
+        damaged inside is found at start, not by a write failing at 3 a.m.
+        """
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5.0)
+        try:
+            found = [str(r[0]) for r in db.execute("PRAGMA quick_check").fetchall()]
+        finally:
+            db.close()
+        if found != ["ok"]:
+            raise HistoryDamagedError(f"history {self.path} is damaged: "
+                                      f"{'; '.join(found[:3])}")
 
     def _setup(self) -> None:
         db = self._db
@@ -204,6 +260,12 @@ class HistoryStore:
         row = db.execute("SELECT fingerprint FROM verdicts ORDER BY id DESC LIMIT 1").fetchone()
         self._last_fp = row[0] if row else None
 
+    @property
+    def last_fingerprint(self) -> str | None:
+        """The fingerprint of the newest stored verdict (None for an empty history)."""
+        with self._lock:
+            return self._last_fp
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -218,8 +280,8 @@ class HistoryStore:
                 return None
             rec = _stored_record(verdict)
             db = self._db
-            db.execute("BEGIN IMMEDIATE")
             try:
+                db.execute("BEGIN IMMEDIATE")
                 cur = db.execute(
                     "INSERT INTO verdicts (ts, checked_at, requirement, blocker, ready, "
                     "blockers, warnings, fingerprint, record) VALUES (?,?,?,?,?,?,?,?,?)",
@@ -231,13 +293,23 @@ class HistoryStore:
                      json.dumps(rec, separators=(",", ":"), default=str)))
                 self._episodes(verdict, rec, ts)
                 db.execute("COMMIT")
+            except sqlite3.Error as e:
+                _rollback(db)
+                raise HistoryWriteError(f"cannot write history {self.path}: {e}") from e
             except BaseException:
-                db.execute("ROLLBACK")
+                _rollback(db)
                 raise
             self._last_fp = fp
             self._writes += 1
             if self._writes % 50 == 0 or ts - self._last_prune >= self._prune_every_s:
-                self._prune_locked(ts)
+                # The change is durable: a failed prune must not report it as lost (it
+                # would be written twice). Pruning is retried on a later write.
+                try:
+                    self._prune_locked(ts)
+                except sqlite3.Error as e:
+                    self.prune_error = f"{e}"
+                else:
+                    self.prune_error = None
             row_id = cur.lastrowid
             return int(row_id) if row_id is not None else None
 
@@ -277,15 +349,21 @@ class HistoryStore:
                 cur = db.execute("INSERT INTO clears (ts, uid, gpu, reason, released) "
                                  "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
                 db.execute("COMMIT")
+            except sqlite3.Error as e:
+                _rollback(db)
+                raise HistoryWriteError(f"cannot record the clear in {self.path}: {e}") from e
             except BaseException:
-                db.execute("ROLLBACK")
+                _rollback(db)
                 raise
             return int(cur.lastrowid or 0)
 
     def prune(self, now: float | None = None) -> None:
         """Apply retention by age and by size."""
         with self._lock:
-            self._prune_locked(self._clock() if now is None else now)
+            try:
+                self._prune_locked(self._clock() if now is None else now)
+            except sqlite3.Error as e:
+                raise HistoryWriteError(f"cannot prune history {self.path}: {e}") from e
 
     def _prune_locked(self, now: float) -> None:
         db = self._db
@@ -302,7 +380,7 @@ class HistoryStore:
                 db.execute("DELETE FROM clears WHERE ts < ?", (cutoff,))
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            _rollback(db)
             raise
         for _ in range(20):
             if self.size_bytes() <= self.max_bytes:
@@ -312,11 +390,16 @@ class HistoryStore:
                 break
             drop = max(1, n // 4)
             db.execute("BEGIN IMMEDIATE")
-            db.execute("DELETE FROM verdicts WHERE id IN (SELECT id FROM verdicts "
-                       "ORDER BY id LIMIT ?)", (drop,))
-            db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND id IN (SELECT id "
-                       "FROM episodes WHERE ended IS NOT NULL ORDER BY id LIMIT ?)", (drop,))
-            db.execute("COMMIT")
+            try:
+                db.execute("DELETE FROM verdicts WHERE id IN (SELECT id FROM verdicts "
+                           "ORDER BY id LIMIT ?)", (drop,))
+                db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND id IN (SELECT id "
+                           "FROM episodes WHERE ended IS NOT NULL ORDER BY id LIMIT ?)",
+                           (drop,))
+                db.execute("COMMIT")
+            except BaseException:
+                _rollback(db)
+                raise
             db.execute("PRAGMA incremental_vacuum")
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 

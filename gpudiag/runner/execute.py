@@ -27,7 +27,7 @@ from types import FrameType
 from typing import IO, Any, BinaryIO
 
 from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
-from gpudiag.core.fileio import atomic_write
+from gpudiag.core.fileio import atomic_write, write_error
 from gpudiag.core.verdict import Requirement, Verdict, kv_value
 from gpudiag.core.version import __version__
 from gpudiag.engine.locks import default_lock_dir, try_lock
@@ -61,6 +61,22 @@ ARTIFACT_NAMES = {
 
 class RunnerError(Exception):
     """gpudiag could not get as far as launching (bad artifacts dir, unusable plan)."""
+
+
+class ArtifactError(RunnerError):
+    """An artifact could not be written (full disk, vanished folder); the message names it."""
+
+
+def _artifact_error(path: str | os.PathLike[str], e: OSError) -> ArtifactError:
+    return ArtifactError(write_error(path, e))
+
+
+def _write(path: str | os.PathLike[str], text: str) -> None:
+    """atomic_write for an artifact: the old file or the new one, never half of one."""
+    try:
+        atomic_write(path, text)
+    except OSError as e:
+        raise _artifact_error(path, e) from e
 
 
 @dataclass(frozen=True)
@@ -274,23 +290,46 @@ class _Tee(threading.Thread):
         self.pipe, self.log, self.stream = pipe, log, stream
         self.sha = hashlib.sha256()
         self.size = 0
+        self.error: str | None = None  # why the log file is incomplete (full disk, ...)
 
     def run(self) -> None:
-        with open(self.log, "wb") as out:
+        out: BinaryIO | None = None
+        try:
+            out = open(self.log, "wb")  # closed below, also after a failure
+        except OSError as e:
+            self.error = str(_artifact_error(self.log, e))
+        try:
+            # The pipe is drained to the end whatever happens to the file: a child must
+            # never block on a full pipe because the disk under its log filled up.
             while True:
                 chunk = os.read(self.pipe.fileno(), 65536)
                 if not chunk:
                     break
-                out.write(chunk)
-                out.flush()
+                if out is not None:
+                    try:
+                        out.write(chunk)
+                        out.flush()
+                    except OSError as e:
+                        self.error = str(_artifact_error(self.log, e))
+                        with contextlib.suppress(OSError):
+                            out.close()
+                        out = None
                 self.sha.update(chunk)
                 self.size += len(chunk)
                 if self.stream is not None:
                     with contextlib.suppress(OSError, ValueError):
                         self.stream.write(chunk)
                         self.stream.flush()
-            out.flush()
-            os.fsync(out.fileno())
+            if out is not None:
+                try:
+                    out.flush()
+                    os.fsync(out.fileno())
+                except OSError as e:
+                    self.error = str(_artifact_error(self.log, e))
+        finally:
+            if out is not None:
+                with contextlib.suppress(OSError):
+                    out.close()
 
 
 def _signal_all(pids: Sequence[int], pgid: int, sig: int) -> None:
@@ -370,8 +409,20 @@ def closeout_kv(closeout: Mapping[str, Any]) -> str:
 
 
 def _write_closeout(paths: Mapping[str, str], closeout: dict[str, Any]) -> None:
-    atomic_write(paths["closeout_json"], _json(closeout))
-    atomic_write(paths["closeout_txt"], closeout_kv(closeout))
+    _write(paths["closeout_json"], _json(closeout))
+    _write(paths["closeout_txt"], closeout_kv(closeout))
+
+
+def _close_out(paths: Mapping[str, str], result: Mapping[str, Any], closeout: dict[str, Any],
+               err: BinaryIO | None) -> None:
+    """Write result.json and the closeout; a failure is said, never raised: the exit code
+    stays the one the run earned (a job that ran must not look like one that never did)."""
+    try:
+        _write(paths["result"], _json(result))
+        _write_closeout(paths, closeout)
+    except ArtifactError as e:
+        closeout["error"] = f"artifacts incomplete: {e}"
+        _say(err, f"gpudiag run: artifacts incomplete: {e}\n")
 
 
 def child_reports(folder: Path) -> list[dict[str, Any]]:
@@ -431,15 +482,19 @@ def _base_closeout(options: RunOptions, paths: Mapping[str, str], started: str
 def _refused(options: RunOptions, paths: Mapping[str, str], closeout: dict[str, Any],
              verdict: Verdict, t0: float, err: BinaryIO | None) -> RunOutcome:
     record = verdict.record()
-    atomic_write(paths["verdict"], _json(record))
     closeout.update(
         gpu_validation_blocker=verdict.gpu_validation_blocker, ready=False,
         blockers=record["blockers"], ended_at=_now(),
         duration_s=round(time.monotonic() - t0, 3),
         evidence=record["evidence"].get("admission") or _blocker_evidence(record))
-    atomic_write(paths["result"], _json({"launched": False, "exit_code": EXIT_REFUSED,
-                                         "reason": verdict.gpu_validation_blocker}))
-    _write_closeout(paths, closeout)
+    try:
+        _write(paths["verdict"], _json(record))
+    except ArtifactError as e:
+        closeout["error"] = f"artifacts incomplete: {e}"
+        _say(err, f"gpudiag run: artifacts incomplete: {e}\n")
+    else:
+        _close_out(paths, {"launched": False, "exit_code": EXIT_REFUSED,
+                           "reason": verdict.gpu_validation_blocker}, closeout, err)
     primary = verdict.primary
     _say(err, f"gpudiag run: refused: {verdict.gpu_validation_blocker}: "
               f"{primary.message if primary else ''}\ngpudiag run: closeout "
@@ -514,9 +569,12 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     hook_dir: Path | None = None
     if options.image is None:
         hook_dir = options.artifacts / "python-hook"
-        hook_dir.mkdir(exist_ok=True)
-        (options.artifacts / ARTIFACT_NAMES["child_reports"]).mkdir(exist_ok=True)
-        atomic_write(hook_dir / "sitecustomize.py", sitecustomize_source())
+        for folder in (hook_dir, options.artifacts / ARTIFACT_NAMES["child_reports"]):
+            try:
+                folder.mkdir(exist_ok=True)
+            except OSError as e:
+                raise _artifact_error(folder, e) from e
+        _write(hook_dir / "sitecustomize.py", sitecustomize_source())
     plan = build_plan(options, admission, base, hook_dir)
     argv: list[str] = list(options.argv)
     if options.image is not None:
@@ -530,12 +588,17 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         closeout["gpu_injection"] = docker.injection
     plan["launch_argv"] = argv
     plan["fingerprint"] = fingerprint(plan)
-    atomic_write(paths["plan"], _json(plan))
-    atomic_write(paths["verdict"], _json(admission.verdict.record()))
+    # Nothing starts unless plan, verdict and environment are on disk in full: the plan
+    # is what the closeout vouches for.
+    _write(paths["plan"], _json(plan))
+    _write(paths["verdict"], _json(admission.verdict.record()))
     # Derived from the plan as written, read back: nothing else decides the environment.
-    written = json.loads(Path(paths["plan"]).read_text(encoding="utf-8"))
+    try:
+        written = json.loads(Path(paths["plan"]).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ArtifactError(f"cannot read back {paths['plan']}: {e.strerror or e}") from e
     env = environment_from_plan(written, base)
-    atomic_write(paths["environment"], _json(environment_record(env, written)))
+    _write(paths["environment"], _json(environment_record(env, written)))
     closeout.update(gpus=_gpu_slots(admission), ready=True)
 
     subreaper = set_child_subreaper()
@@ -553,10 +616,9 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         closeout.update(status="launch_failed", exit_code=code, ended_at=_now(),
                         duration_s=round(time.monotonic() - t0, 3),
                         error=f"cannot start {written['launch_argv'][0]!r}: {e.strerror or e}")
-        atomic_write(paths["result"], _json({"launched": False, "exit_code": code,
-                                             "error": closeout["error"]}))
-        _write_closeout(paths, closeout)
         _say(err, f"gpudiag run: {closeout['error']}\n")
+        _close_out(paths, {"launched": False, "exit_code": code, "error": closeout["error"]},
+                   closeout, err)
         return RunOutcome(code, closeout)
     assert proc.stdout is not None and proc.stderr is not None
     tees = [_Tee(proc.stdout, Path(paths["stdout"]), out),
@@ -593,7 +655,8 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         "kill": {"grace_s": options.kill_grace_s, "term_sent": state.term_sent_at is not None,
                  "kill_sent": state.kill_sent_at is not None},
         "forwarded_signals": state.forwarded,
-        "outputs": {name: {"path": str(t.log), "bytes": t.size, "sha256": t.sha.hexdigest()}
+        "outputs": {name: {"path": str(t.log), "bytes": t.size, "sha256": t.sha.hexdigest(),
+                           "error": t.error}
                     for name, t in (("stdout", tees[0]), ("stderr", tees[1]))},
         "descendants": tree.record(),
         "descendants_seen": tree.total,
@@ -604,7 +667,6 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         "child_reports": seen,
         "plan_fingerprint": written["fingerprint"],
     }
-    atomic_write(paths["result"], _json(result))
     closeout.update(
         launched=True, status="timed_out" if state.timed_out else (
             "signaled" if sig is not None else "exited"),
@@ -612,7 +674,11 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
         ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
         evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
-    _write_closeout(paths, closeout)
+    broken = [t.error for t in tees if t.error]
+    if broken:
+        closeout["error"] = "artifacts incomplete: " + "; ".join(broken)
+        _say(err, f"gpudiag run: {closeout['error']}\n")
+    _close_out(paths, result, closeout, err)
     if state.timed_out:
         _say(err, f"gpudiag run: timed out after {options.timeout_s:g} s; the whole tree "
                   f"was ended (exit {code})\n")
