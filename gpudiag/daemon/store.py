@@ -343,8 +343,8 @@ class HistoryStore:
         ts = self._clock() if now is None else now
         with self._lock:
             db = self._db
-            db.execute("BEGIN IMMEDIATE")
             try:
+                db.execute("BEGIN IMMEDIATE")
                 db.execute(_CLEARS_DDL)
                 cur = db.execute("INSERT INTO clears (ts, uid, gpu, reason, released) "
                                  "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
