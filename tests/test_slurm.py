@@ -201,7 +201,7 @@ def test_healthcheck_changes_nothing_when_gpudiag_itself_fails(node: SlurmNode) 
     out = node.run(HEALTHCHECK, extra={"GPUDIAG_HEALTH_REQUIRE": "nonsense"})
     assert out.returncode == 0
     assert out.updates == []
-    assert "preflight exit 2" in out.stderr
+    assert "health exit 2" in out.stderr
 
 
 def test_healthcheck_skips_nodes_without_gpu_gres(node: SlurmNode) -> None:

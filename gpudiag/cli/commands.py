@@ -160,6 +160,10 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
               help="At least N usable GPUs (default 1 for GPU requirements).")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")
+@click.option("--gpus", type=click.IntRange(1, 64), metavar="N",
+              help="Job readiness on N GPUs: ready when at least N visible GPUs are healthy "
+              "and free (not used by other processes); the verdict names them. A fault on "
+              "another GPU is then a warning. Without it every visible GPU must be usable.")
 @click.option("--timeout", "timeout_text", metavar="S", help="Deadline per probe, in seconds.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
               show_default=True, help="Output format.")
@@ -169,18 +173,53 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
               "$GPUDIAG_DAEMON_URL or http://127.0.0.1:9477); inline probes if none answers.")
 @click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
-              min_free_text: str | None, timeout_text: str | None, fmt: str,
+              min_free_text: str | None, gpus: int | None, timeout_text: str | None, fmt: str,
               record_path: str | None, daemon_url: str | None, no_daemon: bool) -> None:
     """The verdict for a job's requirement: exit 0 ready, 1 blocked, 2 usage, 3 failure."""
-    timeout_s = _timeout(timeout_text)
     try:
         requirement = parse_requirement(require_text, devices=devices_text,
-                                        min_devices=min_devices, min_free_memory=min_free_text)
+                                        min_devices=min_devices, min_free_memory=min_free_text,
+                                        gpus=gpus)
     except RequirementError as e:
         raise _usage(str(e)) from e
+    _answer(requirement, "preflight " + require_text, timeout_text, fmt, record_path,
+            daemon_url, no_daemon)
+
+
+@cli.command()
+@click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
+              help="Backends whose health counts: cuda, nvml, jax, iree; comma-separated.")
+@click.option("--timeout", "timeout_text", metavar="S", help="Deadline per probe, in seconds.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
+              show_default=True, help="Output format.")
+@click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
+              help="Also write the verdict JSON to PATH atomically.")
+@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
+              "$GPUDIAG_DAEMON_URL or http://127.0.0.1:9477); inline probes if none answers.")
+@click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
+def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
+           daemon_url: str | None, no_daemon: bool) -> None:
+    """Node health: is anything on this node broken? Busy GPUs are healthy in use.
+
+    The question for a Slurm HealthCheckProgram or node-problem-detector: exit 0 when
+    nothing is broken, 1 when something is (the record says what), 2 usage, 3 failure.
+    Probes never touch a GPU that another process uses.
+    """
+    try:
+        requirement = parse_requirement(require_text, node_health=True)
+    except RequirementError as e:
+        raise _usage(str(e)) from e
+    _answer(requirement, "health " + require_text, timeout_text, fmt, record_path, daemon_url,
+            no_daemon)
+
+
+def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: str,
+            record_path: str | None, daemon_url: str | None, no_daemon: bool) -> None:
+    """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
+    timeout_s = _timeout(timeout_text)
     from gpudiag.cli.daemon import daemon_or_inline
 
-    with _progress("preflight " + require_text):
+    with _progress(what):
         verdict = daemon_or_inline(requirement, daemon_url, no_daemon, timeout_s)
     _record(verdict, record_path)
     _emit(verdict, fmt)

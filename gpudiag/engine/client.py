@@ -63,6 +63,8 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
         q["min_devices"] = str(requirement.min_devices)
     if requirement.min_free_memory_bytes is not None:
         q["min_free_memory"] = str(requirement.min_free_memory_bytes)
+    if requirement.gpus is not None:
+        q["gpus"] = str(requirement.gpus)
     if max_age_s is not None:
         q["max_age_s"] = f"{max_age_s:g}"
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
@@ -77,7 +79,9 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
     """The daemon's verdict, or None with the reason (not listening, not ready, bad answer)."""
     host, port, prefix = _split(url)
     environ = os.environ if env is None else env
-    path = f"{prefix}/v1/preflight?{urlencode(query_for(requirement, environ, max_age_s))}"
+    # The node-health question has its own endpoint; job readiness is /v1/preflight.
+    endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
+    path = f"{prefix}{endpoint}?{urlencode(query_for(requirement, environ, max_age_s))}"
     try:
         sock = socket.create_connection((host, port), timeout=connect_timeout_s)
     except OSError as e:
