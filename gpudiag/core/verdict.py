@@ -132,12 +132,15 @@ class DeviceInfo:
     healthy: bool | None = None
     # When an active probe (context and allocation) last succeeded on it (RFC 3339).
     last_proven_at: str | None = None
+    # With ``gpus=N``: whether this GPU is one of the N the verdict names for the job.
+    selected: bool | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
                 "pci_bus_id": self.pci_bus_id, "memory_total_bytes": self.memory_total_bytes,
                 "memory_free_bytes": self.memory_free_bytes, "occupancy": self.occupancy,
-                "healthy": self.healthy, "last_proven_at": self.last_proven_at}
+                "healthy": self.healthy, "last_proven_at": self.last_proven_at,
+                "selected": self.selected}
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def _foreign_pids(uuid: str) -> list[int] | None:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         procs = pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle)
-    except Exception:  # noqa: BLE001 - NVML missing or failing: the parent's reading stands
+    except Exception:
         return None
     own = os.getpid()
     return sorted({int(p.pid) for p in procs if int(p.pid) != own})
