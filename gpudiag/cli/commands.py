@@ -143,9 +143,10 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
     from gpudiag.engine.inline import run_inline
 
     with _progress("probing " + ", ".join(names)):
-        runs, checked_at = run_inline(requirement, timeout_s=timeout_s,
-                                      only={n.split(":")[0] for n in names})
-    verdict = classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at)
+        done = run_inline(requirement, timeout_s=timeout_s,
+                          only={n.split(":")[0] for n in names})
+    verdict = classify(done.runs, requirement, host=socket.gethostname(),
+                       checked_at=done.checked_at, scope=done.scope)
     _emit(verdict, "json" if as_json else "text")
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 

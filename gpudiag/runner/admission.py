@@ -580,8 +580,11 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
     from gpudiag.core.classify import classify
     from gpudiag.engine.inline import run_inline
 
+    # Job readiness on one healthy FREE GPU (gpus=1): a fault or another job on some other GPU
+    # must not refuse the run; admission then counts and picks the FREE leaves itself.
     pre = replace(requirement, min_devices=min(gpus, 1) if requirement.needs_gpu or gpus
-                  else requirement.min_devices, min_free_memory_bytes=None)
+                  else requirement.min_devices, min_free_memory_bytes=None,
+                  gpus=1 if gpus > 0 else None)
     if gpus > 0 and not pre.needs_gpu:
         # A CPU requirement that still asks for GPUs: NVML must be probed too.
         from gpudiag.core.verdict import BackendRequirement
@@ -592,8 +595,10 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
         answer = ask_daemon(daemon_url, pre, env=env)
         if answer.verdict is not None:
             return answer.verdict, None
-    runs, checked_at = run_inline(pre, env=env, timeout_s=timeout_s)
-    verdict = classify(runs, pre, host=socket.gethostname(), checked_at=checked_at)
+    done = run_inline(pre, env=env, timeout_s=timeout_s)
+    runs = done.runs
+    verdict = classify(runs, pre, host=socket.gethostname(), checked_at=done.checked_at,
+                       scope=done.scope)
     nvml = runs.get("nvml")
     # The nvml run doubles as the first observation only when no probe that opens a GPU
     # context (cuda, jax, iree) ran beside it: on a real GPU that probe's own process and
