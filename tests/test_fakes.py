@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.build import FakeDriver, build_fakes, write_state_file
+from tests.fakes.jobs import FakeJobs, read_context_log
 
 H200_MIB = 143771
 GPU0_UUID = "GPU-f00d0000-0000-4000-8000-000000000000"
@@ -681,6 +682,377 @@ def test_cuda_context_alloc_and_launch_errors(fake_driver: FakeDriver) -> None:
 
 
 # --------------------------------------------------------------------------
+# Busy GPUs: contexts follow the GPU's state as the fake NVML reports it
+# --------------------------------------------------------------------------
+
+GPU3_UUID = "GPU-f00d0003-0000-4000-8000-000000000003"
+
+# contexts(): per visible ordinal, [cuCtxCreate_v2, cuDevicePrimaryCtxRetain] results (each
+# undone when it succeeded, so the next call creates afresh).
+CONTEXTS = """
+import os, pathlib
+def contexts():
+    rc = cu.cuInit(0)
+    if rc:
+        return {"init": rc}
+    n = ctypes.c_int()
+    assert cu.cuDeviceGetCount(ctypes.byref(n)) == 0
+    out = []
+    for i in range(n.value):
+        ctx, prim = ctypes.c_void_p(), ctypes.c_void_p()
+        created = cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, i)
+        if created == 0:
+            assert cu.cuCtxDestroy_v2(ctx) == 0
+        retained = cu.cuDevicePrimaryCtxRetain(ctypes.byref(prim), i)
+        if retained == 0:
+            assert cu.cuDevicePrimaryCtxRelease_v2(i) == 0
+        out.append([created, retained])
+    return out
+"""
+
+
+def _contexts(body: str) -> str:
+    return _cuda(CONTEXTS + textwrap.dedent(body))
+
+
+@pytest.mark.parametrize(
+    ("knobs", "expected"),
+    [
+        # EXCLUSIVE_PROCESS held by another process: 46 on that GPU only.
+        ({"FAKE_NVML_COMPUTE_MODE": "0:3", "FAKE_NVML_PROCESSES": "0:4242:100"},
+         [[46, 46], [0, 0], [0, 0]]),
+        # Other processes in DEFAULT mode, or EXCLUSIVE_PROCESS without any: contexts work.
+        ({"FAKE_NVML_PROCESSES": "0:4242:100,1:4343:100", "FAKE_NVML_COMPUTE_MODE": "2:3"},
+         [[0, 0], [0, 0], [0, 0]]),
+        # EXCLUSIVE_THREAD excludes other processes too; PROHIBITED refuses every context.
+        ({"FAKE_NVML_COMPUTE_MODE": "0:1,1:2", "FAKE_NVML_PROCESSES": "0:4242:1"},
+         [[46, 46], [46, 46], [0, 0]]),
+        # A process on another GPU does not make an exclusive GPU busy.
+        ({"FAKE_NVML_COMPUTE_MODE": "0:3,1:3", "FAKE_NVML_PROCESSES": "2:4242:1"},
+         [[0, 0], [0, 0], [0, 0]]),
+        # The old knob still wins, on every GPU.
+        ({"FAKE_CUDA_CTX_ERROR": 999}, [[999, 999]] * 3),
+    ],
+)
+def test_cuda_context_follows_compute_mode_and_processes(
+    fake_driver: FakeDriver, knobs: dict[str, str | int], expected: list[list[int]]
+) -> None:
+    out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"),
+                     FAKE_NVML_DEVICE_COUNT=3, **knobs)
+    assert out == expected
+
+
+def test_cuda_exclusive_gpu_held_by_the_caller_itself_takes_its_contexts(
+    fake_driver: FakeDriver, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    out = child_json(fake_driver, _contexts(f"""
+        pathlib.Path({str(state)!r}).write_text(
+            f"FAKE_NVML_PROCESSES=0:{{os.getpid()}}:10,1:{{os.getpid()}}:10,1:4242:10\\n")
+        print(json.dumps(contexts()))
+        """), FAKE_NVML_DEVICE_COUNT=2, FAKE_NVML_COMPUTE_MODE="0:3,1:3",
+        FAKE_GPU_STATE_FILE=str(state))
+    assert out == [[0, 0], [46, 46]]
+
+
+def test_cuda_exclusive_mig_instance_is_busy_only_where_its_process_runs(
+    fake_driver: FakeDriver
+) -> None:
+    migs = ",".join(f"MIG-f00d0001-{j:04x}-4000-8000-000000000000" for j in range(2))
+    knobs: dict[str, str | int] = {"FAKE_NVML_MIG": "1:2", "FAKE_NVML_COMPUTE_MODE": "1:3",
+                                   "FAKE_NVML_PROCESSES": "1.1:4242:100"}
+    out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"),
+                     CUDA_VISIBLE_DEVICES=migs, **knobs)
+    assert out == [[0, 0], [46, 46]]
+    # The whole GPU is busy when any of its instances is.
+    out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"),
+                     CUDA_VISIBLE_DEVICES="1", **knobs)
+    assert out == [[46, 46]]
+
+
+@pytest.mark.parametrize(
+    ("used_mib", "context_mib", "expected"),
+    [
+        (H200_MIB - 600, None, [0, 0]),  # 600 MiB free: a default (500 MiB) context fits
+        (H200_MIB - 400, None, [2, 2]),  # 400 MiB free: CUDA_ERROR_OUT_OF_MEMORY
+        (H200_MIB, None, [2, 2]),
+        (H200_MIB - 400, 300, [0, 0]),
+        (H200_MIB - 400, 0, [0, 0]),
+    ],
+)
+def test_cuda_context_out_of_memory_when_nvml_shows_the_gpu_nearly_full(
+    fake_driver: FakeDriver, used_mib: int, context_mib: int | None, expected: list[int]
+) -> None:
+    out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"),
+                     FAKE_NVML_DEVICE_COUNT=2, FAKE_NVML_MEMORY_USED_MIB=f"1:{used_mib}",
+                     FAKE_CUDA_CONTEXT_MIB=context_mib)
+    assert out == [[0, 0], expected]
+
+
+def test_cuda_mig_context_needs_free_memory_on_its_own_instance(fake_driver: FakeDriver) -> None:
+    instance_mib = H200_MIB // 2
+    out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"),
+                     FAKE_NVML_MIG="0:2", FAKE_NVML_MEMORY_USED_MIB=f"0.1:{instance_mib - 100}",
+                     CUDA_VISIBLE_DEVICES=",".join(
+                         f"MIG-f00d0000-{j:04x}-4000-8000-000000000000" for j in range(2)))
+    assert out == [[0, 0], [2, 2]]
+
+
+def test_cuda_context_follows_a_state_file_changed_while_running(
+    fake_driver: FakeDriver, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    write_state_file(state, {})
+    out = child_json(fake_driver, _contexts(f"""
+        def write(text):
+            tmp = pathlib.Path({str(state)!r} + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, {str(state)!r})
+        out = {{"free": contexts()}}
+        held = ctypes.c_void_p()
+        assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(held), 0) == 0
+        write("FAKE_NVML_PROCESSES=0:4242:10\\nFAKE_NVML_COMPUTE_MODE=0:3,1:3\\n")
+        out["busy"] = contexts()  # GPU 0's primary context is still held: retain shares it
+        write("FAKE_NVML_MEMORY_USED_MIB=1:{H200_MIB - 10}\\n")
+        out["full"] = contexts()
+        write("")
+        out["gone"] = contexts()
+        print(json.dumps(out))
+        """), FAKE_NVML_DEVICE_COUNT=2, FAKE_GPU_STATE_FILE=str(state))
+    assert out == {"free": [[0, 0], [0, 0]], "busy": [[46, 0], [0, 0]],
+                   "full": [[0, 0], [2, 2]], "gone": [[0, 0], [0, 0]]}
+
+
+# --------------------------------------------------------------------------
+# The context log
+# --------------------------------------------------------------------------
+
+LOGGED_WORK = """
+assert cu.cuInit(0) == 0
+n = ctypes.c_int()
+cu.cuDeviceGetCount(ctypes.byref(n))
+for i in range(n.value):
+    ctx, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+    if cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, i) == 0:
+        cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(4096))
+        cu.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+        cu.cuMemFree_v2(ptr.value)
+        cu.cuCtxDestroy_v2(ctx)
+print(json.dumps(os.getpid()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected_gpus"),
+    [
+        (None, [0, 1, 2, 3]),
+        ("2,0", [2, 0]),
+        (f"{GPU3_UUID},{GPU1_UUID}", [3, 1]),
+        ("GPU-f00d0002", [2]),
+    ],
+)
+def test_context_log_names_the_physical_gpu_behind_each_ordinal(
+    fake_driver: FakeDriver, tmp_path: Path, visible: str | None, expected_gpus: list[int]
+) -> None:
+    log = tmp_path / "contexts.jsonl"
+    before = time.time()
+    pid = child_json(fake_driver, _cuda("import os\n" + LOGGED_WORK), FAKE_NVML_DEVICE_COUNT=4,
+                     CUDA_VISIBLE_DEVICES=visible, FAKE_CUDA_CONTEXT_LOG=str(log))
+    events = read_context_log(log, event=None)
+    assert [(e.event, e.ordinal, e.gpu) for e in events] == [
+        (kind, ordinal, gpu) for ordinal, gpu in enumerate(expected_gpus)
+        for kind in ("context", "alloc")]
+    for e in events:
+        assert e.pid == pid and e.result == 0 and e.ok and e.mig is None
+        assert e.uuid == e.gpu_uuid == f"GPU-f00d{e.gpu:04x}-0000-4000-8000-00000000{e.gpu:04x}"
+        assert e.cuda_visible_devices == visible
+        assert before <= e.time <= time.time()
+    assert [e.call for e in events[:2]] == ["cuCtxCreate_v2", "cuMemAlloc_v2"]
+    assert [e.bytes for e in events[:2]] == [None, 4096]
+    assert read_context_log(log) == events[::2]  # contexts only, by default
+
+
+def test_context_log_records_refusals_and_mig_devices(
+    fake_driver: FakeDriver, tmp_path: Path
+) -> None:
+    log = tmp_path / "contexts.jsonl"
+    mig = "MIG-f00d0001-0001-4000-8000-000000000000"
+    child_json(fake_driver, _contexts("print(json.dumps(contexts()))"),
+               FAKE_NVML_MIG="1:2", FAKE_NVML_COMPUTE_MODE="1:3",
+               FAKE_NVML_PROCESSES="1.1:4242:1", FAKE_NVML_MEMORY_USED_MIB=f"0:{H200_MIB}",
+               CUDA_VISIBLE_DEVICES=f"0,{mig}", FAKE_CUDA_CONTEXT_LOG=str(log))
+    events = read_context_log(log)
+    assert [(e.call, e.ordinal, e.gpu, e.mig, e.uuid, e.result) for e in events] == [
+        ("cuCtxCreate_v2", 0, 0, None, GPU0_UUID, 2),
+        ("cuDevicePrimaryCtxRetain", 0, 0, None, GPU0_UUID, 2),
+        ("cuCtxCreate_v2", 1, 1, 1, mig, 46),
+        ("cuDevicePrimaryCtxRetain", 1, 1, 1, mig, 46),
+    ]
+    assert {e.gpu_uuid for e in events[2:]} == {GPU1_UUID}
+
+
+def test_context_log_lines_stay_whole_across_processes_and_odd_variables(
+    fake_driver: FakeDriver, tmp_path: Path
+) -> None:
+    log = tmp_path / "contexts.jsonl"
+    # Parsing stops at the first bad entry, so GPU 1 stays visible; the raw value is logged,
+    # bytes outside printable ASCII as \\u00XX (so it reads back as latin-1).
+    visible = '1,"\\\\ é\t' + "x" * 2000
+    code = _cuda("""
+        import os
+        assert cu.cuInit(0) == 0
+        ctx = ctypes.c_void_p()
+        for _ in range(50):
+            assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, 0) == 0
+            assert cu.cuCtxDestroy_v2(ctx) == 0
+        """)
+    env = _env(fake_driver, CUDA_VISIBLE_DEVICES=visible, FAKE_CUDA_CONTEXT_LOG=str(log))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+             for _ in range(4)]
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    lines = log.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 201
+    events = read_context_log(log)
+    assert len({e.pid for e in events}) == 4 and {e.gpu for e in events} == {1}
+    raw = visible.encode()
+    assert {e.cuda_visible_devices for e in events} == {raw[:512].decode("latin-1")}
+
+
+def test_context_log_reader_skips_a_line_still_being_written(tmp_path: Path) -> None:
+    log = tmp_path / "contexts.jsonl"
+    assert read_context_log(log) == []
+    line = {"event": "context", "call": "cuCtxCreate_v2", "pid": 7, "ordinal": 0, "gpu": 2,
+            "mig": None, "uuid": "U", "gpu_uuid": "U", "result": 46, "time": 1.5,
+            "cuda_visible_devices": None}
+    log.write_text(json.dumps(line) + "\n" + json.dumps(line)[:20])
+    [event] = read_context_log(log)
+    assert (event.gpu, event.result, event.ok, event.bytes) == (2, 46, False, None)
+
+
+# --------------------------------------------------------------------------
+# FakeJobs: other people's jobs coming and going
+# --------------------------------------------------------------------------
+
+NVML_OCCUPANCY = """
+import json, pynvml as N
+N.nvmlInit()
+out = []
+for i in range(N.nvmlDeviceGetCount()):
+    h = N.nvmlDeviceGetHandleByIndex(i)
+    out.append({"mode": N.nvmlDeviceGetComputeMode(h),
+                "used_mib": N.nvmlDeviceGetMemoryInfo(h).used // 2**20,
+                "procs": [[p.pid, p.usedGpuMemory // 2**20]
+                          for p in N.nvmlDeviceGetComputeRunningProcesses(h)]})
+print(json.dumps(out))
+"""
+
+
+def _parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _ancestors(pid: int) -> list[int]:
+    chain = []
+    while pid > 1:
+        pid = _parent_pid(pid)
+        chain.append(pid)
+    return chain
+
+
+def _gone(pid: int) -> bool:
+    """No such process, not even a zombie."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_fake_jobs_come_and_go_on_exclusive_gpus(fake_driver: FakeDriver, tmp_path: Path) -> None:
+    log = tmp_path / "contexts.jsonl"
+    knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 3}
+    with FakeJobs(tmp_path / "state", knobs=knobs, compute_modes={0: 3, 1: 3},
+                  memory_used_mib={2: 100}) as jobs:
+        env = {"FAKE_GPU_STATE_FILE": str(jobs.state_file), "FAKE_CUDA_CONTEXT_LOG": str(log)}
+        idle = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
+        job = jobs.start(0, memory_mib=70_000)
+        # A real process, alive, and not in our process tree.
+        assert not _gone(job.pid) and os.getpid() not in _ancestors(job.pid)
+        nvml = child_json(fake_driver, NVML_OCCUPANCY, **env)
+        busy = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
+        assert jobs.running == (job,) and jobs.busy(0) and not jobs.busy(1)
+        done = jobs.stop(job)
+        assert done.stopped_at is not None and done.started_at <= done.stopped_at
+        assert _gone(job.pid)
+        after = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
+    assert idle == after == [[0, 0], [0, 0], [0, 0]]
+    assert busy == [[46, 46], [0, 0], [0, 0]]
+    assert nvml == [{"mode": 3, "used_mib": 70_000, "procs": [[job.pid, 70_000]]},
+                    {"mode": 3, "used_mib": 0, "procs": []},
+                    {"mode": 0, "used_mib": 100, "procs": []}]
+    events = read_context_log(log)
+    assert len(events) == 18
+    flagged = jobs.contexts_while_busy(events)
+    assert [(e.gpu, e.result) for e in flagged] == [(0, 46), (0, 46)]
+    assert all(done.started_at <= e.time <= done.stopped_at for e in flagged)
+    assert jobs.contexts_while_busy(events, grace_s=3600) == []
+    assert jobs.history == (done,)
+    state = (tmp_path / "state").read_text()
+    assert "FAKE_NVML_PROCESSES=\n" in state and "FAKE_NVML_DEVICE_COUNT=3\n" in state
+
+
+def test_fake_jobs_fill_memory_mig_instances_and_own_children(
+    fake_driver: FakeDriver, tmp_path: Path
+) -> None:
+    with FakeJobs(tmp_path / "state", knobs={"FAKE_NVML_DEVICE_COUNT": 2}) as jobs:
+        env = {"FAKE_GPU_STATE_FILE": str(jobs.state_file)}
+        full = jobs.start(1, memory_mib=H200_MIB - 100)
+        mine = jobs.start(0, memory_mib=5, detach=False)
+        assert _parent_pid(mine.pid) == os.getpid() and os.getpid() not in _ancestors(full.pid)
+        out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"), **env)
+        assert out == [[0, 0], [2, 2]]  # DEFAULT mode: only GPU 1's memory is short
+        jobs.set_knobs(FAKE_NVML_MIG="0:2")
+        on_mig = jobs.start("0.1", memory_mib=10)
+        nvml = child_json(fake_driver, NVML_OCCUPANCY, **env)
+        assert nvml[0]["used_mib"] == 15 and sorted(nvml[0]["procs"]) == sorted(
+            [[mine.pid, 5], [on_mig.pid, 10]])
+        jobs.set_compute_mode(0, 3)
+        assert jobs.busy(0, 1) and jobs.busy(0) and jobs.busy(0, 0)  # 0's own job is whole-GPU
+        jobs.stop(mine)
+        assert not jobs.busy(0, 0) and jobs.busy(0, 1)
+        migs = ",".join(f"MIG-f00d0000-{j:04x}-4000-8000-000000000000" for j in range(2))
+        out = child_json(fake_driver, _contexts("print(json.dumps(contexts()))"),
+                         CUDA_VISIBLE_DEVICES=migs, **env)
+        assert out == [[0, 0], [46, 46]]
+        with pytest.raises(ValueError, match="FAKE_NVML_PROCESSES"):
+            jobs.set_knobs(FAKE_NVML_PROCESSES="0:1:1")
+        with pytest.raises(ValueError, match="IDX.J"):
+            jobs.start("GPU-0")
+        pids = [full.pid, on_mig.pid]
+    assert jobs.running == () and len(jobs.history) == 3
+    assert all(_gone(pid) for pid in [*pids, mine.pid])
+
+
+def test_fake_jobs_end_when_the_test_process_dies(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from tests.fakes.jobs import FakeJobs
+        jobs = FakeJobs({str(tmp_path / "state")!r})
+        print(jobs.start(0).pid, jobs.start(1).pid, flush=True)
+        os.kill(os.getpid(), 9)
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids)
+
+
+# --------------------------------------------------------------------------
 # Real IREE on the fake CUDA driver
 # --------------------------------------------------------------------------
 
@@ -727,6 +1099,28 @@ def test_iree_errors(
     kind, text = out["error"]
     assert kind == "RuntimeError"
     assert text.startswith(where) and text.endswith(expected), text
+
+
+def test_iree_is_refused_only_on_the_busy_exclusive_gpu(
+    fake_driver: FakeDriver, tmp_path: Path
+) -> None:
+    log = tmp_path / "contexts.jsonl"
+    knobs: dict[str, str | int] = {
+        "FAKE_NVML_COMPUTE_MODE": "0:3,1:3", "FAKE_NVML_PROCESSES": "0:4242:100",
+        "FAKE_CUDA_CONTEXT_LOG": str(log)}
+    busy = child_json(fake_driver, IREE_PROBE, CUDA_VISIBLE_DEVICES=GPU0_UUID, **knobs)
+    kind, text = busy["error"]
+    assert text.startswith("Error creating default device") and text.endswith(
+        "CUDA error 'CUDA_ERROR_DEVICE_UNAVAILABLE' (46): "
+        "CUDA-capable device(s) is/are busy or unavailable"), text
+    free = child_json(fake_driver, IREE_PROBE, CUDA_VISIBLE_DEVICES=GPU1_UUID, **knobs)
+    assert free["roundtrip"] is True
+    events = read_context_log(log)
+    assert [(e.gpu, e.uuid, e.result) for e in events] == [
+        (0, GPU0_UUID, 46), (1, GPU1_UUID, 0)]
+    assert {e.cuda_visible_devices for e in events} == {GPU0_UUID, GPU1_UUID}
+    allocs = read_context_log(log, event="alloc")
+    assert allocs and {(e.gpu, e.result) for e in allocs} == {(1, 0)}
 
 
 # --------------------------------------------------------------------------

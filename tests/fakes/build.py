@@ -12,6 +12,23 @@ environment a child process needs to see the fakes.  The fakes are steered by
 ``FAKE_*`` environment variables and, when ``FAKE_GPU_STATE_FILE`` names a
 file, by its ``KEY=VALUE`` lines, which override the environment and are
 re-read while a process runs (see fake_common.h for the contract).
+
+Busy GPUs (the fake libcuda follows the GPU's state as the fake NVML reports it; details in
+fake_cuda.c):
+
+* ``FAKE_NVML_COMPUTE_MODE=IDX:3`` (EXCLUSIVE_PROCESS) with a PID other than the caller's in
+  ``FAKE_NVML_PROCESSES=IDX[.J]:PID:MIB`` on that GPU: context creation there fails with
+  CUDA_ERROR_DEVICE_UNAVAILABLE (46); ``IDX:2`` (PROHIBITED) fails it always.
+* ``FAKE_CUDA_CONTEXT_MIB`` (default 500): the device memory a new context needs. When
+  ``FAKE_NVML_MEMORY_USED_MIB=IDX[.J]:MIB`` leaves less free, context creation fails with
+  CUDA_ERROR_OUT_OF_MEMORY (2).
+* ``FAKE_CUDA_CONTEXT_LOG=PATH``: every context creation attempt (cuCtxCreate*,
+  cuDevicePrimaryCtxRetain) and every device allocation appends one JSON line to PATH (pid,
+  ordinal, physical ``gpu``, ``mig``, full ``uuid``, ``result``, ``time``,
+  ``cuda_visible_devices``; ``bytes`` for allocations), from every process.
+
+``tests.fakes.jobs`` has ``FakeJobs`` (real sleeping processes as other people's jobs, published
+through the state file) and ``read_context_log``.
 """
 
 from __future__ import annotations

@@ -25,13 +25,25 @@
  *   MIG j of GPU i: UUID MIG-f00d%04x-%04x-4000-8000-000000000000 (i, j)
  *   PCI bus id 00000000:%02X:00.0 with bus 0x18 + i, name FAKE_GPU_NAME
  *   (default "NVIDIA H200"), FAKE_GPU_MEMORY_TOTAL_MIB (default 143771).
+ *
+ * Occupancy (shared with the fake CUDA driver, which refuses contexts the way
+ * the real one would on a GPU in this state):
+ *   FAKE_NVML_COMPUTE_MODE=IDX:N   per physical GPU: 0 DEFAULT, 1 EXCLUSIVE_THREAD,
+ *                                  2 PROHIBITED, 3 EXCLUSIVE_PROCESS
+ *   FAKE_NVML_PROCESSES=IDX[.J]:PID:USED_MIB,...   running compute processes
+ *   FAKE_NVML_MEMORY_USED_MIB=IDX[.J]:MIB          used memory of a GPU or MIG instance
+ * The processes' USED_MIB is what NVML reports per process; it is not added to
+ * FAKE_NVML_MEMORY_USED_MIB (set both, as tests/fakes/jobs.py does).
  */
 #ifndef GPUDIAG_FAKE_COMMON_H
 #define GPUDIAG_FAKE_COMMON_H
 
 #include <ctype.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +51,7 @@
 #include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Only the driver API is exported from the fakes (built -fvisibility=hidden). */
 #define FAKE_EXPORT __attribute__((visibility("default")))
@@ -401,6 +414,107 @@ static inline void fake_mig_uuid(int gpu, int mig, char *buf, size_t len) {
 }
 
 static inline int fake_pci_bus(int gpu) { return 0x18 + gpu; }
+
+/* ------------------------------------------------------------------------- */
+/* Occupancy shared by the fakes                                             */
+/* ------------------------------------------------------------------------- */
+
+#define FAKE_COMPUTE_MODE_DEFAULT 0
+#define FAKE_COMPUTE_MODE_EXCLUSIVE_THREAD 1
+#define FAKE_COMPUTE_MODE_PROHIBITED 2
+#define FAKE_COMPUTE_MODE_EXCLUSIVE_PROCESS 3
+
+/* Compute mode of physical GPU i (FAKE_NVML_COMPUTE_MODE), DEFAULT when unset. */
+static inline long long fake_compute_mode(int gpu) {
+    return fake_list_ll("FAKE_NVML_COMPUTE_MODE", gpu, -1, FAKE_COMPUTE_MODE_DEFAULT);
+}
+
+/*
+ * True when FAKE_NVML_PROCESSES lists a process other than `self_pid` on the
+ * device: for a whole GPU (mig < 0) any process on it or on its MIG instances,
+ * for a MIG instance only the processes on that instance (as NVML reports them).
+ */
+static inline int fake_foreign_process_on(int gpu, int mig, long long self_pid) {
+    char *v = fake_get_dup("FAKE_NVML_PROCESSES");
+    char *cur = v, *rest;
+    int i, j, found = 0;
+    while (!found && fake_list_next(&cur, &i, &j, &rest)) {
+        if (i != gpu || (mig >= 0 && j != mig)) continue;
+        char *colon = strchr(rest, ':');
+        if (colon) *colon = '\0';
+        long long pid;
+        if (fake_parse_ll(rest, &pid) && pid != self_pid) found = 1;
+    }
+    free(v);
+    return found;
+}
+
+/* ------------------------------------------------------------------------- */
+/* JSON lines logs                                                           */
+/* ------------------------------------------------------------------------- */
+
+/* One log line; longer input is cut so that a line always stays whole JSON. */
+#define FAKE_LINE_MAX 4096
+#define FAKE_JSON_STRING_MAX 512 /* escaped at most 6x: fits in the line */
+
+typedef struct {
+    char text[FAKE_LINE_MAX];
+    size_t len;
+} fake_line_t;
+
+static inline void fake_line_add(fake_line_t *line, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static inline void fake_line_add(fake_line_t *line, const char *fmt, ...) {
+    if (line->len >= sizeof line->text) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line->text + line->len, sizeof line->text - line->len, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    line->len += (size_t)n;
+    if (line->len >= sizeof line->text) line->len = sizeof line->text - 1;
+}
+
+/*
+ * Appends `s` as a JSON string (null for NULL), at most FAKE_JSON_STRING_MAX
+ * input bytes.  Bytes outside printable ASCII are written as \u00XX, so the
+ * line is valid JSON whatever the environment holds.
+ */
+static inline void fake_line_add_json_string(fake_line_t *line, const char *s) {
+    if (!s) {
+        fake_line_add(line, "null");
+        return;
+    }
+    fake_line_add(line, "\"");
+    for (size_t k = 0; s[k] && k < FAKE_JSON_STRING_MAX; k++) {
+        unsigned char c = (unsigned char)s[k];
+        if (c == '"' || c == '\\')
+            fake_line_add(line, "\\%c", c);
+        else if (c < 0x20 || c >= 0x7f)
+            fake_line_add(line, "\\u%04x", c);
+        else
+            fake_line_add(line, "%c", c);
+    }
+    fake_line_add(line, "\"");
+}
+
+/*
+ * Appends the line (and a newline) to `path` in one write() on an O_APPEND
+ * descriptor, so that lines from concurrent processes never interleave.
+ * Returns 0 on success, -1 (errno set) on failure.
+ */
+static inline int fake_append_line(const char *path, fake_line_t *line) {
+    if (line->len + 1 >= sizeof line->text) line->len = sizeof line->text - 2;
+    line->text[line->len++] = '\n';
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, line->text, line->len);
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return n == (ssize_t)line->len ? 0 : -1;
+}
 
 /* ------------------------------------------------------------------------- */
 /* Misc                                                                      */

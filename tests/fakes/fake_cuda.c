@@ -25,6 +25,28 @@
  *   FAKE_CUDA_TRACE=1          log every call (and cuGetProcAddress look-ups) to stderr
  *   FAKE_GPU_NAME, FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MIG,
  *   FAKE_NVML_MEMORY_USED_MIB  shared with the fake NVML
+ *
+ * Busy GPUs:
+ *   FAKE_CUDA_CONTEXT_MIB=<n>  device memory a new context needs (default 500)
+ *   FAKE_CUDA_CONTEXT_LOG=PATH append one JSON line per context creation attempt
+ *                              and per device allocation (see log_device_event)
+ * Contexts follow the GPU's state as the fake NVML reports it (fake_common.h):
+ * creating one (cuCtxCreate*, or the first cuDevicePrimaryCtxRetain of a device
+ * in this process) fails with
+ *   - FAKE_CUDA_CTX_ERROR when set (checked first, on every retain too);
+ *   - CUDA_ERROR_DEVICE_UNAVAILABLE (46) when the physical GPU's
+ *     FAKE_NVML_COMPUTE_MODE is PROHIBITED (2), or EXCLUSIVE_PROCESS (3) or
+ *     EXCLUSIVE_THREAD (1) while FAKE_NVML_PROCESSES lists a PID other than the
+ *     calling process on that GPU (on that MIG instance, for a MIG device);
+ *   - CUDA_ERROR_OUT_OF_MEMORY (2) when the device's total memory, less
+ *     FAKE_NVML_MEMORY_USED_MIB and this process's own allocations, is below
+ *     FAKE_CUDA_CONTEXT_MIB.  A context's memory is not charged afterwards.
+ * Contexts made through the fake are invisible to other processes: only the
+ * processes listed in FAKE_NVML_PROCESSES make a GPU busy (tests/fakes/jobs.py
+ * lists real ones).
+ * Device ordinals map to physical GPUs through CUDA_VISIBLE_DEVICES (indices,
+ * unique GPU UUID prefixes, MIG UUIDs), and these checks and the log use the
+ * physical GPU.
  */
 #define _GNU_SOURCE
 #include <signal.h>
@@ -522,10 +544,81 @@ static int current_device(void) {
 
 static CUresult ctx_error(void) { return (CUresult)fake_get_ll("FAKE_CUDA_CTX_ERROR", 0); }
 
-static CUresult ctx_create(CUcontext *pctx, CUdevice dev) {
-    CHECK_DEVICE(dev);
-    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+/* ------------------------------------------------------------------------- */
+/* Occupancy: whether the GPU, as the fake NVML reports it, takes a context  */
+/* ------------------------------------------------------------------------- */
+
+#define FAKE_CUDA_ERROR_DEVICE_UNAVAILABLE 46
+#define FAKE_DEFAULT_CONTEXT_MIB 500
+
+static unsigned long long device_used_bytes(CUdevice dev);
+
+/* Device memory a new context takes: hundreds of MiB on a real H100/H200. */
+static unsigned long long context_bytes(void) {
+    long long mib = fake_get_ll("FAKE_CUDA_CONTEXT_MIB", FAKE_DEFAULT_CONTEXT_MIB);
+    return mib > 0 ? (unsigned long long)mib * FAKE_MIB : 0;
+}
+
+/* What the real driver answers to a new context on dev in its present state. */
+static CUresult ctx_occupancy_error(CUdevice dev) {
+    const visible_device *v = &g_visible[dev];
+    long long mode = fake_compute_mode(v->gpu);
+    if (mode == FAKE_COMPUTE_MODE_PROHIBITED) return FAKE_CUDA_ERROR_DEVICE_UNAVAILABLE;
+    if ((mode == FAKE_COMPUTE_MODE_EXCLUSIVE_PROCESS || mode == FAKE_COMPUTE_MODE_EXCLUSIVE_THREAD) &&
+        fake_foreign_process_on(v->gpu, v->mig, (long long)getpid()))
+        return FAKE_CUDA_ERROR_DEVICE_UNAVAILABLE;
+    unsigned long long total = device_total_bytes(dev), used = device_used_bytes(dev);
+    if (used > total || total - used < context_bytes()) return CUDA_ERROR_OUT_OF_MEMORY;
+    return CUDA_SUCCESS;
+}
+
+/*
+ * With FAKE_CUDA_CONTEXT_LOG=PATH, appends one JSON line for an attempt on
+ * ordinal dev ("event": "context" or "alloc"):
+ *   {"event", "call" (driver entry point), "pid", "ordinal", "gpu" (physical
+ *    index), "mig" (instance or null), "uuid" (the device's full GPU- or MIG-
+ *    UUID), "gpu_uuid" (the physical GPU's), "result" (CUresult), "time" (Unix
+ *    seconds), "cuda_visible_devices" (string or null), "bytes" (allocs only)}
+ */
+static void log_device_event(const char *event, const char *call, CUdevice dev, CUresult rc,
+                             long long bytes) {
+    char *path = fake_get_dup("FAKE_CUDA_CONTEXT_LOG");
+    if (!path || !*fake_strip(path)) {
+        free(path);
+        return;
+    }
+    const visible_device *v = &g_visible[dev];
+    char uuid[96], gpu_uuid[96];
+    fake_gpu_uuid(v->gpu, gpu_uuid, sizeof gpu_uuid);
+    if (v->mig >= 0)
+        fake_mig_uuid(v->gpu, v->mig, uuid, sizeof uuid);
+    else
+        snprintf(uuid, sizeof uuid, "%s", gpu_uuid);
+    long long now_us = fake_now_us();
+    fake_line_t line = {.len = 0};
+    fake_line_add(&line, "{\"event\": \"%s\", \"call\": ", event);
+    fake_line_add_json_string(&line, call);
+    fake_line_add(&line, ", \"pid\": %ld, \"ordinal\": %d, \"gpu\": %d, \"mig\": ", (long)getpid(),
+                  dev, v->gpu);
+    if (v->mig >= 0)
+        fake_line_add(&line, "%d", v->mig);
+    else
+        fake_line_add(&line, "null");
+    fake_line_add(&line, ", \"uuid\": \"%s\", \"gpu_uuid\": \"%s\", \"result\": %d", uuid, gpu_uuid, rc);
+    fake_line_add(&line, ", \"time\": %lld.%06lld, \"cuda_visible_devices\": ", now_us / 1000000,
+                  now_us % 1000000);
+    fake_line_add_json_string(&line, getenv("CUDA_VISIBLE_DEVICES"));
+    if (bytes >= 0) fake_line_add(&line, ", \"bytes\": %lld", bytes);
+    fake_line_add(&line, "}");
+    if (fake_append_line(fake_strip(path), &line) != 0)
+        fprintf(stderr, "fake-cuda: cannot append to FAKE_CUDA_CONTEXT_LOG %s: %s\n", path,
+                strerror(errno));
+    free(path);
+}
+
+static CUresult ctx_create_checked(CUcontext *pctx, CUdevice dev) {
     CUresult err = ctx_error();
+    if (!err) err = ctx_occupancy_error(dev);
     if (err) return err;
     struct fake_ctx *c = calloc(1, sizeof *c);
     if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -540,10 +633,18 @@ static CUresult ctx_create(CUcontext *pctx, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
+static CUresult ctx_create(CUcontext *pctx, CUdevice dev, const char *call) {
+    CHECK_DEVICE(dev);
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = ctx_create_checked(pctx, dev);
+    log_device_event("context", call, dev, rc, -1);
+    return rc;
+}
+
 FAKE_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     TRACE_CALL();
     (void)flags;
-    return ctx_create(pctx, dev);
+    return ctx_create(pctx, dev, __func__);
 }
 FAKE_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     return cuCtxCreate_v2(pctx, flags, dev);
@@ -554,14 +655,14 @@ FAKE_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, void *paramsArray, int numP
     (void)paramsArray;
     (void)numParams;
     (void)flags;
-    return ctx_create(pctx, dev);
+    return ctx_create(pctx, dev, __func__);
 }
 FAKE_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, void *ctxCreateParams, unsigned int flags,
                                     CUdevice dev) {
     TRACE_CALL();
     (void)ctxCreateParams;
     (void)flags;
-    return ctx_create(pctx, dev);
+    return ctx_create(pctx, dev, __func__);
 }
 
 /* Drops every occurrence of ctx from this thread's stack. */
@@ -649,16 +750,20 @@ FAKE_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     TRACE_CALL();
     CHECK_DEVICE(dev);
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    CUresult err = ctx_error();
-    if (err) return err;
+    CUresult rc = ctx_error();
     pthread_mutex_lock(&g_ctx_lock);
-    g_primary[dev].magic = CTX_MAGIC;
-    g_primary[dev].dev = dev;
-    g_primary[dev].primary = 1;
-    g_primary_refs[dev]++;
+    /* Only the first retain creates the primary context; later ones share it. */
+    if (!rc && g_primary_refs[dev] == 0) rc = ctx_occupancy_error(dev);
+    if (!rc) {
+        g_primary[dev].magic = CTX_MAGIC;
+        g_primary[dev].dev = dev;
+        g_primary[dev].primary = 1;
+        g_primary_refs[dev]++;
+    }
     pthread_mutex_unlock(&g_ctx_lock);
-    *pctx = &g_primary[dev];
-    return CUDA_SUCCESS;
+    log_device_event("context", __func__, dev, rc, -1);
+    if (!rc) *pctx = &g_primary[dev];
+    return rc;
 }
 
 FAKE_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
@@ -961,12 +1066,9 @@ static unsigned long long device_used_bytes(CUdevice dev) {
     return (mib > 0 ? (unsigned long long)mib * FAKE_MIB : 0) + atomic_load(&g_allocated[dev]);
 }
 
-static CUresult device_alloc(CUdeviceptr *dptr, size_t size) {
-    CHECK_CTX();
-    if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+static CUresult device_alloc_on(int dev, CUdeviceptr *dptr, size_t size) {
     CUresult err = (CUresult)fake_get_ll("FAKE_CUDA_ALLOC_ERROR", 0);
     if (err) return err;
-    int dev = current_device();
     unsigned long long total = device_total_bytes(dev), used = device_used_bytes(dev);
     if (used > total || size > total - used) return CUDA_ERROR_OUT_OF_MEMORY;
     void *p = NULL;
@@ -979,6 +1081,15 @@ static CUresult device_alloc(CUdeviceptr *dptr, size_t size) {
     atomic_fetch_add(&g_allocated[dev], size);
     *dptr = (CUdeviceptr)(uintptr_t)((char *)p + ALLOC_HEADER);
     return CUDA_SUCCESS;
+}
+
+static CUresult device_alloc(CUdeviceptr *dptr, size_t size, const char *call) {
+    CHECK_CTX();
+    if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    int dev = current_device();
+    CUresult rc = device_alloc_on(dev, dptr, size);
+    log_device_event("alloc", call, dev, rc, size > (size_t)LLONG_MAX ? LLONG_MAX : (long long)size);
+    return rc;
 }
 
 static CUresult device_free(CUdeviceptr dptr) {
@@ -994,19 +1105,19 @@ static CUresult device_free(CUdeviceptr dptr) {
 
 FAKE_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     TRACE_CALL();
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
     TRACE_CALL();
     (void)flags;
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream s) {
     TRACE_CALL();
     if (!stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
@@ -1261,7 +1372,7 @@ FAKE_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize,
     CHECK_INIT();
     if (!pool_ok(pool)) return CUDA_ERROR_INVALID_VALUE;
     if (!stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
-    return device_alloc(dptr, bytesize);
+    return device_alloc(dptr, bytesize, __func__);
 }
 
 FAKE_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev) {

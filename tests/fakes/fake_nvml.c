@@ -36,6 +36,8 @@
  *   FAKE_NVML_PROCESSES=IDX[.J]:PID:USED_MIB,...
  *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, each delivered once per process
  *   FAKE_NVML_DRIVER_VERSION (570.124.06), FAKE_CUDA_DRIVER_VERSION (12080)
+ * FAKE_NVML_COMPUTE_MODE, FAKE_NVML_PROCESSES and FAKE_NVML_MEMORY_USED_MIB also
+ * decide whether the fake libcuda creates a context on a GPU (see fake_cuda.c).
  */
 #define _GNU_SOURCE
 #include <signal.h>
