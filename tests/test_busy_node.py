@@ -5,13 +5,17 @@ fake driver, with real "other people's jobs" (FakeJobs) and the fake libcuda's c
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import EnvFactory, run_gpudiag, verdict_of
+from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs, read_context_log
+from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, write_config
 
 UUID = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(4)]
 EXCLUSIVE_PROCESS, PROHIBITED = 3, 2
@@ -147,3 +151,50 @@ def test_run_gpus_1_runs_on_the_free_gpu_while_another_job_holds_gpu_0(
     assert out.returncode == 0, out.stderr
     assert f"CVD={UUID[1]}" in out.stdout
     assert _contexts_on(log, UUID[0]) == []
+
+
+def test_daemon_rounds_while_jobs_come_and_go_never_touch_a_busy_gpu(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    """Several probe rounds of a real daemon while fake jobs come and go on its GPUs: the
+    context log shows no context on a GPU while a job held it, no blocker episode in the
+    history is caused by occupancy, and the metrics and both questions say busy, not broken."""
+    log = tmp_path / "contexts.jsonl"
+    with FakeJobs(tmp_path / "state", compute_modes={0: EXCLUSIVE_PROCESS,
+                                                     1: EXCLUSIVE_PROCESS}) as jobs:
+        env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                       FAKE_GPU_STATE_FILE=str(jobs.state_file), FAKE_CUDA_CONTEXT_LOG=str(log))
+        env["GPUDIAG_LOCK_DIR"] = str(tmp_path / "locks")
+        toml = DAEMON_TOML.format(nvml_deadline=10).replace(
+            "[backends.cuda]\ninterval_s = 2", "[backends.cuda]\ninterval_s = 0.3")
+        daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", toml), tmp_path / "sd")
+        try:
+            daemon.wait_ready()
+            for gpu in (0, 1, 0, 1, 0):
+                job = jobs.start(gpu, memory_mib=120_000)
+                time.sleep(1.2)  # several cuda rounds (every 0.3 s) while the job runs
+                if gpu == 1:
+                    status, health = daemon.get("/v1/health")
+                    assert status == 200 and health["ready"] is True, health["blockers"]
+                    status, job_view = daemon.get("/v1/preflight?gpus=1")
+                    assert status == 200 and job_view["ready"] is True
+                    chosen = [d["uuid"] for d in job_view["devices"] if d["selected"]]
+                    assert chosen == [UUID[0]]
+                    _, both = daemon.get("/v1/preflight?gpus=2")
+                    assert both["gpu_validation_blocker"] == "devices_busy"
+                    _, metrics = daemon.get("/metrics")
+                    assert f'gpudiag_gpu_occupancy{{gpu="1",state="busy",uuid="{UUID[1]}"}} 1.0' \
+                        in metrics
+                    assert 'gpudiag_gpus_ready_free 1.0' in metrics
+                    assert "gpudiag_ready 1.0" in metrics
+                jobs.stop(job)
+                time.sleep(0.6)
+            _, history = daemon.get("/v1/history?limit=200")
+        finally:
+            daemon.stop()
+        contexts = read_context_log(log, event="context")
+        assert contexts, "the cuda probe never proved a GPU"
+        # 0.2 s of grace: a probe that read NVML just before the job appeared cannot know.
+        assert jobs.contexts_while_busy(contexts, grace_s=0.2) == []
+    episodes = json.dumps(history)
+    for code in ("cuda_devices_unavailable", "cuda_out_of_memory", "devices_busy"):
+        assert code not in episodes, f"occupancy became a blocker episode: {code}"
