@@ -142,7 +142,7 @@ def _backends_without_gpu(f: Findings, requirement: Requirement, scope: ProbeSco
     """A GPU backend that found no free GPU to prove itself on is not proven for this job."""
     for b in requirement.backends:
         if b.needs_gpu and b.name in scope.backend_gpu and scope.backend_gpu[b.name] is None:
-            if not any(x.code in ("devices_busy", "device_state_unknown") for x in f.blockers):
+            if not f.blockers:  # only when nothing else already explains it
                 f.block("devices_busy", f"no free GPU to prove {b.spec()} on: every visible "
                         "GPU is in use or locked", backend=b.name)
 

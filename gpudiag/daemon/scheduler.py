@@ -41,6 +41,7 @@ from gpudiag.daemon.snapshot import (
 from gpudiag.engine.guard import (
     GpuClaim,
     claim_free,
+    driver_absent,
     occupancy_from_nvml,
     own_process_tree,
     rotate,
@@ -404,6 +405,9 @@ class Scheduler:
                 return self._call(backend, self._env,
                                   {**(options or {}), "contexts_on": list(claim.claimed)})
             gpu = rotate(claim.claimed, round_index)
+            if gpu is None and driver_absent(nvml):
+                # No driver, so no GPU anyone uses: the probe names what else is missing.
+                return self._call(backend, self._env, options)
             with self._lock:
                 self._backend_gpu[backend] = gpu
             if gpu is None:

@@ -100,6 +100,20 @@ def occupancy_from_nvml(nvml: Mapping[str, Any] | None, own: frozenset[int]
     return out
 
 
+# NVML's NOT_LOADED (9) and LIB_NOT_FOUND (12): no NVIDIA driver, so no GPU anyone could use.
+_NO_DRIVER_CODES = frozenset({9, 12})
+
+
+def driver_absent(nvml: Mapping[str, Any] | None) -> bool:
+    """Whether NVML says there is no NVIDIA driver at all: then no GPU can be in use, and the
+    JAX and IREE probes may run as they are to name what else is missing (a plugin, a
+    library). Any other NVML failure leaves every GPU UNKNOWN, never FREE."""
+    if not nvml or nvml.get("ok"):
+        return False
+    err = nvml.get("error")
+    return isinstance(err, Mapping) and err.get("code") in _NO_DRIVER_CODES
+
+
 def visible_uuids(nvml: Mapping[str, Any] | None, env: Mapping[str, str]) -> list[str]:
     """The full GPU UUIDs the caller's visibility variables let it see, in their order."""
     devices = [KnownDevice(int(d["index"]), str(d["uuid"]))

@@ -17,6 +17,7 @@ from gpudiag.core.readiness import BUSY, GpuOccupancy, ProbeScope
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.engine.guard import (
     claim_free,
+    driver_absent,
     occupancy_from_nvml,
     own_process_tree,
     touches_gpu,
@@ -79,6 +80,9 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
         for name, opts in active:
             if name == "cuda":
                 planned.append((name, {**(opts or {}), "contexts_on": list(claim.claimed)}))
+                continue
+            if one_gpu is None and driver_absent(nvml):
+                planned.append((name, opts))  # no driver, no GPU in use: name what is missing
                 continue
             backend_gpu[name] = one_gpu
             if one_gpu is None:
