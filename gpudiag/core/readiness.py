@@ -85,9 +85,14 @@ def _in_use_is_occupancy(f: Findings, scope: ProbeScope) -> None:
                      if not (b.code in IN_USE_CODES and scope.state(b.device) == BUSY)]
 
 
+def label_of(d: DeviceInfo) -> str:
+    """The label findings use for a GPU: its UUID, or ``index N`` where none could be read."""
+    return d.uuid or f"index {d.index}"
+
+
 def _device(d: DeviceInfo, scope: ProbeScope, faulty: set[str], checked_at: str
             ) -> DeviceInfo:
-    healthy = d.uuid not in faulty
+    healthy = label_of(d) not in faulty
     proven = (checked_at if healthy and d.uuid in scope.probed
               else scope.last_proven.get(d.uuid or ""))
     return replace(d, occupancy=scope.state(d.uuid), healthy=healthy, last_proven_at=proven)
@@ -97,7 +102,7 @@ def _choose(f: Findings, devices: list[DeviceInfo], n: int) -> list[DeviceInfo]:
     """Job readiness on N GPUs: pick N healthy FREE ones; faults elsewhere become warnings."""
     ready = [d for d in devices if d.healthy and d.occupancy == FREE]
     if len(ready) >= n:
-        chosen = {d.uuid for d in ready[:n]}
+        chosen = {label_of(d) for d in ready[:n]}
         kept: list[Finding] = []
         for b in f.blockers:
             if b.device and b.layer in GPU_FAULT_LAYERS and b.device not in chosen:
@@ -107,7 +112,7 @@ def _choose(f: Findings, devices: list[DeviceInfo], n: int) -> list[DeviceInfo]:
             elif not (b.code == "insufficient_devices" and b.device is None):
                 kept.append(b)
         f.blockers[:] = kept
-        return [replace(d, selected=d.uuid in chosen) for d in devices]
+        return [replace(d, selected=label_of(d) in chosen) for d in devices]
     healthy = [d for d in devices if d.healthy]
     busy = [d for d in healthy if d.occupancy == BUSY]
     unknown = [d for d in healthy if d.occupancy == UNKNOWN]

@@ -59,9 +59,10 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
     q = {"require": ",".join(b.spec() for b in requirement.backends), "visibility": "1"}
     if requirement.devices is not None:
         q["devices"] = ",".join(requirement.devices)
-    if requirement.min_devices is not None:
+    # The node-health question (GET /v1/health) takes no counts or memory floors.
+    if requirement.min_devices is not None and not requirement.node_health:
         q["min_devices"] = str(requirement.min_devices)
-    if requirement.min_free_memory_bytes is not None:
+    if requirement.min_free_memory_bytes is not None and not requirement.node_health:
         q["min_free_memory"] = str(requirement.min_free_memory_bytes)
     if requirement.gpus is not None:
         q["gpus"] = str(requirement.gpus)
