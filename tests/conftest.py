@@ -18,7 +18,8 @@ from tests.fakes.build import FakeDriver, build_fakes
 _SCRUB = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "JAX_PLATFORMS",
           "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR",
           "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR", "FAKE_GPU_STATE_FILE",
-          "GPUDIAG_DEVICE_DIR", "GPUDIAG_DRIVER_PROC_DIR", "GPUDIAG_DAEMON_URL")
+          "GPUDIAG_DEVICE_DIR", "GPUDIAG_DRIVER_PROC_DIR", "GPUDIAG_DAEMON_URL",
+          "GPUDIAG_SYSFS_PCI_DIR")
 
 
 def clean_env() -> dict[str, str]:
@@ -28,6 +29,9 @@ def clean_env() -> dict[str, str]:
     # Never ask a daemon that happens to run on this machine's default port: port 1 refuses
     # at once. Tests that want a daemon pass its URL.
     env["GPUDIAG_DAEMON_URL"] = "http://127.0.0.1:1"
+    # The machine's own PCI bus is not the fakes' host: tests that count GPUs on the bus
+    # point this at a tree of tests/fakes/sysfs.py.
+    env["GPUDIAG_SYSFS_PCI_DIR"] = ""
     return env
 
 

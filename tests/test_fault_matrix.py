@@ -48,6 +48,7 @@ from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.runner.admission import AdmissionError
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver, write_state_file
+from tests.fakes.sysfs import make_pci_tree
 from tests.test_daemon_support import Daemon, wait_for
 from tests.test_probe_engine import FAULTS
 
@@ -87,14 +88,21 @@ class Rig:
     def env(self) -> dict[str, str]:
         env = clean_env()
         env.update(GPUDIAG_DEVICE_DIR=str(self.dev), GPUDIAG_DRIVER_PROC_DIR=str(self.proc),
+                   GPUDIAG_SYSFS_PCI_DIR=str(self.pci),
                    FAKE_GPU_STATE_FILE=str(self.state), LD_LIBRARY_PATH=str(self.lib),
                    PYTHONPATH=os.pathsep.join([str(self.shadow), str(ROOT.parent)]),
                    PATH=f"{self.fakes.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
         return env
 
+    @property
+    def pci(self) -> Path:
+        """The host's sysfs PCI tree: empty (nothing to count) unless a fault fills it."""
+        return self.root / "host" / "sys-bus-pci-devices"
+
     def reset(self) -> None:
         """A healthy host: every fault undone."""
         write_state_file(self.state, {})
+        make_pci_tree(self.pci, gpus=0)
         for name in ("libnvidia-ml.so.1", "libcuda.so.1", "libcuda.so"):
             link = self.lib / name
             if not link.is_symlink():
@@ -116,6 +124,10 @@ class Rig:
         for node in self.dev.iterdir():  # a uid the user namespace does not map
             os.chown(node, 12345, 12345)
             node.chmod(0)
+
+    def pci_shows_all_eight(self) -> None:
+        """The PCI bus holds all 8 GPUs (while the case's knob has NVML show fewer)."""
+        make_pci_tree(self.pci, gpus=self.gpus)
 
     def unlink_nvml(self) -> None:
         (self.lib / "libnvidia-ml.so.1").unlink()
@@ -329,6 +341,11 @@ CASES: tuple[Case, ...] = (
     _d("gpu_ecc_uncorrectable", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"},
        variant="remap_pending"),
     _d("gpu_inforom_corrupted"),
+    # The fake delivers each entry of FAKE_NVML_XIDS once per watcher process, by position:
+    # the "N:1" (informational) entries stand in for those the cases before consumed.
+    # GPU 7 fell off the bus without an XID: NVML shows 7 of the 8 on the PCI bus.
+    _d("gpu_missing", {"FAKE_NVML_DEVICE_COUNT": 7}, mutate=Rig.pci_shows_all_eight),
+    _d("node_reboot_required", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,0:54"}, via_daemon=True),
     # cuda
     _d("cuda_library_missing", {}, mutate=Rig.unlink_cuda),
     _d("cuda_no_device"),
@@ -379,7 +396,7 @@ WARNING_CASES: tuple[Case, ...] = (
     _d("gpu_power_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "1:0x4"}),
     _d("gpu_ecc_correctable", {"FAKE_NVML_ECC_VOLATILE_CORRECTED": "1:5"}),
     _d("gpu_persistence_off", {"FAKE_NVML_PERSISTENCE": "2:0"}),
-    _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:13"}, via_daemon=True),
+    _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,3:1,2:13"}, via_daemon=True),
     _d("device_count_mismatch", {"FAKE_CUDA_DEVICE_COUNT": "3"}),
     _d("device_nodes_missing", {}, mutate=Rig.remove_nodes, variant="warning"),
     # The watcher child cannot start while NVML fails: the gap grows past gap_warning_s.

@@ -153,11 +153,12 @@ class Daemon:
     instance: str
 
 
-def start_daemon(folder: Path, env: dict[str, str]) -> Daemon:
+def start_daemon(folder: Path, env: dict[str, str], extra_args: tuple[str, ...] = ()
+                 ) -> Daemon:
     folder.mkdir(parents=True)
     (folder / "gpudiag.toml").write_text(DAEMON_CONFIG)
     proc = subprocess.Popen([str(GPUDIAG), "serve", "--config", str(folder / "gpudiag.toml"),
-                             "--state-dir", str(folder / "state")],
+                             "--state-dir", str(folder / "state"), *extra_args],
                             env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True)
     assert proc.stderr is not None

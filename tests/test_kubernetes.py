@@ -96,6 +96,34 @@ def test_daemon_listens_where_the_probes_and_prometheus_look(tmp_path: Path) -> 
     assert mounts["/etc/gpudiag"] == "config"
 
 
+def test_control_is_on_a_hostpath_socket_and_tcp_is_read_only(tmp_path: Path) -> None:
+    """The cluster network reaches /metrics; verdicts and probes stay on the node."""
+    from gpudiag.daemon.httpserver import READ_ONLY_PATHS
+    from gpudiag.engine.client import DEFAULT_SOCKET, DEFAULT_URL
+
+    config_file = tmp_path / "gpudiag.toml"
+    config_file.write_text(the("ConfigMap")["data"]["gpudiag.toml"])
+    cfg = load_config(config_file)
+    assert cfg.tcp_read_only is True
+    assert cfg.socket_path == DEFAULT_SOCKET
+    # What the kubelet's probes and Prometheus ask for is still served on TCP.
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container()[probe]["httpGet"]["path"] in READ_ONLY_PATHS
+    assert "/metrics" in READ_ONLY_PATHS and "/v1/preflight" not in READ_ONLY_PATHS
+    pod = the("DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    folder = str(Path(DEFAULT_SOCKET).parent)
+    assert volumes["socket"]["hostPath"] == {"path": folder, "type": "DirectoryOrCreate"}
+    mounts = {m["mountPath"]: m["name"] for m in container()["volumeMounts"]}
+    assert mounts[folder] == "socket"
+    # The folder's owner is whom clients trust: made the daemon's by a chown-only init.
+    (init,) = pod["initContainers"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    uid = pod["securityContext"]["runAsUser"]
+    assert f"os.chown('{folder}', {uid}, {uid})" in " ".join(init["command"])
+    assert "GPUDIAG_DAEMON_URL:-" + DEFAULT_URL in NPD_SCRIPT.read_text()
+
+
 def test_scrape_configuration_points_at_metrics() -> None:
     ds_annotations = the("DaemonSet")["spec"]["template"]["metadata"]["annotations"]
     for notes in (ds_annotations, the("Service")["metadata"]["annotations"]):

@@ -290,8 +290,12 @@ def test_scripts_ask_the_running_daemon_and_follow_its_state(
     """A real `gpudiag serve` on the fakes; the GPU state changes while it runs."""
     state_file = tmp_path / "gpu-state"
     write_state_file(state_file, {})
-    daemon = start_daemon(tmp_path / "daemon", node.make_env(FAKE_GPU_STATE_FILE=str(state_file)))
-    url = {"GPUDIAG_DAEMON_URL": f"http://{daemon.instance}"}
+    # On its unix socket, as under systemd (/run/gpudiag/daemon/gpudiag.sock): the folder is
+    # root's, like the daemon (the peer check's default user is the folder's owner).
+    sock = tmp_path / "run" / "gpudiag.sock"
+    daemon = start_daemon(tmp_path / "daemon", node.make_env(FAKE_GPU_STATE_FILE=str(state_file)),
+                          ("--socket", str(sock)))
+    url = {"GPUDIAG_DAEMON_URL": f"unix:{sock}"}
     try:
         admitted = wait_for(lambda: node.run(PROLOG, extra={**job_env("0,1"), **url}),
                             lambda o: "source=daemon" in str(o.state["jobs"]))
@@ -310,6 +314,19 @@ def test_scripts_ask_the_running_daemon_and_follow_its_state(
     finally:
         daemon.proc.terminate()
         daemon.proc.wait(15)
+
+
+def test_scripts_ask_the_daemon_on_its_unix_socket_by_default() -> None:
+    """Not 127.0.0.1:9477, which any local user can bind while the daemon is down."""
+    from gpudiag.engine.client import DEFAULT_URL
+
+    env = {k: v for k, v in clean_env().items() if k != "GPUDIAG_DAEMON_URL"}
+    env["GPUDIAG_DEFAULTS"] = "/dev/null"
+    proc = subprocess.run(["bash", "-c", f'. "{SLURM / "gpudiag-common.sh"}"; '
+                           'echo "$GPUDIAG_DAEMON_URL"'], env=env, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == DEFAULT_URL == "unix:/run/gpudiag/daemon/gpudiag.sock"
 
 
 def wait_for(action: Callable[[], Outcome], done: Callable[[Outcome], bool],

@@ -210,3 +210,20 @@ def test_history_cli_reads_text_and_json(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
     proc = run_gpudiag(["history", "--state-dir", str(tmp_path / "empty")], env)
     assert proc.returncode == 3 and "no history at" in proc.stderr
+
+
+def test_clears_are_recorded_read_back_and_pruned_with_the_history(tmp_path: Path) -> None:
+    store = HistoryStore(tmp_path / "h.sqlite3", retention_s=100.0)
+    try:
+        assert store.clears() == []  # no table until the first clear
+        store.record_clear(uid=1000, gpu="GPU-x", reason="reseated", released=2, now=10.0)
+        store.record_clear(uid=0, gpu=None, reason="", released=0, now=200.0)
+        assert [c.record() for c in store.clears()] == [
+            {"id": 2, "ts": 200.0, "uid": 0, "gpu": None, "reason": "", "released_xids": 0},
+            {"id": 1, "ts": 10.0, "uid": 1000, "gpu": "GPU-x", "reason": "reseated",
+             "released_xids": 2}]
+        assert [c.id for c in store.clears(since=100.0)] == [2]
+        store.prune(now=250.0)
+        assert [c.id for c in store.clears()] == [2]
+    finally:
+        store.close()

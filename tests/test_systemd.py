@@ -136,6 +136,18 @@ def test_unit_execstart_uses_the_example_config_path() -> None:
     assert "ExecReload" not in unit_settings(UNIT.read_text())
 
 
+def test_unit_runtime_directory_holds_the_socket_clients_ask_by_default() -> None:
+    from gpudiag.cli.daemon import SOCKET_NAME
+    from gpudiag.engine.client import DEFAULT_SOCKET
+
+    s = unit_settings(UNIT.read_text())
+    runtime = one(s, "RuntimeDirectory")
+    assert f"/run/{runtime}/{SOCKET_NAME}" == DEFAULT_SOCKET
+    # Not /run/gpudiag itself: systemd removes it on stop, with `gpudiag run`'s locks in it.
+    assert runtime != "gpudiag"
+    assert one(s, "RuntimeDirectoryMode") == "0755"  # local users reach the 0666 socket
+
+
 def test_example_config_loads_and_documents_the_defaults() -> None:
     assert load_config(EXAMPLE_CONFIG) == DaemonConfig()
 
@@ -250,3 +262,37 @@ def test_gpudiag_serve_notifies_ready_then_keepalives_that_stop_when_frozen(
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def test_gpudiag_serve_under_systemd_serves_its_runtime_directory_socket(
+        notify_socket: tuple[socket.socket, str], gpu_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """$RUNTIME_DIRECTORY/gpudiag.sock, 0666 despite UMask=0077, bound before READY=1."""
+    import os
+    import stat
+
+    sock, path = notify_socket
+    runtime = Path(tempfile.mkdtemp(prefix="gdr"))
+    config = tmp_path / "gpudiag.toml"
+    config.write_text('listen = "127.0.0.1:0"\n[backends.jax]\nenabled = false\n'
+                      "[backends.iree]\nenabled = false\n")
+    env = gpu_env()
+    env.update(NOTIFY_SOCKET=path, RUNTIME_DIRECTORY=str(runtime))
+    gpudiag = Path(sys.executable).with_name("gpudiag")
+    proc = subprocess.Popen([str(gpudiag), "serve", "--config", str(config),
+                             "--state-dir", str(tmp_path / "state")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.umask(0o077))
+    try:
+        first = received(sock, 2.5)
+        ready = [m for m in first if m.startswith("READY=1")]
+        assert ready and f"and unix:{runtime}/gpudiag.sock" in ready[0], first
+        mode = os.stat(runtime / "gpudiag.sock").st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o666
+        proc.terminate()
+        assert proc.wait(15) == 0
+        assert not (runtime / "gpudiag.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(runtime, ignore_errors=True)

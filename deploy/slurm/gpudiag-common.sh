@@ -19,8 +19,10 @@ fi
 GPUDIAG=${GPUDIAG:-/opt/gpudiag/bin/gpudiag}
 SCONTROL=${SCONTROL:-scontrol}
 # preflight asks the local daemon first (milliseconds, cached) and falls back to running
-# the probes itself when the daemon does not answer.
-export GPUDIAG_DAEMON_URL=${GPUDIAG_DAEMON_URL:-http://127.0.0.1:9477}
+# the probes itself when the daemon does not answer. On its unix socket: an answer there is
+# trusted only from the daemon's user (SO_PEERCRED), where any local user could answer on
+# 127.0.0.1:9477 while the daemon is down (docs/security.md).
+export GPUDIAG_DAEMON_URL=${GPUDIAG_DAEMON_URL:-unix:/run/gpudiag/daemon/gpudiag.sock}
 # Slurm kills a Prolog or health check after 60 s: stay well inside that.
 GPUDIAG_TIMEOUT_S=${GPUDIAG_TIMEOUT_S:-40}
 GPUDIAG_PROBE_TIMEOUT_S=${GPUDIAG_PROBE_TIMEOUT_S:-20}

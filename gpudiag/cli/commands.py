@@ -85,7 +85,8 @@ class LazyGroup(click.Group):
 
     lazy: dict[str, str] = {"serve": "gpudiag.cli.daemon:serve",
                             "history": "gpudiag.cli.daemon:history",
-                            "run": "gpudiag.cli.run:run"}
+                            "run": "gpudiag.cli.run:run",
+                            "clear": "gpudiag.cli.clear:clear"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})
@@ -125,7 +126,11 @@ def _parse_backends(text: str) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict record as JSON.")
 @click.option("--timeout", "timeout_text", metavar="S",
               help="Deadline in seconds for each probe child (default: per backend).")
-def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
+@click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
+              help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
+              "blocker gpu_missing. Checked by probes run here, not by a daemon.")
+def probe(backend_text: str, as_json: bool, timeout_text: str | None,
+          expected_gpus: int | None) -> None:
     """Probe every backend and device and show blockers with their remediation.
 
     Exits 0 when everything probed is ready, 1 when blocked, 2 on bad flags, 3 when gpudiag
@@ -146,7 +151,8 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
         done = run_inline(requirement, timeout_s=timeout_s,
                           only={n.split(":")[0] for n in names})
     verdict = classify(done.runs, requirement, host=socket.gethostname(),
-                       checked_at=done.checked_at, scope=done.scope)
+                       checked_at=done.checked_at, scope=done.scope,
+                       expected_gpus=expected_gpus)
     _emit(verdict, "json" if as_json else "text")
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 
@@ -171,11 +177,17 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
 @click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
               help="Also write the verdict JSON to PATH atomically.")
 @click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
-              "$GPUDIAG_DAEMON_URL or http://127.0.0.1:9477); inline probes if none answers.")
+              "$GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT "
+              "also works); inline probes if none answers or the socket's peer is not the "
+              "daemon's user ($GPUDIAG_DAEMON_USER).")
 @click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
+@click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
+              help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
+              "blocker gpu_missing. Checked by probes run here, not by a daemon.")
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
               min_free_text: str | None, gpus: int | None, timeout_text: str | None, fmt: str,
-              record_path: str | None, daemon_url: str | None, no_daemon: bool) -> None:
+              record_path: str | None, daemon_url: str | None, no_daemon: bool,
+              expected_gpus: int | None) -> None:
     """The verdict for a job's requirement: exit 0 ready, 1 blocked, 2 usage, 3 failure."""
     try:
         requirement = parse_requirement(require_text, devices=devices_text,
@@ -184,7 +196,7 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
     except RequirementError as e:
         raise _usage(str(e)) from e
     _answer(requirement, "preflight " + require_text, timeout_text, fmt, record_path,
-            daemon_url, no_daemon)
+            daemon_url, no_daemon, expected_gpus)
 
 
 @cli.command()
@@ -196,7 +208,9 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
 @click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
               help="Also write the verdict JSON to PATH atomically.")
 @click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
-              "$GPUDIAG_DAEMON_URL or http://127.0.0.1:9477); inline probes if none answers.")
+              "$GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT "
+              "also works); inline probes if none answers or the socket's peer is not the "
+              "daemon's user ($GPUDIAG_DAEMON_USER).")
 @click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
            daemon_url: str | None, no_daemon: bool) -> None:
@@ -215,13 +229,20 @@ def health(require_text: str, timeout_text: str | None, fmt: str, record_path: s
 
 
 def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: str,
-            record_path: str | None, daemon_url: str | None, no_daemon: bool) -> None:
+            record_path: str | None, daemon_url: str | None, no_daemon: bool,
+            expected_gpus: int | None = None) -> None:
     """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
     timeout_s = _timeout(timeout_text)
     from gpudiag.cli.daemon import daemon_or_inline
+    from gpudiag.engine.inline import preflight_inline
 
     with _progress(what):
-        verdict = daemon_or_inline(requirement, daemon_url, no_daemon, timeout_s)
+        if expected_gpus is not None:
+            # The daemon checks its own expected_gpus key; a count given here is checked here.
+            verdict = preflight_inline(requirement, timeout_s=timeout_s,
+                                       expected_gpus=expected_gpus)
+        else:
+            verdict = daemon_or_inline(requirement, daemon_url, no_daemon, timeout_s)
     _record(verdict, record_path)
     _emit(verdict, fmt)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)

@@ -17,13 +17,16 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
+
+if TYPE_CHECKING:
+    from gpudiag.daemon.httpserver import HttpServer, WsgiApp
 
 EXIT_USAGE, EXIT_FAILED = 2, 3
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
@@ -72,10 +75,23 @@ def default_state_dir() -> Path:
     return Path(base) / "gpudiag"
 
 
-def _config(path: str | None, listen: str | None) -> DaemonConfig:
+SOCKET_NAME = "gpudiag.sock"
+
+
+def default_socket_path(cfg: DaemonConfig) -> str | None:
+    """--socket / ``socket =``, else $RUNTIME_DIRECTORY/gpudiag.sock (systemd), else none."""
+    if cfg.socket_path is not None:
+        return cfg.socket_path or None
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return str(Path(runtime) / SOCKET_NAME) if runtime else None
+
+
+def _config(path: str | None, listen: str | None, socket_path: str | None = None
+            ) -> DaemonConfig:
     try:
         cfg = load_config(path)
-        return cfg.with_listen(listen) if listen else cfg
+        cfg = cfg.with_listen(listen) if listen else cfg
+        return cfg.with_socket(socket_path) if socket_path is not None else cfg
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
 
@@ -83,6 +99,9 @@ def _config(path: str | None, listen: str | None) -> DaemonConfig:
 @click.command()
 @click.option("--listen", metavar="HOST:PORT",
               help=f"Address to serve on (default 127.0.0.1:{DEFAULT_PORT}, or the config's).")
+@click.option("--socket", "socket_path", metavar="PATH",
+              help="Unix socket for preflight and control (default: the config's, else "
+              "$RUNTIME_DIRECTORY/gpudiag.sock under systemd; \"\" for none).")
 @click.option("--config", "config_path", metavar="PATH", type=click.Path(dir_okay=False),
               help="TOML config file (see docs/daemon.md).")
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
@@ -91,12 +110,14 @@ def _config(path: str | None, listen: str | None) -> DaemonConfig:
 @click.option("--check-config", is_flag=True, help="Validate the config, print it, and exit.")
 @click.option("--log-format", type=click.Choice(["text", "json"]),
               help="Log format on stderr (default: the config's, text).")
-def serve(listen: str | None, config_path: str | None, state_dir: str | None,
-          check_config: bool, log_format: str | None) -> None:
+def serve(listen: str | None, socket_path: str | None, config_path: str | None,
+          state_dir: str | None, check_config: bool, log_format: str | None) -> None:
     """Run the daemon: periodic probes, XID watcher, /metrics and the preflight API."""
-    cfg = _config(config_path, listen)
+    cfg = _config(config_path, listen, socket_path)
     if check_config:
-        click.echo(f"config OK: listen {cfg.listen_host}:{cfg.listen_port}, backends "
+        click.echo(f"config OK: listen {cfg.listen_host}:{cfg.listen_port}"
+                   f"{' (read-only)' if cfg.tcp_read_only else ''}, socket "
+                   f"{default_socket_path(cfg) or 'none'}, backends "
                    f"{', '.join(cfg.enabled_backends) or 'none'}, default requirement "
                    f"{cfg.default_requirement}")
         return
@@ -108,6 +129,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
+    from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
     from gpudiag.daemon.scheduler import Scheduler, child_environment
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
@@ -127,7 +149,20 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     wake: list[Any] = []
     watcher = XidWatcher(cfg.xid, child_environment(os.environ),
                          on_change=lambda: wake[0]() if wake else None)
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher)
+    late: list[Scheduler] = []
+
+    def record_clear(request: ClearRequest, released: int) -> None:
+        store.record_clear(uid=request.uid, gpu=request.gpu, reason=request.reason,
+                           released=released)
+
+    clears = ClearPoller(state_dir, release=watcher.clear, record=record_clear,
+                         recheck=lambda: late[0].trigger(recheck_keys(late[0].scheduled)))
+    try:
+        clears.prepare()
+    except OSError as e:
+        raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll)
+    late.append(scheduler)
     wake.append(scheduler.wake)
 
     def record(snap: Snapshot) -> None:
@@ -143,10 +178,12 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     scheduler.on_snapshot(record)
     app = DaemonApp(scheduler, store)
     try:
-        httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port)
+        httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,
+                                    read_only=cfg.tcp_read_only)
     except OSError as e:
         raise click.UsageError(f"cannot listen on {cfg.listen_host}:{cfg.listen_port}: "
                                f"{e.strerror or e}") from e
+    unix_httpd = start_socket(app, cfg, httpd)
     host, port = str(httpd.server_address[0]), int(httpd.server_address[1])
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,10 +205,16 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     url = f"http://{host if ':' not in str(host) else f'[{host}]'}:{port}"
     log.info("listening on %s", url, extra={"url": url, "state_dir": str(state_dir),
                                             "backends": list(cfg.enabled_backends)})
-    notifier.ready(f"serving on {url}")
+    if unix_httpd is not None:
+        log.info("preflight and control on unix:%s", unix_httpd.unix_path,
+                 extra={"socket_url": f"unix:{unix_httpd.unix_path}"})
+    notifier.ready(f"serving on {url}" + (f" and unix:{unix_httpd.unix_path}"
+                                          if unix_httpd is not None else ""))
     stop.wait()
     log.info("stopping")
     notifier.stopping()
+    if unix_httpd is not None:
+        unix_httpd.shutdown()
     httpd.shutdown()
     scheduler.stop()
     watcher.stop()
@@ -182,6 +225,35 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         log.info("killed %d running probe child(ren) on the way out", killed)
     scheduler.drain()
     store.close()
+
+
+def start_socket(app: WsgiApp, cfg: DaemonConfig, tcp: HttpServer) -> HttpServer | None:
+    """Serve the same API on the unix socket, if one is configured; the HttpServer or None.
+
+    It shares the TCP server's abuse counters (one gpudiag_http_rejected_total). Mode 0666:
+    any local user may connect; clients check the peer's credentials (docs/security.md).
+    """
+    from gpudiag.daemon.httpserver import start as start_http
+
+    path = default_socket_path(cfg)
+    if path is None:
+        log = logging.getLogger("gpudiag.daemon")
+        if cfg.tcp_read_only:
+            log.warning("tcp_read_only is set but no socket is configured: nothing serves "
+                        "/v1/preflight or POST /v1/probe (set socket = PATH or --socket)")
+        else:
+            # Clients ask the socket by default and never fall back to TCP on their own.
+            log.info("no unix socket (--socket PATH or socket = in the config): clients "
+                     "reach this daemon only with GPUDIAG_DAEMON_URL=http://HOST:PORT")
+        return None
+    try:
+        Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        server, _thread = start_http(app, "", 0, register=False, abuse=tcp.abuse,
+                                     unix_path=path)
+    except OSError as e:
+        tcp.shutdown()
+        raise click.UsageError(f"cannot serve on socket {path}: {e.strerror or e}") from e
+    return server
 
 
 def kill_child_groups() -> int:
@@ -250,13 +322,15 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         try:
             entries = store.verdicts(since=since, blocked=blocked, limit=limit)
             episodes = store.episodes(since=since, limit=limit)
+            clears = store.clears(since=since, limit=limit)
         finally:
             store.close()
     except HistoryError as e:
         raise _Failed(str(e)) from e
     if as_json:
         click.echo(json.dumps({"verdicts": [v.record() for v in entries],
-                               "episodes": [ep.record() for ep in episodes]}, indent=2))
+                               "episodes": [ep.record() for ep in episodes],
+                               "clears": [c.record() for c in clears]}, indent=2))
         return
     if not entries:
         click.echo("no verdict changes" + (" in that time" if since_text else ""))
@@ -270,21 +344,36 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         end = "ongoing" if ep.ended is None else _when(ep.ended)
         where = "/".join(x for x in (ep.backend, ep.device) if x) or "-"
         click.echo(f"{_when(ep.started)} .. {end}  {ep.code}  {where}: {ep.message}")
+    if clears:
+        click.echo("\nclears (gpudiag clear):")
+    for c in clears:
+        click.echo(f"{_when(c.ts)}  {c.gpu or 'all GPUs'}  by uid {c.uid}: "
+                   f"{c.reason or '(no reason)'}; {c.released} held XID(s) released")
 
 
 def daemon_or_inline(requirement: Requirement, daemon_url: str | None, no_daemon: bool,
                      timeout_s: float | None) -> Verdict:
     """`gpudiag preflight`'s route: the daemon's verdict if one answers, else inline."""
-    from gpudiag.engine.client import DaemonUrlError, ask_daemon, default_url
+    from gpudiag.engine.client import (
+        DaemonAnswer,
+        DaemonUrlError,
+        DaemonUserError,
+        ask_daemon,
+        default_url,
+    )
     from gpudiag.engine.inline import preflight_inline
 
+    answer = DaemonAnswer(None, "not asked")
     if not no_daemon:
         try:
             # --timeout bounds the wait for the daemon too (a Slurm prolog has 60 s in all).
             answer = ask_daemon(daemon_url or default_url(), requirement,
                                 read_timeout_s=min(60.0, timeout_s or 60.0))
         except DaemonUrlError as e:
-            raise click.UsageError(f"--daemon-url: {e}") from e
+            raise click.UsageError(
+                str(e) if isinstance(e, DaemonUserError) else f"--daemon-url: {e}") from e
         if answer.verdict is not None:
             return answer.verdict
-    return preflight_inline(requirement, timeout_s=timeout_s)
+        if answer.refused:  # an impostor, or a misconfiguration: say so, not only in evidence
+            click.echo(f"gpudiag: {answer.reason}; running the probes here", err=True)
+    return answer.fallback(preflight_inline(requirement, timeout_s=timeout_s))

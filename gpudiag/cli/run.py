@@ -89,8 +89,8 @@ def _default_artifacts() -> Path:
               help="Folder of the per-UUID lock files [default: $GPUDIAG_LOCK_DIR, "
               "/run/gpudiag/locks, or $XDG_RUNTIME_DIR/gpudiag/locks].")
 @click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon for the verdict "
-              "first [default: $GPUDIAG_DAEMON_URL or http://127.0.0.1:9477]; inline probes "
-              "when none answers.")
+              "first [default: $GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock]; "
+              "inline probes when none answers.")
 @click.option("--no-daemon", is_flag=True, help="Run the probes here; do not ask a daemon.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- ARGV...")
 def run(require_text: str, gpus: int | None, min_free_text: str | None,
@@ -117,7 +117,7 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
     grace = _seconds(grace_text, "--kill-grace")
     lock_timeout = _seconds(lock_timeout_text, "--lock-timeout", zero_ok=True)
     assert grace is not None and lock_timeout is not None
-    from gpudiag.engine.client import DaemonUrlError, default_url
+    from gpudiag.engine.client import DaemonUrlError, DaemonUserError, default_url
 
     url = None if no_daemon else (daemon_url or default_url())
     n = gpus if gpus is not None else (1 if requirement.needs_gpu else 0)
@@ -130,7 +130,8 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
     try:
         outcome = execute(options, out=sys.stdout.buffer, err=sys.stderr.buffer)
     except DaemonUrlError as e:
-        raise RunUsageError(f"--daemon-url: {e}") from e
+        raise RunUsageError(
+            str(e) if isinstance(e, DaemonUserError) else f"--daemon-url: {e}") from e
     except RunnerError as e:
         raise RunFailed(str(e)) from e
     except (OSError, ValueError) as e:  # the boundary: a message and 125, never a traceback

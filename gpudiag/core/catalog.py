@@ -104,6 +104,15 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "remap means the GPU should be replaced (RMA)."),
             ("gpu_inforom_corrupted", "The GPU's InfoROM is corrupted (NVML 14).",
              "Drain the node and contact the vendor; the InfoROM needs reflashing."),
+            ("gpu_missing",
+             "An NVIDIA GPU on the PCI bus, or one of expected_gpus, is missing from NVML.",
+             "Drain the node; check dmesg for the GPU (NVRM, PCIe AER, RmInitAdapter "
+             "errors), reseat or power-cycle it, and replace it if it stays missing."),
+            ("node_reboot_required",
+             "An XID asks for a node reboot or power-off service (docs/xids.md lists them).",
+             "Drain the node and follow the XID's action in docs/xids.md (reboot, power "
+             "cycle, or reconnect the GPU's power), then `gpudiag clear` if the daemon "
+             "still holds the XID."),
         ),
         *_rows(
             "cuda",
@@ -208,7 +217,7 @@ WARNINGS: dict[str, CatalogEntry] = {
         CatalogEntry("gpu_persistence_off", "device", "Persistence mode is off.",
                      "Enable nvidia-persistenced so that init is fast and state is kept."),
         CatalogEntry("gpu_xid_application", "device",
-                     "An application XID (13 31 43 45 109) was reported.",
+                     "An application XID (13 31 43 45 ...; docs/xids.md) was reported.",
                      "Usually a bug or fault in a job, not in the GPU; read the job's log."),
         CatalogEntry("device_count_mismatch", "cuda",
                      "NVML and cuInit disagree on the number of GPUs.",

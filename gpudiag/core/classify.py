@@ -21,6 +21,7 @@ from gpudiag.core.environment import (
     resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.missing import missing_gpu_findings
 from gpudiag.core.observation import observation_problem
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope, settle
@@ -32,6 +33,7 @@ from gpudiag.core.verdict import (
     Requirement,
     Verdict,
 )
+from gpudiag.core.xids import xid_code, xid_description
 
 NVML_INIT_CODES = {12: "driver_library_missing", 9: "driver_not_loaded",
                    18: "driver_library_mismatch", 4: "nvml_no_permission",
@@ -43,9 +45,6 @@ CUDA_INIT_CODES = {100: "cuda_no_device", 803: "cuda_driver_mismatch",
                    35: "cuda_driver_too_old", 802: "cuda_system_not_ready",
                    46: "cuda_devices_unavailable", 2: "cuda_out_of_memory"}
 CUDA_CONTEXT_CODES = {46: "cuda_devices_unavailable", 2: "cuda_out_of_memory"}
-CRITICAL_XIDS = frozenset({48, 62, 64, 74, 95, 119, 120})
-LOST_XIDS = frozenset({79})
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 109})
 THERMAL_REASONS = frozenset({"hw_thermal_slowdown", "sw_thermal_slowdown", "hw_slowdown"})
 POWER_REASONS = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})
 
@@ -240,14 +239,15 @@ def _device_findings(devs: Sequence[Mapping[str, Any]], xids: Sequence[XidEvent]
             continue
         d = found
         label = _dev_label(d)
-        if x.xid in LOST_XIDS:
+        code, what = xid_code(x.xid), f"({xid_description(x.xid)})"
+        if code == "gpu_lost":
             f.block("gpu_lost", f"GPU {d.get('index')}: XID {x.xid} (fallen off the bus)",
                     backend="nvml", device=label)
-        elif x.xid in CRITICAL_XIDS:
-            f.block("gpu_reset_required", f"GPU {d.get('index')}: critical XID {x.xid}",
+        elif code in ("gpu_reset_required", "node_reboot_required"):
+            f.block(code, f"GPU {d.get('index')}: critical XID {x.xid} {what}",
                     backend="nvml", device=label)
-        elif x.xid in APPLICATION_XIDS:
-            f.warn("gpu_xid_application", f"GPU {d.get('index')}: application XID {x.xid}",
+        elif code == "gpu_xid_application":
+            f.warn(code, f"GPU {d.get('index')}: application XID {x.xid} {what}",
                    backend="nvml", device=label)
 
 
@@ -378,8 +378,8 @@ def _evidence(runs: Mapping[str, ProbeRun], host: Mapping[str, Any] | None,
 
 def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: str,
              checked_at: str, source: str = "inline", xids: Sequence[XidEvent] = (),
-             extra_warnings: Sequence[Finding] = (), scope: ProbeScope | None = None
-             ) -> Verdict:
+             extra_warnings: Sequence[Finding] = (), scope: ProbeScope | None = None,
+             expected_gpus: int | None = None) -> Verdict:
     """The verdict for ``requirement`` from what the probe children observed.
 
     ``scope`` says which GPUs the active probes could touch and each GPU's occupancy
@@ -405,6 +405,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         candidates = _visibility(host_obs, raw, all_devs, nvml_ok, f)
         selected = _select(candidates, requirement, f)
         _device_findings(selected, xids, f)
+        missing_gpu_findings(host_obs, nvml, cuda, expected_gpus, f)
         uuids = {str(d["uuid"]) for d in selected if d.get("uuid")} if nvml_ok else None
         _cuda_findings(cuda, uuids, f)
         if nvml_ok and cuda_ok and cuda is not None and requirement.devices is None:

@@ -65,6 +65,8 @@ SHAPES: dict[str, Spec] = {
                              "dir": str}),
         "driver_proc": Obj({"path": str, "kernel_module_version": str}),
         "nvidia_smi": Obj(), "nvidia_smi_xml": Obj(),
+        "pci": Obj({"available": bool, "gpus": ListOf(Obj({"address": str, "driver": str},
+                                                           required=frozenset({"address"})))}),
     }),
     "nvml": Obj({
         "error": _ERROR, "devices": ListOf(_DEVICE), "device_count": NUMBER,

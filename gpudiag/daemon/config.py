@@ -22,6 +22,8 @@ SCHEDULED_BACKENDS = ("host", "nvml", "cuda", "jax", "iree")
 DEFAULT_INTERVALS_S = {"host": 60.0, "nvml": 15.0, "cuda": 60.0, "jax": 300.0, "iree": 300.0}
 DEFAULT_DEADLINES_S = {"host": 10.0, "nvml": 10.0, "cuda": 15.0, "jax": 60.0, "iree": 90.0}
 LOG_FORMATS = ("text", "json")
+# sockaddr_un.sun_path is 108 bytes with the terminating NUL.
+MAX_SOCKET_PATH = 107
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -80,6 +82,12 @@ class DaemonConfig:
     history: HistoryConfig = field(default_factory=HistoryConfig)
     log_format: str = "text"
     log_level: str = "info"
+    # The unix socket for preflight and control: None means the default (the systemd
+    # runtime directory's gpudiag.sock when there is one), "" means none.
+    socket_path: str | None = None
+    # TCP answers only the monitoring endpoints (/metrics, /healthz, /readyz, /v1/history).
+    tcp_read_only: bool = False
+    expected_gpus: int | None = None  # NVIDIA GPUs this node must show; None: PCI decides
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -89,6 +97,26 @@ class DaemonConfig:
         """A copy listening on ``HOST:PORT`` (the --listen flag wins over the file)."""
         host, port = parse_listen(text, "--listen")
         return replace(self, listen_host=host, listen_port=port)
+
+    def with_socket(self, path: str) -> DaemonConfig:
+        """A copy serving on the unix socket ``path`` (the --socket flag wins over the file)."""
+        return replace(self, socket_path=parse_socket(path, "--socket"))
+
+
+def parse_socket(path: object, key: str = "socket") -> str:
+    """An absolute unix socket path short enough for sockaddr_un, or "" for none."""
+    if not isinstance(path, str):
+        raise ConfigError(f"{key} = {path!r}: expected a path string such as "
+                          "\"/run/gpudiag/gpudiag.sock\" (or \"\" for no socket)")
+    if path == "":
+        return path
+    if not path.startswith("/") or "\0" in path:
+        raise ConfigError(f"{key} {path!r} is not an absolute path; e.g. "
+                          "/run/gpudiag/gpudiag.sock")
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise ConfigError(f"{key} {path!r} is {len(path.encode())} bytes; a unix socket path "
+                          f"may have at most {MAX_SOCKET_PATH}: choose a shorter one")
+    return path
 
 
 def parse_listen(text: str, key: str = "listen") -> tuple[str, int]:
@@ -187,6 +215,17 @@ def _size(t: _Table, key: str, default: int) -> int:
                       "such as \"64MiB\"")
 
 
+def _expected_gpus(t: _Table) -> int | None:
+    value = t.get("expected_gpus")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+        raise ConfigError(f"{t._key('expected_gpus')} = {value!r}: expected the number of "
+                          "NVIDIA GPUs this node must show, an integer from 1 to 1024 "
+                          "(leave it out to compare the PCI bus with NVML only)")
+    return value
+
+
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
     top = _Table(raw, "")
@@ -232,7 +271,11 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     log_format = log.choice("format", base.log_format, LOG_FORMATS)
     log_level = log.choice("level", base.log_level, LOG_LEVELS)
     log.finish()
+    socket_raw = top.get("socket")
+    socket_path = None if socket_raw is None else parse_socket(socket_raw)
     cfg = DaemonConfig(
+        socket_path=socket_path, tcp_read_only=top.flag("tcp_read_only", False),
+        expected_gpus=_expected_gpus(top),
         listen_host=host, listen_port=port, default_requirement=requirement,
         preflight_wait_s=top.seconds("preflight_wait_s", base.preflight_wait_s, maximum=600.0),
         jitter_ratio=sched.ratio("jitter_ratio", base.jitter_ratio),

@@ -15,10 +15,12 @@ import io
 import ipaddress
 import json
 import logging
+import os
 import queue
 import re
 import selectors
 import socket
+import stat
 import sys
 import threading
 import time
@@ -30,6 +32,8 @@ from urllib.parse import unquote
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from gpudiag.core.peercred import peer_credentials
 
 log = logging.getLogger("gpudiag.daemon.app")
 
@@ -47,6 +51,11 @@ WORKERS = 8                 # threads per pool
 MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
 SUMMARY_INTERVAL_S = 60.0
 SLOW_PATHS = frozenset({"/v1/preflight"})
+# What a read-only listener (TCP with tcp_read_only) serves: monitoring that never starts a
+# probe. Preflight (it may start probes) and POST /v1/probe are for the unix socket.
+READ_ONLY_PATHS = frozenset({"/metrics", "/healthz", "/readyz", "/v1/history"})
+READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
+SOCKET_MODE = 0o666         # any local user may connect; clients check who answers
 
 _METHOD_RE = re.compile(rb"^[A-Z]{1,16}$")
 _TOKEN_RE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
@@ -63,6 +72,7 @@ ABUSE_KINDS: dict[str, str] = {
     "client_gone": "a client disconnected before taking the whole response",
     "cross_site": "a browser request from another site (Origin on a POST, or a Host that is "
                   "not loopback: DNS rebinding); answered 403",
+    "read_only": "a request for a control endpoint on the read-only TCP listener; answered 403",
 }
 
 
@@ -235,6 +245,58 @@ def cross_site(request: Request, loopback: bool) -> str | None:
     return None
 
 
+def read_only_refusal(request: Request, where: str) -> str | None:
+    """Why a read-only listener refuses this request, or None when it serves it."""
+    path = request.target.partition("?")[0]
+    if request.method in READ_ONLY_METHODS and path in READ_ONLY_PATHS:
+        return None
+    return (f"{request.method} {path[:100]}: {where} is read-only (tcp_read_only = true) and "
+            f"serves only GET {', '.join(sorted(READ_ONLY_PATHS))}; preflight and probe "
+            "requests go to the daemon's unix socket (GPUDIAG_DAEMON_URL=unix:PATH)")
+
+
+class SocketInUse(OSError):
+    """The unix socket path is a live socket (another daemon answers there) or not a socket."""
+
+
+def bind_unix(path: str, mode: int = SOCKET_MODE) -> socket.socket:
+    """A listening unix socket at ``path`` with ``mode``; a stale socket there is replaced.
+
+    A socket file nobody listens on is what a killed daemon leaves behind; a live one means
+    another daemon serves there, and any other kind of file is not ours to remove.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SocketInUse(f"{path} exists and is not a socket; remove it or choose another "
+                              "--socket path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: a stale socket
+        else:
+            raise SocketInUse(f"{path}: another process already serves on this socket "
+                              "(a second gpudiag serve?)")
+        finally:
+            probe.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        # After bind: until then the umask decides, which only ever narrows the mode.
+        os.chmod(path, mode)
+        listener.listen(1024)
+        listener.setblocking(False)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 def error_response(status: int, code: str, message: str) -> bytes:
     """A complete HTTP response carrying the JSON error envelope."""
     body = (json.dumps({"error": {"code": code, "message": message}}) + "\n").encode()
@@ -297,8 +359,11 @@ class HttpServer:
                  write_timeout_s: float = WRITE_TIMEOUT_S, max_pending: int = MAX_PENDING,
                  workers: int = WORKERS, max_queued: int = MAX_QUEUED,
                  max_connections: int = MAX_CONNECTIONS,
-                 abuse: AbuseLog | None = None) -> None:
+                 abuse: AbuseLog | None = None, unix_path: str | None = None,
+                 unix_mode: int = SOCKET_MODE, read_only: bool = False) -> None:
         self.app = app
+        self.read_only = read_only
+        self.unix_path = unix_path
         self.max_connections = max_connections
         self.open_connections = 0
         self._accept_resume: float | None = None
@@ -306,18 +371,26 @@ class HttpServer:
         self.write_timeout_s = write_timeout_s
         self.max_pending = max_pending
         self.abuse = abuse or AbuseLog()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listen = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listen.bind((host, port))
-            self._listen.listen(1024)
-            self._listen.setblocking(False)
-        except OSError:
-            self._listen.close()
-            raise
-        self.server_address: tuple[Any, ...] = self._listen.getsockname()
-        self.loopback = _is_loopback(host)
+        if unix_path is not None:
+            self._listen = bind_unix(unix_path, unix_mode)
+            self._unix_inode: int | None = os.stat(unix_path).st_ino
+            self.server_address: tuple[Any, ...] = (unix_path, 0)
+            # No browser reaches a unix socket: no DNS-rebinding Host check there.
+            self.loopback = False
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listen = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                self._listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._listen.bind((host, port))
+                self._listen.listen(1024)
+                self._listen.setblocking(False)
+            except OSError:
+                self._listen.close()
+                raise
+            self._unix_inode = None
+            self.server_address = self._listen.getsockname()
+            self.loopback = _is_loopback(host)
         self._pending: dict[int, _Conn] = {}   # reading a head, oldest first
         self._writing: dict[int, _Conn] = {}   # writing a response, oldest first
         self._outbox: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
@@ -329,6 +402,13 @@ class HttpServer:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._sel = selectors.DefaultSelector()
+
+    def describe(self) -> str:
+        """Where this server listens, for messages: ``unix:PATH`` or ``HOST:PORT``."""
+        if self.unix_path is not None:
+            return f"unix:{self.unix_path}"
+        host = str(self.server_address[0])
+        return f"{f'[{host}]' if ':' in host else host}:{self.server_address[1]}"
 
     @property
     def pending(self) -> int:
@@ -372,6 +452,7 @@ class HttpServer:
         self._wake()
         self._stopped.wait(timeout_s)
         self._listen.close()
+        self._remove_socket_file()
         self._fast.shutdown()
         self._slow.shutdown()
         self._wake_r.close()
@@ -379,6 +460,18 @@ class HttpServer:
 
     def server_close(self) -> None:
         self._listen.close()
+        self._remove_socket_file()
+
+    def _remove_socket_file(self) -> None:
+        # Only our own socket: a successor may already have replaced it.
+        if self.unix_path is None or self._unix_inode is None:
+            return
+        try:
+            if os.lstat(self.unix_path).st_ino == self._unix_inode:
+                os.unlink(self.unix_path)
+        except OSError:
+            pass
+        self._unix_inode = None
 
     def _wake(self) -> None:
         try:
@@ -400,7 +493,7 @@ class HttpServer:
                 self._accept_resume = time.monotonic() + ACCEPT_PAUSE_S
                 return
             sock.setblocking(False)
-            peer = str(addr[0]) if isinstance(addr, tuple) else str(addr)
+            peer = self._peer(sock, addr)
             if self.open_connections >= self.max_connections:
                 if not self._pending:  # everyone has sent a request: the newcomer waits
                     self.abuse.note("connection_cap", peer)
@@ -419,6 +512,16 @@ class HttpServer:
             self.open_connections += 1
             self._pending[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _peer(self, sock: socket.socket, addr: Any) -> str:
+        """The client for logs: its address, or on the unix socket its pid and uid."""
+        if self.unix_path is None:
+            return str(addr[0]) if isinstance(addr, tuple) else str(addr)
+        try:
+            peer = peer_credentials(sock)
+        except OSError:
+            return "unix"
+        return f"unix pid {peer.pid} uid {peer.uid}"
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -470,6 +573,12 @@ class HttpServer:
             self.abuse.note("cross_site", conn.peer)
             self._answer_and_drop(conn, error_response(403, "cross_site_request", refusal))
             return
+        if self.read_only:
+            refusal = read_only_refusal(request, self.describe())
+            if refusal is not None:
+                self.abuse.note("read_only", conn.peer)
+                self._answer_and_drop(conn, error_response(403, "read_only", refusal))
+                return
         path = request.target.partition("?")[0]
         pool = self._slow if path in SLOW_PATHS else self._fast
         if not pool.submit(lambda: self._handle(conn, request)):
@@ -619,12 +728,18 @@ def register_metrics(app: object, abuse: AbuseLog) -> None:
         registry.register(AbuseCollector(abuse))
 
 
-def start(app: WsgiApp, host: str, port: int, **options: Any
+def start(app: WsgiApp, host: str, port: int, *, register: bool = True, **options: Any
           ) -> tuple[HttpServer, threading.Thread]:
-    """Bind and serve in a background thread; returns the server and its thread."""
+    """Bind and serve in a background thread; returns the server and its thread.
+
+    ``register=False`` for a second listener that shares the first one's AbuseLog (the
+    counters are on the app's registry once).
+    """
     server = HttpServer(app, host, port, **options)
-    register_metrics(app, server.abuse)
-    thread = threading.Thread(target=server.serve_forever, name="http", daemon=True)
+    if register:
+        register_metrics(app, server.abuse)
+    name = "http-unix" if server.unix_path is not None else "http"
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()
     return server, thread
 

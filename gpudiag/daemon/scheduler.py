@@ -143,6 +143,7 @@ class Scheduler:
                  clock: Clock | None = None, runner: ProbeRunner = isolated_runner,
                  rng: random.Random | None = None, notifier: Notifier | None = None,
                  watcher: WatcherSource | None = None, max_workers: int = 8,
+                 on_tick: Callable[[], object] | None = None,
                  lock_dir: Path | None = None) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
@@ -150,6 +151,7 @@ class Scheduler:
         self._rng = rng or random.Random()
         self._notifier = notifier or Notifier(env={})
         self._watcher = watcher
+        self._on_tick = on_tick
         self._env = child_environment(os.environ if env is None else env)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
         # Busy GPUs (DESIGN): the latest occupancy, where each backend last proved itself,
@@ -165,7 +167,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
-                                    gap_warning_s=config.xid.gap_warning_s)
+                                    gap_warning_s=config.xid.gap_warning_s,
+                                    expected_gpus=config.expected_gpus)
         self.full_requirement = full_requirement(config)
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
@@ -471,6 +474,11 @@ class Scheduler:
                     self._due[k] = now + self._interval[k]
             for k in due:
                 self._launch(k)
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()  # e.g. pending `gpudiag clear` requests
+                except Exception:  # a broken hook must not stop probing
+                    log.exception("scheduler tick hook failed")
             watcher = self._watcher_state()
             snap = self._snapshot
             wall = self.clock.time()

@@ -144,10 +144,11 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class VerdictPolicy:
-    """What the snapshot adds to classify: XID hold time and the watcher gap limit."""
+    """What the snapshot adds to classify: XID hold time, watcher gap limit, expected GPUs."""
 
     xid_hold_s: float = 3600.0
     gap_warning_s: float = 60.0
+    expected_gpus: int | None = None
 
 
 def _with_visibility(run: ProbeRun, visibility: tuple[str | None, str | None]) -> ProbeRun:
@@ -198,7 +199,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                 f"(limit {policy.gap_warning_s:g} s, {watcher.restarts} restart(s)){why}",
                 backend="nvml", warning=True))
     verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
-                       source="daemon", xids=xids, extra_warnings=extra, scope=snapshot.scope)
+                       source="daemon", xids=xids, extra_warnings=extra, scope=snapshot.scope,
+                       expected_gpus=policy.expected_gpus)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(

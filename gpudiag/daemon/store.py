@@ -52,6 +52,33 @@ CREATE TABLE IF NOT EXISTS episodes (
 );
 CREATE INDEX IF NOT EXISTS episodes_open ON episodes (ended);
 """
+# Created with the first `gpudiag clear` (most nodes never have one): the base schema above
+# stays what every history has, and a history from before clears existed reads as none.
+_CLEARS_DDL = """
+CREATE TABLE IF NOT EXISTS clears (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    uid INTEGER NOT NULL,
+    gpu TEXT,
+    reason TEXT NOT NULL,
+    released INTEGER NOT NULL
+)"""
+
+
+@dataclass(frozen=True)
+class ClearEntry:
+    """One `gpudiag clear` the daemon applied: who (uid), which GPU (None: all), why."""
+
+    id: int
+    ts: float
+    uid: int
+    gpu: str | None
+    reason: str
+    released: int  # held XIDs it released
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.id, "ts": self.ts, "uid": self.uid, "gpu": self.gpu,
+                "reason": self.reason, "released_xids": self.released}
 
 
 class HistoryError(Exception):
@@ -238,6 +265,23 @@ class HistoryStore:
                        (b.code, b.layer, b.backend, b.device, ts, _tail(b.message),
                         json.dumps(evidence, default=str)))
 
+    def record_clear(self, *, uid: int, gpu: str | None, reason: str, released: int,
+                     now: float | None = None) -> int:
+        """Store an applied `gpudiag clear`; returns its id once durable."""
+        ts = self._clock() if now is None else now
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(_CLEARS_DDL)
+                cur = db.execute("INSERT INTO clears (ts, uid, gpu, reason, released) "
+                                 "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            return int(cur.lastrowid or 0)
+
     def prune(self, now: float | None = None) -> None:
         """Apply retention by age and by size."""
         with self._lock:
@@ -253,6 +297,9 @@ class HistoryStore:
             db.execute("DELETE FROM verdicts WHERE ts < ? AND id < "
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
             db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
+                          "name='clears'").fetchone():
+                db.execute("DELETE FROM clears WHERE ts < ?", (cutoff,))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -310,6 +357,21 @@ class HistoryStore:
         args.append(limit)
         return [Episode(int(r[0]), str(r[1]), str(r[2]), r[3], r[4], float(r[5]),
                         None if r[6] is None else float(r[6]), str(r[7]), json.loads(r[8]))
+                for r in self._query(sql, args)]
+
+    def clears(self, *, since: float | None = None, limit: int = 50) -> list[ClearEntry]:
+        """Applied clears, newest first (none in a history written before clears existed)."""
+        if not self._query("SELECT 1 FROM sqlite_master WHERE type='table' AND name='clears'",
+                           []):
+            return []
+        sql = "SELECT id, ts, uid, gpu, reason, released FROM clears"
+        args: list[Any] = []
+        if since is not None:
+            sql += " WHERE ts >= ?"
+            args.append(since)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit)
+        return [ClearEntry(int(r[0]), float(r[1]), int(r[2]), r[3], str(r[4]), int(r[5]))
                 for r in self._query(sql, args)]
 
     def verdict_record(self, row_id: int) -> dict[str, Any] | None:

@@ -23,6 +23,8 @@ from typing import IO, Any
 
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.probe_run import bounded_tail
+from gpudiag.core.xids import SOURCE_URL as XID_SOURCE_URL
+from gpudiag.core.xids import xid_entry
 from gpudiag.daemon.config import XidConfig
 from gpudiag.daemon.snapshot import WatcherState, XidCount
 
@@ -53,6 +55,7 @@ class XidWatcher:
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._counts: dict[tuple[int | None, str | None, int], XidCount] = {}
+        self._unknown_logged: set[int] = set()
         self._state = WatcherState(enabled=config.enabled,
                                    down_since_wall=wall() if config.enabled else None)
 
@@ -65,6 +68,21 @@ class XidWatcher:
             if recent != self._state.recent:
                 self._state = replace(self._state, recent=recent)
             return self._state
+
+    def clear(self, uuid: str | None, before_wall: float) -> int:
+        """Release held XIDs of GPU ``uuid`` (None: all) seen at or before ``before_wall``.
+
+        What ``gpudiag clear`` does after a repair; counters stay (they are history), and an
+        XID that arrives later holds its GPU again. Returns how many were released.
+        """
+        with self._lock:
+            keep = tuple(x for x in self._state.recent if x.timestamp > before_wall
+                         or (uuid is not None and x.uuid != uuid))
+            released = len(self._state.recent) - len(keep)
+            self._state = replace(self._state, recent=keep)
+        if released:
+            self._on_change()
+        return released
 
     def start(self) -> None:
         if not self.config.enabled:
@@ -230,6 +248,13 @@ class XidWatcher:
         event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts)
         log.warning("XID %d on GPU %s (%s)", xid, gpu, uuid,
                     extra={"xid": xid, "gpu": gpu, "uuid": uuid})
+        if xid_entry(xid) is None and xid not in self._unknown_logged:
+            # Counted and held like any XID (never dropped), but it maps to no code: say so
+            # once per XID, so that a newer driver's XIDs get into the catalog.
+            self._unknown_logged.add(xid)
+            log.warning("XID %d is not in NVIDIA's XID catalog as gpudiag knows it (%s): "
+                        "counted, not classified", xid, XID_SOURCE_URL,
+                        extra={"xid": xid, "unknown_xid": True})
         with self._lock:
             key = (gpu, uuid, xid)
             old = self._counts.get(key)

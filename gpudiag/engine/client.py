@@ -3,6 +3,11 @@
 The verdict says where it came from (``source: daemon|inline``) and how old it is (``age_s``).
 The job's own CUDA_/NVIDIA_VISIBLE_DEVICES travel with the question, so the daemon answers for
 what the job will see, not for what the daemon sees.
+
+The daemon is reached on its unix socket by default (``unix:PATH``), and an answer there is
+trusted only from a peer running as the daemon's user (SO_PEERCRED): any local user can bind
+a free TCP port and answer, but not run as that user. ``http://HOST:PORT`` stays accepted
+(an explicit choice, e.g. a daemon on another address), without a peer check.
 """
 
 from __future__ import annotations
@@ -10,20 +15,34 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import pwd
 import socket
+import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
 from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.peercred import peer_credentials
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 
-DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+# The daemon's socket under systemd (RuntimeDirectory=gpudiag/daemon) and in the Kubernetes
+# DaemonSet (a hostPath folder). Its own folder: /run/gpudiag/locks belongs to `gpudiag run`,
+# and systemd removes a RuntimeDirectory when the service stops.
+DEFAULT_SOCKET = "/run/gpudiag/daemon/gpudiag.sock"
+DEFAULT_URL = f"unix:{DEFAULT_SOCKET}"
+TCP_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 CONNECT_TIMEOUT_S = 0.25
+ACCEPTED = f"unix:/ABSOLUTE/PATH (e.g. {DEFAULT_URL}) or http://HOST:PORT (e.g. {TCP_URL})"
 
 
 class DaemonUrlError(ValueError):
-    """A daemon URL that is not http://HOST:PORT."""
+    """A daemon URL that is neither unix:PATH nor http://HOST:PORT."""
+
+
+class DaemonUserError(DaemonUrlError):
+    """GPUDIAG_DAEMON_USER names no user of this host."""
 
 
 @dataclass(frozen=True)
@@ -32,15 +51,44 @@ class DaemonAnswer:
 
     verdict: Verdict | None
     reason: str
+    url: str = ""
+    refused: bool = False  # something answered, but not as the daemon's user
+
+    def fallback(self, verdict: Verdict) -> Verdict:
+        """The inline verdict with why the daemon was not used in its evidence."""
+        if self.verdict is not None or not self.url:
+            return verdict
+        note = {"url": self.url, "used": False, "refused": self.refused, "reason": self.reason}
+        return replace(verdict, evidence={**verdict.evidence, "daemon": note})
+
+
+@dataclass(frozen=True)
+class DaemonAddress:
+    """Where the daemon listens: a unix socket path, or a TCP host and port."""
+
+    url: str
+    socket_path: str | None = None
+    host: str = ""
+    port: int = 0
+    prefix: str = ""
 
 
 def default_url(env: Mapping[str, str] | None = None) -> str:
-    """GPUDIAG_DAEMON_URL, else the default loopback address."""
+    """GPUDIAG_DAEMON_URL, else the daemon's unix socket (never a TCP fallback)."""
     environ = os.environ if env is None else env
     return environ.get("GPUDIAG_DAEMON_URL") or DEFAULT_URL
 
 
-def _split(url: str) -> tuple[str, int, str]:
+def parse_daemon_url(url: str) -> DaemonAddress:
+    """``unix:/path``, ``unix:///path`` or ``http://HOST[:PORT][/prefix]``; else DaemonUrlError."""
+    if url.startswith("unix:"):
+        path = url[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path.startswith("/") or "\0" in path or len(path.encode()) > 107:
+            raise DaemonUrlError(f"daemon URL {url!r}: the socket path must be absolute and "
+                                 f"at most 107 bytes; accepted: {ACCEPTED}")
+        return DaemonAddress(url, socket_path=path)
     parts = urlsplit(url)
     try:
         port = parts.port
@@ -48,9 +96,77 @@ def _split(url: str) -> tuple[str, int, str]:
         port = None
         parts = parts._replace(scheme="bad")
     if parts.scheme != "http" or not parts.hostname:
-        raise DaemonUrlError(f"daemon URL {url!r} is not understood; accepted: "
-                             f"http://HOST:PORT, e.g. {DEFAULT_URL}")
-    return parts.hostname, port or DEFAULT_PORT, parts.path.rstrip("/")
+        raise DaemonUrlError(f"daemon URL {url!r} is not understood; accepted: {ACCEPTED}")
+    return DaemonAddress(url, host=parts.hostname, port=port or DEFAULT_PORT,
+                         prefix=parts.path.rstrip("/"))
+
+
+def _split(url: str) -> tuple[str, int, str]:
+    address = parse_daemon_url(url)
+    return address.host, address.port, address.prefix
+
+
+def configured_daemon_user(env: Mapping[str, str]) -> tuple[int, str] | None:
+    """GPUDIAG_DAEMON_USER (a name or uid) as (uid, where from); None when unset."""
+    raw = (env.get("GPUDIAG_DAEMON_USER") or "").strip()
+    if not raw:
+        return None
+    if raw.isdigit():
+        return int(raw), f"GPUDIAG_DAEMON_USER={raw}"
+    try:
+        return pwd.getpwnam(raw).pw_uid, f"GPUDIAG_DAEMON_USER={raw}"
+    except KeyError:
+        raise DaemonUserError(f"GPUDIAG_DAEMON_USER={raw!r} is no user on this host; give "
+                              "the user name or uid the gpudiag daemon runs as") from None
+
+
+def socket_folder_owner(socket_path: str) -> tuple[int, str]:
+    """The owner of the socket's folder, the daemon's user by default, and where from.
+
+    Trusted only when that folder's parent may be written by root or that owner alone (as
+    /run/gpudiag): otherwise anyone could have made the folder, and would own it.
+    """
+    folder = Path(socket_path).parent
+    st = os.stat(folder)
+    parent = os.stat(folder.parent)
+    if parent.st_uid not in (0, st.st_uid) or parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"the owner of {folder} (uid {st.st_uid}) is not trusted as the "
+                              f"daemon's user: its parent {folder.parent} may be written by "
+                              "others; set GPUDIAG_DAEMON_USER to the daemon's user")
+    return st.st_uid, f"the owner of {folder}"
+
+
+def _connect(address: DaemonAddress, env: Mapping[str, str], timeout_s: float
+             ) -> tuple[socket.socket | None, str, bool]:
+    """A connected socket to a trusted daemon, or None with why (and whether refused)."""
+    url = address.url
+    if address.socket_path is None:
+        try:
+            tcp = socket.create_connection((address.host, address.port), timeout=timeout_s)
+        except OSError as e:
+            return None, f"no daemon at {url}: {e.strerror or e}", False
+        return tcp, "", False
+    configured = configured_daemon_user(env)  # a typo is an error even with no daemon up
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(address.socket_path)
+    except OSError as e:
+        sock.close()
+        return None, f"no daemon at {url}: {e.strerror or e}", False
+    try:
+        peer = peer_credentials(sock)
+        want, why = configured or socket_folder_owner(address.socket_path)
+    except OSError as e:
+        sock.close()
+        return None, f"refused the answer at {url}: cannot check who answers: {e}", True
+    if peer.uid != want:
+        sock.close()
+        return None, (f"refused the answer at {url}: the peer runs as uid {peer.uid} "
+                      f"(pid {peer.pid}), "
+                      f"not as the daemon's user, uid {want} ({why}); if the daemon runs as "
+                      "another user, set GPUDIAG_DAEMON_USER"), True
+    return sock, "", False
 
 
 def query_for(requirement: Requirement, env: Mapping[str, str],
@@ -77,17 +193,23 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
 def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | None = None,
                connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0,
                max_age_s: float | None = None) -> DaemonAnswer:
-    """The daemon's verdict, or None with the reason (not listening, not ready, bad answer)."""
-    host, port, prefix = _split(url)
+    """The daemon's verdict, or None with the reason (not listening, not ready, bad answer).
+
+    On a unix socket the peer must run as the daemon's user, or its answer is refused
+    before the question is even sent.
+    """
+    address = parse_daemon_url(url)
     environ = os.environ if env is None else env
     # The node-health question has its own endpoint; job readiness is /v1/preflight.
     endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
-    path = f"{prefix}{endpoint}?{urlencode(query_for(requirement, environ, max_age_s))}"
-    try:
-        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-    except OSError as e:
-        return DaemonAnswer(None, f"no daemon at {url}: {e.strerror or e}")
-    conn = http.client.HTTPConnection(host, port, timeout=read_timeout_s)
+    path = (f"{address.prefix}{endpoint}?"
+            f"{urlencode(query_for(requirement, environ, max_age_s))}")
+    sock, why, refused = _connect(address, environ, connect_timeout_s)
+    if sock is None:
+        return DaemonAnswer(None, why, url, refused)
+    # Host for a unix socket: "localhost", a name the daemon's HTTP checks accept.
+    conn = http.client.HTTPConnection(address.host or "localhost", address.port or None,
+                                      timeout=read_timeout_s)
     sock.settimeout(read_timeout_s)
     conn.sock = sock
     try:
@@ -95,28 +217,29 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
         resp = conn.getresponse()
         body = resp.read(64 * 2**20)
     except (OSError, http.client.HTTPException) as e:
-        return DaemonAnswer(None, f"daemon at {url} did not answer: {e}")
+        return DaemonAnswer(None, f"daemon at {url} did not answer: {e}", url)
     finally:
         conn.close()
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return DaemonAnswer(None, f"daemon at {url} answered {resp.status} without JSON")
+        return DaemonAnswer(None, f"daemon at {url} answered {resp.status} without JSON", url)
     if resp.status != 200:
         err = data.get("error") if isinstance(data, dict) else None
         err = err if isinstance(err, dict) else {}
         return DaemonAnswer(None, f"daemon at {url} answered {resp.status} "
-                            f"{err.get('code')}: {err.get('message')}")
+                            f"{err.get('code')}: {err.get('message')}", url)
     try:
-        return DaemonAnswer(Verdict.from_record(data), "daemon")
+        return DaemonAnswer(Verdict.from_record(data), "daemon", url)
     except RecordError as e:
-        return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}")
+        return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url)
 
 
 def preflight(requirement: Requirement, *, url: str | None = None, use_daemon: bool = True,
               env: Mapping[str, str] | None = None, timeout_s: float | None = None
               ) -> Verdict:
     """The daemon's verdict when one answers, else one from probes run here (source inline)."""
+    answer = DaemonAnswer(None, "not asked")
     if use_daemon:
         answer = ask_daemon(url or default_url(env), requirement, env=env,
                             read_timeout_s=min(60.0, timeout_s or 60.0))
@@ -124,4 +247,4 @@ def preflight(requirement: Requirement, *, url: str | None = None, use_daemon: b
             return answer.verdict
     from gpudiag.engine.inline import preflight_inline
 
-    return preflight_inline(requirement, env=env, timeout_s=timeout_s)
+    return answer.fallback(preflight_inline(requirement, env=env, timeout_s=timeout_s))

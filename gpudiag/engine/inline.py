@@ -97,8 +97,9 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
 
 
 def preflight_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
-                     timeout_s: float | None = None) -> Verdict:
+                     timeout_s: float | None = None,
+                     expected_gpus: int | None = None) -> Verdict:
     """The verdict for a requirement from probes run here and now."""
     done = run_inline(requirement, env=env, timeout_s=timeout_s)
     return classify(done.runs, requirement, host=socket.gethostname(),
-                    checked_at=done.checked_at, scope=done.scope)
+                    checked_at=done.checked_at, scope=done.scope, expected_gpus=expected_gpus)

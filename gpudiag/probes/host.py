@@ -1,7 +1,8 @@
 """The host probe: environment, visibility variables, device nodes, driver version, nvidia-smi.
 
-Runs in a child. Test seams (also useful in containers): GPUDIAG_DEVICE_DIR (default /dev)
-and GPUDIAG_DRIVER_PROC_DIR (default /proc/driver/nvidia).
+Runs in a child. Test seams (also useful in containers): GPUDIAG_DEVICE_DIR (default /dev),
+GPUDIAG_DRIVER_PROC_DIR (default /proc/driver/nvidia) and GPUDIAG_SYSFS_PCI_DIR (default
+/sys/bus/pci/devices; set it empty to not count GPUs on the PCI bus).
 """
 
 from __future__ import annotations
@@ -85,6 +86,48 @@ def driver_proc(proc_dir: Path) -> dict[str, Any]:
             "kernel_module_version": m.group(1) if m else None}
 
 
+NVIDIA_VENDOR = 0x10DE
+# PCI base class 03 (display): subclass 00 is a VGA controller, 02 a 3D controller (the
+# data-center GPUs); NVSwitches (0680) and the GPUs' audio functions (0403) are not GPUs.
+GPU_CLASSES = (0x0300, 0x0302)
+SYSFS_PCI_DIR = "/sys/bus/pci/devices"
+
+
+def _sysfs_hex(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
+def pci_gpus(pci_dir: str) -> dict[str, Any]:
+    """NVIDIA GPUs on the PCI bus from sysfs, with the kernel driver each is bound to."""
+    if not pci_dir:
+        return {"dir": None, "available": False, "error": "GPUDIAG_SYSFS_PCI_DIR is empty",
+                "gpus": []}
+    root = Path(pci_dir)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as e:
+        return {"dir": pci_dir, "available": False, "error": f"{root}: {e.strerror or e}",
+                "gpus": []}
+    gpus: list[dict[str, Any]] = []
+    for name in names:
+        entry = root / name
+        if _sysfs_hex(entry / "vendor") != NVIDIA_VENDOR:
+            continue
+        klass = _sysfs_hex(entry / "class")
+        if klass is None or klass >> 8 not in GPU_CLASSES:
+            continue
+        try:
+            driver: str | None = os.path.basename(os.readlink(entry / "driver"))
+        except OSError:
+            driver = None  # no driver bound: e.g. the nvidia module failed to take it
+        gpus.append({"address": name.lower(), "class": f"0x{klass:06x}",
+                     "device_id": _sysfs_hex(entry / "device"), "driver": driver})
+    return {"dir": pci_dir, "available": True, "error": None, "gpus": gpus}
+
+
 def run_command(argv: Sequence[str], timeout_s: float, env: Mapping[str, str]) -> dict[str, Any]:
     """Run a command with a deadline in its own session; the record keeps what it said."""
     started = time.monotonic()
@@ -139,6 +182,7 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         "driver_proc": proc,
         "nvidia_smi": smi_record,
         "nvidia_smi_xml": smi_xml_record,
+        "pci": pci_gpus(env.get("GPUDIAG_SYSFS_PCI_DIR", SYSFS_PCI_DIR)),
         "preallocation_disabled": preallocation_disabled(env),
         "hostname": os.uname().nodename,
     }

@@ -601,16 +601,17 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
         # A CPU requirement that still asks for GPUs: NVML must be probed too.
         from gpudiag.core.verdict import BackendRequirement
         pre = replace(pre, backends=(*pre.backends, BackendRequirement("nvml")))
-    if daemon_url is not None:
-        from gpudiag.engine.client import ask_daemon
+    from gpudiag.engine.client import DaemonAnswer, ask_daemon
 
+    answer = DaemonAnswer(None, "not asked")
+    if daemon_url is not None:
         answer = ask_daemon(daemon_url, pre, env=env)
         if answer.verdict is not None:
             return answer.verdict, None
     done = run_inline(pre, env=env, timeout_s=timeout_s)
     runs = done.runs
-    verdict = classify(runs, pre, host=socket.gethostname(), checked_at=done.checked_at,
-                       scope=done.scope)
+    verdict = answer.fallback(classify(runs, pre, host=socket.gethostname(),
+                                       checked_at=done.checked_at, scope=done.scope))
     nvml = runs.get("nvml")
     # The nvml run doubles as the first observation only when no probe that opens a GPU
     # context (cuda, jax, iree) ran beside it: on a real GPU that probe's own process and

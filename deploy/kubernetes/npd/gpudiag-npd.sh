@@ -8,13 +8,15 @@
 # gpudiag health's exit codes map as: 0 ready -> 0, 1 blocked -> 1, anything else
 # (2 usage, 3 gpudiag failed, a timeout) -> 2: gpudiag not answering is not a broken GPU.
 #
-# It asks the local gpudiag daemon (hostNetwork DaemonSet, 127.0.0.1:9477), which answers
-# from its cache in milliseconds; preflight falls back to probing inline when it is down.
-# GPUDIAG must name a gpudiag the NPD container can run (e.g. the host's /opt/gpudiag
-# mounted read-only).
+# It asks the local gpudiag daemon on its unix socket (the DaemonSet's hostPath
+# /run/gpudiag/daemon: mount it into the NPD container too), which answers from its cache in
+# milliseconds; an answer there is trusted only from the daemon's user (the folder's
+# owner), and preflight falls back to probing inline when none answers. The daemon's TCP
+# port is read-only: it refuses /v1/preflight. GPUDIAG must name a gpudiag the NPD
+# container can run (e.g. the host's /opt/gpudiag mounted read-only).
 set -u
 GPUDIAG=${GPUDIAG:-/opt/gpudiag/bin/gpudiag}
-export GPUDIAG_DAEMON_URL=${GPUDIAG_DAEMON_URL:-http://127.0.0.1:9477}
+export GPUDIAG_DAEMON_URL=${GPUDIAG_DAEMON_URL:-unix:/run/gpudiag/daemon/gpudiag.sock}
 # Inside NPD's 50 s rule timeout.
 GPUDIAG_TIMEOUT_S=${GPUDIAG_TIMEOUT_S:-40}
 

@@ -1,0 +1,155 @@
+"""Clearing a repaired GPU: request files in the daemon's state directory, applied each loop.
+
+``gpudiag clear`` writes one JSON file into ``STATE_DIR/clear-requests/``; the daemon picks
+it up on its next loop, releases the held XIDs of that GPU (or of all GPUs) that arrived
+before the request, records the clear in the history with the file owner's uid and the
+reason, and re-probes at once, so a GPU that still fails is blocked again by that round.
+There is no new network surface: who may clear is who may write that folder (the daemon
+creates it 0700, so its own user and root). The uid comes from the file's owner as the
+kernel recorded it, never from the file's content.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpudiag.daemon.snapshot import ProbeKey
+
+log = logging.getLogger("gpudiag.daemon.clears")
+REQUEST_DIR = "clear-requests"
+MAX_REQUEST_BYTES = 64 * 1024
+MAX_REASON_CHARS = 500
+
+
+class ClearRequestError(ValueError):
+    """A request file that cannot be applied; the message says what was wrong."""
+
+
+@dataclass(frozen=True)
+class ClearRequest:
+    """One operator's request: release the held XIDs of ``gpu`` (None: every GPU)."""
+
+    gpu: str | None
+    reason: str
+    uid: int
+    requested_wall: float
+
+
+def request_dir(state_dir: Path) -> Path:
+    """Where request files go."""
+    return state_dir / REQUEST_DIR
+
+
+def write_request(state_dir: Path, gpu: str | None, reason: str,
+                  now: Callable[[], float] = time.time) -> Path:
+    """Write a request file atomically; OSError (e.g. EACCES) goes to the caller."""
+    folder = request_dir(state_dir)
+    if not folder.is_dir():
+        folder.mkdir(mode=0o700)
+    wall = now()
+    body = json.dumps({"gpu": gpu, "reason": reason[:MAX_REASON_CHARS],
+                       "requested_wall": wall}) + "\n"
+    name = f"{time.time_ns()}-{os.getpid()}"
+    tmp = folder / f".{name}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        final = folder / f"{name}.json"
+        os.rename(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return final
+
+
+def read_request(path: Path) -> ClearRequest:
+    """Parse one request file; the uid is its owner's."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise ClearRequestError(f"cannot open it: {e.strerror or e}") from e
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ClearRequestError("not a regular file")
+        raw = fh.read(MAX_REQUEST_BYTES + 1)
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise ClearRequestError(f"larger than {MAX_REQUEST_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ClearRequestError(f"not JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ClearRequestError("not a JSON object")
+    gpu, reason, wall = data.get("gpu"), data.get("reason", ""), data.get("requested_wall")
+    if gpu is not None and not isinstance(gpu, str):
+        raise ClearRequestError(f"gpu {gpu!r} is not a UUID string or null (all GPUs)")
+    if not isinstance(reason, str):
+        raise ClearRequestError(f"reason {reason!r} is not a string")
+    if isinstance(wall, bool) or not isinstance(wall, (int, float)):
+        raise ClearRequestError(f"requested_wall {wall!r} is not a time")
+    return ClearRequest(gpu, reason[:MAX_REASON_CHARS], st.st_uid, float(wall))
+
+
+class ClearPoller:
+    """Applies pending request files; ``poll()`` runs on each scheduler loop."""
+
+    def __init__(self, state_dir: Path, *, release: Callable[[str | None, float], int],
+                 record: Callable[[ClearRequest, int], object],
+                 recheck: Callable[[], object],
+                 wall: Callable[[], float] = time.time) -> None:
+        self.folder = request_dir(state_dir)
+        self._release, self._record, self._recheck, self._wall = release, record, recheck, wall
+        self._refused: set[str] = set()
+
+    def prepare(self) -> None:
+        """Create the request folder, writable by the daemon's user (and root) only."""
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+
+    def poll(self) -> list[ClearRequest]:
+        """Apply every request file present, oldest first; returns what was applied."""
+        try:
+            names = sorted(n for n in os.listdir(self.folder)
+                           if n.endswith(".json") and n not in self._refused)
+        except OSError:
+            return []
+        applied: list[ClearRequest] = []
+        for name in names:
+            path = self.folder / name
+            try:
+                request = read_request(path)
+            except ClearRequestError as e:
+                # Kept aside, not deleted: what an operator wrote is never silently lost.
+                log.warning("clear request %s refused: %s; renamed to %s.rejected", path, e,
+                            name, extra={"request": str(path), "error": str(e)})
+                try:
+                    os.rename(path, path.with_name(name + ".rejected"))
+                except OSError:
+                    self._refused.add(name)  # cannot move it: at least do not retry it
+                continue
+            released = self._release(request.gpu, min(request.requested_wall, self._wall()))
+            self._record(request, released)
+            path.unlink(missing_ok=True)
+            log.warning("GPU %s cleared by uid %d (%s): %d held XID(s) released; re-probing",
+                        request.gpu or "(all)", request.uid, request.reason or "no reason",
+                        released, extra={"gpu": request.gpu, "uid": request.uid,
+                                         "reason": request.reason, "released": released})
+            applied.append(request)
+        if applied:
+            self._recheck()
+        return applied
+
+
+def recheck_keys(scheduled: Sequence[ProbeKey]) -> list[ProbeKey]:
+    """The scheduled probes that look at GPUs (a clear re-runs them at once)."""
+    return [k for k in scheduled if k.backend in ("host", "nvml", "cuda")]
