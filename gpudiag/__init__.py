@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from gpudiag.core.requirement import parse_requirement as parse_requirement
     from gpudiag.core.verdict import Requirement as Requirement
     from gpudiag.core.verdict import Verdict as Verdict
+    from gpudiag.engine.api import node_health as node_health
     from gpudiag.engine.api import preflight as preflight
     from gpudiag.runner.admission import Admission as Admission
     from gpudiag.runner.admission import AdmissionError as AdmissionError
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "preflight": ("gpudiag.engine.api", "preflight"),
+    "node_health": ("gpudiag.engine.api", "node_health"),
     "parse_requirement": ("gpudiag.core.requirement", "parse_requirement"),
     "Verdict": ("gpudiag.core.verdict", "Verdict"),
     "Requirement": ("gpudiag.core.verdict", "Requirement"),
@@ -43,4 +45,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Admission", "AdmissionError", "Requirement", "Verdict", "__version__", "admit",
-           "child_environment", "parse_requirement", "preflight"]
+           "child_environment", "node_health", "parse_requirement", "preflight"]

@@ -402,6 +402,9 @@ WARNING_CASES: tuple[Case, ...] = (
     # The watcher child cannot start while NVML fails: the gap grows past gap_warning_s.
     _d("xid_watcher_gap", {"FAKE_NVML_INIT_ERROR": 9}, mutate=Rig.kill_watcher,
        via_daemon=True),
+    # Job readiness on one GPU while GPU 1 is lost: ready on another, GPU 1 named a warning.
+    _j("gpu_fault_outside_selection", cli_args=("--gpus", "1"),
+       env=lambda r, t: _job_env(r, t, FAKE_NVML_DEVICE_ERRORS="1:15")),
 )
 DAEMON_CASES = [c for c in (*CASES, *WARNING_CASES) if c.route == "daemon"]
 OTHER_CASES = [c for c in CASES if c.route != "daemon"]
@@ -716,6 +719,21 @@ def test_job_and_admission_faults_agree_in_exporter_and_history(
 
 def _iree_child_crashed(rec: dict[str, Any]) -> bool:
     return any(b["code"] == "probe_crashed" and b["backend"] == "iree" for b in rec["blockers"])
+
+
+JOB_WARNING_CASES = [c for c in WARNING_CASES if c.route == "job"]
+
+
+@pytest.mark.parametrize("case", JOB_WARNING_CASES, ids=[c.id for c in JOB_WARNING_CASES])
+def test_job_warnings_agree_in_cli_and_exporter(case: Case, running: RunningDaemon,
+                                                tmp_path: Path) -> None:
+    assert case.env is not None
+    rec = _cli(["preflight", "--no-daemon", "--require", case.require, "--format", "json",
+                *case.cli_args], case.env(running.rig, tmp_path))
+    _check_record(case, rec, "gpudiag preflight")
+    assert rec["ready"] is True and rec["gpu_validation_blocker"] == "none"
+    metrics = _exporter_samples(Verdict.from_record(rec))
+    assert metrics[("gpudiag_warning", case.code)] == 1
 
 
 def test_docs_faults_names_every_catalog_code() -> None:

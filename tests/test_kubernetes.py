@@ -181,7 +181,7 @@ def _closed_port() -> int:
     ({}, {}, 0, "gpudiag: ready"),
     ({"FAKE_CUDA_INIT_ERROR": "999"}, {}, 1, "gpudiag: cuda_init_failed"),
     ({"FAKE_NVML_INIT_ERROR": "18"}, {}, 1, "gpudiag: driver_library_mismatch"),
-    ({}, {"GPUDIAG_NPD_REQUIRE": "nonsense"}, 2, "gpudiag: preflight failed (exit 2)"),
+    ({}, {"GPUDIAG_NPD_REQUIRE": "nonsense"}, 2, "gpudiag: health check failed (exit 2)"),
 ], ids=["ready", "cuda-blocked", "driver-mismatch", "gpudiag-usage-error"])
 def test_npd_plugin_maps_preflight_exit_codes_to_npd(
         gpu_env: Callable[..., dict[str, str]], knobs: dict[str, str],

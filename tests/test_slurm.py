@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver, write_state_file
+from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.test_grafana import start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,6 +166,34 @@ def test_healthcheck_drains_a_blocked_node_with_the_code(node: SlurmNode) -> Non
     assert out.duration_s < SLURM_LIMIT_S / 2
 
 
+def test_healthcheck_leaves_a_node_alone_while_every_gpu_is_busy(node: SlurmNode,
+                                                                 tmp_path: Path) -> None:
+    # Issue 12: jobs hold every GPU (EXCLUSIVE_PROCESS, nearly full). The health check asks
+    # the node-health question: busy GPUs are healthy in use, and no probe touches them.
+    log = tmp_path / "contexts.jsonl"
+    with FakeJobs(tmp_path / "jobs-state", compute_modes=dict.fromkeys(range(8), 3)) as jobs:
+        for gpu in range(8):
+            jobs.start(gpu, memory_mib=140_000)
+        out = node.run(HEALTHCHECK, extra={"FAKE_GPU_STATE_FILE": str(jobs.state_file),
+                                           "FAKE_CUDA_CONTEXT_LOG": str(log),
+                                           "GPUDIAG_LOCK_DIR": str(tmp_path / "locks")})
+    assert out.returncode == 0, out.stderr
+    assert drain_calls(out) == [] and out.state["state"] == "IDLE", out.stderr
+    assert read_context_log(log) == []
+
+
+def test_healthcheck_drains_a_lost_gpu_while_another_is_busy(node: SlurmNode,
+                                                            tmp_path: Path) -> None:
+    with FakeJobs(tmp_path / "jobs-state", compute_modes={0: 3},
+                  knobs={"FAKE_NVML_DEVICE_ERRORS": "1:15"}) as jobs:
+        jobs.start(0, memory_mib=140_000)
+        out = node.run(HEALTHCHECK, extra={"FAKE_GPU_STATE_FILE": str(jobs.state_file),
+                                           "GPUDIAG_LOCK_DIR": str(tmp_path / "locks")})
+    assert out.returncode == 0, out.stderr
+    assert drain_calls(out) == [["update", f"NodeName={NODE}", "State=DRAIN",
+                                 "Reason=gpudiag: gpu_lost"]]
+
+
 def test_healthcheck_blocked_then_recovered_undrains_its_own_drain(node: SlurmNode) -> None:
     blocked = node.run(HEALTHCHECK, {"FAKE_NVML_DEVICE_ERRORS": "3:15"})
     assert blocked.state["reason"] == "gpudiag: gpu_lost"
@@ -201,7 +230,7 @@ def test_healthcheck_changes_nothing_when_gpudiag_itself_fails(node: SlurmNode) 
     out = node.run(HEALTHCHECK, extra={"GPUDIAG_HEALTH_REQUIRE": "nonsense"})
     assert out.returncode == 0
     assert out.updates == []
-    assert "preflight exit 2" in out.stderr
+    assert "health exit 2" in out.stderr
 
 
 def test_healthcheck_skips_nodes_without_gpu_gres(node: SlurmNode) -> None:

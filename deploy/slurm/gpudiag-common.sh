@@ -35,14 +35,16 @@ gpudiag_log() {
     echo "gpudiag-slurm: $*" >&2
 }
 
-# gpudiag_preflight ARGS...: run `gpudiag preflight --format kv ARGS`, bounded in time.
+# gpudiag_ask COMMAND ARGS...: run `gpudiag COMMAND --format kv ARGS` (COMMAND is preflight,
+# the job-readiness question, or health, the node-health question), bounded in time.
 # Sets PREFLIGHT_RC (0 ready, 1 blocked, 2 usage, 3 failure, 124 timed out),
 # PREFLIGHT_CODE (gpu_validation_blocker, or "unknown") and PREFLIGHT_KV (the record).
-gpudiag_preflight() {
-    local errfile
+gpudiag_ask() {
+    local errfile command=$1
+    shift
     errfile=$(mktemp) || errfile=/dev/null
     PREFLIGHT_KV=$(timeout --kill-after=5 "$GPUDIAG_TIMEOUT_S" \
-        "$GPUDIAG" preflight --format kv --timeout "$GPUDIAG_PROBE_TIMEOUT_S" "$@" 2>"$errfile")
+        "$GPUDIAG" "$command" --format kv --timeout "$GPUDIAG_PROBE_TIMEOUT_S" "$@" 2>"$errfile")
     PREFLIGHT_RC=$?
     # shellcheck disable=SC2034  # read by the sourcing script
     PREFLIGHT_ERR=$(tail -c 2000 "$errfile" 2>/dev/null | tr '\n' ' ')
@@ -53,6 +55,11 @@ gpudiag_preflight() {
         # "Blocked" without a record is not a verdict: treat it as gpudiag failing.
         [[ $PREFLIGHT_RC -ne 1 ]] || PREFLIGHT_RC=3
     fi
+}
+
+# gpudiag_preflight ARGS...: job readiness (gpudiag_ask preflight ARGS).
+gpudiag_preflight() {
+    gpudiag_ask preflight "$@"
 }
 
 # gpudiag_kv KEY: one value of the last preflight record.

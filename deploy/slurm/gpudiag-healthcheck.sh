@@ -1,7 +1,11 @@
 #!/bin/bash
-# Slurm HealthCheckProgram: drain a node whose GPUs are blocked with
-# Reason="gpudiag: <code>", and resume it once gpudiag says ready again, touching only the
+# Slurm HealthCheckProgram: drain a node on which something is broken with
+# Reason="gpudiag: <code>", and resume it once gpudiag says healthy again, touching only the
 # drains gpudiag made (any other reason is an operator's and is left alone).
+#
+# It asks the node-health question (`gpudiag health`), not job readiness: GPUs that running
+# jobs use are healthy in use, so a busy node is never drained, and gpudiag's probes never
+# touch a GPU that a job is using.
 #
 #   slurm.conf:  HealthCheckProgram=/usr/local/lib/gpudiag/slurm/gpudiag-healthcheck.sh
 #                HealthCheckInterval=60   HealthCheckNodeState=ANY
@@ -23,10 +27,10 @@ if [[ ${GPUDIAG_REQUIRE_GRES:-yes} == yes ]]; then
     fi
 fi
 
-gpudiag_preflight --require "$GPUDIAG_HEALTH_REQUIRE"
+gpudiag_ask health --require "$GPUDIAG_HEALTH_REQUIRE"
 case $PREFLIGHT_RC in
     0) gpudiag_undrain "$node" ;;
     1) gpudiag_drain "$node" "$PREFLIGHT_CODE" ;;
-    *) gpudiag_log "health check on $node: gpudiag preflight exit $PREFLIGHT_RC, node left as is: $PREFLIGHT_ERR" ;;
+    *) gpudiag_log "health check on $node: gpudiag health exit $PREFLIGHT_RC, node left as is: $PREFLIGHT_ERR" ;;
 esac
 exit 0

@@ -148,9 +148,10 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None,
     from gpudiag.engine.inline import run_inline
 
     with _progress("probing " + ", ".join(names)):
-        runs, checked_at = run_inline(requirement, timeout_s=timeout_s,
-                                      only={n.split(":")[0] for n in names})
-    verdict = classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at,
+        done = run_inline(requirement, timeout_s=timeout_s,
+                          only={n.split(":")[0] for n in names})
+    verdict = classify(done.runs, requirement, host=socket.gethostname(),
+                       checked_at=done.checked_at, scope=done.scope,
                        expected_gpus=expected_gpus)
     _emit(verdict, "json" if as_json else "text")
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
@@ -166,6 +167,10 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None,
               help="At least N usable GPUs (default 1 for GPU requirements).")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")
+@click.option("--gpus", type=click.IntRange(1, 64), metavar="N",
+              help="Job readiness on N GPUs: ready when at least N visible GPUs are healthy "
+              "and free (not used by other processes); the verdict names them. A fault on "
+              "another GPU is then a warning. Without it every visible GPU must be usable.")
 @click.option("--timeout", "timeout_text", metavar="S", help="Deadline per probe, in seconds.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
               show_default=True, help="Output format.")
@@ -180,20 +185,58 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None,
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
-              min_free_text: str | None, timeout_text: str | None, fmt: str,
+              min_free_text: str | None, gpus: int | None, timeout_text: str | None, fmt: str,
               record_path: str | None, daemon_url: str | None, no_daemon: bool,
               expected_gpus: int | None) -> None:
     """The verdict for a job's requirement: exit 0 ready, 1 blocked, 2 usage, 3 failure."""
-    timeout_s = _timeout(timeout_text)
     try:
         requirement = parse_requirement(require_text, devices=devices_text,
-                                        min_devices=min_devices, min_free_memory=min_free_text)
+                                        min_devices=min_devices, min_free_memory=min_free_text,
+                                        gpus=gpus)
     except RequirementError as e:
         raise _usage(str(e)) from e
+    _answer(requirement, "preflight " + require_text, timeout_text, fmt, record_path,
+            daemon_url, no_daemon, expected_gpus)
+
+
+@cli.command()
+@click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
+              help="Backends whose health counts: cuda, nvml, jax, iree; comma-separated.")
+@click.option("--timeout", "timeout_text", metavar="S", help="Deadline per probe, in seconds.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
+              show_default=True, help="Output format.")
+@click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
+              help="Also write the verdict JSON to PATH atomically.")
+@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
+              "$GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT "
+              "also works); inline probes if none answers or the socket's peer is not the "
+              "daemon's user ($GPUDIAG_DAEMON_USER).")
+@click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
+def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
+           daemon_url: str | None, no_daemon: bool) -> None:
+    """Node health: is anything on this node broken? Busy GPUs are healthy in use.
+
+    The question for a Slurm HealthCheckProgram or node-problem-detector: exit 0 when
+    nothing is broken, 1 when something is (the record says what), 2 usage, 3 failure.
+    Probes never touch a GPU that another process uses.
+    """
+    try:
+        requirement = parse_requirement(require_text, node_health=True)
+    except RequirementError as e:
+        raise _usage(str(e)) from e
+    _answer(requirement, "health " + require_text, timeout_text, fmt, record_path, daemon_url,
+            no_daemon)
+
+
+def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: str,
+            record_path: str | None, daemon_url: str | None, no_daemon: bool,
+            expected_gpus: int | None = None) -> None:
+    """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
+    timeout_s = _timeout(timeout_text)
     from gpudiag.cli.daemon import daemon_or_inline
     from gpudiag.engine.inline import preflight_inline
 
-    with _progress("preflight " + require_text):
+    with _progress(what):
         if expected_gpus is not None:
             # The daemon checks its own expected_gpus key; a count given here is checked here.
             verdict = preflight_inline(requirement, timeout_s=timeout_s,

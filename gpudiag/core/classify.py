@@ -24,6 +24,7 @@ from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.missing import missing_gpu_findings
 from gpudiag.core.observation import observation_problem
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.readiness import ProbeScope, settle
 from gpudiag.core.verdict import (
     BackendRequirement,
     BackendStatus,
@@ -377,9 +378,13 @@ def _evidence(runs: Mapping[str, ProbeRun], host: Mapping[str, Any] | None,
 
 def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: str,
              checked_at: str, source: str = "inline", xids: Sequence[XidEvent] = (),
-             extra_warnings: Sequence[Finding] = (),
+             extra_warnings: Sequence[Finding] = (), scope: ProbeScope | None = None,
              expected_gpus: int | None = None) -> Verdict:
-    """The verdict for ``requirement`` from what the probe children observed."""
+    """The verdict for ``requirement`` from what the probe children observed.
+
+    ``scope`` says which GPUs the active probes could touch and each GPU's occupancy
+    (core.readiness); without it every GPU is taken as probed (a caller without NVML).
+    """
     f = Findings()
     f.warnings.extend(extra_warnings)
     runs = {name: checked_run(run) for name, run in runs.items()}
@@ -411,6 +416,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                        backend="cuda")
         _requirement_findings(selected, requirement, f)
         devices = [_device_info(d) for d in selected]
+        if scope is not None:
+            devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
     gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok, device_nodes_present=nodes_present,
                      gpu_blocked=bool(f.blockers))
     backends: dict[str, BackendStatus] = {}
@@ -419,6 +426,9 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         classifier = BACKEND_CLASSIFIERS.get(req.name)
         if run is not None and classifier is not None and req.name not in backends:
             backends[req.name] = classifier(run, req, gpu, f)
+        elif run is None and scope is not None and req.name in scope.backend_gpu:
+            backends[req.name] = BackendStatus("skipped", None, {}, {
+                "reason": "no free GPU this round: every visible GPU is in use or locked"})
     if "host" in runs:
         backends["host"] = _status(runs["host"], f, "host", {}, _host_detail(host_obs))
     if "nvml" in runs:

@@ -125,7 +125,8 @@ def parse_timeout(text: str | float, *, name: str = "timeout") -> float:
 
 def parse_requirement(require: str | Iterable[str] = "cuda", *, devices: str | None = None,
                       min_devices: int | None = None,
-                      min_free_memory: str | int | None = None) -> Requirement:
+                      min_free_memory: str | int | None = None, gpus: int | None = None,
+                      node_health: bool = False) -> Requirement:
     """Build a Requirement from the CLI/API/HTTP forms."""
     text = require if isinstance(require, str) else ",".join(require)
     backends = parse_backends(text)
@@ -141,5 +142,12 @@ def parse_requirement(require: str | Iterable[str] = "cuda", *, devices: str | N
         mem = min_free_memory
     else:
         mem = parse_size(min_free_memory)
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int)
+                             or gpus < 1 or gpus > MAX_DEVICES):
+        raise RequirementError(f"gpus {gpus!r} must be a whole number between 1 and "
+                               f"{MAX_DEVICES}")
+    if gpus is not None and node_health:
+        raise RequirementError("gpus asks for job readiness; the node-health question "
+                               "takes no GPU count")
     return Requirement(backends=backends, devices=devs, min_devices=min_devices,
-                       min_free_memory_bytes=mem)
+                       min_free_memory_bytes=mem, gpus=gpus, node_health=node_health)

@@ -79,6 +79,16 @@ class Requirement:
     devices: tuple[str, ...] | None = None
     min_devices: int | None = None
     min_free_memory_bytes: int | None = None
+    # Job readiness on N GPUs: ready when at least N visible GPUs are healthy and FREE.
+    gpus: int | None = None
+    # The node-health question (is anything on this node broken?) instead of job readiness:
+    # busy GPUs are healthy in use, never a blocker (Slurm health checks, gpudiag_ready).
+    node_health: bool = False
+
+    @property
+    def question(self) -> str:
+        """Which question the verdict answers: ``job`` readiness or ``node_health``."""
+        return "node_health" if self.node_health else "job"
 
     @property
     def needs_gpu(self) -> bool:
@@ -101,6 +111,8 @@ class Requirement:
             "devices": list(self.devices) if self.devices is not None else None,
             "min_devices": self.effective_min_devices,
             "min_free_memory_bytes": self.min_free_memory_bytes,
+            "gpus": self.gpus,
+            "question": self.question,
         }
 
 
@@ -114,11 +126,21 @@ class DeviceInfo:
     pci_bus_id: str | None
     memory_total_bytes: int | None
     memory_free_bytes: int | None
+    # free | busy | unknown (DESIGN "Busy GPUs"); None where no NVML reading was had.
+    occupancy: str | None = None
+    # No fault on this GPU (busy is healthy in use); None where nothing could be read.
+    healthy: bool | None = None
+    # When an active probe (context and allocation) last succeeded on it (RFC 3339).
+    last_proven_at: str | None = None
+    # With ``gpus=N``: whether this GPU is one of the N the verdict names for the job.
+    selected: bool | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
                 "pci_bus_id": self.pci_bus_id, "memory_total_bytes": self.memory_total_bytes,
-                "memory_free_bytes": self.memory_free_bytes}
+                "memory_free_bytes": self.memory_free_bytes, "occupancy": self.occupancy,
+                "healthy": self.healthy, "last_proven_at": self.last_proven_at,
+                "selected": self.selected}
 
 
 @dataclass(frozen=True)
@@ -220,6 +242,8 @@ class Verdict:
                     if req.get("devices") is not None else None,
                     min_devices=req.get("min_devices"),
                     min_free_memory_bytes=req.get("min_free_memory_bytes"),
+                    gpus=req.get("gpus"),
+                    node_health=req.get("question") == "node_health",
                 ),
                 blockers=tuple(_finding(b) for b in record["blockers"]),
                 warnings=tuple(_finding(w) for w in record["warnings"]),
@@ -303,6 +327,8 @@ def render_kv(record: Mapping[str, JSONValue]) -> str:
     lines.append(f"requirement.devices={','.join(req['devices'] or [])}")
     lines.append(f"requirement.min_devices={kv_value(req['min_devices'])}")
     lines.append(f"requirement.min_free_memory_bytes={kv_value(req['min_free_memory_bytes'])}")
+    lines.append(f"requirement.gpus={kv_value(req.get('gpus'))}")
+    lines.append(f"requirement.question={kv_value(req.get('question', 'job'))}")
     lines.append(f"blockers={','.join(b['code'] for b in record['blockers'])}")
     for kind in ("blockers", "warnings"):
         for i, item in enumerate(record[kind]):

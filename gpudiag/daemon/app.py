@@ -36,7 +36,11 @@ MAX_URL_BYTES = 4096
 MAX_PARAMS = 16
 HISTORY_MAX_LIMIT = 1000
 PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max_age_s",
-                    "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility")
+                    "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility",
+                    "gpus")
+# The node-health question takes no GPU count and no memory floor: is anything broken?
+HEALTH_PARAMS = ("require", "devices", "max_age_s", "wait_s", "cuda_visible_devices",
+                 "nvidia_visible_devices", "visibility")
 StartResponse = Callable[..., Any]
 
 
@@ -173,6 +177,7 @@ class DaemonApp:
                                                                   tuple[int, Any]]]] = {
             "/metrics": (("GET", "HEAD"), self._metrics),
             "/v1/preflight": (("GET",), self._preflight),
+            "/v1/health": (("GET",), self._health),
             "/v1/probe": (("POST",), self._probe),
             "/v1/history": (("GET",), self._history),
             "/healthz": (("GET", "HEAD"), self._healthz),
@@ -271,13 +276,30 @@ class DaemonApp:
         self._only(params, PREFLIGHT_PARAMS)
         cfg = self.scheduler.config
         min_devices = _int(params, "min_devices", 0, 64)
+        gpus = _int(params, "gpus", 1, 64)
         try:
             requirement = parse_requirement(
                 params.get("require", cfg.default_requirement),
                 devices=params.get("devices"), min_devices=min_devices,
-                min_free_memory=params.get("min_free_memory"))
+                min_free_memory=params.get("min_free_memory"), gpus=gpus)
         except RequirementError as e:
             raise ApiError(400, "bad_requirement", str(e)) from e
+        return self._answer(requirement, params)
+
+    def _health(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        """The node-health question: is anything on this node broken? 200 either way."""
+        self._only(params, HEALTH_PARAMS)
+        try:
+            requirement = parse_requirement(
+                params.get("require", self.scheduler.config.default_requirement),
+                devices=params.get("devices"), node_health=True)
+        except RequirementError as e:
+            raise ApiError(400, "bad_requirement", str(e)) from e
+        return self._answer(requirement, params)
+
+    def _answer(self, requirement: Requirement, params: Mapping[str, str]
+                ) -> tuple[int, Any]:
+        cfg = self.scheduler.config
         max_age = _seconds(params, "max_age_s", 86400.0)
         wait = _seconds(params, "wait_s", cfg.preflight_wait_s)
         wait = cfg.preflight_wait_s if wait is None else wait

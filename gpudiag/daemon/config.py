@@ -71,6 +71,10 @@ class DaemonConfig:
     jitter_ratio: float = 0.1
     backoff_max_s: float = 600.0
     tick_s: float = 0.5
+    # DESIGN "Busy GPUs": active probes skip GPUs other processes use. A site that wants its
+    # busy GPUs probed anyway (a context costs a job memory, and fails in exclusive mode)
+    # says so here.
+    probe_busy_gpus: bool = False
     backends: Mapping[str, BackendConfig] = field(default_factory=lambda: {
         name: BackendConfig(True, DEFAULT_INTERVALS_S[name], DEFAULT_DEADLINES_S[name])
         for name in SCHEDULED_BACKENDS})
@@ -277,6 +281,7 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
         jitter_ratio=sched.ratio("jitter_ratio", base.jitter_ratio),
         backoff_max_s=sched.seconds("backoff_max_s", base.backoff_max_s, maximum=86400.0),
         tick_s=sched.seconds("tick_s", base.tick_s, maximum=5.0),
+        probe_busy_gpus=sched.flag("probe_busy_gpus", base.probe_busy_gpus),
         backends=backends, xid=xid, history=history, log_format=log_format,
         log_level=log_level)
     sched.finish()

@@ -47,6 +47,7 @@ class SnapshotCollector(Collector):
         yield from self._verdict(snap)
         yield from self._probes(snap)
         yield from self._gpus(snap)
+        yield from self._occupancy(snap)
         yield from self._xids(snap, now)
 
     def _verdict(self, snap: Snapshot) -> Iterator[Metric]:
@@ -83,6 +84,39 @@ class SnapshotCollector(Collector):
                                 labels=list(versions))
         info.add_metric(list(versions.values()), {})
         yield info
+
+    def _occupancy(self, snap: Snapshot) -> Iterator[Metric]:
+        """Per-GPU occupancy, health and last proof (DESIGN "Busy GPUs"), from the
+        node-health verdict, so that a busy GPU reads as healthy in use, never as broken."""
+        occupancy = GaugeMetricFamily(
+            "gpudiag_gpu_occupancy", "1 for the GPU's current occupancy: free (no other "
+            "process), busy (others' processes or a gpudiag run lock), unknown (unreadable).",
+            labels=["gpu", "uuid", "state"])
+        healthy = GaugeMetricFamily(
+            "gpudiag_gpu_healthy", "1 when the GPU has no fault (busy GPUs are healthy).",
+            labels=["gpu", "uuid"])
+        proven = GaugeMetricFamily(
+            "gpudiag_gpu_last_proven_timestamp_seconds",
+            "When an active probe (context and allocation, JAX, IREE) last succeeded on it.",
+            labels=["gpu", "uuid", "backend"])
+        ready_free = GaugeMetricFamily(
+            "gpudiag_gpus_ready_free",
+            "GPUs healthy and free now for the daemon's default requirement.")
+        devices = snap.full.devices if snap.full is not None else ()
+        index = {d.uuid: d.index for d in devices if d.uuid}
+        for d in devices:
+            labels = [str(d.index), d.uuid or ""]
+            for state in ("free", "busy", "unknown"):
+                occupancy.add_metric([*labels, state], 1.0 if d.occupancy == state else 0.0)
+            healthy.add_metric(labels, 1.0 if d.healthy else 0.0)
+        for (uuid, backend), wall in sorted(snap.last_proven.items()):
+            proven.add_metric([str(index.get(uuid, "")), uuid, backend], wall)
+        ready = snap.ready
+        host_wide = ready is None or any(b.device is None for b in ready.blockers)
+        count = 0 if host_wide or ready is None else sum(
+            1 for d in ready.devices if d.healthy and d.occupancy == "free")
+        ready_free.add_metric([], float(count))
+        yield from (occupancy, healthy, proven, ready_free)
 
     def _probes(self, snap: Snapshot) -> Iterator[Metric]:
         duration = GaugeMetricFamily("gpudiag_probe_duration_seconds",

@@ -15,10 +15,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
+from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon.config import DaemonConfig
@@ -35,7 +38,18 @@ from gpudiag.daemon.snapshot import (
     outcome_of,
     verdict_for,
 )
+from gpudiag.engine.guard import (
+    GpuClaim,
+    claim_free,
+    driver_absent,
+    occupancy_from_nvml,
+    own_process_tree,
+    rotate,
+    touches_gpu,
+    visible_uuids,
+)
 from gpudiag.engine.isolation import run_probe
+from gpudiag.engine.locks import default_lock_dir
 
 log = logging.getLogger("gpudiag.daemon.scheduler")
 
@@ -100,11 +114,12 @@ class Flight:
 
 
 def full_requirement(config: DaemonConfig) -> Requirement:
-    """What `gpudiag probe` would check: every enabled backend (drives gpudiag_blocker)."""
+    """Every enabled backend, as the node-health question (drives gpudiag_blocker): a busy
+    GPU is healthy in use, so no blocker series and no alert fires because a node is busy."""
     names = [n for n in config.enabled_backends if n != "host"]
     if not names:
-        return Requirement(backends=(), min_devices=0)
-    return Requirement(backends=tuple(BackendRequirement(n) for n in names))
+        return Requirement(backends=(), min_devices=0, node_health=True)
+    return Requirement(backends=tuple(BackendRequirement(n) for n in names), node_health=True)
 
 
 def failure_signature(run: ProbeRun) -> str | None:
@@ -128,7 +143,8 @@ class Scheduler:
                  clock: Clock | None = None, runner: ProbeRunner = isolated_runner,
                  rng: random.Random | None = None, notifier: Notifier | None = None,
                  watcher: WatcherSource | None = None, max_workers: int = 8,
-                 on_tick: Callable[[], object] | None = None) -> None:
+                 on_tick: Callable[[], object] | None = None,
+                 lock_dir: Path | None = None) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self._runner = runner
@@ -137,6 +153,14 @@ class Scheduler:
         self._watcher = watcher
         self._on_tick = on_tick
         self._env = child_environment(os.environ if env is None else env)
+        self._lock_dir = lock_dir or default_lock_dir(self._env)
+        # Busy GPUs (DESIGN): the latest occupancy, where each backend last proved itself,
+        # and a round counter per backend so that JAX and IREE rotate over the free GPUs.
+        self._occupancy: dict[str, GpuOccupancy] = {}
+        self._last_proven: dict[tuple[str, str], float] = {}
+        self._backend_gpu: dict[str, str | None] = {}
+        self._rounds: dict[str, int] = {}
+        self._guard = threading.Lock()  # one active-probe claim at a time
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -146,7 +170,9 @@ class Scheduler:
                                     gap_warning_s=config.xid.gap_warning_s,
                                     expected_gpus=config.expected_gpus)
         self.full_requirement = full_requirement(config)
-        self.ready_requirement = parse_requirement(config.default_requirement)
+        # gpudiag_ready answers the node-health question for the default requirement.
+        self.ready_requirement = parse_requirement(config.default_requirement,
+                                                   node_health=True)
         scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
         # gpudiag_ready must always be computable: what the default requirement needs runs
         # on its backend's interval even when that backend is switched off.
@@ -263,14 +289,30 @@ class Scheduler:
             flight.done.set()
         return flight
 
-    def _run(self, key: ProbeKey, flight: Flight) -> None:
-        deadline = self.deadline_of(key.backend)
+    def _call(self, backend: str, env: Mapping[str, str], options: Mapping[str, Any] | None
+              ) -> ProbeRun:
         try:
-            run = self._runner(key.backend, self._env, deadline, key.options_dict())
+            return self._runner(backend, env, self.deadline_of(backend), options)
         except Exception as e:  # the runner itself failed: a probe_error, not a dead worker
-            log.exception("probe %s could not run", key.backend)
-            run = ProbeRun(key.backend, None, 0.0, error=f"gpudiag could not run the probe: "
-                           f"{type(e).__name__}: {e}")
+            log.exception("probe %s could not run", backend)
+            return ProbeRun(backend, None, 0.0, error=f"gpudiag could not run the probe: "
+                            f"{type(e).__name__}: {e}")
+
+    def _run(self, key: ProbeKey, flight: Flight) -> None:
+        options = key.options_dict()
+        if touches_gpu(key.backend, options):
+            guarded = self._run_guarded(key.backend, options)
+            if guarded is None:  # no free GPU for jax/iree: the last result stands
+                with self._lock:
+                    self._schedule_next(key, None)
+                    self._inflight.pop(key, None)
+                    snapshot = self._publish_locked()
+                flight.done.set()
+                self._notify(snapshot)
+                return
+            run = guarded
+        else:
+            run = self._call(key.backend, self._env, options)
         if self._stop.is_set():
             # Stopping: the daemon kills running children on its way out, and that kill is
             # not the host's doing; published, it would be recorded as a probe_crashed
@@ -286,6 +328,7 @@ class Scheduler:
             self._results[key] = result
             self._record_stats(key, result)
             self._schedule_next(key, run)
+            self._learn(key.backend, run, finished)
             self._inflight.pop(key, None)
             snapshot = self._publish_locked()
         if previous is None or previous.outcome != result.outcome:
@@ -307,11 +350,11 @@ class Scheduler:
             last_success_wall=result.finished_wall if ok else old.last_success_wall,
             consecutive_failures=0 if ok else old.consecutive_failures + 1)
 
-    def _schedule_next(self, key: ProbeKey, run: ProbeRun) -> None:
+    def _schedule_next(self, key: ProbeKey, run: ProbeRun | None) -> None:
         interval = self._interval.get(key)
         if interval is None:  # an on-demand variant (e.g. jax:cpu): no schedule of its own
             return
-        signature = failure_signature(run)
+        signature = failure_signature(run) if run is not None else None
         streak = 0
         if signature is not None:
             prev_sig, prev_n = self._failures.get(key, ("", 0))
@@ -333,11 +376,75 @@ class Scheduler:
         now = self.clock.time()
         base = Snapshot(seq=old.seq + 1, published_wall=now, results=dict(self._results),
                         stats=dict(self._stats), scheduled=self.scheduled, watcher=watcher,
-                        full=None, ready=None)
+                        full=None, ready=None, scope=self._scope(),
+                        last_proven=dict(self._last_proven))
         full = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
         ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
         self._snapshot = replace(base, full=full, ready=ready)
         return self._snapshot
+
+    # -- busy GPUs ---------------------------------------------------------------------
+    def _run_guarded(self, backend: str, options: Mapping[str, Any] | None
+                     ) -> ProbeRun | None:
+        """Run an active probe (cuda, jax, iree on a GPU) on FREE GPUs only, under their
+        locks: NVML is read first (no context), then the probe touches what was claimed."""
+        with self._guard:
+            nvml_run = self._call("nvml", self._env, None)
+            nvml = nvml_run.observation if nvml_run.ok else None
+            occupancy = occupancy_from_nvml(nvml, own_process_tree())
+            claim: GpuClaim = claim_free(occupancy, visible_uuids(nvml, self._env),
+                                         lock_dir=self._lock_dir,
+                                         probe_busy=self.config.probe_busy_gpus)
+        with claim:
+            for uuid, why in claim.left_alone.items():
+                if why == "locked":  # a gpudiag run job holds it
+                    occupancy[uuid] = GpuOccupancy(uuid, "busy",
+                                                   why="locked by a gpudiag run job")
+            with self._lock:
+                self._occupancy = occupancy
+                round_index = self._rounds.get(backend, 0)
+                self._rounds[backend] = round_index + 1
+            if backend == "cuda":
+                return self._call(backend, self._env,
+                                  {**(options or {}), "contexts_on": list(claim.claimed)})
+            gpu = rotate(claim.claimed, round_index)
+            if gpu is None and driver_absent(nvml):
+                # No driver, so no GPU anyone uses: the probe names what else is missing.
+                return self._call(backend, self._env, options)
+            with self._lock:
+                self._backend_gpu[backend] = gpu
+            if gpu is None:
+                log.debug("probe %s: no free GPU this round", backend)
+                return None
+            env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu, "NVIDIA_VISIBLE_DEVICES": gpu}
+            return self._call(backend, env, options)
+
+    def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
+        """Remember occupancy (every nvml run) and where active probes proved a GPU."""
+        obs = run.observation if run.ok else None
+        if backend == "nvml" and obs is not None:
+            fresh = occupancy_from_nvml(obs, own_process_tree())
+            # A GPU a gpudiag run job has locked stays busy until NVML shows more.
+            for uuid, occ in self._occupancy.items():
+                if occ.why == "locked by a gpudiag run job" and fresh.get(uuid) is not None \
+                        and fresh[uuid].state == "free":
+                    fresh[uuid] = occ
+            self._occupancy = fresh
+        elif backend == "cuda" and obs is not None:
+            for dev in obs.get("devices") or []:
+                ctx, alloc = dev.get("context") or {}, dev.get("alloc") or {}
+                if ctx.get("ok") and alloc.get("ok") and isinstance(dev.get("uuid"), str):
+                    self._last_proven[(dev["uuid"], "cuda")] = finished_wall
+        elif backend in ("jax", "iree") and failure_signature(run) is None:
+            gpu = self._backend_gpu.get(backend)
+            if gpu is not None:
+                self._last_proven[(gpu, backend)] = finished_wall
+
+    def _scope(self) -> ProbeScope:
+        proven = {uuid: rfc3339(wall) for (uuid, b), wall in self._last_proven.items()
+                  if b == "cuda"}
+        return ProbeScope(occupancy=dict(self._occupancy), backend_gpu={},
+                          last_proven=proven)
 
     def republish(self) -> Snapshot:
         """Publish a new snapshot from the current state (watcher news, expiring holds)."""

@@ -15,6 +15,7 @@ from gpudiag.core.classify import classify
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.readiness import ProbeScope
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.plan import probes_for
 
@@ -123,6 +124,11 @@ class Snapshot:
     full: Verdict | None
     ready: Verdict | None
 
+    # Occupancy per GPU and what the active probes proved where (core.readiness).
+    scope: ProbeScope | None = None
+    # (uuid, backend) -> wall time of the last successful active probe on that GPU.
+    last_proven: Mapping[tuple[str, str], float] = field(default_factory=dict)
+
     @property
     def round_complete(self) -> bool:
         """Whether every scheduled probe has finished at least once."""
@@ -193,7 +199,7 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                 f"(limit {policy.gap_warning_s:g} s, {watcher.restarts} restart(s)){why}",
                 backend="nvml", warning=True))
     verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
-                       source="daemon", xids=xids, extra_warnings=extra,
+                       source="daemon", xids=xids, extra_warnings=extra, scope=snapshot.scope,
                        expected_gpus=policy.expected_gpus)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.

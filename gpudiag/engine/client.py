@@ -175,10 +175,13 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
     q = {"require": ",".join(b.spec() for b in requirement.backends), "visibility": "1"}
     if requirement.devices is not None:
         q["devices"] = ",".join(requirement.devices)
-    if requirement.min_devices is not None:
+    # The node-health question (GET /v1/health) takes no counts or memory floors.
+    if requirement.min_devices is not None and not requirement.node_health:
         q["min_devices"] = str(requirement.min_devices)
-    if requirement.min_free_memory_bytes is not None:
+    if requirement.min_free_memory_bytes is not None and not requirement.node_health:
         q["min_free_memory"] = str(requirement.min_free_memory_bytes)
+    if requirement.gpus is not None:
+        q["gpus"] = str(requirement.gpus)
     if max_age_s is not None:
         q["max_age_s"] = f"{max_age_s:g}"
     for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
@@ -197,7 +200,9 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
     """
     address = parse_daemon_url(url)
     environ = os.environ if env is None else env
-    path = (f"{address.prefix}/v1/preflight?"
+    # The node-health question has its own endpoint; job readiness is /v1/preflight.
+    endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
+    path = (f"{address.prefix}{endpoint}?"
             f"{urlencode(query_for(requirement, environ, max_age_s))}")
     sock, why, refused = _connect(address, environ, connect_timeout_s)
     if sock is None:

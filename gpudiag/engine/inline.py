@@ -5,21 +5,46 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from gpudiag.core.classify import classify
 from gpudiag.core.clock import now_rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.readiness import BUSY, GpuOccupancy, ProbeScope
 from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.engine.guard import (
+    claim_free,
+    driver_absent,
+    occupancy_from_nvml,
+    own_process_tree,
+    touches_gpu,
+    visible_uuids,
+)
 from gpudiag.engine.isolation import run_probes
+from gpudiag.engine.locks import default_lock_dir
 from gpudiag.engine.plan import DEFAULT_TIMEOUTS_S, probes_for
+
+Request = tuple[str, Mapping[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class InlineRun:
+    """What one inline round observed: the probe runs, when, and what they could touch."""
+
+    runs: dict[str, ProbeRun]
+    checked_at: str
+    scope: ProbeScope | None = None
 
 
 def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
                timeout_s: float | None = None,
-               timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None
-               ) -> tuple[dict[str, ProbeRun], str]:
-    """Run the probes a requirement needs; returns the runs and the time they started."""
+               timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None,
+               lock_dir: Path | None = None) -> InlineRun:
+    """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs (DESIGN
+    "Busy GPUs"): host and nvml first, then cuda, jax and iree under the GPUs' locks."""
     checked_at = now_rfc3339()
     requests = probes_for(requirement, only=only)
     limits = dict(DEFAULT_TIMEOUTS_S)
@@ -30,14 +55,51 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     # probe's, so the host observation still arrives and says that nvidia-smi timed out.
     smi_timeout = {"nvidia_smi_timeout_s": round(min(5.0, limits["host"] * 0.5), 3)}
     requests = [(name, smi_timeout if name == "host" else opts) for name, opts in requests]
-    child_env = probe_environment(os.environ if env is None else env)
-    return run_probes(requests, env=child_env, timeouts=limits), checked_at
+    base = os.environ if env is None else env
+    child_env = probe_environment(base)
+    active = [r for r in requests if touches_gpu(*r)]
+    if not active:
+        return InlineRun(run_probes(requests, env=child_env, timeouts=limits), checked_at)
+    passive = [r for r in requests if r not in active]
+    # Occupancy needs NVML's reading first, even when only cuda was asked for.
+    extra_nvml = not any(name == "nvml" for name, _ in passive)
+    runs = run_probes(passive + ([("nvml", None)] if extra_nvml else []), env=child_env,
+                      timeouts=limits)
+    nvml_run = runs.pop("nvml") if extra_nvml else runs.get("nvml")
+    nvml = nvml_run.observation if nvml_run is not None and nvml_run.ok else None
+    occupancy = occupancy_from_nvml(nvml, own_process_tree())
+    candidates = visible_uuids(nvml, child_env)
+    with claim_free(occupancy, candidates, lock_dir=lock_dir or default_lock_dir(base)) as claim:
+        for uuid, why in claim.left_alone.items():
+            if why == "locked":  # a gpudiag run job holds it (its process may not be up yet)
+                occupancy[uuid] = GpuOccupancy(uuid, BUSY, why="locked by a gpudiag run job")
+        one_gpu = claim.claimed[0] if claim.claimed else None
+        planned: list[Request] = []
+        envs: dict[str, Mapping[str, str]] = {}
+        backend_gpu: dict[str, str | None] = {}
+        for name, opts in active:
+            if name == "cuda":
+                planned.append((name, {**(opts or {}), "contexts_on": list(claim.claimed)}))
+                continue
+            if one_gpu is None and driver_absent(nvml):
+                planned.append((name, opts))  # no driver, no GPU in use: name what is missing
+                continue
+            backend_gpu[name] = one_gpu
+            if one_gpu is None:
+                continue  # no free GPU: not proven this round, nothing touched
+            envs[name] = {**child_env, "CUDA_VISIBLE_DEVICES": one_gpu,
+                          "NVIDIA_VISIBLE_DEVICES": one_gpu}
+            planned.append((name, opts))
+        runs.update(run_probes(planned, env=child_env, timeouts=limits, envs=envs))
+    probed = frozenset(claim.claimed) if any(n == "cuda" for n, _ in planned) else frozenset()
+    return InlineRun(runs, checked_at, ProbeScope(occupancy=occupancy, probed=probed,
+                                                  backend_gpu=backend_gpu))
 
 
 def preflight_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
                      timeout_s: float | None = None,
                      expected_gpus: int | None = None) -> Verdict:
     """The verdict for a requirement from probes run here and now."""
-    runs, checked_at = run_inline(requirement, env=env, timeout_s=timeout_s)
-    return classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at,
-                    expected_gpus=expected_gpus)
+    done = run_inline(requirement, env=env, timeout_s=timeout_s)
+    return classify(done.runs, requirement, host=socket.gethostname(),
+                    checked_at=done.checked_at, scope=done.scope, expected_gpus=expected_gpus)

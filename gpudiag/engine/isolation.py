@@ -109,13 +109,17 @@ def _parse_observation(out: bytes) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def run_probes(requests: Sequence[tuple[str, Mapping[str, Any] | None]], *,
-               env: Mapping[str, str], timeouts: Mapping[str, float]) -> dict[str, ProbeRun]:
-    """Run several probes in parallel, each in its own child with its own deadline."""
+               env: Mapping[str, str], timeouts: Mapping[str, float],
+               envs: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, ProbeRun]:
+    """Run several probes in parallel, each in its own child with its own deadline
+    (``envs`` gives a probe its own environment instead of ``env``)."""
     if not requests:
         return {}
+    own = envs or {}
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         futures = {
-            name: pool.submit(run_probe, name, env=env, timeout_s=timeouts[name], options=opts)
+            name: pool.submit(run_probe, name, env=own.get(name, env),
+                              timeout_s=timeouts[name], options=opts)
             for name, opts in requests
         }
         return {name: f.result() for name, f in futures.items()}

@@ -3,11 +3,19 @@
 Runs in a child, through ctypes on libcuda.so.1: cuInit, cuDriverGetVersion, device count,
 per visible device name, UUID and total memory, then a context, a small allocation, free,
 destroy. Every failure keeps its CUDA_ERROR name and string.
+
+Busy GPUs (DESIGN "Busy GPUs"): with the option ``contexts_on`` (a list of full UUIDs, the
+GPUs the parent found FREE and holds the locks of), a context is made only on those; every
+other device is enumerated (cuInit makes no context) and reported ``"skipped": "not_free"``.
+Right before each context the probe asks NVML once more whether another process appeared on
+that GPU, and skips it (``"skipped": "became_busy"``) if one did: the window between the
+parent's reading and the context is then microseconds, not the length of a probe round.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -58,7 +66,22 @@ def _uuid_string(raw: bytes) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def _device(drv: _Driver, ordinal: int) -> dict[str, Any]:
+def _foreign_pids(uuid: str) -> list[int] | None:
+    """PIDs other than this process's with a context on ``uuid`` (None: NVML could not say)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle)
+    except Exception:
+        return None
+    own = os.getpid()
+    return sorted({int(p.pid) for p in procs if int(p.pid) != own})
+
+
+def _device(drv: _Driver, ordinal: int,
+            contexts_on: frozenset[str] | None = None) -> dict[str, Any]:
     lib = drv.lib
     dev: dict[str, Any] = {"ordinal": ordinal, "ok": False, "error": None}
     handle = ctypes.c_int()
@@ -76,6 +99,15 @@ def _device(drv: _Driver, ordinal: int) -> dict[str, Any]:
     except _CudaError as e:
         dev["error"] = e.record
         return dev
+    if contexts_on is not None:
+        if dev["uuid"] not in contexts_on:
+            dev["skipped"] = "not_free"
+            return dev
+        foreign = _foreign_pids(dev["uuid"])
+        if foreign:
+            dev["skipped"] = "became_busy"
+            dev["foreign_pids"] = foreign
+            return dev
     ctx = ctypes.c_void_p()
     started = time.monotonic()
     try:
@@ -104,8 +136,19 @@ def _device(drv: _Driver, ordinal: int) -> dict[str, Any]:
     return dev
 
 
+def _contexts_on(options: Mapping[str, Any]) -> frozenset[str] | None:
+    value = options.get("contexts_on")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(u, str) for u in value):
+        raise ValueError("option contexts_on must be a list of full GPU UUIDs")
+    return frozenset(value)
+
+
 def probe(options: Mapping[str, Any]) -> dict[str, Any]:
-    """cuInit and a context on every visible device; never raises for a CUDA failure."""
+    """cuInit, then a context on every visible device the options allow; never raises for a
+    CUDA failure."""
+    contexts_on = _contexts_on(options)
     lib, load_error = _load()
     out: dict[str, Any] = {"library": {"loaded": lib is not None, "error": load_error},
                            "init": None, "ok": False}
@@ -128,6 +171,6 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         out["init"] = {**drv.error("cuDeviceGetCount", code), "ok": False}
         return out
     out["device_count"] = int(count.value)
-    out["devices"] = [_device(drv, i) for i in range(count.value)]
+    out["devices"] = [_device(drv, i, contexts_on) for i in range(count.value)]
     out["ok"] = True
     return out

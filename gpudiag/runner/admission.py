@@ -30,6 +30,7 @@ from gpudiag.core.environment import (
     parse_nvidia_visible_devices,
 )
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.readiness import GPU_FAULT_LAYERS
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import (
@@ -387,6 +388,17 @@ class Admitter:
                     evidence={**verdict.evidence, "admission": {
                         "narrowing": narrowing.record(),
                         "first_observation": first.record()}}))
+        # A fault on one GPU takes that GPU out of the choice, it does not refuse the run
+        # (DESIGN "Busy GPUs"); on the GPUs admitted it is a warning naming the faulty one.
+        faulty = frozenset(b.device for b in verdict.blockers
+                           if b.device and b.layer in GPU_FAULT_LAYERS) if self.gpus else (
+            frozenset())
+        if faulty and all(b.device in faulty for b in verdict.blockers):
+            verdict = replace(verdict, blockers=(), warnings=(*verdict.warnings, *(
+                Finding.of("gpu_fault_outside_selection",
+                           f"{b.code} on {b.device}, which the job does not use: {b.message}",
+                           backend=b.backend, device=b.device, warning=True)
+                for b in verdict.blockers)))
         if not verdict.ready:
             raise AdmissionError(verdict)
         if self.gpus == 0:
@@ -399,7 +411,7 @@ class Admitter:
             attempts += 1
             if obs is None:
                 obs = self.observer(self.env)
-            outcome = self._attempt(verdict, obs, deadline)
+            outcome = self._attempt(verdict, obs, deadline, faulty)
             if isinstance(outcome, Admission):
                 return replace(outcome, attempts=attempts, waited_s=self.clock() - started)
             obs = None  # held by others and freed since: observe afresh
@@ -411,8 +423,8 @@ class Admitter:
         blockers = (*verdict.blockers, *extra, Finding.of(code, message))
         return AdmissionError(replace(verdict, blockers=blockers, evidence=ev))
 
-    def _attempt(self, verdict: Verdict, obs: Observation, deadline: float
-                 ) -> Admission | None:
+    def _attempt(self, verdict: Verdict, obs: Observation, deadline: float,
+                 faulty: frozenset[str] = frozenset()) -> Admission | None:
         lock_dir = self.lock_dir
         evidence: dict[str, Any] = {"gpus": self.gpus, "lock_dir": str(lock_dir),
                                     "min_free_memory_bytes": self.min_free_memory_bytes,
@@ -428,7 +440,7 @@ class Admitter:
                                narrowing.blockers[:-1])
         candidates = [lf for lf in obs.leaves
                       if narrowing.allowed is None or (lf.uuid in narrowing.allowed)]
-        blocked_devices = {b.device for b in verdict.blockers if b.device}
+        blocked_devices = {b.device for b in verdict.blockers if b.device} | faulty
         floor = self.min_free_memory_bytes
         eligible = [lf for lf in candidates
                     if lf.occupancy == FREE and lf.uuid and is_full_uuid(lf.uuid)
@@ -580,8 +592,11 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
     from gpudiag.core.classify import classify
     from gpudiag.engine.inline import run_inline
 
+    # The node-health question: another job on some GPU is no refusal (admission counts and
+    # waits for FREE leaves itself), and a fault on one GPU only takes that GPU out.
     pre = replace(requirement, min_devices=min(gpus, 1) if requirement.needs_gpu or gpus
-                  else requirement.min_devices, min_free_memory_bytes=None)
+                  else requirement.min_devices, min_free_memory_bytes=None,
+                  node_health=gpus > 0)
     if gpus > 0 and not pre.needs_gpu:
         # A CPU requirement that still asks for GPUs: NVML must be probed too.
         from gpudiag.core.verdict import BackendRequirement
@@ -593,9 +608,10 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
         answer = ask_daemon(daemon_url, pre, env=env)
         if answer.verdict is not None:
             return answer.verdict, None
-    runs, checked_at = run_inline(pre, env=env, timeout_s=timeout_s)
+    done = run_inline(pre, env=env, timeout_s=timeout_s)
+    runs = done.runs
     verdict = answer.fallback(classify(runs, pre, host=socket.gethostname(),
-                                       checked_at=checked_at))
+                                       checked_at=done.checked_at, scope=done.scope))
     nvml = runs.get("nvml")
     # The nvml run doubles as the first observation only when no probe that opens a GPU
     # context (cuda, jax, iree) ran beside it: on a real GPU that probe's own process and

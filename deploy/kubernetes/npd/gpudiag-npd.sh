@@ -1,9 +1,11 @@
 #!/bin/bash
-# node-problem-detector custom plugin: is this node's GPU stack usable, per gpudiag?
+# node-problem-detector custom plugin: is anything on this node's GPU stack broken, per gpudiag?
+# It asks the node-health question (`gpudiag health`): GPUs that pods use are healthy in use,
+# so a busy node never turns GPUBlocked.
 #
 # NPD's exit-code protocol: 0 OK, 1 NonOK (the GPUBlocked condition turns True), 2 Unknown.
 # The first line of stdout is the condition's message ("gpudiag: <code>").
-# gpudiag preflight's exit codes map as: 0 ready -> 0, 1 blocked -> 1, anything else
+# gpudiag health's exit codes map as: 0 ready -> 0, 1 blocked -> 1, anything else
 # (2 usage, 3 gpudiag failed, a timeout) -> 2: gpudiag not answering is not a broken GPU.
 #
 # It asks the local gpudiag daemon on its unix socket (the DaemonSet's hostPath
@@ -18,13 +20,13 @@ export GPUDIAG_DAEMON_URL=${GPUDIAG_DAEMON_URL:-unix:/run/gpudiag/daemon/gpudiag
 # Inside NPD's 50 s rule timeout.
 GPUDIAG_TIMEOUT_S=${GPUDIAG_TIMEOUT_S:-40}
 
-kv=$(timeout --kill-after=5 "$GPUDIAG_TIMEOUT_S" "$GPUDIAG" preflight --format kv \
+kv=$(timeout --kill-after=5 "$GPUDIAG_TIMEOUT_S" "$GPUDIAG" health --format kv \
     --require "${GPUDIAG_NPD_REQUIRE:-cuda}" --timeout 20 2>/dev/null)
 rc=$?
 code=$(sed -n 's/^gpu_validation_blocker=//p' <<<"$kv" | head -n 1)
 case $rc in
     0) echo "gpudiag: ready"; exit 0 ;;
     1) echo "gpudiag: ${code:-unknown}"; exit 1 ;;
-    124|137) echo "gpudiag: preflight timed out after ${GPUDIAG_TIMEOUT_S}s"; exit 2 ;;
-    *) echo "gpudiag: preflight failed (exit $rc)"; exit 2 ;;
+    124|137) echo "gpudiag: health check timed out after ${GPUDIAG_TIMEOUT_S}s"; exit 2 ;;
+    *) echo "gpudiag: health check failed (exit $rc)"; exit 2 ;;
 esac

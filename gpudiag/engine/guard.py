@@ -1,0 +1,190 @@
+"""The busy-GPU safety rule for active probes: touch only FREE GPUs, each under its lock.
+
+DESIGN "Busy GPUs": a probe never touches a GPU that someone else is using. Before the cuda,
+jax and iree children run, the caller reads NVML (which makes no context), works out each GPU
+leaf's occupancy, and claims the FREE ones here: it takes each one's full-UUID lock (the lock
+``gpudiag run`` takes) without waiting, skipping any that is taken, and holds the locks until
+the children are done. A GPU not claimed is not touched: its last active result stands.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpudiag.core.environment import (
+    KnownDevice,
+    is_full_uuid,
+    parse_cuda_visible_devices,
+    parse_nvidia_visible_devices,
+    resolve,
+)
+from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
+from gpudiag.engine.locks import LockFailed, LockInfo, release, try_lock
+
+# The probes that make a CUDA context (and so may only run on FREE GPUs), by their options.
+ACTIVE_PROBES = ("cuda", "jax", "iree")
+
+
+def touches_gpu(name: str, options: Mapping[str, Any] | None) -> bool:
+    """Whether a probe child would make a CUDA context: cuda always, jax/iree on a GPU."""
+    opts = options or {}
+    if name == "cuda":
+        return True
+    if name == "jax":
+        return str(opts.get("platform") or "gpu") not in ("cpu",)
+    if name == "iree":
+        return any(d in ("cuda", "hip") for d in opts.get("drivers") or ["cuda"])
+    return False
+
+
+def own_process_tree(pid: int | None = None) -> frozenset[int]:
+    """This process, its ancestors and its descendants: processes that are not "someone
+    else" on a GPU (a job that runs gpudiag, or gpudiag's own probe children)."""
+    import psutil
+
+    me = psutil.Process(pid or os.getpid())
+    pids = {me.pid}
+    try:
+        pids.update(p.pid for p in me.parents())
+        pids.update(p.pid for p in me.children(recursive=True))
+    except psutil.Error:
+        pass
+    pids.discard(0)
+    pids.discard(1)
+    return frozenset(pids)
+
+
+def _leaf_occupancy(uuid: Any, ok: bool, processes: Any, error: Any, own: frozenset[int]
+                    ) -> GpuOccupancy | None:
+    if not isinstance(uuid, str) or not is_full_uuid(uuid):
+        return None
+    if not ok or error:
+        return GpuOccupancy(uuid, UNKNOWN, why=f"NVML could not read it: {error}")
+    if not isinstance(processes, list):
+        return GpuOccupancy(uuid, UNKNOWN, why="NVML could not list its compute processes")
+    pids = tuple(sorted({int(p["pid"]) for p in processes
+                         if isinstance(p, Mapping) and isinstance(p.get("pid"), int)}))
+    foreign = tuple(p for p in pids if p not in own)
+    if foreign:
+        return GpuOccupancy(uuid, BUSY, foreign, f"{len(foreign)} other process(es)")
+    return GpuOccupancy(uuid, FREE)
+
+
+def occupancy_from_nvml(nvml: Mapping[str, Any] | None, own: frozenset[int]
+                        ) -> dict[str, GpuOccupancy]:
+    """Each GPU leaf's occupancy from an nvml observation (MIG instances are leaves too, and
+    a GPU is busy when any of its instances is)."""
+    out: dict[str, GpuOccupancy] = {}
+    if not nvml or not nvml.get("ok"):
+        return out
+    for dev in nvml.get("devices") or []:
+        if not isinstance(dev, Mapping):
+            continue
+        ok = bool(dev.get("ok", True))
+        gpu = _leaf_occupancy(dev.get("uuid"), ok, dev.get("processes"), dev.get("error"), own)
+        mig = dev.get("mig") or {}
+        for inst in (mig.get("instances") or []) if mig.get("enabled") else []:
+            leaf = _leaf_occupancy(inst.get("uuid"), ok, inst.get("processes"),
+                                   inst.get("error"), own)
+            if leaf is not None:
+                out[leaf.uuid] = leaf
+                if gpu is not None and leaf.state != FREE and gpu.state == FREE:
+                    gpu = GpuOccupancy(gpu.uuid, leaf.state, leaf.pids, "a MIG instance is "
+                                       + leaf.state)
+        if gpu is not None:
+            out[gpu.uuid] = gpu
+    return out
+
+
+# NVML's NOT_LOADED (9) and LIB_NOT_FOUND (12): no NVIDIA driver, so no GPU anyone could use.
+_NO_DRIVER_CODES = frozenset({9, 12})
+
+
+def driver_absent(nvml: Mapping[str, Any] | None) -> bool:
+    """Whether NVML says there is no NVIDIA driver at all: then no GPU can be in use, and the
+    JAX and IREE probes may run as they are to name what else is missing (a plugin, a
+    library). Any other NVML failure leaves every GPU UNKNOWN, never FREE."""
+    if not nvml or nvml.get("ok"):
+        return False
+    err = nvml.get("error")
+    return isinstance(err, Mapping) and err.get("code") in _NO_DRIVER_CODES
+
+
+def visible_uuids(nvml: Mapping[str, Any] | None, env: Mapping[str, str]) -> list[str]:
+    """The full GPU UUIDs the caller's visibility variables let it see, in their order."""
+    devices = [KnownDevice(int(d["index"]), str(d["uuid"]))
+               for d in ((nvml or {}).get("devices") or [])
+               if isinstance(d, Mapping) and isinstance(d.get("index"), int)
+               and isinstance(d.get("uuid"), str)]
+    by_index = {d.index: d.uuid for d in devices}
+    seen: list[int] | None = None
+    for vis in (parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES")),
+                parse_nvidia_visible_devices(env.get("NVIDIA_VISIBLE_DEVICES"))):
+        chosen = list(resolve(vis, devices).indices)
+        seen = chosen if seen is None else [i for i in seen if i in chosen]
+    return [by_index[i] for i in (seen or []) if i in by_index]
+
+
+@dataclass(frozen=True)
+class GpuClaim:
+    """The GPUs this round's active probes may touch, and why the others are left alone."""
+
+    claimed: tuple[str, ...] = ()
+    # uuid -> why it is not probed: busy, unknown, locked (a job of gpudiag run holds it)
+    left_alone: Mapping[str, str] = field(default_factory=dict)
+    locks: tuple[LockInfo, ...] = ()
+
+    def release(self) -> None:
+        """Drop the locks (idempotent)."""
+        release(self.locks)
+
+    def __enter__(self) -> GpuClaim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str], *,
+               lock_dir: Path,
+               probe_busy: bool = False) -> GpuClaim:
+    """Lock every FREE GPU among ``candidates`` (full UUIDs, in order) without waiting.
+
+    ``probe_busy`` (config ``probe_busy_gpus``, off by default) lets a site probe BUSY GPUs
+    too; UNKNOWN is never probed. A lock file that cannot be opened at all leaves the GPU
+    alone: the monitor must not be the one to break a job.
+    """
+    claimed: list[str] = []
+    locks: list[LockInfo] = []
+    left: dict[str, str] = {}
+    for uuid in candidates:
+        found = occupancy.get(uuid)
+        state = found.state if found is not None else UNKNOWN
+        if not is_full_uuid(uuid):
+            left[uuid] = UNKNOWN
+            continue
+        if state == UNKNOWN or (state == BUSY and not probe_busy):
+            left[uuid] = state
+            continue
+        try:
+            lock = try_lock(lock_dir, uuid)
+        except LockFailed:
+            left[uuid] = UNKNOWN
+            continue
+        if lock is None:
+            left[uuid] = "locked"
+            continue
+        locks.append(lock)
+        claimed.append(uuid)
+    return GpuClaim(tuple(claimed), left, tuple(locks))
+
+
+def rotate(claimed: tuple[str, ...], round_index: int) -> str | None:
+    """The one GPU on which JAX and IREE prove their backend this round (rotating)."""
+    if not claimed:
+        return None
+    return claimed[round_index % len(claimed)]
