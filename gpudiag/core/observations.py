@@ -342,8 +342,10 @@ class NvmlObservation:
             nvml_version=_scalar(o.get("nvml_version")))
 
     @property
-    def failure_code(self) -> int | str | None:
-        return self.error.code if self.error else None
+    def visibility(self) -> tuple[str | None, str | None]:
+        """CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES as the nvml child saw them."""
+        return (self.visibility_env.get("CUDA_VISIBLE_DEVICES"),
+                self.visibility_env.get("NVIDIA_VISIBLE_DEVICES"))
 
 
 # -- host ------------------------------------------------------------------------------------

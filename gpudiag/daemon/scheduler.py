@@ -111,13 +111,15 @@ def failure_signature(run: ProbeRun) -> str | None:
     """None when the probe found the host healthy; else what failed, to detect repeats."""
     if not run.ok:
         return f"{outcome_of(run)}:{run.exit_code}:{run.signal}"
-    obs = run.observation or {}
-    if obs.get("ok") is False:
-        err = obs.get("error")
-        return f"obs:{err.get('code') if isinstance(err, dict) else err}"
-    init = obs.get("init")
-    if isinstance(init, dict) and init.get("ok") is False:
-        return f"init:{init.get('code')}"
+    obs = run.parsed
+    if obs is None:
+        return None
+    if obs.ok is False:
+        nvml = run.nvml
+        return f"obs:{nvml.error.code if nvml is not None and nvml.error else None}"
+    cuda = run.cuda
+    if cuda is not None and cuda.init is not None and cuda.init.ok is False:
+        return f"init:{cuda.init.code}"
     return None
 
 
