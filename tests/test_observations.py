@@ -137,3 +137,16 @@ def test_any_json_object_is_typed_or_malformed_never_an_exception(backend: str,
     assert isinstance(found, Malformed) == (run.error is not None)
     if isinstance(found, Malformed):
         assert found.problem and run.error and found.problem in run.error
+
+
+def test_nothing_above_core_reads_a_raw_observation() -> None:
+    import ast
+
+    package = Path(__file__).resolve().parent.parent / "gpudiag"
+    readers = []
+    for layer in ("engine", "daemon", "runner", "cli"):
+        for path in sorted((package / layer).glob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            readers += [f"{layer}/{path.name}:{node.lineno}" for node in ast.walk(tree)
+                        if isinstance(node, ast.Attribute) and node.attr == "observation"]
+    assert readers == []
