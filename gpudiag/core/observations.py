@@ -121,6 +121,7 @@ class Memory:
 
     @classmethod
     def parse(cls, value: Any) -> Memory | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
         if not isinstance(value, Mapping):
             return None
         return cls(_int(value.get("total_bytes")), _int(value.get("free_bytes")),
@@ -204,6 +205,7 @@ class Ecc:
 
     @classmethod
     def parse(cls, value: Any) -> Ecc | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
         if not isinstance(value, Mapping):
             return None
         return cls(*(_num(value.get(k)) for k in (
@@ -222,6 +224,7 @@ class RemappedRows:
 
     @classmethod
     def parse(cls, value: Any) -> RemappedRows | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
         if not isinstance(value, Mapping):
             return None
         return cls(*(v if isinstance(v := value.get(k), (int, float, bool)) else None
@@ -255,6 +258,7 @@ class MigState:
 
     @classmethod
     def parse(cls, value: Any) -> MigState | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
         if not isinstance(value, Mapping):
             return None
         instances = tuple(MigInstance(_int(i.get("slot")), _str(i.get("uuid")) or None,
@@ -287,6 +291,7 @@ class NvmlDevice:
 
     @property
     def memory(self) -> Memory | None:
+        """The memory reading (None when NVML could not read it)."""
         return self.readings.memory
 
     @property
@@ -296,10 +301,12 @@ class NvmlDevice:
 
     @property
     def mig_uuids(self) -> tuple[str, ...]:
+        """The UUIDs of the MIG instances that could be read."""
         return tuple(i.uuid for i in (self.mig.instances if self.mig else ()) if i.uuid)
 
     @classmethod
     def parse(cls, d: Record) -> NvmlDevice:
+        """Parsed from the probe's JSON (already shape-checked)."""
         reasons = _map(d.get("clocks_event_reasons")).get("reasons")
         persistence = d.get("persistence_mode")
         action = d.get("recovery_action")
@@ -331,6 +338,7 @@ class NvmlObservation:
 
     @classmethod
     def parse(cls, o: Record) -> NvmlObservation:
+        """Parsed from the probe's JSON (already shape-checked)."""
         return cls(
             ok=_flag(o.get("ok")), error=ErrorInfo.parse(o.get("error")),
             library_error=_text(o.get("library_error")),
@@ -363,6 +371,7 @@ class DeviceNodes:
 
     @classmethod
     def parse(cls, value: Any) -> DeviceNodes:
+        """Parsed from the probe's JSON (already shape-checked)."""
         v = _map(value)
         nodes = v.get("nodes")
         return cls(_str(v.get("dir")), bool(v.get("control_present")),
@@ -381,6 +390,7 @@ class CommandResult:
 
     @classmethod
     def parse(cls, value: Any) -> CommandResult:
+        """Parsed from the probe's JSON (already shape-checked)."""
         v = _map(value)
         return cls(bool(v.get("missing")), bool(v.get("timed_out")), _code(v.get("exit_code")))
 
@@ -407,6 +417,7 @@ class HostObservation:
 
     @classmethod
     def parse(cls, o: Record) -> HostObservation:
+        """Parsed from the probe's JSON (already shape-checked)."""
         proc = _map(o.get("driver_proc"))
         return cls(
             ok=_flag(o.get("ok")), environment=_str_map(o.get("environment")),
@@ -433,6 +444,7 @@ class CudaStep:
 
     @classmethod
     def parse(cls, value: Any) -> CudaStep | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
         if not isinstance(value, Mapping) or not value:
             return None
         return cls(_flag(value.get("ok")), _code(value.get("code")),
@@ -465,10 +477,12 @@ class CudaObservation:
 
     @property
     def init_ok(self) -> bool:
+        """Whether cuInit succeeded."""
         return bool(self.init and self.init.ok)
 
     @classmethod
     def parse(cls, o: Record) -> CudaObservation:
+        """Parsed from the probe's JSON (already shape-checked)."""
         lib = _map(o.get("library"))
         devices = tuple(CudaDevice(d.get("ordinal"), _str(d.get("uuid")) or None,
                                    ErrorInfo.parse(d.get("error")),
@@ -493,6 +507,7 @@ class JaxDevice:
 
     @property
     def text(self) -> str:
+        """How the verdict detail lists the device."""
         return f"{self.platform}:{self.id} {self.kind}"
 
 
@@ -536,6 +551,7 @@ class JaxObservation:
 
     @classmethod
     def parse(cls, o: Record) -> JaxObservation:
+        """Parsed from the probe's JSON (already shape-checked)."""
         compute = o.get("compute")
         errors = o.get("backend_errors")
         xla = o.get("xla_env")
@@ -585,6 +601,7 @@ class IreeExecute:
 
     @property
     def cached(self) -> bool:
+        """Whether the kernel came from the module cache."""
         return bool((self.compile or {}).get("cached"))
 
 
@@ -597,6 +614,7 @@ class IreeDevice:
 
     @property
     def text(self) -> str:
+        """How the verdict detail lists the device."""
         return f"{self.device_id} {self.name}"
 
 
@@ -614,6 +632,7 @@ class IreeDriver:
 
     @classmethod
     def parse(cls, d: Record) -> IreeDriver:
+        """Parsed from the probe's JSON (already shape-checked)."""
         ex = _map(d.get("execute"))
         compile_, run = ex.get("compile"), ex.get("run")
         return cls(_flag(d.get("ok")), ErrorInfo.parse(d.get("error")),
@@ -644,6 +663,7 @@ class IreeObservation:
 
     @classmethod
     def parse(cls, o: Record) -> IreeObservation:
+        """Parsed from the probe's JSON (already shape-checked)."""
         required = o.get("required")
         env = o.get("environment")
         return cls(
