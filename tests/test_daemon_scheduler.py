@@ -237,7 +237,7 @@ def test_the_watcher_counts_xids_and_restarts_a_dead_child(tmp_path: Path) -> No
     assert counts[(0, 79)] >= 2 and counts[(0, 13)] >= 2  # each run of the child sent them
     assert {x.xid for x in st.recent} == {79, 13}
     assert "exit status 3" in (st.last_error or "")
-    assert st.telemetry[0]["temperature_c"] == 50
+    assert st.telemetry[0].temperature_c == 50
     assert st.gap_total_s(time.time()) > 0
 
 

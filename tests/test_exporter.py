@@ -136,9 +136,12 @@ def test_watcher_telemetry_overlays_newer_readings(runs_8: dict) -> None:
     snap = snapshot_of(runs_8)
     from dataclasses import replace
 
-    live = replace(snap.watcher, telemetry={0: {"index": 0, "temperature_c": 71,
-                                                "memory_used_bytes": 1024}},
-                   telemetry_wall=snap.published_wall + 1)
+    from gpudiag.core.observations import parse_telemetry
+
+    # The watcher's telemetry line, in the nvml probe's vocabulary.
+    readings = parse_telemetry([{"index": 0, "temperature_c": 71,
+                                 "memory": {"used_bytes": 1024}}])
+    live = replace(snap.watcher, telemetry=readings, telemetry_wall=snap.published_wall + 1)
     _, samples = scrape(replace(snap, watcher=live))
     assert one(samples, "gpudiag_gpu_temperature_celsius", gpu="0") == 71
     assert one(samples, "gpudiag_gpu_memory_used_bytes", gpu="0") == 1024

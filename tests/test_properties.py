@@ -36,6 +36,7 @@ from gpudiag.core.environment import (
     resolve,
 )
 from gpudiag.core.observation import observation_problem
+from gpudiag.core.observations import GpuReadings, JaxObservation
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.requirement import (
     RequirementError,
@@ -324,10 +325,11 @@ def test_jax_error_texts_classify_without_raising(obs: dict[str, Any], stderr: s
                                                   platform: str) -> None:
     if observation_problem("jax", obs) is not None:
         return  # malformed: the boundary turns it into probe_error (tested below)
-    found = causes(obs, platform, stderr)
+    typed = JaxObservation.parse(obs)
+    found = causes(typed, platform, stderr)
     assert all(c.code in BLOCKERS and BLOCKERS[c.code].layer == "jax" and c.message
                for c in found)
-    cause = gpu_cause(obs, stderr)
+    cause = gpu_cause(typed, stderr)
     assert cause is None or cause.code in BLOCKERS
 
 
@@ -627,8 +629,8 @@ def test_from_record_gives_a_verdict_or_a_record_error(data: st.DataObject) -> N
 
 # -- the XID watcher child's JSON lines --------------------------------------------------------
 DEEP = b"[" * 5000 + b"]" * 5000
-READINGS = st.lists(st.dictionaries(st.sampled_from(["index", "memory_used_bytes",
-                                                     "temperature_c"]), JSON), max_size=3)
+READINGS = st.lists(st.dictionaries(st.sampled_from(["index", "memory", "temperature_c",
+                                                     "power_w"]), JSON), max_size=3)
 WATCHER_MESSAGE = st.fixed_dictionaries(
     {"type": st.sampled_from(["hello", "xid", "telemetry", "error", "heartbeat", "other"])},
     optional={"devices": JSON, "device_index": JSON, "uuid": JSON, "ts": JSON,
@@ -658,7 +660,8 @@ def test_watcher_lines_never_break_the_supervisor_or_the_exporter(lines: list[by
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(lambda: snap))
     generate_latest(registry)
-    assert all(isinstance(k, int) and isinstance(v, Mapping) for k, v in
+    # Only well-formed readings reach the exporter: typed, under the nvml probe's names.
+    assert all(isinstance(k, int) and isinstance(v, GpuReadings) for k, v in
                state.telemetry.items())
 
 

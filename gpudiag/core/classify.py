@@ -7,22 +7,35 @@ root cause brings with it stays listed under ``blockers`` as consequences.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from gpudiag.core.classify_iree import classify_iree
 from gpudiag.core.classify_jax import classify_jax
 from gpudiag.core.environment import (
+    FULL_UUID,
     KnownDevice,
     Visibility,
     VisibleEntry,
+    entry_of,
+    match_entry,
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
     resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.missing import missing_gpu_findings
-from gpudiag.core.observation import observation_problem
+from gpudiag.core.observations import (
+    CommandResult,
+    CudaObservation,
+    CudaStep,
+    Ecc,
+    ErrorInfo,
+    HostObservation,
+    Memory,
+    NvmlDevice,
+    NvmlObservation,
+    RemappedRows,
+)
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope, settle
 from gpudiag.core.verdict import (
@@ -50,24 +63,6 @@ POWER_REASONS = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})
 
 
 
-
-
-def _obs(runs: Mapping[str, ProbeRun], name: str) -> Mapping[str, Any] | None:
-    run = runs.get(name)
-    return run.observation if run is not None and run.ok else None
-
-
-def checked_run(run: ProbeRun) -> ProbeRun:
-    """The run, or a probe_error run when its observation has a shape gpudiag cannot read."""
-    if run.observation is None:
-        return run
-    why = observation_problem(run.backend, run.observation)
-    if why is None:
-        return run
-    return replace(run, observation=None,
-                   error=f"probe {run.backend} returned a malformed observation: {why}")
-
-
 def _probe_layer(runs: Mapping[str, ProbeRun], f: Findings) -> None:
     for name, run in runs.items():
         if run.timed_out:
@@ -78,28 +73,16 @@ def _probe_layer(runs: Mapping[str, ProbeRun], f: Findings) -> None:
             f.block("probe_error", run.error, backend=name)
 
 
-def _dev_label(dev: Mapping[str, Any]) -> str:
-    return str(dev.get("uuid") or f"index {dev.get('index')}")
+def _ok(run: ProbeRun | None) -> ProbeRun | None:
+    return run if run is not None and run.ok else None
 
 
-def _nvml_devices(nvml: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
-    if nvml is None or not nvml.get("ok"):
-        return []
-    return list(nvml.get("devices") or [])
+def _known(devs: Sequence[NvmlDevice]) -> list[KnownDevice]:
+    return [KnownDevice(d.index, d.uuid or "", d.mig_uuids) for d in devs]
 
 
-def _known(devs: Sequence[Mapping[str, Any]]) -> list[KnownDevice]:
-    out = []
-    for d in devs:
-        migs = tuple(str(i["uuid"]) for i in ((d.get("mig") or {}).get("instances") or [])
-                     if i.get("uuid"))
-        out.append(KnownDevice(int(d["index"]), str(d.get("uuid") or ""), migs))
-    return out
-
-
-def _visibility(host: Mapping[str, Any] | None, env_raw: tuple[str | None, str | None],
-                devs: Sequence[Mapping[str, Any]], nvml_ok: bool, f: Findings
-                ) -> list[Mapping[str, Any]]:
+def _visibility(env_raw: tuple[str | None, str | None], devs: Sequence[NvmlDevice],
+                nvml_ok: bool, f: Findings) -> list[NvmlDevice]:
     """Visibility blockers; returns the NVML devices the job would see (its candidates)."""
     cvd = parse_cuda_visible_devices(env_raw[0])
     nvd = parse_nvidia_visible_devices(env_raw[1])
@@ -109,7 +92,7 @@ def _visibility(host: Mapping[str, Any] | None, env_raw: tuple[str | None, str |
     if cvd.mode == "empty" or nvd.mode == "empty":
         return []
     candidates = list(devs)
-    unknown_uuid = [d for d in devs if not d.get("uuid")]
+    unknown_uuid = [d for d in devs if not d.uuid]
     for vis in (nvd, cvd):  # the container's view first, then CUDA's within it
         if vis.mode != "list" or not nvml_ok:
             continue
@@ -128,7 +111,7 @@ def _visibility(host: Mapping[str, Any] | None, env_raw: tuple[str | None, str |
                     f"{vis.variable}={vis.raw!r} names {names}, which matches none of the "
                     f"{len(devs)} GPU(s) NVML reports{amb}; the CUDA driver stops reading "
                     "the list at the first bad entry")
-        by_index = {int(d["index"]): d for d in candidates}
+        by_index = {d.index: d for d in candidates}
         chosen = [by_index[i] for i in res.indices if i in by_index]
         candidates = chosen + [d for d in unknown_uuid if d not in chosen]
     return candidates
@@ -139,27 +122,26 @@ def _entry_kind(vis: Visibility, raw: str) -> str:
     return found.kind if found else "invalid"
 
 
-def _device_nodes(host: Mapping[str, Any] | None, inits_failed: bool, f: Findings) -> bool:
+def _device_nodes(host: HostObservation | None, inits_failed: bool, f: Findings) -> bool:
     """Device-node findings; returns whether the nodes are present."""
     if host is None:
         return True
-    nodes = host.get("device_nodes") or {}
-    present = bool(nodes.get("control_present")) and int(nodes.get("gpu_nodes") or 0) > 0
-    driver_loaded = bool((host.get("driver_proc") or {}).get("present"))
-    where = nodes.get("dir", "/dev")
+    nodes = host.device_nodes
+    present = nodes.control_present and nodes.gpu_nodes > 0
+    where = nodes.dir or "/dev"
     if not present:
-        missing = [] if nodes.get("control_present") else [f"{where}/nvidiactl"]
-        if not int(nodes.get("gpu_nodes") or 0):
+        missing = [] if nodes.control_present else [f"{where}/nvidiactl"]
+        if not nodes.gpu_nodes:
             missing.append(f"{where}/nvidia[0-9]*")
         text = f"missing device nodes: {', '.join(missing)}"
-        if inits_failed and driver_loaded:
+        if inits_failed and host.driver_present:
             f.block("device_nodes_missing",
                     f"{text} while the kernel driver is loaded "
-                    f"({(host.get('driver_proc') or {}).get('path')} exists): this is why "
+                    f"({host.driver_path} exists): this is why "
                     "NVML/CUDA cannot initialize")
         elif not inits_failed:
             f.warn("device_nodes_missing", f"{text}, but NVML and CUDA initialized")
-    denied = nodes.get("permission_denied") or []
+    denied = nodes.permission_denied
     if denied and inits_failed:
         f.block("device_nodes_no_access",
                 f"cannot open {', '.join(denied)} (permission denied): NVML/CUDA cannot "
@@ -167,137 +149,135 @@ def _device_nodes(host: Mapping[str, Any] | None, inits_failed: bool, f: Finding
     return present
 
 
-def _nvml_findings(nvml: Mapping[str, Any] | None, host: Mapping[str, Any] | None,
+def _error_text(err: ErrorInfo | None) -> tuple[int | str | None, str | None, str | None]:
+    return (err.code, err.name, err.message) if err is not None else (None, None, None)
+
+
+def _nvml_findings(nvml: NvmlObservation | None, host: HostObservation | None,
                    f: Findings) -> None:
-    if nvml is None or nvml.get("ok"):
+    if nvml is None or nvml.ok:
         return
-    err = nvml.get("error") or {}
-    code = err.get("code")
-    if err.get("name") == "IMPORT_ERROR":
-        f.block("nvml_error", str(err.get("message")), backend="nvml")
+    code, name, text = _error_text(nvml.error)
+    if name == "IMPORT_ERROR":
+        f.block("nvml_error", str(text), backend="nvml")
         return
-    blocker = NVML_INIT_CODES.get(int(code)) if isinstance(code, int) else None
-    message = f"nvmlInit failed: {err.get('name')} ({code}): {err.get('message')}"
+    blocker = NVML_INIT_CODES.get(code) if isinstance(code, int) else None
+    message = f"nvmlInit failed: {name} ({code}): {text}"
     if blocker == "driver_library_missing":
-        smi = (host or {}).get("nvidia_smi") or {}
-        smi_text = ("nvidia-smi is missing" if smi.get("missing")
-                    else f"nvidia-smi exited {smi.get('exit_code')}")
+        smi = host.nvidia_smi if host is not None else CommandResult()
+        smi_text = ("nvidia-smi is missing" if smi.missing
+                    else f"nvidia-smi exited {smi.exit_code}")
         message = (f"libnvidia-ml.so.1 could not be loaded: "
-                   f"{nvml.get('library_error') or err.get('message')}; {smi_text}")
+                   f"{nvml.library_error or text}; {smi_text}")
     f.block(blocker or "nvml_error", message, backend="nvml")
 
 
-def _device_findings(devs: Sequence[Mapping[str, Any]], xids: Sequence[XidEvent],
+def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
                      f: Findings) -> None:
     for d in devs:
-        label = _dev_label(d)
-        if not d.get("ok"):
-            err = d.get("error") or {}
-            code = err.get("code")
-            blocker = NVML_DEVICE_CODES.get(int(code)) if isinstance(code, int) else None
-            f.block(blocker or "nvml_error",
-                    f"GPU {d.get('index')}: {err.get('name')} ({code}): {err.get('message')}",
+        label = d.label
+        if not d.ok:
+            code, name, text = _error_text(d.error)
+            blocker = NVML_DEVICE_CODES.get(code) if isinstance(code, int) else None
+            f.block(blocker or "nvml_error", f"GPU {d.index}: {name} ({code}): {text}",
                     backend="nvml", device=label)
             continue
-        action = d.get("recovery_action")
+        action = d.recovery_action
         if action not in (None, "none"):
-            f.block("gpu_reset_required", f"GPU {d['index']}: NVML recovery action {action}",
+            f.block("gpu_reset_required", f"GPU {d.index}: NVML recovery action {action}",
                     backend="nvml", device=label)
-        ecc = d.get("ecc") or {}
-        if (ecc.get("volatile_uncorrected") or 0) > 0:
+        ecc = d.ecc or Ecc()
+        if (ecc.volatile_uncorrected or 0) > 0:
             f.block("gpu_ecc_uncorrectable",
-                    f"GPU {d['index']}: {ecc['volatile_uncorrected']} volatile uncorrectable "
+                    f"GPU {d.index}: {ecc.volatile_uncorrected} volatile uncorrectable "
                     "ECC error(s)", backend="nvml", device=label)
-        rows = d.get("remapped_rows") or {}
-        if rows.get("failure") or rows.get("pending"):
-            state = "failed" if rows.get("failure") else "pending (a reset applies it)"
+        rows = d.remapped_rows or RemappedRows()
+        if rows.failure or rows.pending:
+            state = "failed" if rows.failure else "pending (a reset applies it)"
+            uncorrectable = 0 if rows.uncorrectable is None else rows.uncorrectable
             f.block("gpu_ecc_uncorrectable",
-                    f"GPU {d['index']}: row remapping {state}; "
-                    f"{rows.get('uncorrectable', 0)} uncorrectable remapped row(s)",
+                    f"GPU {d.index}: row remapping {state}; "
+                    f"{uncorrectable} uncorrectable remapped row(s)",
                     backend="nvml", device=label)
-        if (ecc.get("volatile_corrected") or 0) > 0:
+        if (ecc.volatile_corrected or 0) > 0:
             f.warn("gpu_ecc_correctable",
-                   f"GPU {d['index']}: {ecc['volatile_corrected']} correctable ECC error(s)",
+                   f"GPU {d.index}: {ecc.volatile_corrected} correctable ECC error(s)",
                    backend="nvml", device=label)
-        reasons = set((d.get("clocks_event_reasons") or {}).get("reasons") or [])
+        reasons = set(d.clocks_event_reasons)
         if reasons & THERMAL_REASONS:
             f.warn("gpu_thermal_throttling",
-                   f"GPU {d['index']}: {', '.join(sorted(reasons & THERMAL_REASONS))}",
+                   f"GPU {d.index}: {', '.join(sorted(reasons & THERMAL_REASONS))}",
                    backend="nvml", device=label)
         if reasons & POWER_REASONS:
             f.warn("gpu_power_throttling",
-                   f"GPU {d['index']}: {', '.join(sorted(reasons & POWER_REASONS))}",
+                   f"GPU {d.index}: {', '.join(sorted(reasons & POWER_REASONS))}",
                    backend="nvml", device=label)
-        if d.get("persistence_mode") is False:
-            f.warn("gpu_persistence_off", f"GPU {d['index']}: persistence mode is off",
+        if d.persistence_mode is False:
+            f.warn("gpu_persistence_off", f"GPU {d.index}: persistence mode is off",
                    backend="nvml", device=label)
-    by_uuid = {d.get("uuid"): d for d in devs}
-    by_index = {d.get("index"): d for d in devs}
+    by_uuid = {d.uuid: d for d in devs}
+    by_index: dict[int | None, NvmlDevice] = {d.index: d for d in devs}
     for x in xids:
         found = by_uuid.get(x.uuid) if x.uuid else by_index.get(x.device_index)
         if found is None:
             continue
         d = found
-        label = _dev_label(d)
+        label = d.label
         code, what = xid_code(x.xid), f"({xid_description(x.xid)})"
         if code == "gpu_lost":
-            f.block("gpu_lost", f"GPU {d.get('index')}: XID {x.xid} (fallen off the bus)",
+            f.block("gpu_lost", f"GPU {d.index}: XID {x.xid} (fallen off the bus)",
                     backend="nvml", device=label)
         elif code in ("gpu_reset_required", "node_reboot_required"):
-            f.block(code, f"GPU {d.get('index')}: critical XID {x.xid} {what}",
+            f.block(code, f"GPU {d.index}: critical XID {x.xid} {what}",
                     backend="nvml", device=label)
         elif code == "gpu_xid_application":
-            f.warn(code, f"GPU {d.get('index')}: application XID {x.xid} {what}",
+            f.warn(code, f"GPU {d.index}: application XID {x.xid} {what}",
                    backend="nvml", device=label)
 
 
-def _cuda_findings(cuda: Mapping[str, Any] | None, candidate_uuids: set[str] | None,
+def _cuda_findings(cuda: CudaObservation | None, candidate_uuids: set[str] | None,
                    f: Findings) -> None:
     if cuda is None:
         return
-    lib = cuda.get("library") or {}
-    if not lib.get("loaded"):
-        f.block("cuda_library_missing", f"libcuda.so.1 could not be loaded: {lib.get('error')}",
+    if not cuda.library_loaded:
+        f.block("cuda_library_missing", f"libcuda.so.1 could not be loaded: {cuda.library_error}",
                 backend="cuda")
         return
-    init = cuda.get("init") or {}
-    if not init.get("ok"):
-        code = init.get("code")
-        blocker = CUDA_INIT_CODES.get(int(code)) if isinstance(code, int) else None
-        f.block(blocker or "cuda_init_failed", str(init.get("message")), backend="cuda")
+    init = cuda.init or CudaStep(ok=None)
+    if not init.ok:
+        code = init.code
+        blocker = CUDA_INIT_CODES.get(code) if isinstance(code, int) else None
+        f.block(blocker or "cuda_init_failed", str(init.message), backend="cuda")
         return
-    for d in cuda.get("devices") or []:
-        uuid = d.get("uuid")
+    for d in cuda.devices:
+        uuid = d.uuid
         if candidate_uuids is not None and uuid and uuid not in candidate_uuids:
             continue
-        label = str(uuid or f"cuda ordinal {d.get('ordinal')}")
-        if d.get("error"):
-            f.block("cuda_init_failed", str(d["error"].get("message")), backend="cuda",
-                    device=label)
+        label = str(uuid or f"cuda ordinal {d.ordinal}")
+        if d.error is not None:
+            f.block("cuda_init_failed", str(d.error.message), backend="cuda", device=label)
             continue
-        for step in ("context", "alloc"):
-            rec = d.get(step)
-            if rec and not rec.get("ok"):
-                code = rec.get("code")
-                blocker = CUDA_CONTEXT_CODES.get(int(code)) if isinstance(code, int) else None
-                f.block(blocker or "cuda_context_failed", str(rec.get("message")),
+        for rec in (d.context, d.alloc):
+            if rec is not None and not rec.ok:
+                code = rec.code
+                blocker = CUDA_CONTEXT_CODES.get(code) if isinstance(code, int) else None
+                f.block(blocker or "cuda_context_failed", str(rec.message),
                         backend="cuda", device=label)
 
 
-def _select(candidates: Sequence[Mapping[str, Any]], requirement: Requirement,
-            f: Findings) -> list[Mapping[str, Any]]:
+def _select(candidates: Sequence[NvmlDevice], requirement: Requirement,
+            f: Findings) -> list[NvmlDevice]:
     """The devices the requirement selects (indices are positions among the visible ones)."""
     if requirement.devices is None:
         return list(candidates)
-    chosen: list[Mapping[str, Any]] = []
+    # --devices names GPUs by position among the visible ones or by full GPU/MIG UUID: the
+    # resolver's full-UUID rule over the candidates, numbered by position.
+    positions = [KnownDevice(pos, d.uuid or "", d.mig_uuids)
+                 for pos, d in enumerate(candidates)]
+    chosen: list[NvmlDevice] = []
     for sel in requirement.devices:
-        if sel.isdigit():
-            pos = int(sel)
-            match = [candidates[pos]] if pos < len(candidates) else []
-        else:
-            match = [d for d in candidates if str(d.get("uuid", "")).lower() == sel.lower()
-                     or any(str(i.get("uuid", "")).lower() == sel.lower()
-                            for i in ((d.get("mig") or {}).get("instances") or []))]
+        match = [candidates[p.index] for p in
+                 match_entry(entry_of(sel), positions, FULL_UUID)]
         if not match:
             f.block("insufficient_devices",
                     f"requested device {sel} is not among the {len(candidates)} visible GPU(s)",
@@ -306,18 +286,20 @@ def _select(candidates: Sequence[Mapping[str, Any]], requirement: Requirement,
     return chosen
 
 
-def _device_info(d: Mapping[str, Any]) -> DeviceInfo:
-    mem = d.get("memory") or {}
-    return DeviceInfo(index=int(d["index"]), uuid=d.get("uuid"), name=d.get("name"),
-                      pci_bus_id=d.get("pci_bus_id"),
-                      memory_total_bytes=mem.get("total_bytes"),
-                      memory_free_bytes=mem.get("free_bytes"))
+def _device_info(d: NvmlDevice) -> DeviceInfo:
+    mem = d.memory or Memory()
+    return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, pci_bus_id=d.pci_bus_id,
+                      memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes)
 
 
-def _requirement_findings(selected: Sequence[Mapping[str, Any]], requirement: Requirement,
+def _free(d: NvmlDevice) -> int | None:
+    return d.memory.free_bytes if d.memory is not None else None
+
+
+def _requirement_findings(selected: Sequence[NvmlDevice], requirement: Requirement,
                           f: Findings) -> None:
     blocked = {b.device for b in f.blockers if b.device}
-    healthy = [d for d in selected if d.get("ok") and _dev_label(d) not in blocked]
+    healthy = [d for d in selected if d.ok and d.label not in blocked]
     need = requirement.effective_min_devices
     if len(healthy) < need:
         f.block("insufficient_devices",
@@ -327,14 +309,13 @@ def _requirement_findings(selected: Sequence[Mapping[str, Any]], requirement: Re
     floor = requirement.min_free_memory_bytes
     if floor is None:
         return
-    fitting = [d for d in healthy if ((d.get("memory") or {}).get("free_bytes") or 0) >= floor]
+    fitting = [d for d in healthy if (_free(d) or 0) >= floor]
     short = [d for d in healthy if d not in fitting]
     if (requirement.devices is not None and short) or len(fitting) < need:
         for d in short:
-            free = (d.get("memory") or {}).get("free_bytes")
             f.block("insufficient_free_memory",
-                    f"GPU {d['index']} has {free} bytes free; the requirement asks for {floor}",
-                    device=_dev_label(d))
+                    f"GPU {d.index} has {_free(d)} bytes free; the requirement asks for {floor}",
+                    device=d.label)
 
 
 def _status(run: ProbeRun | None, f: Findings, name: str,
@@ -347,69 +328,100 @@ def _status(run: ProbeRun | None, f: Findings, name: str,
                          dict(versions or {}), dict(detail or {}))
 
 
-def _evidence(runs: Mapping[str, ProbeRun], host: Mapping[str, Any] | None,
-              nvml: Mapping[str, Any] | None, cuda: Mapping[str, Any] | None
-              ) -> dict[str, Any]:
+def _evidence(runs: Mapping[str, ProbeRun], host: HostObservation | None,
+              nvml: NvmlObservation | None, cuda: CudaObservation | None,
+              visibility: tuple[str | None, str | None] | None) -> dict[str, Any]:
     ev: dict[str, Any] = {}
     if host is not None:
-        ev["nvidia_smi"] = host.get("nvidia_smi")
-        ev["nvidia_smi_xml"] = host.get("nvidia_smi_xml")
-        ev["environment"] = host.get("environment")
-        ev["device_nodes"] = host.get("device_nodes")
-        ev["driver_proc"] = host.get("driver_proc")
+        for key in ("nvidia_smi", "nvidia_smi_xml", "environment", "device_nodes",
+                    "driver_proc"):
+            ev[key] = host.evidence.get(key)
+        if visibility is not None:
+            ev["environment"] = _with_visibility(host.evidence.get("environment"), visibility)
     ev["driver"] = {
-        "version": (nvml or {}).get("driver_version"),
-        "cuda_driver_version": (nvml or {}).get("cuda_driver_version")
-        or (cuda or {}).get("driver_version"),
-        "kernel_module_version": ((host or {}).get("driver_proc") or {}).get(
-            "kernel_module_version"),
+        "version": nvml.driver_version if nvml else None,
+        "cuda_driver_version": (nvml.cuda_driver_version if nvml else None)
+        or (cuda.driver_version if cuda else None),
+        "kernel_module_version": host.kernel_module_version if host else None,
     }
     ev["probe_stderr"] = {n: r.stderr_tail for n, r in runs.items() if r.stderr_tail}
     if not ev.get("environment"):
         # Without a host probe (jax:cpu, iree:local-task) a backend child read it instead.
         for name in ("jax", "iree"):
             run = runs.get(name)
-            obs = run.observation if run is not None else None
-            if obs and obs.get("environment") is not None:
-                ev["environment"] = obs["environment"]
+            backend = (run.jax or run.iree) if run is not None else None
+            if backend is not None and backend.environment is not None:
+                ev["environment"] = dict(backend.environment)
                 break
     return ev
 
 
+def _with_visibility(environment: Any, visibility: tuple[str | None, str | None]
+                     ) -> dict[str, Any]:
+    """The evidence environment as the job's visibility variables would have made it."""
+    env = dict(environment) if isinstance(environment, Mapping) else {}
+    for name, value in zip(VISIBILITY_VARIABLES, visibility, strict=True):
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+
+
 def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: str,
              checked_at: str, source: str = "inline", xids: Sequence[XidEvent] = (),
-             extra_warnings: Sequence[Finding] = (), scope: ProbeScope | None = None,
+             extra_warnings: Sequence[Finding] = (),
+             visibility: tuple[str | None, str | None] | None = None,
+             scope: ProbeScope | None = None,
              expected_gpus: int | None = None) -> Verdict:
     """The verdict for ``requirement`` from what the probe children observed.
 
+    ``visibility`` is the job's (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) when it
+    differs from what the host probe saw (the daemon answers for jobs that see a subset); it
+    applies only where a host observation exists, which is where visibility is read from.
     ``scope`` says which GPUs the active probes could touch and each GPU's occupancy
     (core.readiness); without it every GPU is taken as probed (a caller without NVML).
     """
     f = Findings()
     f.warnings.extend(extra_warnings)
-    runs = {name: checked_run(run) for name, run in runs.items()}
     _probe_layer(runs, f)
-    host_obs, nvml, cuda = _obs(runs, "host"), _obs(runs, "nvml"), _obs(runs, "cuda")
+    host_run, nvml_run, cuda_run = _ok(runs.get("host")), _ok(runs.get("nvml")), _ok(
+        runs.get("cuda"))
+    host_obs = host_run.host if host_run else None
+    nvml = nvml_run.nvml if nvml_run else None
+    cuda = cuda_run.cuda if cuda_run else None
+    if host_obs is None:
+        visibility = None
     devices: list[DeviceInfo] = []
-    nvml_ok = bool(nvml and nvml.get("ok"))
-    cuda_ok = bool(cuda and (cuda.get("init") or {}).get("ok"))
+    nvml_ok = bool(nvml and nvml.ok)
+    cuda_ok = bool(cuda and cuda.init_ok)
     nodes_present = True
     if requirement.needs_gpu:
-        env = ((host_obs or {}).get("environment")
-               or (nvml or {}).get("visibility_env") or {})
-        raw = (env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES"))
+        raw: tuple[str | None, str | None]
+        if visibility is not None:
+            raw = visibility
+        elif host_obs is not None and host_obs.environment:
+            raw = host_obs.visibility
+        else:
+            raw = nvml.visibility if nvml else (None, None)
         inits_failed = ("nvml" in runs and not nvml_ok) or ("cuda" in runs and not cuda_ok)
         nodes_present = _device_nodes(host_obs, inits_failed, f)
         _nvml_findings(nvml, host_obs, f)
-        all_devs = _nvml_devices(nvml)
-        candidates = _visibility(host_obs, raw, all_devs, nvml_ok, f)
+        all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
+        candidates = _visibility(raw, all_devs, nvml_ok, f)
         selected = _select(candidates, requirement, f)
         _device_findings(selected, xids, f)
-        missing_gpu_findings(host_obs, nvml, cuda, expected_gpus, f)
-        uuids = {str(d["uuid"]) for d in selected if d.get("uuid")} if nvml_ok else None
+        # core.missing reads the host probe's PCI listing, which the typed host record does
+        # not carry yet: it gets the checked JSON of the three runs.
+        missing_gpu_findings(_json(host_run), _json(nvml_run), _json(cuda_run),
+                             expected_gpus, f)
+        uuids = {d.uuid for d in selected if d.uuid} if nvml_ok else None
         _cuda_findings(cuda, uuids, f)
         if nvml_ok and cuda_ok and cuda is not None and requirement.devices is None:
-            n_cuda = int(cuda.get("device_count") or 0)
+            n_cuda = _count(cuda.device_count)
             if n_cuda != len(candidates):
                 f.warn("device_count_mismatch",
                        f"NVML shows {len(candidates)} visible GPU(s), cuInit {n_cuda}",
@@ -433,42 +445,53 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         backends["host"] = _status(runs["host"], f, "host", {}, _host_detail(host_obs))
     if "nvml" in runs:
         backends["nvml"] = _status(runs["nvml"], f, "nvml", {
-            "driver": (nvml or {}).get("driver_version"),
-            "cuda_driver": _str((nvml or {}).get("cuda_driver_version")),
-            "nvml": (nvml or {}).get("nvml_version")},
-            {"device_count": (nvml or {}).get("device_count"),
-             "error": (nvml or {}).get("error")})
+            "driver": nvml.driver_version if nvml else None,
+            "cuda_driver": _str(nvml.cuda_driver_version if nvml else None),
+            "nvml": nvml.nvml_version if nvml else None},
+            {"device_count": nvml.device_count if nvml else None,
+             "error": nvml.error.record if nvml and nvml.error else None})
     if "cuda" in runs:
         backends["cuda"] = _status(runs["cuda"], f, "cuda",
-                                   {"cuda_driver": _str((cuda or {}).get("driver_version"))},
-                                   {"device_count": (cuda or {}).get("device_count"),
-                                    "init": (cuda or {}).get("init"),
-                                    "init_duration_s": (cuda or {}).get("init_duration_s")})
-    prealloc_source = _obs(runs, "jax") or host_obs or {}
+                                   {"cuda_driver": _str(cuda.driver_version if cuda else None)},
+                                   {"device_count": cuda.device_count if cuda else None,
+                                    "init": cuda.init.record if cuda and cuda.init else None,
+                                    "init_duration_s": cuda.init_duration_s if cuda else None})
+    jax_run = _ok(runs.get("jax"))
+    jax_obs = jax_run.jax if jax_run else None
+    prealloc = (jax_obs.preallocation_disabled if jax_obs is not None
+                else host_obs.preallocation_disabled if host_obs is not None else False)
     return Verdict(
         requirement=requirement,
         blockers=tuple(f.blockers),
         warnings=tuple(f.warnings),
         devices=tuple(devices),
         backends=backends,
-        evidence=_evidence(runs, host_obs, nvml, cuda),
-        preallocation_disabled=bool(prealloc_source.get("preallocation_disabled")),
+        evidence=_evidence(runs, host_obs, nvml, cuda, visibility),
+        preallocation_disabled=prealloc,
         host=host,
         checked_at=checked_at,
         source=source,
     )
 
 
-def _host_detail(host: Mapping[str, Any] | None) -> dict[str, Any]:
+def _json(run: ProbeRun | None) -> Mapping[str, Any] | None:
+    return run.observation if run is not None else None
+
+
+def _host_detail(host: HostObservation | None) -> dict[str, Any]:
     """The host facts a person looks for first: nvidia-smi, device nodes, kernel module."""
     if host is None:
         return {}
-    smi = host.get("nvidia_smi") or {}
-    smi_state = ("missing" if smi.get("missing") else "timed out" if smi.get("timed_out")
-                 else f"exit {smi.get('exit_code')}")
-    nodes = host.get("device_nodes") or {}
-    return {"nvidia_smi": smi_state, "device_nodes": len(nodes.get("nodes") or []),
-            "kernel_module": (host.get("driver_proc") or {}).get("kernel_module_version")}
+    smi = host.nvidia_smi
+    smi_state = ("missing" if smi.missing else "timed out" if smi.timed_out
+                 else f"exit {smi.exit_code}")
+    return {"nvidia_smi": smi_state, "device_nodes": host.device_nodes.node_count,
+            "kernel_module": host.kernel_module_version}
+
+
+def _count(value: float | int | None) -> int:
+    return int(value) if value is not None and value == value and abs(value) != float(
+        "inf") else 0
 
 
 def _str(value: Any) -> str | None:

@@ -8,12 +8,12 @@ text (``<file>:<line>: STATUS; message``), with the inner CUDA_ERROR name, say w
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.classify_jax import cuda_error_meaning
 from gpudiag.core.findings import Findings, GpuContext
+from gpudiag.core.observations import ErrorInfo, IreeObservation
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
@@ -66,9 +66,9 @@ def _code(step: str, st: IreeStatus) -> str:
     return STEP_CODES.get(step, "iree_execute_failed")
 
 
-def _message(driver: str, err: Mapping[str, Any], compiled_in: bool) -> str:
-    step = str(err.get("step"))
-    text = str(err.get("message") or "")
+def _message(driver: str, err: ErrorInfo, compiled_in: bool) -> str:
+    step = str(err.step)
+    text = err.message or ""
     st = parse_status(text)
     where = f" at {st.file}:{st.line}" if st.file else ""
     status = f"{st.status}: " if st.status else ""
@@ -81,42 +81,40 @@ def _message(driver: str, err: Mapping[str, Any], compiled_in: bool) -> str:
             f"{st.message}{cuda}{extra}")
 
 
-def _summary(obs: Mapping[str, Any]) -> list[str]:
+def _summary(obs: IreeObservation) -> list[str]:
     """One short line per driver for people: ``cuda: failed creating the driver``."""
     out = []
-    for name, d in (obs.get("drivers") or {}).items():
-        err = d.get("error") or {}
-        if not d.get("ok"):
-            out.append(f"{name}: failed {STEP_WORDS.get(str(err.get('step')), 'probing')}")
+    for name, d in obs.drivers.items():
+        if not d.ok:
+            step = str(d.error.step) if d.error else "None"
+            out.append(f"{name}: failed {STEP_WORDS.get(step, 'probing')}")
             continue
-        ex = d.get("execute") or {}
-        if ex.get("skipped"):
-            out.append(f"{name}: ok (device created; kernel not run: {ex['skipped']})")
+        ex = d.execute
+        if ex.skipped:
+            out.append(f"{name}: ok (device created; kernel not run: {ex.skipped})")
         else:
-            how = "cached module" if (ex.get("compile") or {}).get("cached") else "compiled"
+            how = "cached module" if ex.cached else "compiled"
             out.append(f"{name}: ok (kernel ran, {how})")
     return out
 
 
-def _detail(obs: Mapping[str, Any]) -> dict[str, Any]:
+def _detail(obs: IreeObservation) -> dict[str, Any]:
     drivers: dict[str, Any] = {}
     devices: list[str] = []
     init: dict[str, Any] = {}
     compute: dict[str, Any] = {}
-    for name, d in (obs.get("drivers") or {}).items():
-        ex = d.get("execute") or {}
-        drivers[name] = {"ok": d.get("ok"), "error": d.get("error"),
-                         "compile": ex.get("compile"), "run": ex.get("run"),
-                         "skipped": ex.get("skipped")}
-        devices.extend(f"{name}:{dev.get('device_id')} {dev.get('name')}"
-                       for dev in d.get("devices") or [])
-        init[name] = d.get("init_s")
-        if d.get("compute_s") is not None:
-            compute[name] = d.get("compute_s")
-    return {"required": obs.get("required"), "drivers": _summary(obs),
-            "driver_detail": drivers,
-            "compiled_in_drivers": obs.get("compiled_in_drivers"), "devices": devices,
-            "device_count": len(devices), "import_s": obs.get("import_s"),
+    for name, d in obs.drivers.items():
+        ex = d.execute
+        drivers[name] = {"ok": d.ok, "error": d.error.record if d.error else None,
+                         "compile": ex.compile, "run": ex.run, "skipped": ex.skipped}
+        devices.extend(f"{name}:{dev.text}" for dev in d.devices)
+        init[name] = d.init_s
+        if d.compute_s is not None:
+            compute[name] = d.compute_s
+    return {"required": None if obs.required is None else list(obs.required),
+            "drivers": _summary(obs), "driver_detail": drivers,
+            "compiled_in_drivers": obs.compiled_in_drivers, "devices": devices,
+            "device_count": len(devices), "import_s": obs.import_s,
             "init_s": init, "compute_s": compute}
 
 
@@ -124,29 +122,29 @@ def classify_iree(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
                   f: Findings) -> BackendStatus:
     """The iree backend's status; blockers only for the required drivers, not the control."""
     duration = round(run.duration_s, 4)
-    obs = run.observation
+    obs = run.iree
     if obs is None or not run.ok:
         return BackendStatus("blocked", duration, {}, {"error": run.error})
-    versions = {k: v for k, v in (obs.get("versions") or {}).items() if v}
-    if not obs.get("installed"):
-        err = obs.get("import_error") or {}
+    versions = {k: v for k, v in obs.versions.items() if v}
+    if not obs.installed:
+        err = obs.import_error or ErrorInfo()
         f.block("iree_not_installed",
-                f"import iree.runtime failed: {err.get('type')}: {err.get('message')}",
+                f"import iree.runtime failed: {err.type}: {err.message}",
                 backend=BACKEND)
         return BackendStatus("not_installed", duration, versions,
-                             {"import_error": err.get("message")})
-    required = [str(d) for d in obs.get("required") or [req.platform or "cuda"]]
+                             {"import_error": err.message})
+    required = list(obs.required) if obs.required else [req.platform or "cuda"]
     blocked = False
     for name in required:
-        d = (obs.get("drivers") or {}).get(name) or {}
-        err = d.get("error")
-        if d.get("ok") or not err:
+        d = obs.drivers.get(name)
+        failure = d.error if d is not None else None
+        if d is None or d.ok or failure is None:
             continue
         blocked = True
-        message = _message(name, err, bool(d.get("compiled_in", True)))
-        control = (obs.get("drivers") or {}).get("local-task")
-        if control is not None and name != "local-task" and control.get("ok"):
+        message = _message(name, failure, d.compiled_in)
+        control = obs.drivers.get("local-task")
+        if control is not None and name != "local-task" and control.ok:
             message += "; the local-task control works, so IREE itself is fine"
-        code = _code(str(err.get("step")), parse_status(str(err.get("message") or "")))
+        code = _code(str(failure.step), parse_status(failure.message or ""))
         f.block(code, message, backend=BACKEND, device=None)
     return BackendStatus("blocked" if blocked else "ok", duration, versions, _detail(obs))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.findings import Findings, GpuContext
+from gpudiag.core.observations import ErrorInfo, JaxObservation
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
@@ -63,15 +64,15 @@ class Cause:
     message: str
 
 
-def _platforms(obs: Mapping[str, Any]) -> str:
-    value = obs.get("jax_platforms")
+def _platforms(obs: JaxObservation) -> str:
+    value = obs.jax_platforms
     return "(unset)" if value is None else repr(value)
 
 
-def _text(error: Mapping[str, Any] | None) -> str:
-    if not error:
+def _text(error: ErrorInfo | None) -> str:
+    if error is None:
         return ""
-    return f"{error.get('type')}: {error.get('message')}"
+    return f"{error.type}: {error.message}"
 
 
 def cuda_error_meaning(text: str) -> str | None:
@@ -104,21 +105,21 @@ def _plugin_version_skew(versions: Mapping[str, Any]) -> str | None:
     return f"{', '.join(skewed)} installed with jaxlib {jaxlib}" if skewed else None
 
 
-def _gpu_errors(obs: Mapping[str, Any]) -> dict[str, str]:
-    errors = obs.get("backend_errors") or {}
+def _gpu_errors(obs: JaxObservation) -> dict[str, str]:
+    errors = obs.backend_errors or {}
     return {str(k): str(v) for k, v in errors.items() if k in GPU_PLATFORMS}
 
 
-def gpu_cause(obs: Mapping[str, Any], stderr: str) -> Cause | None:
+def gpu_cause(obs: JaxObservation, stderr: str) -> Cause | None:
     """Why JAX has no usable GPU, most specific cause first; None when it has one."""
-    init_error = obs.get("init_error")
+    init_error = obs.init_error
     init_text = _text(init_error)
     errors = _gpu_errors(obs)
     texts = [init_text, *errors.values(), stderr]
-    platforms = obs.get("platforms") or []
+    platforms = obs.platforms or ()
     present = ",".join(platforms) or "none"
-    jax_platforms = obs.get("jax_platforms")
-    versions = obs.get("versions") or {}
+    jax_platforms = obs.jax_platforms
+    versions = obs.versions
 
     for text in texts:
         m = _MISMATCH_RE.search(text)
@@ -141,15 +142,14 @@ def gpu_cause(obs: Mapping[str, Any], stderr: str) -> Cause | None:
         if skew:
             because += f"; note: {skew}"
         return Cause("jax_backend_init_failed", f"{init_line.strip()}{because}")
-    if init_error and init_error.get("type") == "AssertionError" and not init_error.get(
-            "message"):
-        nodes = ("" if obs.get("nvidia_gpu_visible") is not False else
+    if init_error and init_error.type == "AssertionError" and not init_error.message:
+        nodes = ("" if obs.nvidia_gpu_visible is not False else
                  "none of /dev/nvidia0, /dev/nvidiactl, /dev/dxg exists (device nodes "
                  "missing), so JAX skipped its CUDA backend, and ")
         return Cause("jax_backend_init_failed",
                      f"JAX_PLATFORMS={_platforms(obs)}: {nodes}with no platform left JAX "
-                     f"failed with a bare AssertionError at {init_error.get('where')} "
-                     f"({init_error.get('code')})")
+                     f"failed with a bare AssertionError at {init_error.where} "
+                     f"({init_error.code})")
     if skew:
         return Cause("jax_plugin_version_mismatch", f"JAX has no GPU platform: {skew}")
     if init_error:
@@ -158,7 +158,7 @@ def gpu_cause(obs: Mapping[str, Any], stderr: str) -> Cause | None:
                      f"JAX failed to initialize: {init_text}"
                      + (f"; inner cause from stderr: {inner}" if inner else ""))
     has_plugin = any(versions.get(n) for n in PLUGIN_DISTRIBUTIONS)
-    registered = obs.get("registered_platforms") or []
+    registered = obs.registered_platforms or ()
     if jax_platforms and not any(p.strip() in GPU_PLATFORMS
                                  for p in str(jax_platforms).split(",")):
         return Cause("jax_cpu_fallback",
@@ -166,11 +166,11 @@ def gpu_cause(obs: Mapping[str, Any], stderr: str) -> Cause | None:
                      f"present are: {present}")
     if "cuda" in registered and "cuda" not in platforms:
         why = ("JAX found no /dev/nvidia0, /dev/nvidiactl or /dev/dxg (device nodes missing)"
-               if obs.get("nvidia_gpu_visible") is False else "no error was recorded")
+               if obs.nvidia_gpu_visible is False else "no error was recorded")
         return Cause("jax_backend_init_failed",
                      f"the cuda backend is registered but did not start: {why}; platforms "
                      f"present are: {present}")
-    required = _text(obs.get("required_error"))
+    required = _text(obs.required_error)
     fallback = next((m.group() for t in texts if (m := _FALLBACK_RE.search(t))), None)
     if not has_plugin and "cuda" not in registered:
         said = f"; JAX says: {fallback}" if fallback else ""
@@ -183,11 +183,11 @@ def gpu_cause(obs: Mapping[str, Any], stderr: str) -> Cause | None:
                  + (f" ({required})" if required else ""))
 
 
-def _fallback(obs: Mapping[str, Any], stderr: str) -> Cause | None:
+def _fallback(obs: JaxObservation, stderr: str) -> Cause | None:
     """The job would silently run on the CPU: JAX's default backend came up as cpu."""
-    if obs.get("default_backend") != "cpu":
+    if obs.default_backend != "cpu":
         return None
-    if obs.get("required_devices"):
+    if obs.required_devices:
         # JAX_PLATFORMS=cpu,cuda: the GPU is there, but jit and new arrays default to the CPU.
         return Cause("jax_cpu_fallback",
                      f"JAX has GPU devices but its default backend is the CPU "
@@ -201,27 +201,27 @@ def _fallback(obs: Mapping[str, Any], stderr: str) -> Cause | None:
                  f"without an error{said}")
 
 
-def _compute_failure(obs: Mapping[str, Any]) -> Cause | None:
-    compute = obs.get("compute")
-    if not compute or compute.get("ok"):
+def _compute_failure(obs: JaxObservation) -> Cause | None:
+    compute = obs.compute
+    if compute is None or compute.ok:
         return None
-    err = compute.get("error") or {}
+    err = compute.error or ErrorInfo()
     return Cause("jax_compute_failed",
-                 f"a tiny jitted computation on {compute.get('device')} failed: "
-                 f"{err.get('type')}: {err.get('message')}")
+                 f"a tiny jitted computation on {compute.device} failed: "
+                 f"{err.type}: {err.message}")
 
 
-def causes(obs: Mapping[str, Any], platform: str, stderr: str) -> list[Cause]:
+def causes(obs: JaxObservation, platform: str, stderr: str) -> list[Cause]:
     """Every JAX blocker the observation shows for the required platform, cause first."""
     out: list[Cause] = []
     if platform == "cpu":
-        if not obs.get("required_devices"):
-            err = obs.get("init_error") or obs.get("required_error")
+        if not obs.required_devices:
+            err = obs.init_error or obs.required_error
             out.append(Cause("jax_backend_init_failed",
                              f"JAX did not come up on the CPU (JAX_PLATFORMS=cpu): "
                              f"{_text(err) or 'no cpu device'}"))
     else:
-        if not obs.get("required_devices"):
+        if not obs.required_devices:
             cause = gpu_cause(obs, stderr)
             if cause is not None:
                 out.append(cause)
@@ -231,39 +231,40 @@ def causes(obs: Mapping[str, Any], platform: str, stderr: str) -> list[Cause]:
     compute = _compute_failure(obs)
     if compute is not None:
         out.append(compute)
-    if not obs.get("preallocation_disabled"):
-        xla = obs.get("xla_env") or {}
+    if not obs.preallocation_disabled:
+        xla = obs.xla_env or {}
         seen = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in xla.items())
         out.append(Cause("jax_preallocation_enabled",
                          f"the JAX child read {seen}: XLA would preallocate 75% of each GPU"))
     return out
 
 
-def _detail(obs: Mapping[str, Any], platform: str) -> dict[str, Any]:
-    devices = [f"{d.get('platform')}:{d.get('id')} {d.get('kind')}"
-               for d in obs.get("devices") or []]
+def _detail(obs: JaxObservation, platform: str) -> dict[str, Any]:
     return {
         "platform_required": platform,
         "cpu_allowed": platform == "cpu",
-        "jax_platforms": obs.get("jax_platforms"),
-        "jax_platforms_effective": obs.get("jax_platforms_effective"),
-        "default_backend": obs.get("default_backend"),
-        "platforms": obs.get("platforms"),
-        "registered_platforms": obs.get("registered_platforms"),
-        "devices": devices,
-        "device_count": len(obs.get("required_devices") or []),
-        "backend_errors": obs.get("backend_errors"),
-        "init_error": obs.get("init_error") and {
-            k: v for k, v in obs["init_error"].items() if k != "traceback"},
-        "required_error": obs.get("required_error") and {
-            k: v for k, v in obs["required_error"].items() if k != "traceback"},
-        "compute": obs.get("compute"),
-        "xla_env": obs.get("xla_env"),
-        "preallocation_disabled": obs.get("preallocation_disabled"),
-        "import_s": obs.get("import_s"),
-        "init_s": obs.get("init_s"),
-        "compute_s": obs.get("compute_s"),
+        "jax_platforms": obs.jax_platforms,
+        "jax_platforms_effective": obs.jax_platforms_effective,
+        "default_backend": obs.default_backend,
+        "platforms": _listed(obs.platforms),
+        "registered_platforms": _listed(obs.registered_platforms),
+        "devices": [d.text for d in obs.devices],
+        "device_count": len(obs.required_devices),
+        "backend_errors": None if obs.backend_errors is None else dict(obs.backend_errors),
+        "init_error": obs.init_error.without_traceback() if obs.init_error else None,
+        "required_error": (obs.required_error.without_traceback() if obs.required_error
+                           else None),
+        "compute": obs.compute.record if obs.compute else None,
+        "xla_env": None if obs.xla_env is None else dict(obs.xla_env),
+        "preallocation_disabled": obs.preallocation_disabled,
+        "import_s": obs.import_s,
+        "init_s": obs.init_s,
+        "compute_s": obs.compute_s,
     }
+
+
+def _listed(values: Sequence[str] | None) -> list[str] | None:
+    return None if values is None else list(values)
 
 
 def classify_jax(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
@@ -271,13 +272,13 @@ def classify_jax(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
     """The jax backend's status; its blockers go into ``f`` (lower layers name the root)."""
     platform = "cpu" if req.platform == "cpu" else "gpu"
     duration = round(run.duration_s, 4)
-    obs = run.observation
+    obs = run.jax
     if obs is None or not run.ok:
         # The probe layer already holds the timeout/crash/error blocker for this child.
         return BackendStatus("blocked", duration, {}, {"error": run.error})
-    versions = {k: v for k, v in (obs.get("versions") or {}).items() if v}
-    if not obs.get("installed"):
-        err = obs.get("import_error") or {}
+    versions = {k: v for k, v in obs.versions.items() if v}
+    if not obs.installed:
+        err = obs.import_error
         f.block("jax_not_installed", f"import jax failed: {_text(err)}", backend=BACKEND)
         return BackendStatus("not_installed", duration, versions,
                              {"import_error": _text(err)})

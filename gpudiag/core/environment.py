@@ -6,6 +6,7 @@ import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from gpudiag.core.child import preallocation_off
 
@@ -117,6 +118,16 @@ def parse_nvidia_visible_devices(raw: str | None) -> Visibility:
     return Visibility(var, raw, "list", entries)
 
 
+# One resolver, two rules (DESIGN.md, "Devices and visibility"):
+# PREFIX is how the CUDA driver reads a visibility list, so preflight judges what a job will
+# see: an index, a unique GPU UUID prefix, or a MIG UUID. FULL_UUID is admission's rule:
+# only an index or a complete UUID names a GPU, because a prefix is never an identity for a
+# lock. Both read indices as NVML indices and MIG UUIDs as one instance of their GPU.
+Rule = Literal["prefix", "full_uuid"]
+PREFIX: Rule = "prefix"
+FULL_UUID: Rule = "full_uuid"
+
+
 @dataclass(frozen=True)
 class KnownDevice:
     """What resolution needs to know of a device: its index and full UUIDs."""
@@ -127,15 +138,48 @@ class KnownDevice:
 
 
 @dataclass(frozen=True)
+class Pick:
+    """What one entry named: a device, or one MIG instance of it (``mig_uuid``)."""
+
+    index: int
+    mig_uuid: str | None = None
+
+
+@dataclass(frozen=True)
 class Resolution:
     """A visibility list resolved against the real devices."""
 
     indices: tuple[int, ...]
     unresolved: tuple[str, ...]  # entries that name no device (or are ambiguous)
     ambiguous: tuple[str, ...] = ()
+    # Per entry of the list, in its order: what it named (empty: nothing; two or more:
+    # ambiguous). Empty for unset/all/empty lists.
+    picks: tuple[tuple[Pick, ...], ...] = ()
 
 
-def resolve(vis: Visibility, devices: Sequence[KnownDevice]) -> Resolution:
+def entry_of(token: str) -> VisibleEntry:
+    """One visibility-list token classified (index, uuid, uuid_prefix, mig_uuid, ...)."""
+    return _entry(token)
+
+
+def match_entry(entry: VisibleEntry, devices: Sequence[KnownDevice], rule: Rule
+                ) -> tuple[Pick, ...]:
+    """What one entry names among ``devices`` under ``rule`` (two or more: ambiguous)."""
+    raw = entry.raw.lower()
+    if entry.kind == "index":
+        return tuple(Pick(d.index) for d in devices if d.index == int(entry.raw))
+    if entry.kind == "uuid" or (entry.kind == "uuid_prefix" and rule == PREFIX):
+        if rule == PREFIX:
+            return tuple(Pick(d.index) for d in devices if d.uuid.lower().startswith(raw))
+        return tuple(Pick(d.index) for d in devices if d.uuid and d.uuid.lower() == raw)
+    if entry.kind == "mig_uuid":
+        return tuple(Pick(d.index, m) for d in devices for m in d.mig_uuids
+                     if m.lower() == raw)
+    return ()  # mig_legacy and invalid entries never name a device
+
+
+def resolve(vis: Visibility, devices: Sequence[KnownDevice], rule: Rule = PREFIX
+            ) -> Resolution:
     """Which physical devices a visibility list selects, in its order, and what it misnames."""
     if vis.mode in ("unset", "all"):
         return Resolution(tuple(d.index for d in devices), ())
@@ -144,25 +188,19 @@ def resolve(vis: Visibility, devices: Sequence[KnownDevice]) -> Resolution:
     chosen: list[int] = []
     unresolved: list[str] = []
     ambiguous: list[str] = []
-    by_index = {d.index: d for d in devices}
+    picks: list[tuple[Pick, ...]] = []
     for e in vis.entries:
-        match: list[int] = []
-        if e.kind == "index":
-            if int(e.raw) in by_index:
-                match = [int(e.raw)]
-        elif e.kind in ("uuid", "uuid_prefix"):
-            match = [d.index for d in devices if d.uuid.lower().startswith(e.raw.lower())]
-        elif e.kind == "mig_uuid":
-            match = [d.index for d in devices
-                     if any(m.lower() == e.raw.lower() for m in d.mig_uuids)]
-        if len(match) > 1:
+        found = match_entry(e, devices, rule)
+        picks.append(found)
+        indices = {p.index for p in found}
+        if len(indices) > 1:
             ambiguous.append(e.raw)
             unresolved.append(e.raw)
-        elif not match:
+        elif not found:
             unresolved.append(e.raw)
-        elif match[0] not in chosen:
-            chosen.append(match[0])
-    return Resolution(tuple(chosen), tuple(unresolved), tuple(ambiguous))
+        elif found[0].index not in chosen:
+            chosen.append(found[0].index)
+    return Resolution(tuple(chosen), tuple(unresolved), tuple(ambiguous), tuple(picks))
 
 
 _FULL_UUID_RE = re.compile(

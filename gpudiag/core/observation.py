@@ -1,9 +1,9 @@
 """The shape of each probe's observation, checked where it enters: a child's JSON.
 
-A probe child prints one JSON object. Everything downstream (classify, the exporter,
-admission) reads it with ``.get`` chains that assume a dict is a dict and a count is a
-number; a malformed observation (a broken or foreign probe, a truncated write) must become
-a ``probe_error`` naming the bad field, never an exception in the daemon. Only the types of
+A probe child prints one JSON object. gpudiag.core.observations parses it into typed records
+after this check, which lets those parsers assume a dict is a dict and a count is a number;
+a malformed observation (a broken or foreign probe, a truncated write) must become a
+``probe_error`` naming the bad field, never an exception in the daemon. Only the types of
 the fields that gpudiag reads are checked; unknown fields pass, so probes may add fields.
 """
 

@@ -19,14 +19,23 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gpudiag.core.catalog import BLOCKERS, WARNINGS, CatalogEntry
+from gpudiag.core.observations import (
+    CudaObservation,
+    Ecc,
+    IreeObservation,
+    JaxObservation,
+    Memory,
+    NvmlDevice,
+)
+from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import Finding
 from gpudiag.core.version import __version__
 from gpudiag.daemon.recorder import HistoryHealth
 from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
 
 
-def _gpu_labels(d: Mapping[str, Any]) -> list[str]:
-    return [str(d.get("index")), str(d.get("uuid") or "")]
+def _gpu_labels(d: NvmlDevice) -> list[str]:
+    return [str(d.index), d.uuid or ""]
 
 
 class SnapshotCollector(Collector):
@@ -71,9 +80,9 @@ class SnapshotCollector(Collector):
         yield up
         versions: dict[str, str] = {"version": __version__}
         nvml = snap.result("nvml")
-        obs = (nvml.run.observation or {}) if nvml is not None else {}
-        versions["driver_version"] = str(obs.get("driver_version") or "")
-        versions["cuda_driver_version"] = str(obs.get("cuda_driver_version") or "")
+        obs = nvml.run.nvml if nvml is not None else None
+        versions["driver_version"] = str((obs.driver_version if obs else None) or "")
+        versions["cuda_driver_version"] = str((obs.cuda_driver_version if obs else None) or "")
         # label <- the first version key the backend reports (IREE names its package).
         for backend, label, keys in (("jax", "jax", ("jax",)), ("jax", "jaxlib", ("jaxlib",)),
                                      ("iree", "iree", ("iree-base-runtime", "iree"))):
@@ -141,16 +150,15 @@ class SnapshotCollector(Collector):
             if stats.last_success_wall is not None:
                 success.add_metric([key.backend], stats.last_success_wall)
             result = snap.results.get(key)
-            obs = (result.run.observation or {}) if result is not None else {}
-            seconds = obs.get("init_duration_s", obs.get("init_s"))
-            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            seconds = _init_seconds(result.run) if result is not None else None
+            if seconds is not None:
                 init.add_metric([key.backend], float(seconds))
         yield from (duration, runs, success, init)
 
     def _gpus(self, snap: Snapshot) -> Iterator[Metric]:
         nvml = snap.result("nvml")
-        obs = (nvml.run.observation or {}) if nvml is not None else {}
-        devices = [d for d in (obs.get("devices") or []) if isinstance(d, dict)]
+        obs = nvml.run.nvml if nvml is not None else None
+        devices = obs.devices if obs is not None else ()
         tele = snap.watcher.telemetry
         fresh = (snap.watcher.telemetry_wall is not None and nvml is not None
                  and snap.watcher.telemetry_wall > nvml.finished_wall)
@@ -172,33 +180,24 @@ class SnapshotCollector(Collector):
                                  labels=[*gl, "state"])
         for d in devices:
             labels = _gpu_labels(d)
-            info.add_metric([*labels, str(d.get("name") or ""), str(d.get("pci_bus_id") or "")],
-                            1.0)
-            if not d.get("ok"):
+            info.add_metric([*labels, d.name or "", d.pci_bus_id or ""], 1.0)
+            if not d.ok:
                 continue
-            live = tele.get(int(d["index"])) if fresh and isinstance(d.get("index"), int) else None
-            m = d.get("memory") or {}
-            values = {"total": m.get("total_bytes"), "used": m.get("used_bytes"),
-                      "free": m.get("free_bytes"),
-                      "util": d.get("utilization_gpu_ratio"), "temp": d.get("temperature_c"),
-                      "power": d.get("power_w")}
-            if live:
-                values.update({k: live.get(src, values[k]) for k, src in (
-                    ("total", "memory_total_bytes"), ("used", "memory_used_bytes"),
-                    ("free", "memory_free_bytes"), ("util", "utilization_gpu_ratio"),
-                    ("temp", "temperature_c"), ("power", "power_w"))})
-            for k in ("total", "used", "free"):
-                _add(mem[k], labels, values[k])
-            _add(util, labels, values["util"])
-            _add(temp, labels, values["temp"])
-            _add(power, labels, values["power"])
-            e = d.get("ecc") or {}
-            for kind in ("corrected", "uncorrected"):
-                _add(ecc, [*labels, kind], e.get(f"aggregate_{kind}"))
-            r = d.get("remapped_rows") or {}
-            for state in ("correctable", "uncorrectable", "pending", "failure"):
-                if state in r:
-                    _add(rows, [*labels, state], float(r[state]))
+            # The watcher's telemetry uses the probe's names: newer readings win one by one.
+            now = d.readings.updated_by(tele.get(d.index) if fresh else None)
+            m = now.memory or Memory()
+            for k, value in (("total", m.total_bytes), ("used", m.used_bytes),
+                             ("free", m.free_bytes)):
+                _add(mem[k], labels, value)
+            _add(util, labels, now.utilization_gpu_ratio)
+            _add(temp, labels, now.temperature_c)
+            _add(power, labels, now.power_w)
+            e = d.ecc or Ecc()
+            _add(ecc, [*labels, "corrected"], e.aggregate_corrected)
+            _add(ecc, [*labels, "uncorrected"], e.aggregate_uncorrected)
+            states = d.remapped_rows.states() if d.remapped_rows else {}
+            for state, count in states.items():
+                _add(rows, [*labels, state], count)
         yield from (info, *mem.values(), util, temp, power, ecc, rows)
 
     def _xids(self, snap: Snapshot, now: float) -> Iterator[Metric]:
@@ -272,6 +271,16 @@ def _codes(name: str, kind: str, table: Mapping[str, CatalogEntry],
     for code, row in table.items():
         family.add_metric([code, row.layer], 1.0 if code in present else 0.0)
     return family
+
+
+def _init_seconds(run: ProbeRun) -> float | int | None:
+    """How long the backend's own initialization took, as its probe measured it."""
+    obs = run.parsed
+    if isinstance(obs, CudaObservation):
+        return obs.init_duration_s
+    if isinstance(obs, (JaxObservation, IreeObservation)):
+        return obs.init_duration_s if obs.init_duration_s is not None else obs.init_s
+    return None
 
 
 def _first_per_backend(snap: Snapshot) -> list[ProbeKey]:

@@ -126,13 +126,15 @@ def failure_signature(run: ProbeRun) -> str | None:
     """None when the probe found the host healthy; else what failed, to detect repeats."""
     if not run.ok:
         return f"{outcome_of(run)}:{run.exit_code}:{run.signal}"
-    obs = run.observation or {}
-    if obs.get("ok") is False:
-        err = obs.get("error")
-        return f"obs:{err.get('code') if isinstance(err, dict) else err}"
-    init = obs.get("init")
-    if isinstance(init, dict) and init.get("ok") is False:
-        return f"init:{init.get('code')}"
+    obs = run.parsed
+    if obs is None:
+        return None
+    if obs.ok is False:
+        nvml = run.nvml
+        return f"obs:{nvml.error.code if nvml is not None and nvml.error else None}"
+    cuda = run.cuda
+    if cuda is not None and cuda.init is not None and cuda.init.ok is False:
+        return f"init:{cuda.init.code}"
     return None
 
 
@@ -390,7 +392,7 @@ class Scheduler:
         locks: NVML is read first (no context), then the probe touches what was claimed."""
         with self._guard:
             nvml_run = self._call("nvml", self._env, None)
-            nvml = nvml_run.observation if nvml_run.ok else None
+            nvml = nvml_run.nvml if nvml_run.ok else None
             occupancy = occupancy_from_nvml(nvml, own_process_tree())
             claim: GpuClaim = claim_free(occupancy, visible_uuids(nvml, self._env),
                                          lock_dir=self._lock_dir,
@@ -421,20 +423,19 @@ class Scheduler:
 
     def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""
-        obs = run.observation if run.ok else None
-        if backend == "nvml" and obs is not None:
-            fresh = occupancy_from_nvml(obs, own_process_tree())
+        if backend == "nvml" and run.ok and run.nvml is not None:
+            fresh = occupancy_from_nvml(run.nvml, own_process_tree())
             # A GPU a gpudiag run job has locked stays busy until NVML shows more.
             for uuid, occ in self._occupancy.items():
                 if occ.why == "locked by a gpudiag run job" and fresh.get(uuid) is not None \
                         and fresh[uuid].state == "free":
                     fresh[uuid] = occ
             self._occupancy = fresh
-        elif backend == "cuda" and obs is not None:
-            for dev in obs.get("devices") or []:
-                ctx, alloc = dev.get("context") or {}, dev.get("alloc") or {}
-                if ctx.get("ok") and alloc.get("ok") and isinstance(dev.get("uuid"), str):
-                    self._last_proven[(dev["uuid"], "cuda")] = finished_wall
+        elif backend == "cuda" and run.ok and run.cuda is not None:
+            for dev in run.cuda.devices:
+                if dev.context is not None and dev.context.ok and dev.alloc is not None \
+                        and dev.alloc.ok and dev.uuid is not None:
+                    self._last_proven[(dev.uuid, "cuda")] = finished_wall
         elif backend in ("jax", "iree") and failure_signature(run) is None:
             gpu = self._backend_gpu.get(backend)
             if gpu is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from gpudiag.core.classify import classify
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope
 from gpudiag.core.verdict import Finding, Requirement, Verdict
@@ -98,7 +99,7 @@ class WatcherState:
     last_error: str | None = None
     xid_counts: tuple[XidCount, ...] = ()
     recent: tuple[XidEvent, ...] = ()
-    telemetry: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    telemetry: Mapping[int, GpuReadings] = field(default_factory=dict)
     telemetry_wall: float | None = None
 
     def gap_s(self, now_wall: float) -> float:
@@ -151,20 +152,6 @@ class VerdictPolicy:
     expected_gpus: int | None = None
 
 
-def _with_visibility(run: ProbeRun, visibility: tuple[str | None, str | None]) -> ProbeRun:
-    """The host run as if the job's CUDA_/NVIDIA_VISIBLE_DEVICES had been in force."""
-    obs = dict(run.observation or {})
-    env = dict(obs.get("environment") or {})
-    names = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-    for name, value in zip(names, visibility, strict=True):
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-    obs["environment"] = env
-    return replace(run, observation=obs)
-
-
 def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float,
                 policy: VerdictPolicy, keys: Sequence[ProbeKey] | None = None,
                 visibility: tuple[str | None, str | None] | None = None) -> Verdict | None:
@@ -180,12 +167,10 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
     if len(results) != len(found):
         return None
     runs = {r.key.backend: r.run for r in results}
-    overridden = False
-    if visibility is not None and "host" in runs and runs["host"].observation is not None:
-        before = (runs["host"].observation.get("environment") or {})
-        overridden = (before.get("CUDA_VISIBLE_DEVICES"),
-                      before.get("NVIDIA_VISIBLE_DEVICES")) != visibility
-        runs["host"] = _with_visibility(runs["host"], visibility)
+    host_run = runs.get("host")
+    host_obs = host_run.host if host_run is not None else None
+    overridden = (visibility is not None and host_obs is not None
+                  and host_obs.visibility != visibility)
     oldest = min((r.started_wall for r in results), default=now_wall)
     xids = [x for x in snapshot.watcher.recent if now_wall - x.timestamp <= policy.xid_hold_s]
     extra: list[Finding] = []
@@ -199,7 +184,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                 f"(limit {policy.gap_warning_s:g} s, {watcher.restarts} restart(s)){why}",
                 backend="nvml", warning=True))
     verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
-                       source="daemon", xids=xids, extra_warnings=extra, scope=snapshot.scope,
+                       source="daemon", xids=xids, extra_warnings=extra,
+                       visibility=visibility, scope=snapshot.scope,
                        expected_gpus=policy.expected_gpus)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import selectors
 import signal
@@ -22,6 +21,7 @@ from dataclasses import replace
 from typing import IO, Any
 
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.observations import WatcherLine, parse_watcher_line
 from gpudiag.core.probe_run import bounded_tail
 from gpudiag.core.xids import SOURCE_URL as XID_SOURCE_URL
 from gpudiag.core.xids import xid_entry
@@ -208,42 +208,26 @@ class XidWatcher:
         return reason + detail
 
     def _handle(self, line: bytes) -> str | None:
-        try:
-            msg = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, or absurdly nested
+        msg = parse_watcher_line(line)  # typed once, here, where the line arrives
+        if msg is None:
             return None  # a library printed to stdout; not ours
-        if not isinstance(msg, dict):
-            return None
-        kind = msg.get("type")
-        if kind == "hello":
+        if msg.kind == "hello":
             self._came_up()
-            devices = msg.get("devices")
-            log.info("XID watcher watching %d GPU(s)",
-                     len(devices) if isinstance(devices, list) else 0)
-        elif kind == "xid":
+            log.info("XID watcher watching %d GPU(s)", msg.device_count)
+        elif msg.kind == "xid":
             self._xid(msg)
-        elif kind == "telemetry":
+        elif msg.kind == "telemetry":
             # Only well-formed readings reach the exporter; a bad one is dropped, not fatal.
-            raw = msg.get("gpus")
-            gpus = {g["index"]: g for g in (raw if isinstance(raw, list) else [])
-                    if isinstance(g, dict) and _is_int(g.get("index"))}
-            ts = msg.get("ts")
-            wall = self._wall()
-            if isinstance(ts, (int, float)) and not isinstance(ts, bool) and math.isfinite(ts):
-                wall = float(ts)
-            self._update(telemetry=gpus, telemetry_wall=wall)
-        elif kind == "error":
-            return str(msg.get("message"))
+            wall = msg.ts if msg.ts is not None else self._wall()
+            self._update(telemetry=dict(msg.telemetry), telemetry_wall=wall)
+        elif msg.kind == "error":
+            return str(msg.message)
         return None
 
-    def _xid(self, msg: Mapping[str, Any]) -> None:
-        try:
-            xid = int(msg["xid"])
-        except (KeyError, TypeError, ValueError, OverflowError):
+    def _xid(self, msg: WatcherLine) -> None:
+        if msg.xid is None:
             return
-        index = msg.get("device_index")
-        gpu = index if _is_int(index) else None
-        uuid = msg.get("uuid") if isinstance(msg.get("uuid"), str) else None
+        xid, gpu, uuid = msg.xid, msg.device_index, msg.uuid
         ts = self._wall()
         event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts)
         log.warning("XID %d on GPU %s (%s)", xid, gpu, uuid,
@@ -265,7 +249,3 @@ class XidWatcher:
                                       self._counts.values(),
                                       key=lambda c: (c.gpu or -1, c.xid))))
         self._on_change()
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -22,6 +22,8 @@ from gpudiag.core.environment import (
     parse_nvidia_visible_devices,
     resolve,
 )
+from gpudiag.core.observations import NvmlObservation
+from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.engine.locks import LockFailed, LockInfo, release, try_lock
 
@@ -58,43 +60,31 @@ def own_process_tree(pid: int | None = None) -> frozenset[int]:
     return frozenset(pids)
 
 
-def _leaf_occupancy(uuid: Any, ok: bool, processes: Any, error: Any, own: frozenset[int]
-                    ) -> GpuOccupancy | None:
-    if not isinstance(uuid, str) or not is_full_uuid(uuid):
-        return None
-    if not ok or error:
-        return GpuOccupancy(uuid, UNKNOWN, why=f"NVML could not read it: {error}")
-    if not isinstance(processes, list):
-        return GpuOccupancy(uuid, UNKNOWN, why="NVML could not list its compute processes")
-    pids = tuple(sorted({int(p["pid"]) for p in processes
-                         if isinstance(p, Mapping) and isinstance(p.get("pid"), int)}))
-    foreign = tuple(p for p in pids if p not in own)
-    if foreign:
-        return GpuOccupancy(uuid, BUSY, foreign, f"{len(foreign)} other process(es)")
-    return GpuOccupancy(uuid, FREE)
+# core.occupancy's states, as the verdict and the metrics write them.
+_STATE = {"FREE": FREE, "BUSY": BUSY, "UNKNOWN": UNKNOWN}
 
 
-def occupancy_from_nvml(nvml: Mapping[str, Any] | None, own: frozenset[int]
+def occupancy_from_nvml(nvml: NvmlObservation | None, own: frozenset[int]
                         ) -> dict[str, GpuOccupancy]:
-    """Each GPU leaf's occupancy from an nvml observation (MIG instances are leaves too, and
-    a GPU is busy when any of its instances is)."""
+    """Each GPU leaf's occupancy from an nvml observation (core.occupancy's rule; MIG
+    instances are leaves too, and a GPU is busy when any of its instances is)."""
     out: dict[str, GpuOccupancy] = {}
-    if not nvml or not nvml.get("ok"):
+    if nvml is None or not nvml.ok:
         return out
-    for dev in nvml.get("devices") or []:
-        if not isinstance(dev, Mapping):
-            continue
-        ok = bool(dev.get("ok", True))
-        gpu = _leaf_occupancy(dev.get("uuid"), ok, dev.get("processes"), dev.get("error"), own)
-        mig = dev.get("mig") or {}
-        for inst in (mig.get("instances") or []) if mig.get("enabled") else []:
-            leaf = _leaf_occupancy(inst.get("uuid"), ok, inst.get("processes"),
-                                   inst.get("error"), own)
-            if leaf is not None:
-                out[leaf.uuid] = leaf
-                if gpu is not None and leaf.state != FREE and gpu.state == FREE:
-                    gpu = GpuOccupancy(gpu.uuid, leaf.state, leaf.pids, "a MIG instance is "
-                                       + leaf.state)
+    for dev in nvml.devices:
+        gpu: GpuOccupancy | None = None
+        if dev.uuid is not None and is_full_uuid(dev.uuid):
+            occ = leaf_occupancy(dev, own)
+            gpu = GpuOccupancy(dev.uuid, _STATE[occ.state], occ.pids, occ.reason or "")
+        for inst in dev.mig.instances if dev.mig is not None and dev.mig.enabled else ():
+            if inst.uuid is None or not is_full_uuid(inst.uuid):
+                continue
+            occ = leaf_occupancy(inst, own, parent=dev)
+            leaf = GpuOccupancy(inst.uuid, _STATE[occ.state], occ.pids, occ.reason or "")
+            out[leaf.uuid] = leaf
+            if gpu is not None and leaf.state != FREE and gpu.state == FREE:
+                gpu = GpuOccupancy(gpu.uuid, leaf.state, leaf.pids,
+                                   f"a MIG instance is {leaf.state}")
         if gpu is not None:
             out[gpu.uuid] = gpu
     return out
@@ -104,22 +94,19 @@ def occupancy_from_nvml(nvml: Mapping[str, Any] | None, own: frozenset[int]
 _NO_DRIVER_CODES = frozenset({9, 12})
 
 
-def driver_absent(nvml: Mapping[str, Any] | None) -> bool:
+def driver_absent(nvml: NvmlObservation | None) -> bool:
     """Whether NVML says there is no NVIDIA driver at all: then no GPU can be in use, and the
     JAX and IREE probes may run as they are to name what else is missing (a plugin, a
     library). Any other NVML failure leaves every GPU UNKNOWN, never FREE."""
-    if not nvml or nvml.get("ok"):
+    if nvml is None or nvml.ok:
         return False
-    err = nvml.get("error")
-    return isinstance(err, Mapping) and err.get("code") in _NO_DRIVER_CODES
+    return nvml.error is not None and nvml.error.code in _NO_DRIVER_CODES
 
 
-def visible_uuids(nvml: Mapping[str, Any] | None, env: Mapping[str, str]) -> list[str]:
+def visible_uuids(nvml: NvmlObservation | None, env: Mapping[str, str]) -> list[str]:
     """The full GPU UUIDs the caller's visibility variables let it see, in their order."""
-    devices = [KnownDevice(int(d["index"]), str(d["uuid"]))
-               for d in ((nvml or {}).get("devices") or [])
-               if isinstance(d, Mapping) and isinstance(d.get("index"), int)
-               and isinstance(d.get("uuid"), str)]
+    devices = [KnownDevice(d.index, d.uuid) for d in (nvml.devices if nvml else ())
+               if d.uuid is not None]
     by_index = {d.index: d.uuid for d in devices}
     seen: list[int] | None = None
     for vis in (parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES")),

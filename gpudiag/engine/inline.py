@@ -66,7 +66,7 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     runs = run_probes(passive + ([("nvml", None)] if extra_nvml else []), env=child_env,
                       timeouts=limits)
     nvml_run = runs.pop("nvml") if extra_nvml else runs.get("nvml")
-    nvml = nvml_run.observation if nvml_run is not None and nvml_run.ok else None
+    nvml = nvml_run.nvml if nvml_run is not None and nvml_run.ok else None
     occupancy = occupancy_from_nvml(nvml, own_process_tree())
     candidates = visible_uuids(nvml, child_env)
     with claim_free(occupancy, candidates, lock_dir=lock_dir or default_lock_dir(base)) as claim:

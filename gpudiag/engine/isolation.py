@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gpudiag.core.observation import observation_problem
 from gpudiag.core.probe_run import ProbeRun, bounded_tail
 
 STDOUT_LIMIT_BYTES = 16 * 1024 * 1024
@@ -81,11 +80,8 @@ def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
         return ProbeRun(backend, None, duration, code, None, False, tail,
                         f"probe {backend} printed no valid observation: {parse_error}",
                         tuple(argv))
-    malformed = observation_problem(backend, observation)
-    if malformed is not None:
-        return ProbeRun(backend, None, duration, code, None, False, tail,
-                        f"probe {backend} returned a malformed observation: {malformed}",
-                        tuple(argv))
+    # Building the run parses the observation into its typed record, once, here; a malformed
+    # one becomes a probe_error run naming the field (gpudiag.core.observations).
     return ProbeRun(backend, observation, duration, code, None, False, tail, None, tuple(argv))
 
 

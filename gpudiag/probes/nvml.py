@@ -75,6 +75,27 @@ def _memory(pynvml: Any, handle: Any) -> dict[str, int]:
             "free_bytes": int(mem.free)}
 
 
+Reader = Callable[[str, Callable[[], Any]], Any]
+
+
+def readings(pynvml: Any, handle: Any, read: Reader) -> dict[str, Any]:
+    """Memory, utilization, temperature and power: the one vocabulary of NVML readings.
+
+    The nvml probe's devices and the XID watcher's telemetry both carry exactly these names
+    (gpudiag.core.observations.GpuReadings parses both); ``read`` decides what an
+    unsupported reading becomes (None plus a reason, or just None).
+    """
+    util = read("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
+    power_mw = read("power", lambda: int(pynvml.nvmlDeviceGetPowerUsage(handle)))
+    return {
+        "memory": read("memory", lambda: _memory(pynvml, handle)),
+        "utilization_gpu_ratio": None if util is None else int(util.gpu) / 100.0,
+        "temperature_c": read("temperature",
+                              lambda: int(pynvml.nvmlDeviceGetTemperature(handle, 0))),
+        "power_w": None if power_mw is None else power_mw / 1000.0,
+    }
+
+
 def _processes(pynvml: Any, handle: Any) -> list[dict[str, Any]]:
     # The _v3 call directly: the unsuffixed wrapper refuses on an NVML version mismatch.
     procs = pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle)
@@ -160,13 +181,7 @@ def _device(pynvml: Any, index: int) -> dict[str, Any]:
         dev["name"] = fields.read("name", lambda: _decode(pynvml.nvmlDeviceGetName(handle)))
         dev["pci_bus_id"] = fields.read(
             "pci_bus_id", lambda: _decode(pynvml.nvmlDeviceGetPciInfo(handle).busId))
-        dev["memory"] = fields.read("memory", lambda: _memory(pynvml, handle))
-        util = fields.read("utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(handle))
-        dev["utilization_gpu_ratio"] = None if util is None else int(util.gpu) / 100.0
-        dev["temperature_c"] = fields.read(
-            "temperature", lambda: int(pynvml.nvmlDeviceGetTemperature(handle, 0)))
-        power_mw = fields.read("power", lambda: int(pynvml.nvmlDeviceGetPowerUsage(handle)))
-        dev["power_w"] = None if power_mw is None else power_mw / 1000.0
+        dev.update(readings(pynvml, handle, fields.read))
         dev["ecc"] = _ecc(pynvml, handle, fields)
         dev["remapped_rows"] = fields.read("remapped_rows", lambda: _remapped(pynvml, handle))
         dev["retired_pages_double_bit"] = fields.read(

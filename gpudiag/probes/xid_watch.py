@@ -2,7 +2,9 @@
 
 ``python -m gpudiag.probes.xid_watch [OPTIONS-JSON]`` with options ``heartbeat_s`` and
 ``telemetry_s``. Lines (one JSON object each, ``type`` first):
-``hello`` (devices registered), ``xid`` (one event), ``telemetry`` (per-GPU readings),
+``hello`` (devices registered), ``xid`` (one event), ``telemetry`` (per-GPU readings, named
+as in the nvml probe's devices: ``memory``, ``utilization_gpu_ratio``, ``temperature_c``,
+``power_w``),
 ``heartbeat`` (nothing happened; proves the child still answers), ``error`` (then exit 1).
 Runs in a child so that the daemon never loads libnvidia-ml; a hang here only stops the
 heartbeats, which the supervisor notices.
@@ -14,7 +16,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
+
+from gpudiag.probes.nvml import readings
 
 XID_CRITICAL_ERROR = 0x8
 NVML_ERROR_TIMEOUT = 10
@@ -30,31 +35,14 @@ def _decode(value: Any) -> str:
 
 
 def _telemetry(pynvml: Any, handles: dict[int, Any]) -> list[dict[str, Any]]:
-    out = []
-    for index, h in handles.items():
-        reading: dict[str, Any] = {"index": index}
-        for name, fn in (
-            ("memory", lambda h=h: pynvml.nvmlDeviceGetMemoryInfo(h)),
-            ("utilization", lambda h=h: pynvml.nvmlDeviceGetUtilizationRates(h)),
-            ("temperature_c", lambda h=h: int(pynvml.nvmlDeviceGetTemperature(h, 0))),
-            ("power_mw", lambda h=h: int(pynvml.nvmlDeviceGetPowerUsage(h))),
-        ):
-            try:
-                value: Any = fn()
-            except pynvml.NVMLError:
-                continue  # one unsupported reading leaves the others
-            if name == "memory":
-                reading.update(memory_total_bytes=int(value.total),
-                               memory_used_bytes=int(value.used),
-                               memory_free_bytes=int(value.free))
-            elif name == "utilization":
-                reading["utilization_gpu_ratio"] = int(value.gpu) / 100.0
-            elif name == "power_mw":
-                reading["power_w"] = value / 1000.0
-            else:
-                reading[name] = value
-        out.append(reading)
-    return out
+    """Each GPU's readings under the nvml probe's names (one vocabulary, one parser)."""
+    def read(_name: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except pynvml.NVMLError:
+            return None  # one unsupported reading leaves the others
+
+    return [{"index": index, **readings(pynvml, h, read)} for index, h in handles.items()]
 
 
 def watch(out: IO[str], heartbeat_s: float, telemetry_s: float,

@@ -23,12 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.environment import (
+    FULL_UUID,
     PREALLOCATION_OFF,
+    KnownDevice,
     Visibility,
     is_full_uuid,
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
+    resolve,
 )
+from gpudiag.core.observations import ErrorInfo
+from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, Leaf, leaves_from_nvml
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GPU_FAULT_LAYERS
 from gpudiag.core.verdict import Finding, Requirement, Verdict
@@ -42,7 +47,6 @@ from gpudiag.engine.locks import (
     try_lock,
 )
 
-FREE, BUSY, UNKNOWN = "FREE", "BUSY", "UNKNOWN"
 DEFAULT_LOCK_TIMEOUT_S = 60.0
 OBSERVE_TIMEOUT_S = 10.0
 LOCK_POLL_S = 0.05
@@ -57,35 +61,6 @@ class AdmissionError(Exception):
         super().__init__(f"{verdict.gpu_validation_blocker}: "
                          f"{primary.message if primary else 'not admitted'}")
         self.verdict = verdict
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """One schedulable unit: a GPU without MIG, or one MIG instance (then not its parent)."""
-
-    uuid: str | None
-    kind: str  # "gpu" | "mig"
-    index: int  # NVML index of the physical GPU: evidence only, never an identity
-    parent_uuid: str | None
-    name: str | None
-    memory_total_bytes: int | None
-    memory_free_bytes: int | None
-    occupancy: str  # FREE | BUSY | UNKNOWN
-    pids: tuple[int, ...] = ()
-    reason: str | None = None  # why BUSY or UNKNOWN
-    mig_slot: int | None = None
-
-    @property
-    def label(self) -> str:
-        return self.uuid or f"index {self.index}" + (
-            f" MIG slot {self.mig_slot}" if self.mig_slot is not None else "")
-
-    def record(self) -> dict[str, Any]:
-        return {"uuid": self.uuid, "kind": self.kind, "index": self.index,
-                "mig_slot": self.mig_slot, "parent_uuid": self.parent_uuid, "name": self.name,
-                "memory_total_bytes": self.memory_total_bytes,
-                "memory_free_bytes": self.memory_free_bytes, "occupancy": self.occupancy,
-                "pids": list(self.pids), "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -109,74 +84,15 @@ class Observation:
                 "error": self.error, "leaves": [lf.record() for lf in self.leaves]}
 
 
-def _int(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _occupancy(ok: bool, uuid: Any, memory: Any, processes: Any, error: Any
-               ) -> tuple[str, tuple[int, ...], str | None]:
-    if not ok or error:
-        return UNKNOWN, (), f"the device could not be read: {error}"
-    if not isinstance(uuid, str) or not is_full_uuid(uuid):
-        return UNKNOWN, (), f"no full UUID could be read (got {uuid!r})"
-    if not isinstance(memory, Mapping) or _int(memory.get("free_bytes")) is None:
-        return UNKNOWN, (), "memory could not be read"
-    if not isinstance(processes, list):
-        return UNKNOWN, (), "compute processes could not be listed"
-    pids = tuple(int(p["pid"]) for p in processes if isinstance(p, Mapping) and "pid" in p)
-    if processes:
-        return BUSY, pids, f"{len(processes)} compute process(es) of others: pids " + ", ".join(
-            str(p) for p in pids)
-    return FREE, (), None
-
-
-def leaves_from_nvml(nvml: Mapping[str, Any]) -> tuple[Leaf, ...]:
-    """The schedulable leaves in an ``nvml`` probe observation (MIG instances replace GPUs)."""
-    leaves: list[Leaf] = []
-    for dev in nvml.get("devices") or []:
-        index = int(dev.get("index", -1))
-        uuid = dev.get("uuid")
-        mig = dev.get("mig") or {}
-        if mig.get("enabled"):
-            for inst in mig.get("instances") or []:
-                mem = inst.get("memory") or {}
-                occ, pids, reason = _occupancy(
-                    bool(dev.get("ok")), inst.get("uuid"), inst.get("memory"),
-                    inst.get("processes"), inst.get("error"))
-                leaves.append(Leaf(
-                    uuid=inst.get("uuid") if isinstance(inst.get("uuid"), str) else None,
-                    kind="mig", index=index, parent_uuid=uuid, name=dev.get("name"),
-                    memory_total_bytes=_int(mem.get("total_bytes")),
-                    memory_free_bytes=_int(mem.get("free_bytes")), occupancy=occ, pids=pids,
-                    reason=reason, mig_slot=_int(inst.get("slot"))))
-            if not mig.get("instances"):
-                leaves.append(Leaf(uuid=None, kind="mig", index=index, parent_uuid=uuid,
-                                   name=dev.get("name"), memory_total_bytes=None,
-                                   memory_free_bytes=None, occupancy=UNKNOWN,
-                                   reason="MIG is on but no instance could be read"))
-            continue
-        mem = dev.get("memory") or {}
-        occ, pids, reason = _occupancy(bool(dev.get("ok")), uuid, dev.get("memory"),
-                                       dev.get("processes"), dev.get("error"))
-        leaves.append(Leaf(
-            uuid=uuid if isinstance(uuid, str) else None, kind="gpu", index=index,
-            parent_uuid=None, name=dev.get("name"),
-            memory_total_bytes=_int(mem.get("total_bytes")),
-            memory_free_bytes=_int(mem.get("free_bytes")), occupancy=occ, pids=pids,
-            reason=reason))
-    return tuple(leaves)
-
-
 def observation_from_run(run: ProbeRun) -> Observation:
     """An Observation from a finished ``nvml`` probe run."""
-    obs = run.observation
+    obs = run.nvml
     if not run.ok or obs is None:
         return Observation((), time.time(), run.duration_s, run.error or "no observation")
-    if not obs.get("ok"):
-        err = obs.get("error") or {}
+    if not obs.ok:
+        err = obs.error or ErrorInfo()
         return Observation((), time.time(), run.duration_s,
-                           f"NVML failed: {err.get('name')} ({err.get('code')}): "
-                           f"{err.get('message')}")
+                           f"NVML failed: {err.name} ({err.code}): {err.message}")
     return Observation(leaves_from_nvml(obs), time.time(), run.duration_s)
 
 
@@ -204,6 +120,17 @@ class Narrowing:
                 "blockers": [b.record() for b in self.blockers]}
 
 
+def _devices(leaves: Sequence[Leaf]) -> list[KnownDevice]:
+    """The physical GPUs behind the leaves, as the visibility resolver knows devices."""
+    by_index: dict[int, KnownDevice] = {}
+    for lf in leaves:
+        dev = by_index.get(lf.index, KnownDevice(lf.index, ""))
+        gpu_uuid = lf.parent_uuid if lf.kind == "mig" else lf.uuid
+        migs = (*dev.mig_uuids, lf.uuid) if lf.kind == "mig" and lf.uuid else dev.mig_uuids
+        by_index[lf.index] = KnownDevice(lf.index, dev.uuid or gpu_uuid or "", migs)
+    return list(by_index.values())
+
+
 def _allowed_by(vis: Visibility, leaves: Sequence[Leaf]) -> tuple[frozenset[str] | None,
                                                                    list[str]]:
     """The leaf UUIDs one visibility variable selects, and the entries it misnames."""
@@ -212,21 +139,16 @@ def _allowed_by(vis: Visibility, leaves: Sequence[Leaf]) -> tuple[frozenset[str]
     if vis.mode == "empty":
         return frozenset(), []
     known = [lf for lf in leaves if lf.uuid]
+    # Admission's rule: an index or a full UUID; a prefix is never an identity for a lock.
+    res = resolve(vis, _devices(leaves), FULL_UUID)
     allowed: set[str] = set()
     bad: list[str] = []
-    for e in vis.entries:
-        match: list[str] = []
-        if e.kind == "index":
-            match = [str(lf.uuid) for lf in known if lf.index == int(e.raw)]
-        elif e.kind == "uuid":
-            match = [str(lf.uuid) for lf in known
-                     if str(lf.uuid).lower() == e.raw.lower()
-                     or str(lf.parent_uuid or "").lower() == e.raw.lower()]
-        elif e.kind == "mig_uuid":
-            match = [str(lf.uuid) for lf in known if str(lf.uuid).lower() == e.raw.lower()]
-        # uuid_prefix, mig_legacy and invalid entries never identify a leaf here.
+    for entry, picks in zip(vis.entries, res.picks, strict=True):
+        # A GPU stands for all of its leaves (its MIG instances); a MIG UUID for one.
+        match = [str(lf.uuid) for p in picks for lf in known if lf.index == p.index
+                 and (p.mig_uuid is None or str(lf.uuid).lower() == p.mig_uuid.lower())]
         if not match:
-            bad.append(e.raw)
+            bad.append(entry.raw)
         allowed.update(match)
     return frozenset(allowed), bad
 
