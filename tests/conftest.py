@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,12 @@ _SCRUB = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "JAX_PLATFORMS",
           "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR",
           "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR", "FAKE_GPU_STATE_FILE",
           "GPUDIAG_DEVICE_DIR", "GPUDIAG_DRIVER_PROC_DIR", "GPUDIAG_DAEMON_URL",
-          "GPUDIAG_SYSFS_PCI_DIR")
+          "GPUDIAG_SYSFS_PCI_DIR", "GPUDIAG_LOCK_DIR")
+
+# Every fake GPU has the same UUID in every test and every test run on this machine: the
+# GPU locks of this test session live in a folder of its own, so that the probes' and the
+# runs' locks of another session (or of a real gpudiag) are never taken for a busy GPU.
+_SESSION_LOCKS = tempfile.mkdtemp(prefix="gpudiag-test-locks-")
 
 
 def clean_env() -> dict[str, str]:
@@ -32,7 +39,14 @@ def clean_env() -> dict[str, str]:
     # The machine's own PCI bus is not the fakes' host: tests that count GPUs on the bus
     # point this at a tree of tests/fakes/sysfs.py.
     env["GPUDIAG_SYSFS_PCI_DIR"] = ""
+    env["GPUDIAG_LOCK_DIR"] = _SESSION_LOCKS
     return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_locks() -> Iterator[None]:
+    yield
+    shutil.rmtree(_SESSION_LOCKS, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
