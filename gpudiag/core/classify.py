@@ -410,7 +410,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         _requirement_findings(selected, requirement, f)
         devices = [_device_info(d) for d in selected]
     gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok, device_nodes_present=nodes_present,
-                     gpu_blocked=bool(f.blockers))
+                     gpu_blocked=bool(f.blockers),
+                     cuda_driver_version=_driver_cuda_version(nvml, cuda))
     backends: dict[str, BackendStatus] = {}
     for req in requirement.backends:
         run = runs.get(req.name)
@@ -457,6 +458,15 @@ def _host_detail(host: Mapping[str, Any] | None) -> dict[str, Any]:
     nodes = host.get("device_nodes") or {}
     return {"nvidia_smi": smi_state, "device_nodes": len(nodes.get("nodes") or []),
             "kernel_module": (host.get("driver_proc") or {}).get("kernel_module_version")}
+
+
+def _driver_cuda_version(nvml: Mapping[str, Any] | None, cuda: Mapping[str, Any] | None
+                        ) -> int | None:
+    """The driver's CUDA version (cuDriverGetVersion), from NVML or else the cuda probe."""
+    for value in ((nvml or {}).get("cuda_driver_version"), (cuda or {}).get("driver_version")):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _str(value: Any) -> str | None:
