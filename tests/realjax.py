@@ -16,6 +16,7 @@ pip's own words when the wheels cannot be fetched). ``GPUDIAG_REAL_JAX_CACHE`` m
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import os
 import shutil
@@ -125,8 +126,21 @@ def ensure_real_jax(version: str | None = None, cache: Path | None = None,
     if (venv / STAMP).is_file() and python.exists():
         return RealJax(venv, python, version, None)
     base.mkdir(parents=True, exist_ok=True)
-    tmp = base / f"venv.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # One installer at a time (two test sessions would each fetch 3.2 GB); the later one
+    # finds the stamp once it gets the lock.
+    with open(base / ".lock", "w", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (venv / STAMP).is_file() and python.exists():
+            return RealJax(venv, python, version, None)
+        # What a killed installer left (a half-made venv is gigabytes).
+        for stale in [venv, *base.glob("venv.tmp-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+        return _install(venv, version, timeout_s)
+
+
+def _install(venv: Path, version: str, timeout_s: float) -> RealJax:
+    """Builds the venv next to ``venv`` and renames it into place once pip succeeded."""
+    tmp = venv.with_name(f"venv.tmp-{os.getpid()}")
     started = time.monotonic()
     try:
         # The base interpreter of the test venv: the same Python the suite runs on.
@@ -138,7 +152,7 @@ def ensure_real_jax(version: str | None = None, cache: Path | None = None,
             capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.SubprocessError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise StackUnavailable(f"could not make a venv in {tmp}: {e}") from e
+        raise StackUnavailable(f"installing into {tmp} failed: {e}") from e
     if pip.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise StackUnavailable(
@@ -147,10 +161,7 @@ def ensure_real_jax(version: str | None = None, cache: Path | None = None,
     elapsed = round(time.monotonic() - started, 1)
     (tmp / STAMP).write_text(f"{' '.join(requirements(version))}\ninstall_s={elapsed}\n",
                              encoding="utf-8")
-    if venv.exists():  # another process finished first: keep its venv
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(venv)
+    tmp.rename(venv)
     return RealJax(venv, venv / "bin" / "python", version, elapsed)
 
 

@@ -222,28 +222,31 @@ def test_plugin_version_skew_is_a_mismatch(cpu_run: ProbeRun) -> None:
     assert "jax-cuda12-plugin 0.4.30" in record["blockers"][0]["message"]
 
 
-def _cuda_runtime_wheel(root: Path, version: str) -> Path:
-    """Just the metadata of an installed nvidia-cuda-runtime-cu12 wheel (no libraries)."""
-    info = root / f"nvidia_cuda_runtime_cu12-{version}.dist-info"
+def _wheel_metadata(root: Path, name: str, version: str) -> Path:
+    """Just the metadata of an installed wheel (no code, no libraries, no entry points)."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: nvidia-cuda-runtime-cu12\nVersion: {version}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     return root
 
 
 @pytest.mark.parametrize(("driver", "too_old"), [(11040, True), (12000, False), (12080, False)])
 def test_driver_older_than_the_installed_cuda_runtime_is_driver_too_old(
         gpu_env: EnvFactory, tmp_path: Path, driver: int, too_old: bool) -> None:
-    site = _cuda_runtime_wheel(tmp_path / "site", "12.9.79")
+    site = _wheel_metadata(tmp_path / "site", "nvidia-cuda-runtime-cu12", "12.9.79")
+    jaxlib = verdict_of(["preflight", "--require", "jax:cpu", "--format", "json"], gpu_env()
+                        )[1]["backends"]["jax"]["versions"]["jaxlib"]
+    _wheel_metadata(site, "jax-cuda12-plugin", jaxlib)  # the plugin is what needs the runtime
     env = gpu_env(FAKE_CUDA_DRIVER_VERSION=driver, PYTHONPATH=str(site))
     rc, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
-    assert rc == 1  # this jax has no CUDA plugin: jax_gpu_backend_absent either way
+    assert rc == 1  # the plugin is metadata only: JAX has no GPU platform either way
     detail = record["backends"]["jax"]["detail"]
     assert detail["cuda_driver_version"] == driver
     assert detail["cuda_runtime"] == {"distribution": "nvidia-cuda-runtime-cu12",
                                       "version": "12.9.79", "min_driver_version": 12000}
     if not too_old:
         assert "cuda_driver_too_old" not in _codes(record)
+        assert record["gpu_validation_blocker"].startswith("jax_")
         return
     assert record["gpu_validation_blocker"] == "cuda_driver_too_old"
     old = _blocker(record, "cuda_driver_too_old")
@@ -251,3 +254,13 @@ def test_driver_older_than_the_installed_cuda_runtime_is_driver_too_old(
     assert "CUDA 11.4 (cuDriverGetVersion 11040)" in old["message"]
     assert "nvidia-cuda-runtime-cu12 12.9.79" in old["message"]
     assert "cuDriverGetVersion >= 12000" in old["message"]
+
+
+def test_a_cuda_runtime_without_a_jax_cuda_plugin_is_not_checked(gpu_env: EnvFactory,
+                                                                tmp_path: Path) -> None:
+    site = _wheel_metadata(tmp_path / "site", "nvidia-cuda-runtime-cu12", "12.9.79")
+    env = gpu_env(FAKE_CUDA_DRIVER_VERSION=11040, PYTHONPATH=str(site))
+    rc, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
+    assert rc == 1
+    assert record["gpu_validation_blocker"] == "jax_gpu_backend_absent"
+    assert record["backends"]["jax"]["detail"]["cuda_runtime"] is None

@@ -348,7 +348,7 @@ def test_jax_error_texts_classify_without_raising(obs: dict[str, Any], stderr: s
 
 
 RUNTIME_VERSIONS = st.dictionaries(
-    st.sampled_from(["nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime", "jax"]),
+    st.sampled_from(["nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime", "jax-cuda12-plugin"]),
     st.none() | st.sampled_from(["12.9.79", "13.0.1", "0.1", "x", "99999999999999999999.1"])
     | TEXT)
 

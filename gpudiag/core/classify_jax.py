@@ -307,11 +307,13 @@ class RuntimeNeed:
 
 
 def runtime_need(versions: Mapping[str, Any]) -> RuntimeNeed | None:
-    """What the installed CUDA runtime wheel needs; None when no such wheel is installed.
+    """What the CUDA runtime wheel of JAX's CUDA plugin needs; None without plugin or wheel.
 
     CUDA's minor version compatibility: a 12.x runtime runs on any CUDA 12 driver, so the
     need is the runtime's major version (cudart itself says cudaErrorInsufficientDriver).
     """
+    if not any(versions.get(n) for n in PLUGIN_DISTRIBUTIONS):
+        return None  # a runtime wheel some other package brought does not concern JAX
     for name in CUDA_RUNTIME_DISTRIBUTIONS:
         version = versions.get(name)
         m = re.match(r"(\d+)\.", str(version or ""))
