@@ -101,6 +101,12 @@ FAULTS = [
           CUINIT + "CUDA_ERROR_UNKNOWN"),
     Fault("cuinit_not_initialized", {"FAKE_CUDA_INIT_ERROR": "3"}, "cuda_init_failed",
           CUINIT + "CUDA_ERROR_NOT_INITIALIZED"),
+    Fault("cuinit_system_not_ready", {"FAKE_CUDA_INIT_ERROR": "802"}, "cuda_system_not_ready",
+          CUINIT + "CUDA_ERROR_SYSTEM_NOT_READY"),
+    # The real driver API has no name for 35 (the runtime's cudaErrorInsufficientDriver); JAX
+    # then blames the CUDA libraries, the cuda probe names the driver.
+    Fault("cuinit_35", {"FAKE_CUDA_INIT_ERROR": "35"}, "cuda_driver_too_old",
+          CUINIT + "Unknown CUDA error 35; cuGetErrorName failed."),
     Fault("driver_too_old", {"FAKE_CUDA_DRIVER_VERSION": "11040"}, "cuda_driver_too_old",
           "CUDA Runtime error: : cudaErrorInsufficientDriver: CUDA driver version is "
           "insufficient for CUDA runtime version"),
@@ -114,6 +120,9 @@ FAULTS = [
     Fault("context_out_of_memory", {"FAKE_CUDA_CTX_ERROR": "2"}, "cuda_out_of_memory",
           "Failed to create stream executor for device CUDA:0: : CUDA_ERROR_OUT_OF_MEMORY: "
           "out of memory"),
+    Fault("context_unknown", {"FAKE_CUDA_CTX_ERROR": "999"}, "cuda_context_failed",
+          "Failed to create stream executor for device CUDA:0: CUDA error: : CUDA_ERROR_UNKNOWN: "
+          "unknown error"),
 ]
 PLATFORMS = [None, "cuda", "cuda,cpu"]
 
