@@ -681,6 +681,35 @@ def test_cuda_context_alloc_and_launch_errors(fake_driver: FakeDriver) -> None:
     assert out == {"alloc": 2, "launch": 719}
 
 
+@pytest.mark.parametrize(("knobs", "vmm"), [({}, 1), ({"FAKE_CUDA_VMM": 0}, 0)])
+def test_cuda_surfaces_real_xla_and_cudart_need(fake_driver: FakeDriver,
+                                               knobs: dict[str, int], vmm: int) -> None:
+    # XLA refuses a device without VMM (attribute 102), dlsyms cuDevicePrimaryCtxGetState and
+    # cuDeviceGetPCIBusId; cudart resolves cuGetExportTable through cuGetProcAddress and goes
+    # on (with its own error) when a private table is missing; 303 has a name.
+    out = child_json(fake_driver, _cuda("""
+        assert cu.cuInit(0) == 0
+        v, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        bus = ctypes.create_string_buffer(32)
+        fn, table, name = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_char_p()
+        res = {"vmm": [cu.cuDeviceGetAttribute(ctypes.byref(v), 102, 0), v.value],
+               "state": [cu.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags),
+                                                       ctypes.byref(active)), active.value],
+               "bus": [cu.cuDeviceGetPCIBusId(bus, 32, 0), bus.value.decode()],
+               "proc": cu.cuGetProcAddress(b"cuGetExportTable", ctypes.byref(fn), 12000, 0),
+               "found": bool(fn.value),
+               "table": cu.cuGetExportTable(ctypes.byref(table), b"0123456789abcdef"),
+               "303": [cu.cuGetErrorName(303, ctypes.byref(name)), name.value.decode()]}
+        print(json.dumps(res))
+        """), **knobs)
+    assert out["vmm"] == [0, vmm]
+    assert out["state"] == [0, 0]
+    assert out["bus"][0] == 0 and out["bus"][1].startswith("0000:")
+    assert out["proc"] == 0 and out["found"] is True
+    assert out["table"] == 500  # CUDA_ERROR_NOT_FOUND
+    assert out["303"] == [0, "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED"]
+
+
 # --------------------------------------------------------------------------
 # Busy GPUs: contexts follow the GPU's state as the fake NVML reports it
 # --------------------------------------------------------------------------

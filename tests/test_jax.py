@@ -1,7 +1,12 @@
 """The jax probe and classifier, through the real CLI, on real JAX (CPU build) in real children.
 
 GPU failures come from a fake JAX plugin (tests/fakes/jax_plugin) that fails the way
-jax-cuda12-plugin does, so the classifier reads real stderr and real exceptions.
+jax-cuda12-plugin does, so the classifier reads real stderr and real exceptions. Only what the
+real stack (tests/test_real_jax.py, jax 0.10.2 over the fake driver) cannot produce here is
+faked: a PJRT API version mismatch and the plugin's CUDA component checks (one plugin version
+and a matching set of CUDA wheels are installed there), and the older ``failed call to
+cuInit:`` text (jaxlib 0.4.x with CUDA built in). JAX's own CPU-fallback warning is now
+asserted on the real stack.
 """
 
 from __future__ import annotations
@@ -129,9 +134,6 @@ def test_jax_platforms_cuda_without_device_nodes_is_explained_not_a_probe_error(
     ("cuda_libs", "jax_cuda_libs_mismatch",
      "Unable to use CUDA because of the following issues with CUDA components"),
     ("cuda_missing", "jax_cuda_libs_mismatch", "Unable to load CUDA. Is it installed?"),
-    ("fallback", "jax_cpu_fallback",
-     "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not "
-     "installed. Falling back to cpu."),
 ])
 def test_fake_plugin_failures_classify_from_real_stderr(gpu_env: EnvFactory, mode: str,
                                                         code: str, text: str) -> None:
@@ -218,3 +220,47 @@ def test_plugin_version_skew_is_a_mismatch(cpu_run: ProbeRun) -> None:
                           platforms=["cpu"], required_devices=[], compute=None)
     assert record["gpu_validation_blocker"] == "jax_plugin_version_mismatch"
     assert "jax-cuda12-plugin 0.4.30" in record["blockers"][0]["message"]
+
+
+def _wheel_metadata(root: Path, name: str, version: str) -> Path:
+    """Just the metadata of an installed wheel (no code, no libraries, no entry points)."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return root
+
+
+@pytest.mark.parametrize(("driver", "too_old"), [(11040, True), (12000, False), (12080, False)])
+def test_driver_older_than_the_installed_cuda_runtime_is_driver_too_old(
+        gpu_env: EnvFactory, tmp_path: Path, driver: int, too_old: bool) -> None:
+    site = _wheel_metadata(tmp_path / "site", "nvidia-cuda-runtime-cu12", "12.9.79")
+    jaxlib = verdict_of(["preflight", "--require", "jax:cpu", "--format", "json"], gpu_env()
+                        )[1]["backends"]["jax"]["versions"]["jaxlib"]
+    _wheel_metadata(site, "jax-cuda12-plugin", jaxlib)  # the plugin is what needs the runtime
+    env = gpu_env(FAKE_CUDA_DRIVER_VERSION=driver, PYTHONPATH=str(site))
+    rc, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
+    assert rc == 1  # the plugin is metadata only: JAX has no GPU platform either way
+    detail = record["backends"]["jax"]["detail"]
+    assert detail["cuda_driver_version"] == driver
+    assert detail["cuda_runtime"] == {"distribution": "nvidia-cuda-runtime-cu12",
+                                      "version": "12.9.79", "min_driver_version": 12000}
+    if not too_old:
+        assert "cuda_driver_too_old" not in _codes(record)
+        assert record["gpu_validation_blocker"].startswith("jax_")
+        return
+    assert record["gpu_validation_blocker"] == "cuda_driver_too_old"
+    old = _blocker(record, "cuda_driver_too_old")
+    assert old["layer"] == "cuda" and old["backend"] == "jax"
+    assert "CUDA 11.4 (cuDriverGetVersion 11040)" in old["message"]
+    assert "nvidia-cuda-runtime-cu12 12.9.79" in old["message"]
+    assert "cuDriverGetVersion >= 12000" in old["message"]
+
+
+def test_a_cuda_runtime_without_a_jax_cuda_plugin_is_not_checked(gpu_env: EnvFactory,
+                                                                tmp_path: Path) -> None:
+    site = _wheel_metadata(tmp_path / "site", "nvidia-cuda-runtime-cu12", "12.9.79")
+    env = gpu_env(FAKE_CUDA_DRIVER_VERSION=11040, PYTHONPATH=str(site))
+    rc, record = verdict_of(["preflight", "--require", "jax", "--format", "json"], env)
+    assert rc == 1
+    assert record["gpu_validation_blocker"] == "jax_gpu_backend_absent"
+    assert record["backends"]["jax"]["detail"]["cuda_runtime"] is None

@@ -28,7 +28,13 @@ from hypothesis import strategies as st
 from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS
 from gpudiag.core.classify import classify
 from gpudiag.core.classify_iree import parse_status
-from gpudiag.core.classify_jax import causes, cuda_error_meaning, gpu_cause
+from gpudiag.core.classify_jax import (
+    causes,
+    cuda_error_meaning,
+    driver_causes,
+    gpu_cause,
+    runtime_error_meaning,
+)
 from gpudiag.core.environment import (
     KnownDevice,
     parse_cuda_visible_devices,
@@ -310,7 +316,17 @@ JAX_SNIPPETS = st.sampled_from([
     "Outdated cuDNN installation found.\n",
     "Unable to load CUDA. Is it installed?", "CUDA_ERROR_", "CUDA_ERROR_NOT_A_THING",
     "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not "
-    "installed. Falling back to cpu.", "\n\n", "Platforms present are: cpu"])
+    "installed. Falling back to cpu.", "\n\n", "Platforms present are: cpu",
+    # Real jax 0.10.2 texts (docs/testing.md).
+    "RuntimeError: jaxlib/cuda/versions_helpers.cc:135: operation cuInit(0) failed: "
+    "CUDA_ERROR_NO_DEVICE",
+    "E1130 15:44:41.808336   32489 platform_util.cc:271] Failed to create stream executor for "
+    "device CUDA:0: CUDA Runtime error: : cudaErrorInsufficientDriver: CUDA driver version is "
+    "insufficient for CUDA runtime version",
+    "Failed to create stream executor for device CUDA:0: Device 0 does not support CUDA "
+    "Virtual Memory Management (VMM). VMM is required for device memory allocation in XLA.",
+    "Unable to initialize backend 'cuda': INTERNAL: no supported devices found for platform "
+    "CUDA", "cudaErrorNotAThing", "cudaErrorDevicesUnavailable"])
 NOISY = st.lists(JAX_SNIPPETS | TEXT, max_size=5).map("\n".join)
 JAX_OBS_KEYS = ["installed", "versions", "platforms", "registered_platforms", "jax_platforms",
                 "backend_errors", "init_error", "required_error", "required_devices",
@@ -331,6 +347,28 @@ def test_jax_error_texts_classify_without_raising(obs: dict[str, Any], stderr: s
                for c in found)
     cause = gpu_cause(typed, stderr)
     assert cause is None or cause.code in BLOCKERS
+
+
+RUNTIME_VERSIONS = st.dictionaries(
+    st.sampled_from(["nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime", "jax-cuda12-plugin"]),
+    st.none() | st.sampled_from(["12.9.79", "13.0.1", "0.1", "x", "99999999999999999999.1"])
+    | TEXT)
+
+
+@FAST
+@given(st.dictionaries(st.sampled_from(JAX_OBS_KEYS), JSON | NOISY, max_size=8),
+       RUNTIME_VERSIONS, NOISY, st.none() | st.integers())
+def test_driver_causes_from_jax_texts_are_cuda_layer_codes(
+        obs: dict[str, Any], versions: dict[str, Any], stderr: str, driver: int | None) -> None:
+    obs = {**obs, "versions": versions}
+    if observation_problem("jax", obs) is not None:
+        return
+    found = driver_causes(JaxObservation.parse(obs), stderr, driver)
+    assert all(c.code in BLOCKERS and BLOCKERS[c.code].layer == "cuda" and c.message
+               for c in found)
+    assert len({c.code for c in found}) == len(found)
+    meaning = runtime_error_meaning(stderr)
+    assert meaning is None or meaning.startswith("cudaError")
 
 
 @FAST

@@ -431,7 +431,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
     gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok, device_nodes_present=nodes_present,
-                     gpu_blocked=bool(f.blockers))
+                     gpu_blocked=bool(f.blockers),
+                     cuda_driver_version=_driver_cuda_version(nvml, cuda))
     backends: dict[str, BackendStatus] = {}
     for req in requirement.backends:
         run = runs.get(req.name)
@@ -492,6 +493,16 @@ def _host_detail(host: HostObservation | None) -> dict[str, Any]:
 def _count(value: float | int | None) -> int:
     return int(value) if value is not None and value == value and abs(value) != float(
         "inf") else 0
+
+
+def _driver_cuda_version(nvml: NvmlObservation | None, cuda: CudaObservation | None
+                        ) -> int | None:
+    """The driver's CUDA version (cuDriverGetVersion), from NVML or else the cuda probe."""
+    for value in (nvml.cuda_driver_version if nvml else None,
+                  cuda.driver_version if cuda else None):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _str(value: Any) -> str | None:

@@ -51,8 +51,45 @@ _LIBS_RE = re.compile(r"(Unable to use CUDA because of the following issues with
                       r"Is it installed\?|Outdated [\w.]+ installation found\.[^\n]*)")
 _FALLBACK_RE = re.compile(r"An NVIDIA GPU may be present on this machine, but a CUDA-enabled "
                           r"jaxlib is not installed\. Falling back to \w+\.")
+# XLA's cuda_driver.cc, where jaxlib had CUDA built in (jax 0.4.x) and in TensorFlow.
 _CUINIT_RE = re.compile(r"failed call to cuInit:[^\n]*")
 _CUDA_ERROR_RE = re.compile(r"\bCUDA_ERROR_[A-Z_]+\b")
+# Where JAX and XLA say why the GPU did not come up, most telling first (the texts and the
+# versions that print them: docs/testing.md).
+_INNER_CAUSE_RES = (
+    # The CUDA plugin's initialize() (jaxlib/cuda/versions_helpers.cc; seen in jax 0.10.2).
+    re.compile(r"operation cuInit\(0\) failed:[^\n]*"),
+    _CUINIT_RE,
+    # XLA's platform_util.cc, per device (jax 0.10.2): no VMM, cudart's or the driver's error.
+    re.compile(r"Failed to create stream executor for device [^\n]*"),
+    re.compile(r"CUDA Runtime error:[^\n]*"),
+)
+# The CUDA runtime's (cudart's) error names: meaning, and the cuda-layer code where the name
+# alone proves the cause.
+_CUDA_RUNTIME_ERROR_RE = re.compile(r"\bcudaError[A-Z][A-Za-z]*\b")
+CUDA_RUNTIME_ERRORS: dict[str, tuple[str | None, str]] = {
+    "cudaErrorInsufficientDriver": ("cuda_driver_too_old",
+                                    "the driver is older than this CUDA runtime needs"),
+    "cudaErrorNoDevice": ("cuda_no_device", "no CUDA-capable device is visible"),
+    "cudaErrorSystemDriverMismatch": ("cuda_driver_mismatch",
+                                      "libcuda and the kernel driver versions differ"),
+    "cudaErrorSystemNotReady": ("cuda_system_not_ready", "the system is not ready "
+                                "(fabric manager not running?)"),
+    "cudaErrorDevicesUnavailable": ("cuda_devices_unavailable", "the GPU is busy or "
+                                    "unavailable (exclusive-process mode, or held by another "
+                                    "process)"),
+    "cudaErrorMemoryAllocation": ("cuda_out_of_memory", "the GPU is out of memory"),
+    "cudaErrorCallRequiresNewerDriver": (None, "the driver lacks an entry point this CUDA "
+                                         "runtime calls"),
+    "cudaErrorSymbolNotFound": (None, "a driver symbol the CUDA runtime needs is missing"),
+    "cudaErrorInitializationError": (None, "the CUDA runtime failed to initialize"),
+    "cudaErrorNotSupported": (None, "the operation is not supported"),
+    "cudaErrorUnknown": (None, "an unknown CUDA error"),
+}
+# XLA's log prefix: "E1130 15:44:41.808336   32489 platform_util.cc:271] ".
+_GLOG_PREFIX_RE = re.compile(r"^\s*[IWEF]\d{4} [\d:.]+\s+\d+ [\w.]+:\d+\] ")
+# The CUDA runtime wheels a jax-cudaNN plugin installs; the first one present is checked.
+CUDA_RUNTIME_DISTRIBUTIONS = ("nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime")
 _INIT_RE = re.compile(r"Unable to initialize backend '(?:cuda|gpu|rocm)':[^\n]*")
 
 
@@ -84,18 +121,35 @@ def cuda_error_meaning(text: str) -> str | None:
     return f"{m.group()} ({meaning})" if meaning else m.group()
 
 
+def runtime_error_meaning(text: str) -> str | None:
+    """``cudaErrorInsufficientDriver (the driver is older ...)`` for the first cudart name."""
+    m = _CUDA_RUNTIME_ERROR_RE.search(text)
+    if m is None:
+        return None
+    known = CUDA_RUNTIME_ERRORS.get(m.group())
+    return f"{m.group()} ({known[1]})" if known else m.group()
+
+
 def _inner_cause(texts: Sequence[str]) -> str | None:
-    """The cuInit line XLA logged, with its CUDA_ERROR name explained."""
+    """The line JAX or XLA logged about the cause, with its CUDA error name explained."""
+    for regex in _INNER_CAUSE_RES:
+        for text in texts:
+            m = regex.search(text)
+            if m:
+                meaning = cuda_error_meaning(m.group()) or runtime_error_meaning(m.group())
+                return m.group().strip() + (f" [{meaning}]" if meaning else "")
     for text in texts:
-        m = _CUINIT_RE.search(text)
-        if m:
-            meaning = cuda_error_meaning(m.group())
-            return m.group().strip() + (f" [{meaning}]" if meaning else "")
-    for text in texts:
-        meaning = cuda_error_meaning(text)
+        meaning = cuda_error_meaning(text) or runtime_error_meaning(text)
         if meaning:
             return meaning
     return None
+
+
+def _with_inner_cause(cause: Cause, inner: str | None) -> Cause:
+    """``cause`` with the inner cause appended, unless its message already carries it."""
+    if inner is None or inner in cause.message:
+        return cause
+    return Cause(cause.code, f"{cause.message}; inner cause from stderr: {inner}")
 
 
 def _plugin_version_skew(versions: Mapping[str, Any]) -> str | None:
@@ -228,6 +282,10 @@ def causes(obs: JaxObservation, platform: str, stderr: str) -> list[Cause]:
         fallback = _fallback(obs, stderr)
         if fallback is not None and all(c.code != fallback.code for c in out):
             out.append(fallback)
+        # Every GPU-side message keeps what JAX or XLA logged (with JAX_PLATFORMS unset JAX
+        # falls back to the CPU and the cause is only on stderr).
+        inner = _inner_cause([stderr, *_gpu_errors(obs).values()])
+        out = [_with_inner_cause(c, inner) for c in out]
     compute = _compute_failure(obs)
     if compute is not None:
         out.append(compute)
@@ -236,6 +294,63 @@ def causes(obs: JaxObservation, platform: str, stderr: str) -> list[Cause]:
         seen = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in xla.items())
         out.append(Cause("jax_preallocation_enabled",
                          f"the JAX child read {seen}: XLA would preallocate 75% of each GPU"))
+    return out
+
+
+@dataclass(frozen=True)
+class RuntimeNeed:
+    """The installed CUDA runtime wheel and the lowest driver CUDA version it runs on."""
+
+    distribution: str
+    version: str
+    min_driver: int  # cuDriverGetVersion units: 12000 = CUDA 12.0
+
+
+def runtime_need(versions: Mapping[str, Any]) -> RuntimeNeed | None:
+    """What the CUDA runtime wheel of JAX's CUDA plugin needs; None without plugin or wheel.
+
+    CUDA's minor version compatibility: a 12.x runtime runs on any CUDA 12 driver, so the
+    need is the runtime's major version (cudart itself says cudaErrorInsufficientDriver).
+    """
+    if not any(versions.get(n) for n in PLUGIN_DISTRIBUTIONS):
+        return None  # a runtime wheel some other package brought does not concern JAX
+    for name in CUDA_RUNTIME_DISTRIBUTIONS:
+        version = versions.get(name)
+        m = re.match(r"(\d+)\.", str(version or ""))
+        if m and int(m.group(1)) > 0:
+            return RuntimeNeed(name, str(version), int(m.group(1)) * 1000)
+    return None
+
+
+def _cuda_version(value: int) -> str:
+    return f"{value // 1000}.{value % 1000 // 10}"
+
+
+def driver_causes(obs: JaxObservation, stderr: str,
+                  driver_version: int | None) -> list[Cause]:
+    """The cuda-layer causes only the JAX child shows: cudart's errors, a too-old driver."""
+    texts = [stderr, *_gpu_errors(obs).values(), _text(obs.init_error)]
+    said: dict[str, str] = {}
+    for text in texts:
+        for m in _CUDA_RUNTIME_ERROR_RE.finditer(text):
+            code = CUDA_RUNTIME_ERRORS.get(m.group(), (None, ""))[0]
+            if code and code not in said:
+                start = text.rfind("\n", 0, m.start()) + 1
+                end = text.find("\n", m.end())
+                line = text[start:end if end >= 0 else None]
+                said[code] = _GLOG_PREFIX_RE.sub("", line).strip()
+    out: list[Cause] = []
+    need = runtime_need(obs.versions)
+    if need is not None and driver_version is not None and driver_version < need.min_driver:
+        xla = said.pop("cuda_driver_too_old", None)
+        out.append(Cause(
+            "cuda_driver_too_old",
+            f"the driver supports CUDA {_cuda_version(driver_version)} (cuDriverGetVersion "
+            f"{driver_version}) but the installed CUDA runtime ({need.distribution} "
+            f"{need.version}) needs a CUDA {need.min_driver // 1000} driver "
+            f"(cuDriverGetVersion >= {need.min_driver})" + (f"; XLA says: {xla}" if xla else "")))
+    out.extend(Cause(code, f"JAX's CUDA runtime failed: {line} "
+                           f"[{runtime_error_meaning(line)}]") for code, line in said.items())
     return out
 
 
@@ -283,10 +398,20 @@ def classify_jax(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
         return BackendStatus("not_installed", duration, versions,
                              {"import_error": _text(err)})
     found = causes(obs, platform, run.stderr_tail)
+    if platform == "gpu":
+        # The driver itself is the cause (a cuda-layer code), unless the cuda probe said so.
+        found[:0] = [c for c in driver_causes(obs, run.stderr_tail, gpu.cuda_driver_version)
+                     if all(b.code != c.code for b in f.blockers)]
     for cause in found:
         message = cause.message
-        if platform == "gpu" and cause.code != "jax_preallocation_enabled" and gpu.gpu_blocked:
+        if (platform == "gpu" and cause.code.startswith("jax_")
+                and cause.code != "jax_preallocation_enabled" and gpu.gpu_blocked):
             message += " (the GPU layers below are blocked too: see the primary blocker)"
         f.block(cause.code, message, backend=BACKEND)
-    return BackendStatus("blocked" if found else "ok", duration, versions,
-                         _detail(obs, platform))
+    detail = _detail(obs, platform)
+    need = runtime_need(versions)
+    detail["cuda_runtime"] = need and {"distribution": need.distribution,
+                                       "version": need.version,
+                                       "min_driver_version": need.min_driver}
+    detail["cuda_driver_version"] = gpu.cuda_driver_version
+    return BackendStatus("blocked" if found else "ok", duration, versions, detail)

@@ -49,3 +49,5 @@ class GpuContext:
     cuda_ok: bool
     device_nodes_present: bool
     gpu_blocked: bool
+    # cuDriverGetVersion as NVML or the cuda probe read it (12080 = CUDA 12.8); None: unread.
+    cuda_driver_version: int | None = None

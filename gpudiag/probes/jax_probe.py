@@ -25,8 +25,10 @@ from typing import Any
 from gpudiag.core.environment import PREALLOCATION_OFF, allow_listed, preallocation_disabled
 
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+# The CUDA runtime wheels too: the driver's CUDA version is checked against what they need.
 DISTRIBUTIONS = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",
-                 "jax-cuda13-plugin", "jax-cuda13-pjrt")
+                 "jax-cuda13-plugin", "jax-cuda13-pjrt", "nvidia-cuda-runtime-cu12",
+                 "nvidia-cuda-runtime")
 # x * 2 + 1 summed over arange(8): 2 * 28 + 8.
 EXPECTED_SUM = 64.0
 

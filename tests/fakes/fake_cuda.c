@@ -12,6 +12,12 @@
  * and memcpy/memset graph nodes really move bytes.  Kernels are accepted and
  * launched as no-ops: their outputs are never written.
  *
+ * The real jax-cuda12 plugin and XLA (which dlsym the driver's entry points)
+ * get through cuInit, device enumeration (VMM support included) and primary
+ * context creation, so faults there reach real XLA.  The CUDA runtime (cudart)
+ * then asks cuGetExportTable for the driver's private tables, which the fake
+ * does not have: a healthy fake ends there with cudaErrorSymbolNotFound.
+ *
  * Knobs (environment, overridden by FAKE_GPU_STATE_FILE; see fake_common.h):
  *   FAKE_CUDA_DEVICE_COUNT     physical GPUs (default FAKE_NVML_DEVICE_COUNT, else 8)
  *   CUDA_VISIBLE_DEVICES       honoured like the real driver (environment only)
@@ -22,6 +28,8 @@
  *   FAKE_CUDA_ALLOC_ERROR=<n>  device allocations fail
  *   FAKE_CUDA_LAUNCH_ERROR=<n> kernel launches (and graphs with kernels) fail
  *   FAKE_CUDA_DRIVER_VERSION   cuDriverGetVersion (default 12080)
+ *   FAKE_CUDA_VMM=0            device attribute 102 (virtual memory management) reads 0,
+ *                              as on some virtualized GPUs; XLA then refuses the device
  *   FAKE_CUDA_TRACE=1          log every call (and cuGetProcAddress look-ups) to stderr
  *   FAKE_GPU_NAME, FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MIG,
  *   FAKE_NVML_MEMORY_USED_MIB  shared with the fake NVML
@@ -171,6 +179,8 @@ static const cu_error_info g_errors[] = {
     {222, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "the provided PTX was compiled with an unsupported toolchain."},
     {300, "CUDA_ERROR_INVALID_SOURCE", "device kernel image is invalid"},
     {301, "CUDA_ERROR_FILE_NOT_FOUND", "file not found"},
+    {302, "CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND", "link to a shared object failed to resolve"},
+    {303, "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED", "shared object initialization failed"},
     {304, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
     {400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {401, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
@@ -459,6 +469,7 @@ FAKE_EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
     case 83: v = 1; break;            /* MANAGED_MEMORY */
     case 89: v = 1; break;            /* CONCURRENT_MANAGED_ACCESS */
     case 97: v = 232448; break;       /* MAX_SHARED_MEMORY_PER_BLOCK_OPTIN */
+    case 102: v = fake_get_ll("FAKE_CUDA_VMM", 1) != 0; break; /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     case 106: v = 32; break;          /* MAX_BLOCKS_PER_MULTIPROCESSOR */
     case 115: v = 1; break;           /* MEMORY_POOLS_SUPPORTED */
     default: v = 0; break;
@@ -1726,6 +1737,19 @@ FAKE_EXPORT CUresult cuGraphLaunch(CUgraphExec x, CUstream s) {
     return CUDA_SUCCESS;
 }
 
+/*
+ * The driver's private tables (cudart asks for several by UUID).  The fake has none; an
+ * error answer lets cudart go on without them, where a missing entry point would make it
+ * install a stub that fails every runtime call with cudaErrorCallRequiresNewerDriver.
+ */
+FAKE_EXPORT CUresult cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTableId) {
+    if (!ppExportTable || !pExportTableId) return CUDA_ERROR_INVALID_VALUE;
+    const unsigned char *b = (const unsigned char *)pExportTableId->bytes;
+    trace("cuGetExportTable(%02x%02x%02x%02x-...) -> CUDA_ERROR_NOT_FOUND", b[0], b[1], b[2], b[3]);
+    *ppExportTable = NULL;
+    return CUDA_ERROR_NOT_FOUND;
+}
+
 /* ------------------------------------------------------------------------- */
 /* cuGetProcAddress                                                          */
 /* ------------------------------------------------------------------------- */
@@ -1756,6 +1780,7 @@ static const proc_entry g_procs[] = {
     PROC("cuGetProcAddress", 0, cuGetProcAddress),
     PROC("cuInit", 0, cuInit),
     PROC("cuDriverGetVersion", 0, cuDriverGetVersion),
+    PROC("cuGetExportTable", 0, cuGetExportTable),
     PROC("cuDeviceGet", 0, cuDeviceGet),
     PROC("cuDeviceGetCount", 0, cuDeviceGetCount),
     PROC("cuDeviceGetName", 0, cuDeviceGetName),
