@@ -15,6 +15,13 @@ from typing import Any
 
 import click
 
+from gpudiag.core.limits import (
+    EXIT_BLOCKED,
+    EXIT_FAILED,
+    EXIT_READY,
+    MAX_DEVICES,
+    PROBES,
+)
 from gpudiag.core.requirement import (
     RequirementError,
     parse_requirement,
@@ -23,8 +30,7 @@ from gpudiag.core.requirement import (
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
 
-EXIT_READY, EXIT_BLOCKED, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
-PROBE_BACKENDS = ("host", "nvml", "cuda", "jax", "iree")
+PROBE_BACKENDS = PROBES
 
 
 class Failed(click.ClickException):
@@ -156,7 +162,7 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None) -> None:
               "driver), iree:DRIVER; comma-separated.")
 @click.option("--devices", "devices_text", metavar="LIST",
               help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
-@click.option("--min-devices", type=click.IntRange(0, 64), metavar="N",
+@click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
               help="At least N usable GPUs (default 1 for GPU requirements).")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")

@@ -21,11 +21,10 @@ from typing import Any
 
 import click
 
-from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
-EXIT_USAGE, EXIT_FAILED = 2, 3
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
                                                                          "asctime"}
 

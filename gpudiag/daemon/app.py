@@ -20,6 +20,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.daemon.exporter import SnapshotCollector
@@ -270,7 +271,7 @@ class DaemonApp:
     def _preflight(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, PREFLIGHT_PARAMS)
         cfg = self.scheduler.config
-        min_devices = _int(params, "min_devices", 0, 64)
+        min_devices = _int(params, "min_devices", 0, MAX_DEVICES)
         try:
             requirement = parse_requirement(
                 params.get("require", cfg.default_requirement),

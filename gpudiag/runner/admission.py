@@ -29,6 +29,7 @@ from gpudiag.core.environment import (
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
 )
+from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.isolation import run_probe
@@ -621,8 +622,8 @@ def admit(gpus: int | None = None, *, min_free_memory: str | int | None = None,
 
     requirement = require if isinstance(require, Requirement) else parse_requirement(require)
     n = (1 if requirement.needs_gpu else 0) if gpus is None else gpus
-    if n < 0 or n > 64:
-        raise ValueError(f"gpus={n} must be between 0 and 64")
+    if n < 0 or n > MAX_DEVICES:
+        raise ValueError(f"gpus={n} must be between 0 and {MAX_DEVICES}")
     floor = parse_size(min_free_memory) if isinstance(min_free_memory, str) else min_free_memory
     base = dict(os.environ if env is None else env)
     first: Observation | None = None

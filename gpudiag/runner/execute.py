@@ -28,6 +28,7 @@ from typing import IO, Any, BinaryIO
 
 from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
 from gpudiag.core.fileio import atomic_write
+from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
 from gpudiag.core.verdict import Requirement, Verdict, kv_value
 from gpudiag.core.version import __version__
 from gpudiag.engine.locks import default_lock_dir, try_lock
@@ -41,9 +42,6 @@ from gpudiag.runner.admission import (
     preflight_for_admission,
 )
 
-EXIT_REFUSED = 125
-EXIT_CANNOT_EXECUTE = 126
-EXIT_NOT_FOUND = 127
 ROUTE = "gpudiag-run"
 PLAN_SCHEMA = "gpudiag.plan/1"
 CLOSEOUT_SCHEMA = "gpudiag.closeout/1"
