@@ -105,9 +105,10 @@ def serve(listen: str | None, config_path: str | None, state_dir: str | None,
 
 def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None) -> None:
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
+    from gpudiag.core.environment import probe_environment
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
-    from gpudiag.daemon.scheduler import Scheduler, child_environment
+    from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
     from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
@@ -124,7 +125,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
     notifier = Notifier()
     wake: list[Any] = []
-    watcher = XidWatcher(cfg.xid, child_environment(os.environ),
+    watcher = XidWatcher(cfg.xid, probe_environment(os.environ),
                          on_change=lambda: wake[0]() if wake else None)
     scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher)
     wake.append(scheduler.wake)

@@ -73,18 +73,6 @@ def isolated_runner(backend: str, env: Mapping[str, str], timeout_s: float,
     return run_probe(backend, env=env, timeout_s=timeout_s, options=options)
 
 
-# The daemon's own systemd channel: children must not speak for it.
-SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
-
-
-def child_environment(base: Mapping[str, str]) -> dict[str, str]:
-    """The probe children's environment: the daemon's, minus its systemd channel."""
-    env = probe_environment(base)
-    for name in SYSTEMD_ONLY:
-        env.pop(name, None)
-    return env
-
-
 class WatcherSource(Protocol):
     """What the scheduler needs from the XID watcher."""
 
@@ -134,7 +122,7 @@ class Scheduler:
         self._rng = rng or random.Random()
         self._notifier = notifier or Notifier(env={})
         self._watcher = watcher
-        self._env = child_environment(os.environ if env is None else env)
+        self._env = probe_environment(os.environ if env is None else env)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
         self._wake = threading.Event()

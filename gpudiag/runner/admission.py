@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.environment import (
-    PREALLOCATION_OFF,
     Visibility,
     is_full_uuid,
+    job_environment,
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
 )
@@ -330,22 +330,7 @@ def child_environment(admission: Admission, base_env: Mapping[str, str]) -> dict
     the child cannot reach a GPU it was not given); JAX_PLATFORMS=cuda when JAX must run on
     the GPU, so a missing GPU backend fails loudly instead of falling back to the CPU.
     """
-    env = dict(base_env)
-    env.update(gpudiag_variables(admission.uuids, admission.jax_platforms))
-    return env
-
-
-def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None) -> dict[str, str]:
-    """The variables gpudiag sets in a child (DESIGN.md's exact child environment)."""
-    for u in uuids:
-        if not is_full_uuid(u):
-            raise ValueError(f"{u!r} is not a full GPU-/MIG- UUID")
-    listed = ",".join(uuids)
-    out = {"CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
-    if jax_platforms is not None:
-        out["JAX_PLATFORMS"] = jax_platforms
-    out.update(PREALLOCATION_OFF)
-    return out
+    return job_environment(base_env, admission.uuids, admission.jax_platforms)
 
 
 Hook = Callable[[Observation], None]

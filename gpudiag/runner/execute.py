@@ -27,6 +27,7 @@ from types import FrameType
 from typing import IO, Any, BinaryIO
 
 from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
+from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.fileio import atomic_write
 from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
 from gpudiag.core.verdict import Requirement, Verdict, kv_value
@@ -38,7 +39,6 @@ from gpudiag.runner.admission import (
     AdmissionError,
     Admitter,
     Hook,
-    gpudiag_variables,
     preflight_for_admission,
 )
 
