@@ -105,15 +105,15 @@ def test_the_daemon_listens_on_loopback_unless_told_otherwise() -> None:
 
 def test_a_tmp_lock_folder_someone_else_could_write_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpudiag.runner.admission as admission
+    import gpudiag.engine.locks as locks
 
     root = tmp_path / "gpudiag-uid"
-    monkeypatch.setattr(admission, "_private_tmp_root", lambda: root)
+    monkeypatch.setattr(locks, "_private_tmp_root", lambda: root)
     lock_dir = root / "gpudiag" / "locks"  # what default_lock_dir() falls back to
     root.mkdir(mode=0o700)
     lock = try_lock(lock_dir, GPU0)  # this user's own private folder: fine
     assert lock is not None
-    admission.release([lock])
+    locks.release([lock])
     root.chmod(0o777)  # as if another user had made it first, open to all
     with pytest.raises(LockFailed, match="closed to others"):
         try_lock(lock_dir, GPU0)

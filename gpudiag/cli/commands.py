@@ -184,10 +184,15 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
                                         min_devices=min_devices, min_free_memory=min_free_text)
     except RequirementError as e:
         raise _usage(str(e)) from e
-    from gpudiag.cli.daemon import daemon_or_inline
+    from gpudiag.engine.client import DaemonUrlError
+    from gpudiag.engine.route import daemon_else_inline
 
     with _progress("preflight " + require_text):
-        verdict = daemon_or_inline(requirement, daemon_url, no_daemon, timeout_s)
+        try:
+            verdict = daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
+                                         timeout_s=timeout_s).verdict
+        except DaemonUrlError as e:
+            raise _usage(f"--daemon-url: {e}") from e
     _record(verdict, record_path)
     _emit(verdict, fmt)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)

@@ -1,5 +1,4 @@
-"""CLI commands of the daemon: ``gpudiag serve`` and ``gpudiag history``, plus the
-daemon-first preflight used by ``gpudiag preflight``.
+"""CLI commands of the daemon: ``gpudiag serve`` and ``gpudiag history``.
 
 Heavy imports (prometheus_client, the scheduler) happen inside ``serve`` so that other
 commands start fast.
@@ -22,7 +21,6 @@ from typing import Any
 import click
 
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED
-from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
@@ -270,21 +268,3 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         end = "ongoing" if ep.ended is None else _when(ep.ended)
         where = "/".join(x for x in (ep.backend, ep.device) if x) or "-"
         click.echo(f"{_when(ep.started)} .. {end}  {ep.code}  {where}: {ep.message}")
-
-
-def daemon_or_inline(requirement: Requirement, daemon_url: str | None, no_daemon: bool,
-                     timeout_s: float | None) -> Verdict:
-    """`gpudiag preflight`'s route: the daemon's verdict if one answers, else inline."""
-    from gpudiag.engine.client import DaemonUrlError, ask_daemon, default_url
-    from gpudiag.engine.inline import preflight_inline
-
-    if not no_daemon:
-        try:
-            # --timeout bounds the wait for the daemon too (a Slurm prolog has 60 s in all).
-            answer = ask_daemon(daemon_url or default_url(), requirement,
-                                read_timeout_s=min(60.0, timeout_s or 60.0))
-        except DaemonUrlError as e:
-            raise click.UsageError(f"--daemon-url: {e}") from e
-        if answer.verdict is not None:
-            return answer.verdict
-    return preflight_inline(requirement, timeout_s=timeout_s)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
-from gpudiag.engine.client import preflight as daemon_first
+from gpudiag.engine.route import daemon_else_inline
 
 
 def preflight(require: str | Requirement = "cuda", *, devices: str | None = None,
@@ -21,5 +21,5 @@ def preflight(require: str | Requirement = "cuda", *, devices: str | None = None
     """
     requirement = require if isinstance(require, Requirement) else parse_requirement(
         require, devices=devices, min_devices=min_devices, min_free_memory=min_free_memory)
-    return daemon_first(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
-                        timeout_s=timeout_s)
+    return daemon_else_inline(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
+                              timeout_s=timeout_s).verdict

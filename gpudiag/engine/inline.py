@@ -1,16 +1,14 @@
-"""Inline preflight: pick the probes a requirement needs, run them as children, classify."""
+"""Inline runs: pick the probes a requirement needs and run them as isolated children."""
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Collection, Mapping
 
-from gpudiag.core.classify import classify
 from gpudiag.core.clock import now_rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
-from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.core.verdict import Requirement
 from gpudiag.engine.isolation import run_probes
 from gpudiag.engine.plan import DEFAULT_TIMEOUTS_S, probes_for
 
@@ -32,10 +30,3 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     requests = [(name, smi_timeout if name == "host" else opts) for name, opts in requests]
     child_env = probe_environment(os.environ if env is None else env)
     return run_probes(requests, env=child_env, timeouts=limits), checked_at
-
-
-def preflight_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
-                     timeout_s: float | None = None) -> Verdict:
-    """The verdict for a requirement from probes run here and now."""
-    runs, checked_at = run_inline(requirement, env=env, timeout_s=timeout_s)
-    return classify(runs, requirement, host=socket.gethostname(), checked_at=checked_at)

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import random
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +40,7 @@ from gpudiag.engine.locks import (
     release,
     try_lock,
 )
+from gpudiag.engine.route import daemon_else_inline
 
 FREE, BUSY, UNKNOWN = "FREE", "BUSY", "UNKNOWN"
 DEFAULT_LOCK_TIMEOUT_S = 60.0
@@ -563,30 +563,24 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
     preflight requirement asks for one healthy GPU: admission counts leaves itself (MIG
     instances are leaves the preflight does not count).
     """
-    from gpudiag.core.classify import classify
-    from gpudiag.engine.inline import run_inline
-
     pre = replace(requirement, min_devices=min(gpus, 1) if requirement.needs_gpu or gpus
                   else requirement.min_devices, min_free_memory_bytes=None)
     if gpus > 0 and not pre.needs_gpu:
         # A CPU requirement that still asks for GPUs: NVML must be probed too.
         from gpudiag.core.verdict import BackendRequirement
         pre = replace(pre, backends=(*pre.backends, BackendRequirement("nvml")))
-    if daemon_url is not None:
-        from gpudiag.engine.client import ask_daemon
-
-        answer = ask_daemon(daemon_url, pre, env=env)
-        if answer.verdict is not None:
-            return answer.verdict, None
-    runs, checked_at = run_inline(pre, env=env, timeout_s=timeout_s)
-    verdict = classify(runs, pre, host=socket.gethostname(), checked_at=checked_at)
+    routed = daemon_else_inline(pre, url=daemon_url, use_daemon=daemon_url is not None,
+                                env=env, timeout_s=timeout_s)
+    runs = routed.runs
+    if runs is None:
+        return routed.verdict, None
     nvml = runs.get("nvml")
     # The nvml run doubles as the first observation only when no probe that opens a GPU
     # context (cuda, jax, iree) ran beside it: on a real GPU that probe's own process and
     # memory would show up as occupancy and then vanish (a false BUSY or admission_changed).
     alone = set(runs) <= {"host", "nvml"}
     first = observation_from_run(nvml) if nvml is not None and alone else None
-    return verdict, first
+    return routed.verdict, first
 
 
 @contextlib.contextmanager
