@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import clean_env, make_host_dirs
+from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import build_fakes, write_state_file
-from tests.test_daemon_support import processes_with_env
 
 RSS_TARGET_BYTES = 5 * 2**20
 EPISODE_SLACK_S = 12.0
@@ -192,43 +193,28 @@ class SoakReport:
         ]
 
 
-def _proc_status(pid: int) -> dict[str, str]:
-    out = {}
-    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            out[key] = value.strip()
-    return out
-
-
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid``."""
-    return int(_proc_status(pid)["VmRSS"].split()[0]) * 1024
+    return int(psutil.Process(pid).memory_info().rss)
 
 
 def fd_count(pid: int) -> int:
     """Open file descriptors of ``pid``."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    return int(psutil.Process(pid).num_fds())
 
 
 def thread_count(pid: int) -> int:
-    return int(_proc_status(pid)["Threads"])
+    return int(psutil.Process(pid).num_threads())
 
 
 def children_of(pid: int) -> list[tuple[int, str]]:
-    """(pid, state) of the direct children of ``pid``."""
+    """(pid, state letter: Z for a zombie) of the direct children of ``pid``."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for kid in psutil.Process(pid).children():
         try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
-                stat = fh.read()
-        except OSError:
+            found.append((kid.pid, "Z" if kid.status() == psutil.STATUS_ZOMBIE else "R"))
+        except psutil.NoSuchProcess:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            found.append((int(entry), fields[0]))
     return found
 
 

@@ -19,13 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_gpudiag, verdict_of
+from tests.conftest import processes_with_env, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import (
     DAEMON_TOML,
     Daemon,
     host_env,
-    processes_with_env,
     wait_for,
     write_config,
 )

@@ -7,7 +7,6 @@ those ProbeRuns so that scheduling, HTTP and metrics can be tested in millisecon
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -184,21 +183,6 @@ class Daemon:
                 self.proc.wait(5)
         self._reader.join(5)
         return int(self.proc.returncode)
-
-
-def processes_with_env(marker: str) -> list[int]:
-    """PIDs whose environment mentions ``marker`` (to find orphaned probe children)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                if marker.encode() in fh.read():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:

@@ -46,7 +46,7 @@ from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import Snapshot, WatcherState
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.runner.admission import AdmissionError
-from tests.conftest import clean_env, make_host_dirs
+from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import Daemon, wait_for
 from tests.test_probe_engine import FAULTS
@@ -126,14 +126,8 @@ class Rig:
 
     def kill_watcher(self) -> None:
         """SIGKILL the daemon's XID watcher child (its restarts fail while NVML does)."""
-        for pid in os.listdir("/proc"):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
-            except (OSError, ValueError):
-                continue
-            if b"gpudiag.probes.xid_watch" in cmdline and str(self.state).encode() in environ:
-                os.kill(int(pid), signal.SIGKILL)
+        for pid in processes_with_env(str(self.state), cmdline_has="gpudiag.probes.xid_watch"):
+            os.kill(pid, signal.SIGKILL)
 
     def break_pynvml(self) -> None:
         (self.shadow / "pynvml.py").write_text("raise RuntimeError('a broken pynvml install')\n")

@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
-from tests.conftest import EnvFactory, make_host_dirs, run_gpudiag, verdict_of
+from tests.conftest import (
+    EnvFactory,
+    make_host_dirs,
+    processes_with_env,
+    run_gpudiag,
+    verdict_of,
+)
 from tests.fakes.build import FakeDriver
 
 ENGINE_LAYERS = ("probe", "visibility", "driver", "device", "cuda", "requirement")
@@ -203,14 +209,8 @@ def test_a_hung_probe_is_killed_with_its_process_group(gpu_env: EnvFactory,
     assert record["blockers"][0]["backend"] == "nvml"
     # The fake's hung init left nothing behind: no process still has the fake library mapped.
     time.sleep(0.2)
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        assert marker.encode() not in environ, f"process {pid} survived"
+    survivors = processes_with_env(marker)
+    assert survivors == [], f"processes {survivors} survived"
 
 
 def test_kv_format_has_the_contract_keys(gpu_env: EnvFactory) -> None:
@@ -321,17 +321,8 @@ def test_a_hung_probe_dies_with_a_sigkilled_parent(gpu_env: EnvFactory) -> None:
          "run_probe('nvml', env=os.environ, timeout_s=300)"], env=env)
 
     def probe_pids() -> list[int]:
-        found = []
-        for pid in os.listdir("/proc"):
-            try:
-                if pid.isdigit() and pid != str(parent.pid) and marker.encode() in Path(
-                        f"/proc/{pid}/environ").read_bytes() and b"gpudiag.probes" in Path(
-                        f"/proc/{pid}/cmdline").read_bytes():
-                    if "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
-                        found.append(int(pid))
-            except OSError:
-                continue
-        return found
+        return [pid for pid in processes_with_env(marker, cmdline_has="gpudiag.probes")
+                if pid != parent.pid]
 
     deadline = time.monotonic() + 30
     while not probe_pids() and time.monotonic() < deadline:

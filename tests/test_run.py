@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from gpudiag.core.child import env_sha256
+from gpudiag.engine.processes import ended
 from tests.conftest import EnvFactory, run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, write_config
@@ -231,15 +232,6 @@ GRANDCHILD = textwrap.dedent("""
         fh.write(str(g.pid))
     open(os.path.join(folder, "child_exited"), "w").close()
 """)
-
-
-def _gone(pid: int) -> bool:
-    """Ended: no such process, or a zombie nobody reaped yet (its files are closed)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def _locked(path: str) -> bool:
@@ -473,7 +465,7 @@ def test_sigkill_of_gpudiag_itself_leaves_the_gpu_locked_while_argv_lives(
         while _locked(lock_path):
             assert time.monotonic() < deadline, "the lock outlived the child"
             time.sleep(0.05)
-        assert _gone(child)
+        assert ended(child)  # gone, or a zombie nobody reaped yet (its files are closed)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)

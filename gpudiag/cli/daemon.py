@@ -111,6 +111,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.snapshot import Snapshot
     from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
     from gpudiag.daemon.watcher import XidWatcher
+    from gpudiag.engine.processes import kill_child_groups
 
     log = logging.getLogger("gpudiag.daemon")
     # Answers are short and latency is what callers wait on: hand the GIL over sooner than
@@ -180,34 +181,6 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         log.info("killed %d running probe child(ren) on the way out", killed)
     scheduler.drain()
     store.close()
-
-
-def kill_child_groups() -> int:
-    """SIGKILL the process group of every direct child of this process (Linux /proc)."""
-    me, own_group, count = os.getpid(), os.getpgrp(), 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            ppid, pgid = int(fields[1]), int(fields[2])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid != me:
-            continue
-        try:
-            if pgid != own_group:
-                os.killpg(pgid, signal.SIGKILL)
-            else:
-                os.kill(int(entry), signal.SIGKILL)
-            count += 1
-        except (ProcessLookupError, PermissionError):
-            pass
-    return count
 
 
 _SINCE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
