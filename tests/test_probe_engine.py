@@ -334,3 +334,16 @@ def test_a_hung_probe_dies_with_a_sigkilled_parent(gpu_env: EnvFactory) -> None:
     while probe_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert probe_pids() == [], "the hung probe outlived its SIGKILLed parent"
+
+
+def test_without_a_daemon_the_route_runs_inline_and_says_why(gpu_env: EnvFactory) -> None:
+    from gpudiag.core.requirement import parse_requirement
+    from gpudiag.engine.route import daemon_else_inline
+
+    env = gpu_env()  # GPUDIAG_DAEMON_URL points at port 1: nothing listens there
+    routed = daemon_else_inline(parse_requirement("nvml"), env=env, timeout_s=30)
+    assert routed.verdict.source == "inline" and routed.verdict.ready
+    assert routed.runs is not None and set(routed.runs) == {"host", "nvml"}
+    assert routed.daemon_reason is not None and "127.0.0.1:1" in routed.daemon_reason
+    asked_none = daemon_else_inline(parse_requirement("nvml"), env=env, use_daemon=False)
+    assert asked_none.daemon_reason is None and asked_none.runs is not None
