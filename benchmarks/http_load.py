@@ -22,9 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.soak import CONFIG, SoakDaemon, rss_bytes, thread_count
+from benchmarks.soak import rss_bytes, soak_config, thread_count
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import build_fakes
+from tests.test_daemon_support import Daemon
 
 SCRAPE = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 MALFORMED = (b"GARBAGE\r\n\r\n", b"GET /x HTTP/9.9\r\n\r\n", b"\x16\x03\x01" + b"\0" * 60 +
@@ -84,8 +85,8 @@ def main() -> int:
         env.update(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc_dir))
         env = fakes.env(base=env, FAKE_NVML_DEVICE_COUNT=8)
         config = root / "gpudiag.toml"
-        config.write_text(CONFIG.format(retention_s=3600))
-        daemon = SoakDaemon(env, config, root / "state")
+        config.write_text(soak_config(3600))
+        daemon = Daemon(env, config, root / "state")
         try:
             port = int(daemon.url.rsplit(":", 1)[1])
             end = time.monotonic() + 30

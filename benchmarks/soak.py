@@ -14,28 +14,26 @@ Exit status 0 when every target is met, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import clean_env, make_host_dirs
+from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import build_fakes, write_state_file
-from tests.test_daemon_support import processes_with_env
+from tests.test_daemon_support import Daemon, daemon_toml
 
 RSS_TARGET_BYTES = 5 * 2**20
 EPISODE_SLACK_S = 12.0
@@ -66,30 +64,17 @@ def schedule(scale: float) -> list[Phase]:
     ]
 
 
-CONFIG = """
-[scheduler]
-tick_s = 0.05
-jitter_ratio = 0.05
-backoff_max_s = 2
-[backends.host]
-interval_s = 5
-[backends.nvml]
-interval_s = 1
-deadline_s = 5
-[backends.cuda]
-interval_s = 1
-deadline_s = 1.5
-[backends.jax]
-enabled = false
-[backends.iree]
-enabled = false
-[xid]
-heartbeat_s = 0.5
-telemetry_s = 2
-gap_warning_s = 30
-[history]
-retention_s = {retention_s}
-"""
+# The shared test daemon config (tests/test_daemon_support.py), probing every second.
+SOAK_CONFIG = {
+    "backends.nvml": {"interval_s": 1, "deadline_s": 5},
+    "backends.cuda": {"interval_s": 1, "deadline_s": 1.5},
+    "xid": {"heartbeat_s": 0.5, "telemetry_s": 2, "gap_warning_s": 30},
+}
+
+
+def soak_config(retention_s: float) -> str:
+    """The soak daemon's TOML, keeping history for ``retention_s``."""
+    return daemon_toml({**SOAK_CONFIG, "history": {"retention_s": retention_s}})
 
 
 @dataclass(frozen=True)
@@ -192,106 +177,35 @@ class SoakReport:
         ]
 
 
-def _proc_status(pid: int) -> dict[str, str]:
-    out = {}
-    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
-        for line in fh:
-            key, _, value = line.partition(":")
-            out[key] = value.strip()
-    return out
-
-
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid``."""
-    return int(_proc_status(pid)["VmRSS"].split()[0]) * 1024
+    return int(psutil.Process(pid).memory_info().rss)
 
 
 def fd_count(pid: int) -> int:
     """Open file descriptors of ``pid``."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    return int(psutil.Process(pid).num_fds())
 
 
 def thread_count(pid: int) -> int:
-    return int(_proc_status(pid)["Threads"])
+    return int(psutil.Process(pid).num_threads())
 
 
 def children_of(pid: int) -> list[tuple[int, str]]:
-    """(pid, state) of the direct children of ``pid``."""
+    """(pid, state letter: Z for a zombie) of the direct children of ``pid``."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for kid in psutil.Process(pid).children():
         try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
-                stat = fh.read()
-        except OSError:
+            found.append((kid.pid, "Z" if kid.status() == psutil.STATUS_ZOMBIE else "R"))
+        except psutil.NoSuchProcess:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            found.append((int(entry), fields[0]))
     return found
-
-
-class SoakDaemon:
-    """`gpudiag serve` as a child on 127.0.0.1 port 0; counts its log lines."""
-
-    def __init__(self, env: Mapping[str, str], config: Path, state_dir: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0", "--config",
-             str(config), "--state-dir", str(state_dir), "--log-format", "json"],
-            env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True)
-        self.log_lines = 0
-        self.tail: list[str] = []
-        self.url = ""
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        if not self._ready.wait(30):
-            self.stop()
-            raise RuntimeError("the daemon did not start:\n" + "\n".join(self.tail))
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log_lines += 1
-            self.tail = (self.tail + [line.rstrip()])[-40:]
-            if not self.url:
-                try:
-                    url = json.loads(line).get("url")
-                except (ValueError, AttributeError):
-                    url = None
-                if url:
-                    self.url = str(url)
-                    self._ready.set()
-
-    def get(self, path: str, timeout: float = 15.0) -> tuple[int, Any]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-                status, data = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            status, data = e.code, e.read()
-        try:
-            return status, json.loads(data)
-        except ValueError:
-            return status, data.decode(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._reader.join(5)
-        return int(self.proc.returncode)
 
 
 class Poller(threading.Thread):
     """Polls /metrics, /v1/preflight and /v1/history; keeps every episode it sees by id."""
 
-    def __init__(self, daemon: SoakDaemon, interval_s: float = 0.5) -> None:
+    def __init__(self, daemon: Daemon, interval_s: float = 0.5) -> None:
         super().__init__(daemon=True, name="poller")
         self.d = daemon
         self.interval_s = interval_s
@@ -370,12 +284,12 @@ def _soak(root: Path, total_s: float, scale: float, warmup_s: float | None,
                 MARKER_VAR: marker})
     env = fakes.env(base=env, FAKE_NVML_DEVICE_COUNT=2, FAKE_GPU_STATE_FILE=str(state_file))
     config = root / "gpudiag.toml"
-    config.write_text(CONFIG.format(retention_s=retention_s))
+    config.write_text(soak_config(retention_s))
     report = SoakReport(retention_s=retention_s)
     cycle = schedule(scale)
     warmup = sum(p.duration_s for p in cycle) if warmup_s is None else warmup_s
 
-    daemon = SoakDaemon(env, config, root / "state")
+    daemon = Daemon(env, config, root / "state")
     pid = daemon.proc.pid
     poller = Poller(daemon)
     injected: list[Injected] = []

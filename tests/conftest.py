@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.fakes.build import FakeDriver, build_fakes
@@ -99,6 +100,28 @@ def bare_env(tmp_path: Path) -> dict[str, str]:
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                   if not (Path(p) / "nvidia-smi").exists())
     return env
+
+
+def processes_with_env(marker: str, cmdline_has: str | None = None) -> list[int]:
+    """Live processes (not this one) whose environment mentions ``marker`` (``NAME=VALUE`` or
+    a value), and whose argv mentions ``cmdline_has`` when given: to find what a test left."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            # A zombie's environment cannot be read: it has ended, only its reaping is due.
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            environ = "\0".join(f"{k}={v}" for k, v in proc.environ().items())
+            if marker not in environ:
+                continue
+            if cmdline_has is not None and cmdline_has not in " ".join(proc.cmdline()):
+                continue
+        except psutil.Error:
+            continue
+        found.append(proc.pid)
+    return found
 
 
 def run_gpudiag(args: list[str], env: Mapping[str, str], timeout: float = 120

@@ -19,13 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_gpudiag, verdict_of
+from tests.conftest import processes_with_env, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import (
-    DAEMON_TOML,
     Daemon,
+    daemon_toml,
     host_env,
-    processes_with_env,
     wait_for,
     write_config,
 )
@@ -39,9 +38,9 @@ def rig(fakes: FakeDriver, tmp_path: Path) -> Iterator[dict[str, Any]]:
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state))
     daemons: list[Daemon] = []
 
-    def start(nvml_deadline: float = 10, extra: str = "") -> Daemon:
+    def start(nvml_deadline: float = 10) -> Daemon:
         cfg = write_config(tmp_path / "gpudiag.toml",
-                           DAEMON_TOML.format(nvml_deadline=nvml_deadline) + extra)
+                           daemon_toml({"backends.nvml": {"deadline_s": nvml_deadline}}))
         d = Daemon(env, cfg, tmp_path / "state")
         daemons.append(d)
         return d
@@ -206,7 +205,7 @@ def test_xid_79_is_gpu_lost_and_xid_13_only_a_warning(rig) -> None:
 
 
 def test_a_dying_watcher_is_restarted_and_its_gap_becomes_a_warning(rig) -> None:
-    daemon = rig["start"](extra="")
+    daemon = rig["start"]()
     daemon.wait_ready()
     # NVML init now fails for every new child: the watcher keeps dying on restart.
     write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_ERROR": 999})
@@ -224,13 +223,13 @@ def test_a_dying_watcher_is_restarted_and_its_gap_becomes_a_warning(rig) -> None
 
 
 def test_gap_past_the_limit_is_the_xid_watcher_gap_warning(rig) -> None:
-    daemon = rig["start"](extra="")
+    daemon = rig["start"]()
     daemon.wait_ready()
     write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_ERROR": 999})
     for p in processes_with_env(str(rig["state"])):
         if b"xid_watch" in _cmdline(p):
             os.kill(p, signal.SIGKILL)
-    # gap_warning_s is 5 in DAEMON_TOML; nvml now blocks too, the warning rides along.
+    # gap_warning_s is 5 in DAEMON_CONFIG; nvml now blocks too, the warning rides along.
     rec = wait_for(lambda: (r := daemon.get("/v1/preflight")[1]) and any(
         w["code"] == "xid_watcher_gap" for w in r["warnings"]) and r, 12, 0.2)
     assert "down for" in next(w for w in rec["warnings"]

@@ -265,9 +265,9 @@ def test_xids_older_than_the_hold_time_leave_the_verdict(tmp_path: Path) -> None
 
 
 def test_probe_children_do_not_inherit_the_systemd_channel() -> None:
-    from gpudiag.daemon.scheduler import child_environment
+    from gpudiag.core.environment import probe_environment
 
-    env = child_environment({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "PATH": "/bin",
+    env = probe_environment({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "PATH": "/bin",
                              "CUDA_VISIBLE_DEVICES": "0"})
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
     assert env["PATH"] == "/bin" and env["CUDA_VISIBLE_DEVICES"] == "0"

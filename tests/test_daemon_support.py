@@ -7,7 +7,6 @@ those ProbeRuns so that scheduling, HTTP and metrics can be tested in millisecon
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -95,38 +94,52 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
-DAEMON_TOML = """
-[scheduler]
-tick_s = 0.05
-jitter_ratio = 0.05
-backoff_max_s = 2
-[backends.host]
-interval_s = 5
-[backends.nvml]
-interval_s = 0.5
-deadline_s = {nvml_deadline}
-[backends.cuda]
-interval_s = 2
-[backends.jax]
-enabled = false
-[backends.iree]
-enabled = false
-[xid]
-heartbeat_s = 0.2
-telemetry_s = 1
-gap_warning_s = 5
-"""
+# The one daemon config of the tests and benchmarks, by TOML table ("" is the top level):
+# quick ticks, host/nvml/cuda on short intervals, jax/iree off, a fast XID watcher heartbeat.
+DAEMON_CONFIG: dict[str, dict[str, Any]] = {
+    "": {},
+    "scheduler": {"tick_s": 0.05, "jitter_ratio": 0.05, "backoff_max_s": 2},
+    "backends.host": {"interval_s": 5},
+    "backends.nvml": {"interval_s": 0.5, "deadline_s": 10},
+    "backends.cuda": {"interval_s": 2},
+    "backends.jax": {"enabled": False},
+    "backends.iree": {"enabled": False},
+    "xid": {"heartbeat_s": 0.2, "telemetry_s": 1, "gap_warning_s": 5},
+}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)  # numbers and (simple) strings are the same in TOML
+
+
+def daemon_toml(changes: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """DAEMON_CONFIG as TOML with ``changes`` merged in per table (None: leave the key out)."""
+    tables = {name: dict(keys) for name, keys in DAEMON_CONFIG.items()}
+    for name, keys in (changes or {}).items():
+        tables.setdefault(name, {}).update(keys)
+    lines: list[str] = []
+    for name, keys in tables.items():
+        if name:
+            lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items() if v is not None]
+    return "\n".join(lines) + "\n"
 
 
 class Daemon:
-    """A real `gpudiag serve` child on port 0; stderr (JSON logs) is collected."""
+    """A real `gpudiag serve` child on 127.0.0.1 port 0; its stderr (JSON logs) is collected.
+
+    ``prefix`` runs it under a wrapper that execs it (e.g. unshare: same pid).
+    """
 
     def __init__(self, env: Mapping[str, str], config: Path, state_dir: Path,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0", "--config",
-             str(config), "--state-dir", str(state_dir), "--log-format", "json", *extra_args],
-            env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            [*prefix, sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0",
+             "--config", str(config), "--state-dir", str(state_dir), "--log-format", "json",
+             *extra_args],
+            env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self.url_ready = threading.Event()
@@ -134,9 +147,19 @@ class Daemon:
         self.server_ms = float("nan")
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self.url_ready.wait(20):
+        if not self.url_ready.wait(30):
             self.stop()
-            raise AssertionError("daemon did not start:\n" + "\n".join(self.lines))
+            raise AssertionError("daemon did not start:\n" + "\n".join(self.lines[-40:]))
+
+    @property
+    def log_lines(self) -> int:
+        """How many log lines the daemon has written so far."""
+        return len(self.lines)
+
+    @property
+    def instance(self) -> str:
+        """HOST:PORT, as Prometheus labels the target."""
+        return self.url.removeprefix("http://")
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -148,7 +171,7 @@ class Daemon:
                 except (ValueError, AttributeError):
                     url = None
                 if url:
-                    self.url = url
+                    self.url = str(url)
                     self.url_ready.set()
 
     def get(self, path: str, timeout: float = 30) -> tuple[int, Any]:
@@ -160,7 +183,7 @@ class Daemon:
             status, data, headers = e.code, e.read(), e.headers
         timing = str(headers.get("Server-Timing") or "")
         self.server_ms = float(timing.partition("dur=")[2] or "nan")
-        text = data.decode()
+        text = data.decode(errors="replace")
         try:
             return status, json.loads(text)
         except ValueError:
@@ -184,21 +207,6 @@ class Daemon:
                 self.proc.wait(5)
         self._reader.join(5)
         return int(self.proc.returncode)
-
-
-def processes_with_env(marker: str) -> list[int]:
-    """PIDs whose environment mentions ``marker`` (to find orphaned probe children)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                if marker.encode() in fh.read():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:

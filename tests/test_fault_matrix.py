@@ -46,10 +46,10 @@ from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import Snapshot, WatcherState
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.runner.admission import AdmissionError
-from tests.conftest import clean_env, make_host_dirs
+from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.sysfs import make_pci_tree
-from tests.test_daemon_support import Daemon, wait_for
+from tests.test_daemon_support import Daemon, daemon_toml, wait_for, write_config
 from tests.test_probe_engine import FAULTS
 
 ROOT = Path(__file__).resolve().parent
@@ -138,14 +138,8 @@ class Rig:
 
     def kill_watcher(self) -> None:
         """SIGKILL the daemon's XID watcher child (its restarts fail while NVML does)."""
-        for pid in os.listdir("/proc"):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
-            except (OSError, ValueError):
-                continue
-            if b"gpudiag.probes.xid_watch" in cmdline and str(self.state).encode() in environ:
-                os.kill(int(pid), signal.SIGKILL)
+        for pid in processes_with_env(str(self.state), cmdline_has="gpudiag.probes.xid_watch"):
+            os.kill(pid, signal.SIGKILL)
 
     def break_pynvml(self) -> None:
         (self.shadow / "pynvml.py").write_text("raise RuntimeError('a broken pynvml install')\n")
@@ -489,32 +483,16 @@ def _cli(args: list[str], env: Mapping[str, str], prefix: tuple[str, ...] = (),
 
 
 # -- the daemon route ----------------------------------------------------------------------------
-DAEMON_CONFIG = """
-default_requirement = "cuda"
-preflight_wait_s = 30
-[scheduler]
-tick_s = 0.05
-jitter_ratio = 0.0
-backoff_max_s = 1
-[backends.host]
-interval_s = 600
-[backends.nvml]
-interval_s = 600
-deadline_s = 2
-[backends.cuda]
-interval_s = 600
-deadline_s = 10
-[backends.jax]
-enabled = false
-[backends.iree]
-enabled = false
-[xid]
-heartbeat_s = 0.2
-telemetry_s = 5
-hold_s = 6
-gap_warning_s = 1
-restart_backoff_max_s = 0.5
-"""
+# The shared test daemon config, with probes that run only when asked (max_age_s=0), quick
+# backoff, and XIDs held 6 s so that one case's XID is gone before the next case.
+MATRIX_CONFIG = {
+    "": {"default_requirement": "cuda", "preflight_wait_s": 30},
+    "scheduler": {"jitter_ratio": 0.0, "backoff_max_s": 1},
+    "backends.host": {"interval_s": 600},
+    "backends.nvml": {"interval_s": 600, "deadline_s": 2},
+    "backends.cuda": {"interval_s": 600, "deadline_s": 10},
+    "xid": {"telemetry_s": 5, "hold_s": 6, "gap_warning_s": 1, "restart_backoff_max_s": 0.5},
+}
 
 
 @dataclass
@@ -543,35 +521,17 @@ def running(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[RunningDaemon]:
     root = tmp_path_factory.mktemp("matrix")
     rig = Rig.make(root, fakes)
-    config = root / "gpudiag.toml"
-    config.write_text(DAEMON_CONFIG)
+    config = write_config(root / "gpudiag.toml", daemon_toml(MATRIX_CONFIG))
     # Inside a user namespace root is mapped, so nodes owned by an unmapped uid are denied
-    # (device_nodes_no_access); everything else behaves as outside.
+    # (device_nodes_no_access); everything else behaves as outside. unshare execs: same pid.
     prefix = UNSHARE if shutil.which("unshare") else ()
-    daemon = _daemon_in(prefix, rig, config, root) if prefix else Daemon(
-        rig.env(), config, root / "state")
+    daemon = Daemon(rig.env(), config, root / "state", prefix=prefix)
     try:
         daemon.wait_ready()
         yield RunningDaemon(rig, daemon, root / "state", prefix)
     finally:
         code = daemon.stop()
         assert code == 0, "\n".join(daemon.lines[-30:])
-
-
-def _daemon_in(prefix: tuple[str, ...], rig: Rig, config: Path, root: Path) -> Daemon:
-    """The daemon as Daemon starts it, run under ``prefix`` (unshare execs, same pid)."""
-    import tests.test_daemon_support as support
-
-    real_popen = subprocess.Popen
-
-    def popen(argv: list[str], **kw: Any) -> subprocess.Popen[str]:
-        return real_popen([*prefix, *argv], **kw)
-
-    support.subprocess.Popen = popen  # type: ignore[assignment]
-    try:
-        return Daemon(rig.env(), config, root / "state")
-    finally:
-        support.subprocess.Popen = real_popen  # type: ignore[assignment]
 
 
 def _wait_record(running: RunningDaemon, case: Case, fresh: bool, timeout: float = 25
@@ -649,6 +609,14 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
 
 def test_zz_every_daemon_episode_ends_when_the_fault_is_gone(running: RunningDaemon) -> None:
     rig = running.rig
+    # A fault of its own first, so that the test stands alone (run by itself, or first); the
+    # episodes of every case that ran before it are checked as well.
+    own = next(c for c in DAEMON_CASES
+               if not _is_warning(c) and not c.via_daemon and c.mutate is None and c.knobs)
+    rig.reset()
+    write_state_file(rig.state, dict(own.knobs))
+    _wait_record(running, own, fresh=True)
+    running.seen.append(own)
     rig.reset()
     wait_for(lambda: running.preflight("&max_age_s=0")["ready"], 30, interval=0.2)
     metrics = running.metrics()

@@ -10,8 +10,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -24,6 +22,7 @@ import pytest
 
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
+from tests.test_daemon_support import Daemon, daemon_toml, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "gpudiag.json"
@@ -31,7 +30,6 @@ PROVISIONING = ROOT / "grafana" / "provisioning"
 RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 PROMETHEUS = shutil.which("prometheus")
-GPUDIAG = Path(sys.executable).with_name("gpudiag")
 
 
 def dashboard() -> dict[str, Any]:
@@ -128,51 +126,19 @@ def http_json(url: str, timeout: float = 5.0) -> Any:
         return json.loads(resp.read())
 
 
-DAEMON_CONFIG = """\
-listen = "127.0.0.1:0"
-[scheduler]
-tick_s = 0.2
-[backends.host]
-interval_s = 5.0
-[backends.nvml]
-interval_s = 1.0
-[backends.cuda]
-interval_s = 2.0
-[backends.jax]
-enabled = false
-[backends.iree]
-enabled = false
-[xid]
-telemetry_s = 1.0
-"""
-
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[str]
-    instance: str
+# The shared test daemon config at a scrape-friendly pace (scheduler and watcher defaults).
+FLEET_CONFIG = {
+    "scheduler": {"tick_s": 0.2, "jitter_ratio": None, "backoff_max_s": None},
+    "backends.nvml": {"interval_s": 1.0, "deadline_s": None},
+    "xid": {"heartbeat_s": None, "gap_warning_s": None},
+}
 
 
 def start_daemon(folder: Path, env: dict[str, str], extra_args: tuple[str, ...] = ()
                  ) -> Daemon:
     folder.mkdir(parents=True)
-    (folder / "gpudiag.toml").write_text(DAEMON_CONFIG)
-    proc = subprocess.Popen([str(GPUDIAG), "serve", "--config", str(folder / "gpudiag.toml"),
-                             "--state-dir", str(folder / "state"), *extra_args],
-                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 30
-    for line in proc.stderr:
-        match = re.search(r"listening on http://(\S+)", line)
-        if match:
-            # Keep draining stderr so the daemon never blocks on a full pipe.
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return Daemon(proc, match.group(1))
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise AssertionError(f"gpudiag serve did not start (exit {proc.wait()})")
+    return Daemon(env, write_config(folder / "gpudiag.toml", daemon_toml(FLEET_CONFIG)),
+                  folder / "state", extra_args=extra_args)
 
 
 @dataclass
@@ -224,14 +190,14 @@ def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     try:
         yield Fleet(f"http://127.0.0.1:{port}", healthy, blocked)
     finally:
-        for proc in (prometheus, healthy.proc, blocked.proc):
-            proc.terminate()
-        for proc in (prometheus, healthy.proc, blocked.proc):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        prometheus.terminate()
+        for daemon in (healthy, blocked):
+            daemon.stop()
+        try:
+            prometheus.wait(10)
+        except subprocess.TimeoutExpired:
+            prometheus.kill()
+            prometheus.wait()
 
 
 def regex_escape(value: str) -> str:

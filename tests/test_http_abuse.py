@@ -26,9 +26,9 @@ from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.snapshot import ProbeKey
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import (
-    DAEMON_TOML,
     Daemon,
     Replay,
+    daemon_toml,
     host_env,
     quick_config,
     real_runs,
@@ -295,7 +295,7 @@ def test_abuse_is_logged_once_per_kind_then_summarised(caplog: pytest.LogCapture
 def test_the_real_daemon_under_abuse_logs_once_and_stays_bounded(fakes: FakeDriver,
                                                                  tmp_path: Path) -> None:
     env = host_env(fakes, tmp_path / "host", FAKE_NVML_DEVICE_COUNT=2)
-    config = write_config(tmp_path / "d.toml", DAEMON_TOML.format(nvml_deadline=5))
+    config = write_config(tmp_path / "d.toml", daemon_toml({"backends.nvml": {"deadline_s": 5}}))
     daemon = Daemon(env, config, tmp_path / "state")
     try:
         daemon.wait_ready()

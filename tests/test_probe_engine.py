@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
-from tests.conftest import EnvFactory, make_host_dirs, run_gpudiag, verdict_of
+from tests.conftest import (
+    EnvFactory,
+    make_host_dirs,
+    processes_with_env,
+    run_gpudiag,
+    verdict_of,
+)
 from tests.fakes.build import FakeDriver
 from tests.fakes.sysfs import make_pci_tree
 
@@ -212,14 +218,8 @@ def test_a_hung_probe_is_killed_with_its_process_group(gpu_env: EnvFactory,
     assert record["blockers"][0]["backend"] == "nvml"
     # The fake's hung init left nothing behind: no process still has the fake library mapped.
     time.sleep(0.2)
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        assert marker.encode() not in environ, f"process {pid} survived"
+    survivors = processes_with_env(marker)
+    assert survivors == [], f"processes {survivors} survived"
 
 
 def test_kv_format_has_the_contract_keys(gpu_env: EnvFactory) -> None:
@@ -330,17 +330,8 @@ def test_a_hung_probe_dies_with_a_sigkilled_parent(gpu_env: EnvFactory) -> None:
          "run_probe('nvml', env=os.environ, timeout_s=300)"], env=env)
 
     def probe_pids() -> list[int]:
-        found = []
-        for pid in os.listdir("/proc"):
-            try:
-                if pid.isdigit() and pid != str(parent.pid) and marker.encode() in Path(
-                        f"/proc/{pid}/environ").read_bytes() and b"gpudiag.probes" in Path(
-                        f"/proc/{pid}/cmdline").read_bytes():
-                    if "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
-                        found.append(int(pid))
-            except OSError:
-                continue
-        return found
+        return [pid for pid in processes_with_env(marker, cmdline_has="gpudiag.probes")
+                if pid != parent.pid]
 
     deadline = time.monotonic() + 30
     while not probe_pids() and time.monotonic() < deadline:
@@ -352,3 +343,16 @@ def test_a_hung_probe_dies_with_a_sigkilled_parent(gpu_env: EnvFactory) -> None:
     while probe_pids() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert probe_pids() == [], "the hung probe outlived its SIGKILLed parent"
+
+
+def test_without_a_daemon_the_route_runs_inline_and_says_why(gpu_env: EnvFactory) -> None:
+    from gpudiag.core.requirement import parse_requirement
+    from gpudiag.engine.route import daemon_else_inline
+
+    env = gpu_env()  # GPUDIAG_DAEMON_URL points at port 1: nothing listens there
+    routed = daemon_else_inline(parse_requirement("nvml"), env=env, timeout_s=30)
+    assert routed.verdict.source == "inline" and routed.verdict.ready
+    assert routed.runs is not None and set(routed.runs) == {"host", "nvml"}
+    assert routed.daemon_reason is not None and "127.0.0.1:1" in routed.daemon_reason
+    asked_none = daemon_else_inline(parse_requirement("nvml"), env=env, use_daemon=False)
+    assert asked_none.daemon_reason is None and asked_none.runs is not None

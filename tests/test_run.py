@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 
 from gpudiag.core.child import env_sha256
+from gpudiag.engine.processes import ended
 from tests.conftest import EnvFactory, run_gpudiag
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, write_config
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
 
 PRINT_ENV = ("import json, os; from gpudiag.core.child import env_sha256; "
              "print(json.dumps({'env': dict(os.environ), 'sha256': env_sha256(os.environ)}))")
@@ -233,15 +234,6 @@ GRANDCHILD = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int) -> bool:
-    """Ended: no such process, or a zombie nobody reaped yet (its files are closed)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def _locked(path: str) -> bool:
     fd = os.open(path, os.O_RDWR)
     try:
@@ -419,7 +411,7 @@ def test_the_verdict_comes_from_a_running_daemon_and_admission_still_observes(
         fakes: FakeDriver, tmp_path: Path) -> None:
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
                    GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
-    cfg = write_config(tmp_path / "gpudiag.toml", DAEMON_TOML.format(nvml_deadline=10))
+    cfg = write_config(tmp_path / "gpudiag.toml", daemon_toml())
     daemon = Daemon(env, cfg, tmp_path / "state")
     try:
         daemon.wait_ready()
@@ -473,7 +465,7 @@ def test_sigkill_of_gpudiag_itself_leaves_the_gpu_locked_while_argv_lives(
         while _locked(lock_path):
             assert time.monotonic() < deadline, "the lock outlived the child"
             time.sleep(0.05)
-        assert _gone(child)
+        assert ended(child)  # gone, or a zombie nobody reaped yet (its files are closed)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)

@@ -261,3 +261,25 @@ def test_a_probe_variant_nobody_schedules_runs_on_demand_once(healthy_runs: dict
         assert replay.calls.count("jax") == 1  # then served from the snapshot
     finally:
         sched.stop()
+
+
+def test_every_http_answer_has_the_standard_phrase_and_errors_one_envelope() -> None:
+    from http import HTTPStatus
+
+    from gpudiag.daemon.envelope import error_response, status_line, wire_bytes
+    from gpudiag.daemon.httpserver import error_response as transport_error
+
+    for status in (200, 400, 404, 405, 413, 414, 429, 431, 500, 503):
+        assert status_line(status) == f"{status} {HTTPStatus(status).phrase}"
+    assert status_line(599) == "599 "
+    line, headers, body = error_response(429, "rate_limited", "slow down", retry_after_s=0.2)
+    assert line == "429 Too Many Requests" and ("Retry-After", "1") in headers
+    assert json.loads(body) == {"error": {"code": "rate_limited", "message": "slow down"}}
+    # The transport's refusals are the same envelope, on a connection that then closes.
+    raw = transport_error(503, "busy", "try again")
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"Retry-After: 1" in head and head.endswith(b"Connection: close")
+    assert json.loads(payload) == {"error": {"code": "busy", "message": "try again"}}
+    # An app's own Connection header never reaches the wire twice.
+    assert wire_bytes("200 OK", [("Connection", "keep-alive")], b"").count(b"Connection") == 1

@@ -15,6 +15,13 @@ from typing import Any
 
 import click
 
+from gpudiag.core.limits import (
+    EXIT_BLOCKED,
+    EXIT_FAILED,
+    EXIT_READY,
+    MAX_DEVICES,
+    PROBES,
+)
 from gpudiag.core.requirement import (
     RequirementError,
     parse_requirement,
@@ -23,8 +30,7 @@ from gpudiag.core.requirement import (
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
 
-EXIT_READY, EXIT_BLOCKED, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
-PROBE_BACKENDS = ("host", "nvml", "cuda", "jax", "iree")
+PROBE_BACKENDS = PROBES
 
 
 class Failed(click.ClickException):
@@ -163,7 +169,7 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None,
               "driver), iree:DRIVER; comma-separated.")
 @click.option("--devices", "devices_text", metavar="LIST",
               help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
-@click.option("--min-devices", type=click.IntRange(0, 64), metavar="N",
+@click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
               help="At least N usable GPUs (default 1 for GPU requirements).")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")
@@ -233,16 +239,19 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
             expected_gpus: int | None = None) -> None:
     """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
     timeout_s = _timeout(timeout_text)
-    from gpudiag.cli.daemon import daemon_or_inline
-    from gpudiag.engine.inline import preflight_inline
+    from gpudiag.engine.client import DaemonUrlError, DaemonUserError
+    from gpudiag.engine.route import daemon_else_inline
 
     with _progress(what):
-        if expected_gpus is not None:
-            # The daemon checks its own expected_gpus key; a count given here is checked here.
-            verdict = preflight_inline(requirement, timeout_s=timeout_s,
-                                       expected_gpus=expected_gpus)
-        else:
-            verdict = daemon_or_inline(requirement, daemon_url, no_daemon, timeout_s)
+        try:
+            routed = daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
+                                        timeout_s=timeout_s, expected_gpus=expected_gpus)
+        except DaemonUrlError as e:
+            raise _usage(str(e) if isinstance(e, DaemonUserError)
+                         else f"--daemon-url: {e}") from e
+    if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
+        click.echo(f"gpudiag: {routed.daemon_reason}; ran the probes here", err=True)
+    verdict = routed.verdict
     _record(verdict, record_path)
     _emit(verdict, fmt)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)

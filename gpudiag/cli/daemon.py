@@ -1,5 +1,4 @@
-"""CLI commands of the daemon: ``gpudiag serve`` and ``gpudiag history``, plus the
-daemon-first preflight used by ``gpudiag preflight``.
+"""CLI commands of the daemon: ``gpudiag serve`` and ``gpudiag history``.
 
 Heavy imports (prometheus_client, the scheduler) happen inside ``serve`` so that other
 commands start fast.
@@ -21,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpudiag.core.limits import DEFAULT_PORT
-from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
+    from gpudiag.core.verdict import Verdict
     from gpudiag.daemon.httpserver import HttpServer, WsgiApp
 
-EXIT_USAGE, EXIT_FAILED = 2, 3
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
                                                                          "asctime"}
 
@@ -133,17 +131,19 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
 
 def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None) -> None:
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
+    from gpudiag.core.environment import probe_environment
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
     from gpudiag.daemon.exporter import HistoryCollector
     from gpudiag.daemon.recorder import RecorderThread, Written
-    from gpudiag.daemon.scheduler import Scheduler, child_environment
+    from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
     from gpudiag.daemon.statedir import StateDirError, check_writable, lock_state_dir, start_history
     from gpudiag.daemon.store import HistoryError, HistoryStore
     from gpudiag.daemon.watcher import XidWatcher
+    from gpudiag.engine.processes import kill_child_groups
 
     log = logging.getLogger("gpudiag.daemon")
     # Answers are short and latency is what callers wait on: hand the GIL over sooner than
@@ -159,7 +159,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                              max_bytes=cfg.history.max_bytes)
     notifier = Notifier()
     wake: list[Any] = []
-    watcher = XidWatcher(cfg.xid, child_environment(os.environ),
+    watcher = XidWatcher(cfg.xid, probe_environment(os.environ),
                          on_change=lambda: wake[0]() if wake else None)
     late: list[Scheduler] = []
 
@@ -294,34 +294,6 @@ def start_socket(app: WsgiApp, cfg: DaemonConfig, tcp: HttpServer) -> HttpServer
     return server
 
 
-def kill_child_groups() -> int:
-    """SIGKILL the process group of every direct child of this process (Linux /proc)."""
-    me, own_group, count = os.getpid(), os.getpgrp(), 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            ppid, pgid = int(fields[1]), int(fields[2])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid != me:
-            continue
-        try:
-            if pgid != own_group:
-                os.killpg(pgid, signal.SIGKILL)
-            else:
-                os.kill(int(entry), signal.SIGKILL)
-            count += 1
-        except (ProcessLookupError, PermissionError):
-            pass
-    return count
-
-
 _SINCE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*$")
 _SINCE_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -395,31 +367,3 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
     for c in clears:
         click.echo(f"{_when(c.ts)}  {c.gpu or 'all GPUs'}  by uid {c.uid}: "
                    f"{c.reason or '(no reason)'}; {c.released} held XID(s) released")
-
-
-def daemon_or_inline(requirement: Requirement, daemon_url: str | None, no_daemon: bool,
-                     timeout_s: float | None) -> Verdict:
-    """`gpudiag preflight`'s route: the daemon's verdict if one answers, else inline."""
-    from gpudiag.engine.client import (
-        DaemonAnswer,
-        DaemonUrlError,
-        DaemonUserError,
-        ask_daemon,
-        default_url,
-    )
-    from gpudiag.engine.inline import preflight_inline
-
-    answer = DaemonAnswer(None, "not asked")
-    if not no_daemon:
-        try:
-            # --timeout bounds the wait for the daemon too (a Slurm prolog has 60 s in all).
-            answer = ask_daemon(daemon_url or default_url(), requirement,
-                                read_timeout_s=min(60.0, timeout_s or 60.0))
-        except DaemonUrlError as e:
-            raise click.UsageError(
-                str(e) if isinstance(e, DaemonUserError) else f"--daemon-url: {e}") from e
-        if answer.verdict is not None:
-            return answer.verdict
-        if answer.refused:  # an impostor, or a misconfiguration: say so, not only in evidence
-            click.echo(f"gpudiag: {answer.reason}; running the probes here", err=True)
-    return answer.fallback(preflight_inline(requirement, timeout_s=timeout_s))

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import click
 
+from gpudiag.core.limits import EXIT_REFUSED, MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement, parse_size, parse_timeout
-
-EXIT_REFUSED = 125
 
 # A docker image reference: never an option, no spaces or control characters.
 _IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,511}$")
@@ -69,7 +68,7 @@ def _default_artifacts() -> Path:
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
               help="What the job needs: cuda, nvml, jax (on the GPU: JAX_PLATFORMS=cuda), "
               "jax:cpu, iree, iree:DRIVER; comma-separated.")
-@click.option("--gpus", type=click.IntRange(0, 64), default=None, metavar="N",
+@click.option("--gpus", type=click.IntRange(0, MAX_DEVICES), default=None, metavar="N",
               help="GPUs (or MIG instances) to admit [default: 1 for a GPU requirement, "
               "else 0].")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",

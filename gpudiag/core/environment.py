@@ -1,4 +1,10 @@
-"""Visibility variables, the allow-listed evidence environment, and the child environment."""
+"""Visibility variables, the allow-listed evidence environment, and every child environment.
+
+Two kinds of child, one set of rules here: a probe child (``probe_environment``: the caller's
+environment, preallocation off unless the caller set it, never the daemon's systemd channel)
+and the job ``gpudiag run`` starts (``job_environment``: the admitted full UUIDs in both
+visibility variables, preallocation forced off; DESIGN.md's exact child environment).
+"""
 
 from __future__ import annotations
 
@@ -37,16 +43,41 @@ def preallocation_disabled(env: Mapping[str, str]) -> bool:
     return preallocation_off(env)
 
 
+# systemd's channel to the service it started (the daemon): a child must not speak for it.
+SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
 def probe_environment(base: Mapping[str, str]) -> dict[str, str]:
     """What a probe child runs with: the caller's environment, preallocation off by default.
 
     A value the caller already set is kept, so a leaked ``XLA_PYTHON_CLIENT_PREALLOCATE=true``
-    reaches the probe and is reported (jax_preallocation_enabled) instead of hidden.
+    reaches the probe and is reported (jax_preallocation_enabled) instead of hidden. The
+    systemd channel is dropped: a probe of the daemon (or of a prolog run by a notify-type
+    service) must never notify or pet the watchdog in its parent's name.
     """
-    env = dict(base)
+    env = {k: v for k, v in base.items() if k not in SYSTEMD_ONLY}
     for key, value in PREALLOCATION_OFF.items():
         env.setdefault(key, value)
     return env
+
+
+def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None) -> dict[str, str]:
+    """The variables gpudiag sets in a job's child (DESIGN.md's exact child environment)."""
+    for u in uuids:
+        if not is_full_uuid(u):
+            raise ValueError(f"{u!r} is not a full GPU-/MIG- UUID")
+    listed = ",".join(uuids)
+    out = {"CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
+    if jax_platforms is not None:
+        out["JAX_PLATFORMS"] = jax_platforms
+    out.update(PREALLOCATION_OFF)
+    return out
+
+
+def job_environment(base: Mapping[str, str], uuids: Sequence[str],
+                    jax_platforms: str | None) -> dict[str, str]:
+    """A job's exact environment: ``base`` with gpudiag's variables set over it."""
+    return {**base, **gpudiag_variables(uuids, jax_platforms)}
 
 
 _UUID_RE = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]+$")

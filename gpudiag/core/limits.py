@@ -1,6 +1,31 @@
-"""Limits and well-known numbers that more than one layer needs: one definition each."""
+"""Limits and well-known names and numbers that more than one layer needs: one definition each.
+
+Everything here is part of a contract (DESIGN.md) or shared by layers that must agree: the
+daemon's port, the probe names, the per-probe deadlines, the device limit and the exit codes.
+"""
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 # The daemon's TCP port (loopback by default): clients and the daemon's config agree on it.
 DEFAULT_PORT = 9477
+
+# The probe children gpudiag runs (`python -m gpudiag.probes NAME`), in run/report order:
+# `gpudiag probe --backend` accepts them and the daemon schedules them.
+PROBES: tuple[str, ...] = ("host", "nvml", "cuda", "jax", "iree")
+# What a requirement may name (`--require`), in the order its error messages list them.
+REQUIRABLE_BACKENDS: tuple[str, ...] = ("cuda", "nvml", "jax", "iree")
+
+# Deadline of each probe child in seconds: generous for a healthy host, short enough for a
+# Slurm prolog. Inline preflight and the daemon's defaults (config deadline_s) both use these.
+PROBE_TIMEOUTS_S: MappingProxyType[str, float] = MappingProxyType({
+    "host": 10.0, "nvml": 10.0, "cuda": 15.0, "jax": 60.0, "iree": 90.0})
+
+# The most devices one requirement, preflight or `gpudiag run` may ask for or list.
+MAX_DEVICES = 64
+
+# Exit codes of `gpudiag probe` and `gpudiag preflight` (DESIGN.md: a contract).
+EXIT_READY, EXIT_BLOCKED, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
+# Exit codes of `gpudiag run` when ARGV did not run (as env(1) and the shells use them).
+EXIT_REFUSED, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 125, 126, 127

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.core.limits import PROBES
 from gpudiag.core.observations import (
     CudaObservation,
     HostObservation,
@@ -26,7 +27,8 @@ from gpudiag.core.observations import (
 )
 
 STDERR_TAIL_BYTES = 64 * 1024
-KNOWN_PROBES = ("host", "nvml", "cuda", "jax", "iree", "devices")
+# "devices" is the nvml probe's per-device sub-observation.
+KNOWN_PROBES = (*PROBES, "devices")
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ import math
 import re
 from collections.abc import Iterable
 
+from gpudiag.core.limits import MAX_DEVICES
+from gpudiag.core.limits import REQUIRABLE_BACKENDS as BACKENDS
 from gpudiag.core.verdict import BackendRequirement, Requirement
 
-BACKENDS = ("cuda", "nvml", "jax", "iree")
 JAX_PLATFORMS = ("gpu", "cuda", "cpu")
 IREE_DRIVER_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-MAX_DEVICES = 64
 
 
 class RequirementError(ValueError):

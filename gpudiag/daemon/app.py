@@ -7,7 +7,6 @@ error is ``{"error": {"code": ..., "message": ...}}``; bad input is a 4xx, never
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -20,8 +19,10 @@ from urllib.parse import parse_qsl
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.daemon.envelope import error_response, json_response, status_line
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
 from gpudiag.daemon.httpserver import HttpServer
@@ -52,18 +53,6 @@ class ApiError(Exception):
     code: str
     message: str
     retry_after_s: float | None = None
-
-
-_REASONS = {200: "OK", 202: "Accepted", 400: "Bad Request", 404: "Not Found",
-            405: "Method Not Allowed", 413: "Payload Too Large", 414: "URI Too Long",
-            429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
-
-
-def _json_body(status: int, body: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
-    data = (json.dumps(body, default=str) + "\n").encode()
-    return (f"{status} {_REASONS.get(status, '')}",
-            [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
-             ("Cache-Control", "no-store")], data)
 
 
 def _seconds(params: Mapping[str, str], name: str, maximum: float) -> float | None:
@@ -190,15 +179,13 @@ class DaemonApp:
         try:
             status, headers, body = self._dispatch(environ)
         except ApiError as e:
-            status, headers, body = _json_body(
-                e.status, {"error": {"code": e.code, "message": e.message}})
-            if e.retry_after_s is not None:
-                headers.append(("Retry-After", str(max(1, math.ceil(e.retry_after_s)))))
+            status, headers, body = error_response(e.status, e.code, e.message,
+                                                   e.retry_after_s)
         except Exception:  # a bug of ours: still the envelope, never a traceback page
             log.exception("request failed: %s %s", environ.get("REQUEST_METHOD"),
                           environ.get("PATH_INFO"))
-            status, headers, body = _json_body(500, {"error": {
-                "code": "internal", "message": "gpudiag failed to answer; see the daemon log"}})
+            status, headers, body = error_response(
+                500, "internal", "gpudiag failed to answer; see the daemon log")
         # How long the daemon itself took, apart from the network and the client.
         headers.append(("Server-Timing",
                         f"app;dur={(time.perf_counter() - started) * 1000:.2f}"))
@@ -232,9 +219,9 @@ class DaemonApp:
         status, payload = handler(params)
         if path == "/metrics":
             data = payload
-            return "200 OK", [("Content-Type", CONTENT_TYPE_LATEST),
+            return status_line(200), [("Content-Type", CONTENT_TYPE_LATEST),
                               ("Content-Length", str(len(data)))], data
-        return _json_body(status, payload)
+        return json_response(status, payload)
 
     def _params(self, query: str) -> dict[str, str]:
         try:
@@ -275,8 +262,8 @@ class DaemonApp:
     def _preflight(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, PREFLIGHT_PARAMS)
         cfg = self.scheduler.config
-        min_devices = _int(params, "min_devices", 0, 64)
-        gpus = _int(params, "gpus", 1, 64)
+        min_devices = _int(params, "min_devices", 0, MAX_DEVICES)
+        gpus = _int(params, "gpus", 1, MAX_DEVICES)
         try:
             requirement = parse_requirement(
                 params.get("require", cfg.default_requirement),

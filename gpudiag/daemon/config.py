@@ -13,14 +13,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.limits import DEFAULT_PORT, PROBE_TIMEOUTS_S, PROBES
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
 # Unassigned in Prometheus's default-port registry (9400 is dcgm-exporter, 9835 nvidia_gpu).
-SCHEDULED_BACKENDS = ("host", "nvml", "cuda", "jax", "iree")
+SCHEDULED_BACKENDS = PROBES
 DEFAULT_INTERVALS_S = {"host": 60.0, "nvml": 15.0, "cuda": 60.0, "jax": 300.0, "iree": 300.0}
-DEFAULT_DEADLINES_S = {"host": 10.0, "nvml": 10.0, "cuda": 15.0, "jax": 60.0, "iree": 90.0}
+DEFAULT_DEADLINES_S = PROBE_TIMEOUTS_S
 LOG_FORMATS = ("text", "json")
 # sockaddr_un.sun_path is 108 bytes with the terminating NUL.
 MAX_SOCKET_PATH = 107

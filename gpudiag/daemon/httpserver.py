@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import ipaddress
-import json
 import logging
 import os
 import queue
@@ -34,6 +33,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from gpudiag.core.peercred import peer_credentials
+from gpudiag.daemon import envelope
+from gpudiag.daemon.envelope import status_line, wire_bytes
 
 log = logging.getLogger("gpudiag.daemon.app")
 
@@ -298,16 +299,9 @@ def bind_unix(path: str, mode: int = SOCKET_MODE) -> socket.socket:
 
 
 def error_response(status: int, code: str, message: str) -> bytes:
-    """A complete HTTP response carrying the JSON error envelope."""
-    body = (json.dumps({"error": {"code": code, "message": message}}) + "\n").encode()
-    reason = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout",
-              414: "URI Too Long",
-              431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "")
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n")
-    if status == 503:
-        head += "Retry-After: 1\r\n"
-    return head.encode() + b"\r\n" + body
+    """A complete HTTP response carrying the JSON error envelope (503: retry after 1 s)."""
+    return wire_bytes(*envelope.error_response(status, code, message,
+                                               retry_after_s=1 if status == 503 else None))
 
 
 @dataclass
@@ -714,11 +708,8 @@ class HttpServer:
             log.exception("request failed: %s %s", request.method, path)
             return error_response(500, "internal",
                                   "gpudiag failed to answer; see the daemon log")
-        head = [f"HTTP/1.1 {started.get('status', '500 Internal Server Error')}"]
-        head += [f"{k}: {v}" for k, v in started.get("headers", [])
-                 if k.lower() != "connection"]
-        head.append("Connection: close")
-        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        return wire_bytes(started.get("status", status_line(500)), started.get("headers", []),
+                          body)
 
 
 def register_metrics(app: object, abuse: AbuseLog) -> None:

@@ -43,13 +43,13 @@ from gpudiag.engine.guard import (
     claim_free,
     driver_absent,
     occupancy_from_nvml,
-    own_process_tree,
     rotate,
     touches_gpu,
     visible_uuids,
 )
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir
+from gpudiag.engine.processes import own_process_tree
 
 log = logging.getLogger("gpudiag.daemon.scheduler")
 
@@ -85,18 +85,6 @@ def isolated_runner(backend: str, env: Mapping[str, str], timeout_s: float,
                     options: Mapping[str, Any] | None) -> ProbeRun:
     """The real runner: one isolated child per probe."""
     return run_probe(backend, env=env, timeout_s=timeout_s, options=options)
-
-
-# The daemon's own systemd channel: children must not speak for it.
-SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
-
-
-def child_environment(base: Mapping[str, str]) -> dict[str, str]:
-    """The probe children's environment: the daemon's, minus its systemd channel."""
-    env = probe_environment(base)
-    for name in SYSTEMD_ONLY:
-        env.pop(name, None)
-    return env
 
 
 class WatcherSource(Protocol):
@@ -154,7 +142,7 @@ class Scheduler:
         self._notifier = notifier or Notifier(env={})
         self._watcher = watcher
         self._on_tick = on_tick
-        self._env = child_environment(os.environ if env is None else env)
+        self._env = probe_environment(os.environ if env is None else env)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
         # Busy GPUs (DESIGN): the latest occupancy, where each backend last proved itself,
         # and a round counter per backend so that JAX and IREE rotate over the free GPUs.

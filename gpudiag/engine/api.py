@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
-from gpudiag.engine.client import preflight as daemon_first
+from gpudiag.engine.route import daemon_else_inline
 
 
 def preflight(require: str | Requirement = "cuda", *, devices: str | None = None,
@@ -26,8 +26,8 @@ def preflight(require: str | Requirement = "cuda", *, devices: str | None = None
     requirement = require if isinstance(require, Requirement) else parse_requirement(
         require, devices=devices, min_devices=min_devices, min_free_memory=min_free_memory,
         gpus=gpus)
-    return daemon_first(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
-                        timeout_s=timeout_s)
+    return daemon_else_inline(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
+                              timeout_s=timeout_s).verdict
 
 
 def node_health(require: str | Requirement = "cuda", *, env: Mapping[str, str] | None = None,
@@ -42,5 +42,5 @@ def node_health(require: str | Requirement = "cuda", *, env: Mapping[str, str] |
         require, node_health=True)
     if not requirement.node_health:
         requirement = replace(requirement, node_health=True, gpus=None)
-    return daemon_first(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
-                        timeout_s=timeout_s)
+    return daemon_else_inline(requirement, url=daemon_url, use_daemon=use_daemon, env=env,
+                              timeout_s=timeout_s).verdict

@@ -1,6 +1,7 @@
-"""preflight(): ask the local daemon first (short connect timeout), else run the probes inline.
+"""The daemon client: ask the local daemon for a verdict (short connect timeout).
 
-The verdict says where it came from (``source: daemon|inline``) and how old it is (``age_s``).
+engine/route.py falls back to inline probes when no daemon answers. The verdict says where it
+came from (``source: daemon``) and how old it is (``age_s``).
 The job's own CUDA_/NVIDIA_VISIBLE_DEVICES travel with the question, so the daemon answers for
 what the job will see, not for what the daemon sees.
 
@@ -233,18 +234,3 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
         return DaemonAnswer(Verdict.from_record(data), "daemon", url)
     except RecordError as e:
         return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url)
-
-
-def preflight(requirement: Requirement, *, url: str | None = None, use_daemon: bool = True,
-              env: Mapping[str, str] | None = None, timeout_s: float | None = None
-              ) -> Verdict:
-    """The daemon's verdict when one answers, else one from probes run here (source inline)."""
-    answer = DaemonAnswer(None, "not asked")
-    if use_daemon:
-        answer = ask_daemon(url or default_url(env), requirement, env=env,
-                            read_timeout_s=min(60.0, timeout_s or 60.0))
-        if answer.verdict is not None:
-            return answer.verdict
-    from gpudiag.engine.inline import preflight_inline
-
-    return answer.fallback(preflight_inline(requirement, env=env, timeout_s=timeout_s))

@@ -9,7 +9,6 @@ the children are done. A GPU not claimed is not touched: its last active result 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,23 +40,6 @@ def touches_gpu(name: str, options: Mapping[str, Any] | None) -> bool:
     if name == "iree":
         return any(d in ("cuda", "hip") for d in opts.get("drivers") or ["cuda"])
     return False
-
-
-def own_process_tree(pid: int | None = None) -> frozenset[int]:
-    """This process, its ancestors and its descendants: processes that are not "someone
-    else" on a GPU (a job that runs gpudiag, or gpudiag's own probe children)."""
-    import psutil
-
-    me = psutil.Process(pid or os.getpid())
-    pids = {me.pid}
-    try:
-        pids.update(p.pid for p in me.parents())
-        pids.update(p.pid for p in me.children(recursive=True))
-    except psutil.Error:
-        pass
-    pids.discard(0)
-    pids.discard(1)
-    return frozenset(pids)
 
 
 # core.occupancy's states, as the verdict and the metrics write them.

@@ -1,31 +1,29 @@
-"""Inline preflight: pick the probes a requirement needs, run them as children, classify."""
+"""Inline runs: pick the probes a requirement needs and run them as isolated children."""
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpudiag.core.classify import classify
 from gpudiag.core.clock import now_rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import BUSY, GpuOccupancy, ProbeScope
-from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.core.verdict import Requirement
 from gpudiag.engine.guard import (
     claim_free,
     driver_absent,
     occupancy_from_nvml,
-    own_process_tree,
     touches_gpu,
     visible_uuids,
 )
 from gpudiag.engine.isolation import run_probes
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.engine.plan import DEFAULT_TIMEOUTS_S, probes_for
+from gpudiag.engine.processes import own_process_tree
 
 Request = tuple[str, Mapping[str, Any] | None]
 
@@ -94,12 +92,3 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     probed = frozenset(claim.claimed) if any(n == "cuda" for n, _ in planned) else frozenset()
     return InlineRun(runs, checked_at, ProbeScope(occupancy=occupancy, probed=probed,
                                                   backend_gpu=backend_gpu))
-
-
-def preflight_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
-                     timeout_s: float | None = None,
-                     expected_gpus: int | None = None) -> Verdict:
-    """The verdict for a requirement from probes run here and now."""
-    done = run_inline(requirement, env=env, timeout_s=timeout_s)
-    return classify(done.runs, requirement, host=socket.gethostname(),
-                    checked_at=done.checked_at, scope=done.scope, expected_gpus=expected_gpus)

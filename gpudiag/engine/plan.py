@@ -5,13 +5,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from gpudiag.core.limits import PROBE_TIMEOUTS_S as DEFAULT_TIMEOUTS_S
 from gpudiag.core.verdict import Requirement
 
-# Deadlines per probe in seconds: generous for a healthy host, short enough for a prolog.
-DEFAULT_TIMEOUTS_S: dict[str, float] = {
-    "host": 10.0, "nvml": 10.0, "cuda": 15.0, "jax": 60.0, "iree": 90.0,
-}
-
+__all__ = ["DEFAULT_TIMEOUTS_S", "probes_for"]
 
 
 def probes_for(requirement: Requirement, *, only: Collection[str] | None = None

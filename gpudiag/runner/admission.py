@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import random
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,14 +23,15 @@ from typing import Any
 
 from gpudiag.core.environment import (
     FULL_UUID,
-    PREALLOCATION_OFF,
     KnownDevice,
     Visibility,
     is_full_uuid,
+    job_environment,
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
     resolve,
 )
+from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.observations import ErrorInfo
 from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, Leaf, leaves_from_nvml
 from gpudiag.core.probe_run import ProbeRun
@@ -46,6 +46,7 @@ from gpudiag.engine.locks import (
     release,
     try_lock,
 )
+from gpudiag.engine.route import daemon_else_inline
 
 DEFAULT_LOCK_TIMEOUT_S = 60.0
 OBSERVE_TIMEOUT_S = 10.0
@@ -252,22 +253,7 @@ def child_environment(admission: Admission, base_env: Mapping[str, str]) -> dict
     the child cannot reach a GPU it was not given); JAX_PLATFORMS=cuda when JAX must run on
     the GPU, so a missing GPU backend fails loudly instead of falling back to the CPU.
     """
-    env = dict(base_env)
-    env.update(gpudiag_variables(admission.uuids, admission.jax_platforms))
-    return env
-
-
-def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None) -> dict[str, str]:
-    """The variables gpudiag sets in a child (DESIGN.md's exact child environment)."""
-    for u in uuids:
-        if not is_full_uuid(u):
-            raise ValueError(f"{u!r} is not a full GPU-/MIG- UUID")
-    listed = ",".join(uuids)
-    out = {"CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
-    if jax_platforms is not None:
-        out["JAX_PLATFORMS"] = jax_platforms
-    out.update(PREALLOCATION_OFF)
-    return out
+    return job_environment(base_env, admission.uuids, admission.jax_platforms)
 
 
 Hook = Callable[[Observation], None]
@@ -511,9 +497,6 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
     preflight requirement asks for one healthy GPU: admission counts leaves itself (MIG
     instances are leaves the preflight does not count).
     """
-    from gpudiag.core.classify import classify
-    from gpudiag.engine.inline import run_inline
-
     # The node-health question: another job on some GPU is no refusal (admission counts and
     # waits for FREE leaves itself), and a fault on one GPU only takes that GPU out.
     pre = replace(requirement, min_devices=min(gpus, 1) if requirement.needs_gpu or gpus
@@ -523,24 +506,18 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
         # A CPU requirement that still asks for GPUs: NVML must be probed too.
         from gpudiag.core.verdict import BackendRequirement
         pre = replace(pre, backends=(*pre.backends, BackendRequirement("nvml")))
-    from gpudiag.engine.client import DaemonAnswer, ask_daemon
-
-    answer = DaemonAnswer(None, "not asked")
-    if daemon_url is not None:
-        answer = ask_daemon(daemon_url, pre, env=env)
-        if answer.verdict is not None:
-            return answer.verdict, None
-    done = run_inline(pre, env=env, timeout_s=timeout_s)
-    runs = done.runs
-    verdict = answer.fallback(classify(runs, pre, host=socket.gethostname(),
-                                       checked_at=done.checked_at, scope=done.scope))
+    routed = daemon_else_inline(pre, url=daemon_url, use_daemon=daemon_url is not None,
+                                env=env, timeout_s=timeout_s)
+    runs = routed.runs
+    if runs is None:
+        return routed.verdict, None
     nvml = runs.get("nvml")
     # The nvml run doubles as the first observation only when no probe that opens a GPU
     # context (cuda, jax, iree) ran beside it: on a real GPU that probe's own process and
     # memory would show up as occupancy and then vanish (a false BUSY or admission_changed).
     alone = set(runs) <= {"host", "nvml"}
     first = observation_from_run(nvml) if nvml is not None and alone else None
-    return verdict, first
+    return routed.verdict, first
 
 
 @contextlib.contextmanager
@@ -561,8 +538,8 @@ def admit(gpus: int | None = None, *, min_free_memory: str | int | None = None,
 
     requirement = require if isinstance(require, Requirement) else parse_requirement(require)
     n = (1 if requirement.needs_gpu else 0) if gpus is None else gpus
-    if n < 0 or n > 64:
-        raise ValueError(f"gpus={n} must be between 0 and 64")
+    if n < 0 or n > MAX_DEVICES:
+        raise ValueError(f"gpus={n} must be between 0 and {MAX_DEVICES}")
     floor = parse_size(min_free_memory) if isinstance(min_free_memory, str) else min_free_memory
     base = dict(os.environ if env is None else env)
     first: Observation | None = None

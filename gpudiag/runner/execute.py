@@ -27,23 +27,22 @@ from types import FrameType
 from typing import IO, Any, BinaryIO
 
 from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
+from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.fileio import atomic_write, write_error
+from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
 from gpudiag.core.verdict import Requirement, Verdict, kv_value
 from gpudiag.core.version import __version__
 from gpudiag.engine.locks import default_lock_dir, try_lock
 from gpudiag.engine.locks import release as release_locks
+from gpudiag.engine.processes import cmdline, descendants
 from gpudiag.runner.admission import (
     Admission,
     AdmissionError,
     Admitter,
     Hook,
-    gpudiag_variables,
     preflight_for_admission,
 )
 
-EXIT_REFUSED = 125
-EXIT_CANNOT_EXECUTE = 126
-EXIT_NOT_FOUND = 127
 ROUTE = "gpudiag-run"
 PLAN_SCHEMA = "gpudiag.plan/1"
 CLOSEOUT_SCHEMA = "gpudiag.closeout/1"
@@ -194,25 +193,6 @@ def environment_record(env: Mapping[str, str], plan: Mapping[str, Any]) -> dict[
 # --- process tree ---------------------------------------------------------------------------
 
 
-def _proc_table() -> dict[int, tuple[int, str]]:
-    """pid -> (ppid, comm) for every process /proc shows now."""
-    table: dict[int, tuple[int, str]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                raw = fh.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        close = raw.rfind(")")
-        comm = raw[raw.find("(") + 1:close]
-        fields = raw[close + 2:].split()
-        if len(fields) > 1:
-            table[int(entry.name)] = (int(fields[1]), comm)
-    return table
-
-
 @dataclass
 class _Descendant:
     pid: int
@@ -235,25 +215,18 @@ class Tree:
 
     def scan(self) -> list[int]:
         """Refresh; returns the pids alive below this process now."""
-        table = _proc_table()
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _) in table.items():
-            children.setdefault(ppid, []).append(pid)
         alive: list[int] = []
-        stack = list(children.get(self.root, []))
         now = time.time()
-        while stack:
-            pid = stack.pop()
-            alive.append(pid)
-            stack.extend(children.get(pid, []))
-            ppid, comm = table[pid]
-            d = self.seen.get(pid)
+        for proc in descendants(self.root):
+            alive.append(proc.pid)
+            d = self.seen.get(proc.pid)
             if d is None:
                 self.total += 1
                 if len(self.seen) < MAX_TRACKED:  # a fork loop must not grow the record
-                    self.seen[pid] = _Descendant(pid, ppid, comm, now, now, _cmdline(pid))
+                    self.seen[proc.pid] = _Descendant(proc.pid, proc.ppid, proc.comm, now, now,
+                                                      cmdline(proc.pid))
             else:
-                d.last_seen, d.comm = now, comm
+                d.last_seen, d.comm = now, proc.comm
         return alive
 
     def reaped(self, pid: int, status: int) -> None:
@@ -271,15 +244,6 @@ class Tree:
                  "first_seen": d.first_seen, "last_seen": d.last_seen, "reaped": d.reaped,
                  "wait_status": d.status} for d in sorted(self.seen.values(),
                                                          key=lambda x: x.first_seen)]
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            raw = fh.read(4096)
-    except OSError:
-        return []
-    return [p.decode("utf-8", "replace") for p in raw.split(b"\0") if p]
 
 
 class _Tee(threading.Thread):

@@ -1,0 +1,101 @@
+"""The process tree below a process, read with psutil: one implementation for every layer.
+
+``gpudiag run`` follows its job's descendants (it is their subreaper and reaps them itself:
+that part stays in runner/execute.py); ``gpudiag serve`` kills its probe children's groups on
+the way out. psutil reads /proc for us (a well-kept library that already copes with processes
+vanishing mid-read, comm names with spaces or parentheses, and permission errors), so gpudiag
+keeps no /proc parser of its own. Linux only, like the rest of gpudiag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process as seen now: its parent, its short name (comm) and its state."""
+
+    pid: int
+    ppid: int
+    comm: str
+    status: str  # psutil's: "running", "sleeping", "zombie", ...
+
+
+def process_table() -> dict[int, ProcessInfo]:
+    """Every process visible now, by pid (processes that end while being read are left out)."""
+    table: dict[int, ProcessInfo] = {}
+    for proc in psutil.process_iter(["ppid", "name", "status"]):
+        info = proc.info
+        if info.get("ppid") is None:
+            continue
+        table[proc.pid] = ProcessInfo(proc.pid, int(info["ppid"]), str(info.get("name") or ""),
+                                      str(info.get("status") or ""))
+    return table
+
+
+def descendants(root: int | None = None,
+                table: dict[int, ProcessInfo] | None = None) -> list[ProcessInfo]:
+    """Every process below ``root`` (default: this one) now, parents before their children."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, info in table.items():
+        children.setdefault(info.ppid, []).append(pid)
+    found: list[ProcessInfo] = []
+    stack = list(children.get(os.getpid() if root is None else root, []))
+    while stack:
+        pid = stack.pop()
+        found.append(table[pid])
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def own_process_tree(pid: int | None = None) -> frozenset[int]:
+    """This process, its ancestors and its descendants: the processes that are not "someone
+    else" on a GPU (a job that runs gpudiag, or gpudiag's own probe children)."""
+    root = os.getpid() if pid is None else pid
+    pids = {root, *(p.pid for p in descendants(root))}
+    with contextlib.suppress(psutil.Error):
+        pids.update(p.pid for p in psutil.Process(root).parents())
+    pids.difference_update({0, 1})  # init is everyone's ancestor, never a GPU's user
+    return frozenset(pids)
+
+
+def cmdline(pid: int) -> list[str]:
+    """The argv of ``pid``, or [] when it cannot be read (ended, a zombie, not ours)."""
+    try:
+        return list(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return []
+
+
+def ended(pid: int) -> bool:
+    """Whether ``pid`` has ended: gone, or a zombie nobody reaped yet (its files are closed)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def kill_child_groups() -> int:
+    """SIGKILL the process group of every direct child of this process; returns how many."""
+    own_group, count = os.getpgrp(), 0
+    try:
+        kids = psutil.Process().children()
+    except psutil.Error:
+        return 0
+    for kid in kids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            pgid = os.getpgid(kid.pid)
+            # A child still in our own group (it never reached setsid) is killed alone.
+            if pgid != own_group:
+                os.killpg(pgid, signal.SIGKILL)
+            else:
+                os.kill(kid.pid, signal.SIGKILL)
+            count += 1
+    return count

@@ -1,0 +1,59 @@
+"""Where a verdict comes from: the local daemon when one answers, else probes run here.
+
+The one implementation of "ask the daemon, else run inline", used by ``gpudiag.preflight()``,
+``gpudiag preflight`` and admission (``gpudiag run``, ``gpudiag.admit``). The verdict's
+``source`` (daemon|inline) says which answered.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpudiag.core.classify import classify
+from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url
+from gpudiag.engine.inline import run_inline
+
+# The longest a caller waits for the daemon's answer: a Slurm prolog has 60 s in all.
+MAX_DAEMON_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A verdict, and the probe runs behind it when they ran here (None: the daemon answered)."""
+
+    verdict: Verdict
+    runs: Mapping[str, ProbeRun] | None = None
+    daemon_reason: str | None = None  # why no daemon verdict was used, when one was asked
+    daemon_refused: bool = False  # something answered, but not as the daemon's user
+
+
+def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
+                       use_daemon: bool = True, env: Mapping[str, str] | None = None,
+                       timeout_s: float | None = None,
+                       expected_gpus: int | None = None) -> Routed:
+    """The daemon's verdict when one answers, else one from probes run here and now.
+
+    ``url`` defaults to $GPUDIAG_DAEMON_URL (in ``env``), else the loopback default; a URL
+    that is not understood raises DaemonUrlError. ``timeout_s`` bounds the probes and the
+    wait for the daemon alike. ``env`` is the job's environment (default: this process's):
+    its visibility variables travel to the daemon and reach the probe children.
+    ``expected_gpus`` is checked by probes run here (the daemon checks its own config key),
+    so a count given here skips the daemon.
+    """
+    answer = DaemonAnswer(None, "not asked")
+    if use_daemon and expected_gpus is None:
+        answer = ask_daemon(url or default_url(env), requirement, env=env,
+                            read_timeout_s=min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S))
+        if answer.verdict is not None:
+            return Routed(answer.verdict)
+    done = run_inline(requirement, env=env, timeout_s=timeout_s)
+    verdict = classify(done.runs, requirement, host=socket.gethostname(),
+                       checked_at=done.checked_at, scope=done.scope,
+                       expected_gpus=expected_gpus)
+    # Why no daemon verdict was used (not listening, refused peer) goes into the evidence.
+    return Routed(answer.fallback(verdict), done.runs,
+                  answer.reason if answer.reason != "not asked" else None, answer.refused)
