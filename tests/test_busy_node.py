@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import EnvFactory, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs, read_context_log
-from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, write_config
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
 
 UUID = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(4)]
 EXCLUSIVE_PROCESS, PROHIBITED = 3, 2
@@ -164,8 +164,7 @@ def test_daemon_rounds_while_jobs_come_and_go_never_touch_a_busy_gpu(
         env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
                        FAKE_GPU_STATE_FILE=str(jobs.state_file), FAKE_CUDA_CONTEXT_LOG=str(log))
         env["GPUDIAG_LOCK_DIR"] = str(tmp_path / "locks")
-        toml = DAEMON_TOML.format(nvml_deadline=10).replace(
-            "[backends.cuda]\ninterval_s = 2", "[backends.cuda]\ninterval_s = 0.3")
+        toml = daemon_toml({"backends.cuda": {"interval_s": 0.3}})
         daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", toml), tmp_path / "sd")
         try:
             daemon.wait_ready()

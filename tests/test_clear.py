@@ -19,7 +19,7 @@ from gpudiag.daemon.config import XidConfig
 from gpudiag.daemon.watcher import XidWatcher
 from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, wait_for, write_config
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 UUID1 = "GPU-f00d0001-0000-4000-8000-000000000001"
@@ -186,8 +186,7 @@ def test_clear_releases_held_xids_and_a_gpu_that_still_fails_is_blocked_again(
     write_state_file(state_file, knobs)
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state_file))
     # NVML is probed rarely here: what the clear's own re-probe sees shows within seconds.
-    toml = DAEMON_TOML.format(nvml_deadline=10).replace(
-        "[backends.nvml]\ninterval_s = 0.5", "[backends.nvml]\ninterval_s = 600")
+    toml = daemon_toml({"backends.nvml": {"interval_s": 600}})
     state = tmp_path / "state"
     daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", toml), state)
     try:

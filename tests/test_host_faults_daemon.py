@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_gpudiag
+from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.host_disk import fill, small_tmpfs
 from tests.test_daemon_support import (
-    DAEMON_TOML,
     Daemon,
+    daemon_toml,
     host_env,
-    processes_with_env,
     wait_for,
     write_config,
 )
@@ -36,7 +35,7 @@ def host(fakes: FakeDriver, tmp_path: Path) -> Iterator[dict[str, Any]]:
     state = tmp_path / "gpu-state"
     write_state_file(state, GPUS)
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state))
-    cfg = write_config(tmp_path / "gpudiag.toml", DAEMON_TOML.format(nvml_deadline=10))
+    cfg = write_config(tmp_path / "gpudiag.toml", daemon_toml())
     daemons: list[Daemon] = []
 
     def start(state_dir: Path) -> Daemon:

@@ -13,7 +13,7 @@ from tests.conftest import run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
 from tests.fakes.sysfs import make_pci_tree
 from tests.fakes.sysfs import pci_address as fake_address
-from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, write_config
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
 
 PROBE = ["probe", "--backend", "host,nvml,cuda", "--json"]
 
@@ -106,7 +106,7 @@ def test_the_daemon_config_refuses_a_bad_expected_gpus(value: object) -> None:
 def test_the_daemon_reports_gpu_missing(fakes: FakeDriver, tmp_path: Path, extra: str,
                                         pci: int, knobs: dict, expect: str) -> None:
     env = _pci_env(fakes, tmp_path, pci, **knobs)
-    cfg = write_config(tmp_path / "gpudiag.toml", extra + DAEMON_TOML.format(nvml_deadline=10))
+    cfg = write_config(tmp_path / "gpudiag.toml", extra + daemon_toml())
     daemon = Daemon(env, cfg, tmp_path / "state")
     try:
         daemon.wait_ready()

@@ -31,7 +31,7 @@ from gpudiag.engine.client import (
 )
 from tests.conftest import run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import DAEMON_TOML, Daemon, host_env, wait_for, write_config
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 
 NOBODY = 65534
 # The impostor runs as uid 65534, which cannot read root's pyenv: the system interpreter.
@@ -129,7 +129,7 @@ def serve(fakes: FakeDriver, tmp_path: Path) -> Iterator[Any]:
 
     def start(sock: Path, extra: str = "") -> Daemon:
         cfg = write_config(tmp_path / f"gpudiag{len(daemons)}.toml",
-                           extra + DAEMON_TOML.format(nvml_deadline=10))
+                           extra + daemon_toml())
         daemon = Daemon(env, cfg, tmp_path / f"state{len(daemons)}",
                         extra_args=("--socket", str(sock)))
         daemons.append(daemon)
