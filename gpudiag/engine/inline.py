@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
                timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None,
                lock_dir: Path | None = None) -> InlineRun:
     """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs (DESIGN
-    "Busy GPUs"): host and nvml first, then cuda, jax and iree under the GPUs' locks."""
+    "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs' locks; host beside."""
     checked_at = now_rfc3339()
     requests = probes_for(requirement, only=only)
     limits = dict(DEFAULT_TIMEOUTS_S)
@@ -58,16 +59,30 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     active = [r for r in requests if touches_gpu(*r)]
     if not active:
         return InlineRun(run_probes(requests, env=child_env, timeouts=limits), checked_at)
-    passive = [r for r in requests if r not in active]
-    # Occupancy needs NVML's reading first, even when only cuda was asked for.
-    extra_nvml = not any(name == "nvml" for name, _ in passive)
-    runs = run_probes(passive + ([("nvml", None)] if extra_nvml else []), env=child_env,
-                      timeouts=limits)
-    nvml_run = runs.pop("nvml") if extra_nvml else runs.get("nvml")
-    nvml = nvml_run.nvml if nvml_run is not None and nvml_run.ok else None
+    passive = [r for r in requests if r not in active and r[0] != "nvml"]
+    # Occupancy needs NVML's reading first, even when only cuda was asked for; the other
+    # passive probes (host: nvidia-smi, the slowest) run beside the nvml -> active chain.
+    wanted_nvml = any(name == "nvml" for name, _ in requests)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="passive") as pool:
+        beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits)
+        nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits)["nvml"]
+        active_runs, scope = _run_active(active, nvml_run, child_env, limits,
+                                         lock_dir or default_lock_dir(base))
+        runs = beside.result()
+    if wanted_nvml:
+        runs["nvml"] = nvml_run
+    runs.update(active_runs)
+    return InlineRun(runs, checked_at, scope)
+
+
+def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mapping[str, str],
+                limits: Mapping[str, float], lock_dir: Path
+                ) -> tuple[dict[str, ProbeRun], ProbeScope]:
+    """cuda, jax and iree on the FREE GPUs of NVML's reading, under their locks."""
+    nvml = nvml_run.nvml if nvml_run.ok else None
     occupancy = occupancy_from_nvml(nvml, own_process_tree())
     candidates = visible_uuids(nvml, child_env)
-    with claim_free(occupancy, candidates, lock_dir=lock_dir or default_lock_dir(base)) as claim:
+    with claim_free(occupancy, candidates, lock_dir=lock_dir) as claim:
         for uuid, why in claim.left_alone.items():
             if why == "locked":  # a gpudiag run job holds it (its process may not be up yet)
                 occupancy[uuid] = GpuOccupancy(uuid, BUSY, why="locked by a gpudiag run job")
@@ -88,7 +103,6 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
             envs[name] = {**child_env, "CUDA_VISIBLE_DEVICES": one_gpu,
                           "NVIDIA_VISIBLE_DEVICES": one_gpu}
             planned.append((name, opts))
-        runs.update(run_probes(planned, env=child_env, timeouts=limits, envs=envs))
+        runs = run_probes(planned, env=child_env, timeouts=limits, envs=envs)
     probed = frozenset(claim.claimed) if any(n == "cuda" for n, _ in planned) else frozenset()
-    return InlineRun(runs, checked_at, ProbeScope(occupancy=occupancy, probed=probed,
-                                                  backend_gpu=backend_gpu))
+    return runs, ProbeScope(occupancy=occupancy, probed=probed, backend_gpu=backend_gpu)
