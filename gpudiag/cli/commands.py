@@ -10,7 +10,7 @@ import contextlib
 import importlib
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -163,6 +163,31 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None,
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 
 
+# The options of the commands that answer a question (preflight, health), in help order.
+_ANSWER_OPTIONS = (
+    click.option("--timeout", "timeout_text", metavar="S",
+                 help="Deadline per probe, in seconds."),
+    click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]),
+                 default="text", show_default=True, help="Output format."),
+    click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
+                 help="Also write the verdict JSON to PATH atomically."),
+    click.option("--daemon-url", metavar="URL",
+                 help="Ask this gpudiag daemon first (default: $GPUDIAG_DAEMON_URL or "
+                 "unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT also works); inline "
+                 "probes if none answers or the socket's peer is not the daemon's user "
+                 "($GPUDIAG_DAEMON_USER)."),
+    click.option("--no-daemon", is_flag=True,
+                 help="Always run the probes here, never ask a daemon."),
+)
+
+
+def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Add the options every question-answering command takes."""
+    for option in reversed(_ANSWER_OPTIONS):
+        command = option(command)
+    return command
+
+
 @cli.command()
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
               help="What the job needs: cuda, nvml, jax (on a GPU), jax:cpu, iree (cuda "
@@ -177,16 +202,7 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None,
               help="Job readiness on N GPUs: ready when at least N visible GPUs are healthy "
               "and free (not used by other processes); the verdict names them. A fault on "
               "another GPU is then a warning. Without it every visible GPU must be usable.")
-@click.option("--timeout", "timeout_text", metavar="S", help="Deadline per probe, in seconds.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
-              show_default=True, help="Output format.")
-@click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
-              help="Also write the verdict JSON to PATH atomically.")
-@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
-              "$GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT "
-              "also works); inline probes if none answers or the socket's peer is not the "
-              "daemon's user ($GPUDIAG_DAEMON_USER).")
-@click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
+@_answer_options
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
@@ -208,16 +224,7 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
 @cli.command()
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
               help="Backends whose health counts: cuda, nvml, jax, iree; comma-separated.")
-@click.option("--timeout", "timeout_text", metavar="S", help="Deadline per probe, in seconds.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
-              show_default=True, help="Output format.")
-@click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
-              help="Also write the verdict JSON to PATH atomically.")
-@click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon first (default: "
-              "$GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT "
-              "also works); inline probes if none answers or the socket's peer is not the "
-              "daemon's user ($GPUDIAG_DAEMON_USER).")
-@click.option("--no-daemon", is_flag=True, help="Always run the probes here, never ask a daemon.")
+@_answer_options
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
            daemon_url: str | None, no_daemon: bool) -> None:
     """Node health: is anything on this node broken? Busy GPUs are healthy in use.
