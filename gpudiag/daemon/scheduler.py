@@ -39,11 +39,10 @@ from gpudiag.daemon.snapshot import (
     verdict_for,
 )
 from gpudiag.engine.guard import (
-    GpuClaim,
     claim_free,
     driver_absent,
     occupancy_from_nvml,
-    rotate,
+    rotated,
     touches_gpu,
     visible_uuids,
 )
@@ -377,37 +376,46 @@ class Scheduler:
     def _run_guarded(self, backend: str, options: Mapping[str, Any] | None
                      ) -> ProbeRun | None:
         """Run an active probe (cuda, jax, iree on a GPU) on FREE GPUs only, under their
-        locks: NVML is read first (no context), then the probe touches what was claimed."""
+        locks: NVML is read first (no context), then the probe touches what was claimed.
+
+        The daemon's own active probes run one at a time (``self._guard``), so a GPU lock
+        that is taken is always someone else's (a `gpudiag run` job, another preflight).
+        cuda locks every free GPU for its short round; JAX and IREE lock only the one GPU
+        they prove the backend on, trying the free GPUs in turn from round to round.
+        """
         with self._guard:
             nvml_run = self._call("nvml", self._env, None)
             nvml = nvml_run.nvml if nvml_run.ok else None
             occupancy = occupancy_from_nvml(nvml, own_process_tree())
-            claim: GpuClaim = claim_free(occupancy, visible_uuids(nvml, self._env),
-                                         lock_dir=self._lock_dir,
-                                         probe_busy=self.config.probe_busy_gpus)
-        with claim:
-            for uuid, why in claim.left_alone.items():
-                if why == "locked":  # a gpudiag run job holds it
-                    occupancy[uuid] = GpuOccupancy(uuid, "busy",
-                                                   why="locked by a gpudiag run job")
             with self._lock:
-                self._occupancy = occupancy
                 round_index = self._rounds.get(backend, 0)
                 self._rounds[backend] = round_index + 1
-            if backend == "cuda":
-                return self._call(backend, self._env,
-                                  {**(options or {}), "contexts_on": list(claim.claimed)})
-            gpu = rotate(claim.claimed, round_index)
-            if gpu is None and driver_absent(nvml):
-                # No driver, so no GPU anyone uses: the probe names what else is missing.
-                return self._call(backend, self._env, options)
-            with self._lock:
-                self._backend_gpu[backend] = gpu
-            if gpu is None:
-                log.debug("probe %s: no free GPU this round", backend)
-                return None
-            env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu, "NVIDIA_VISIBLE_DEVICES": gpu}
-            return self._call(backend, env, options)
+            candidates = visible_uuids(nvml, self._env)
+            if backend != "cuda":
+                candidates = rotated(candidates, round_index)
+            with claim_free(occupancy, candidates, lock_dir=self._lock_dir,
+                            probe_busy=self.config.probe_busy_gpus,
+                            limit=None if backend == "cuda" else 1) as claim:
+                for uuid, why in claim.left_alone.items():
+                    if why == "locked":  # a gpudiag run job holds it
+                        occupancy[uuid] = GpuOccupancy(uuid, "busy",
+                                                       why="locked by a gpudiag run job")
+                with self._lock:
+                    self._occupancy = occupancy
+                if backend == "cuda":
+                    return self._call(backend, self._env,
+                                      {**(options or {}), "contexts_on": list(claim.claimed)})
+                gpu = claim.claimed[0] if claim.claimed else None
+                if gpu is None and driver_absent(nvml):
+                    # No driver, so no GPU anyone uses: the probe names what else is missing.
+                    return self._call(backend, self._env, options)
+                with self._lock:
+                    self._backend_gpu[backend] = gpu
+                if gpu is None:
+                    log.debug("probe %s: no free GPU this round", backend)
+                    return None
+                env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu, "NVIDIA_VISIBLE_DEVICES": gpu}
+                return self._call(backend, env, options)
 
     def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""

@@ -9,7 +9,7 @@ the children are done. A GPU not claimed is not touched: its last active result 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,10 @@ class GpuClaim:
         """Drop the locks (idempotent)."""
         release(self.locks)
 
+    def keep_only(self, uuid: str | None) -> None:
+        """Drop every lock but ``uuid``'s (the cuda probe is done; JAX/IREE use one GPU)."""
+        release([lk for lk in self.locks if lk.uuid != uuid])
+
     def __enter__(self) -> GpuClaim:
         return self
 
@@ -119,9 +123,11 @@ class GpuClaim:
 
 
 def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str], *,
-               lock_dir: Path,
-               probe_busy: bool = False) -> GpuClaim:
-    """Lock every FREE GPU among ``candidates`` (full UUIDs, in order) without waiting.
+               lock_dir: Path, probe_busy: bool = False,
+               limit: int | None = None) -> GpuClaim:
+    """Lock FREE GPUs among ``candidates`` (full UUIDs, in order) without waiting, at most
+    ``limit`` of them (JAX and IREE need one: a monitor holds no more locks than it uses,
+    since a `gpudiag run` job waits for a locked GPU).
 
     ``probe_busy`` (config ``probe_busy_gpus``, off by default) lets a site probe BUSY GPUs
     too; UNKNOWN is never probed. A lock file that cannot be opened at all leaves the GPU
@@ -131,6 +137,8 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
     locks: list[LockInfo] = []
     left: dict[str, str] = {}
     for uuid in candidates:
+        if limit is not None and len(claimed) >= limit:
+            break
         found = occupancy.get(uuid)
         state = found.state if found is not None else UNKNOWN
         if not is_full_uuid(uuid):
@@ -152,8 +160,10 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
     return GpuClaim(tuple(claimed), left, tuple(locks))
 
 
-def rotate(claimed: tuple[str, ...], round_index: int) -> str | None:
-    """The one GPU on which JAX and IREE prove their backend this round (rotating)."""
-    if not claimed:
-        return None
-    return claimed[round_index % len(claimed)]
+def rotated(candidates: Sequence[str], round_index: int) -> list[str]:
+    """``candidates`` starting at position ``round_index`` (wrapping): the daemon's JAX and
+    IREE rounds try the GPUs in turn, so over rounds each free GPU proves the backend."""
+    if not candidates:
+        return []
+    start = round_index % len(candidates)
+    return [*candidates[start:], *candidates[:start]]

@@ -86,13 +86,21 @@ def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mappin
         for uuid, why in claim.left_alone.items():
             if why == "locked":  # a gpudiag run job holds it (its process may not be up yet)
                 occupancy[uuid] = GpuOccupancy(uuid, BUSY, why="locked by a gpudiag run job")
+        runs: dict[str, ProbeRun] = {}
+        cuda = [(n, o) for n, o in active if n == "cuda"]
+        if cuda:
+            name, opts = cuda[0]
+            runs.update(run_probes([(name, {**(opts or {}), "contexts_on": list(claim.claimed)})],
+                                   env=child_env, timeouts=limits))
+        # JAX and IREE prove their backend on one free GPU: the other locks go first, so
+        # that no `gpudiag run` job waits for GPUs this preflight does not use.
         one_gpu = claim.claimed[0] if claim.claimed else None
+        claim.keep_only(one_gpu)
         planned: list[Request] = []
         envs: dict[str, Mapping[str, str]] = {}
         backend_gpu: dict[str, str | None] = {}
         for name, opts in active:
             if name == "cuda":
-                planned.append((name, {**(opts or {}), "contexts_on": list(claim.claimed)}))
                 continue
             if one_gpu is None and driver_absent(nvml):
                 planned.append((name, opts))  # no driver, no GPU in use: name what is missing
@@ -103,6 +111,6 @@ def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mappin
             envs[name] = {**child_env, "CUDA_VISIBLE_DEVICES": one_gpu,
                           "NVIDIA_VISIBLE_DEVICES": one_gpu}
             planned.append((name, opts))
-        runs = run_probes(planned, env=child_env, timeouts=limits, envs=envs)
-    probed = frozenset(claim.claimed) if any(n == "cuda" for n, _ in planned) else frozenset()
+        runs.update(run_probes(planned, env=child_env, timeouts=limits, envs=envs))
+    probed = frozenset(claim.claimed) if "cuda" in runs else frozenset()
     return runs, ProbeScope(occupancy=occupancy, probed=probed, backend_gpu=backend_gpu)
