@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpudiag.core.catalog import BLOCKERS, WARNINGS
 from gpudiag.core.findings import XidEvent
-from gpudiag.daemon.exporter import REQUIREMENT_BACKENDS, SnapshotCollector
+from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.scheduler import Scheduler
-from gpudiag.daemon.snapshot import Snapshot, WatcherState, XidCount
+from gpudiag.daemon.snapshot import REQUIREMENT_BACKENDS, Snapshot, WatcherState, XidCount
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for
 

@@ -33,9 +33,6 @@ from gpudiag.core.version import __version__
 from gpudiag.daemon.recorder import HistoryHealth
 from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
 
-# The backends a requirement names (``--require``): the fleet's readiness is per backend.
-REQUIREMENT_BACKENDS = ("cuda", "jax", "iree")
-
 
 def _gpu_labels(d: NvmlDevice) -> list[str]:
     return [str(d.index), d.uuid or ""]
@@ -144,14 +141,7 @@ class SnapshotCollector(Collector):
             "gpudiag_backend_last_proven_timestamp_seconds",
             "When an active probe of the backend last succeeded on any GPU of this node.",
             labels=["backend"])
-        full = snap.full
-        host_wide = [] if full is None else [b for b in full.blockers if b.device is None]
-        scheduled = {key.backend for key in snap.scheduled}
-        for backend in REQUIREMENT_BACKENDS:
-            status = full.backends.get(backend) if full is not None else None
-            blocked = any(b.backend in (None, backend) for b in host_wide)
-            ok = backend in scheduled and status is not None and status.status == "ok" \
-                and not blocked
+        for backend, ok in snap.backends_proven().items():
             ready.add_metric([backend], 1.0 if ok else 0.0)
             walls = [w for (_, b), w in snap.last_proven.items() if b == backend]
             if walls:
