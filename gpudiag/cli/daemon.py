@@ -210,7 +210,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     scheduler.on_snapshot(record)
     if cfg.nfd_features_file is not None:
         from gpudiag.daemon.nfd import NfdFeatureFile
-        scheduler.on_snapshot(NfdFeatureFile(cfg.nfd_features_file, cfg.nfd_expiry_s).update)
+        nfd = NfdFeatureFile(cfg.nfd_features_file, cfg.nfd_expiry_s)
+        scheduler.on_snapshot(lambda snap: None if nfd.update(snap) else None)
     store = recorder.store
     app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
     app.registry.register(HistoryCollector(writer.health))
