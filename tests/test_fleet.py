@@ -180,6 +180,13 @@ def test_text_output_names_each_node_its_state_and_blocker(rig: FleetRig) -> Non
     assert lines[rig.lost.instance][1:4] == ["blocked", "1", "gpu_lost"]
     assert lines[rig.busy.instance][1:4] == ["blocked", "1", "devices_busy"]
     assert proc.stdout.splitlines()[-1] == "1 of 3 node(s) can run it now"
+    proc = rig.fleet("--require", "cuda", "--gpus", "1")
+    assert proc.returncode == EXIT_READY, proc.stderr
+    lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:-1]}
+    assert {i: row[1:4] for i, row in lines.items()} == {
+        rig.healthy.instance: ["ready", "2", "none"], rig.lost.instance: ["ready", "1", "none"],
+        rig.busy.instance: ["ready", "1", "none"]}
+    assert proc.stdout.splitlines()[-1] == "3 of 3 node(s) can run it now"
 
 
 def test_no_node_fits_exits_1(rig: FleetRig) -> None:
@@ -341,6 +348,10 @@ def test_tls_is_verified_by_default(tmp_path: Path) -> None:
         for extra in (["--ca-file", str(cert)], ["--insecure-skip-tls-verify"]):
             proc = run_gpudiag(["fleet", "--prometheus", url, *extra], clean_env())
             assert proc.returncode == EXIT_BLOCKED, proc.stderr
+        proc = run_gpudiag(["fleet", "--prometheus", url, "--ca-file", str(tmp_path / "no")],
+                           clean_env())
+        assert proc.returncode == EXIT_USAGE and "--ca-file" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
     finally:
         server.shutdown()
         server.server_close()

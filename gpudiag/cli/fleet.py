@@ -83,10 +83,11 @@ def fleet(url: str, require: str, gpus: int, fmt: str, job: str, max_age_s: floa
                                   bearer_token=token, ca_file=ca_file,
                                   verify_tls=not insecure, timeout_s=timeout_s)
         query = FleetQuery(backends=backends, gpus=gpus, job=job, max_age_s=max_age_s)
+        client = PrometheusClient(access)
     except (RequirementError, FleetUsageError) as e:
         raise click.UsageError(str(e)) from e
     try:
-        answer = ask_fleet(query, PrometheusClient(access), url=url)
+        answer = ask_fleet(query, client, url=url)
     except PrometheusError as e:
         raise _Failed(str(e)) from e
     click.echo(json.dumps(answer.record(), indent=2) if fmt == "json" else render_text(answer))

@@ -155,7 +155,11 @@ class PrometheusClient:
         self._open = opener
         self._context: ssl.SSLContext | None = None
         if access.url.startswith("https"):
-            ctx = ssl.create_default_context(cafile=access.ca_file)
+            try:
+                ctx = ssl.create_default_context(cafile=access.ca_file)
+            except (OSError, ssl.SSLError) as e:
+                raise FleetUsageError(f"--ca-file {access.ca_file}: cannot load it as a CA "
+                                      f"bundle: {e}") from e
             if not access.verify_tls:
                 ctx.check_hostname = False
                 ctx.verify_mode = ssl.CERT_NONE
