@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh Debian/Ubuntu machine: the Debian packages the tests use
 # (gcc builds the fake driver libraries, prometheus brings prometheus and promtool,
-# systemd brings systemd-analyze) and a virtual environment in .venv with gpudiag, its
+# systemd brings systemd-analyze, slurm-wlm and munge run the real single-node Slurm cluster
+# of tests/test_slurm.py; nothing auto-starts) and a virtual environment in .venv with gpudiag, its
 # jax/iree extras and the test tools. Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,18 @@ missing=()
 command -v gcc >/dev/null || missing+=(gcc libc6-dev)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
+# The real Slurm cluster tests need root anyway (mknod of GRES device files): a plain user
+# without them gets those tests skipped with a reason, not a failed set-up.
+slurm=()
+command -v slurmctld >/dev/null && command -v slurmd >/dev/null || slurm+=(slurm-wlm)
+command -v munged >/dev/null && command -v mungekey >/dev/null || slurm+=(munge)
+if ((${#slurm[@]})); then
+    if [[ $(id -u) -eq 0 ]]; then
+        missing+=("${slurm[@]}")
+    else
+        echo "setup: the real Slurm cluster tests will skip: install ${slurm[*]} as root" >&2
+    fi
+fi
 if ((${#missing[@]})); then
     if [[ $(id -u) -ne 0 ]]; then
         echo "setup: please install: ${missing[*]} (apt-get install, as root)" >&2

@@ -15,7 +15,7 @@ from gpudiag.core.catalog import BLOCKERS, WARNINGS
 from gpudiag.core.findings import XidEvent
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.scheduler import Scheduler
-from gpudiag.daemon.snapshot import Snapshot, WatcherState, XidCount
+from gpudiag.daemon.snapshot import REQUIREMENT_BACKENDS, Snapshot, WatcherState, XidCount
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for
 
@@ -166,3 +166,29 @@ def test_promtool_check_metrics_is_clean(runs_8: dict, tmp_path: Path) -> None:
                           text=True, timeout=30, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "" and proc.stderr.strip() == "", (
         proc.stdout + proc.stderr)
+
+
+def test_backend_ready_is_present_for_every_requirement_backend(runs_8: dict,
+                                                                 runs_lost: dict) -> None:
+    """cuda is proven on a healthy node; jax and iree, not probed here, read 0 (never ready)."""
+    _, healthy = scrape(snapshot_of(runs_8))
+    assert {lab["backend"]: v for lab, v in healthy["gpudiag_backend_ready"]} == {
+        "cuda": 1.0, "jax": 0.0, "iree": 0.0}
+    assert {lab["backend"] for lab, _ in healthy["gpudiag_backend_ready"]} == set(
+        REQUIREMENT_BACKENDS)
+    proven = healthy["gpudiag_backend_last_proven_timestamp_seconds"]
+    assert [lab["backend"] for lab, _ in proven] == ["cuda"]
+    per_gpu = [v for lab, v in healthy["gpudiag_gpu_last_proven_timestamp_seconds"]
+               if lab["backend"] == "cuda"]
+    assert proven[0][1] == max(per_gpu)
+
+
+def test_backend_ready_is_0_under_a_host_wide_blocker(fakes: FakeDriver,
+                                                      tmp_path: Path) -> None:
+    runs = real_runs(host_env(fakes, tmp_path, FAKE_NVML_DEVICE_COUNT=2,
+                              FAKE_NVML_INIT_ERROR="9"))
+    _, samples = scrape(snapshot_of(runs))
+    assert {lab["backend"]: v for lab, v in samples["gpudiag_backend_ready"]} == {
+        "cuda": 0.0, "jax": 0.0, "iree": 0.0}
+    # CUDA itself came up, but a node whose NVML is down is not ready for a cuda job.
+    assert one(samples, "gpudiag_backend_up", backend="cuda") == 1.0

@@ -294,3 +294,24 @@ def test_alert_rules_evaluate_on_the_real_metrics(fleet: Fleet) -> None:
     assert f"{a}/firing" not in {s for states in firing.values() for s in states}, firing
     for name in ("GpudiagNodeBlocked", "GpudiagBackendDown", "GpudiagCriticalXid"):
         assert not any(s.startswith(a) for s in firing.get(name, set())), firing
+
+
+def test_fleet_panels_show_each_node_s_free_healthy_gpus_per_backend(fleet: Fleet) -> None:
+    """Node a has both GPUs free and healthy for cuda; node b lost GPU 1 (XID 79)."""
+    expr = substitute(next(e for t, _, e in expressions()
+                           if t == "Free healthy GPUs per node and backend"), ".*", ".*")
+    want = {(fleet.healthy.instance, "cuda"): 2.0, (fleet.blocked.instance, "cuda"): 1.0}
+    deadline = time.monotonic() + 60
+    got: dict[tuple[str, str], float] = {}
+    while time.monotonic() < deadline:
+        got = {(r["metric"]["instance"], r["metric"]["backend"]): float(r["value"][1])
+               for r in fleet.query(expr)}
+        if {k: got.get(k) for k in want} == want:
+            break
+        time.sleep(1.0)
+    assert {k: got.get(k) for k in want} == want, got
+    # jax and iree are not probed by these daemons: listed, never ready.
+    assert {v for (_, b), v in got.items() if b != "cuda"} == {0.0}
+    readiness = {r["metric"].get("backend", "unknown"): r["value"][1] for r in fleet.query(
+        'count by (backend) (gpudiag_backend_ready == 1)')}
+    assert readiness == {"cuda": "2"}

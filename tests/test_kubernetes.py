@@ -196,3 +196,76 @@ def test_npd_plugin_maps_preflight_exit_codes_to_npd(
     assert first_line == message
     assert len(first_line) <= json.loads(NPD_CONFIG.read_text())["pluginConfig"][
         "max_output_length"]
+
+
+# --- validated against the Kubernetes API schemas (kubernetes-validate ships them) ----------
+
+# Custom resources have no schema in the Kubernetes API: the Prometheus Operator's CRD.
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+
+def _kubernetes_validate() -> Any:
+    return pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is in the test extra")
+
+
+def test_the_validator_s_schemas_ship_in_the_package() -> None:
+    """No network needed: the JSON schemas of the Kubernetes version validated against are
+    files inside the installed package."""
+    kv = _kubernetes_validate()
+    schemas = Path(kv.__file__).parent / "kubernetes-json-schema"
+    version = kv.latest_version()
+    assert (schemas / f"v{version}-local-strict" / "daemonset-apps-v1.json").is_file()
+
+
+def _api_documents() -> list[dict[str, Any]]:
+    return [d for d in documents() if (d["apiVersion"], d["kind"]) not in CUSTOM_KINDS]
+
+
+def test_only_the_known_custom_resources_go_unvalidated() -> None:
+    custom = {(d["apiVersion"], d["kind"]) for d in documents()} - {
+        (d["apiVersion"], d["kind"]) for d in _api_documents()}
+    assert custom == CUSTOM_KINDS
+
+
+@pytest.mark.parametrize("index", range(len(_api_documents())),
+                         ids=[f"{d['kind']}/{d['metadata']['name']}" for d in _api_documents()])
+def test_every_manifest_validates_strictly_against_the_api_schema(index: int) -> None:
+    kv = _kubernetes_validate()
+    doc = _api_documents()[index]
+    version = kv.latest_version()
+    try:
+        kv.validate(doc, version, strict=True)
+    except kv.ValidationError as e:
+        pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} is not valid Kubernetes "
+                    f"{version}: {e.message} at {'.'.join(str(p) for p in e.path)}")
+
+
+def test_the_validator_refuses_what_yaml_parsing_alone_would_accept() -> None:
+    """A mistyped field and a wrong type are caught, so the test above has teeth."""
+    kv = _kubernetes_validate()
+    ds = json.loads(json.dumps(the("DaemonSet")))
+    ds["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(ds, kv.latest_version(), strict=True)
+    ds = json.loads(json.dumps(the("DaemonSet")))
+    ds["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "9477"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(ds, kv.latest_version(), strict=True)
+
+
+def test_the_daemon_writes_its_nfd_feature_file_into_the_node_s_features_d(
+        tmp_path: Path) -> None:
+    config_file = tmp_path / "gpudiag.toml"
+    config_file.write_text(the("ConfigMap")["data"]["gpudiag.toml"])
+    cfg = load_config(config_file)
+    assert cfg.nfd_features_file is not None
+    folder = str(Path(cfg.nfd_features_file).parent)
+    pod = the("DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container()["volumeMounts"]}
+    assert volumes[mounts[folder]]["hostPath"]["path"] == folder
+    # The daemon (UID 65532) may write there: the init container hands it the group.
+    (init,) = pod["initContainers"]
+    assert folder in {m["mountPath"] for m in init["volumeMounts"]}
+    assert f"d = '{folder}'; os.chown(d, -1, 65532)" in " ".join(init["command"])

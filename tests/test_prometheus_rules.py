@@ -133,7 +133,9 @@ def test_metrics_used_are_in_the_contract() -> None:
     known_extra = {"gpudiag_xid_watcher_up", "gpudiag_xid_watcher_gap_seconds_total",
                    # added by the host-faults work (changes/host.md), for DESIGN.md's list
                    "gpudiag_history_writable", "gpudiag_history_damaged_files",
-                   "gpudiag_history_dropped_total"}
+                   "gpudiag_history_dropped_total",
+                   # added by the fleet work (changes/fleet.md), for DESIGN.md's list
+                   "gpudiag_backend_ready"}
     if design.exists():
         text = design.read_text()
         # Expand the brace forms DESIGN.md uses: gpudiag_gpu_memory_{total,used,free}_bytes.

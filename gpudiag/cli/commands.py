@@ -92,7 +92,8 @@ class LazyGroup(click.Group):
     lazy: dict[str, str] = {"serve": "gpudiag.cli.daemon:serve",
                             "history": "gpudiag.cli.daemon:history",
                             "run": "gpudiag.cli.run:run",
-                            "clear": "gpudiag.cli.clear:clear"}
+                            "clear": "gpudiag.cli.clear:clear",
+                            "fleet": "gpudiag.cli.fleet:fleet"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})

@@ -208,6 +208,14 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
             writer.submit(snap.full)
 
     scheduler.on_snapshot(record)
+    if cfg.nfd_features_file is not None:
+        from gpudiag.daemon.nfd import NfdFeatureFile
+        nfd = NfdFeatureFile(cfg.nfd_features_file, cfg.nfd_expiry_s)
+
+        def label(snap: Snapshot) -> None:
+            nfd.update(snap)
+
+        scheduler.on_snapshot(label)
     store = recorder.store
     app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
     app.registry.register(HistoryCollector(writer.health))

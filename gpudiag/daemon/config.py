@@ -88,6 +88,10 @@ class DaemonConfig:
     # TCP answers only the monitoring endpoints (/metrics, /healthz, /readyz, /v1/history).
     tcp_read_only: bool = False
     expected_gpus: int | None = None  # NVIDIA GPUs this node must show; None: PCI decides
+    # Kubernetes: a node-feature-discovery local feature file (features.d) to keep current;
+    # None writes none. Its labels expire after nfd_expiry_s unless the daemon rewrites it.
+    nfd_features_file: str | None = None
+    nfd_expiry_s: float = 600.0
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -116,6 +120,22 @@ def parse_socket(path: object, key: str = "socket") -> str:
     if len(path.encode()) > MAX_SOCKET_PATH:
         raise ConfigError(f"{key} {path!r} is {len(path.encode())} bytes; a unix socket path "
                           f"may have at most {MAX_SOCKET_PATH}: choose a shorter one")
+    return path
+
+
+def parse_nfd_file(path: object, key: str = "nfd_features_file") -> str | None:
+    """An absolute file path for the NFD feature file, or None for "" (none)."""
+    if not isinstance(path, str):
+        raise ConfigError(f"{key} = {path!r}: expected a path string such as "
+                          "\"/etc/kubernetes/node-feature-discovery/features.d/gpudiag\"")
+    if path == "":
+        return None
+    if not path.startswith("/") or "\0" in path or path.endswith("/"):
+        raise ConfigError(f"{key} {path!r} is not an absolute file path; e.g. "
+                          "/etc/kubernetes/node-feature-discovery/features.d/gpudiag")
+    if Path(path).name.startswith("."):
+        raise ConfigError(f"{key} {path!r}: node-feature-discovery skips hidden files; "
+                          "give a name without a leading dot")
     return path
 
 
@@ -273,9 +293,13 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     log.finish()
     socket_raw = top.get("socket")
     socket_path = None if socket_raw is None else parse_socket(socket_raw)
+    nfd_raw = top.get("nfd_features_file")
+    nfd_file = None if nfd_raw is None else parse_nfd_file(nfd_raw)
     cfg = DaemonConfig(
         socket_path=socket_path, tcp_read_only=top.flag("tcp_read_only", False),
-        expected_gpus=_expected_gpus(top),
+        expected_gpus=_expected_gpus(top), nfd_features_file=nfd_file,
+        nfd_expiry_s=top.seconds("nfd_expiry_s", base.nfd_expiry_s, minimum=10.0,
+                                 maximum=7 * 86400.0),
         listen_host=host, listen_port=port, default_requirement=requirement,
         preflight_wait_s=top.seconds("preflight_wait_s", base.preflight_wait_s, maximum=600.0),
         jitter_ratio=sched.ratio("jitter_ratio", base.jitter_ratio),

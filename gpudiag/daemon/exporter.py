@@ -57,6 +57,7 @@ class SnapshotCollector(Collector):
         yield from self._probes(snap)
         yield from self._gpus(snap)
         yield from self._occupancy(snap)
+        yield from self._backend_readiness(snap)
         yield from self._xids(snap, now)
 
     def _verdict(self, snap: Snapshot) -> Iterator[Metric]:
@@ -126,6 +127,26 @@ class SnapshotCollector(Collector):
             1 for d in ready.devices if d.healthy and d.occupancy == "free")
         ready_free.add_metric([], float(count))
         yield from (occupancy, healthy, proven, ready_free)
+
+    def _backend_readiness(self, snap: Snapshot) -> Iterator[Metric]:
+        """Per requirement backend: proven on this node now, and when last (the fleet view).
+
+        Every requirement backend is present as 0 or 1, so a fleet query needs no absent();
+        a backend this daemon does not probe reads 0 (never proven here, never ready)."""
+        ready = GaugeMetricFamily(
+            "gpudiag_backend_ready",
+            "1 when the node-health verdict proves the requirement backend (cuda, jax, iree) "
+            "on this node now, with no host-wide blocker, else 0.", labels=["backend"])
+        proven = GaugeMetricFamily(
+            "gpudiag_backend_last_proven_timestamp_seconds",
+            "When an active probe of the backend last succeeded on any GPU of this node.",
+            labels=["backend"])
+        for backend, ok in snap.backends_proven().items():
+            ready.add_metric([backend], 1.0 if ok else 0.0)
+            walls = [w for (_, b), w in snap.last_proven.items() if b == backend]
+            if walls:
+                proven.add_metric([backend], max(walls))
+        yield from (ready, proven)
 
     def _probes(self, snap: Snapshot) -> Iterator[Metric]:
         duration = GaugeMetricFamily("gpudiag_probe_duration_seconds",

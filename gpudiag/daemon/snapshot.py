@@ -21,6 +21,8 @@ from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.plan import probes_for
 
 OUTCOMES = ("ok", "error", "timeout", "crashed")
+# The backends a requirement names (``--require``): fleet readiness is told per backend.
+REQUIREMENT_BACKENDS = ("cuda", "jax", "iree")
 
 
 @dataclass(frozen=True, order=True)
@@ -134,6 +136,21 @@ class Snapshot:
     def round_complete(self) -> bool:
         """Whether every scheduled probe has finished at least once."""
         return all(k in self.results for k in self.scheduled)
+
+    def backends_proven(self) -> dict[str, bool]:
+        """Per requirement backend: scheduled here, ok in the node-health verdict, and no
+        host-wide blocker (one of no backend, or of this backend) stands. Never-probed is
+        False: the fleet must not count a backend nobody proved."""
+        full = self.full
+        scheduled = {key.backend for key in self.scheduled}
+        host_wide = [] if full is None else [b for b in full.blockers if b.device is None]
+        out = {}
+        for backend in REQUIREMENT_BACKENDS:
+            status = full.backends.get(backend) if full is not None else None
+            out[backend] = (backend in scheduled and status is not None
+                            and status.status == "ok"
+                            and not any(b.backend in (None, backend) for b in host_wide))
+        return out
 
     def result(self, backend: str) -> ProbeResult | None:
         """The latest result of a scheduled backend."""
