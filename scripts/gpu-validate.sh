@@ -327,7 +327,7 @@ if want occupancy; then
         kill "$helper_pid" 2>/dev/null
         wait "$helper_pid" 2>/dev/null
         daemon_stop
-        result occupancy-helper blocked "the helper could not hold GPU 0: $(head -c 300 "$occ/helper.out" "$occ/helper.err" | tr '\n' ' ')"
+        result occupancy-helper blocked "the helper could not hold GPU 0: $(cat "$occ/helper.out" "$occ/helper.err" | head -c 300 | tr '\n' ' ')"
     else
         result occupancy-helper pass "$(head -1 "$occ/helper.out")"
         # The daemon's next NVML reading (1 s) must see the helper; from then on no process

@@ -361,6 +361,7 @@ def texts(out: Path, fakes: Path | None, timeout_s: float) -> int:
     base = {k: v for k, v in os.environ.items()
             if k not in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "JAX_PLATFORMS")}
     base["JAX_PLATFORMS"] = "cuda"  # no silent CPU fallback: the plugin's own words
+    base["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # never 75% of a shared card
     real_gpus = len(compute_gpu_uuids())
     sides: dict[str, dict[str, str]] = {"real": base}
     scratch = Path(tempfile.mkdtemp(prefix="gpuval-texts-"))
@@ -368,13 +369,13 @@ def texts(out: Path, fakes: Path | None, timeout_s: float) -> int:
         sides["fake"] = _fake_env(fakes, base, real_gpus, scratch)
     gpudiag = [sys.executable, "-m", "gpudiag", "preflight", "--no-daemon", "--require",
                "cuda,jax", "--format", "json"]
-    jobs = []
+    programs, verdicts = [], []
     for fault, changes in FAULTS.items():
         for side, env in sides.items():
             fenv = {**env, **changes}
             for layer, code in PROGRAMS.items():
-                jobs.append((fault, side, layer, [sys.executable, "-c", code], fenv))
-            jobs.append((fault, side, "gpudiag", gpudiag, fenv))
+                programs.append((fault, side, layer, [sys.executable, "-c", code], fenv))
+            verdicts.append((fault, side, "gpudiag", gpudiag, fenv))
     results: dict[tuple[str, str, str], str] = {}
 
     def one(job: tuple[str, str, str, list[str], dict[str, str]]) -> None:
@@ -385,8 +386,14 @@ def texts(out: Path, fakes: Path | None, timeout_s: float) -> int:
         results[(fault, side, layer)] = (_gpudiag_result(text) if layer == "gpudiag"
                                          else _result_line(text))
 
+    # The bare programs side by side; then gpudiag's verdicts, the baseline's alone: any
+    # process of this run on the GPU would be someone else's to it (a busy GPU, not the fault).
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
-        list(pool.map(one, jobs))
+        list(pool.map(one, programs))
+        for job in verdicts:
+            if job[0] == "baseline":
+                one(job)
+        list(pool.map(one, [j for j in verdicts if j[0] != "baseline"]))
     shutil.rmtree(scratch, ignore_errors=True)
     lines = ["# Real texts against the fakes' for the same safe fault "
              "(files: FAULT.LAYER.SIDE.txt)",
