@@ -73,6 +73,17 @@ pass_if() {
     if [[ $ok -eq 0 ]]; then result "$name" pass "$@"; else result "$name" fail "$@"; fi
 }
 first_uuid=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -1)
+# Stopped early (timeout, ^C): leave nothing behind, above all not the helper on the card.
+# Each PID is unset once reaped, so that a reused PID is never signalled.
+cleanup() {
+    local p
+    for p in ${helper_pid:-} ${watch_pid:-} ${daemon_pid:-} ${jax_pid:-}; do
+        kill "$p" 2>/dev/null
+    done
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 note "# gpudiag GPU validation, $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname)"
 {
@@ -118,6 +129,7 @@ if want jaxmem; then
         sleep 0.05
     done
     wait "$jax_pid"
+    unset jax_pid
     # Preallocation would take 75% of the card; disabled, the probe needs a context and a
     # few MiB. Under a quarter of the card is the claim; 0 means nvidia-smi never saw it.
     ok=1; [[ $peak -gt 0 && -n $total_mib && $((peak * 4)) -lt $total_mib ]] && ok=0
@@ -200,6 +212,7 @@ daemon_start() {
 daemon_stop() {
     kill "$daemon_pid" 2>/dev/null
     wait "$daemon_pid" 2>/dev/null
+    unset daemon_pid
     rm -rf "$daemon_state"
 }
 
@@ -326,22 +339,25 @@ if want occupancy; then
     if ! grep -q '^holding' "$occ/helper.out" 2>/dev/null; then
         kill "$helper_pid" 2>/dev/null
         wait "$helper_pid" 2>/dev/null
+        unset helper_pid
         daemon_stop
         result occupancy-helper blocked "the helper could not hold GPU 0: $(cat "$occ/helper.out" "$occ/helper.err" | head -c 300 | tr '\n' ' ')"
     else
         result occupancy-helper pass "$(head -1 "$occ/helper.out")"
-        # The daemon's next NVML reading (1 s) must see the helper; from then on no process
-        # of this run but the helper may be on the GPU.
+        held_at=$(date +%s.%N)
+        # From now on no process of this run but the helper may appear on the GPU (one that
+        # started while it was free may still be finishing: reported, not a violation).
+        "${GV[@]}" watch-apps "$occ/apps-watch.json" --root $$ --helper "$helper_pid" \
+            --baseline "$occ/apps-baseline.txt" --since "$held_at" 2>"$occ/apps-watch.stderr" &
+        watch_pid=$!
+        # The daemon's next NVML reading (every 1 s) must see the helper.
         for ((i = 0; i < 50; i++)); do
             curl -s -o "$occ/daemon-preflight-first-busy.json" "$daemon_url/v1/preflight?require=cuda&gpus=1"
             [[ $(field "$occ/daemon-preflight-first-busy.json" devices.0.occupancy) == busy ]] && break
             sleep 0.2
         done
-        note "the daemon saw GPU 0 busy after $((i / 5)) s: $(field "$occ/daemon-preflight-first-busy.json" devices.0.occupancy)"
+        note "the daemon saw GPU 0 busy after about $((i / 5)) s: $(field "$occ/daemon-preflight-first-busy.json" devices.0.occupancy)"
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >"$occ/apps-at-busy.csv" 2>&1
-        "${GV[@]}" watch-apps "$occ/apps-watch.json" --root $$ --helper "$helper_pid" \
-            --baseline "$occ/apps-baseline.txt" 2>"$occ/apps-watch.stderr" &
-        watch_pid=$!
         sleep 6  # more probe rounds (cuda every 2 s, JAX and IREE every 5), each a chance to touch it
         curl -s -o "$occ/daemon-preflight-gpus1.json" "$daemon_url/v1/preflight?require=cuda&gpus=1"
         curl -s -o "$occ/daemon-preflight.json" "$daemon_url/v1/preflight?require=cuda"
@@ -358,6 +374,7 @@ if want occupancy; then
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >"$occ/apps-busy.csv" 2>&1
         kill -TERM "$watch_pid" 2>/dev/null
         wait "$watch_pid" 2>/dev/null
+        unset watch_pid
         for what in daemon-preflight-gpus1 inline-preflight-gpus1; do
             f=$occ/$what.json
             got=$(blocker_of "$f") state=$(field "$f" devices.0.occupancy)
@@ -384,6 +401,7 @@ if want occupancy; then
         result occupancy-no-context "$status" "$detail"
         kill -TERM "$helper_pid" 2>/dev/null
         wait "$helper_pid" 2>/dev/null
+        unset helper_pid
         stopped=$(date +%s)
         # Free and proven: the daemon's next cuda round after the helper left.
         for ((i = 0; i < 40; i++)); do

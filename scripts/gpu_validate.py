@@ -4,9 +4,10 @@
         Hold a CUDA context and N MiB of device memory on ordinal 0 (ctypes on libcuda.so.1)
         until SIGTERM, stdin EOF or --max-s; prints "holding pid=... bytes=..." once it holds.
     python scripts/gpu_validate.py watch-apps OUT --root PID --helper PID --baseline FILE
+                                              [--since EPOCH]
         Poll `nvidia-smi --query-compute-apps` until SIGTERM; write OUT (JSON): every PID seen
         besides the baseline's, and whether it belongs to the validation run (descends from
-        --root) other than the helper.
+        --root) other than the helper, and started before or after EPOCH.
     python scripts/gpu_validate.py texts OUTDIR [--fakes DIR]
         The safe faults' real texts (NVML, driver, JAX CUDA plugin, IREE CUDA HAL, gpudiag's
         verdict), verbatim, next to what the fake driver prints for the same fault.
@@ -128,6 +129,17 @@ def ancestry(pid: int) -> list[int] | None:
     return chain
 
 
+def started_at(pid: int) -> float | None:
+    """When ``pid`` started, in Unix seconds (from /proc); None when that cannot be read."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
@@ -135,8 +147,13 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def watch_apps(out: Path, root: int, helper: int, baseline: set[int], interval_s: float) -> int:
-    """Poll the compute apps until SIGTERM; write what was seen besides the baseline."""
+def watch_apps(out: Path, root: int, helper: int, baseline: set[int], interval_s: float,
+               since: float) -> int:
+    """Poll the compute apps until SIGTERM; write what was seen besides the baseline.
+
+    A process of this run that started before ``since`` (the helper held the GPU from then)
+    read NVML while the GPU was free: the window DESIGN accepts, reported but not a violation.
+    """
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -154,12 +171,15 @@ def watch_apps(out: Path, root: int, helper: int, baseline: set[int], interval_s
             if pid in baseline or pid in seen:
                 continue
             chain = ancestry(pid)
+            start = started_at(pid)
             entry: dict[str, Any] = {"first_seen": time.time(), "cmdline": cmdline(pid),
-                                     "ancestry": chain}
+                                     "ancestry": chain, "started_at": start}
             if pid == helper:
                 entry["role"] = "helper"
             elif chain is None:
                 entry["role"] = "unresolved"  # gone already, or a PID of another namespace
+            elif root in chain and start is not None and start < since - 0.05:
+                entry["role"] = "ours-before"  # started while the GPU was free
             elif root in chain:
                 entry["role"] = "ours"        # the daemon, a probe child, inline preflight
             else:
@@ -167,6 +187,7 @@ def watch_apps(out: Path, root: int, helper: int, baseline: set[int], interval_s
             seen[pid] = entry
         time.sleep(interval_s)
     report = {"polls": polls, "failed_polls": failed, "helper": helper, "root": root,
+              "since": since,
               "baseline": sorted(baseline), "seen": {str(k): v for k, v in seen.items()}}
     out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
@@ -182,9 +203,11 @@ def judge_apps(path: Path) -> int:
     seen = report["seen"]
     ours = {p: e["cmdline"] or "?" for p, e in seen.items() if e["role"] in ("ours", "unresolved")}
     helper_seen = any(e["role"] == "helper" for e in seen.values())
+    before = {p: e["cmdline"] for p, e in seen.items() if e["role"] == "ours-before"}
     what = (f"{report['polls']} polls ({report['failed_polls']} failed), helper pid "
             f"{report['helper']} {'seen' if helper_seen else 'NEVER seen'}, others' pids "
-            f"{sorted(int(p) for p, e in seen.items() if e['role'] == 'other')}")
+            f"{sorted(int(p) for p, e in seen.items() if e['role'] == 'other')}"
+            + (f", ours started before the helper held the GPU: {before}" if before else ""))
     if ours:
         print(f"fail pids of this run on the GPU besides the helper: {ours}; {what}")
     elif not helper_seen or report["polls"] == report["failed_polls"]:
@@ -526,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--helper", type=int, required=True)
     p.add_argument("--baseline", type=Path, required=True)
     p.add_argument("--interval-s", type=float, default=0.1)
+    p.add_argument("--since", type=float, default=0.0, help="when the helper held the GPU")
     p = sub.add_parser("texts")
     p.add_argument("out", type=Path)
     p.add_argument("--fakes", type=Path)
@@ -550,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             base = {int(t) for t in a.baseline.read_text().split() if t.isdigit()}
         except OSError:
             base = set()
-        return watch_apps(a.out, a.root, a.helper, base, a.interval_s)
+        return watch_apps(a.out, a.root, a.helper, base, a.interval_s, a.since or time.time())
     if a.cmd == "texts":
         return texts(a.out, a.fakes, a.timeout_s)
     if a.cmd == "rules-test":
