@@ -135,11 +135,6 @@ def test_occupancy_section_on_the_fakes_sees_busy_healthy_no_context_then_free_a
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "found while preparing GPU validation round 2 (docs/validation/2026-11-30-no-gpu-round2.md):"
-    " a daemon whose only GPU is busy from its start never runs JAX or IREE (no free GPU), so"
-    " its full verdict stays None: no gpudiag_gpu_occupancy/gpudiag_gpu_healthy series and"
-    " /readyz answers 503 until the GPU frees"))
 def test_a_daemon_started_while_its_only_gpu_is_busy_publishes_occupancy_and_gets_ready(
         fakes: FakeDriver, tmp_path: Path) -> None:
     with FakeJobs(tmp_path / "state") as jobs:

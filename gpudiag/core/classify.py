@@ -437,7 +437,9 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     for req in requirement.backends:
         run = runs.get(req.name)
         classifier = BACKEND_CLASSIFIERS.get(req.name)
-        if run is not None and classifier is not None and req.name not in backends:
+        if run is not None and run.skipped is not None:
+            backends[req.name] = BackendStatus("skipped", None, {}, {"reason": run.skipped})
+        elif run is not None and classifier is not None and req.name not in backends:
             backends[req.name] = classifier(run, req, gpu, f)
         elif run is None and scope is not None and req.name in scope.backend_gpu:
             backends[req.name] = BackendStatus("skipped", None, {}, {

@@ -44,6 +44,8 @@ class ProbeRun:
     stderr_tail: str = ""
     error: str | None = None
     argv: tuple[str, ...] = field(default_factory=tuple)
+    # Not run, and why (the daemon's jax/iree round found no free GPU): not a failure.
+    skipped: str | None = None
     parsed: ProbeObservation | None = field(init=False, default=None, compare=False,
                                             repr=False)
 

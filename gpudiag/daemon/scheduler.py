@@ -293,6 +293,14 @@ class Scheduler:
             guarded = self._run_guarded(key.backend, options)
             if guarded is None:  # no free GPU for jax/iree: the last result stands
                 with self._lock:
+                    if key not in self._results:
+                        # Never proven yet: a "skipped" result, so that the verdicts (and
+                        # /readyz) do not wait for a GPU that jobs may hold for days.
+                        now = self.clock.time()
+                        self._results[key] = ProbeResult(key, ProbeRun(
+                            key.backend, None, 0.0,
+                            skipped="no free GPU yet: every GPU is in use or locked"),
+                            flight.started_wall, now)
                     self._schedule_next(key, None)
                     self._inflight.pop(key, None)
                     snapshot = self._publish_locked()
@@ -440,7 +448,7 @@ class Scheduler:
     def _scope(self) -> ProbeScope:
         proven = {uuid: rfc3339(wall) for (uuid, b), wall in self._last_proven.items()
                   if b == "cuda"}
-        return ProbeScope(occupancy=dict(self._occupancy), backend_gpu={},
+        return ProbeScope(occupancy=dict(self._occupancy), backend_gpu=dict(self._backend_gpu),
                           last_proven=proven)
 
     def republish(self) -> Snapshot:
