@@ -180,7 +180,8 @@ def test_a_session_without_gpu_tests_probes_nothing(
             # The plugin is loaded, but gpudiag's engine was never imported nor run.
             assert "gpudiag.pytest_plugin" in sys.modules
             assert not [m for m in sys.modules if m.startswith(("gpudiag.engine",
-                        "gpudiag.runner", "gpudiag.core.requirement"))]
+                        "gpudiag.runner", "gpudiag.core.requirement",
+                        "gpudiag.pytest_plugin.session"))]
             assert "CUDA_VISIBLE_DEVICES" not in os.environ
     """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
