@@ -18,6 +18,8 @@ import pytest
 
 from gpudiag.engine.locks import release, try_lock
 from tests.conftest import EnvFactory
+from tests.fakes.build import FakeDriver
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
 
 pytest_plugins = ["pytester"]
 
@@ -276,3 +278,48 @@ def test_no_lock_survives_a_killed_worker(
     result.assert_outcomes(passed=4, failed=1)  # the killed worker's test: "crashed"
     assert lock_dir.is_dir()  # GPUs were admitted ...
     assert locks_free(lock_dir, [gpu_uuid(0), gpu_uuid(1)]) == []  # ... and none is held
+
+
+def test_the_daemon_answers_first_when_one_listens(
+        pytester: pytest.Pytester, fakes: FakeDriver, use_env: UseEnv, tmp_path: Path) -> None:
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2)
+    env["GPUDIAG_LOCK_DIR"] = str(tmp_path / "locks")
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", daemon_toml()), tmp_path / "sd")
+    try:
+        daemon.wait_ready()
+        use_env({**env, "GPUDIAG_DAEMON_URL": daemon.url})
+        pytester.makepyfile(test_daemon="""
+            import os
+            import pytest
+
+            @pytest.mark.gpu(n=1, require="cuda")
+            def test_gpu(gpu_verdict):
+                assert gpu_verdict.source == "daemon"
+                assert os.environ["CUDA_VISIBLE_DEVICES"] == os.environ["NVIDIA_VISIBLE_DEVICES"]
+        """)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    finally:
+        daemon.stop()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpudiag: gpu(n=1, require='cuda'): ready (source daemon, "
+                                 "age * s); GPUs GPU-f00d0000-0000-4000-8000-000000000000"])
+
+
+def test_jax_started_at_import_is_reported_in_the_header(
+        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path) -> None:
+    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"),
+                    JAX_PLATFORMS="cpu"))
+    pytester.makepyfile(test_early="""
+        import jax
+        import pytest
+
+        DEVICES = jax.devices()  # starts JAX's backends during collection
+
+        @pytest.mark.gpu(require="jax:cpu")
+        def test_cpu():
+            assert DEVICES[0].platform == "cpu"
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=240)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpudiag: WARNING: JAX's backends were already started during "
+                                 "collection*move device use into tests or fixtures"])

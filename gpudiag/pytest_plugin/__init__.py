@@ -120,6 +120,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     item.user_properties.append(("gpu_uuids", ",".join(oc.uuids[:spec.n]) if oc else ""))
     if oc is not None:
         item.user_properties.append(("gpu_verdict_source", oc.verdict.source))
+        item.user_properties.append(("gpu_verdict_age_s", f"{oc.verdict.age_s:.1f}"))
     if spec.error is not None:
         pytest.fail(spec.error, pytrace=False)
     if oc is not None and not oc.verdict.ready and not gs.required:

@@ -208,7 +208,6 @@ def _within(oc: Outcome, admission: Admission) -> Outcome:
 
 def _apply_environment(gs: GpuSession) -> None:
     """Set the exact child environment in os.environ (nothing when no requirement is ready)."""
-
     ready = [oc for oc in gs.outcomes.values() if oc.verdict.ready]
     if not ready:
         return
@@ -224,6 +223,14 @@ def _apply_environment(gs: GpuSession) -> None:
     for key, value in gs.environment.items():
         gs.saved_env.setdefault(key, os.environ.get(key))
         os.environ[key] = value
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if getattr(bridge, "_backends", None):
+        # CUDA reads the visibility variables once, when JAX's backends start: these started
+        # during collection (a test module used JAX at import), before the GPUs were admitted.
+        gs.notes.append("gpudiag: WARNING: JAX's backends were already started during "
+                        "collection (a test module used JAX devices at import), before "
+                        "gpudiag set the environment; they may use GPUs not admitted to this "
+                        "worker: move device use into tests or fixtures")
     jax_module = sys.modules.get("jax")
     if jax_platforms is not None and jax_module is not None:
         # A test module imported jax during collection: its config read JAX_PLATFORMS then.
