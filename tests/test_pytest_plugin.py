@@ -323,3 +323,19 @@ def test_jax_started_at_import_is_reported_in_the_header(
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["gpudiag: WARNING: JAX's backends were already started during "
                                  "collection*move device use into tests or fixtures"])
+
+
+def test_the_complete_example_in_docs_runs(
+        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path) -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "pytest.md").read_text()
+    example = text.split("## A complete example", 1)[1].split("```python\n", 1)[1]
+    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=2, GPUDIAG_LOCK_DIR=str(tmp_path / "locks")))
+    pytester.makepyfile(test_model=example.split("```", 1)[0])
+    junit = tmp_path / "junit.xml"
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider",
+                                           f"--junitxml={junit}", timeout=240)
+    # No real JAX GPU stack on the fakes: the GPU test skips naming why; the others run.
+    result.assert_outcomes(passed=2, skipped=1)
+    code = properties(junit)["test_matmul_runs_on_the_admitted_gpu"]["gpu_validation_blocker"]
+    assert code.startswith("jax_"), code
+    result.stdout.fnmatch_lines([f"SKIPPED * gpudiag: {code}: *Remediation: *"])

@@ -97,8 +97,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         item.stash[SPEC] = spec
         if spec.error is None:
             wanted[spec.key] = max(wanted.get(spec.key, 0), spec.n)
-    config.stash[SESSION] = start_session(wanted, required=_required(config),
-                                          timeout_s=_timeout(config))
+    gs = start_session(wanted, required=_required(config), timeout_s=_timeout(config))
+    config.stash[SESSION] = gs
+    for item in gpu_items:
+        _mark(item, gs)
 
 
 def _outcome(item: pytest.Item) -> tuple[GpuSpec, Outcome | None, GpuSession] | None:
@@ -110,21 +112,30 @@ def _outcome(item: pytest.Item) -> tuple[GpuSpec, Outcome | None, GpuSession] | 
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Record the verdict on the test (JUnit properties); skip it when it cannot run."""
+    """A GPU test with a wrong marker errors, naming what is wrong and the right form."""
+    outcome = _outcome(item)
+    if outcome is not None and (outcome[0].error is not None or outcome[1] is None):
+        pytest.fail(outcome[0].error or "gpu marker: no verdict", pytrace=False)
+
+
+def _mark(item: pytest.Item, gs: GpuSession) -> None:
+    """Record the verdict on a GPU test (JUnit properties); mark it skipped when blocked."""
     outcome = _outcome(item)
     if outcome is None:
         return
-    spec, oc, gs = outcome
-    code = "marker_invalid" if spec.error or oc is None else oc.verdict.gpu_validation_blocker
-    item.user_properties.append(("gpu_validation_blocker", code))
-    item.user_properties.append(("gpu_uuids", ",".join(oc.uuids[:spec.n]) if oc else ""))
-    if oc is not None:
-        item.user_properties.append(("gpu_verdict_source", oc.verdict.source))
-        item.user_properties.append(("gpu_verdict_age_s", f"{oc.verdict.age_s:.1f}"))
-    if spec.error is not None:
-        pytest.fail(spec.error, pytrace=False)
-    if oc is not None and not oc.verdict.ready and not gs.required:
-        pytest.skip(skip_reason(oc.verdict))
+    spec, oc, _gs = outcome
+    if spec.error is not None or oc is None:
+        # A usage error of the test's author, not a verdict: no blocker code is made up.
+        item.user_properties.append(("gpu_marker_error", spec.error or "no verdict"))
+        return
+    item.user_properties.extend([
+        ("gpu_validation_blocker", oc.verdict.gpu_validation_blocker),
+        ("gpu_uuids", ",".join(oc.uuids[:spec.n])),
+        ("gpu_verdict_source", oc.verdict.source),
+        ("gpu_verdict_age_s", f"{oc.verdict.age_s:.1f}")])
+    if not oc.verdict.ready and not gs.required:
+        # A skip marker, so that the report points at the test, not at this plugin.
+        item.add_marker(pytest.mark.skip(reason=skip_reason(oc.verdict)))
 
 
 @pytest.hookimpl(tryfirst=True)
