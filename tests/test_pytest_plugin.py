@@ -69,8 +69,11 @@ RECORDING_TESTS = """
 import json, os
 import pytest
 
+AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")  # the GPUs are admitted before this import
+
 def _record(name):
     line = {{"test": name, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+             "at_import": AT_IMPORT,
              "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
              "NVIDIA_VISIBLE_DEVICES": os.environ.get("NVIDIA_VISIBLE_DEVICES"),
              "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS"),
@@ -102,7 +105,7 @@ def test_xdist_workers_each_get_one_distinct_full_uuid(
     seen = [json.loads(line) for line in out.read_text().splitlines()]
     by_worker: dict[str, set[str | None]] = {}
     for rec in seen:
-        assert rec["CUDA_VISIBLE_DEVICES"] == rec["NVIDIA_VISIBLE_DEVICES"]
+        assert rec["CUDA_VISIBLE_DEVICES"] == rec["NVIDIA_VISIBLE_DEVICES"] == rec["at_import"]
         assert rec["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
         assert rec["JAX_PLATFORMS"] is None  # no JAX in the requirement: untouched
         by_worker.setdefault(rec["worker"], set()).add(rec["CUDA_VISIBLE_DEVICES"])
@@ -305,7 +308,7 @@ def test_the_daemon_answers_first_when_one_listens(
                                  "age * s); GPUs GPU-f00d0000-0000-4000-8000-000000000000"])
 
 
-def test_jax_started_at_import_is_reported_in_the_header(
+def test_jax_started_before_a_non_literal_marker_is_seen_is_reported(
         pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path) -> None:
     use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"),
                     JAX_PLATFORMS="cpu"))
@@ -314,8 +317,9 @@ def test_jax_started_at_import_is_reported_in_the_header(
         import pytest
 
         DEVICES = jax.devices()  # starts JAX's backends during collection
+        REQUIRE = "jax:" + "cpu"  # not a literal: only seen after collection
 
-        @pytest.mark.gpu(require="jax:cpu")
+        @pytest.mark.gpu(require=REQUIRE)
         def test_cpu():
             assert DEVICES[0].platform == "cpu"
     """)
@@ -339,3 +343,24 @@ def test_the_complete_example_in_docs_runs(
     code = properties(junit)["test_matmul_runs_on_the_admitted_gpu"]["gpu_validation_blocker"]
     assert code.startswith("jax_"), code
     result.stdout.fnmatch_lines([f"SKIPPED * gpudiag: {code}: *Remediation: *"])
+
+
+@pytest.mark.parametrize(("source", "wanted"), [
+    ("import pytest\n@pytest.mark.gpu(n=2, require='cuda,jax')\ndef test_a(): pass\n",
+     {"cuda,jax": 2}),
+    ("from pytest import mark\n@mark.gpu\ndef test_a(): pass\n"
+     "@mark.gpu(1, 'jax:cpu')\ndef test_b(): pass\n", {"cuda": 1, "jax:cpu": 1}),
+    ("import pytest\npytestmark = pytest.mark.gpu(require='jax:cpu')\n", {"jax:cpu": 0}),
+    ("def test_a(gpu_devices): pass\n", {"cuda": 1}),
+    ("import pytest\n@pytest.mark.gpu(require='jax:cpu')\ndef test_a(gpu_verdict): pass\n",
+     {"jax:cpu": 0}),
+    ("import pytest\nN = 2\n@pytest.mark.gpu(n=N)\ndef test_a(): pass\n", {}),
+    ("import pytest\n@pytest.mark.gpu(require='cudaa')\ndef test_a(): pass\n", {}),
+    ("def test_a(:\n", {}),
+    ("def test_plain(): assert 'mark.gpu'\n", {}),
+])
+def test_gpu_tests_are_read_from_the_source_before_import(source: str,
+                                                          wanted: dict[str, int]) -> None:
+    from gpudiag.pytest_plugin.session import scan_source
+
+    assert scan_source(source) == wanted

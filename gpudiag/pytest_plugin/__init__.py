@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -82,14 +83,48 @@ def _is_gpu_test(item: pytest.Item) -> bool:
     return any(f in names for f in FIXTURES)
 
 
+def _session(config: pytest.Config) -> GpuSession:
+    gs = config.stash.get(SESSION, None)
+    if gs is None:
+        from gpudiag.pytest_plugin.session import GpuSession
+
+        gs = GpuSession(required=_required(config), timeout_s=_timeout(config))
+        config.stash[SESSION] = gs
+    return gs
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> None:
+    """Before a test module is imported: when its source declares GPU tests, start now.
+
+    So the GPUs are admitted and the environment set before the module (and any framework
+    it imports) is loaded. A plain substring test keeps this free for other modules.
+    """
+    try:
+        text = module_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    if "mark.gpu" not in text and not any(f in text for f in FIXTURES):
+        return None
+    from gpudiag.pytest_plugin.session import scan_source
+
+    wanted = scan_source(text)
+    if wanted:
+        _session(parent.config).ensure(wanted)
+    return None  # pytest makes the Module as usual
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
-    """After collection, before any test runs: verdicts, admission and environment."""
+    """After collection, before any test runs: every GPU test's verdict, GPUs, environment."""
     gpu_items = [item for item in items if _is_gpu_test(item)]
-    if not gpu_items or SESSION in config.stash:
+    if not gpu_items:
+        gs = config.stash.get(SESSION, None)
+        if gs is not None:  # GPU tests seen in a source were all deselected: let go
+            gs.release()
+            del config.stash[SESSION]
         return  # a session without GPU tests: nothing at all happens
-    from gpudiag.pytest_plugin.session import spec_of, start_session
+    from gpudiag.pytest_plugin.session import spec_of
 
     wanted: dict[str, int] = {}
     for item in gpu_items:
@@ -97,8 +132,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         item.stash[SPEC] = spec
         if spec.error is None:
             wanted[spec.key] = max(wanted.get(spec.key, 0), spec.n)
-    gs = start_session(wanted, required=_required(config), timeout_s=_timeout(config))
-    config.stash[SESSION] = gs
+    gs = _session(config)
+    gs.ensure(wanted)  # nothing to do when the sources showed it all
     for item in gpu_items:
         _mark(item, gs)
 

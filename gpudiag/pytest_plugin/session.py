@@ -8,11 +8,13 @@ the same full-UUID locks as ``gpudiag run`` (waiting for FREE GPUs up to a timeo
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,7 @@ from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.client import DaemonUrlError, default_url
 from gpudiag.engine.locks import default_lock_dir
+from gpudiag.pytest_plugin import FIXTURES
 from gpudiag.runner.admission import (
     Admission,
     AdmissionError,
@@ -61,11 +64,48 @@ class GpuSession:
     """This process's verdicts, its admission (locks held until the session ends) and env."""
 
     required: bool
+    timeout_s: float
+    wanted: dict[str, int] = field(default_factory=dict)  # requirement -> most GPUs asked
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     admission: Admission | None = None
     saved_env: dict[str, str | None] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Verdicts already asked for, by (requirement, needs GPUs): never asked twice.
+    verdicts: dict[tuple[str, bool], Verdict] = field(default_factory=dict)
+
+    def ensure(self, wanted: dict[str, int]) -> None:
+        """Cover ``wanted`` too: verdicts for new requirements, a bigger admission if needed.
+
+        Runs while tests are collected, before any runs: admitting again (after putting the
+        environment back, so that the new admission sees the caller's visibility) is safe.
+        """
+        merged = {k: max(self.wanted.get(k, 0), wanted.get(k, 0))
+                  for k in (*self.wanted, *wanted)}
+        if merged == self.wanted:
+            return
+        self.release()
+        self.wanted, self.outcomes, self.environment, self.notes = merged, {}, {}, []
+        env = dict(os.environ)
+        firsts: dict[str, Observation | None] = {}
+        for key, n in merged.items():
+            cached = self.verdicts.get((key, n > 0))
+            first = None
+            if cached is None:
+                cached, first = _verdict(key, n, env)
+                self.verdicts[(key, n > 0)] = cached
+            self.outcomes[key] = Outcome(key, n, cached)
+            firsts[key] = first
+        deadline = time.monotonic() + self.timeout_s
+        # The most GPUs first: one admission serves every requirement (a test uses the first
+        # n of its GPUs).
+        for key in sorted((k for k, n in merged.items() if n > 0), key=lambda k: -merged[k]):
+            oc = self.outcomes[key]
+            if self.admission is None:
+                self.outcomes[key] = _admit_outcome(self, oc, env, firsts[key], deadline)
+            else:
+                self.outcomes[key] = _within(oc, self.admission)
+        _apply_environment(self)
 
     def release(self) -> None:
         """Drop the GPU locks and put back the environment this session changed."""
@@ -104,8 +144,13 @@ class GpuSession:
 
 def spec_of(mark: pytest.Mark | None) -> GpuSpec:
     """What a GPU test's marker asks for (``error`` when the marker is wrong; None: defaults)."""
-    args = tuple(mark.args) if mark is not None else ()
-    kwargs = dict(mark.kwargs) if mark is not None else {}
+    return spec_from(tuple(mark.args) if mark is not None else (),
+                     dict(mark.kwargs) if mark is not None else {})
+
+
+def spec_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> GpuSpec:
+    """What ``gpu(*args, **kwargs)`` asks for (``error`` when the arguments are wrong)."""
+    kwargs = dict(kwargs)
     n_raw = kwargs.pop("n", args[0] if args else None)
     require = kwargs.pop("require", args[1] if len(args) > 1 else DEFAULT_REQUIRE)
     usage = "use @pytest.mark.gpu(n=1, require='cuda')"
@@ -132,35 +177,69 @@ def _key(requirement: Requirement) -> str:
     return ",".join(b.spec() for b in requirement.backends)
 
 
-def start_session(wanted: dict[str, int], *, required: bool, timeout_s: float) -> GpuSession:
-    """One verdict per requirement, one admission for the most GPUs asked, then os.environ."""
+def _verdict(key: str, n: int, env: dict[str, str]) -> tuple[Verdict, Observation | None]:
+    """The verdict for one requirement: the daemon first, else probes run here."""
+    try:
+        return preflight_for_admission(parse_requirement(key), n, env,
+                                       daemon_url=default_url(env))
+    except DaemonUrlError as e:
+        raise pytest.UsageError(f"gpudiag: {e}; fix GPUDIAG_DAEMON_URL "
+                                "(unix:PATH or http://HOST:PORT) or unset it") from e
 
-    gs = GpuSession(required)
-    env = dict(os.environ)
-    firsts: dict[str, Observation | None] = {}
-    for key, n in wanted.items():
-        try:
-            verdict, first = preflight_for_admission(parse_requirement(key), n, env,
-                                                     daemon_url=default_url(env))
-        except DaemonUrlError as e:
-            raise pytest.UsageError(f"gpudiag: {e}; fix GPUDIAG_DAEMON_URL "
-                                    "(unix:PATH or http://HOST:PORT) or unset it") from e
-        gs.outcomes[key] = Outcome(key, n, verdict)
-        firsts[key] = first
-    deadline = time.monotonic() + timeout_s
-    # The most GPUs first: one admission serves every requirement (a test uses the first n).
-    for key in sorted((k for k, n in wanted.items() if n > 0), key=lambda k: -wanted[k]):
-        oc = gs.outcomes[key]
-        if gs.admission is None:
-            gs.outcomes[key] = _admit_outcome(gs, oc, env, firsts[key], deadline, timeout_s)
-        else:
-            gs.outcomes[key] = _within(oc, gs.admission)
-    _apply_environment(gs)
-    return gs
+
+def scan_source(text: str) -> dict[str, int]:
+    """The GPU tests a test module's source declares, read before the module is imported.
+
+    Only markers with literal arguments (and tests asking for the fixtures) are seen; the
+    rest are found after collection. Never raises: a source that does not parse is left to
+    pytest to report.
+    """
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError):
+        return {}
+    wanted: dict[str, int] = {}
+
+    def add(spec: GpuSpec) -> None:
+        if spec.error is None:
+            wanted[spec.key] = max(wanted.get(spec.key, 0), spec.n)
+
+    marked = uses_fixture = False
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _is_gpu_mark(node.func):
+            marked = True
+            try:
+                args = tuple(ast.literal_eval(a) for a in node.args)
+                kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                continue  # not literal: seen after collection
+            add(spec_from(args, kwargs))
+        elif isinstance(node, ast.Attribute) and _is_gpu_mark(node):
+            marked = True
+            if id(node) not in called:
+                add(spec_from((), {}))  # a bare @pytest.mark.gpu
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and any(
+                a.arg in FIXTURES for a in node.args.args):
+            uses_fixture = True
+    if uses_fixture and not marked:
+        # A test asking for a fixture without a marker gets the defaults; with markers in
+        # the module (on it, on a class), which one applies is left to collection.
+        add(spec_from((), {}))
+    return wanted
+
+
+def _is_gpu_mark(node: ast.expr) -> bool:
+    """``mark.gpu`` or ``pytest.mark.gpu``."""
+    if not (isinstance(node, ast.Attribute) and node.attr == "gpu"):
+        return False
+    owner = node.value
+    return (isinstance(owner, ast.Name) and owner.id == "mark") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "mark")
 
 
 def _admit_outcome(gs: GpuSession, oc: Outcome, env: dict[str, str],
-                   first: Observation | None, deadline: float, timeout_s: float) -> Outcome:
+                   first: Observation | None, deadline: float) -> Outcome:
     """Admit ``oc.n`` GPUs, waiting for FREE ones until ``deadline`` (then devices_busy)."""
 
     lock_dir = Path(default_lock_dir(env))
@@ -175,7 +254,7 @@ def _admit_outcome(gs: GpuSession, oc: Outcome, env: dict[str, str],
                 first = None  # observe afresh: another worker or job may have ended
                 time.sleep(min(RETRY_S, remaining))
                 continue
-            return replace(oc, verdict=_as_devices_busy(e.verdict, timeout_s)
+            return replace(oc, verdict=_as_devices_busy(e.verdict, gs.timeout_s)
                            if code in WAITABLE else e.verdict)
         return replace(oc, verdict=gs.admission.verdict, uuids=gs.admission.uuids)
 
