@@ -364,3 +364,29 @@ def test_gpu_tests_are_read_from_the_source_before_import(source: str,
     from gpudiag.pytest_plugin.session import scan_source
 
     assert scan_source(source) == wanted
+
+
+def test_deselected_gpu_tests_give_their_gpus_back_before_the_first_test(
+        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path) -> None:
+    lock_dir = tmp_path / "locks"
+    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(lock_dir)))
+    pytester.makepyfile(test_deselect=f"""
+        import os
+        from pathlib import Path
+        import pytest
+        from gpudiag.engine.locks import release, try_lock
+
+        @pytest.mark.gpu
+        def test_gpu():
+            pass
+
+        def test_plain():
+            assert "CUDA_VISIBLE_DEVICES" not in os.environ
+            lk = try_lock(Path({str(lock_dir)!r}), {gpu_uuid(0)!r})
+            assert lk is not None, "the deselected GPU test's lock is still held"
+            release([lk])
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "plain",
+                                           timeout=120)
+    result.assert_outcomes(passed=1, deselected=1)
+    assert lock_dir.is_dir()  # the source's marker admitted the GPU before the import
