@@ -4,7 +4,10 @@ Runs the same project of plain (unmarked) tests with the plugin loaded (its ``py
 point, as installed) and without it (``-p no:gpudiag``), alternately in fresh processes, and
 prints the median wall times side by side with their ratio; then the plugin module's own
 import time in a fresh interpreter:
-    .venv/bin/python benchmarks/pytest_plugin_overhead.py [--runs 15] [--tests 200]
+    .venv/bin/python benchmarks/pytest_plugin_overhead.py [--runs 15] [--tests 200] [--modules 20]
+
+The tests are spread over ``--modules`` files: the plugin reads each test module's source
+before it is imported (a substring test), so the number of files is what it could cost.
 """
 
 from __future__ import annotations
@@ -48,12 +51,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--tests", type=int, default=200)
+    parser.add_argument("--modules", type=int, default=20)
     args = parser.parse_args()
     env = clean_env()
     with tempfile.TemporaryDirectory() as tmp:
         project = Path(tmp)
         (project / "pytest.ini").write_text("[pytest]\n")
-        (project / "test_plain.py").write_text(PLAIN.format(n=args.tests))
+        for m in range(args.modules):
+            (project / f"test_plain_{m}.py").write_text(PLAIN.format(n=args.tests // args.modules))
         base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         with_plugin, without = [], []
         for i in range(args.runs + 1):  # the first round warms the page cache
@@ -66,7 +71,8 @@ def main() -> None:
                                         capture_output=True, text=True, check=True).stdout)
                    for _ in range(args.runs)]
     t_with, t_without = statistics.median(with_plugin), statistics.median(without)
-    print(f"tests={args.tests} (none marked) runs={args.runs} cpus={os.cpu_count()} "
+    print(f"tests={args.tests} (none marked) in {args.modules} modules runs={args.runs} "
+          f"cpus={os.cpu_count()} "
           f"load={os.getloadavg()[0]:.2f}")
     print(f"{'with the plugin':>24} {'-p no:gpudiag':>16} {'ratio':>8}")
     print(f"{t_with * 1000:>21.0f} ms {t_without * 1000:>13.0f} ms {t_with / t_without:>8.3f}")

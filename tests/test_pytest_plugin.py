@@ -208,11 +208,16 @@ def test_a_wrong_marker_fails_that_test_naming_the_fix(
         @pytest.mark.gpu(n=-1)
         def test_negative():
             pass
+
+        @pytest.mark.gpu(n=0, require="cuda")
+        def test_no_gpu_for_a_gpu_requirement():
+            pass
     """)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
-    result.assert_outcomes(errors=2)
+    result.assert_outcomes(errors=3)
     result.stdout.fnmatch_lines(["*gpu marker: require='cudaa': *use @pytest.mark.gpu(*",
-                                 "*gpu marker: n=-1 must be a whole number*"])
+                                 "*gpu marker: n=-1 must be a whole number*",
+                                 "*gpu marker: n=0 but require='cuda' needs a GPU*"])
 
 
 def test_a_worker_that_finds_no_free_gpu_waits_then_is_devices_busy(

@@ -105,6 +105,8 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
         return None
     if "mark.gpu" not in text and not any(f in text for f in FIXTURES):
         return None
+    if parent.config.getoption("collectonly"):
+        return None  # --collect-only: nothing runs, so nothing is admitted
     from gpudiag.pytest_plugin.session import scan_source
 
     wanted = scan_source(text)
@@ -118,7 +120,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                                   items: list[pytest.Item]) -> None:
     """After collection, before any test runs: every GPU test's verdict, GPUs, environment."""
     gpu_items = [item for item in items if _is_gpu_test(item)]
-    if not gpu_items:
+    if not gpu_items or config.getoption("collectonly"):
         gs = config.stash.get(SESSION, None)
         if gs is not None:  # GPU tests seen in a source were all deselected: let go
             gs.release()

@@ -170,6 +170,9 @@ def spec_from(args: tuple[Any, ...], kwargs: dict[str, Any]) -> GpuSpec:
     if isinstance(n_raw, bool) or not isinstance(n_raw, int) or not 0 <= n_raw <= MAX_DEVICES:
         return GpuSpec(key, 0, f"gpu marker: n={n_raw!r} must be a whole number of GPUs "
                        f"between 0 and {MAX_DEVICES}; {usage}")
+    if n_raw == 0 and requirement.needs_gpu:
+        return GpuSpec(key, 0, f"gpu marker: n=0 but require={require!r} needs a GPU; ask "
+                       "for n>=1, or a CPU requirement such as 'jax:cpu'")
     return GpuSpec(key, n_raw)
 
 
