@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -116,6 +117,12 @@ def test_xdist_workers_each_get_one_distinct_full_uuid(
     assert set(uuids) <= {gpu_uuid(i) for i in range(4)}  # full UUIDs
     # Each worker's verdict reaches the controller's terminal summary.
     result.stdout.fnmatch_lines(["*gpudiag*", "*[[]gw*gpu(n=1, require='cuda'): ready*"])
+    # Every one of the 4 workers admitted a GPU of its own, also those that ran few tests.
+    admitted = dict(re.findall(r"^\[(gw\d)\] gpudiag: gpu\(n=1, require='cuda'\): ready "
+                               r".*; GPUs (\S+)$", result.stdout.str(), re.MULTILINE))
+    assert sorted(admitted) == ["gw0", "gw1", "gw2", "gw3"], result.stdout.str()
+    assert sorted(admitted.values()) == [gpu_uuid(i) for i in range(4)]
+    assert all(admitted[w] == next(iter(s)) for w, s in by_worker.items())
     props = properties(junit)
     for rec in seen:
         p = props[rec["test"]]
