@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -227,26 +229,52 @@ def test_a_wrong_marker_fails_that_test_naming_the_fix(
                                  "*gpu marker: n=0 but require='cuda' needs a GPU*"])
 
 
-def test_a_worker_that_finds_no_free_gpu_waits_then_is_devices_busy(
-        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path) -> None:
-    lock_dir = tmp_path / "locks"
-    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(lock_dir)))
-    other_job = try_lock(lock_dir, gpu_uuid(0))  # another gpudiag job holds the only GPU
-    assert other_job is not None
-    try:
-        pytester.makepyfile(test_busy="""
-            import pytest
+ONE_GPU_TEST = """
+import os
+import pytest
 
-            @pytest.mark.gpu
-            def test_gpu():
-                pass
-        """)
+@pytest.mark.gpu
+def test_gpu():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "GPU-f00d0000-0000-4000-8000-000000000000"
+"""
+
+
+@pytest.mark.parametrize("held_by", ["a gpudiag lock", "another process"])
+def test_a_worker_that_finds_no_free_gpu_waits_then_is_devices_busy(
+        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path,
+        held_by: str) -> None:
+    lock_dir = tmp_path / "locks"
+    knobs = {"FAKE_NVML_PROCESSES": "0:4242:100"} if held_by == "another process" else {}
+    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(lock_dir), **knobs))
+    other_job = try_lock(lock_dir, gpu_uuid(0)) if held_by == "a gpudiag lock" else None
+    pytester.makepyfile(test_busy=ONE_GPU_TEST)
+    started = time.monotonic()
+    try:
         result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider",
                                                "--gpu-timeout", "1.5", timeout=120)
     finally:
-        release([other_job])
+        release([other_job] if other_job else [])
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["SKIPPED * gpudiag: devices_busy: waited 1.5 s *"])
+    assert time.monotonic() - started >= 1.5  # it did wait
+
+
+def test_a_waiting_worker_gets_the_gpu_when_the_other_job_ends(
+        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path) -> None:
+    lock_dir = tmp_path / "locks"
+    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(lock_dir)))
+    other_job = try_lock(lock_dir, gpu_uuid(0))
+    assert other_job is not None
+    ends = threading.Timer(2.0, release, args=([other_job],))  # the other job ends after 2 s
+    ends.start()
+    try:
+        pytester.makepyfile(test_wait=ONE_GPU_TEST)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-timeout", "60",
+                                               timeout=120)
+    finally:
+        ends.cancel()
+        release([other_job])
+    result.assert_outcomes(passed=1)
 
 
 def test_jax_cpu_markers_really_run_jax_on_the_cpu(
