@@ -430,3 +430,19 @@ def test_deselected_gpu_tests_give_their_gpus_back_before_the_first_test(
                                            timeout=120)
     result.assert_outcomes(passed=1, deselected=1)
     assert lock_dir.is_dir()  # the source's marker admitted the GPU before the import
+
+
+@pytest.mark.parametrize(("args", "ini", "message"), [
+    (["--gpu-timeout", "-1"], "", "--gpu-timeout -1 must be between 0 and 86400 s"),
+    ([], "gpu_timeout = soon\n", "gpu_timeout = 'soon' is not a number of seconds*"),
+])
+def test_a_wrong_timeout_is_a_usage_error_naming_it(
+        pytester: pytest.Pytester, bare_env: dict[str, str], use_env: UseEnv,
+        args: list[str], ini: str, message: str) -> None:
+    use_env(bare_env)
+    pytester.makeini(f"[pytest]\n{ini}")
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=60)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}"])
+    assert "Traceback" not in result.stderr.str()

@@ -50,7 +50,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the marker (no probe, no import of gpudiag's engine)."""
+    """Register the marker and check the timeout (no probe, no import of gpudiag's engine)."""
+    _timeout(config)  # a wrong value is a usage error at once, not when GPU tests show up
     config.addinivalue_line(
         "markers", "gpu(n=1, require='cuda'): a GPU test: runs on n GPUs admitted by gpudiag "
         "for the requirement (CLI syntax, e.g. 'jax', 'cuda,jax', 'jax:cpu'), skips (or, "
