@@ -28,9 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = ROOT / ".cache" / "real-jax"
-# gpudiag's runtime dependencies (pyproject.toml), so the CLI runs in the cached venv too.
-RUNTIME_DEPENDENCIES = ("click>=8.1", "prometheus-client>=0.20", "nvidia-ml-py>=12.535",
-                        "rich>=13")
 STAMP = ".gpudiag-real-jax-complete"
 
 
@@ -101,10 +98,41 @@ def jax_version() -> str:
     return importlib.metadata.version("jax")
 
 
+def runtime_dependencies() -> list[str]:
+    """gpudiag's runtime dependencies, read from pyproject.toml (one list, never a copy), so
+    the CLI runs in the cached venv too."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10 gets tomli from the project's dependencies
+        import tomli as tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as fh:
+        deps = tomllib.load(fh)["project"]["dependencies"]
+    return [str(d) for d in deps if "python_version" not in str(d)]
+
+
 def requirements(version: str) -> list[str]:
     """What pip installs into the cached venv."""
     return [f"jax=={version}", f"jaxlib=={version}", f"jax-cuda12-plugin[with-cuda]=={version}",
-            *RUNTIME_DEPENDENCIES]
+            *runtime_dependencies()]
+
+
+def _current(venv: Path, version: str, timeout_s: float) -> bool:
+    """Whether a cached venv is complete; one made with other requirements (gpudiag gained a
+    dependency) is topped up in place, which takes seconds, not a new 3.2 GB install."""
+    stamp = venv / STAMP
+    if not stamp.is_file() or not (venv / "bin" / "python").exists():
+        return False
+    wanted = " ".join(requirements(version))
+    if stamp.read_text(encoding="utf-8").splitlines()[:1] == [wanted]:
+        return True
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                          "--disable-pip-version-check", *requirements(version)],
+                         capture_output=True, text=True, timeout=timeout_s, check=False)
+    if pip.returncode != 0:
+        return False
+    stamp.write_text(f"{wanted}\ntopped_up=1\n", encoding="utf-8")
+    return True
 
 
 def cache_dir() -> Path:
@@ -123,14 +151,12 @@ def ensure_real_jax(version: str | None = None, cache: Path | None = None,
     base = (cache or cache_dir()) / version
     venv = base / "venv"
     python = venv / "bin" / "python"
-    if (venv / STAMP).is_file() and python.exists():
-        return RealJax(venv, python, version, None)
     base.mkdir(parents=True, exist_ok=True)
     # One installer at a time (two test sessions would each fetch 3.2 GB); the later one
     # finds the stamp once it gets the lock.
     with open(base / ".lock", "w", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (venv / STAMP).is_file() and python.exists():
+        if _current(venv, version, timeout_s):
             return RealJax(venv, python, version, None)
         # What a killed installer left (a half-made venv is gigabytes).
         for stale in [venv, *base.glob("venv.tmp-*")]:
