@@ -288,8 +288,17 @@ def _select(candidates: Sequence[NvmlDevice], requirement: Requirement,
 
 def _device_info(d: NvmlDevice) -> DeviceInfo:
     mem = d.memory or Memory()
+    procs = list(d.processes or ())
+    for inst in d.mig.instances if d.mig else ():
+        procs.extend(inst.processes or ())
+    pids = (tuple(sorted({p.pid for p in procs if p.pid is not None}))
+            if d.processes is not None or procs else None)
+    util, temp = d.readings.utilization_gpu_ratio, d.readings.temperature_c
     return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, pci_bus_id=d.pci_bus_id,
-                      memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes)
+                      memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes,
+                      memory_used_bytes=mem.used_bytes,
+                      utilization_ratio=None if util is None else float(util),
+                      temperature_c=None if temp is None else float(temp), pids=pids)
 
 
 def _free(d: NvmlDevice) -> int | None:

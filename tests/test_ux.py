@@ -1,0 +1,229 @@
+"""Issue 16, as a person would use gpudiag: terminal output at 80 and 120 columns and in pipes,
+one status word per GPU, errors with exit 2 and a hint, help with examples."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpudiag.core.catalog import BLOCKERS
+from tests.conftest import EnvFactory, run_gpudiag, verdict_of
+from tests.tty import run_on_tty
+
+PROBE = [sys.executable, "-m", "gpudiag", "probe", "--backend", "host,nvml,cuda"]
+UUIDS = [f"GPU-f00d{i:04x}" for i in range(8)]
+
+
+@pytest.fixture
+def sleeper() -> Iterator[int]:
+    """A real process to stand for another user's job on a fake GPU."""
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _hosts(pid: int) -> dict[str, dict[str, str | int]]:
+    return {"healthy": {},
+            "lost": {"FAKE_NVML_DEVICE_ERRORS": "1:15"},
+            "busy": {"FAKE_NVML_PROCESSES": f"2:{pid}:20000",
+                     "FAKE_NVML_MEMORY_USED_MIB": "2:20000", "FAKE_NVML_UTILIZATION": "2:97",
+                     "FAKE_NVML_TEMPERATURE_C": "2:71"}}
+
+
+def _device_rows(text: str) -> dict[int, str]:
+    """The devices table's rows by GPU index."""
+    rows = {}
+    body = text.split("Devices", 1)[1]
+    for line in body.splitlines():
+        m = re.match(r"^\s*([0-7])\s{2,}(\S.*)$", line)
+        if m:
+            rows[int(m.group(1))] = m.group(2)
+    return rows
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+@pytest.mark.parametrize("host", ["healthy", "lost", "busy"])
+def test_probe_fits_the_terminal_with_one_status_word_per_gpu(
+        gpu_env: EnvFactory, sleeper: int, host: str, columns: int) -> None:
+    rc, text = run_on_tty(PROBE, gpu_env(**_hosts(sleeper)[host]), columns=columns)
+    assert rc == (0 if host == "healthy" else 1), text
+    out = text[text.index("host "):]  # past the spinner's frames (stderr, same terminal)
+    too_wide = [line for line in out.splitlines() if len(line.rstrip()) > columns]
+    assert too_wide == [], "\n".join(too_wide)
+    rows = _device_rows(out)
+    assert sorted(rows) == list(range(8))
+    for i, row in rows.items():  # unique UUID prefixes and short PCI addresses, never cut
+        if host == "lost" and i == 1:
+            assert row.split()[0] == "lost"
+            continue
+        assert UUIDS[i] in row.split() and f"{0x18 + i:02X}:00.0" in row
+        assert "…" not in row
+    if host == "busy":
+        assert re.search(rf"busy pid {sleeper}\s", rows[2]) and "97%" in rows[2]
+        assert "71C" in rows[2] and "19.5 GiB" in rows[2]
+        assert all(rows[i].startswith("ready") for i in (0, 1, 3))
+    if host == "lost":
+        assert "gpu_lost  [device, nvml, GPU 1]" in out  # the code whole, on its own line
+    assert "CUDA 12.8" in out and "12080" not in out
+    backends = [line.split()[0] for line in out.split("Backends", 1)[1].splitlines()
+                if line.split() and line.split()[0] in ("host", "nvml", "cuda")]
+    assert backends == ["host", "nvml", "cuda"]
+    assert re.search(r"^host \S+, source inline, just now \(checked \S+\)$", out, re.M)
+    assert out.rstrip().splitlines()[-1].startswith("gpu_validation_blocker=")
+
+
+@pytest.mark.parametrize(("columns", "width"), [("80", 80), (None, 120)])
+def test_piped_text_follows_columns_else_120(gpu_env: EnvFactory, columns: str | None,
+                                             width: int) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_ERRORS="1:15")
+    if columns:
+        env["COLUMNS"] = columns
+    proc = run_gpudiag(["probe", "--backend", "host,nvml,cuda"], env)
+    assert proc.returncode == 1
+    assert max(len(line) for line in proc.stdout.splitlines()) <= width
+    assert "\x1b[" not in proc.stdout  # no colour into a pipe
+    assert "gpu_lost" in proc.stdout and "GPU-f00d0000 " in proc.stdout
+
+
+def test_every_device_status_word_of_the_catalog_is_one_of_its_codes() -> None:
+    from gpudiag.cli.render import STATUS_WORDS
+    from gpudiag.core.catalog import WARNINGS
+
+    assert set(STATUS_WORDS) <= set(BLOCKERS) | set(WARNINGS)
+
+
+def test_reset_required_and_ecc_show_as_the_gpus_status(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_ECC_VOLATILE_UNCORRECTED="3:2")
+    env["COLUMNS"] = "100"
+    proc = run_gpudiag(["probe", "--backend", "host,nvml,cuda"], env)
+    rows = _device_rows(proc.stdout)
+    assert rows[3].split()[0] == "ECC", proc.stdout
+    assert rows[0].split()[0] == "ready"
+
+
+def test_daemon_and_preflight_text_show_source_and_age(gpu_env: EnvFactory) -> None:
+    proc = run_gpudiag(["preflight", "--no-daemon", "--require", "iree:local-task"], gpu_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "source inline" in proc.stdout
+    # preallocation means something for JAX only: the line says so for IREE.
+    assert re.search(r"^preallocation_disabled=(yes|no) \(applies to JAX only; this "
+                     r"requirement has no JAX\)$", proc.stdout, re.M)
+
+
+def test_probe_accepts_format_like_preflight_and_keeps_json(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2)
+    rc, record = verdict_of(["probe", "--backend", "nvml", "--format", "json"], env)
+    assert rc == 0 and record["devices"][0]["utilization_ratio"] == 0
+    assert record["devices"][0]["pids"] == [] and record["devices"][0]["temperature_c"] == 35
+    rc, again = verdict_of(["probe", "--backend", "nvml", "--json"], env)
+    assert rc == 0 and again["schema"] == record["schema"]
+    proc = run_gpudiag(["probe", "--backend", "nvml", "--format", "kv"], env)
+    assert proc.returncode == 0 and "gpu_validation_blocker=none" in proc.stdout.splitlines()
+    proc = run_gpudiag(["probe", "--json", "--format", "kv"], env)
+    assert proc.returncode == 2 and "disagree" in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["missing", "folder", "readonly"])
+def test_a_bad_record_path_is_exit_2_before_any_probe(gpu_env: EnvFactory, tmp_path: Path,
+                                                      where: str) -> None:
+    log = tmp_path / "contexts.log"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    path = {"missing": tmp_path / "no" / "v.json", "folder": tmp_path,
+            "readonly": ro / "v.json"}[where]
+    proc = run_gpudiag(["preflight", "--no-daemon", "--record", str(path)],
+                       gpu_env(FAKE_CUDA_CONTEXT_LOG=str(log)))
+    if where == "readonly" and ro.stat().st_uid == 0 and __import__("os").geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    assert proc.returncode == 2, proc.stderr
+    said = "is a directory" if where == "folder" else f"could not write --record {path}"
+    assert said in proc.stderr and "Traceback" not in proc.stderr
+    assert not log.exists()  # no probe touched a GPU
+    assert proc.stdout == ""
+
+
+def test_history_without_daemon_state_is_a_usage_error_with_a_hint(tmp_path: Path) -> None:
+    env = {k: v for k, v in __import__("os").environ.items() if k != "STATE_DIRECTORY"}
+    proc = run_gpudiag(["history", "--state-dir", str(tmp_path / "none")], env)
+    assert proc.returncode == 2
+    assert "gpudiag serve" in proc.stderr and "--state-dir" in proc.stderr
+
+
+COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_examples_and_defaults_written_one_way(command: str) -> None:
+    proc = run_gpudiag([command, "--help"], {**__import__("os").environ, "COLUMNS": "100"})
+    assert proc.returncode == 0
+    assert "Examples:" in proc.stdout and f"gpudiag {command}" in proc.stdout
+    assert "(default" not in proc.stdout.replace("\n", " ")  # always "[default: ...]"
+
+
+def test_command_list_summaries_are_whole_sentences() -> None:
+    proc = run_gpudiag(["--help"], {**__import__("os").environ, "COLUMNS": "120"})
+    listed = proc.stdout.split("Commands:", 1)[1]
+    for command in COMMANDS:
+        line = next(ln for ln in listed.splitlines() if ln.split()[:1] == [command])
+        assert not line.rstrip().endswith("..."), line
+        assert line.rstrip().endswith((".", "?", "1.")), line
+
+
+def test_check_config_prints_the_effective_configuration(tmp_path: Path) -> None:
+    config = tmp_path / "d.toml"
+    config.write_text("listen = \"127.0.0.1:9999\"\n")
+    proc = run_gpudiag(["serve", "--config", str(config), "--check-config",
+                        "--state-dir", str(tmp_path)], dict(__import__("os").environ))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "config OK: listen 127.0.0.1:9999" in lines[0]
+    settings = dict(line.strip().split(" = ", 1) for line in lines[2:])
+    assert settings["listen_port"] == "9999"
+    assert json.loads(settings["state_dir"]) == str(tmp_path)
+    assert "history.retention_s" in settings and "xid.hold_s" in settings
+    assert any(k.startswith("backends.cuda.") for k in settings)
+
+
+@pytest.mark.parametrize(("argv", "knobs", "code"), [
+    ([sys.executable, "-c", "pass"], {}, 0),
+    (["/no/such/program"], {}, 127),
+    (["true"], {"FAKE_NVML_INIT_ERROR": 9}, 125),
+])
+def test_run_says_where_the_closeout_went_on_every_outcome(
+        gpu_env: EnvFactory, tmp_path: Path, argv: list[str], knobs: dict[str, int],
+        code: int) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"),
+                  GPUDIAG_DAEMON_URL="http://127.0.0.1:9", **knobs)
+    art = tmp_path / "art"
+    proc = run_gpudiag(["run", "--artifacts", str(art), "--", *argv], env)
+    assert proc.returncode == code, proc.stderr
+    assert f"gpudiag run: closeout {art / 'closeout.txt'}" in proc.stderr
+    assert (art / "closeout.txt").is_file()
+    if code == 125:  # a refusal says what to do about it
+        assert "gpudiag run: refused: driver_not_loaded" in proc.stderr
+        assert f"gpudiag run: fix: {BLOCKERS['driver_not_loaded'].remediation}" in proc.stderr
+
+
+def test_run_artifacts_default_outside_the_folder_one_stands_in(gpu_env: EnvFactory,
+                                                               tmp_path: Path) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"),
+                  GPUDIAG_DAEMON_URL="http://127.0.0.1:9", XDG_STATE_HOME=str(tmp_path / "st"))
+    env.pop("GPUDIAG_ARTIFACTS_DIR", None)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "gpudiag", "run", "--", "true"], env=env,
+                          cwd=checkout, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert list(checkout.iterdir()) == []
+    runs = list((tmp_path / "st" / "gpudiag" / "runs").iterdir())
+    assert len(runs) == 1 and f"closeout {runs[0] / 'closeout.txt'}" in proc.stderr
+    assert "gpudiag-runs/" in (Path(__file__).parents[1] / ".gitignore").read_text()
