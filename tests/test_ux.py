@@ -227,3 +227,18 @@ def test_run_artifacts_default_outside_the_folder_one_stands_in(gpu_env: EnvFact
     runs = list((tmp_path / "st" / "gpudiag" / "runs").iterdir())
     assert len(runs) == 1 and f"closeout {runs[0] / 'closeout.txt'}" in proc.stderr
     assert "gpudiag-runs/" in (Path(__file__).parents[1] / ".gitignore").read_text()
+
+
+def test_one_iree_driver_rule_for_the_cli_and_http(gpu_env: EnvFactory) -> None:
+    from gpudiag.core.limits import IREE_DRIVERS
+    from gpudiag.daemon.app import HTTP_IREE_DRIVERS
+
+    assert HTTP_IREE_DRIVERS == IREE_DRIVERS
+    proc = run_gpudiag(["preflight", "--no-daemon", "--require", "iree:nosuch"], gpu_env())
+    assert proc.returncode == 2 and "'nosuch'" in proc.stderr
+    assert "local-task" in proc.stderr and "libcuda" not in proc.stderr
+    proc = run_gpudiag(["probe", "--backend", "iree:nosuch"], gpu_env())
+    assert proc.returncode == 2 and "'nosuch'" in proc.stderr
+    # A known driver this IREE build may lack gets a remediation that is not CUDA's alone.
+    fix = BLOCKERS["iree_driver_unavailable"].remediation
+    assert "install an IREE runtime built with it" in fix
