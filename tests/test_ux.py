@@ -14,6 +14,8 @@ import pytest
 
 from gpudiag.core.catalog import BLOCKERS
 from tests.conftest import EnvFactory, run_gpudiag, verdict_of
+from tests.fakes.build import FakeDriver, write_state_file
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 from tests.tty import run_on_tty
 
 PROBE = [sys.executable, "-m", "gpudiag", "probe", "--backend", "host,nvml,cuda"]
@@ -242,3 +244,26 @@ def test_one_iree_driver_rule_for_the_cli_and_http(gpu_env: EnvFactory) -> None:
     # A known driver this IREE build may lack gets a remediation that is not CUDA's alone.
     fix = BLOCKERS["iree_driver_unavailable"].remediation
     assert "install an IREE runtime built with it" in fix
+
+
+def test_the_daemon_says_what_changed_in_its_verdict(fakes: FakeDriver, tmp_path: Path) -> None:
+    state = tmp_path / "gpu-state"
+    write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2})
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state))
+    daemon = Daemon(env, write_config(tmp_path / "d.toml", daemon_toml()), tmp_path / "state")
+    try:
+        daemon.wait_ready()
+
+        def changes() -> list[str]:
+            return [m for m in (json.loads(line).get("msg", "") for line in list(daemon.lines)
+                                if line.startswith("{")) if m.startswith("verdict changed")]
+
+        write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_DEVICE_ERRORS": "1:15"})
+        wait_for(lambda: any("gpu_lost" in m for m in changes()), 20, 0.1)
+        write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2})
+        wait_for(lambda: any("went: gpu_lost" in m for m in changes()), 20, 0.1)
+    finally:
+        daemon.stop()
+    said = changes()
+    assert "verdict changed: gpu_lost (appeared: gpu_lost on GPU 1)" in said, said
+    assert "verdict changed: none (went: gpu_lost on GPU 1)" in said, said
