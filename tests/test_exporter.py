@@ -1,4 +1,5 @@
-"""The Collector over a snapshot: DESIGN.md's names, every code present, promtool-clean."""
+"""The Collector over a snapshot: the names of docs/reference.md, every code present,
+promtool-clean."""
 
 from __future__ import annotations
 

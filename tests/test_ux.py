@@ -267,3 +267,47 @@ def test_the_daemon_says_what_changed_in_its_verdict(fakes: FakeDriver, tmp_path
     said = changes()
     assert "verdict changed: gpu_lost (appeared: gpu_lost on GPU 1)" in said, said
     assert "verdict changed: none (went: gpu_lost on GPU 1)" in said, said
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _metric_names() -> set[str]:
+    """Every metric family the daemon exports, as exposed (counters end in _total)."""
+    family = re.compile(r"(Counter|Gauge|Info)MetricFamily\(\s*f?\"(gpudiag_[a-z_{}]+)\"")
+    names = set()
+    for path in (ROOT / "gpudiag" / "daemon").glob("*.py"):
+        for kind, name in family.findall(path.read_text()):
+            suffix = {"Counter": "_total", "Info": "_info"}.get(kind, "")
+            if "{k}" in name:
+                names.update(name.replace("{k}", k) for k in ("total", "used", "free"))
+            else:
+                names.add(name + suffix)
+    return names
+
+
+def test_reference_states_every_contract_without_design_md() -> None:
+    from gpudiag.core.catalog import WARNINGS
+
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    for code in [*BLOCKERS, *WARNINGS]:
+        assert f"`{code}`" in reference, code
+    assert "(blockers.md)" in reference and "gpudiag.verdict/1" in reference
+    for field in ("gpu_validation_blocker", "occupancy", "last_proven_at", "selected",
+                  "memory_used_bytes", "pids", "age_s", "source"):
+        assert f"`{field}`" in reference, field
+    for endpoint in ("/metrics", "/v1/preflight", "/v1/health", "/v1/probe", "/v1/history",
+                     "/healthz", "/readyz"):
+        assert endpoint in reference, endpoint
+    assert "## Exit codes" in reference and "125" in reference
+    names = _metric_names()
+    assert "gpudiag_http_rejected_total" in names and len(names) > 25
+    daemon_md = (ROOT / "docs" / "daemon.md").read_text()
+    for head, alts, tail in re.findall(r"\b(gpudiag_[a-z_]*)\{([a-z_,]+)\}([a-z_]*)", daemon_md):
+        daemon_md += " ".join(head + alt + tail for alt in alts.split(","))  # brace forms
+    for name in names:
+        assert name in reference, name
+        assert name in daemon_md, f"{name} missing from docs/daemon.md's metric table"
+    docs = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tests").glob("*.py")]
+    mentions = [p.name for p in docs if "DESIGN" + ".md" in p.read_text()]
+    assert mentions == [], "refer to docs/reference.md, not a design brief outside the repository"
