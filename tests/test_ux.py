@@ -3,8 +3,11 @@ one status word per GPU, errors with exit 2 and a hint, help with examples."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -143,7 +146,7 @@ def test_a_bad_record_path_is_exit_2_before_any_probe(gpu_env: EnvFactory, tmp_p
             "readonly": ro / "v.json"}[where]
     proc = run_gpudiag(["preflight", "--no-daemon", "--record", str(path)],
                        gpu_env(FAKE_CUDA_CONTEXT_LOG=str(log)))
-    if where == "readonly" and ro.stat().st_uid == 0 and __import__("os").geteuid() == 0:
+    if where == "readonly" and ro.stat().st_uid == 0 and os.geteuid() == 0:
         pytest.skip("root writes anywhere")
     assert proc.returncode == 2, proc.stderr
     said = "is a directory" if where == "folder" else f"could not write --record {path}"
@@ -153,7 +156,7 @@ def test_a_bad_record_path_is_exit_2_before_any_probe(gpu_env: EnvFactory, tmp_p
 
 
 def test_history_without_daemon_state_is_a_usage_error_with_a_hint(tmp_path: Path) -> None:
-    env = {k: v for k, v in __import__("os").environ.items() if k != "STATE_DIRECTORY"}
+    env = {k: v for k, v in os.environ.items() if k != "STATE_DIRECTORY"}
     proc = run_gpudiag(["history", "--state-dir", str(tmp_path / "none")], env)
     assert proc.returncode == 2
     assert "gpudiag serve" in proc.stderr and "--state-dir" in proc.stderr
@@ -164,14 +167,14 @@ COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear"]
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_examples_and_defaults_written_one_way(command: str) -> None:
-    proc = run_gpudiag([command, "--help"], {**__import__("os").environ, "COLUMNS": "100"})
+    proc = run_gpudiag([command, "--help"], {**os.environ, "COLUMNS": "100"})
     assert proc.returncode == 0
     assert "Examples:" in proc.stdout and f"gpudiag {command}" in proc.stdout
     assert "(default" not in proc.stdout.replace("\n", " ")  # always "[default: ...]"
 
 
 def test_command_list_summaries_are_whole_sentences() -> None:
-    proc = run_gpudiag(["--help"], {**__import__("os").environ, "COLUMNS": "120"})
+    proc = run_gpudiag(["--help"], {**os.environ, "COLUMNS": "120"})
     listed = proc.stdout.split("Commands:", 1)[1]
     for command in COMMANDS:
         line = next(ln for ln in listed.splitlines() if ln.split()[:1] == [command])
@@ -183,7 +186,7 @@ def test_check_config_prints_the_effective_configuration(tmp_path: Path) -> None
     config = tmp_path / "d.toml"
     config.write_text("listen = \"127.0.0.1:9999\"\n")
     proc = run_gpudiag(["serve", "--config", str(config), "--check-config",
-                        "--state-dir", str(tmp_path)], dict(__import__("os").environ))
+                        "--state-dir", str(tmp_path)], dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "config OK: listen 127.0.0.1:9999" in lines[0]
@@ -311,3 +314,79 @@ def test_reference_states_every_contract_without_design_md() -> None:
     docs = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tests").glob("*.py")]
     mentions = [p.name for p in docs if "DESIGN" + ".md" in p.read_text()]
     assert mentions == [], "refer to docs/reference.md, not a design brief outside the repository"
+
+
+TRY_DOC = ROOT / "docs" / "try-without-a-gpu.md"
+
+
+def _doc_blocks() -> dict[str, str]:
+    """The doc's shell blocks by the name in the HTML comment before each."""
+    text = TRY_DOC.read_text()
+    return {m.group(1).removeprefix("recipe: "): m.group(2) for m in re.finditer(
+        r"<!-- (setup|recipe: [a-z]+) -->\n```sh\n(.*?)```", text, re.S)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("recipe", ["healthy", "lost", "cuinit", "busy", "xids"])
+def test_every_try_without_a_gpu_recipe_runs_as_written(recipe: str, tmp_path: Path) -> None:
+    from tests.conftest import clean_env
+
+    blocks = _doc_blocks()
+    assert set(blocks) == {"setup", "healthy", "lost", "cuinit", "busy", "xids"}
+    port = str(_free_port())
+    script = (blocks["setup"] + blocks[recipe]).replace("/tmp/gpudiag-try",
+                                                       str(tmp_path / "try"))
+    script = script.replace("19477", port)
+    env = clean_env()
+    env.pop("GPUDIAG_DAEMON_URL")  # as on a fresh machine (no daemon answers there)
+    env.pop("GPUDIAG_LOCK_DIR")  # the recipe's environment brings its own
+    env["COLUMNS"] = "100"
+    # Its own session: whatever a recipe leaves running (a daemon, a job) ends with the test.
+    bash = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = bash.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        out, err = "", "timed out"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(bash.pid, signal.SIGKILL)
+        bash.wait()
+    proc = subprocess.CompletedProcess(bash.args, bash.returncode, out, err)
+    log = tmp_path / "try" / "daemon.log"
+    if log.exists():
+        proc.stderr += log.read_text()[-3000:]
+    expected = re.findall(r"^# -> (.*)$", blocks[recipe], re.M)
+    assert expected
+    for line in expected:
+        assert line.replace("19477", port) in proc.stdout, (
+            f"{line!r} not in the output of recipe {recipe}:\n{proc.stdout}\n{proc.stderr}")
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_the_fakes_command_prints_an_environment_that_shells_can_use(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tests.fakes", str(tmp_path / "f"), "--gpus",
+                           "4"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "RuntimeWarning" not in proc.stderr  # the package's own entry point: no warning
+    assert proc.stdout == (tmp_path / "f" / "env.sh").read_text()
+    assert "export FAKE_NVML_DEVICE_COUNT=4" in proc.stdout.splitlines()
+    assert len(list((tmp_path / "f" / "dev").glob("nvidia[0-9]*"))) == 4
+
+
+def test_setup_says_what_it_is_doing() -> None:
+    proc = subprocess.run(["scripts/setup.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    if proc.returncode == 1 and "please install" in proc.stderr:
+        pytest.skip("setup.sh needs root for the missing Debian packages here")
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("setup: ")]
+    assert said and said[-1].startswith("setup: done:")
