@@ -104,12 +104,23 @@ def test_every_device_status_word_of_the_catalog_is_one_of_its_codes() -> None:
     assert set(STATUS_WORDS) <= set(BLOCKERS) | set(WARNINGS)
 
 
-def test_reset_required_and_ecc_show_as_the_gpus_status(gpu_env: EnvFactory) -> None:
-    env = gpu_env(FAKE_NVML_ECC_VOLATILE_UNCORRECTED="3:2")
+# A fault on GPU 3 for each device-layer code the devices table names with a status word.
+GPU3_FAULTS = {"gpu_lost": {"FAKE_NVML_DEVICE_ERRORS": "3:15"},
+               "gpu_reset_required": {"FAKE_NVML_DEVICE_ERRORS": "3:16"},
+               "gpu_inforom_corrupted": {"FAKE_NVML_DEVICE_ERRORS": "3:14"},
+               "gpu_ecc_uncorrectable": {"FAKE_NVML_ECC_VOLATILE_UNCORRECTED": "3:2"}}
+
+
+@pytest.mark.parametrize("code", [c for c in BLOCKERS if c in GPU3_FAULTS])
+def test_a_faulty_gpus_row_says_its_fault_in_one_word(gpu_env: EnvFactory, code: str) -> None:
+    from gpudiag.cli.render import STATUS_WORDS
+
+    env = gpu_env(**GPU3_FAULTS[code])
     env["COLUMNS"] = "100"
     proc = run_gpudiag(["probe", "--backend", "host,nvml,cuda"], env)
+    assert proc.returncode == 1 and f"gpu_validation_blocker={code}" in proc.stdout
     rows = _device_rows(proc.stdout)
-    assert rows[3].split()[0] == "ECC", proc.stdout
+    assert rows[3].startswith(STATUS_WORDS[code] + " "), proc.stdout
     assert rows[0].split()[0] == "ready"
 
 
@@ -263,6 +274,12 @@ def test_the_daemon_says_what_changed_in_its_verdict(fakes: FakeDriver, tmp_path
 
         write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_DEVICE_ERRORS": "1:15"})
         wait_for(lambda: any("gpu_lost" in m for m in changes()), 20, 0.1)
+        # The text format says where the verdict came from and how old it is.
+        text = run_gpudiag(["preflight", "--daemon-url", daemon.url], env)
+        assert text.returncode == 1, text.stderr
+        assert re.search(r"^host \S+, source daemon, (just now|\d+ s old) \(checked ",
+                         text.stdout, re.M), text.stdout
+        assert "lost" in _device_rows(text.stdout)[1]
         write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2})
         wait_for(lambda: any("went: gpu_lost" in m for m in changes()), 20, 0.1)
     finally:

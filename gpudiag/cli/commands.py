@@ -131,7 +131,14 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=examples(
+                 "gpudiag probe                       # this host at a glance",
+                 "gpudiag preflight --require jax --gpus 1",
+                 "gpudiag health                      # for Slurm health checks",
+                 "gpudiag COMMAND --help              # each command's own examples",
+                 "",
+                 "Contracts: docs/reference.md. No GPU? docs/try-without-a-gpu.md"))
 @click.version_option(__version__, prog_name="gpudiag")
 def cli() -> None:
     """gpudiag: can this job's backend really initialize on this host's GPUs now, and if
