@@ -407,3 +407,13 @@ def test_setup_says_what_it_is_doing() -> None:
     assert proc.returncode == 0, proc.stderr
     said = [line for line in proc.stderr.splitlines() if line.startswith("setup: ")]
     assert said and said[-1].startswith("setup: done:")
+
+
+def test_probe_and_preflight_list_backends_in_one_order(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2)
+    _, probed = verdict_of(["probe", "--backend", "iree:local-task,cuda,host,nvml", "--json"],
+                           env)
+    _, pre = verdict_of(["preflight", "--no-daemon", "--require", "iree:local-task,cuda,nvml",
+                         "--format", "json"], env)
+    assert list(probed["backends"]) == ["host", "nvml", "cuda", "iree"]
+    assert list(pre["backends"]) == ["host", "nvml", "cuda", "iree"]

@@ -23,6 +23,7 @@ from gpudiag.core.environment import (
     resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.limits import PROBES
 from gpudiag.core.missing import missing_gpu_findings
 from gpudiag.core.observations import (
     CommandResult,
@@ -466,6 +467,9 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                                    {"device_count": cuda.device_count if cuda else None,
                                     "init": cuda.init.record if cuda and cuda.init else None,
                                     "init_duration_s": cuda.init_duration_s if cuda else None})
+    # One order everywhere (probe, preflight, JSON, kv, text): host, nvml, cuda, jax, iree.
+    order = {name: i for i, name in enumerate(PROBES)}
+    backends = {n: backends[n] for n in sorted(backends, key=lambda n: order.get(n, len(order)))}
     jax_run = _ok(runs.get("jax"))
     jax_obs = jax_run.jax if jax_run else None
     prealloc = (jax_obs.preallocation_disabled if jax_obs is not None
