@@ -417,3 +417,10 @@ def test_probe_and_preflight_list_backends_in_one_order(gpu_env: EnvFactory) -> 
                          "--format", "json"], env)
     assert list(probed["backends"]) == ["host", "nvml", "cuda", "iree"]
     assert list(pre["backends"]) == ["host", "nvml", "cuda", "iree"]
+
+
+def test_piped_text_has_no_trailing_spaces(gpu_env: EnvFactory) -> None:
+    proc = run_gpudiag(["probe", "--backend", "host,nvml,cuda"], gpu_env(
+        FAKE_NVML_DEVICE_ERRORS="1:15"))
+    assert proc.stdout.endswith("gpu_validation_blocker=gpu_lost\n")
+    assert [line for line in proc.stdout.splitlines() if line != line.rstrip()] == []

@@ -6,6 +6,7 @@ how old it is; codes and UUID prefixes are never cut (long text wraps at word bo
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -239,7 +240,9 @@ def _indented(console: Console, text: str, style: str) -> None:
 
 def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None) -> None:
     """Print source, backends, devices, blockers with remediation and the final blocker line."""
-    console = Console(file=stream, force_terminal=color, no_color=color is False,
+    # Plain text (a pipe, a file) without the spaces rich pads lines with.
+    out: IO[str] = stream if color else io.StringIO()
+    console = Console(file=out, force_terminal=color, no_color=color is False,
                       width=_width(stream, color), soft_wrap=False, highlight=False)
     console.print(Text(source_line(verdict), style="dim"))
     console.print(_backends(verdict))
@@ -252,3 +255,5 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None)
     console.print(preallocation_line(verdict), markup=False)
     console.print(f"gpu_validation_blocker={verdict.gpu_validation_blocker}", markup=False,
                   style="bold green" if verdict.ready else "bold red")
+    if isinstance(out, io.StringIO):
+        stream.write("".join(line.rstrip() + "\n" for line in out.getvalue().splitlines()))
