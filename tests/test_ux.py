@@ -351,12 +351,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("recipe", ["healthy", "lost", "cuinit", "busy", "xids"])
+@pytest.mark.parametrize("recipe", ["healthy", "lost", "cuinit", "busy", "jax", "xids"])
 def test_every_try_without_a_gpu_recipe_runs_as_written(recipe: str, tmp_path: Path) -> None:
     from tests.conftest import clean_env
 
     blocks = _doc_blocks()
-    assert set(blocks) == {"setup", "healthy", "lost", "cuinit", "busy", "xids"}
+    assert set(blocks) == {"setup", "healthy", "lost", "cuinit", "busy", "jax", "xids"}
     port = str(_free_port())
     script = (blocks["setup"] + blocks[recipe]).replace("/tmp/gpudiag-try",
                                                        str(tmp_path / "try"))
