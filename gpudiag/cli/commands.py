@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -84,9 +86,6 @@ def check_record_path(path: str | None) -> None:
     """A --record path that cannot be written is a usage error, found before any probe runs."""
     if path is None:
         return
-    import os
-    from pathlib import Path
-
     target = Path(path)
     folder = target.parent
     if target.is_dir():

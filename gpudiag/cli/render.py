@@ -19,7 +19,7 @@ from rich.text import Text
 
 from gpudiag.core.limits import PROBES
 from gpudiag.core.requirement import format_size
-from gpudiag.core.verdict import DeviceInfo, Finding, Verdict
+from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, Verdict
 
 _STATUS_STYLE = {"ok": "green", "blocked": "red", "not_installed": "yellow", "skipped": "dim"}
 # Width of piped output when COLUMNS does not say: wide enough that nothing wraps needlessly.
@@ -100,7 +100,7 @@ def device_status(verdict: Verdict, d: DeviceInfo) -> str:
     return ", ".join([word, *dict.fromkeys(notes)])
 
 
-def _facts(backend: Any) -> str:
+def _facts(backend: BackendStatus) -> str:
     versions = ", ".join(
         f"{_VERSION_LABELS.get(k, k)} {cuda_version(v) if k == 'cuda_driver' else v}"
         for k, v in backend.versions.items() if v)
@@ -194,11 +194,11 @@ def _devices(verdict: Verdict) -> Table:
         used = format_size(d.memory_used_bytes)
         if not uniform and d.memory_total_bytes:
             used += f" / {format_size(d.memory_total_bytes)}"
-        uuid = short.get(d.uuid or "", "-")
-        row: list[str | Text] = [str(d.index), Text(status, style=style), uuid,
-               short_pci(d.pci_bus_id),
-               "-" if d.utilization_ratio is None else f"{d.utilization_ratio * 100:.0f}%",
-               "-" if d.temperature_c is None else f"{d.temperature_c:.0f}C", used]
+        util = "-" if d.utilization_ratio is None else f"{d.utilization_ratio * 100:.0f}%"
+        temp = "-" if d.temperature_c is None else f"{d.temperature_c:.0f}C"
+        row: list[str | Text] = [str(d.index), Text(status, style=style),
+                                 short.get(d.uuid or "", "-"), short_pci(d.pci_bus_id), util,
+                                 temp, used]
         if not uniform:
             row.append(d.name or "-")
         table.add_row(*row)
