@@ -132,29 +132,49 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
                    f"{default_socket_path(cfg) or 'none'}, backends "
                    f"{', '.join(cfg.enabled_backends) or 'none'}, default requirement "
                    f"{cfg.default_requirement}")
-        click.echo(f"effective configuration ({config_path or 'built-in defaults'}, "
-                   "after --listen/--socket):")
+        click.echo(f"# effective configuration ({config_path or 'built-in defaults'}, "
+                   "after --listen/--socket), as TOML:")
         for line in effective_config(cfg, state_dir or str(default_state_dir())):
-            click.echo(f"  {line}")
+            click.echo(line)
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
     run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path)
 
 
 def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
-    """Every setting the daemon would run with, one ``key = value`` line each."""
-    import dataclasses
+    """Every setting the daemon would run with, as TOML in the config file's own layout."""
 
-    def flat(prefix: str, value: Any) -> list[str]:
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return [line for f in dataclasses.fields(value)
-                    for line in flat(f"{prefix}{f.name}.", getattr(value, f.name))]
-        if isinstance(value, dict) or hasattr(value, "items"):
-            return [line for k, v in sorted(value.items()) for line in flat(f"{prefix}{k}.", v)]
-        return [f"{prefix.rstrip('.')} = {json.dumps(value, default=str)}"]
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(v)  # numbers and strings read the same in TOML
 
-    return [*flat("", cfg), f"state_dir = {json.dumps(state_dir)}",
-            f"socket (effective) = {json.dumps(default_socket_path(cfg))}"]
+    lines = [f"listen = {value(f'{cfg.listen_host}:{cfg.listen_port}')}",
+             f"default_requirement = {value(cfg.default_requirement)}",
+             f"preflight_wait_s = {value(cfg.preflight_wait_s)}",
+             f"tcp_read_only = {value(cfg.tcp_read_only)}"]
+    if cfg.socket_path is not None:
+        lines.append(f"socket = {value(cfg.socket_path)}")
+    if cfg.expected_gpus is not None:
+        lines.append(f"expected_gpus = {value(cfg.expected_gpus)}")
+    lines += ["", "[scheduler]", f"tick_s = {value(cfg.tick_s)}",
+              f"jitter_ratio = {value(cfg.jitter_ratio)}",
+              f"backoff_max_s = {value(cfg.backoff_max_s)}",
+              f"probe_busy_gpus = {value(cfg.probe_busy_gpus)}"]
+    for name, b in cfg.backends.items():
+        lines += ["", f"[backends.{name}]", f"enabled = {value(b.enabled)}",
+                  f"interval_s = {value(b.interval_s)}", f"deadline_s = {value(b.deadline_s)}"]
+    x, h = cfg.xid, cfg.history
+    lines += ["", "[xid]", f"enabled = {value(x.enabled)}", f"hold_s = {value(x.hold_s)}",
+              f"gap_warning_s = {value(x.gap_warning_s)}",
+              f"heartbeat_s = {value(x.heartbeat_s)}", f"telemetry_s = {value(x.telemetry_s)}",
+              f"restart_backoff_max_s = {value(x.restart_backoff_max_s)}",
+              "", "[history]", f"retention_s = {value(h.retention_s)}",
+              f"max_bytes = {value(h.max_bytes)}",
+              "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
+              "", f"# not in the file: --state-dir {state_dir}, socket in effect "
+              f"{default_socket_path(cfg) or 'none'}"]
+    return lines
 
 
 def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None) -> None:
