@@ -427,3 +427,17 @@ def test_piped_text_has_no_trailing_spaces(gpu_env: EnvFactory) -> None:
         FAKE_NVML_DEVICE_ERRORS="1:15"))
     assert proc.stdout.endswith("gpu_validation_blocker=gpu_lost\n")
     assert [line for line in proc.stdout.splitlines() if line != line.rstrip()] == []
+
+
+def test_uuid_prefixes_grow_until_unique_and_pci_keeps_a_nonzero_domain() -> None:
+    from gpudiag.cli.render import cuda_version, short_pci, short_uuids
+
+    a, b = "GPU-5f3a2b1c-1111-4000-8000-000000000001", "GPU-5f3a2b1c-1112-4000-8000-0000000000"
+    short = short_uuids([a, b, None, "GPU-0badcafe-0000-4000-8000-000000000000"])
+    assert short[a] == "GPU-5f3a2b1c-1111" and short[b] == "GPU-5f3a2b1c-1112"
+    assert short["GPU-0badcafe-0000-4000-8000-000000000000"] == "GPU-0badcafe"
+    assert short_pci("00000000:18:00.0") == "18:00.0"
+    assert short_pci("00000001:18:00.0") == "0001:18:00.0"
+    assert short_pci(None) == "-"
+    assert (cuda_version("12080"), cuda_version(13000), cuda_version("n/a")) == (
+        "12.8", "13.0", "n/a")
