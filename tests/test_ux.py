@@ -441,3 +441,15 @@ def test_uuid_prefixes_grow_until_unique_and_pci_keeps_a_nonzero_domain() -> Non
     assert short_pci(None) == "-"
     assert (cuda_version("12080"), cuda_version(13000), cuda_version("n/a")) == (
         "12.8", "13.0", "n/a")
+
+
+def test_device_records_from_older_and_newer_gpudiag_versions_are_read() -> None:
+    from gpudiag.core.verdict import DeviceInfo
+
+    old = {"index": 0, "uuid": "GPU-1", "name": "H200", "pci_bus_id": None,
+           "memory_total_bytes": None, "memory_free_bytes": None}
+    assert DeviceInfo.from_record(old).pids is None
+    newer = {**DeviceInfo(0, "GPU-1", None, None, None, None, pids=(7,)).record(), "x": 1}
+    assert DeviceInfo.from_record(newer).pids == (7,)
+    with pytest.raises(TypeError):
+        DeviceInfo.from_record({**old, "pids": ["7"]})

@@ -6,6 +6,7 @@ Frozen dataclasses cross module boundaries; dicts appear only at the JSON edge
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -153,8 +154,10 @@ class DeviceInfo:
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
-        """Rebuild a device from its record; the readings are optional (older daemons)."""
-        fields = dict(d)
+        """Rebuild a device from its record; the readings are optional (older daemons) and
+        fields a newer gpudiag adds are ignored (the record may be added to)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in d.items() if k in known}
         pids = fields.pop("pids", None)
         if pids is not None and not (isinstance(pids, list) and all(
                 isinstance(p, int) and not isinstance(p, bool) for p in pids)):
