@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+say() { echo "setup: $*" >&2; }
+
 missing=()
 command -v gcc >/dev/null || missing+=(gcc libc6-dev)
 command -v promtool >/dev/null || missing+=(prometheus)
@@ -29,6 +31,7 @@ if ((${#missing[@]})); then
         exit 1
     fi
     export DEBIAN_FRONTEND=noninteractive
+    say "installing Debian packages: ${missing[*]} ..."
     apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 || {
         apt-get update -q >/dev/null
         apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
@@ -37,12 +40,18 @@ fi
 
 PYTHON=${PYTHON:-python3}
 if [[ ! -x .venv/bin/python ]]; then
+    say "creating the virtual environment .venv with $PYTHON ..."
     "$PYTHON" -m venv .venv
 fi
 # Only reinstall when pyproject.toml changed since the last successful install.
 stamp=.venv/.gpudiag-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
+    say "installing gpudiag with its jax, iree and test extras into .venv (about a minute) ..."
     .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[jax,iree,test]' --config-settings editable_mode=compat \
         2> >(grep -v "^WARNING: Location" >&2)
     touch "$stamp"
+else
+    say ".venv is up to date (pyproject.toml unchanged since the last install)"
 fi
+say "done: .venv/bin/gpudiag probe; no GPU? see docs/try-without-a-gpu.md"
+

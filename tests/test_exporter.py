@@ -1,4 +1,5 @@
-"""The Collector over a snapshot: DESIGN.md's names, every code present, promtool-clean."""
+"""The Collector over a snapshot: the names of docs/reference.md, every code present,
+promtool-clean."""
 
 from __future__ import annotations
 
@@ -192,3 +193,29 @@ def test_backend_ready_is_0_under_a_host_wide_blocker(fakes: FakeDriver,
         "cuda": 0.0, "jax": 0.0, "iree": 0.0}
     # CUDA itself came up, but a node whose NVML is down is not ready for a cuda job.
     assert one(samples, "gpudiag_backend_up", backend="cuda") == 1.0
+def test_a_lost_gpu_keeps_its_last_known_identity_labels(fakes: FakeDriver,
+                                                         tmp_path: Path) -> None:
+    healthy = real_runs(host_env(fakes, tmp_path / "h", FAKE_NVML_DEVICE_COUNT=2))
+    lost = real_runs(host_env(fakes, tmp_path / "l", FAKE_NVML_DEVICE_COUNT=2,
+                              FAKE_NVML_DEVICE_ERRORS="1:15"))
+    current = [snapshot_of(healthy)]
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: current[0]))  # one daemon, scraped twice
+
+    def scraped() -> dict:
+        samples: dict = {}
+        for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+            for sample in fam.samples:
+                samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+        return samples
+
+    before = scraped()
+    current[0] = snapshot_of(lost)
+    after = scraped()
+    uuid1 = "GPU-f00d0001-0000-4000-8000-000000000001"
+    info = [[lab for lab, _ in s["gpudiag_gpu_info"] if lab["gpu"] == "1"]
+            for s in (before, after)]
+    assert info[0] == info[1] and len(info[1]) == 1  # the same series, not a new one
+    assert info[1][0]["uuid"] == uuid1 and info[1][0]["name"] == "NVIDIA H200"
+    assert info[1][0]["pci_bus_id"].endswith("19:00.0")
+    assert one(after, "gpudiag_gpu_healthy", gpu="1", uuid=uuid1) == 0

@@ -55,7 +55,7 @@ from tests.test_probe_engine import FAULTS
 ROOT = Path(__file__).resolve().parent
 FAKE_PLUGIN_PATH = ROOT / "fakes" / "jax_plugin"
 UNSHARE = ("unshare", "--user", "--map-root-user")
-# What every verdict of a probed GPU host carries as evidence (DESIGN.md, the record).
+# What every verdict of a probed GPU host carries as evidence (docs/reference.md, the record).
 HOST_EVIDENCE = ("nvidia_smi", "environment", "device_nodes", "driver", "probe_stderr")
 BACKEND_EVIDENCE = ("environment", "driver", "probe_stderr")
 ADMISSION_EVIDENCE = ("admission",)

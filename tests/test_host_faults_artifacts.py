@@ -82,17 +82,19 @@ def test_record_on_a_full_disk_exits_3_and_leaves_no_file(gpu_env: EnvFactory,
         fill(disk)
         proc = run_gpudiag(["preflight", "--no-daemon", "--record", str(old)], env)
         assert proc.returncode == 3, proc.stderr
+        assert "gpu_validation_blocker=none" in proc.stdout  # the verdict is still shown
         assert f"could not write --record {old}: No space left on device" in proc.stderr
         assert "Traceback" not in proc.stderr
         assert old.read_text() == '{"old": true}\n'  # the old file, whole
         assert [p.name for p in _files(disk)] == ["filler", "verdict.json"]
 
 
-def test_record_into_a_missing_folder_exits_3_naming_it(gpu_env: EnvFactory,
+def test_record_into_a_missing_folder_exits_2_naming_it(gpu_env: EnvFactory,
                                                         tmp_path: Path) -> None:
     env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, GPUDIAG_DAEMON_URL=NO_DAEMON)
     target = tmp_path / "gone" / "v.json"
     proc = run_gpudiag(["preflight", "--no-daemon", "--record", str(target)], env)
-    assert proc.returncode == 3
+    assert proc.returncode == 2  # a usage error, checked before probing (issue 16)
+    assert f"mkdir -p {target.parent}" in proc.stderr
     assert f"could not write --record {target}: No such file or directory" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -275,9 +275,11 @@ def test_bad_flags_exit_2_naming_the_value(args: list[str], needle: str,
     assert "Traceback" not in proc.stderr
 
 
-def test_unwritable_record_path_exits_3_without_traceback(gpu_env: EnvFactory) -> None:
+def test_unwritable_record_path_exits_2_before_probing(gpu_env: EnvFactory) -> None:
+    # Issue 16: a --record path that cannot be written is a usage error found before probing.
     proc = run_gpudiag(["preflight", "--record", "/proc/no/such/dir/x.json"], gpu_env())
-    assert proc.returncode == 3
+    assert proc.returncode == 2
+    assert proc.stdout == ""  # no probe ran, so no verdict
     assert "could not write --record" in proc.stderr and "Traceback" not in proc.stderr
 
 

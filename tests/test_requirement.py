@@ -50,7 +50,7 @@ def test_gpu_requirements_are_told_apart_from_cpu_ones() -> None:
 
 
 @pytest.mark.parametrize("text", ["", "cuda,", "tensorflow", "jax:tpu", "cuda:gpu", "iree:",
-                                  "iree:Bad Driver"])
+                                  "iree:Bad Driver", "iree:nosuch"])
 def test_bad_requirements_are_refused_with_the_accepted_forms(text: str) -> None:
     with pytest.raises(RequirementError) as e:
         parse_backends(text)

@@ -209,7 +209,9 @@ def test_history_cli_reads_text_and_json(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--since 'yesterday'" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = run_gpudiag(["history", "--state-dir", str(tmp_path / "empty")], env)
-    assert proc.returncode == 3 and "no history at" in proc.stderr
+    # No state is a usage problem (issue 16): exit 2 with a hint, not 3.
+    assert proc.returncode == 2 and "no history at" in proc.stderr
+    assert "--state-dir" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_clears_are_recorded_read_back_and_pruned_with_the_history(tmp_path: Path) -> None:

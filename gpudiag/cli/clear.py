@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from gpudiag.cli.commands import examples
 from gpudiag.core.environment import is_full_uuid
 
 EXIT_FAILED = 3
@@ -22,13 +23,17 @@ class _Failed(click.ClickException):
     exit_code = EXIT_FAILED
 
 
-@click.command()
+@click.command(short_help="Release the XID blockers the daemon holds for a repaired GPU.",
+               epilog=examples(
+                   "gpudiag clear --gpu GPU-5f3a2b1c-0000-4000-8000-000000000001 "
+                   "--reason 'reseated'",
+                   "sudo -u gpudiag gpudiag clear --all --reason 'node rebooted'"))
 @click.option("--gpu", "gpu", metavar="UUID", help="The repaired GPU's full UUID (GPU-...).")
 @click.option("--all", "all_gpus", is_flag=True, help="Clear every GPU.")
 @click.option("--reason", default="", metavar="TEXT",
               help="Why (the repair done); recorded in the history with your uid.")
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
-              help="The daemon's state dir (default as for `gpudiag serve`).")
+              help="The daemon's state dir.  [default: as for `gpudiag serve`]")
 def clear(gpu: str | None, all_gpus: bool, reason: str, state_dir: str | None) -> None:
     """Release the XID blockers the daemon holds for a repaired GPU, then re-probe at once.
 

@@ -1,6 +1,6 @@
 """The thin click layer: parse flags, call the library, render, map to exit codes.
 
-Exit codes (DESIGN.md): 0 ready, 1 blocked, 2 usage or configuration error, 3 gpudiag itself
+Exit codes (docs/reference.md): 0 ready, 1 blocked, 2 usage or configuration error, 3 gpudiag itself
 failed.
 """
 
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -75,6 +77,29 @@ def _emit(verdict: Verdict, fmt: str) -> None:
         render_text(verdict, sys.stdout, color=sys.stdout.isatty())
 
 
+def examples(*lines: str) -> str:
+    """A help epilog of example command lines that click prints as written."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def check_record_path(path: str | None) -> None:
+    """A --record path that cannot be written is a usage error, found before any probe runs."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise _usage(f"could not write --record {path}: Is a directory (name a file in it, "
+                     f"e.g. {target / 'verdict.json'})")
+    if not folder.is_dir():
+        raise _usage(f"could not write --record {path}: No such file or directory (the folder "
+                     f"{folder} does not exist: create it with mkdir -p {folder}, or name a "
+                     "file in an existing folder)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise _usage(f"could not write --record {path}: Permission denied (you cannot write "
+                     f"into {folder}: name a file in a folder you can write)")
+
+
 def _record(verdict: Verdict, path: str | None) -> None:
     if path is None:
         return
@@ -106,7 +131,14 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=examples(
+                 "gpudiag probe                       # this host at a glance",
+                 "gpudiag preflight --require jax --gpus 1",
+                 "gpudiag health                      # for Slurm health checks",
+                 "gpudiag COMMAND --help              # each command's own examples",
+                 "",
+                 "Contracts: docs/reference.md. No GPU? docs/try-without-a-gpu.md"))
 @click.version_option(__version__, prog_name="gpudiag")
 def cli() -> None:
     """gpudiag: can this job's backend really initialize on this host's GPUs now, and if
@@ -126,23 +158,34 @@ def _parse_backends(text: str) -> list[str]:
     return names
 
 
-@cli.command()
+@cli.command(short_help="Probe every backend and GPU here and show what blocks them.",
+             epilog=examples(
+                 "gpudiag probe                          # every backend, every GPU",
+                 "gpudiag probe --backend host,nvml,cuda # the NVIDIA stack only",
+                 "gpudiag probe --backend jax:cpu,iree:local-task   # no GPU needed",
+                 "gpudiag probe --format json | jq .gpu_validation_blocker",
+                 "gpudiag probe --expected-gpus 8        # fewer than 8 is gpu_missing"))
 @click.option("--backend", "backend_text", default=",".join(PROBE_BACKENDS), show_default=True,
               metavar="LIST", help="Backends to probe, comma-separated (jax:cpu and "
               "iree:local-task pick a platform).")
-@click.option("--json", "as_json", is_flag=True, help="Print the verdict record as JSON.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default=None,
+              help="Output format: text for people, json (the verdict record), kv "
+              "(key=value lines).  [default: text]")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("--timeout", "timeout_text", metavar="S",
-              help="Deadline in seconds for each probe child (default: per backend).")
+              help="Deadline in seconds for each probe child.  [default: per backend]")
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
-def probe(backend_text: str, as_json: bool, timeout_text: str | None,
+def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str | None,
           expected_gpus: int | None) -> None:
     """Probe every backend and device and show blockers with their remediation.
 
     Exits 0 when everything probed is ready, 1 when blocked, 2 on bad flags, 3 when gpudiag
     itself failed.
     """
+    if as_json and fmt not in (None, "json"):
+        raise _usage(f"--json and --format {fmt} disagree; give one of them")
     timeout_s = _timeout(timeout_text)
     names = _parse_backends(backend_text)
     specs = [n for n in names if n.split(":")[0] != "host"]
@@ -160,23 +203,23 @@ def probe(backend_text: str, as_json: bool, timeout_text: str | None,
     verdict = classify(done.runs, requirement, host=socket.gethostname(),
                        checked_at=done.checked_at, scope=done.scope,
                        expected_gpus=expected_gpus)
-    _emit(verdict, "json" if as_json else "text")
+    _emit(verdict, "json" if as_json else fmt or "text")
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 
 
 # The options of the commands that answer a question (preflight, health), in help order.
 _ANSWER_OPTIONS = (
     click.option("--timeout", "timeout_text", metavar="S",
-                 help="Deadline per probe, in seconds."),
+                 help="Deadline per probe, in seconds.  [default: per backend]"),
     click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]),
                  default="text", show_default=True, help="Output format."),
     click.option("--record", "record_path", metavar="PATH", type=click.Path(dir_okay=False),
                  help="Also write the verdict JSON to PATH atomically."),
     click.option("--daemon-url", metavar="URL",
-                 help="Ask this gpudiag daemon first (default: $GPUDIAG_DAEMON_URL or "
-                 "unix:/run/gpudiag/daemon/gpudiag.sock; http://HOST:PORT also works); inline "
+                 help="Ask this gpudiag daemon first (http://HOST:PORT also works); inline "
                  "probes if none answers or the socket's peer is not the daemon's user "
-                 "($GPUDIAG_DAEMON_USER)."),
+                 "($GPUDIAG_DAEMON_USER).  [default: $GPUDIAG_DAEMON_URL or "
+                 "unix:/run/gpudiag/daemon/gpudiag.sock]"),
     click.option("--no-daemon", is_flag=True,
                  help="Always run the probes here, never ask a daemon."),
 )
@@ -189,14 +232,20 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
-@cli.command()
+@cli.command(short_help="Can a job with this requirement start here now? Exit 0 or 1.",
+             epilog=examples(
+                 "gpudiag preflight                            # one CUDA GPU, every GPU usable",
+                 "gpudiag preflight --require jax --gpus 2     # 2 healthy free GPUs for JAX",
+                 "gpudiag preflight --require iree:local-task  # IREE on the CPU",
+                 "gpudiag preflight --format kv --record /tmp/verdict.json",
+                 "gpudiag preflight --no-daemon --devices 0,1 --min-free-memory 8GiB"))
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
               help="What the job needs: cuda, nvml, jax (on a GPU), jax:cpu, iree (cuda "
               "driver), iree:DRIVER; comma-separated.")
 @click.option("--devices", "devices_text", metavar="LIST",
               help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
 @click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
-              help="At least N usable GPUs (default 1 for GPU requirements).")
+              help="At least N usable GPUs.  [default: 1 for a GPU requirement]")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")
 @click.option("--gpus", type=click.IntRange(1, 64), metavar="N",
@@ -222,7 +271,11 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
             daemon_url, no_daemon, expected_gpus)
 
 
-@cli.command()
+@cli.command(short_help="Is anything on this node broken? Busy GPUs count as healthy.",
+             epilog=examples(
+                 "gpudiag health                      # exit 0 healthy, 1 broken",
+                 "gpudiag health --require cuda,jax --format kv",
+                 "gpudiag health --daemon-url http://127.0.0.1:9477"))
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
               help="Backends whose health counts: cuda, nvml, jax, iree; comma-separated.")
 @_answer_options
@@ -247,6 +300,7 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
             expected_gpus: int | None = None) -> None:
     """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
     timeout_s = _timeout(timeout_text)
+    check_record_path(record_path)  # before the probes: a typo must not cost a probe round
     from gpudiag.engine.client import DaemonUrlError, DaemonUserError
     from gpudiag.engine.route import daemon_else_inline
 
@@ -260,8 +314,8 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
     if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
         click.echo(f"gpudiag: {routed.daemon_reason}; ran the probes here", err=True)
     verdict = routed.verdict
+    _emit(verdict, fmt)  # the verdict is shown even when writing the record then fails
     _record(verdict, record_path)
-    _emit(verdict, fmt)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from gpudiag.cli.commands import examples
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
@@ -100,20 +101,27 @@ def _config(path: str | None, listen: str | None, socket_path: str | None = None
         raise click.UsageError(str(e)) from e
 
 
-@click.command()
+@click.command(short_help="Run the daemon: probes, XID watcher, /metrics, preflight API.",
+               epilog=examples(
+                   "gpudiag serve                                 # 127.0.0.1:9477",
+                   "gpudiag serve --config /etc/gpudiag/daemon.toml --check-config",
+                   "gpudiag serve --listen 0.0.0.0:9477 --state-dir /var/lib/gpudiag",
+                   "curl -s localhost:9477/v1/preflight?gpus=1 | jq .ready"))
 @click.option("--listen", metavar="HOST:PORT",
-              help=f"Address to serve on (default 127.0.0.1:{DEFAULT_PORT}, or the config's).")
+              help=f"Address to serve on.  [default: the config's, else "
+              f"127.0.0.1:{DEFAULT_PORT}]")
 @click.option("--socket", "socket_path", metavar="PATH",
-              help="Unix socket for preflight and control (default: the config's, else "
-              "$RUNTIME_DIRECTORY/gpudiag.sock under systemd; \"\" for none).")
+              help="Unix socket for preflight and control; \"\" for none.  [default: the "
+              "config's, else $RUNTIME_DIRECTORY/gpudiag.sock under systemd]")
 @click.option("--config", "config_path", metavar="PATH", type=click.Path(dir_okay=False),
               help="TOML config file (see docs/daemon.md).")
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
-              help="Where the history database lives (default $STATE_DIRECTORY, "
-              "/var/lib/gpudiag as root, else ~/.local/state/gpudiag).")
-@click.option("--check-config", is_flag=True, help="Validate the config, print it, and exit.")
+              help="Where the history database lives.  [default: $STATE_DIRECTORY, "
+              "/var/lib/gpudiag as root, else ~/.local/state/gpudiag]")
+@click.option("--check-config", is_flag=True,
+              help="Validate the config, print the effective configuration, and exit.")
 @click.option("--log-format", type=click.Choice(["text", "json"]),
-              help="Log format on stderr (default: the config's, text).")
+              help="Log format on stderr.  [default: the config's, else text]")
 def serve(listen: str | None, socket_path: str | None, config_path: str | None,
           state_dir: str | None, check_config: bool, log_format: str | None) -> None:
     """Run the daemon: periodic probes, XID watcher, /metrics and the preflight API."""
@@ -124,14 +132,55 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
                    f"{default_socket_path(cfg) or 'none'}, backends "
                    f"{', '.join(cfg.enabled_backends) or 'none'}, default requirement "
                    f"{cfg.default_requirement}")
+        click.echo(f"# effective configuration ({config_path or 'built-in defaults'}, "
+                   "after --listen/--socket), as TOML:")
+        for line in effective_config(cfg, state_dir or str(default_state_dir())):
+            click.echo(line)
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
     run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path)
 
 
+def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
+    """Every setting the daemon would run with, as TOML in the config file's own layout."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(v)  # numbers and strings read the same in TOML
+
+    lines = [f"listen = {value(f'{cfg.listen_host}:{cfg.listen_port}')}",
+             f"default_requirement = {value(cfg.default_requirement)}",
+             f"preflight_wait_s = {value(cfg.preflight_wait_s)}",
+             f"tcp_read_only = {value(cfg.tcp_read_only)}"]
+    if cfg.socket_path is not None:
+        lines.append(f"socket = {value(cfg.socket_path)}")
+    if cfg.expected_gpus is not None:
+        lines.append(f"expected_gpus = {value(cfg.expected_gpus)}")
+    lines += ["", "[scheduler]", f"tick_s = {value(cfg.tick_s)}",
+              f"jitter_ratio = {value(cfg.jitter_ratio)}",
+              f"backoff_max_s = {value(cfg.backoff_max_s)}",
+              f"probe_busy_gpus = {value(cfg.probe_busy_gpus)}"]
+    for name, b in cfg.backends.items():
+        lines += ["", f"[backends.{name}]", f"enabled = {value(b.enabled)}",
+                  f"interval_s = {value(b.interval_s)}", f"deadline_s = {value(b.deadline_s)}"]
+    x, h = cfg.xid, cfg.history
+    lines += ["", "[xid]", f"enabled = {value(x.enabled)}", f"hold_s = {value(x.hold_s)}",
+              f"gap_warning_s = {value(x.gap_warning_s)}",
+              f"heartbeat_s = {value(x.heartbeat_s)}", f"telemetry_s = {value(x.telemetry_s)}",
+              f"restart_backoff_max_s = {value(x.restart_backoff_max_s)}",
+              "", "[history]", f"retention_s = {value(h.retention_s)}",
+              f"max_bytes = {value(h.max_bytes)}",
+              "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
+              "", f"# not in the file: --state-dir {state_dir}, socket in effect "
+              f"{default_socket_path(cfg) or 'none'}"]
+    return lines
+
+
 def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None) -> None:
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
     from gpudiag.core.environment import probe_environment
+    from gpudiag.core.verdict import change_summary
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
@@ -187,6 +236,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     late.append(scheduler)
     wake.append(scheduler.wake)
 
+    logged: list[Verdict] = []  # the verdict of the last "verdict changed" line
+
     def written(verdict: Verdict | None, changes: list[Written]) -> None:
         if app.store is None and isinstance(recorder.store, HistoryStore):
             app.store = recorder.store  # opened late (the disk was full at start)
@@ -196,10 +247,13 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
             where: dict[str, Any] = ({"history_id": change.history_id}
                                      if change.history_id is not None
                                      else {"history_pending": True})
-            log.info("verdict changed: %s", verdict.gpu_validation_blocker,
+            # Say what changed (which GPU, which code appeared or went), not only the code.
+            log.info("verdict changed: %s (%s)", verdict.gpu_validation_blocker,
+                     change_summary(logged[0] if logged else None, verdict),
                      extra={**where, "ready": verdict.ready,
                             "blockers": sorted({b.code for b in verdict.blockers}),
                             "warnings": sorted({w.code for w in verdict.warnings})})
+            logged[:] = [verdict]
 
     writer = RecorderThread(recorder, written)
 
@@ -319,9 +373,13 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
 
 
-@click.command()
+@click.command(short_help="Show the daemon's verdict changes and blocker episodes.",
+               epilog=examples(
+                   "gpudiag history                     # the last 50 changes",
+                   "gpudiag history --since 1h --blocked",
+                   "gpudiag history --state-dir /var/lib/gpudiag --json | jq '.episodes'"))
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
-              help="The daemon's state dir (default as for `gpudiag serve`).")
+              help="The daemon's state dir.  [default: as for `gpudiag serve`]")
 @click.option("--since", "since_text", metavar="DURATION",
               help="Only changes in the last DURATION (e.g. 1h, 30m, 2d).")
 @click.option("--blocked", is_flag=True, help="Only verdicts that were blocked.")
@@ -338,6 +396,11 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
     folder = Path(state_dir) if state_dir else default_state_dir()
     path = default_path(folder)
     damaged = damaged_histories(folder)
+    if not path.is_file() and not damaged:
+        # No daemon ever ran with this state dir (or it uses another one): a usage problem.
+        raise _Unusable(f"no history at {path}: no daemon has used this state dir; start one "
+                        "(`gpudiag serve`) or pass the --state-dir it uses (`gpudiag serve "
+                        "--check-config` prints it)")
     try:
         store = HistoryStore(path, readonly=True)
         try:

@@ -1,71 +1,259 @@
-"""Text rendering of a verdict for people: rich tables on a terminal, plain text elsewhere."""
+"""Text rendering of a verdict for people: fits the terminal (80 columns and up), pipes too.
+
+One status word per GPU, the readings a person checks first, where the verdict came from and
+how old it is; codes and UUID prefixes are never cut (long text wraps at word boundaries).
+"""
 
 from __future__ import annotations
 
+import io
+import os
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from rich import box
 from rich.console import Console
-from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
+from gpudiag.core.limits import PROBES
 from gpudiag.core.requirement import format_size
-from gpudiag.core.verdict import Verdict
+from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, Verdict
 
 _STATUS_STYLE = {"ok": "green", "blocked": "red", "not_installed": "yellow", "skipped": "dim"}
+# Width of piped output when COLUMNS does not say: wide enough that nothing wraps needlessly.
+PIPE_WIDTH = 120
+# A GPU's one status word for the blocker (or warning) that concerns it.
+STATUS_WORDS: Mapping[str, str] = {
+    "gpu_lost": "lost", "gpu_reset_required": "reset required",
+    "gpu_ecc_uncorrectable": "ECC", "gpu_inforom_corrupted": "inforom",
+    "node_reboot_required": "reboot required", "gpu_missing": "missing",
+    "cuda_devices_unavailable": "unavailable", "cuda_out_of_memory": "out of memory",
+    "cuda_context_failed": "no context", "insufficient_free_memory": "low memory",
+    "gpu_thermal_throttling": "hot", "gpu_power_throttling": "power capped",
+    "gpu_ecc_correctable": "ECC corrected", "gpu_xid_application": "XID",
+}
+_STATUS_WORD_STYLE = {"ready": "green", "selected": "bold green", "busy": "yellow",
+                      "unknown": "dim"}
+_VERSION_LABELS = {"driver": "driver", "cuda_driver": "CUDA", "nvml": "NVML"}
 
 
-def _facts(name: str, backend: dict[str, Any]) -> str:
-    versions = ", ".join(f"{k} {v}" for k, v in backend["versions"].items() if v)
-    detail = backend["detail"]
+def cuda_version(value: Any) -> str:
+    """CUDA's integer version for people: 12080 -> 12.8 (other values unchanged)."""
+    text = str(value)
+    if text.isdigit() and len(text) >= 4:
+        n = int(text)
+        return f"{n // 1000}.{(n % 1000) // 10}"
+    return text
+
+
+def short_pci(bus_id: str | None) -> str:
+    """``00000000:18:00.0`` -> ``18:00.0`` (the domain only when it is not 0)."""
+    if not bus_id:
+        return "-"
+    domain, sep, rest = bus_id.partition(":")
+    if sep and rest.count(":") == 1 and all(c in "0123456789abcdefABCDEF" for c in domain):
+        return rest if int(domain, 16) == 0 else f"{int(domain, 16):04x}:{rest}"
+    return bus_id
+
+
+def short_uuids(uuids: Sequence[str | None], minimum: int = 12) -> dict[str, str]:
+    """The shortest prefix of each UUID (at least GPU- plus 8 hex digits) no other shares."""
+    known = [u for u in uuids if u]
+    out: dict[str, str] = {}
+    for u in known:
+        n = min(minimum, len(u))
+        while n < len(u) and any(o != u and o.startswith(u[:n]) for o in known):
+            n += 1
+        out[u] = u[:n]
+    return out
+
+
+def _finding_word(f: Finding) -> str:
+    code = f.code
+    if code == "gpu_fault_outside_selection":  # the message starts with the fault's code
+        code = f.message.split(" ", 1)[0]
+    return STATUS_WORDS.get(code, code)
+
+
+def device_status(verdict: Verdict, d: DeviceInfo) -> str:
+    """One status word for a GPU: ready, selected, busy (pids), lost, reset required, ECC..."""
+    labels = {d.uuid, f"index {d.index}"} - {None}
+    faults = [b for b in verdict.blockers if b.device in labels and b.code != "devices_busy"]
+    if faults:
+        return _finding_word(faults[0])
+    outside = [w for w in verdict.warnings if w.device in labels
+               and w.code == "gpu_fault_outside_selection"]
+    if outside:
+        return _finding_word(outside[0])
+    if d.occupancy == "busy":
+        pids = ",".join(str(p) for p in (d.pids or ()))
+        return f"busy pid {pids}" if pids else "busy"
+    if d.healthy is False:
+        return "fault"
+    if d.occupancy == "unknown":
+        return "unknown"
+    word = "selected" if d.selected else "ready"
+    notes = [STATUS_WORDS[w.code] for w in verdict.warnings
+             if w.device in labels and w.code in STATUS_WORDS]
+    return ", ".join([word, *dict.fromkeys(notes)])
+
+
+def _facts(backend: BackendStatus) -> str:
+    versions = ", ".join(
+        f"{_VERSION_LABELS.get(k, k)} {cuda_version(v) if k == 'cuda_driver' else v}"
+        for k, v in backend.versions.items() if v)
+    detail = backend.detail
     bits = [versions] if versions else []
     for key in ("error", "init"):  # NVML's and cuInit's own error names
         err = detail.get(key)
         if isinstance(err, dict) and err.get("name") and not err.get("ok"):
             bits.append(f"{key}={err['name']}")
     for key in ("nvidia_smi", "device_nodes", "kernel_module", "device_count",
-                "default_backend", "platforms", "devices", "drivers", "init_s", "compute_s"):
+                "default_backend", "platforms", "devices", "drivers", "init_s", "compute_s",
+                "reason"):
         value = detail.get(key)
         if value not in (None, [], {}, ""):
             bits.append(f"{key}={value}")
     return "; ".join(bits)
 
 
+def _age(seconds: float) -> str:
+    if seconds < 1:
+        return "just now"
+    if seconds < 120:
+        return f"{seconds:.0f} s old"
+    return f"{seconds / 60:.0f} min old"
+
+
+def source_line(verdict: Verdict) -> str:
+    """Where the verdict came from and how old it is: ``host n1, inline, just now (...)``."""
+    return (f"host {verdict.host}, source {verdict.source}, {_age(verdict.age_s)} "
+            f"(checked {verdict.checked_at})")
+
+
+def preallocation_line(verdict: Verdict) -> str:
+    """What JAX's memory preallocation means for this requirement, in one line."""
+    value = "yes" if verdict.preallocation_disabled else "no"
+    if not any(b.name == "jax" for b in verdict.requirement.backends):
+        return (f"preallocation_disabled={value} (applies to JAX only; this requirement has "
+                "no JAX)")
+    if verdict.preallocation_disabled:
+        return (f"preallocation_disabled={value} (JAX allocates GPU memory as it needs it, "
+                "so the GPU can be shared)")
+    return (f"preallocation_disabled={value} (JAX will take 75% of each GPU's memory at start; "
+            "set XLA_PYTHON_CLIENT_PREALLOCATE=false to share a GPU)")
+
+
+def _width(stream: IO[str], color: bool | None) -> int | None:
+    if color:
+        return None  # a terminal: rich asks it
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and 40 <= int(columns) <= 1000 else PIPE_WIDTH
+
+
+def _backends(verdict: Verdict) -> Table:
+    table = Table(title="Backends", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, show_edge=False)
+    table.add_column("backend", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("time", no_wrap=True, justify="right")
+    table.add_column("facts", overflow="fold", ratio=1)
+    order = {name: i for i, name in enumerate(PROBES)}
+    for name in sorted(verdict.backends, key=lambda n: (order.get(n, len(order)), n)):
+        b = verdict.backends[name]
+        duration = "-" if b.duration_s is None else f"{b.duration_s:.2f}s"
+        table.add_row(name, Text(b.status, style=_STATUS_STYLE.get(b.status, "")), duration,
+                      Text(_facts(b)))
+    return table
+
+
+def _devices(verdict: Verdict) -> Table:
+    devices = verdict.devices
+    names = {d.name for d in devices if d.name}
+    totals = {d.memory_total_bytes for d in devices if d.memory_total_bytes}
+    uniform = len(names) <= 1 and len(totals) <= 1
+    title = "Devices"
+    if uniform and names:
+        title += f": {len(devices)} x {next(iter(names))}"
+        if totals:
+            title += f", {format_size(next(iter(totals)))} each"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  show_edge=False)
+    for col, right in (("gpu", True), ("status", False), ("uuid", False), ("pci", False),
+                       ("util", True), ("temp", True), ("memory used", True)):
+        table.add_column(col, justify="right" if right else "left",
+                         no_wrap=col != "status", overflow="fold")
+    if not uniform:
+        table.add_column("name", overflow="fold")
+    short = short_uuids([d.uuid for d in devices])
+    for d in devices:
+        status = device_status(verdict, d)
+        style = _STATUS_WORD_STYLE.get(status.split(" ")[0].rstrip(","), "red")
+        used = format_size(d.memory_used_bytes)
+        if not uniform and d.memory_total_bytes:
+            used += f" / {format_size(d.memory_total_bytes)}"
+        util = "-" if d.utilization_ratio is None else f"{d.utilization_ratio * 100:.0f}%"
+        temp = "-" if d.temperature_c is None else f"{d.temperature_c:.0f}C"
+        row: list[str | Text] = [str(d.index), Text(status, style=style),
+                                 short.get(d.uuid or "", "-"), short_pci(d.pci_bus_id), util,
+                                 temp, used]
+        if not uniform:
+            row.append(d.name or "-")
+        table.add_row(*row)
+    return table
+
+
+def _where(f: Finding, verdict: Verdict, short: Mapping[str, str]) -> str:
+    bits = [f.layer]
+    if f.backend:
+        bits.append(f.backend)
+    if f.device:
+        by_uuid = {d.uuid: d.index for d in verdict.devices if d.uuid}
+        if f.device in by_uuid:
+            bits.append(f"GPU {by_uuid[f.device]} {short.get(f.device, f.device)}")
+        elif f.device.startswith("index "):
+            bits.append("GPU " + f.device.removeprefix("index "))
+        else:
+            bits.append(f.device)
+    return ", ".join(bits)
+
+
+def _findings(console: Console, title: str, items: Sequence[Finding], style: str,
+              verdict: Verdict) -> None:
+    short = short_uuids([d.uuid for d in verdict.devices])
+    console.print(Text(f"{title} ({len(items)})", style="italic"))
+    for f in items:
+        head = Text("  ")
+        head.append(f.code, style=style)
+        head.append(f"  [{_where(f, verdict, short)}]")
+        console.print(head)
+        _indented(console, f.message, "")
+        _indented(console, f"fix: {f.remediation}", "dim")
+
+
+def _indented(console: Console, text: str, style: str) -> None:
+    """Text wrapped at words to the console's width, indented by four spaces."""
+    console.print(Padding(Text(text, style=style, overflow="fold"), (0, 0, 0, 4)))
+
+
 def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None) -> None:
-    """Print backends, devices, blockers with remediation and the final blocker line."""
-    record = verdict.record()
-    console = Console(file=stream, force_terminal=color, no_color=color is False,
-                      width=None if color else 120, soft_wrap=False)
-    backends = Table(title="Backends", title_justify="left")
-    for col in ("backend", "status", "duration", "facts"):
-        backends.add_column(col)
-    for name, b in record["backends"].items():
-        style = _STATUS_STYLE.get(b["status"], "")
-        duration = "-" if b["duration_s"] is None else f"{b['duration_s']:.2f}s"
-        backends.add_row(name, f"[{style}]{b['status']}[/{style}]" if style else b["status"],
-                         duration, escape(_facts(name, b)))
-    console.print(backends)
-    if record["devices"]:
-        devices = Table(title="Devices", title_justify="left")
-        for col in ("gpu", "uuid", "name", "pci bus", "memory total", "memory free"):
-            devices.add_column(col)
-        for d in record["devices"]:
-            devices.add_row(str(d["index"]), d["uuid"] or "-", d["name"] or "-",
-                            d["pci_bus_id"] or "-", format_size(d["memory_total_bytes"]),
-                            format_size(d["memory_free_bytes"]))
-        console.print(devices)
-    for kind, style in (("blockers", "red"), ("warnings", "yellow")):
-        items = record[kind]
-        if not items:
-            continue
-        table = Table(title=kind.capitalize(), title_justify="left", show_lines=True)
-        for col in ("code", "layer", "where", "message", "remediation"):
-            table.add_column(col, overflow="fold")
-        for item in items:
-            where = "/".join(x for x in (item["backend"], item["device"]) if x) or "-"
-            # Messages carry text like jax[cuda12] that rich would read as markup.
-            table.add_row(f"[{style}]{item['code']}[/{style}]", item["layer"], escape(where),
-                          escape(item["message"]), escape(item["remediation"]))
-        console.print(table)
-    console.print(f"preallocation_disabled={record['preallocation_disabled']}", highlight=False)
-    console.print(f"gpu_validation_blocker={record['gpu_validation_blocker']}", highlight=False,
+    """Print source, backends, devices, blockers with remediation and the final blocker line."""
+    # Plain text (a pipe, a file) without the spaces rich pads lines with.
+    out: IO[str] = stream if color else io.StringIO()
+    console = Console(file=out, force_terminal=color, no_color=color is False,
+                      width=_width(stream, color), soft_wrap=False, highlight=False)
+    console.print(Text(source_line(verdict), style="dim"))
+    console.print(_backends(verdict))
+    if verdict.devices:
+        console.print(_devices(verdict))
+    if verdict.blockers:
+        _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict)
+    if verdict.warnings:
+        _findings(console, "Warnings", verdict.warnings, "yellow", verdict)
+    console.print(preallocation_line(verdict), markup=False)
+    console.print(f"gpu_validation_blocker={verdict.gpu_validation_blocker}", markup=False,
                   style="bold green" if verdict.ready else "bold red")
+    if isinstance(out, io.StringIO):
+        stream.write("".join(line.rstrip() + "\n" for line in out.getvalue().splitlines()))

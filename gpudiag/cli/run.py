@@ -1,6 +1,6 @@
 """``gpudiag run``: preflight, admit GPUs, run ARGV with the exact environment, close out.
 
-Exit codes (DESIGN.md): the child's own; 128+N when it died by signal N; 125 when gpudiag
+Exit codes (docs/reference.md): the child's own; 128+N when it died by signal N; 125 when gpudiag
 refused (blocked, not admitted) or failed before launch; 126/127 when ARGV cannot be
 executed / is not found, as ``env`` and ``docker run`` do.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from gpudiag.cli.commands import examples
 from gpudiag.core.limits import EXIT_REFUSED, MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement, parse_size, parse_timeout
 
@@ -57,20 +58,34 @@ def _seconds(text: str | None, name: str, *, zero_ok: bool = False) -> float | N
         raise RunUsageError(str(e)) from e
 
 
+def default_artifacts_root() -> Path:
+    """$GPUDIAG_ARTIFACTS_DIR, else $XDG_STATE_HOME/gpudiag/runs (~/.local/state/gpudiag/runs):
+    never inside whatever checkout the job happens to start in."""
+    if os.environ.get("GPUDIAG_ARTIFACTS_DIR"):
+        return Path(os.environ["GPUDIAG_ARTIFACTS_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "gpudiag" / "runs"
+
+
 def _default_artifacts() -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    root = os.environ.get("GPUDIAG_ARTIFACTS_DIR") or "gpudiag-runs"
-    return Path(root) / f"{stamp}-{os.getpid()}"
+    return default_artifacts_root() / f"{stamp}-{os.getpid()}"
 
 
 @click.command("run", cls=RunCommand, context_settings={"ignore_unknown_options": False,
-                                        "allow_interspersed_args": False})
+                                        "allow_interspersed_args": False},
+               short_help="Admit GPUs, run a command on them, and write its closeout.",
+               epilog=examples(
+                   "gpudiag run -- python train.py                # one free GPU, CUDA",
+                   "gpudiag run --require jax --gpus 2 -- python train.py",
+                   "gpudiag run --timeout 3600 --artifacts /scratch/runs -- ./job.sh",
+                   "gpudiag run --image nvcr.io/nvidia/jax:25.04 -- python -c 'import jax'"))
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
               help="What the job needs: cuda, nvml, jax (on the GPU: JAX_PLATFORMS=cuda), "
               "jax:cpu, iree, iree:DRIVER; comma-separated.")
 @click.option("--gpus", type=click.IntRange(0, MAX_DEVICES), default=None, metavar="N",
-              help="GPUs (or MIG instances) to admit [default: 1 for a GPU requirement, "
-              "else 0].")
+              help="GPUs (or MIG instances) to admit.  [default: 1 for a GPU requirement, "
+              "else 0]")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each admitted GPU must have, e.g. 8GiB.")
 @click.option("--timeout", "timeout_text", metavar="S",
@@ -80,16 +95,17 @@ def _default_artifacts() -> Path:
 @click.option("--lock-timeout", "lock_timeout_text", default="60", show_default=True,
               metavar="S", help="How long to wait for GPUs that other jobs hold (0: do not wait).")
 @click.option("--artifacts", "artifacts_text", metavar="DIR",
-              help="Where plan.json, logs, result.json and the closeout go "
-              "[default: $GPUDIAG_ARTIFACTS_DIR or ./gpudiag-runs, one folder per run].")
+              help="Where plan.json, logs, result.json and the closeout go, one folder per "
+              "run.  [default: $GPUDIAG_ARTIFACTS_DIR, else "
+              "$XDG_STATE_HOME/gpudiag/runs, i.e. ~/.local/state/gpudiag/runs]")
 @click.option("--image", metavar="IMAGE",
               help="Run ARGV in this container image with one `docker run`.")
 @click.option("--lock-dir", "lock_dir_text", metavar="DIR",
-              help="Folder of the per-UUID lock files [default: $GPUDIAG_LOCK_DIR, "
-              "/run/gpudiag/locks, or $XDG_RUNTIME_DIR/gpudiag/locks].")
+              help="Folder of the per-UUID lock files.  [default: $GPUDIAG_LOCK_DIR, "
+              "/run/gpudiag/locks, or $XDG_RUNTIME_DIR/gpudiag/locks]")
 @click.option("--daemon-url", metavar="URL", help="Ask this gpudiag daemon for the verdict "
-              "first [default: $GPUDIAG_DAEMON_URL or unix:/run/gpudiag/daemon/gpudiag.sock]; "
-              "inline probes when none answers.")
+              "first; inline probes when none answers.  [default: $GPUDIAG_DAEMON_URL or "
+              "unix:/run/gpudiag/daemon/gpudiag.sock]")
 @click.option("--no-daemon", is_flag=True, help="Run the probes here; do not ask a daemon.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- ARGV...")
 def run(require_text: str, gpus: int | None, min_free_text: str | None,

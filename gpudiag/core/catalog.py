@@ -172,7 +172,10 @@ BLOCKERS: dict[str, CatalogEntry] = {
             ("iree_not_installed", "IREE's runtime is not importable.",
              "pip install iree-base-runtime (and iree-base-compiler to compile)."),
             ("iree_driver_unavailable", "IREE could not create the HAL driver.",
-             "For cuda: libcuda.so must be on the loader path."),
+             "For cuda: libcuda.so must be on the loader path (the NVIDIA driver installed, "
+             "or the container started with --gpus). For another driver: install an IREE "
+             "runtime built with it (the backend's compiled_in_drivers lists what this one "
+             "has), or require one it has, e.g. iree:local-task."),
             ("iree_no_device", "IREE's driver found no device.",
              "The inner CUDA error in the message names the cause."),
             ("iree_device_create_failed", "IREE could not create the device.",

@@ -23,6 +23,7 @@ from gpudiag.core.environment import (
     resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.limits import PROBES
 from gpudiag.core.missing import missing_gpu_findings
 from gpudiag.core.observations import (
     CommandResult,
@@ -288,8 +289,17 @@ def _select(candidates: Sequence[NvmlDevice], requirement: Requirement,
 
 def _device_info(d: NvmlDevice) -> DeviceInfo:
     mem = d.memory or Memory()
+    procs = list(d.processes or ())
+    for inst in d.mig.instances if d.mig else ():
+        procs.extend(inst.processes or ())
+    pids = (tuple(sorted({p.pid for p in procs if p.pid is not None}))
+            if d.processes is not None or procs else None)
+    util, temp = d.readings.utilization_gpu_ratio, d.readings.temperature_c
     return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, pci_bus_id=d.pci_bus_id,
-                      memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes)
+                      memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes,
+                      memory_used_bytes=mem.used_bytes,
+                      utilization_ratio=None if util is None else float(util),
+                      temperature_c=None if temp is None else float(temp), pids=pids)
 
 
 def _free(d: NvmlDevice) -> int | None:
@@ -459,6 +469,9 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                                    {"device_count": cuda.device_count if cuda else None,
                                     "init": cuda.init.record if cuda and cuda.init else None,
                                     "init_duration_s": cuda.init_duration_s if cuda else None})
+    # One order everywhere (probe, preflight, JSON, kv, text): host, nvml, cuda, jax, iree.
+    order = {name: i for i, name in enumerate(PROBES)}
+    backends = {n: backends[n] for n in sorted(backends, key=lambda n: order.get(n, len(order)))}
     jax_run = _ok(runs.get("jax"))
     jax_obs = jax_run.jax if jax_run else None
     prealloc = (jax_obs.preallocation_disabled if jax_obs is not None

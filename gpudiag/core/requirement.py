@@ -10,12 +10,11 @@ import math
 import re
 from collections.abc import Iterable
 
-from gpudiag.core.limits import MAX_DEVICES
+from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
 from gpudiag.core.limits import REQUIRABLE_BACKENDS as BACKENDS
 from gpudiag.core.verdict import BackendRequirement, Requirement
 
 JAX_PLATFORMS = ("gpu", "cuda", "cpu")
-IREE_DRIVER_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
 class RequirementError(ValueError):
@@ -45,9 +44,10 @@ def parse_backends(text: str) -> tuple[BackendRequirement, ...]:
                 raise RequirementError(
                     f"JAX platform {plat!r} in {spec!r} is not one of {', '.join(JAX_PLATFORMS)}")
             plat = "gpu" if plat == "cuda" else plat
-        if name == "iree" and plat is not None and not IREE_DRIVER_RE.match(plat):
+        if name == "iree" and plat is not None and plat not in IREE_DRIVERS:
             raise RequirementError(
-                f"IREE driver {plat!r} in {spec!r} is not a driver name (e.g. cuda, local-task)")
+                f"IREE driver {plat!r} in {spec!r} is not one IREE has; accepted: iree:DRIVER "
+                f"with DRIVER one of {', '.join(IREE_DRIVERS)}")
         if name in ("cuda", "nvml") and plat is not None:
             raise RequirementError(f"{name} takes no platform, got {spec!r}")
         req = BackendRequirement(name, None if plat == "gpu" else plat)

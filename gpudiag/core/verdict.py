@@ -6,6 +6,7 @@ Frozen dataclasses cross module boundaries; dicts appear only at the JSON edge
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -134,13 +135,39 @@ class DeviceInfo:
     last_proven_at: str | None = None
     # With ``gpus=N``: whether this GPU is one of the N the verdict names for the job.
     selected: bool | None = None
+    # The readings a person checks first (as nvitop and gpustat show them); None where NVML
+    # could not read them. ``pids``: the compute processes NVML lists on it (MIG included).
+    memory_used_bytes: int | None = None
+    utilization_ratio: float | None = None
+    temperature_c: float | None = None
+    pids: tuple[int, ...] | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
                 "pci_bus_id": self.pci_bus_id, "memory_total_bytes": self.memory_total_bytes,
                 "memory_free_bytes": self.memory_free_bytes, "occupancy": self.occupancy,
                 "healthy": self.healthy, "last_proven_at": self.last_proven_at,
-                "selected": self.selected}
+                "selected": self.selected, "memory_used_bytes": self.memory_used_bytes,
+                "utilization_ratio": self.utilization_ratio,
+                "temperature_c": self.temperature_c,
+                "pids": None if self.pids is None else list(self.pids)}
+
+    @classmethod
+    def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
+        """Rebuild a device from its record; the readings are optional (older daemons) and
+        fields a newer gpudiag adds are ignored (the record may be added to)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in d.items() if k in known}
+        pids = fields.pop("pids", None)
+        if pids is not None and not (isinstance(pids, list) and all(
+                isinstance(p, int) and not isinstance(p, bool) for p in pids)):
+            raise TypeError(f"devices[].pids holds {pids!r}, not a list of process ids")
+        for key in ("utilization_ratio", "temperature_c"):
+            value = fields.get(key)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                raise TypeError(f"devices[].{key} holds {value!r}, not a number")
+        return cls(**fields, pids=None if pids is None else tuple(pids))
 
 
 @dataclass(frozen=True)
@@ -204,7 +231,7 @@ class Verdict:
             "schema": SCHEMA,
             "gpu_validation_blocker": self.gpu_validation_blocker,
             "ready": self.ready,
-            "blockers": [b.record() for b in self._ordered_blockers()],
+            "blockers": [b.record() for b in self.ordered_blockers()],
             "warnings": [w.record() for w in self.warnings],
             "requirement": self.requirement.record(),
             "devices": [d.record() for d in self.devices],
@@ -218,7 +245,8 @@ class Verdict:
             "gpudiag_version": self.gpudiag_version,
         }
 
-    def _ordered_blockers(self) -> list[Finding]:
+    def ordered_blockers(self) -> list[Finding]:
+        """The blockers root cause first (lowest layer first), as the record lists them."""
         return sorted(self.blockers, key=lambda b: layer_rank(b.layer))
 
     def json(self, indent: int | None = 2) -> str:
@@ -247,7 +275,7 @@ class Verdict:
                 ),
                 blockers=tuple(_finding(b) for b in record["blockers"]),
                 warnings=tuple(_finding(w) for w in record["warnings"]),
-                devices=tuple(DeviceInfo(**d) for d in record["devices"]),
+                devices=tuple(DeviceInfo.from_record(d) for d in record["devices"]),
                 backends={n: BackendStatus(**s) for n, s in record["backends"].items()},
                 evidence=dict(record["evidence"]),
                 preallocation_disabled=record["preallocation_disabled"] == "yes",
@@ -348,3 +376,38 @@ def render_kv(record: Mapping[str, JSONValue]) -> str:
     for k, v in driver.items():
         lines.append(f"evidence.driver.{k}={kv_value(v)}")
     return "\n".join(lines) + "\n"
+
+
+def _finding_keys(verdict: Verdict | None) -> dict[tuple[str, str | None], str]:
+    if verdict is None:
+        return {}
+    index = {d.uuid: d.index for d in verdict.devices if d.uuid}
+    out: dict[tuple[str, str | None], str] = {}
+    for b in verdict.blockers:
+        where = b.device
+        if where is not None and where in index:
+            where = f"GPU {index[where]} ({where})"
+        elif where is not None and where.startswith("index "):
+            where = "GPU " + where.removeprefix("index ")
+        out[(b.code, b.device)] = b.code + (f" on {where}" if where else "")
+    return out
+
+
+def change_summary(old: Verdict | None, new: Verdict) -> str:
+    """What changed between two verdicts, for a log line: which blockers appeared or went."""
+    before, after = _finding_keys(old), _finding_keys(new)
+    appeared = [after[k] for k in after if k not in before]
+    went = [before[k] for k in before if k not in after]
+    bits = []
+    if appeared:
+        bits.append("appeared: " + "; ".join(appeared))
+    if went:
+        bits.append("went: " + "; ".join(went))
+    if not bits:
+        old_w = {w.code for w in old.warnings} if old else set()
+        new_w = {w.code for w in new.warnings}
+        if new_w - old_w:
+            bits.append("warnings appeared: " + ", ".join(sorted(new_w - old_w)))
+        if old_w - new_w:
+            bits.append("warnings went: " + ", ".join(sorted(old_w - new_w)))
+    return "; ".join(bits) or "details changed"

@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gpudiag.core.limits import MAX_DEVICES
+from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.daemon.envelope import error_response, json_response, status_line
@@ -90,9 +90,8 @@ def _flag(params: Mapping[str, str], name: str) -> bool:
     raise ApiError(400, "bad_parameter", f"{name}={raw!r}: accepted 1/0, true/false")
 
 
-# IREE drivers a request over HTTP may name (the ones IREE compiles in): each distinct driver
-# list is a probe key the scheduler keeps, so arbitrary names would grow it without bound.
-HTTP_IREE_DRIVERS = ("cuda", "hip", "local-sync", "local-task", "vulkan")
+# IREE drivers a request over HTTP may name: the one rule of core.limits, as for the CLI.
+HTTP_IREE_DRIVERS = IREE_DRIVERS
 
 
 def _check_http_keys(keys: Iterable[ProbeKey]) -> None:

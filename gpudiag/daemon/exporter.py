@@ -6,6 +6,7 @@ goes stale and nothing is removed by hand. Every known blocker code is present a
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -25,17 +26,12 @@ from gpudiag.core.observations import (
     IreeObservation,
     JaxObservation,
     Memory,
-    NvmlDevice,
 )
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import Finding
 from gpudiag.core.version import __version__
 from gpudiag.daemon.recorder import HistoryHealth
 from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
-
-
-def _gpu_labels(d: NvmlDevice) -> list[str]:
-    return [str(d.index), d.uuid or ""]
 
 
 class SnapshotCollector(Collector):
@@ -45,6 +41,22 @@ class SnapshotCollector(Collector):
                  wall: Callable[[], float] = time.time) -> None:
         self._snapshot = snapshot
         self._wall = wall
+        # The last identity NVML gave each GPU index: a lost GPU keeps its uuid, name and PCI
+        # labels, so that its series do not churn and alerts keyed on uuid still match.
+        self._identity: dict[int, tuple[str, str, str]] = {}
+        self._identity_lock = threading.Lock()
+
+    def _known(self, index: int, uuid: str | None, name: str | None = None,
+               pci: str | None = None) -> tuple[str, str, str]:
+        """(uuid, name, pci) of GPU ``index``: as read now, else as last read."""
+        with self._identity_lock:
+            old = self._identity.get(index)
+            if uuid and name is None and pci is None and old is not None and old[0] == uuid:
+                return old
+            if uuid:
+                self._identity[index] = (uuid, name or "", pci or "")
+                return self._identity[index]
+            return self._identity.get(index, ("", name or "", pci or ""))
 
     def describe(self) -> list[Metric]:
         # Nothing to describe up front: registration must not call collect().
@@ -115,7 +127,7 @@ class SnapshotCollector(Collector):
         devices = snap.full.devices if snap.full is not None else ()
         index = {d.uuid: d.index for d in devices if d.uuid}
         for d in devices:
-            labels = [str(d.index), d.uuid or ""]
+            labels = [str(d.index), self._known(d.index, d.uuid)[0]]
             for state in ("free", "busy", "unknown"):
                 occupancy.add_metric([*labels, state], 1.0 if d.occupancy == state else 0.0)
             healthy.add_metric(labels, 1.0 if d.healthy else 0.0)
@@ -200,8 +212,9 @@ class SnapshotCollector(Collector):
                                  "Remapped rows by state (pending/failure are 0 or 1).",
                                  labels=[*gl, "state"])
         for d in devices:
-            labels = _gpu_labels(d)
-            info.add_metric([*labels, d.name or "", d.pci_bus_id or ""], 1.0)
+            uuid, name, pci = self._known(d.index, d.uuid, d.name, d.pci_bus_id)
+            labels = [str(d.index), uuid]
+            info.add_metric([*labels, name, pci], 1.0)
             if not d.ok:
                 continue
             # The watcher's telemetry uses the probe's names: newer readings win one by one.

@@ -379,14 +379,17 @@ def _write_closeout(paths: Mapping[str, str], closeout: dict[str, Any]) -> None:
 
 def _close_out(paths: Mapping[str, str], result: Mapping[str, Any], closeout: dict[str, Any],
                err: BinaryIO | None) -> None:
-    """Write result.json and the closeout; a failure is said, never raised: the exit code
-    stays the one the run earned (a job that ran must not look like one that never did)."""
+    """Write result.json and the closeout and say where it went; a failure is said, never
+    raised: the exit code stays the one the run earned (a job that ran must not look like
+    one that never did)."""
     try:
         _write(paths["result"], _json(result))
         _write_closeout(paths, closeout)
     except ArtifactError as e:
         closeout["error"] = f"artifacts incomplete: {e}"
         _say(err, f"gpudiag run: artifacts incomplete: {e}\n")
+    else:
+        _say(err, f"gpudiag run: closeout {paths['closeout_txt']}\n")
 
 
 def child_reports(folder: Path) -> list[dict[str, Any]]:
@@ -451,6 +454,11 @@ def _refused(options: RunOptions, paths: Mapping[str, str], closeout: dict[str, 
         blockers=record["blockers"], ended_at=_now(),
         duration_s=round(time.monotonic() - t0, 3),
         evidence=record["evidence"].get("admission") or _blocker_evidence(record))
+    primary = verdict.primary
+    _say(err, f"gpudiag run: refused: {verdict.gpu_validation_blocker}: "
+              f"{primary.message if primary else ''}\n")
+    if primary is not None:
+        _say(err, f"gpudiag run: fix: {primary.remediation}\n")
     try:
         _write(paths["verdict"], _json(record))
     except ArtifactError as e:
@@ -459,10 +467,6 @@ def _refused(options: RunOptions, paths: Mapping[str, str], closeout: dict[str, 
     else:
         _close_out(paths, {"launched": False, "exit_code": EXIT_REFUSED,
                            "reason": verdict.gpu_validation_blocker}, closeout, err)
-    primary = verdict.primary
-    _say(err, f"gpudiag run: refused: {verdict.gpu_validation_blocker}: "
-              f"{primary.message if primary else ''}\ngpudiag run: closeout "
-              f"{paths['closeout_txt']}\n")
     return RunOutcome(EXIT_REFUSED, closeout)
 
 

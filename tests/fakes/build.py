@@ -196,7 +196,7 @@ def build_fakes(dest: Path, *, extra_cflags: Sequence[str] = ()) -> FakeDriver:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tests.fakes.build DEST``: build the fakes into DEST."""
+    """Build the fakes into DEST (prefer ``python -m tests.fakes``: a whole fake host)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
         print("usage: build.py DEST", file=sys.stderr)

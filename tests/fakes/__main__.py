@@ -1,0 +1,95 @@
+"""``python -m tests.fakes [DEST] [--gpus N]``: a fake GPU host to try gpudiag without a GPU.
+
+Builds the fake driver (libnvidia-ml, libcuda, nvidia-smi) into DEST, lays out what the host
+probe reads (``/dev/nvidia*``, ``/proc/driver/nvidia/version`` and a PCI tree look-alike), and
+prints the ``export`` lines of the environment that makes gpudiag see N healthy fake GPUs::
+
+    eval "$(python -m tests.fakes /tmp/gpudiag-try)"
+    gpudiag probe
+
+Also written to DEST/env.sh (``source`` it in another shell); DEST/daemon.toml is a
+``gpudiag serve --config`` for the fake host. docs/try-without-a-gpu.md has
+recipes; the knobs are listed in tests/fakes/fake_common.h, fake_nvml.c and fake_cuda.c.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.fakes.build import build_fakes
+from tests.fakes.sysfs import make_pci_tree
+
+DEFAULT_DEST = "/tmp/gpudiag-try"
+KERNEL_MODULE = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  Fri Mar 14 2025\n"
+                 "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+
+
+def make_host(dest: Path, gpus: int) -> dict[str, str]:
+    """Build everything under ``dest`` and return the environment variables to export."""
+    driver = build_fakes(dest / "driver")
+    dev, proc = dest / "dev", dest / "proc-driver-nvidia"
+    dev.mkdir(parents=True, exist_ok=True)
+    proc.mkdir(parents=True, exist_ok=True)
+    for old in dev.glob("nvidia*"):
+        old.unlink()
+    for name in ["nvidiactl", "nvidia-uvm", *(f"nvidia{i}" for i in range(gpus))]:
+        (dev / name).write_text("")
+    (proc / "version").write_text(KERNEL_MODULE)
+    pci = make_pci_tree(dest / "pci" / "devices", gpus)
+    state = dest / "gpu-state"
+    if not state.exists():
+        state.write_text("# KEY=VALUE lines override the environment; re-read while gpudiag "
+                         "runs\n")
+    (dest / "locks").mkdir(exist_ok=True)
+    # A daemon config for the fake host: the fakes emulate no GPU JAX or IREE could use.
+    (dest / "daemon.toml").write_text(
+        "# gpudiag serve --config for the fake host (python -m tests.fakes)\n"
+        "[backends.jax]\nenabled = false\n\n[backends.iree]\nenabled = false\n")
+    return {
+        "LD_LIBRARY_PATH": str(driver.lib_dir),  # prepended to the shell's own (see main)
+        "PATH": str(driver.bin_dir),
+        "FAKE_NVML_DEVICE_COUNT": str(gpus),
+        "FAKE_GPU_STATE_FILE": str(state),
+        "GPUDIAG_DEVICE_DIR": str(dev),
+        "GPUDIAG_DRIVER_PROC_DIR": str(proc),
+        "GPUDIAG_SYSFS_PCI_DIR": str(pci),
+        # The fake GPUs' UUIDs are the same everywhere: locks of their own, never a real
+        # gpudiag's (which would make them look busy).
+        "GPUDIAG_LOCK_DIR": str(dest / "locks"),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build the fake host and print its environment as export lines."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fakes",
+        description="Build a fake NVIDIA GPU host and print the environment that uses it.")
+    parser.add_argument("dest", nargs="?", default=DEFAULT_DEST,
+                        help=f"folder to build into (default: {DEFAULT_DEST})")
+    parser.add_argument("--gpus", type=int, default=8, choices=range(1, 17), metavar="N",
+                        help="fake GPUs, 1 to 16 (default: 8)")
+    args = parser.parse_args(argv)
+    dest = Path(args.dest).resolve()
+    print(f"building the fake driver and a {args.gpus}-GPU host in {dest} ...", file=sys.stderr)
+    try:
+        env = make_host(dest, args.gpus)
+    except (RuntimeError, OSError) as e:
+        print(f"python -m tests.fakes: {e}\n(gcc is needed: scripts/setup.sh installs it)",
+              file=sys.stderr)
+        return 1
+    # PATH and LD_LIBRARY_PATH extend the shell's own values when the lines are evaluated.
+    tails = {"PATH": ':"$PATH"', "LD_LIBRARY_PATH": '"${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"'}
+    lines = [f"export {k}={shlex.quote(v)}{tails.get(k, '')}" for k, v in env.items()]
+    (dest / "env.sh").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"done: eval these lines (or: source {dest / 'env.sh'}), then try `gpudiag probe`; "
+          "recipes: docs/try-without-a-gpu.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
