@@ -190,8 +190,10 @@ def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str |
     names = _parse_backends(backend_text)
     specs = [n for n in names if n.split(":")[0] != "host"]
     try:
-        requirement = (parse_requirement(",".join(specs)) if specs
-                       else Requirement(backends=(), min_devices=0))
+        # A person at a shell asks what `gpudiag health` asks: is anything broken? GPUs that
+        # jobs use show as busy, not as blockers (job readiness is `gpudiag preflight`).
+        requirement = (parse_requirement(",".join(specs), node_health=True) if specs
+                       else Requirement(backends=(), min_devices=0, node_health=True))
     except RequirementError as e:
         raise _usage(f"--backend: {e}") from e
     from gpudiag.core.classify import classify
