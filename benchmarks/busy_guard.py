@@ -61,23 +61,17 @@ def main() -> None:
                 if node == "busy":
                     for gpu in range(4):
                         jobs.start(gpu, memory_mib=100_000)
+                envs = {side: fakes.env(base={
+                    **clean_env(), "GPUDIAG_DEVICE_DIR": str(dev),
+                    "GPUDIAG_DRIVER_PROC_DIR": str(proc), "GPUDIAG_LOCK_DIR": str(tmp / "locks"),
+                    "FAKE_GPU_STATE_FILE": str(jobs.state_file),
+                    "FAKE_CUDA_CONTEXT_LOG": str(tmp / f"ctx-{node}-{side}.jsonl")})
+                    for side in sides}
                 for side, python in sides.items():
-                    log = tmp / f"ctx-{node}-{side}.jsonl"
-                    env = fakes.env(base={**clean_env(), "GPUDIAG_DEVICE_DIR": str(dev),
-                                          "GPUDIAG_DRIVER_PROC_DIR": str(proc),
-                                          "GPUDIAG_LOCK_DIR": str(tmp / "locks"),
-                                          "FAKE_GPU_STATE_FILE": str(jobs.state_file),
-                                          "FAKE_CUDA_CONTEXT_LOG": str(log)})
-                    one(python, env)  # warm the page cache
+                    one(python, envs[side])  # warm the page cache
                 for _ in range(args.rounds):
                     for side, python in sides.items():
-                        log = tmp / f"ctx-{node}-{side}.jsonl"
-                        env = fakes.env(base={**clean_env(), "GPUDIAG_DEVICE_DIR": str(dev),
-                                              "GPUDIAG_DRIVER_PROC_DIR": str(proc),
-                                              "GPUDIAG_LOCK_DIR": str(tmp / "locks"),
-                                              "FAKE_GPU_STATE_FILE": str(jobs.state_file),
-                                              "FAKE_CUDA_CONTEXT_LOG": str(log)})
-                        times.setdefault((node, side), []).append(one(python, env))
+                        times.setdefault((node, side), []).append(one(python, envs[side]))
                 for side in sides:
                     events = read_context_log(tmp / f"ctx-{node}-{side}.jsonl")
                     touched[(node, side)] = len(jobs.contexts_while_busy(events))

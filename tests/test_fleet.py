@@ -34,7 +34,7 @@ from tests.conftest import clean_env, run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs
 from tests.test_daemon_support import Daemon
-from tests.test_grafana import PROMETHEUS, RULES, free_port, node_env, start_daemon
+from tests.test_grafana import PROMETHEUS, free_port, node_env, start_daemon, start_prometheus
 
 EXCLUSIVE_PROCESS = 3
 # The CLI's staleness window in these tests; Prometheus scrapes every second.
@@ -60,24 +60,6 @@ class FleetRig:
 
 def nodes_of(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {n["instance"]: n for n in record["nodes"]}
-
-
-def start_prometheus(root: Path, targets: list[str]) -> subprocess.Popen[bytes]:
-    assert PROMETHEUS is not None
-    port = free_port()
-    rules = root / "gpudiag.rules.yml"
-    shutil.copy(RULES, rules)
-    (root / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"rule_files: [{rules}]\n"
-        "scrape_configs:\n  - job_name: gpudiag\n    static_configs:\n"
-        f"      - targets: {json.dumps(targets)}\n")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}",
-         f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(root / "prometheus.log").open("w"))
-    proc.port = port  # type: ignore[attr-defined]
-    return proc
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

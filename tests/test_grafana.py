@@ -163,6 +163,25 @@ def node_env(fakes: FakeDriver, root: Path, **knobs: str) -> dict[str, str]:
                      **knobs)
 
 
+def start_prometheus(root: Path, targets: list[str]) -> subprocess.Popen[bytes]:
+    """A real Prometheus scraping ``targets`` every second with gpudiag's rules; ``.port``."""
+    assert PROMETHEUS is not None
+    port = free_port()
+    rules = root / "gpudiag.rules.yml"
+    shutil.copy(RULES, rules)
+    (root / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files: [{rules}]\n"
+        "scrape_configs:\n  - job_name: gpudiag\n    static_configs:\n"
+        f"      - targets: {json.dumps(targets)}\n")
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}",
+         f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(root / "prometheus.log").open("w"))
+    proc.port = port  # type: ignore[attr-defined]
+    return proc
+
+
 @pytest.fixture(scope="module")
 def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     if PROMETHEUS is None:
@@ -175,18 +194,8 @@ def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     blocked = start_daemon(root / "b", node_env(
         fakes, root / "host-b", FAKE_NVML_XIDS="1:79,0:13",
         FAKE_NVML_REMAPPED_ROWS="1:0/0/1/0", FAKE_NVML_ECC_AGGREGATE_UNCORRECTED="1:2"))
-    port = free_port()
-    rules = root / "gpudiag.rules.yml"
-    shutil.copy(RULES, rules)
-    (root / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"rule_files: [{rules}]\n"
-        "scrape_configs:\n  - job_name: gpudiag\n    static_configs:\n"
-        f"      - targets: ['{healthy.instance}', '{blocked.instance}']\n")
-    prometheus = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}",
-         f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(root / "prometheus.log").open("w"))
+    prometheus = start_prometheus(root, [healthy.instance, blocked.instance])
+    port = prometheus.port  # type: ignore[attr-defined]
     try:
         yield Fleet(f"http://127.0.0.1:{port}", healthy, blocked)
     finally:
