@@ -68,40 +68,35 @@ while True:
 '''
 
 
+def _http_over(sock: socket.socket, host: str, method: str, target: str) -> tuple[int, Any]:
+    """One HTTP/1.1 request on a connected socket; (status, JSON or text)."""
+    sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"
+                 "Content-Length: 0\r\n\r\n".encode())
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode()
+
+
 def unix_http(path: str | Path, method: str, target: str, timeout: float = 30
               ) -> tuple[int, Any]:
     """One HTTP/1.1 request over a unix socket; (status, JSON or text)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(str(path))
-        s.sendall(f"{method} {target} HTTP/1.1\r\nHost: localhost\r\n"
-                  "Content-Length: 0\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body.decode()
+        return _http_over(s, "localhost", method, target)
 
 
 def tcp_http(url: str, method: str, target: str) -> tuple[int, Any]:
     """One HTTP request over TCP without urllib's redirects or retries."""
     host, _, port = url.removeprefix("http://").rpartition(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"
-                  "Content-Length: 0\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body.decode()
+        return _http_over(s, host, method, target)
 
 
 @pytest.fixture
