@@ -75,3 +75,14 @@ def test_which_probes_touch_a_gpu() -> None:
     assert touches_gpu("iree", {"drivers": ["cuda"]})
     assert not touches_gpu("iree", {"drivers": ["local-task"]})
     assert not touches_gpu("nvml", None) and not touches_gpu("host", None)
+
+
+def test_a_gpu_another_probe_is_proving_is_left_alone_but_not_busy(tmp_path: Path) -> None:
+    probing = try_lock(tmp_path, UUIDS[0], purpose="probe")  # another preflight, a moment
+    assert probing is not None
+    try:
+        with claim_free(_occ(FREE, FREE), UUIDS[:2], lock_dir=tmp_path) as claim:
+            assert claim.claimed == (UUIDS[1],)
+            assert claim.left_alone == {UUIDS[0]: "probing"}
+    finally:
+        release([probing])

@@ -108,7 +108,9 @@ def test_a_full_disk_is_one_line_each_way_and_the_history_keeps_every_change_in_
     # Every change the daemon said, in the order it said them, with nothing in between.
     stored = [(v["gpu_validation_blocker"], v["blockers"], v["warnings"])
               for v in reversed(hist["verdicts"])]
-    assert stored == [(p["msg"].split(": ", 1)[1], p["blockers"], p["warnings"]) for p in said]
+    # "verdict changed: CODE (what changed)": the code is the word after the colon.
+    assert stored == [(p["msg"].split(": ", 1)[1].split(" (", 1)[0], p["blockers"],
+                       p["warnings"]) for p in said]
     assert sum(1 for p in said if p.get("history_pending")) >= 3
     assert "driver_not_loaded" in {b for _, bs, _ in stored for b in bs}
     assert stored[-1][0] == "gpu_lost"

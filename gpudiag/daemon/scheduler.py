@@ -428,13 +428,9 @@ class Scheduler:
     def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""
         if backend == "nvml" and run.ok and run.nvml is not None:
-            fresh = occupancy_from_nvml(run.nvml, own_process_tree())
-            # A GPU a gpudiag run job has locked stays busy until NVML shows more.
-            for uuid, occ in self._occupancy.items():
-                if occ.why == "locked by a gpudiag run job" and fresh.get(uuid) is not None \
-                        and fresh[uuid].state == "free":
-                    fresh[uuid] = occ
-            self._occupancy = fresh
+            # NVML's reading decides; a job's lock seen by the last active round shows again
+            # when the next one tries it.
+            self._occupancy = occupancy_from_nvml(run.nvml, own_process_tree())
         elif backend == "cuda" and run.ok and run.cuda is not None:
             for dev in run.cuda.devices:
                 if dev.context is not None and dev.context.ok and dev.alloc is not None \

@@ -24,7 +24,7 @@ from gpudiag.core.environment import (
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
-from gpudiag.engine.locks import LockFailed, LockInfo, release, try_lock
+from gpudiag.engine.locks import LockFailed, LockInfo, lock_holder, release, try_lock
 
 # The probes that make a CUDA context (and so may only run on FREE GPUs), by their options.
 ACTIVE_PROBES = ("cuda", "jax", "iree")
@@ -103,7 +103,8 @@ class GpuClaim:
     """The GPUs this round's active probes may touch, and why the others are left alone."""
 
     claimed: tuple[str, ...] = ()
-    # uuid -> why it is not probed: busy, unknown, locked (a job of gpudiag run holds it)
+    # uuid -> why it is not probed: busy, unknown, locked (a `gpudiag run` job holds it),
+    # probing (another gpudiag probe is proving it right now)
     left_alone: Mapping[str, str] = field(default_factory=dict)
     locks: tuple[LockInfo, ...] = ()
 
@@ -148,12 +149,15 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
             left[uuid] = state
             continue
         try:
-            lock = try_lock(lock_dir, uuid)
+            lock = try_lock(lock_dir, uuid, purpose="probe")
         except LockFailed:
             left[uuid] = UNKNOWN
             continue
         if lock is None:
-            left[uuid] = "locked"
+            # Another gpudiag's probe proving it this moment leaves it FREE (not ours to
+            # probe now); anyone else holding it (a `gpudiag run` job) makes it busy.
+            holder = lock_holder(lock_dir, uuid) or {}
+            left[uuid] = "probing" if holder.get("purpose") == "probe" else "locked"
             continue
         locks.append(lock)
         claimed.append(uuid)

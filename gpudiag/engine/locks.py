@@ -87,8 +87,13 @@ def _lock_path(lock_dir: Path, uuid: str) -> Path:
     return lock_dir / f"{uuid}.lock"
 
 
-def try_lock(lock_dir: Path, uuid: str) -> LockInfo | None:
-    """Take the lock of ``uuid`` without waiting; None when another process holds it."""
+def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job") -> LockInfo | None:
+    """Take the lock of ``uuid`` without waiting; None when another process holds it.
+
+    ``purpose`` goes into the holder record: ``job`` (a `gpudiag run` job, `admit()`) or
+    ``probe`` (a probe touching the GPU for a moment), so that others can tell a GPU in use
+    from one being proven right now.
+    """
     path = _lock_path(lock_dir, uuid)
     try:
         _check_private_root(lock_dir)
@@ -118,7 +123,7 @@ def try_lock(lock_dir: Path, uuid: str) -> LockInfo | None:
         if st.st_uid == os.getuid():
             os.fchmod(fd, 0o666)  # other users' jobs must be able to open it too
         holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "since": time.time(), "uuid": uuid}) + "\n"
+                             "since": time.time(), "uuid": uuid, "purpose": purpose}) + "\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
     st = os.fstat(fd)
