@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from gpudiag.cli.commands import examples
 from gpudiag.core.limits import EXIT_BLOCKED, EXIT_FAILED, EXIT_READY, MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_backends
 from gpudiag.engine.fleet import (
@@ -35,7 +36,12 @@ def _positive(value: float, name: str) -> float:
     return value
 
 
-@click.command()
+@click.command(short_help="Ask Prometheus which nodes can run a requirement now.",
+               epilog=examples(
+                   "gpudiag fleet --prometheus http://prometheus:9090",
+                   "gpudiag fleet --prometheus http://prometheus:9090 --require jax --gpus 4",
+                   "gpudiag fleet --prometheus https://prom.example --bearer-token-file "
+                   "/etc/gpudiag/token --format json"))
 @click.option("--prometheus", "url", envvar="GPUDIAG_PROMETHEUS_URL", required=True,
               metavar="URL", help="Prometheus's base URL, e.g. http://prometheus:9090 "
               "(or $GPUDIAG_PROMETHEUS_URL).")
