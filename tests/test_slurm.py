@@ -415,7 +415,7 @@ class RealSlurm:
             fcntl.flock(lock, fcntl.LOCK_EX)
             fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def wait(self, what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    def wait(self, what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not check():
             if time.monotonic() > deadline:
