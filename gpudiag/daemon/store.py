@@ -9,11 +9,12 @@ daemon writes: WAL lets them read without blocking it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,25 @@ class HistoryStore:
             self._db.close()
 
     # -- writing -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self, what: str | None = None) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT, rolled back on any error (SQLite may have rolled back
+        already: _rollback copes). With ``what``, an SQLite error becomes HistoryWriteError
+        ("cannot WHAT PATH: ..."); without, it goes up as it is (pruning's callers catch it)."""
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            yield db
+            db.execute("COMMIT")
+        except sqlite3.Error as e:
+            _rollback(db)
+            if what is None:
+                raise
+            raise HistoryWriteError(f"cannot {what} {self.path}: {e}") from e
+        except BaseException:
+            _rollback(db)
+            raise
+
     def record(self, verdict: Verdict, now: float | None = None) -> int | None:
         """Store the verdict if it differs from the last one; returns its id once durable."""
         fp = fingerprint(verdict)
@@ -279,9 +299,7 @@ class HistoryStore:
             if fp == self._last_fp:
                 return None
             rec = _stored_record(verdict)
-            db = self._db
-            try:
-                db.execute("BEGIN IMMEDIATE")
+            with self._transaction("write history") as db:
                 cur = db.execute(
                     "INSERT INTO verdicts (ts, checked_at, requirement, blocker, ready, "
                     "blockers, warnings, fingerprint, record) VALUES (?,?,?,?,?,?,?,?,?)",
@@ -292,13 +310,6 @@ class HistoryStore:
                      ",".join(sorted({w.code for w in verdict.warnings})), fp,
                      json.dumps(rec, separators=(",", ":"), default=str)))
                 self._episodes(verdict, rec, ts)
-                db.execute("COMMIT")
-            except sqlite3.Error as e:
-                _rollback(db)
-                raise HistoryWriteError(f"cannot write history {self.path}: {e}") from e
-            except BaseException:
-                _rollback(db)
-                raise
             self._last_fp = fp
             self._writes += 1
             if self._writes % 50 == 0 or ts - self._last_prune >= self._prune_every_s:
@@ -342,19 +353,10 @@ class HistoryStore:
         """Store an applied `gpudiag clear`; returns its id once durable."""
         ts = self._clock() if now is None else now
         with self._lock:
-            db = self._db
-            try:
-                db.execute("BEGIN IMMEDIATE")
+            with self._transaction("record the clear in") as db:
                 db.execute(_CLEARS_DDL)
                 cur = db.execute("INSERT INTO clears (ts, uid, gpu, reason, released) "
                                  "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
-                db.execute("COMMIT")
-            except sqlite3.Error as e:
-                _rollback(db)
-                raise HistoryWriteError(f"cannot record the clear in {self.path}: {e}") from e
-            except BaseException:
-                _rollback(db)
-                raise
             return int(cur.lastrowid or 0)
 
     def prune(self, now: float | None = None) -> None:
@@ -369,8 +371,7 @@ class HistoryStore:
         db = self._db
         self._last_prune = now
         cutoff = now - self.retention_s
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             # The newest verdict stays whatever its age: it is the current state.
             db.execute("DELETE FROM verdicts WHERE ts < ? AND id < "
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
@@ -378,10 +379,6 @@ class HistoryStore:
             if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
                           "name='clears'").fetchone():
                 db.execute("DELETE FROM clears WHERE ts < ?", (cutoff,))
-            db.execute("COMMIT")
-        except BaseException:
-            _rollback(db)
-            raise
         for _ in range(20):
             if self.size_bytes() <= self.max_bytes:
                 break
@@ -389,17 +386,12 @@ class HistoryStore:
             if n <= 1:
                 break
             drop = max(1, n // 4)
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 db.execute("DELETE FROM verdicts WHERE id IN (SELECT id FROM verdicts "
                            "ORDER BY id LIMIT ?)", (drop,))
                 db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND id IN (SELECT id "
                            "FROM episodes WHERE ended IS NOT NULL ORDER BY id LIMIT ?)",
                            (drop,))
-                db.execute("COMMIT")
-            except BaseException:
-                _rollback(db)
-                raise
             db.execute("PRAGMA incremental_vacuum")
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
