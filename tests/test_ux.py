@@ -370,8 +370,12 @@ def test_every_try_without_a_gpu_recipe_runs_as_written(recipe: str, tmp_path: P
     env.pop("GPUDIAG_LOCK_DIR")  # the recipe's environment brings its own
     env["COLUMNS"] = "100"
     # Its own session: whatever a recipe leaves running (a daemon, a job) ends with the test.
-    bash = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # A trace of every command (bash -x, to a file) says where a recipe stopped if it hangs.
+    trace = tmp_path / "trace.txt"
+    env["BASH_XTRACEFD"] = "9"
+    bash = subprocess.Popen(["bash", "-c", f"exec 9>{trace}; set -x\n" + script], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = bash.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -384,6 +388,8 @@ def test_every_try_without_a_gpu_recipe_runs_as_written(recipe: str, tmp_path: P
     log = tmp_path / "try" / "daemon.log"
     if log.exists():
         proc.stderr += log.read_text()[-3000:]
+    if trace.exists():
+        proc.stderr += "\ntrace (last commands):\n" + trace.read_text()[-1500:]
     expected = re.findall(r"^# -> (.*)$", blocks[recipe], re.M)
     assert expected
     for line in expected:
