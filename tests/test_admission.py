@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 import gpudiag
 from gpudiag.core.environment import PREALLOCATION_OFF, is_full_uuid
 from gpudiag.core.observations import NvmlObservation
+from gpudiag.core.requirement import parse_requirement
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.runner.admission import (
     BUSY,
@@ -28,6 +30,7 @@ from gpudiag.runner.admission import (
     UNKNOWN,
     Admission,
     AdmissionError,
+    Admitter,
     Observation,
     leaves_from_nvml,
     narrow,
@@ -83,15 +86,19 @@ def test_healthy_host_admits_one_full_uuid_and_the_exact_child_environment(
 def test_jax_platforms_follow_the_requirement(gpu_env: EnvFactory, locks: Path, require: str,
                                               expected: str | None) -> None:
     # The fake host has no real JAX CUDA backend, so a `jax` preflight is blocked here
-    # (jax_gpu_backend_absent, tested in test_run.py); a ready cuda verdict stands in for it.
+    # (jax_gpu_backend_absent, tested in test_run.py); a ready cuda verdict stands in for it,
+    # and the proof under the lock (which would refuse it: tests/test_truthful.py) is off.
     env = gpu_env(FAKE_NVML_DEVICE_COUNT=2)
     verdict = gpudiag.preflight("cuda", env=env)
     assert verdict.ready
-    with gpudiag.admit(gpus=1, require=require, env=env, lock_dir=locks, verdict=verdict,
-                       timeout=0) as adm:
+    adm = Admitter(env=env, lock_dir=locks, gpus=1, lock_timeout_s=0, prover=None).admit(
+        replace(verdict, requirement=parse_requirement(require)))
+    try:
         child = gpudiag.child_environment(adm, {})
         assert child.get("JAX_PLATFORMS") == expected
         assert child["CUDA_VISIBLE_DEVICES"] == gpu_uuid(0)
+    finally:
+        adm.release()
 
 
 def test_a_gpu_busy_with_another_process_is_never_chosen(gpu_env: EnvFactory,

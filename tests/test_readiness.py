@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from gpudiag.core.findings import Findings
-from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy, ProbeScope, settle
+from gpudiag.core.readiness import (
+    BUSY,
+    FREE,
+    UNKNOWN,
+    GpuOccupancy,
+    ProbeScope,
+    require_proof,
+    settle,
+)
 from gpudiag.core.requirement import parse_requirement
-from gpudiag.core.verdict import DeviceInfo, Requirement
+from gpudiag.core.verdict import UNPROVEN, BackendStatus, DeviceInfo, Requirement
 
 UUIDS = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(3)]
 NOW = "2026-11-30T12:00:00.000Z"
@@ -95,8 +107,30 @@ def test_out_of_memory_without_other_processes_stays_a_fault() -> None:
     assert [b.code for b in f.blockers] == ["cuda_out_of_memory"]
 
 
-def test_a_gpu_backend_without_a_free_gpu_is_not_proven_for_a_job() -> None:
+@pytest.mark.parametrize("node_health", [False, True])
+def test_an_unproven_gpu_backend_is_never_ready_whatever_the_question(node_health: bool) -> None:
     f = Findings()
-    scope = ProbeScope(occupancy={}, backend_gpu={"jax": None})
-    settle(f, [], parse_requirement("jax"), scope, checked_at=NOW)
-    assert [b.code for b in f.blockers] == ["devices_busy"]
+    requirement = replace(parse_requirement("cuda,jax"), node_health=node_health)
+    backends = {"cuda": BackendStatus("ok", 0.1),
+                "jax": BackendStatus(UNPROVEN, 0.5, {}, {"reason": "no free GPU (8 locked)"})}
+    require_proof(f, requirement, backends)
+    assert [(b.code, b.backend) for b in f.blockers] == [("backend_unproven", "jax")]
+    message = f.blockers[0].message
+    assert "no free GPU (8 locked)" in message
+    assert ("nothing known is broken" in message) is node_health
+
+
+def test_a_proven_backend_adds_nothing() -> None:
+    f = Findings()
+    require_proof(f, parse_requirement("jax"), {"jax": BackendStatus("ok", 0.5)})
+    assert f.blockers == []
+
+
+def test_job_readiness_names_the_gpu_a_backend_was_proven_on_first() -> None:
+    f = Findings()
+    devices = _devices(3)
+    scope = ProbeScope(occupancy={u: GpuOccupancy(u, FREE) for u in UUIDS},
+                       backend_gpu={"jax": UUIDS[1]})
+    chosen = settle(f, devices, replace(parse_requirement("jax"), gpus=1), scope,
+                    checked_at=NOW)
+    assert [d.uuid for d in chosen if d.selected] == [UUIDS[1]]

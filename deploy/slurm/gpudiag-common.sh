@@ -57,6 +57,16 @@ gpudiag_ask() {
     fi
 }
 
+# Codes that say "not proven now" or "in use", never "broken": busy never drains a node, and
+# neither does a backend gpudiag could not prove because jobs hold every GPU
+# (docs/design-notes.md, "Proven or not ready").
+GPUDIAG_NOT_BROKEN_CODES=${GPUDIAG_NOT_BROKEN_CODES:-"backend_unproven devices_busy lock_timeout"}
+
+# gpudiag_not_broken CODE: true when CODE is one of GPUDIAG_NOT_BROKEN_CODES.
+gpudiag_not_broken() {
+    [[ " $GPUDIAG_NOT_BROKEN_CODES " == *" $1 "* ]]
+}
+
 # gpudiag_preflight ARGS...: job readiness (gpudiag_ask preflight ARGS).
 gpudiag_preflight() {
     gpudiag_ask preflight "$@"

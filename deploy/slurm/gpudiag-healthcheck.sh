@@ -30,7 +30,13 @@ fi
 gpudiag_ask health --require "$GPUDIAG_HEALTH_REQUIRE"
 case $PREFLIGHT_RC in
     0) gpudiag_undrain "$node" ;;
-    1) gpudiag_drain "$node" "$PREFLIGHT_CODE" ;;
+    1)
+        if gpudiag_not_broken "$PREFLIGHT_CODE"; then
+            gpudiag_log "health check on $node: $PREFLIGHT_CODE (nothing known broken), node left as is"
+        else
+            gpudiag_drain "$node" "$PREFLIGHT_CODE"
+        fi
+        ;;
     *) gpudiag_log "health check on $node: gpudiag health exit $PREFLIGHT_RC, node left as is: $PREFLIGHT_ERR" ;;
 esac
 exit 0

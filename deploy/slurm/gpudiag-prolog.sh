@@ -11,6 +11,9 @@
 #   1 blocked  the job is refused (exit 1: a batch job is requeued, srun fails); the node
 #              is drained with Reason="gpudiag: <code>" (Slurm would otherwise drain it
 #              with "Prolog error") so the health check can undrain it once it recovers.
+#              Not for backend_unproven, devices_busy or lock_timeout: nothing is known
+#              broken and a failing Prolog would make Slurm drain the node ("Prolog
+#              error"), so the job runs and its record says why it was not proven.
 #   2, 3, timeout  gpudiag itself could not answer: logged and recorded; the job runs
 #              unless GPUDIAG_ON_ERROR=refuse (a broken gpudiag must not stop a fleet).
 set -u
@@ -52,6 +55,11 @@ case $PREFLIGHT_RC in
         ;;
     1)
         message=$(gpudiag_kv blockers.0.message | cut -c 1-200)
+        if gpudiag_not_broken "$PREFLIGHT_CODE"; then
+            record_job "gpudiag: $PREFLIGHT_CODE ready=false gpus=$job_gpus not_broken=yes checked_at=$(gpudiag_kv checked_at) source=$(gpudiag_kv source) message=$message"
+            gpudiag_log "job $job on $node: $PREFLIGHT_CODE, nothing known broken: the job runs ($message)"
+            exit 0
+        fi
         record_job "gpudiag: $PREFLIGHT_CODE ready=false gpus=$job_gpus checked_at=$(gpudiag_kv checked_at) source=$(gpudiag_kv source) blockers=$(gpudiag_kv blockers) message=$message"
         gpudiag_log "job $job refused on $node: $PREFLIGHT_CODE ($message)"
         gpudiag_drain "$node" "$PREFLIGHT_CODE"

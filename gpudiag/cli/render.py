@@ -21,7 +21,7 @@ from gpudiag.core.limits import PROBES
 from gpudiag.core.requirement import format_size
 from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, Verdict
 
-_STATUS_STYLE = {"ok": "green", "blocked": "red", "not_installed": "yellow", "skipped": "dim"}
+_STATUS_STYLE = {"ok": "green", "blocked": "red", "not_installed": "yellow", "unproven": "yellow"}
 # Width of piped output when COLUMNS does not say: wide enough that nothing wraps needlessly.
 PIPE_WIDTH = 120
 # A GPU's one status word for the blocker (or warning) that concerns it.

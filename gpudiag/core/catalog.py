@@ -204,6 +204,12 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "Retry; if it keeps happening, something else schedules these GPUs."),
             ("lock_timeout", "The GPUs stayed locked by other gpudiag jobs past the timeout.",
              "Wait for them, raise --lock-timeout, or ask for other GPUs."),
+            ("backend_unproven",
+             "A required backend was not proven on this host's GPUs: no GPU was free to prove "
+             "it on (jobs hold them) or a sibling probe held them past the wait. Nothing "
+             "known is broken: node-health checks do not drain on it.",
+             "Ask again when a GPU is free (or ask the daemon, which proves it between jobs); "
+             "`gpudiag run` and admit() prove it on the GPUs they lock."),
         ),
     ]
 }

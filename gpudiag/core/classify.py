@@ -38,8 +38,9 @@ from gpudiag.core.observations import (
     RemappedRows,
 )
 from gpudiag.core.probe_run import ProbeRun
-from gpudiag.core.readiness import ProbeScope, settle
+from gpudiag.core.readiness import ProbeScope, require_proof, settle, with_proof_gpu
 from gpudiag.core.verdict import (
+    UNPROVEN,
     BackendRequirement,
     BackendStatus,
     DeviceInfo,
@@ -332,7 +333,7 @@ def _status(run: ProbeRun | None, f: Findings, name: str,
             versions: Mapping[str, Any] | None = None, detail: Mapping[str, Any] | None = None
             ) -> BackendStatus:
     if run is None:
-        return BackendStatus("skipped", None)
+        return BackendStatus(UNPROVEN, None)
     blocked = any(b.backend == name for b in f.blockers)
     return BackendStatus("blocked" if blocked else "ok", round(run.duration_s, 4),
                          dict(versions or {}), dict(detail or {}))
@@ -448,12 +449,14 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         run = runs.get(req.name)
         classifier = BACKEND_CLASSIFIERS.get(req.name)
         if run is not None and run.skipped is not None:
-            backends[req.name] = BackendStatus("skipped", None, {}, {"reason": run.skipped})
+            backends[req.name] = BackendStatus(UNPROVEN, None, {}, {"reason": run.skipped})
         elif run is not None and classifier is not None and req.name not in backends:
-            backends[req.name] = classifier(run, req, gpu, f)
+            backends[req.name] = with_proof_gpu(classifier(run, req, gpu, f), req, scope)
         elif run is None and scope is not None and req.name in scope.backend_gpu:
-            backends[req.name] = BackendStatus("skipped", None, {}, {
+            backends[req.name] = BackendStatus(UNPROVEN, None, {}, {
                 "reason": "no free GPU this round: every visible GPU is in use or locked"})
+    # Proven or not ready: a required backend that was not tried never passes.
+    require_proof(f, requirement, backends)
     if "host" in runs:
         backends["host"] = _status(runs["host"], f, "host", {}, _host_detail(host_obs))
     if "nvml" in runs:

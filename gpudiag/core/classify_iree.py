@@ -15,7 +15,7 @@ from gpudiag.core.classify_jax import cuda_error_meaning
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, IreeObservation
 from gpudiag.core.probe_run import ProbeRun
-from gpudiag.core.verdict import BackendRequirement, BackendStatus
+from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
 
 BACKEND = "iree"
 _STATUS_RE = re.compile(r"(?P<file>[\w./\\-]+\.(?:c|cc|cpp|h)):(?P<line>\d+): "
@@ -147,4 +147,9 @@ def classify_iree(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
             message += "; the local-task control works, so IREE itself is fine"
         code = _code(str(failure.step), parse_status(failure.message or ""))
         f.block(code, message, backend=BACKEND, device=None)
+    if not blocked and obs.static is not None:
+        detail = {**_detail(obs), "installation_only": True,
+                  "reason": f"not proven: {obs.static}; IREE and its drivers load, but no "
+                            "device was created"}
+        return BackendStatus(UNPROVEN, duration, versions, detail)
     return BackendStatus("blocked" if blocked else "ok", duration, versions, _detail(obs))

@@ -16,7 +16,7 @@ from typing import Any
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, JaxObservation
 from gpudiag.core.probe_run import ProbeRun
-from gpudiag.core.verdict import BackendRequirement, BackendStatus
+from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
 
 BACKEND = "jax"
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
@@ -397,6 +397,8 @@ def classify_jax(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
         f.block("jax_not_installed", f"import jax failed: {_text(err)}", backend=BACKEND)
         return BackendStatus("not_installed", duration, versions,
                              {"import_error": _text(err)})
+    if obs.static is not None:
+        return _classify_static(obs, run, gpu, f, duration, versions)
     found = causes(obs, platform, run.stderr_tail)
     if platform == "gpu":
         # The driver itself is the cause (a cuda-layer code), unless the cuda probe said so.
@@ -415,3 +417,47 @@ def classify_jax(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
                                        "min_driver_version": need.min_driver}
     detail["cuda_driver_version"] = gpu.cuda_driver_version
     return BackendStatus("blocked" if found else "ok", duration, versions, detail)
+
+
+def static_causes(obs: JaxObservation, stderr: str, driver_version: int | None) -> list[Cause]:
+    """What an installation read alone shows (no backend initialized, no GPU touched): the
+    CPU pinned by JAX_PLATFORMS, no CUDA plugin, plugin/jaxlib skew, a too-old driver."""
+    out: list[Cause] = []
+    versions = obs.versions
+    jax_platforms = obs.jax_platforms
+    if jax_platforms and not any(p.strip() in GPU_PLATFORMS for p in jax_platforms.split(",")):
+        out.append(Cause("jax_cpu_fallback", f"JAX_PLATFORMS={_platforms(obs)} keeps JAX off "
+                                             "the GPU"))
+    skew = _plugin_version_skew(versions)
+    if skew:
+        out.append(Cause("jax_plugin_version_mismatch", f"JAX has no usable GPU plugin: {skew}"))
+    elif not any(versions.get(n) for n in PLUGIN_DISTRIBUTIONS) and not obs.plugins:
+        out.append(Cause("jax_gpu_backend_absent",
+                         f"JAX has no GPU platform: no jax-cuda12/13 plugin is installed "
+                         f"(jaxlib {versions.get('jaxlib')}) and no jax_plugins module is "
+                         "importable"))
+    out.extend(c for c in driver_causes(obs, stderr, driver_version)
+               if c.code == "cuda_driver_too_old")
+    if not obs.preallocation_disabled:
+        xla = obs.xla_env or {}
+        seen = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in xla.items())
+        out.append(Cause("jax_preallocation_enabled",
+                         f"the JAX child read {seen}: XLA would preallocate 75% of each GPU"))
+    return out
+
+
+def _classify_static(obs: JaxObservation, run: ProbeRun, gpu: GpuContext, f: Findings,
+                     duration: float, versions: Mapping[str, Any]) -> BackendStatus:
+    """An installation-only reading: blocked by what it shows, else unproven (never ok)."""
+    found = [c for c in static_causes(obs, run.stderr_tail, gpu.cuda_driver_version)
+             if all(b.code != c.code for b in f.blockers)]
+    for cause in found:
+        f.block(cause.code, cause.message, backend=BACKEND)
+    detail: dict[str, Any] = {"installation_only": True, "plugins": _listed(obs.plugins),
+                              "jax_platforms": obs.jax_platforms,
+                              "preallocation_disabled": obs.preallocation_disabled}
+    if found:
+        return BackendStatus("blocked", duration, dict(versions), detail)
+    detail["reason"] = (f"not proven: {obs.static}; JAX, jaxlib and its GPU plugin are "
+                        "installed and consistent, but no GPU backend was initialized")
+    return BackendStatus(UNPROVEN, duration, dict(versions), detail)

@@ -86,7 +86,7 @@ SHAPES: dict[str, Spec] = {
         "backend_errors": MapOf(SCALAR), "required_devices": ListOf(ANY),
         "compute": Obj({"error": _ERROR}), "xla_env": MapOf(SCALAR),
         "devices": ListOf(Obj()), "environment": MapOf(str), "default_backend": SCALAR,
-        "init_s": NUMBER, "init_duration_s": NUMBER,
+        "init_s": NUMBER, "init_duration_s": NUMBER, "static": str, "plugins": ListOf(str),
     }),
     "iree": Obj({
         "versions": MapOf(SCALAR), "import_error": _ERROR, "required": ListOf(SCALAR),
@@ -95,6 +95,7 @@ SHAPES: dict[str, Spec] = {
             "execute": Obj({"compile": Obj(), "run": Obj(), "skipped": SCALAR}),
         }), nullable=False),
         "environment": MapOf(str), "init_s": NUMBER, "init_duration_s": NUMBER,
+        "static": str,
     }),
 }
 

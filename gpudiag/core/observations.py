@@ -548,6 +548,9 @@ class JaxObservation:
     init_s: Number | None = None
     compute_s: Any = None
     init_duration_s: Number | None = None
+    # Only the installation was read (no GPU free to prove the backend on): see jax_probe.
+    static: str | None = None  # why (e.g. "every GPU is in use"); None: a full probe
+    plugins: tuple[str, ...] | None = None
 
     @classmethod
     def parse(cls, o: Record) -> JaxObservation:
@@ -585,7 +588,9 @@ class JaxObservation:
             environment=_str_map(env) if isinstance(env, Mapping) else None,
             import_s=o.get("import_s"), init_s=_num(o.get("init_s")),
             compute_s=o.get("compute_s"),
-            init_duration_s=_num(o.get("init_duration_s")))
+            init_duration_s=_num(o.get("init_duration_s")),
+            static=_str(o.get("static")),
+            plugins=_strs(o["plugins"]) if isinstance(o.get("plugins"), list) else None)
 
 
 # -- iree ------------------------------------------------------------------------------------
@@ -660,6 +665,7 @@ class IreeObservation:
     import_s: Any = None
     init_s: Number | None = None
     init_duration_s: Number | None = None
+    static: str | None = None  # only the drivers' loading was read, and why (see iree_probe)
 
     @classmethod
     def parse(cls, o: Record) -> IreeObservation:
@@ -676,7 +682,7 @@ class IreeObservation:
             compiled_in_drivers=o.get("compiled_in_drivers"),
             environment=_str_map(env) if isinstance(env, Mapping) else None,
             import_s=o.get("import_s"), init_s=_num(o.get("init_s")),
-            init_duration_s=_num(o.get("init_duration_s")))
+            init_duration_s=_num(o.get("init_duration_s")), static=_str(o.get("static")))
 
 
 # -- any other probe -------------------------------------------------------------------------

@@ -21,7 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpudiag.core.findings import Findings
-from gpudiag.core.verdict import DeviceInfo, Finding, Requirement
+from gpudiag.core.verdict import (
+    UNPROVEN,
+    BackendRequirement,
+    BackendStatus,
+    DeviceInfo,
+    Finding,
+    Requirement,
+)
 
 FREE, BUSY, UNKNOWN = "free", "busy", "unknown"
 # What a context creation answers on a GPU that someone else holds or has filled.
@@ -73,9 +80,8 @@ def settle(f: Findings, devices: Sequence[DeviceInfo], requirement: Requirement,
     if requirement.node_health:
         return tuple(reported)
     if requirement.gpus is not None:
-        return tuple(_choose(f, reported, requirement.gpus))
+        return tuple(_choose(f, reported, requirement.gpus, scope))
     _every_visible_gpu(f, reported, scope)
-    _backends_without_gpu(f, requirement, scope)
     return tuple(reported)
 
 
@@ -98,9 +104,13 @@ def _device(d: DeviceInfo, scope: ProbeScope, faulty: set[str], checked_at: str
     return replace(d, occupancy=scope.state(d.uuid), healthy=healthy, last_proven_at=proven)
 
 
-def _choose(f: Findings, devices: list[DeviceInfo], n: int) -> list[DeviceInfo]:
+def _choose(f: Findings, devices: list[DeviceInfo], n: int, scope: ProbeScope
+            ) -> list[DeviceInfo]:
     """Job readiness on N GPUs: pick N healthy FREE ones; faults elsewhere become warnings."""
     ready = [d for d in devices if d.healthy and d.occupancy == FREE]
+    # The GPUs the backends were proven on first: the verdict names what was proven.
+    proven = {g for g in scope.backend_gpu.values() if g}
+    ready.sort(key=lambda d: d.uuid not in proven)
     if len(ready) >= n:
         chosen = {label_of(d) for d in ready[:n]}
         kept: list[Finding] = []
@@ -143,13 +153,32 @@ def _every_visible_gpu(f: Findings, devices: Sequence[DeviceInfo], scope: ProbeS
                     device=d.uuid)
 
 
-def _backends_without_gpu(f: Findings, requirement: Requirement, scope: ProbeScope) -> None:
-    """A GPU backend that found no free GPU to prove itself on is not proven for this job."""
+def with_proof_gpu(status: BackendStatus, req: BackendRequirement,
+                   scope: ProbeScope | None) -> BackendStatus:
+    """A GPU backend's status with the GPU it was proven on (``detail.proven_on``)."""
+    gpu = scope.backend_gpu.get(req.name) if scope is not None else None
+    if not req.needs_gpu or gpu is None or status.status != "ok":
+        return status
+    return replace(status, detail={**status.detail, "proven_on": gpu})
+
+
+def require_proof(f: Findings, requirement: Requirement,
+                  backends: Mapping[str, BackendStatus]) -> None:
+    """Proven or not ready: a required backend left unproven blocks, whatever the question.
+
+    Job readiness is then not ready (wait, or let admission prove it under its lock). Node
+    health reads the same code as "nothing known broken, X unproven": the Slurm and NPD
+    checks do not drain on ``backend_unproven`` (docs/design-notes.md).
+    """
     for b in requirement.backends:
-        if b.needs_gpu and b.name in scope.backend_gpu and scope.backend_gpu[b.name] is None:
-            if not f.blockers:  # only when nothing else already explains it
-                f.block("devices_busy", f"no free GPU to prove {b.spec()} on: every visible "
-                        "GPU is in use or locked", backend=b.name)
+        status = backends.get(b.name)
+        if status is None or status.status != UNPROVEN:
+            continue
+        reason = str(status.detail.get("reason") or "it was not tried")
+        meaning = ("nothing known is broken; " if requirement.node_health
+                   else "the job cannot be told it is ready; ")
+        f.block("backend_unproven", f"{b.spec()} is unproven ({meaning}{reason})",
+                backend=b.name)
 
 
 def _label(d: DeviceInfo) -> str:

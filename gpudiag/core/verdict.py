@@ -170,9 +170,15 @@ class DeviceInfo:
         return cls(**fields, pids=None if pids is None else tuple(pids))
 
 
+# A backend that was not tried on a GPU (none free, a sibling probing): never counted as
+# proven. Its detail says why; readiness decides per question what it means.
+UNPROVEN = "unproven"
+BACKEND_STATES = ("ok", "blocked", "not_installed", UNPROVEN)
+
+
 @dataclass(frozen=True)
 class BackendStatus:
-    """How one backend fared: ok, blocked, not_installed or skipped."""
+    """How one backend fared: ok, blocked, not_installed or unproven (detail.reason: why)."""
 
     status: str
     duration_s: float | None

@@ -41,10 +41,13 @@ from gpudiag.daemon.snapshot import (
 from gpudiag.engine.guard import (
     claim_free,
     driver_absent,
+    exclusive_gpus,
+    not_foreign,
     occupancy_from_nvml,
     rotated,
     touches_gpu,
     visible_uuids,
+    why_unclaimed,
 )
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir
@@ -107,6 +110,27 @@ def full_requirement(config: DaemonConfig) -> Requirement:
     if not names:
         return Requirement(backends=(), min_devices=0, node_health=True)
     return Requirement(backends=tuple(BackendRequirement(n) for n in names), node_health=True)
+
+
+# The daemon waits less for a sibling probe's exclusive lock than an inline run does: it
+# proves the GPU again next round, and its other probes wait behind its guard meanwhile.
+DAEMON_SIBLING_WAIT_S = 5.0
+
+
+def _installation_only(run: ProbeRun) -> bool:
+    """Whether a jax/iree run only read the installation (no GPU was free to prove it on)."""
+    obs = run.jax or run.iree
+    return obs is not None and obs.static is not None
+
+
+def _installation(run: ProbeRun) -> tuple[object, ...]:
+    """What a jax/iree run says is installed: versions (and the JAX plugins found)."""
+    jax, iree = run.jax, run.iree
+    if jax is not None:
+        return (jax.installed, tuple(sorted(jax.versions.items())), jax.plugins)
+    if iree is not None:
+        return (iree.installed, tuple(sorted(iree.versions.items())))
+    return ()
 
 
 def failure_signature(run: ProbeRun) -> str | None:
@@ -290,24 +314,15 @@ class Scheduler:
     def _run(self, key: ProbeKey, flight: Flight) -> None:
         options = key.options_dict()
         if touches_gpu(key.backend, options):
-            guarded = self._run_guarded(key.backend, options)
-            if guarded is None:  # no free GPU for jax/iree: the last result stands
+            run = self._run_guarded(key.backend, options)
+            if _installation_only(run) and not self._static_news(key, run):
+                # No free GPU for jax/iree and the installation reads as before: the last
+                # proof stands (with its time); nothing new to publish.
                 with self._lock:
-                    if key not in self._results:
-                        # Never proven yet: a "skipped" result, so that the verdicts (and
-                        # /readyz) do not wait for a GPU that jobs may hold for days.
-                        now = self.clock.time()
-                        self._results[key] = ProbeResult(key, ProbeRun(
-                            key.backend, None, 0.0,
-                            skipped="no free GPU yet: every GPU is in use or locked"),
-                            flight.started_wall, now)
                     self._schedule_next(key, None)
                     self._inflight.pop(key, None)
-                    snapshot = self._publish_locked()
                 flight.done.set()
-                self._notify(snapshot)
                 return
-            run = guarded
         else:
             run = self._call(key.backend, self._env, options)
         if self._stop.is_set():
@@ -381,8 +396,18 @@ class Scheduler:
         return self._snapshot
 
     # -- busy GPUs ---------------------------------------------------------------------
+    def _static_news(self, key: ProbeKey, run: ProbeRun) -> bool:
+        """Whether an installation-only reading is worth publishing: nothing was proven yet
+        (the verdict then says unproven instead of waiting for a GPU that jobs may hold for
+        days), or the installation changed since the last reading (a plugin went missing)."""
+        with self._lock:
+            previous = self._results.get(key)
+        if previous is None or _installation_only(previous.run):
+            return True
+        return _installation(previous.run) != _installation(run)
+
     def _run_guarded(self, backend: str, options: Mapping[str, Any] | None
-                     ) -> ProbeRun | None:
+                     ) -> ProbeRun:
         """Run an active probe (cuda, jax, iree on a GPU) on FREE GPUs only, under their
         locks: NVML is read first (no context), then the probe touches what was claimed.
 
@@ -394,7 +419,7 @@ class Scheduler:
         with self._guard:
             nvml_run = self._call("nvml", self._env, None)
             nvml = nvml_run.nvml if nvml_run.ok else None
-            occupancy = occupancy_from_nvml(nvml, own_process_tree())
+            occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
             with self._lock:
                 round_index = self._rounds.get(backend, 0)
                 self._rounds[backend] = round_index + 1
@@ -403,7 +428,9 @@ class Scheduler:
                 candidates = rotated(candidates, round_index)
             with claim_free(occupancy, candidates, lock_dir=self._lock_dir,
                             probe_busy=self.config.probe_busy_gpus,
-                            limit=None if backend == "cuda" else 1) as claim:
+                            limit=None if backend == "cuda" else 1,
+                            exclusive=exclusive_gpus(nvml),
+                            sibling_wait_s=DAEMON_SIBLING_WAIT_S) as claim:
                 for uuid, why in claim.left_alone.items():
                     if why == "locked":  # a gpudiag run job holds it
                         occupancy[uuid] = GpuOccupancy(uuid, "busy",
@@ -420,8 +447,10 @@ class Scheduler:
                 with self._lock:
                     self._backend_gpu[backend] = gpu
                 if gpu is None:
+                    # Nothing is touched; what needs no GPU (plugin, versions) is still read.
                     log.debug("probe %s: no free GPU this round", backend)
-                    return None
+                    return self._call(backend, self._env,
+                                      {**(options or {}), "static": why_unclaimed(claim)})
                 env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu, "NVIDIA_VISIBLE_DEVICES": gpu}
                 return self._call(backend, env, options)
 

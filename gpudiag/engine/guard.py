@@ -9,7 +9,8 @@ the children are done. A GPU not claimed is not touched: its last active result 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.engine.locks import LockFailed, LockInfo, lock_holder, release, try_lock
+from gpudiag.engine.processes import cmdline, is_probe_child, own_process_tree
 
 # The probes that make a CUDA context (and so may only run on FREE GPUs), by their options.
 ACTIVE_PROBES = ("cuda", "jax", "iree")
@@ -123,20 +125,75 @@ class GpuClaim:
         self.release()
 
 
+# How long an inline probe waits for a sibling gpudiag probe's exclusive lock (a GPU in an
+# exclusive compute mode): a few cuda/JAX proofs, well inside a Slurm prolog's minute.
+SIBLING_WAIT_S = 20.0
+
+
+def not_foreign(nvml: NvmlObservation | None) -> frozenset[int]:
+    """The PIDs that do not make a GPU busy: this process tree, and other gpudiag probe
+    children (a sibling's probe is proving the GPU, not using it: DESIGN "siblings are not
+    users"). Only PIDs NVML lists are looked at, so this costs a few /proc reads."""
+    ours = own_process_tree()
+    listed: set[int] = set()
+    for d in nvml.devices if nvml is not None and nvml.ok else ():
+        lists = [d.processes, *(i.processes for i in (d.mig.instances if d.mig else ()))]
+        listed.update(p.pid for procs in lists for p in (procs or ()) if p.pid is not None)
+    listed -= ours
+    return ours | frozenset(pid for pid in listed if is_probe_child(cmdline(pid)))
+
+
+def why_unclaimed(claim: GpuClaim) -> str:
+    """Why no GPU was free to prove a backend on, for the verdict (``3 busy, 5 locked``)."""
+    counts: dict[str, int] = {}
+    for why in claim.left_alone.values():
+        counts[why] = counts.get(why, 0) + 1
+    words = {"busy": "in use", "locked": "locked by a gpudiag run job",
+             "probing": "held by a sibling gpudiag probe past the wait", "unknown":
+             "of unknown occupancy"}
+    said = ", ".join(f"{n} {words.get(w, w)}" for w, n in sorted(counts.items()))
+    return f"no free GPU to prove it on ({said or 'no visible GPU'})"
+
+
+# NVML compute modes in which a second process cannot make a context beside the first
+# (1 EXCLUSIVE_THREAD, 3 EXCLUSIVE_PROCESS): there sibling probes take turns.
+_EXCLUSIVE_MODES = frozenset({1, 3})
+# How often a probe waiting for a sibling's exclusive probe lock looks again.
+_SIBLING_POLL_S = 0.05
+
+
+def exclusive_gpus(nvml: NvmlObservation | None) -> frozenset[str]:
+    """The GPUs whose compute mode lets one process at a time make a context."""
+    if nvml is None or not nvml.ok:
+        return frozenset()
+    return frozenset(d.uuid for d in nvml.devices
+                     if d.uuid is not None and d.compute_mode in _EXCLUSIVE_MODES)
+
+
 def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str], *,
                lock_dir: Path, probe_busy: bool = False,
-               limit: int | None = None) -> GpuClaim:
-    """Lock FREE GPUs among ``candidates`` (full UUIDs, in order) without waiting, at most
-    ``limit`` of them (JAX and IREE need one: a monitor holds no more locks than it uses,
-    since a `gpudiag run` job waits for a locked GPU).
+               limit: int | None = None, exclusive: Collection[str] = (),
+               sibling_wait_s: float = 0.0, held: Collection[str] = (),
+               clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep) -> GpuClaim:
+    """Lock FREE GPUs among ``candidates`` (full UUIDs, in order), at most ``limit`` of them
+    (JAX and IREE need one: a monitor holds no more locks than it uses, since a `gpudiag run`
+    job waits for a locked GPU).
 
-    ``probe_busy`` (config ``probe_busy_gpus``, off by default) lets a site probe BUSY GPUs
-    too; UNKNOWN is never probed. A lock file that cannot be opened at all leaves the GPU
-    alone: the monitor must not be the one to break a job.
+    Siblings are not users (docs/design-notes.md, "Proven or not ready"): probes take a
+    *shared* lock, so gpudiag probes started together prove a GPU side by side, and only a
+    job's exclusive lock keeps them off. On a GPU in an exclusive compute mode (``exclusive``)
+    only one context fits, so there probes lock exclusively and a probe that finds a
+    sibling's probe lock waits for it up to ``sibling_wait_s``; a job's lock is never waited
+    for. ``probe_busy`` (config ``probe_busy_gpus``, off by default) lets a site probe BUSY
+    GPUs too; UNKNOWN is never probed. A lock file that cannot be opened at all leaves the
+    GPU alone: the monitor must not be the one to break a job. ``held`` are GPUs the caller
+    itself holds under a job's lock (admission proving what it admits): claimed as they are.
     """
     claimed: list[str] = []
     locks: list[LockInfo] = []
     left: dict[str, str] = {}
+    deadline = clock() + max(0.0, sibling_wait_s)
     for uuid in candidates:
         if limit is not None and len(claimed) >= limit:
             break
@@ -145,23 +202,42 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
         if not is_full_uuid(uuid):
             left[uuid] = UNKNOWN
             continue
+        if uuid in held:
+            claimed.append(uuid)
+            continue
         if state == UNKNOWN or (state == BUSY and not probe_busy):
             left[uuid] = state
             continue
-        try:
-            lock = try_lock(lock_dir, uuid, purpose="probe")
-        except LockFailed:
-            left[uuid] = UNKNOWN
-            continue
-        if lock is None:
-            # Another gpudiag's probe proving it this moment leaves it FREE (not ours to
-            # probe now); anyone else holding it (a `gpudiag run` job) makes it busy.
-            holder = lock_holder(lock_dir, uuid) or {}
-            left[uuid] = "probing" if holder.get("purpose") == "probe" else "locked"
-            continue
-        locks.append(lock)
-        claimed.append(uuid)
+        outcome = _lock_probe(lock_dir, uuid, shared=uuid not in exclusive, deadline=deadline,
+                              clock=clock, sleep=sleep)
+        if isinstance(outcome, LockInfo):
+            locks.append(outcome)
+            claimed.append(uuid)
+        else:
+            left[uuid] = outcome
     return GpuClaim(tuple(claimed), left, tuple(locks))
+
+
+def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
+                clock: Callable[[], float], sleep: Callable[[float], None]
+                ) -> LockInfo | str:
+    """A probe's lock on ``uuid``, or why not: ``locked`` (a job holds it), ``probing``
+    (a sibling probe held it past the wait) or ``unknown`` (the lock file is unusable)."""
+    while True:
+        try:
+            lock = try_lock(lock_dir, uuid, purpose="probe", shared=shared)
+        except LockFailed:
+            return UNKNOWN
+        if lock is not None:
+            return lock
+        # Held exclusively: by another gpudiag's probe (exclusive compute mode) it stays FREE
+        # and is waited for; anyone else (a `gpudiag run` job, a bare flock) makes it busy.
+        holder = lock_holder(lock_dir, uuid) or {}
+        if holder.get("purpose") != "probe":
+            return "locked"
+        if clock() >= deadline:
+            return "probing"
+        sleep(_SIBLING_POLL_S)
 
 
 def rotated(candidates: Sequence[str], round_index: int) -> list[str]:

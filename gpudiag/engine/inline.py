@@ -15,16 +15,19 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import BUSY, GpuOccupancy, ProbeScope
 from gpudiag.core.verdict import Requirement
 from gpudiag.engine.guard import (
+    SIBLING_WAIT_S,
     claim_free,
     driver_absent,
+    exclusive_gpus,
+    not_foreign,
     occupancy_from_nvml,
     touches_gpu,
     visible_uuids,
+    why_unclaimed,
 )
 from gpudiag.engine.isolation import run_probes
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.engine.plan import DEFAULT_TIMEOUTS_S, probes_for
-from gpudiag.engine.processes import own_process_tree
 
 Request = tuple[str, Mapping[str, Any] | None]
 
@@ -41,9 +44,11 @@ class InlineRun:
 def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
                timeout_s: float | None = None,
                timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None,
-               lock_dir: Path | None = None) -> InlineRun:
+               lock_dir: Path | None = None, held: Collection[str] = ()) -> InlineRun:
     """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs (DESIGN
-    "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs' locks; host beside."""
+    "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs' locks; host beside.
+    ``held``: full UUIDs the caller already holds a job's lock on (it proves them as its own).
+    """
     checked_at = now_rfc3339()
     requests = probes_for(requirement, only=only)
     limits = dict(DEFAULT_TIMEOUTS_S)
@@ -67,7 +72,7 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
         beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits)
         nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits)["nvml"]
         active_runs, scope = _run_active(active, nvml_run, child_env, limits,
-                                         lock_dir or default_lock_dir(base))
+                                         lock_dir or default_lock_dir(base), held)
         runs = beside.result()
     if wanted_nvml:
         runs["nvml"] = nvml_run
@@ -76,13 +81,14 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
 
 
 def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mapping[str, str],
-                limits: Mapping[str, float], lock_dir: Path
+                limits: Mapping[str, float], lock_dir: Path, held: Collection[str] = ()
                 ) -> tuple[dict[str, ProbeRun], ProbeScope]:
     """cuda, jax and iree on the FREE GPUs of NVML's reading, under their locks."""
     nvml = nvml_run.nvml if nvml_run.ok else None
-    occupancy = occupancy_from_nvml(nvml, own_process_tree())
+    occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
     candidates = visible_uuids(nvml, child_env)
-    with claim_free(occupancy, candidates, lock_dir=lock_dir) as claim:
+    with claim_free(occupancy, candidates, lock_dir=lock_dir, exclusive=exclusive_gpus(nvml),
+                    sibling_wait_s=SIBLING_WAIT_S, held=held) as claim:
         for uuid, why in claim.left_alone.items():
             if why == "locked":  # a gpudiag run job holds it (its process may not be up yet)
                 occupancy[uuid] = GpuOccupancy(uuid, BUSY, why="locked by a gpudiag run job")
@@ -107,7 +113,9 @@ def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mappin
                 continue
             backend_gpu[name] = one_gpu
             if one_gpu is None:
-                continue  # no free GPU: not proven this round, nothing touched
+                # No free GPU: nothing is touched, but what needs no GPU is still read.
+                planned.append((name, {**(opts or {}), "static": why_unclaimed(claim)}))
+                continue
             envs[name] = {**child_env, "CUDA_VISIBLE_DEVICES": one_gpu,
                           "NVIDIA_VISIBLE_DEVICES": one_gpu}
             planned.append((name, opts))

@@ -87,12 +87,19 @@ def _lock_path(lock_dir: Path, uuid: str) -> Path:
     return lock_dir / f"{uuid}.lock"
 
 
-def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job") -> LockInfo | None:
+def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
+             shared: bool = False) -> LockInfo | None:
     """Take the lock of ``uuid`` without waiting; None when another process holds it.
 
     ``purpose`` goes into the holder record: ``job`` (a `gpudiag run` job, `admit()`) or
     ``probe`` (a probe touching the GPU for a moment), so that others can tell a GPU in use
     from one being proven right now.
+
+    ``shared`` takes a shared lock (probes on a GPU in the default compute mode): gpudiag
+    probes started together prove a GPU side by side instead of finding each other "busy",
+    while a job's exclusive lock still excludes them all. A shared holder writes no holder
+    record (several may hold it at once); an exclusive lock means a job, or a probe on a GPU
+    in exclusive-process mode, and its holder record says which.
     """
     path = _lock_path(lock_dir, uuid)
     try:
@@ -111,7 +118,7 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job") -> LockInfo | N
         raise LockFailed(f"lock file {path} is not a plain regular file (a FIFO, device or "
                          "hard link someone planted?); remove it")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
@@ -122,12 +129,20 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job") -> LockInfo | N
         st = os.fstat(fd)
         if st.st_uid == os.getuid():
             os.fchmod(fd, 0o666)  # other users' jobs must be able to open it too
+    if not shared:  # several shared holders at once: the record is the exclusive ones'
+        _write_holder(fd, uuid, purpose)
+    st = os.fstat(fd)
+    return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd)
+
+
+def _write_holder(fd: int, uuid: str, purpose: str) -> None:
+    """Say who holds the lock (evidence for waiters; anyone may overwrite it, so never trusted
+    for more than telling a job from a probe)."""
+    with contextlib.suppress(OSError):
         holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                              "since": time.time(), "uuid": uuid, "purpose": purpose}) + "\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
-    st = os.fstat(fd)
-    return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd)
 
 
 def lock_holder(lock_dir: Path, uuid: str) -> dict[str, Any] | None:

@@ -10,7 +10,10 @@ Compiling dominates the probe's time (a quarter to a second), so the compiled mo
 in a per-user cache keyed by the compiler version, target, flags and source. Only a
 successful compile is cached; the device is created and the kernel runs on every probe, and
 a cached module that fails to run is recompiled and run again before anything is blamed.
-Options: ``{"drivers": [...], "compile": true, "cache": true, "cuda_target": "sm_80"}``.
+Options: ``{"drivers": [...], "compile": true, "cache": true, "cuda_target": "sm_80",
+"static": REASON}``. ``static`` (no GPU free to prove the backend on) only loads each required
+driver (``get_driver`` loads libcuda but calls no cuInit and makes no context): what needs no
+GPU is known even when every GPU is busy.
 """
 
 from __future__ import annotations
@@ -196,6 +199,17 @@ def _execute(rt: Any, device: Any, driver: str, options: Mapping[str, Any]) -> d
     return out
 
 
+def _driver_loads(rt: Any, name: str, compiled_in: list[str]) -> dict[str, Any]:
+    """Whether the driver loads (its library is there), touching no device."""
+    out: dict[str, Any] = {"driver": name, "ok": False, "compiled_in": name in compiled_in,
+                           "error": None}
+    try:
+        rt.get_driver(name)
+    except Exception as e:
+        out["error"] = _error("driver", e)
+    return out
+
+
 def _driver(rt: Any, name: str, compiled_in: list[str], options: Mapping[str, Any]
             ) -> dict[str, Any]:
     out: dict[str, Any] = {"driver": name, "ok": False, "compiled_in": name in compiled_in,
@@ -272,6 +286,11 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         compiled_in = []
         out["compiled_in_error"] = _error("query_drivers", e)
     out["compiled_in_drivers"] = compiled_in
+    if options.get("static"):
+        out["static"] = str(options["static"])
+        out["drivers"] = {name: _driver_loads(rt, name, compiled_in) for name in required}
+        out["ok"] = None if all(d["error"] is None for d in out["drivers"].values()) else False
+        return out
     out["drivers"] = {name: _driver(rt, name, compiled_in, options) for name in drivers}
     out["ok"] = all(out["drivers"][d]["ok"] for d in required)
     return out

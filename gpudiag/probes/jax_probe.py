@@ -6,10 +6,13 @@ backends JAX brought up and the per-platform errors, then runs a tiny jitted com
 the required platform and checks its result. JAX failures are recorded, never raised: the
 child's stderr (where JAX and XLA log the real causes) travels back with the observation.
 
-Options: ``{"platform": "gpu" | "cpu"}``. For ``gpu`` JAX runs under the caller's
+Options: ``{"platform": "gpu" | "cpu", "static": REASON}``. For ``gpu`` JAX runs under the caller's
 JAX_PLATFORMS as given, so what it does is what the job would do; a CPU device never counts
 as the GPU. For ``cpu`` the child sets JAX_PLATFORMS=cpu (the caller's value is recorded), so
-a broken GPU plugin cannot block a CPU-only job.
+a broken GPU plugin cannot block a CPU-only job. ``static`` (used when no GPU is free to
+prove the backend on) only imports JAX and reads what is installed (versions, the CUDA plugins
+JAX would discover): what needs no GPU is known even when every GPU is busy, and no backend is
+initialized, so no GPU is touched.
 """
 
 from __future__ import annotations
@@ -50,6 +53,25 @@ def _error(e: BaseException) -> dict[str, Any]:
     code = frames[-1].line if frames else None
     return {"type": type(e).__name__, "message": str(e), "where": where, "code": code,
             "traceback": "".join(traceback.format_exception(e))[-8192:]}
+
+
+def _plugins() -> list[str]:
+    """The PJRT plugins JAX would discover: ``jax_plugins`` modules and entry points."""
+    import importlib.util
+    import pkgutil
+
+    found: set[str] = set()
+    try:
+        spec = importlib.util.find_spec("jax_plugins")
+        paths = list(spec.submodule_search_locations or []) if spec is not None else []
+        found.update(m.name for m in pkgutil.iter_modules(paths))
+    except (ImportError, ValueError):  # no namespace package: no plugin module
+        pass
+    try:
+        found.update(ep.name for ep in importlib.metadata.entry_points(group="jax_plugins"))
+    except Exception:  # broken metadata of some distribution: a missing fact, not a failure
+        pass
+    return sorted(found)
 
 
 def _device(d: Any) -> dict[str, Any]:
@@ -153,6 +175,12 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     out["import_s"] = round(time.monotonic() - started, 4)
     out["versions"]["jax"] = out["versions"]["jax"] or getattr(jax, "__version__", None)
     out["nvidia_gpu_visible"] = _nvidia_gpu_visible()
+    out["plugins"] = _plugins()
+    if options.get("static"):
+        out["static"] = str(options["static"])  # why no GPU: the verdict says it
+        out["ok"] = None  # nothing was proven, and nothing failed
+        sys.stderr.flush()
+        return out
 
     started = time.monotonic()
     default_devices: list[Any] = []

@@ -15,12 +15,15 @@ import hashlib
 import json
 import os
 import random
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core.classify import classify
 from gpudiag.core.environment import (
     FULL_UUID,
     KnownDevice,
@@ -37,6 +40,7 @@ from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, Leaf, leaves_from_nvml
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GPU_FAULT_LAYERS
 from gpudiag.core.verdict import Finding, Requirement, Verdict
+from gpudiag.engine.inline import run_inline
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import (
     LockFailed,
@@ -257,6 +261,56 @@ def child_environment(admission: Admission, base_env: Mapping[str, str]) -> dict
 
 
 Hook = Callable[[Observation], None]
+# (requirement, job environment, admitted full UUIDs) -> the verdict of probes run on them.
+Prover = Callable[[Requirement, Mapping[str, str], Sequence[str]], Verdict]
+# A preflight proof of the admitted GPUs this recent stands in for one made under the lock
+# (the daemon's answers are this old at most by default, too).
+PROOF_MAX_AGE_S = 60.0
+
+
+def _wall(rfc3339: str | None) -> float | None:
+    if not rfc3339:
+        return None
+    try:
+        return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def proven_on(verdict: Verdict, uuids: Sequence[str], *, now_wall: float,
+              max_age_s: float = PROOF_MAX_AGE_S) -> bool:
+    """Whether ``verdict`` proved every GPU backend it requires on ``uuids``, recently: each
+    GPU's last proof (a CUDA context) within ``max_age_s``, and JAX/IREE proven on one of
+    them (``detail.proven_on``). Admission proves again under its lock when not."""
+    active = [b for b in verdict.requirement.backends if b.needs_gpu and b.name != "nvml"]
+    if not active or not uuids:
+        return True
+    by_uuid = {d.uuid: d for d in verdict.devices}
+    for uuid in uuids:
+        device = by_uuid.get(uuid)
+        proven = _wall(device.last_proven_at) if device is not None else None
+        if proven is None or now_wall - proven > max_age_s:
+            return False
+    for b in active:
+        status = verdict.backends.get(b.name)
+        if status is None or status.status != "ok":
+            return False
+        if b.name != "cuda" and status.detail.get("proven_on") not in uuids:
+            return False
+    return True
+
+
+def prove_under_lock(requirement: Requirement, env: Mapping[str, str],
+                     uuids: Sequence[str]) -> Verdict:
+    """Run the requirement's probes on the admitted GPUs, which this process holds locked:
+    the job-readiness question on exactly those GPUs, as the job will see them."""
+    listed = ",".join(uuids)
+    job_env = {**env, "CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
+    req = replace(requirement, node_health=False, gpus=None, devices=None,
+                  min_devices=len(uuids), min_free_memory_bytes=None)
+    done = run_inline(req, env=job_env, held=uuids)
+    return classify(done.runs, req, host=socket.gethostname(), checked_at=done.checked_at,
+                    scope=done.scope)
 
 
 @dataclass(frozen=True)
@@ -271,6 +325,9 @@ class Admitter:
     observer: Callable[[Mapping[str, str]], Observation] = observe
     # Test seam: runs after the first observation, before the locks (inject a change here).
     after_first_observation: Hook | None = None
+    # Proves the requirement on the admitted GPUs under their locks when the preflight did
+    # not (docs/design-notes.md, "Admission proves what it admits"); None: never (tests).
+    prover: Prover | None = prove_under_lock
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
 
@@ -307,6 +364,11 @@ class Admitter:
                            f"{b.code} on {b.device}, which the job does not use: {b.message}",
                            backend=b.backend, device=b.device, warning=True)
                 for b in verdict.blockers)))
+        if self.gpus and self.prover is not None:
+            # Unproven because no GPU was free to prove it on: admission waits for GPUs and
+            # proves the backend on the ones it locks, so this is no refusal yet.
+            verdict = replace(verdict, blockers=tuple(
+                b for b in verdict.blockers if b.code != "backend_unproven"))
         if not verdict.ready:
             raise AdmissionError(verdict)
         if self.gpus == 0:
@@ -321,8 +383,30 @@ class Admitter:
                 obs = self.observer(self.env)
             outcome = self._attempt(verdict, obs, deadline, faulty)
             if isinstance(outcome, Admission):
-                return replace(outcome, attempts=attempts, waited_s=self.clock() - started)
+                return self._proven(replace(outcome, attempts=attempts,
+                                            waited_s=self.clock() - started))
             obs = None  # held by others and freed since: observe afresh
+
+    def _proven(self, admission: Admission) -> Admission:
+        """The admission, once its GPUs are proven for the requirement (or refused)."""
+        if self.prover is None or any(lf.kind != "gpu" for lf in admission.leaves):
+            return admission  # MIG leaves: their parent GPU is shared, see design-notes
+        if proven_on(admission.verdict, admission.uuids, now_wall=time.time()):
+            return admission
+        proof = self.prover(admission.requirement, self.env, admission.uuids)
+        evidence = {"under_lock": True, "checked_at": proof.checked_at,
+                    "gpu_validation_blocker": proof.gpu_validation_blocker,
+                    "backends": {n: b.status for n, b in proof.backends.items()}}
+        if not proof.ready:
+            admission.release()
+            raise AdmissionError(replace(proof, evidence={
+                **proof.evidence, "proof": evidence,
+                "admission": {**admission.record(), "proof": evidence}}))
+        verdict = admission.verdict
+        return replace(admission, verdict=replace(
+            verdict, devices=proof.devices or verdict.devices,
+            backends={**verdict.backends, **proof.backends},
+            evidence={**verdict.evidence, "proof": evidence}))
 
     def _refuse(self, verdict: Verdict, code: str, message: str, evidence: Mapping[str, Any],
                 extra: Sequence[Finding] = ()) -> AdmissionError:

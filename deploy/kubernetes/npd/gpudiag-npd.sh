@@ -5,7 +5,8 @@
 #
 # NPD's exit-code protocol: 0 OK, 1 NonOK (the GPUBlocked condition turns True), 2 Unknown.
 # The first line of stdout is the condition's message ("gpudiag: <code>").
-# gpudiag health's exit codes map as: 0 ready -> 0, 1 blocked -> 1, anything else
+# gpudiag health's exit codes map as: 0 ready -> 0, 1 blocked -> 1 (backend_unproven -> 2:
+# nothing known broken), anything else
 # (2 usage, 3 gpudiag failed, a timeout) -> 2: gpudiag not answering is not a broken GPU.
 #
 # It asks the local gpudiag daemon on its unix socket (the DaemonSet's hostPath
@@ -26,7 +27,9 @@ rc=$?
 code=$(sed -n 's/^gpu_validation_blocker=//p' <<<"$kv" | head -n 1)
 case $rc in
     0) echo "gpudiag: ready"; exit 0 ;;
-    1) echo "gpudiag: ${code:-unknown}"; exit 1 ;;
+    # Not proven now (every GPU held by pods) is not broken: Unknown, never GPUBlocked.
+    1) if [[ $code == backend_unproven ]]; then echo "gpudiag: backend_unproven (nothing known broken)"; exit 2; fi
+       echo "gpudiag: ${code:-unknown}"; exit 1 ;;
     124|137) echo "gpudiag: health check timed out after ${GPUDIAG_TIMEOUT_S}s"; exit 2 ;;
     *) echo "gpudiag: health check failed (exit $rc)"; exit 2 ;;
 esac
