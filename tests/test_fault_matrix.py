@@ -292,6 +292,27 @@ def _admit_lock_timeout(rig: Rig, tmp: Path) -> Verdict:
         holder.wait()
 
 
+_JOBS_HOLD_ALL = """
+import sys, time
+from gpudiag.engine.locks import try_lock
+held = [try_lock(__import__("pathlib").Path(sys.argv[1]), u, purpose="job") for u in sys.argv[2:]]
+print("held" if all(held) else "missed", flush=True)
+time.sleep(60)  # ends by itself: the case is over long before
+"""
+
+
+def _every_gpu_locked_by_jobs(rig: Rig, tmp: Path) -> dict[str, str]:
+    """The fake JAX plugin installed and every GPU locked by a `gpudiag run` job: JAX can
+    only be read as installed, never proven (backend_unproven beside devices_busy)."""
+    env = _plugin("none")(rig, tmp)
+    env["GPUDIAG_LOCK_DIR"] = str(tmp / "job-locks")
+    holder = subprocess.Popen([sys.executable, "-c", _JOBS_HOLD_ALL, env["GPUDIAG_LOCK_DIR"],
+                               *(_uuid(i) for i in range(8))], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return env
+
+
 # -- the matrix ---------------------------------------------------------------------------------
 def _d(code: str, knobs: Mapping[str, str | int] | None = None, **kw: Any) -> Case:
     return Case(code, "daemon", _engine_knobs(code) if knobs is None else knobs, **kw)
@@ -383,6 +404,7 @@ CASES: tuple[Case, ...] = (
     _a("visible_devices_conflict", _admit_conflict),
     _a("admission_changed", _admit_changed),
     _a("lock_timeout", _admit_lock_timeout),
+    _j("backend_unproven", require="jax", env=_every_gpu_locked_by_jobs, primary=False),
 )
 
 WARNING_CASES: tuple[Case, ...] = (
