@@ -3,6 +3,7 @@ node's state; `gpudiag preflight` is the real one, on the fake driver."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -613,3 +614,72 @@ def test_scripts_pass_shellcheck() -> None:
     proc = subprocess.run([shellcheck, "-x", *map(str, scripts)], capture_output=True,
                           text=True, timeout=60, check=False, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _submit_together(s: RealSlurm, n: int) -> list[str]:
+    """``n`` one-GPU batch jobs submitted at the same moment, as a workflow tool does."""
+    procs = [subprocess.Popen(["sbatch", "--parsable", "--gres=gpu:1", "-o", "/dev/null",
+                               "--wrap", "true"], env=s.env, stdout=subprocess.PIPE, text=True,
+                              cwd=s.folder) for _ in range(n)]
+    return [p.communicate(timeout=30)[0].strip().split(";")[0] for p in procs]
+
+
+@contextlib.contextmanager
+def _prolog_requires(s: RealSlurm, require: str) -> Iterator[None]:
+    defaults = s.folder / "defaults"
+    before = defaults.read_text()
+    defaults.write_text(before + f"GPUDIAG_PROLOG_REQUIRE={require}\n")
+    try:
+        yield
+    finally:
+        defaults.write_text(before)
+
+
+@pytest.mark.slow
+def test_real_slurm_jobs_started_together_never_drain_a_healthy_node(
+        real_slurm: RealSlurm) -> None:
+    """Issue 23: Prologs running at the same moment found each other's probe locks and
+    drained a healthy node with devices_busy. Four jobs at once on two GPUs, no daemon."""
+    s = real_slurm
+    s.set_gpus()
+    s.wait("an idle node", lambda: s.node_field("State") == "IDLE")
+    with _prolog_requires(s, "cuda"):
+        jobs = _submit_together(s, 4)
+        for job in jobs:
+            def completed(job: str = job) -> bool:
+                return _job_field(s, job, "JobState") == "COMPLETED"
+
+            s.wait(f"job {job} to complete", completed, 120)
+            assert _job_field(s, job, "AdminComment").startswith("gpudiag: none ready=true")
+    assert s.reason() == "" and "DRAIN" not in s.node_field("State")
+
+
+@pytest.mark.slow
+def test_real_slurm_jobs_started_together_without_jax_are_refused_with_one_code(
+        real_slurm: RealSlurm) -> None:
+    s = real_slurm
+    s.set_gpus()
+    s.wait("an idle node", lambda: s.node_field("State") == "IDLE")
+    # The health check asks for cuda only and would undo the drain between Prologs: paused.
+    s.healthcheck(enabled=False)
+    jobs: list[str] = []
+    try:
+        with _prolog_requires(s, "cuda,jax"):
+            jobs = _submit_together(s, 4)
+            s.wait("gpudiag's Prolog drain",
+                   lambda: s.reason() == "gpudiag: jax_gpu_backend_absent", 120)
+            # Two GPUs: the first two jobs meet the Prolog together; the node is drained
+            # before the other two can start.
+            s.wait("both verdicts in the job records", lambda: sum(
+                _job_field(s, j, "AdminComment").startswith("gpudiag: ") for j in jobs) >= 2,
+                60)
+        said = [_job_field(s, j, "AdminComment").split()[1] for j in jobs
+                if _job_field(s, j, "AdminComment")]
+        assert said and set(said) == {"jax_gpu_backend_absent"}, said
+        assert all(_job_field(s, j, "JobState") != "COMPLETED" for j in jobs)
+    finally:
+        for job in jobs:
+            subprocess.run(["scancel", job], env=s.env, timeout=30, check=False)
+        s.healthcheck(enabled=True)
+    s.wait("the health check to undo the Prolog's drain",
+           lambda: s.reason() == "" and "DRAIN" not in s.node_field("State"))
