@@ -25,6 +25,7 @@ from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon.config import DaemonConfig
+from gpudiag.daemon.joblocks import JOB_LOCKED, with_job_locks
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
     OUTCOMES,
@@ -407,7 +408,7 @@ class Scheduler:
                 for uuid, why in claim.left_alone.items():
                     if why == "locked":  # a gpudiag run job holds it
                         occupancy[uuid] = GpuOccupancy(uuid, "busy",
-                                                       why="locked by a gpudiag run job")
+                                                       why=JOB_LOCKED)
                 with self._lock:
                     self._occupancy = occupancy
                 if backend == "cuda":
@@ -428,9 +429,10 @@ class Scheduler:
     def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""
         if backend == "nvml" and run.ok and run.nvml is not None:
-            # NVML's reading decides; a job's lock seen by the last active round shows again
-            # when the next one tries it.
-            self._occupancy = occupancy_from_nvml(run.nvml, own_process_tree())
+            # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
+            # (a job may have no process on its GPU yet): one lock view between readings.
+            self._occupancy = with_job_locks(
+                occupancy_from_nvml(run.nvml, own_process_tree()), self._lock_dir)
         elif backend == "cuda" and run.ok and run.cuda is not None:
             for dev in run.cuda.devices:
                 if dev.context is not None and dev.context.ok and dev.alloc is not None \

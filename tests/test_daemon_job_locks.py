@@ -1,0 +1,116 @@
+"""One lock view: the daemon's published occupancy shows a GPU a `gpudiag run` job holds as
+BUSY after every NVML reading, not only right after its own active round."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
+from gpudiag.daemon.joblocks import JOB_LOCKED, with_job_locks
+from gpudiag.engine.locks import release, try_lock
+from tests.fakes.build import FakeDriver
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+
+UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
+UUID1 = "GPU-f00d0001-0000-4000-8000-000000000001"
+UUID2 = "GPU-f00d0002-0000-4000-8000-000000000002"
+
+
+def _free(*uuids: str) -> dict[str, GpuOccupancy]:
+    return {u: GpuOccupancy(u, FREE) for u in uuids}
+
+
+def test_a_jobs_lock_is_busy_a_sibling_probes_lock_is_not_and_nothing_stays_held(
+        tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    job = try_lock(locks, UUID0, purpose="job")
+    probe = try_lock(locks, UUID1, purpose="probe")
+    assert job is not None and probe is not None
+    try:
+        seen = with_job_locks(_free(UUID0, UUID1, UUID2), locks)
+    finally:
+        release([job, probe])
+    assert seen[UUID0] == GpuOccupancy(UUID0, BUSY, why=JOB_LOCKED)
+    assert seen[UUID1].state == FREE and seen[UUID2].state == FREE
+    # The check let go of every lock it took: a job can take the free GPU at once.
+    taken = try_lock(locks, UUID2, purpose="job")
+    assert taken is not None
+    release([taken])
+
+
+def test_a_busy_or_unknown_gpu_is_left_as_nvml_said(tmp_path: Path) -> None:
+    occupancy = {UUID0: GpuOccupancy(UUID0, BUSY, pids=(4242,)),
+                 UUID1: GpuOccupancy(UUID1, UNKNOWN)}
+    assert with_job_locks(occupancy, tmp_path / "locks") == occupancy
+    assert not (tmp_path / "locks").exists()  # nothing was even tried
+
+
+def test_a_lock_file_that_cannot_be_opened_makes_its_gpu_unknown(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    os.mkfifo(locks / f"{UUID0}.lock")  # planted in the shared folder
+    seen = with_job_locks(_free(UUID0, UUID1), locks)
+    assert seen[UUID0].state == UNKNOWN and "cannot be checked" in seen[UUID0].why
+    assert seen[UUID1].state == FREE
+
+
+def _ready_free(daemon: Daemon) -> float:
+    for line in str(daemon.get("/metrics")[1]).splitlines():
+        if line.startswith("gpudiag_gpus_ready_free "):
+            return float(line.split()[1])
+    raise AssertionError("no gpudiag_gpus_ready_free in /metrics")
+
+
+def test_a_gpudiag_run_holding_every_gpu_is_busy_to_the_daemon_within_one_nvml_interval(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+    # No cuda round during the test: what the daemon says comes from its NVML readings
+    # (every 0.5 s) alone.
+    toml = daemon_toml({"backends.cuda": {"interval_s": 600}})
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", toml), tmp_path / "state")
+    job: subprocess.Popen[str] | None = None
+    try:
+        daemon.wait_ready()
+        assert daemon.get("/v1/preflight?gpus=1")[1]["ready"] is True
+        wait_for(lambda: _ready_free(daemon) == 2, 5)
+        started = tmp_path / "started"
+        job = subprocess.Popen(
+            [sys.executable, "-m", "gpudiag", "run", "--gpus", "2", "--no-daemon",
+             "--artifacts", str(tmp_path / "runs"), "--", "sh", "-c",
+             f"touch {started}; sleep 6"],
+            env={**env, "GPUDIAG_DAEMON_URL": "http://127.0.0.1:9"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(started.exists, 30)
+        t0 = time.monotonic()
+
+        def busy() -> dict[str, object] | None:
+            rec = daemon.get("/v1/preflight?gpus=1")[1]
+            return rec if rec["gpu_validation_blocker"] == "devices_busy" else None
+
+        rec = wait_for(busy, 3)
+        took = time.monotonic() - t0
+        assert rec["ready"] is False
+        assert {d["occupancy"] for d in rec["devices"]} == {"busy"}
+        assert took < 0.5 + 1.0, f"busy only after {took:.2f} s (nvml interval 0.5 s)"
+        # And it stays busy through the following NVML readings (the bug: the next reading
+        # forgot the lock), with no GPU counted free for the default requirement.
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            assert busy() is not None
+            assert _ready_free(daemon) == 0
+            time.sleep(0.1)
+        _, err = job.communicate(timeout=30)
+        assert job.returncode == 0, err
+        # The job ended: its GPUs are free again at the next reading.
+        wait_for(lambda: daemon.get("/v1/preflight?gpus=1")[1]["ready"] is True, 3)
+        wait_for(lambda: _ready_free(daemon) == 2, 3)
+    finally:
+        if job is not None and job.poll() is None:
+            job.kill()
+            job.wait(10)
+        assert daemon.stop() == 0
