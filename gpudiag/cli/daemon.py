@@ -185,6 +185,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
     from gpudiag.daemon.exporter import HistoryCollector
+    from gpudiag.daemon.holds import HistoryAtStart, keep_xid, restore_holds
     from gpudiag.daemon.recorder import RecorderThread, Written
     from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.sdnotify import Notifier
@@ -204,12 +205,17 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         check_writable(state_dir)
     except StateDirError as e:
         raise _Unusable(f"cannot use --state-dir {state_dir}: {e}") from e
+    before = HistoryAtStart.look(state_dir)  # before a damaged history is moved aside
     recorder = start_history(state_dir, retention_s=cfg.history.retention_s,
                              max_bytes=cfg.history.max_bytes)
     notifier = Notifier()
     wake: list[Any] = []
+    # Each XID goes to the history (writer, started below before the watcher) so that a
+    # restart holds it again; the history's holds are handed back before anything starts.
     watcher = XidWatcher(cfg.xid, probe_environment(os.environ),
-                         on_change=lambda: wake[0]() if wake else None)
+                         on_change=lambda: wake[0]() if wake else None,
+                         on_xid=lambda event: keep_xid(writer, event))
+    history_state = restore_holds(before, recorder, watcher, hold_s=cfg.xid.hold_s)
     late: list[Scheduler] = []
 
     def record_clear(request: ClearRequest, released: int) -> None:
@@ -232,7 +238,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         clears.prepare()
     except OSError as e:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll)
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll,
+                          history=history_state)
     late.append(scheduler)
     wake.append(scheduler.wake)
 

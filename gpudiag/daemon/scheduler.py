@@ -30,6 +30,7 @@ from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
     OUTCOMES,
     BackendStats,
+    HistoryState,
     ProbeKey,
     ProbeResult,
     Snapshot,
@@ -134,7 +135,7 @@ class Scheduler:
                  rng: random.Random | None = None, notifier: Notifier | None = None,
                  watcher: WatcherSource | None = None, max_workers: int = 8,
                  on_tick: Callable[[], object] | None = None,
-                 lock_dir: Path | None = None) -> None:
+                 lock_dir: Path | None = None, history: HistoryState | None = None) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self._runner = runner
@@ -158,7 +159,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
                                     gap_warning_s=config.xid.gap_warning_s,
-                                    expected_gpus=config.expected_gpus)
+                                    expected_gpus=config.expected_gpus, history=history)
         self.full_requirement = full_requirement(config)
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
