@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from pathlib import Path
@@ -13,9 +14,10 @@ from gpudiag.core.classify import classify
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.daemon.config import XidConfig
-from gpudiag.daemon.holds import HistoryAtStart, held_xids, restore_holds
+from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, held_xids, restore_holds
+from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread
 from gpudiag.daemon.statedir import start_history
-from gpudiag.daemon.store import HistoryStore, default_path
+from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 from gpudiag.daemon.watcher import XidWatcher
 from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
@@ -40,26 +42,26 @@ def _store(tmp_path: Path) -> HistoryStore:
 # -- the history keeps XIDs and says which are still held --------------------------------------
 def test_kept_xids_are_held_unless_expired_or_cleared_after_them(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    store.record_xid(XidEvent(79, 0, UUID0, T0 - 7200))       # past a 1 h hold
-    store.record_xid(XidEvent(79, 1, UUID1, T0 - 60))
-    store.record_xid(XidEvent(48, 0, UUID0, T0 - 30))
+    store.record_xids([XidEvent(79, 0, UUID0, T0 - 7200)])       # past a 1 h hold
+    store.record_xids([XidEvent(79, 1, UUID1, T0 - 60)])
+    store.record_xids([XidEvent(48, 0, UUID0, T0 - 30)])
     assert held_xids(store, T0 - 3600) == [XidEvent(79, 1, UUID1, T0 - 60),
                                           XidEvent(48, 0, UUID0, T0 - 30)]
     # A clear of GPU 0 releases GPU 0's XIDs seen before it, and only those.
     store.record_clear(uid=0, gpu=UUID0, reason="reseated", released=1, now=T0 - 10)
     assert held_xids(store, T0 - 3600) == [XidEvent(79, 1, UUID1, T0 - 60)]
     # An XID after a clear holds its GPU again; a clear of all GPUs releases everything before.
-    store.record_xid(XidEvent(74, 0, UUID0, T0 - 5))
+    store.record_xids([XidEvent(74, 0, UUID0, T0 - 5)])
     store.record_clear(uid=0, gpu=None, reason="node serviced", released=2, now=T0 - 2)
-    store.record_xid(XidEvent(79, 0, UUID0, T0 - 1))
+    store.record_xids([XidEvent(79, 0, UUID0, T0 - 1)])
     assert held_xids(store, T0 - 3600) == [XidEvent(79, 0, UUID0, T0 - 1)]
     store.close()
 
 
 def test_pruning_drops_kept_xids_past_the_retention(tmp_path: Path) -> None:
     store = HistoryStore(default_path(tmp_path), retention_s=100.0)
-    store.record_xid(XidEvent(79, 0, UUID0, T0 - 500))
-    store.record_xid(XidEvent(79, 1, UUID1, T0 - 50))
+    store.record_xids([XidEvent(79, 0, UUID0, T0 - 500)])
+    store.record_xids([XidEvent(79, 1, UUID1, T0 - 50)])
     store.prune(now=T0)
     assert held_xids(store, 0.0) == [XidEvent(79, 1, UUID1, T0 - 50)]
     store.close()
@@ -81,6 +83,37 @@ def test_an_open_xid_episode_of_an_older_history_is_held_again(
     store.record_clear(uid=0, gpu=UUID1, reason="replaced", released=0, now=T0 + 2)
     assert held_xids(store, T0 - 3600) == []
     store.close()
+
+
+def test_xids_are_kept_in_batches_on_the_writer_thread_and_a_failure_is_said_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    recorder = start_history(tmp_path, retention_s=86400.0, max_bytes=2**26)
+    writer = RecorderThread(recorder, lambda verdict, changes: None)
+    keep = XidKeeper(writer)
+    for i in range(50):  # queued before the writer runs: one batch, one commit
+        keep(XidEvent(13, i % 2, UUID1 if i % 2 else UUID0, T0 + i))
+    writer.start()
+    store = recorder.store
+    assert isinstance(store, HistoryStore)
+    wait_for(lambda: len(held_xids(store, 0.0)) == 50, 5)
+    assert held_xids(store, 0.0)[-1] == XidEvent(13, 1, UUID1, T0 + 49)
+    assert writer.stop()
+    store.close()
+    # No writable history (a full disk at start): said once, not once per XID.
+    caplog.set_level(logging.WARNING, "gpudiag.daemon.holds")
+    broken = RecorderThread(HistoryRecorder(None, open_error=HistoryError("disk full")),
+                            lambda verdict, changes: None)
+    broken.start()
+    keep = XidKeeper(broken)
+    for i in range(5):
+        keep(XidEvent(79, 0, UUID0, T0 + 100 + i))
+        time.sleep(0.05)
+    wait_for(lambda: caplog.records, 5)
+    time.sleep(0.2)
+    lost = [r.getMessage() for r in caplog.records if "not kept in the history" in
+            r.getMessage()]
+    assert len(lost) == 1 and "not writable" in lost[0], lost
+    assert broken.stop()
 
 
 # -- what restore_holds says about the history -------------------------------------------------
@@ -106,7 +139,7 @@ def test_a_restart_re_arms_what_the_history_holds(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
     store = _store(state)
-    store.record_xid(XidEvent(79, 1, UUID1, T0 - 60))
+    store.record_xids([XidEvent(79, 1, UUID1, T0 - 60)])
     store.close()
     got, _ = _restore(state)
     assert (got.state, got.reason, got.rearmed_xids) == ("ok", None, 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 from gpudiag.daemon.watcher import XidWatcher
 
 log = logging.getLogger("gpudiag.daemon.holds")
+MAX_PENDING_XIDS = 4096
 
 # How classify words the blockers an XID makes ("GPU 3: XID 79 (fallen off the bus)",
 # "GPU 0: critical XID 48 (...)"); tests/test_holds.py reads them from classify itself.
@@ -108,25 +110,58 @@ def restore_holds(before: HistoryAtStart, recorder: HistoryRecorder, watcher: Xi
     return HistoryState("ok", None, rearmed, started_at)
 
 
-def keep_xid(writer: RecorderThread, event: XidEvent) -> None:
-    """Queue ``event`` for the history (the watcher's ``on_xid``); never blocks."""
-    if not writer.later(lambda: _write(writer.recorder, event)):
-        _not_kept(event, "the history writer is stuck")
+class XidKeeper:
+    """The watcher's ``on_xid``: queues each XID for the history without ever blocking.
 
+    XIDs wait in a bounded list and are written in one commit per turn of the history's
+    writer thread, so an XID storm costs one fsync per batch, not one per XID. What cannot be
+    kept (no writable history, a stuck writer, past the bound) is logged once per outage.
+    """
 
-def _write(recorder: HistoryRecorder, event: XidEvent) -> None:
-    store = recorder.store
-    if not isinstance(store, HistoryStore):
-        _not_kept(event, "the history is not writable")
-        return
-    try:
-        store.record_xid(event)
-    except HistoryError as e:
-        _not_kept(event, str(e))
+    def __init__(self, writer: RecorderThread, max_pending: int = MAX_PENDING_XIDS) -> None:
+        self._writer = writer
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+        self._pending: list[XidEvent] = []
+        self._queued = False  # a flush is queued on the writer thread
+        self._failing = False
 
+    def __call__(self, event: XidEvent) -> None:
+        with self._lock:
+            if len(self._pending) >= self._max_pending:
+                self._lost(event, f"more than {self._max_pending} XIDs wait for the history")
+                return
+            self._pending.append(event)
+            if self._queued:
+                return
+            self._queued = self._writer.later(self._flush)
+            if not self._queued:
+                self._pending.clear()
+                self._lost(event, "the history writer is stuck")
 
-def _not_kept(event: XidEvent, why: str) -> None:
-    log.warning("XID %d on GPU %s not kept in the history (%s): a restart within its hold "
-                "would not hold it again", event.xid, event.device_index, why,
-                extra={"xid": event.xid, "gpu": event.device_index, "uuid": event.uuid})
+    def _flush(self) -> None:
+        with self._lock:
+            events, self._pending, self._queued = self._pending, [], False
+        store = self._writer.recorder.store
+        try:
+            if not isinstance(store, HistoryStore):
+                raise HistoryError("the history is not writable")
+            store.record_xids(events)
+        except HistoryError as e:
+            with self._lock:
+                self._lost(events[-1], str(e))
+            return
+        with self._lock:
+            if self._failing:
+                log.warning("XIDs are kept in the history again")
+            self._failing = False
 
+    def _lost(self, event: XidEvent, why: str) -> None:
+        """Said once per outage (the caller holds the lock)."""
+        if self._failing:
+            return
+        self._failing = True
+        log.warning("XID %d on GPU %s not kept in the history (%s): a restart within its "
+                    "hold would not hold it again; said once until XIDs are kept again",
+                    event.xid, event.device_index, why,
+                    extra={"xid": event.xid, "gpu": event.device_index, "uuid": event.uuid})

@@ -370,13 +370,12 @@ class HistoryStore:
                                  "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
             return int(cur.lastrowid or 0)
 
-    def record_xid(self, event: XidEvent) -> int:
-        """Store one XID the watcher saw (so that a restart holds it again); its id."""
+    def record_xids(self, events: Sequence[XidEvent]) -> None:
+        """Store XIDs the watcher saw (so that a restart holds them again), in one commit."""
         with self._lock:
-            with self._transaction("record the XID in") as db:
-                cur = db.execute("INSERT INTO xids (ts, xid, gpu, uuid) VALUES (?,?,?,?)",
-                                 (event.timestamp, event.xid, event.device_index, event.uuid))
-            return int(cur.lastrowid or 0)
+            with self._transaction("record XIDs in") as db:
+                db.executemany("INSERT INTO xids (ts, xid, gpu, uuid) VALUES (?,?,?,?)",
+                               [(e.timestamp, e.xid, e.device_index, e.uuid) for e in events])
 
     def held_xids(self, since: float) -> list[XidEvent]:
         """XIDs seen at or after ``since`` that no later `gpudiag clear` released, oldest first.
