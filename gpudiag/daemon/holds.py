@@ -84,13 +84,13 @@ def restore_holds(before: HistoryAtStart, recorder: HistoryRecorder, watcher: Xi
     store = recorder.store
     if not isinstance(store, HistoryStore):
         cause = recorder.health().last_error or "not open"
-        log.warning("history unreadable at start (%s): %s", cause, unknown)
+        log.warning("%s: the history could not be opened at start (%s)", unknown, cause)
         return HistoryState("unreadable", f"the history could not be opened at start "
                             f"({cause}): {unknown}", 0, started_at)
     try:
         events = held_xids(store, wall - hold_s)
     except HistoryError as e:
-        log.warning("history unreadable at start (%s): %s", e, unknown)
+        log.warning("%s: the history could not be read at start (%s)", unknown, e)
         return HistoryState("unreadable", f"the history could not be read at start ({e}): "
                             f"{unknown}", 0, started_at)
     rearmed = watcher.rearm(events)
@@ -104,7 +104,7 @@ def restore_holds(before: HistoryAtStart, recorder: HistoryRecorder, watcher: Xi
         return HistoryState("damaged", f"the history was damaged and moved aside to "
                             f"{moved[-1]} at start: {unknown}", rearmed, started_at)
     if not before.existed:
-        log.info("no history at start (a first start, or it was removed): %s", unknown)
+        log.info("%s: no history at start (a first start, or it was removed)", unknown)
         return HistoryState("missing", f"no history at start (a first start, or the file "
                             f"was removed): {unknown}", rearmed, started_at)
     return HistoryState("ok", None, rearmed, started_at)
