@@ -3,14 +3,17 @@ BUSY after every NVML reading, not only right after its own active round."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
-from gpudiag.daemon.joblocks import JOB_LOCKED, with_job_locks
+from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
 from gpudiag.engine.locks import release, try_lock
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
@@ -31,7 +34,7 @@ def test_a_jobs_lock_is_busy_a_sibling_probes_lock_is_not_and_nothing_stays_held
     probe = try_lock(locks, UUID1, purpose="probe")
     assert job is not None and probe is not None
     try:
-        seen = with_job_locks(_free(UUID0, UUID1, UUID2), locks)
+        seen = JobLocks(locks).mark(_free(UUID0, UUID1, UUID2))
     finally:
         release([job, probe])
     assert seen[UUID0] == GpuOccupancy(UUID0, BUSY, why=JOB_LOCKED)
@@ -45,17 +48,23 @@ def test_a_jobs_lock_is_busy_a_sibling_probes_lock_is_not_and_nothing_stays_held
 def test_a_busy_or_unknown_gpu_is_left_as_nvml_said(tmp_path: Path) -> None:
     occupancy = {UUID0: GpuOccupancy(UUID0, BUSY, pids=(4242,)),
                  UUID1: GpuOccupancy(UUID1, UNKNOWN)}
-    assert with_job_locks(occupancy, tmp_path / "locks") == occupancy
+    assert JobLocks(tmp_path / "locks").mark(occupancy) == occupancy
     assert not (tmp_path / "locks").exists()  # nothing was even tried
 
 
-def test_a_lock_file_that_cannot_be_opened_makes_its_gpu_unknown(tmp_path: Path) -> None:
+def test_a_lock_file_that_cannot_be_opened_makes_its_gpu_unknown_said_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     locks = tmp_path / "locks"
     locks.mkdir()
     os.mkfifo(locks / f"{UUID0}.lock")  # planted in the shared folder
-    seen = with_job_locks(_free(UUID0, UUID1), locks)
+    view = JobLocks(locks)
+    with caplog.at_level(logging.WARNING, "gpudiag.daemon.joblocks"):
+        seen = view.mark(_free(UUID0, UUID1))
+        assert view.mark(_free(UUID0, UUID1)) == seen  # every reading: unknown again
     assert seen[UUID0].state == UNKNOWN and "cannot be checked" in seen[UUID0].why
     assert seen[UUID1].state == FREE
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and UUID0 in said[0] and "unknown, not free" in said[0], said
 
 
 def _ready_free(daemon: Daemon) -> float:
@@ -94,6 +103,7 @@ def test_a_gpudiag_run_holding_every_gpu_is_busy_to_the_daemon_within_one_nvml_i
 
         rec = wait_for(busy, 3)
         took = time.monotonic() - t0
+        print(f"busy {took:.2f} s after the job's child started (nvml interval 0.5 s)")
         assert rec["ready"] is False
         assert {d["occupancy"] for d in rec["devices"]} == {"busy"}
         assert took < 0.5 + 1.0, f"busy only after {took:.2f} s (nvml interval 0.5 s)"

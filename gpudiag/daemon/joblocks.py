@@ -22,28 +22,41 @@ log = logging.getLogger("gpudiag.daemon.joblocks")
 JOB_LOCKED = "locked by a gpudiag run job"
 
 
-def with_job_locks(occupancy: Mapping[str, GpuOccupancy], lock_dir: Path
-                   ) -> dict[str, GpuOccupancy]:
-    """``occupancy`` with every FREE GPU whose lock a job holds marked BUSY.
+class JobLocks:
+    """The daemon's view of the GPU locks in ``lock_dir``; ``mark`` runs after each reading."""
 
-    A lock file that cannot be opened (a FIFO or symlink planted in the shared folder, a
-    folder this user cannot write) makes its GPU UNKNOWN: whether a job holds it is not known,
-    and UNKNOWN is never FREE.
-    """
-    out = dict(occupancy)
-    for uuid, found in occupancy.items():
-        if found.state != FREE or not is_full_uuid(uuid):
-            continue
-        try:
-            lock = try_lock(lock_dir, uuid, purpose="probe")
-        except LockFailed as e:
-            log.debug("GPU %s: its lock cannot be checked: %s", uuid, e)
-            out[uuid] = GpuOccupancy(uuid, UNKNOWN, why=f"its lock cannot be checked: {e}")
-            continue
-        if lock is not None:
-            release([lock])  # free: nobody holds it, and the daemon must not either
-            continue
-        holder = lock_holder(lock_dir, uuid) or {}
-        if holder.get("purpose") != "probe":
-            out[uuid] = GpuOccupancy(uuid, BUSY, why=JOB_LOCKED)
-    return out
+    def __init__(self, lock_dir: Path) -> None:
+        self.lock_dir = lock_dir
+        self._said: set[str] = set()  # lock problems already logged (once each)
+
+    def mark(self, occupancy: Mapping[str, GpuOccupancy]) -> dict[str, GpuOccupancy]:
+        """``occupancy`` with every FREE GPU whose lock a job holds marked BUSY.
+
+        A lock file that cannot be opened (a FIFO or symlink planted in the shared folder, a
+        folder this user cannot write) makes its GPU UNKNOWN: whether a job holds it is not
+        known, and UNKNOWN is never FREE.
+        """
+        out = dict(occupancy)
+        for uuid, found in occupancy.items():
+            if found.state != FREE or not is_full_uuid(uuid):
+                continue
+            try:
+                lock = try_lock(self.lock_dir, uuid, purpose="probe")
+            except LockFailed as e:
+                self._say(uuid, str(e))
+                out[uuid] = GpuOccupancy(uuid, UNKNOWN, why=f"its lock cannot be checked: {e}")
+                continue
+            if lock is not None:
+                release([lock])  # free: nobody holds it, and the daemon must not either
+                continue
+            holder = lock_holder(self.lock_dir, uuid) or {}
+            if holder.get("purpose") != "probe":
+                out[uuid] = GpuOccupancy(uuid, BUSY, why=JOB_LOCKED)
+        return out
+
+    def _say(self, uuid: str, error: str) -> None:
+        if error in self._said or len(self._said) >= 256:
+            return
+        self._said.add(error)
+        log.warning("GPU %s is unknown, not free: its lock cannot be checked: %s", uuid, error,
+                    extra={"uuid": uuid, "lock_dir": str(self.lock_dir)})

@@ -25,7 +25,7 @@ from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon.config import DaemonConfig
-from gpudiag.daemon.joblocks import JOB_LOCKED, with_job_locks
+from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
     OUTCOMES,
@@ -145,6 +145,7 @@ class Scheduler:
         self._on_tick = on_tick
         self._env = probe_environment(os.environ if env is None else env)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
+        self._job_locks = JobLocks(self._lock_dir)
         # Busy GPUs (DESIGN): the latest occupancy, where each backend last proved itself,
         # and a round counter per backend so that JAX and IREE rotate over the free GPUs.
         self._occupancy: dict[str, GpuOccupancy] = {}
@@ -432,8 +433,8 @@ class Scheduler:
         if backend == "nvml" and run.ok and run.nvml is not None:
             # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
             # (a job may have no process on its GPU yet): one lock view between readings.
-            self._occupancy = with_job_locks(
-                occupancy_from_nvml(run.nvml, own_process_tree()), self._lock_dir)
+            self._occupancy = self._job_locks.mark(
+                occupancy_from_nvml(run.nvml, own_process_tree()))
         elif backend == "cuda" and run.ok and run.cuda is not None:
             for dev in run.cuda.devices:
                 if dev.context is not None and dev.context.ok and dev.alloc is not None \
