@@ -228,7 +228,7 @@ def test_an_xid_held_before_a_restart_blocks_until_gpudiag_clear(node: dict[str,
 
 
 def test_an_xid_held_before_a_restart_ends_with_its_hold(node: dict[str, Any]) -> None:
-    hold_s = 8.0
+    hold_s = 10.0  # long enough to restart a daemon on a loaded machine within it
     daemon = _start(node, hold_s=hold_s)
     _xid_79_on_gpu_1(node, daemon)
     seen_at = time.time()
