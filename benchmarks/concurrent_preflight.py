@@ -74,7 +74,7 @@ def main() -> None:
         lone: dict[str, list[float]] = {s: [] for s in sides}
         eight: dict[str, list[float]] = {s: [] for s in sides}
         differ: dict[str, int] = dict.fromkeys(sides, 0)
-        for side, python in sides.items():
+        for python in sides.values():
             together(python, env, args.require, 1)  # warm the page cache
         for _ in range(args.rounds):
             for side, python in sides.items():

@@ -185,6 +185,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
     from gpudiag.daemon.exporter import HistoryCollector
+    from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
     from gpudiag.daemon.recorder import RecorderThread, Written
     from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.sdnotify import Notifier
@@ -204,27 +205,36 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         check_writable(state_dir)
     except StateDirError as e:
         raise _Unusable(f"cannot use --state-dir {state_dir}: {e}") from e
+    before = HistoryAtStart.look(state_dir)  # before a damaged history is moved aside
     recorder = start_history(state_dir, retention_s=cfg.history.retention_s,
                              max_bytes=cfg.history.max_bytes)
     notifier = Notifier()
     wake: list[Any] = []
+    # Each XID goes to the history (writer, started below before the watcher) so that a
+    # restart holds it again; the history's holds are handed back before anything starts.
     watcher = XidWatcher(cfg.xid, probe_environment(os.environ),
-                         on_change=lambda: wake[0]() if wake else None)
+                         on_change=lambda: wake[0]() if wake else None,
+                         on_xid=lambda event: keep_xid(event))
+    history_state = restore_holds(before, recorder, watcher, hold_s=cfg.xid.hold_s)
     late: list[Scheduler] = []
 
     def record_clear(request: ClearRequest, released: int) -> None:
         # The store is locked per call; it may be missing while the disk is full.
         history = recorder.store
+        again = "; a restart would hold its XIDs again (run gpudiag clear once more then)"
         if not isinstance(history, HistoryStore):
-            log.warning("clear of %s applied but not recorded: the history is not writable",
-                        request.gpu or "all GPUs", extra={"uid": request.uid})
+            log.warning("clear of %s applied but not recorded: the history is not writable%s",
+                        request.gpu or "all GPUs", again, extra={"uid": request.uid})
             return
         try:
+            # Stamped with the time up to which XIDs were released (the request's), so that
+            # a restart re-arms exactly the XIDs the watcher still holds (daemon/holds.py).
             history.record_clear(uid=request.uid, gpu=request.gpu, reason=request.reason,
-                                 released=released)
+                                 released=released,
+                                 now=min(request.requested_wall, time.time()))
         except HistoryError as e:
-            log.warning("clear of %s applied but not recorded: %s", request.gpu or "all GPUs",
-                        e, extra={"uid": request.uid})
+            log.warning("clear of %s applied but not recorded: %s%s", request.gpu or "all GPUs",
+                        e, again, extra={"uid": request.uid})
 
     clears = ClearPoller(state_dir, release=watcher.clear, record=record_clear,
                          recheck=lambda: late[0].trigger(recheck_keys(late[0].scheduled)))
@@ -232,7 +242,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         clears.prepare()
     except OSError as e:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll)
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll,
+                          history=history_state)
     late.append(scheduler)
     wake.append(scheduler.wake)
 
@@ -256,6 +267,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
             logged[:] = [verdict]
 
     writer = RecorderThread(recorder, written)
+    keep_xid = XidKeeper(writer)
 
     def record(snap: Snapshot) -> None:
         if snap.full is not None:

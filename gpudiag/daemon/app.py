@@ -1,7 +1,8 @@
 """The daemon's HTTP API: a plain WSGI app (tests call it without a socket) and a server.
 
-Handlers read the latest snapshot; only /v1/preflight past max_age_s (or a probe that never
-ran) waits for probes, and then on the scheduler's worker threads with a bounded wait. Every
+Handlers read the latest snapshot; only /v1/preflight and /v1/health past max_age_s (or a
+probe that never ran) wait for probes, and then on the scheduler's worker threads with a
+bounded wait; the transport runs them (and /v1/history) on its slow pool. Every
 error is ``{"error": {"code": ..., "message": ...}}``; bad input is a 4xx, never a 500.
 """
 

@@ -51,7 +51,10 @@ ACCEPT_PAUSE_S = 0.1        # after EMFILE: stop accepting briefly instead of sp
 WORKERS = 8                 # threads per pool
 MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
 SUMMARY_INTERVAL_S = 60.0
-SLOW_PATHS = frozenset({"/v1/preflight"})
+# Every endpoint that can wait runs on the slow pool, so that waiting answers never take the
+# threads of /metrics, /healthz and /readyz: preflight and health wait for probes (max_age_s,
+# wait_s); history waits for the history's lock while a write fsyncs (SQLite busy_timeout).
+SLOW_PATHS = frozenset({"/v1/preflight", "/v1/health", "/v1/history"})
 # What a read-only listener (TCP with tcp_read_only) serves: monitoring that never starts a
 # probe. Preflight (it may start probes) and POST /v1/probe are for the unix socket.
 READ_ONLY_PATHS = frozenset({"/metrics", "/healthz", "/readyz", "/v1/history"})

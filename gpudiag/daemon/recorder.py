@@ -194,6 +194,13 @@ class HistoryRecorder:
         return written
 
 
+@dataclass(frozen=True)
+class _Task:
+    """A write queued with ``RecorderThread.later``."""
+
+    run: Callable[[], object]
+
+
 class RecorderThread:
     """Runs the recorder on its own thread: a write stuck in a dying disk (D state, a hung
     NFS mount) must never hold up the scheduler's loop, its watchdog keep-alive or probes.
@@ -247,6 +254,15 @@ class RecorderThread:
                 return
         done.wait(wait_s)
 
+    def later(self, task: Callable[[], object]) -> bool:
+        """Run ``task`` on this thread, in order with the verdict changes (another write to
+        the history that must not wait on the disk either); False when the queue is full."""
+        try:
+            self._queue.put_nowait(_Task(task))
+        except queue.Full:
+            return False
+        return True
+
     def health(self) -> HistoryHealth:
         """The recorder's health, with what waits in (or overflowed) this thread's queue."""
         h = self.recorder.health()
@@ -272,7 +288,9 @@ class RecorderThread:
             if item is self._STOP:
                 return
             try:
-                if isinstance(item, tuple):
+                if isinstance(item, _Task):
+                    item.run()
+                elif isinstance(item, tuple):
                     at, verdict, done = item
                     try:
                         self._on_written(verdict, self.recorder.record(verdict, at))

@@ -25,10 +25,12 @@ from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon.config import DaemonConfig
+from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
     OUTCOMES,
     BackendStats,
+    HistoryState,
     ProbeKey,
     ProbeResult,
     Snapshot,
@@ -157,7 +159,7 @@ class Scheduler:
                  rng: random.Random | None = None, notifier: Notifier | None = None,
                  watcher: WatcherSource | None = None, max_workers: int = 8,
                  on_tick: Callable[[], object] | None = None,
-                 lock_dir: Path | None = None) -> None:
+                 lock_dir: Path | None = None, history: HistoryState | None = None) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self._runner = runner
@@ -167,6 +169,7 @@ class Scheduler:
         self._on_tick = on_tick
         self._env = probe_environment(os.environ if env is None else env)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
+        self._job_locks = JobLocks(self._lock_dir)
         # Busy GPUs (DESIGN): the latest occupancy, where each backend last proved itself,
         # and a round counter per backend so that JAX and IREE rotate over the free GPUs.
         self._occupancy: dict[str, GpuOccupancy] = {}
@@ -181,7 +184,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
                                     gap_warning_s=config.xid.gap_warning_s,
-                                    expected_gpus=config.expected_gpus)
+                                    expected_gpus=config.expected_gpus, history=history)
         self.full_requirement = full_requirement(config)
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
@@ -434,7 +437,7 @@ class Scheduler:
                 for uuid, why in claim.left_alone.items():
                     if why == "locked":  # a gpudiag run job holds it
                         occupancy[uuid] = GpuOccupancy(uuid, "busy",
-                                                       why="locked by a gpudiag run job")
+                                                       why=JOB_LOCKED)
                 with self._lock:
                     self._occupancy = occupancy
                 if backend == "cuda":
@@ -457,9 +460,10 @@ class Scheduler:
     def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""
         if backend == "nvml" and run.ok and run.nvml is not None:
-            # NVML's reading decides; a job's lock seen by the last active round shows again
-            # when the next one tries it.
-            self._occupancy = occupancy_from_nvml(run.nvml, own_process_tree())
+            # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
+            # (a job may have no process on its GPU yet): one lock view between readings.
+            self._occupancy = self._job_locks.mark(
+                occupancy_from_nvml(run.nvml, own_process_tree()))
         elif backend == "cuda" and run.ok and run.cuda is not None:
             for dev in run.cuda.devices:
                 if dev.context is not None and dev.context.ok and dev.alloc is not None \

@@ -161,12 +161,33 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class HistoryState:
+    """What the daemon could read back from its history at start (daemon/holds.py).
+
+    ``state``: ``ok`` (holds re-armed from it), ``missing`` (no history: a first start, or
+    the file was removed), ``damaged`` (moved aside at this start) or ``unreadable`` (it could
+    not be opened or read). Anything but ``ok`` means holds from before the start are unknown.
+    """
+
+    state: str
+    reason: str | None
+    rearmed_xids: int
+    started_at: str  # RFC 3339: when the daemon read it (the start)
+
+    def record(self) -> dict[str, Any]:
+        return {"state": self.state, "reason": self.reason, "rearmed_xids": self.rearmed_xids,
+                "started_at": self.started_at}
+
+
+@dataclass(frozen=True)
 class VerdictPolicy:
-    """What the snapshot adds to classify: XID hold time, watcher gap limit, expected GPUs."""
+    """What the snapshot adds to classify: XID hold time, watcher gap limit, expected GPUs,
+    and what the history gave back at start (said in every verdict's evidence.history)."""
 
     xid_hold_s: float = 3600.0
     gap_warning_s: float = 60.0
     expected_gpus: int | None = None
+    history: HistoryState | None = None
 
 
 def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float,
@@ -208,6 +229,11 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(
             w for w in verdict.warnings if w.code != "device_count_mismatch"))
+    if policy.history is not None:
+        # Whether holds from before this start are known: "none" after a restart that lost
+        # its history is not the same claim as after one that re-armed every hold.
+        verdict = replace(verdict, evidence={**verdict.evidence,
+                                             "history": policy.history.record()})
     return verdict.with_source("daemon", max(0.0, now_wall - oldest))
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core.findings import XidEvent
 from gpudiag.core.verdict import Verdict
 
 SCHEMA_VERSION = 1
@@ -52,7 +53,17 @@ CREATE TABLE IF NOT EXISTS episodes (
     evidence TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS episodes_open ON episodes (ended);
+CREATE TABLE IF NOT EXISTS xids (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    xid INTEGER NOT NULL,
+    gpu INTEGER,
+    uuid TEXT
+);
+CREATE INDEX IF NOT EXISTS xids_ts ON xids (ts);
 """
+# Held XIDs are re-armed from ``xids`` at start (daemon/holds.py); the table is new in round 3
+# and CREATE ... IF NOT EXISTS adds it to an older history when the daemon opens it.
 # Created with the first `gpudiag clear` (most nodes never have one): the base schema above
 # stays what every history has, and a history from before clears existed reads as none.
 _CLEARS_DDL = """
@@ -359,6 +370,44 @@ class HistoryStore:
                                  "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
             return int(cur.lastrowid or 0)
 
+    def record_xids(self, events: Sequence[XidEvent]) -> None:
+        """Store XIDs the watcher saw (so that a restart holds them again), in one commit."""
+        with self._lock:
+            with self._transaction("record XIDs in") as db:
+                db.executemany("INSERT INTO xids (ts, xid, gpu, uuid) VALUES (?,?,?,?)",
+                               [(e.timestamp, e.xid, e.device_index, e.uuid) for e in events])
+
+    def held_xids(self, since: float) -> list[XidEvent]:
+        """XIDs seen at or after ``since`` that no later `gpudiag clear` released, oldest first.
+
+        A clear of one GPU releases that GPU's XIDs, a clear of all GPUs every XID, each only
+        when the clear came at or after the XID (a later XID holds its GPU again).
+        """
+        cleared = ""
+        if self._query("SELECT 1 FROM sqlite_master WHERE type='table' AND name='clears'", []):
+            cleared = (" AND NOT EXISTS (SELECT 1 FROM clears c WHERE c.ts >= x.ts AND "
+                       "(c.gpu IS NULL OR c.gpu = x.uuid))")
+        rows = self._query("SELECT xid, gpu, uuid, ts FROM xids x WHERE ts >= ?" + cleared
+                           + " ORDER BY ts, id", [since])
+        return [XidEvent(int(r[0]), None if r[1] is None else int(r[1]), r[2], float(r[3]))
+                for r in rows]
+
+    def cleared_after(self, ts: float, uuid: str | None) -> bool:
+        """Whether a `gpudiag clear` of GPU ``uuid`` (or of all GPUs) came at or after ``ts``."""
+        if not self._query("SELECT 1 FROM sqlite_master WHERE type='table' AND name='clears'",
+                           []):
+            return False
+        return bool(self._query("SELECT 1 FROM clears WHERE ts >= ? AND (gpu IS NULL OR gpu = ?)"
+                                " LIMIT 1", [ts, uuid]))
+
+    def open_episodes(self) -> list[Episode]:
+        """Blocker episodes still open (the daemon stopped while they were), oldest first."""
+        return [Episode(int(r[0]), str(r[1]), str(r[2]), r[3], r[4], float(r[5]), None,
+                        str(r[6]), json.loads(r[7]))
+                for r in self._query("SELECT id, code, layer, backend, device, started, "
+                                     "message, evidence FROM episodes WHERE ended IS NULL "
+                                     "ORDER BY id", [])]
+
     def prune(self, now: float | None = None) -> None:
         """Apply retention by age and by size."""
         with self._lock:
@@ -376,6 +425,7 @@ class HistoryStore:
             db.execute("DELETE FROM verdicts WHERE ts < ? AND id < "
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
             db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
+            db.execute("DELETE FROM xids WHERE ts < ?", (cutoff,))
             if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
                           "name='clears'").fetchone():
                 db.execute("DELETE FROM clears WHERE ts < ?", (cutoff,))

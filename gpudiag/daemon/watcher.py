@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import IO, Any
 
@@ -44,11 +44,15 @@ class XidWatcher:
 
     def __init__(self, config: XidConfig, env: Mapping[str, str], *,
                  on_change: Callable[[], None] | None = None,
+                 on_xid: Callable[[XidEvent], None] | None = None,
                  argv: list[str] | None = None, wall: Callable[[], float] = time.time) -> None:
+        """``on_xid`` gets each XID as it arrives (the daemon keeps it in its history, so that
+        a restart holds it again); it must not block (the child's pipe is read here)."""
         self.config = config
         self._env = dict(env)
         self._argv = argv or watcher_argv(config)
         self._on_change = on_change or (lambda: None)
+        self._on_xid = on_xid or (lambda event: None)
         self._wall = wall
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -83,6 +87,18 @@ class XidWatcher:
         if released:
             self._on_change()
         return released
+
+    def rearm(self, events: Sequence[XidEvent]) -> int:
+        """Hold again the XIDs a previous run of the daemon saw (read from the history at
+        start); they expire and clear like any other. Returns how many were added."""
+        with self._lock:
+            known = set(self._state.recent)
+            added = [e for e in events if e not in known]
+            recent = tuple(sorted((*self._state.recent, *added), key=lambda x: x.timestamp))
+            self._state = replace(self._state, recent=recent[-MAX_RECENT:])
+        if added:
+            self._on_change()
+        return len(added)
 
     def start(self) -> None:
         if not self.config.enabled:
@@ -249,3 +265,7 @@ class XidWatcher:
                                       self._counts.values(),
                                       key=lambda c: (c.gpu or -1, c.xid))))
         self._on_change()
+        try:
+            self._on_xid(event)
+        except Exception:  # keeping it is best effort; watching must go on
+            log.exception("could not hand XID %d over to the history", xid)

@@ -452,7 +452,9 @@ class Admitter:
             # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it.
             for lf in candidates:
                 if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
-                    probe = try_lock(lock_dir, lf.uuid)
+                    # A shared look writes no holder record (the daemon would read a
+                    # momentary "job" there) and leaves other lookers alone.
+                    probe = try_lock(lock_dir, lf.uuid, shared=True)
                     if probe is None:
                         others.append(lf)
                     else:
@@ -482,7 +484,7 @@ class Admitter:
         until = min(deadline, self.clock() + REOBSERVE_S)
         while self.clock() < until:
             for uuid in uuids:
-                lk = try_lock(lock_dir, uuid)
+                lk = try_lock(lock_dir, uuid, shared=True)
                 if lk is not None:
                     release([lk])
                     # Jitter so that waiters freed together do not race in lockstep.
