@@ -56,6 +56,7 @@ if [[ $base == debian ]]; then
         # The host's apt sources when it is Debian (a mirror it can reach), else Debian's own.
         sources=()
         [[ -f /etc/apt/sources.list.d/debian.sources ]] && sources=(/etc/apt/sources.list.d/debian.sources)
+        # shellcheck disable=SC2016  # mmdebstrap itself expands "$1" (the rootfs) in hooks
         mmdebstrap --quiet --format=tar --variant=minbase --include=python3,python3-venv,ca-certificates \
             --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
             --dpkgopt='path-exclude=/usr/share/locale/*' \

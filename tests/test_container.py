@@ -162,3 +162,20 @@ def test_serve_in_the_container_answers_through_a_bind_mounted_socket_folder(
     finally:
         subprocess.run(["podman", "rm", "-f", name], capture_output=True, timeout=60,
                        check=False)
+
+
+def test_the_daemonset_runs_the_tag_the_script_builds() -> None:
+    """The DaemonSet names what `scripts/build-image.sh --flavour full` tags by default (its
+    config enables jax and iree); operators retag it for their registry with kustomize."""
+    import yaml
+
+    from gpudiag.core.version import __version__
+
+    root = Path(__file__).resolve().parent.parent
+    script = (root / "scripts" / "build-image.sh").read_text()
+    assert 'tag=${tag:-localhost/gpudiag:$version${extras:+-full}}' in script
+    (ds,) = [d for d in yaml.safe_load_all(
+        (root / "deploy" / "kubernetes" / "daemonset.yaml").read_text()) if d]
+    spec = ds["spec"]["template"]["spec"]
+    images = {c["image"] for c in spec["containers"] + spec["initContainers"]}
+    assert images == {f"localhost/gpudiag:{__version__}-full"}

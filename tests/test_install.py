@@ -95,3 +95,11 @@ def test_install_node_lays_out_the_prefix_unit_tmpfiles_config_and_npd_plugin(
                            capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (root / "etc/gpudiag/gpudiag.toml").read_text() == 'listen = "0.0.0.0:9477"\n'
+
+
+@pytest.mark.parametrize("script", ["install-node.sh", "build-image.sh", "setup.sh"])
+def test_the_deployment_scripts_pass_shellcheck(script: str) -> None:
+    shellcheck = Path(sys.executable).with_name("shellcheck")
+    proc = subprocess.run([str(shellcheck), str(ROOT / "scripts" / script)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout
