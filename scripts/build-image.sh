@@ -91,8 +91,13 @@ wheel=$(ls "$context"/wheels/gpudiag-*.whl)
     "$wheel${extras:+[$extras]}" 2> >(grep -v "^WARNING: Location" >&2)
 
 say "building $tag from $base ..."
+old_id=$(buildah inspect --type image --format '{{.FromImageID}}' "$tag" 2>/dev/null || true)
 buildah bud --quiet --layers=false -f "$context/Containerfile" --build-arg "BASE=$base" \
     --build-arg "EXTRAS=$extras" -t "$tag" "$context" >/dev/null
+# The image this tag named before is left untagged: remove it unless something uses it.
+if [[ -n $old_id && $old_id != $(buildah inspect --type image --format '{{.FromImageID}}' "$tag") ]]; then
+    buildah rmi "$old_id" >/dev/null 2>&1 || true
+fi
 size=$(podman image inspect --format '{{.Size}}' "$tag" 2>/dev/null || true)
 say "built $tag${size:+ ($((size / 1000000)) MB)}"
 echo "$tag"

@@ -43,7 +43,9 @@ fi
 [[ -f $wheel ]] || die "--wheel $wheel: no such file"
 
 say "installing $(basename "$wheel")${extras:+[$extras]} into $prefix ..."
-"$PYTHON" -m venv "$prefix"
+# pip separately, so that a failure shows ensurepip's own message rather than venv's summary.
+"$PYTHON" -m venv --without-pip "$prefix"
+"$prefix/bin/python3" -m ensurepip --upgrade --default-pip >/dev/null
 pip_args=(-q --disable-pip-version-check)
 [[ -n $links ]] && pip_args+=(--no-index --find-links "$links")
 "$prefix/bin/pip" install "${pip_args[@]}" "$wheel${extras:+[$extras]}"

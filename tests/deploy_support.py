@@ -40,3 +40,23 @@ def build_image(tag: str = IMAGE_TAG) -> tuple[str, float]:
         pytest.fail(f"scripts/build-image.sh failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     assert proc.stdout.strip().splitlines()[-1] == tag, proc.stdout
     return tag, time.monotonic() - started
+
+
+def debian_rootfs(name: str, packages: str) -> Path:
+    """A Debian bookworm rootfs tarball from mmdebstrap, made once and cached in .cache/."""
+    cache = ROOT / ".cache" / "rootfs"
+    tar = cache / f"{name}.tar"
+    if tar.is_file():
+        return tar
+    cache.mkdir(parents=True, exist_ok=True)
+    sources = Path("/etc/apt/sources.list.d/debian.sources")
+    proc = subprocess.run(
+        ["mmdebstrap", "--quiet", "--format=tar", "--variant=minbase", f"--include={packages}",
+         "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
+         "--dpkgopt=path-exclude=/usr/share/locale/*", "bookworm", f"{tar}.tmp",
+         *([str(sources)] if sources.is_file() else [])],
+        capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"mmdebstrap failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    Path(f"{tar}.tmp").rename(tar)
+    return tar
