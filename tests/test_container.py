@@ -26,6 +26,8 @@ from tests.test_daemon_support import host_env, wait_for
 PODMAN_RUN = ("podman", "run", "--runtime", "runc", "--ulimit", "nofile=1024:1024",
               "--ulimit", "nproc=1024:1024", "--network", "none")
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
+# The image is built once per session: ~40 s with the cached Debian rootfs, ~3 min cold.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,7 @@ def test_sdist_and_wheel_build_and_pass_twine_check(dist: Path) -> None:
     assert not any(f.startswith("tests/") for f in files)
 
 
+@pytest.mark.slow  # a fresh venv and a pip install of the wheel's dependencies: ~25 s
 def test_the_wheel_in_a_fresh_venv_probes_like_the_checkout(
         dist: Path, fakes: FakeDriver, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
@@ -66,6 +67,7 @@ def test_the_wheel_in_a_fresh_venv_probes_like_the_checkout(
     assert mine["gpudiag_version"] == __version__
 
 
+@pytest.mark.slow  # install-node.sh twice (a venv and a pip install each): ~35 s
 def test_install_node_lays_out_the_prefix_unit_tmpfiles_config_and_npd_plugin(
         dist: Path, fakes: FakeDriver, tmp_path: Path) -> None:
     prefix, root = tmp_path / "opt" / "gpudiag", tmp_path / "root"

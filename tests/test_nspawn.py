@@ -28,6 +28,9 @@ from tests.deploy_support import ROOT, debian_rootfs, require_root_tools
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import wait_for
 
+# One machine per session: ~45 s to unpack, boot and install, ~80 s for the file; the rootfs
+# (mmdebstrap, ~3 min) is made once and cached in .cache/rootfs.
+pytestmark = pytest.mark.slow
 PACKAGES = "systemd,systemd-sysv,dbus,procps,python3,python3-venv"
 INSIDE_PATH = "/opt/gpudiag/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DOCS = ROOT / "docs" / "operations.md"
