@@ -15,7 +15,7 @@ import pytest
 
 from gpudiag.daemon.config import from_mapping
 from gpudiag.daemon.reload import live_changes, restart_only_changes
-from tests.fakes.build import FakeDriver
+from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 
 
@@ -145,3 +145,25 @@ def test_restart_only_settings_are_named_not_applied() -> None:
     assert restart_only_changes(old, new) == ["listen_host", "xid.heartbeat_s"]
     assert live_changes(old, new) == ["xid.hold_s 3600.0 -> 60.0",
                                       "backends.jax.interval_s 300.0 -> 60.0"]
+
+
+def test_reload_applies_a_shorter_xid_hold(fakes: FakeDriver, tmp_path: Path) -> None:
+    """An XID 79 holds gpu_lost for hold_s; a reload to a 1 s hold releases it, live."""
+    state = tmp_path / "gpu-state"
+    write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2})
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state))
+    config = write_config(tmp_path / "gpudiag.toml", daemon_toml())
+    daemon = Daemon(env, config, tmp_path / "state")
+    try:
+        daemon.wait_ready()
+        write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_XIDS": "0:79"})
+        wait_for(lambda: daemon.get("/v1/preflight")[1]["gpu_validation_blocker"]
+                 == "gpu_lost", 10)
+        write_config(config, daemon_toml({"xid": {"hold_s": 1}}))
+        daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: daemon.get("/v1/preflight")[1]["gpu_validation_blocker"]
+                 == "none", 10)
+        assert "xid.hold_s 3600.0 -> 1.0" in log_records(daemon, "gpudiag.daemon.reload")[0][
+            "msg"]
+    finally:
+        assert daemon.stop() == 0
