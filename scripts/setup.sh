@@ -2,7 +2,8 @@
 # One-step set-up on a fresh Debian/Ubuntu machine: the Debian packages the tests use
 # (gcc builds the fake driver libraries, prometheus brings prometheus and promtool,
 # systemd brings systemd-analyze, slurm-wlm and munge run the real single-node Slurm cluster
-# of tests/test_slurm.py; nothing auto-starts) and a virtual environment in .venv with gpudiag, its
+# of tests/test_slurm.py; buildah, podman, runc, mmdebstrap and systemd-container the deployment
+# tiers; nothing auto-starts) and a virtual environment in .venv with gpudiag, its
 # jax/iree extras and the test tools. Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,21 @@ if ((${#slurm[@]})); then
         missing+=("${slurm[@]}")
     else
         echo "setup: the real Slurm cluster tests will skip: install ${slurm[*]} as root" >&2
+    fi
+fi
+# The deployment tiers (tests/test_container.py, tests/test_nspawn.py) build the image with
+# buildah, run it with podman (runc), and boot the unit in a Debian rootfs from mmdebstrap
+# under systemd-nspawn. Root only, like Slurm's: as root a missing tool fails those tests.
+deploy=()
+for tool in buildah:buildah podman:podman runc:runc mmdebstrap:mmdebstrap \
+            systemd-nspawn:systemd-container; do
+    command -v "${tool%%:*}" >/dev/null || deploy+=("${tool#*:}")
+done
+if ((${#deploy[@]})); then
+    if [[ $(id -u) -eq 0 ]]; then
+        missing+=("${deploy[@]}")
+    else
+        echo "setup: the deployment tiers will skip: install ${deploy[*]} as root" >&2
     fi
 fi
 if ((${#missing[@]})); then

@@ -326,17 +326,6 @@ def test_sigkill_of_the_daemon_keeps_acknowledged_history(rig) -> None:
     # rig's teardown checks that nothing is left.
 
 
-def test_sighup_keeps_the_daemon_running_and_says_why(rig) -> None:
-    daemon = rig["start"]()
-    daemon.wait_ready()
-    daemon.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: any("SIGHUP" in line for line in daemon.lines), 5)
-    assert daemon.proc.poll() is None and daemon.get("/healthz")[0] == 200
-    line = next(json.loads(x) for x in daemon.lines if "SIGHUP" in x)
-    assert line["level"] == "warning" and "the file is valid" in line["msg"]
-    assert daemon.stop() == 0
-
-
 def test_sigterm_while_a_probe_hangs_exits_at_once_and_leaves_nothing(rig) -> None:
     daemon = rig["start"](nvml_deadline=60)
     daemon.wait_ready()

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,13 @@ def default_socket_path(cfg: DaemonConfig) -> str | None:
     return str(Path(runtime) / SOCKET_NAME) if runtime else None
 
 
+def _reloaded(path: str | None, listen: str | None, socket_path: str | None) -> DaemonConfig:
+    """The config file read again, with the same --listen/--socket flags (ConfigError)."""
+    cfg = load_config(path)
+    cfg = cfg.with_listen(listen) if listen else cfg
+    return cfg.with_socket(socket_path) if socket_path is not None else cfg
+
+
 def _config(path: str | None, listen: str | None, socket_path: str | None = None
             ) -> DaemonConfig:
     try:
@@ -138,7 +146,8 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
             click.echo(line)
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
-    run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path)
+    run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path,
+               reload=lambda: _reloaded(config_path, listen, socket_path))
 
 
 def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
@@ -177,8 +186,9 @@ def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
     return lines
 
 
-def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None) -> None:
-    """Start everything, serve until SIGTERM/SIGINT, stop everything."""
+def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None,
+               reload: Callable[[], DaemonConfig] | None = None) -> None:
+    """Start everything, serve until SIGTERM/SIGINT (SIGHUP reloads), stop everything."""
     from gpudiag.core.environment import probe_environment
     from gpudiag.core.verdict import change_summary
     from gpudiag.daemon.app import DaemonApp
@@ -187,12 +197,14 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.exporter import HistoryCollector
     from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
     from gpudiag.daemon.recorder import RecorderThread, Written
+    from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
     from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.sdnotify import Notifier
     from gpudiag.daemon.snapshot import Snapshot
     from gpudiag.daemon.statedir import StateDirError, check_writable, lock_state_dir, start_history
     from gpudiag.daemon.store import HistoryError, HistoryStore
     from gpudiag.daemon.watcher import XidWatcher
+    from gpudiag.engine.locks import SYSTEM_LOCK_DIR, choose_lock_dir
     from gpudiag.engine.processes import kill_child_groups
 
     log = logging.getLogger("gpudiag.daemon")
@@ -242,8 +254,16 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         clears.prepare()
     except OSError as e:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
+    locks = choose_lock_dir(probe_environment(os.environ))
+    if not locks.shared:
+        # Loud: probes locking GPUs where jobs do not look can meet a job on one GPU.
+        log.warning("GPU lock folder %s is not usable (%s): the daemon's probes lock GPUs in "
+                    "the private %s, which `gpudiag run` jobs do not see; give the daemon "
+                    "/run/gpudiag/locks (the unit's ReadWritePaths=, the DaemonSet's hostPath) "
+                    "or set GPUDIAG_LOCK_DIR to the jobs' folder", SYSTEM_LOCK_DIR, locks.why,
+                    locks.path, extra={"lock_dir": str(locks.path), "lock_dir_shared": False})
     scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll,
-                          history=history_state)
+                          history=history_state, lock_dir=locks.path)
     late.append(scheduler)
     wake.append(scheduler.wake)
 
@@ -285,6 +305,12 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     store = recorder.store
     app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
     app.registry.register(HistoryCollector(writer.health))
+    app.registry.register(LockDirCollector(locks.shared))
+    reloader = Reloader(scheduler, reload or (lambda: load_config(config_path)),
+                        retune_xid=watcher.retune, notifier=notifier,
+                        set_log_level=lambda level: logging.getLogger("gpudiag").setLevel(
+                            level.upper()))
+    app.registry.register(ReloadCollector(reloader.state))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,
                                     read_only=cfg.tcp_read_only)
@@ -294,19 +320,20 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     unix_httpd = start_socket(app, cfg, httpd)
     host, port = str(httpd.server_address[0]), int(httpd.server_address[1])
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    wakeup = threading.Event()
+    hup = threading.Event()
+
+    def on_stop(*_: Any) -> None:
+        stop.set()
+        wakeup.set()
 
     def on_hup(*_: Any) -> None:
-        # A reload must not kill the daemon (SIGHUP's default); settings apply on restart.
-        try:
-            load_config(config_path)
-            verdict = "the file is valid"
-        except ConfigError as e:
-            verdict = f"the file is invalid: {e}"
-        log.warning("SIGHUP: live reload is not supported; restart to apply the config (%s)",
-                    verdict)
+        # Handled on the main thread below, outside the signal handler: it takes locks.
+        hup.set()
+        wakeup.set()
 
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_stop)
     signal.signal(signal.SIGHUP, on_hup)
     writer.start()
     watcher.start()
@@ -319,7 +346,12 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                  extra={"socket_url": f"unix:{unix_httpd.unix_path}"})
     notifier.ready(f"serving on {url}" + (f" and unix:{unix_httpd.unix_path}"
                                           if unix_httpd is not None else ""))
-    stop.wait()
+    while not stop.is_set():
+        wakeup.wait()
+        wakeup.clear()
+        if hup.is_set() and not stop.is_set():
+            hup.clear()
+            reloader.reload()
     log.info("stopping")
     notifier.stopping()
     if unix_httpd is not None:

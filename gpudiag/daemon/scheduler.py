@@ -480,6 +480,31 @@ class Scheduler:
         return ProbeScope(occupancy=dict(self._occupancy), backend_gpu=dict(self._backend_gpu),
                           last_proven=proven)
 
+    def reconfigure(self, config: DaemonConfig) -> Snapshot:
+        """Apply a reloaded config live: intervals, enabled backends, deadlines, thresholds.
+
+        Results, statistics and runs in flight are kept; a newly scheduled probe is due at
+        once, and a shortened interval takes effect from now rather than after the old one.
+        """
+        policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
+                               gap_warning_s=config.xid.gap_warning_s,
+                               expected_gpus=config.expected_gpus)
+        ready = parse_requirement(config.default_requirement, node_health=True)
+        scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
+        scheduled += [k for k in keys_for(ready) if k not in scheduled]
+        now = self.clock.monotonic()
+        with self._lock:
+            self.config, self.policy = config, policy
+            self.full_requirement, self.ready_requirement = full_requirement(config), ready
+            self.scheduled = tuple(scheduled)
+            self._interval = {k: config.backends[k.backend].interval_s for k in scheduled}
+            self._due = {k: min(self._due.get(k, now), now + self._interval[k])
+                         for k in scheduled}
+            snapshot = self._publish_locked()
+        self._notify(snapshot)
+        self._wake.set()
+        return snapshot
+
     def republish(self) -> Snapshot:
         """Publish a new snapshot from the current state (watcher news, expiring holds)."""
         with self._lock:
@@ -495,9 +520,9 @@ class Scheduler:
                 log.exception("snapshot listener failed")
 
     def _loop(self) -> None:
-        tick = self.config.tick_s
         gap_flag = False
         while not self._stop.is_set():
+            tick = self.config.tick_s  # read each round: a reload may change it
             now = self.clock.monotonic()
             self._heartbeat = now
             self._notifier.watchdog()

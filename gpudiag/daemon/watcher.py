@@ -73,6 +73,12 @@ class XidWatcher:
                 self._state = replace(self._state, recent=recent)
             return self._state
 
+    def retune(self, config: XidConfig) -> None:
+        """Apply a reloaded hold time and gap warning (the watcher process keeps running)."""
+        with self._lock:
+            self.config = replace(self.config, hold_s=config.hold_s,
+                                  gap_warning_s=config.gap_warning_s)
+
     def clear(self, uuid: str | None, before_wall: float) -> int:
         """Release held XIDs of GPU ``uuid`` (None: all) seen at or before ``before_wall``.
 

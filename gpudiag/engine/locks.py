@@ -21,25 +21,46 @@ from typing import Any
 
 from gpudiag.core.environment import is_full_uuid
 
+SYSTEM_LOCK_DIR = Path("/run/gpudiag/locks")
 
-def default_lock_dir(env: Mapping[str, str] | None = None) -> Path:
-    """GPUDIAG_LOCK_DIR, else /run/gpudiag/locks when usable, else under XDG_RUNTIME_DIR."""
+
+@dataclass(frozen=True)
+class LockDirChoice:
+    """Which lock folder a process uses, and whether every job on the host shares it."""
+
+    path: Path
+    shared: bool  # /run/gpudiag/locks or GPUDIAG_LOCK_DIR: what jobs and the daemon agree on
+    why: str  # how it was chosen; for a private fallback, why the shared one was unusable
+
+
+def choose_lock_dir(env: Mapping[str, str] | None = None) -> LockDirChoice:
+    """GPUDIAG_LOCK_DIR, else /run/gpudiag/locks when usable, else a private fallback."""
     env = os.environ if env is None else env
     if env.get("GPUDIAG_LOCK_DIR"):
-        return Path(env["GPUDIAG_LOCK_DIR"])
-    system = Path("/run/gpudiag/locks")
-    with contextlib.suppress(OSError):
+        return LockDirChoice(Path(env["GPUDIAG_LOCK_DIR"]), True, "GPUDIAG_LOCK_DIR")
+    system = SYSTEM_LOCK_DIR
+    problem = ""
+    try:
         if not system.is_dir():
             system.mkdir(parents=True, exist_ok=True)
             # Shared by every user's jobs, like /tmp: anyone may add a lock, none may delete.
             system.chmod(0o1777)
+    except OSError as e:
+        problem = f"cannot create it: {e.strerror or e}"
     if system.is_dir() and os.access(system, os.W_OK | os.X_OK):
-        return system
+        return LockDirChoice(system, True, "the system lock folder")
+    if not problem:
+        problem = (f"not writable by uid {os.getuid()}" if system.is_dir()
+                   else "it does not exist")
     # A per-user fallback only excludes this user's own jobs: say so in docs/runner.md.
     runtime = env.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "gpudiag" / "locks"
-    return _private_tmp_root() / "gpudiag" / "locks"
+    fallback = (Path(runtime) if runtime else _private_tmp_root()) / "gpudiag" / "locks"
+    return LockDirChoice(fallback, False, f"{system}: {problem}")
+
+
+def default_lock_dir(env: Mapping[str, str] | None = None) -> Path:
+    """GPUDIAG_LOCK_DIR, else /run/gpudiag/locks when usable, else under XDG_RUNTIME_DIR."""
+    return choose_lock_dir(env).path
 
 
 def _private_tmp_root() -> Path:

@@ -1,0 +1,62 @@
+"""Helpers for the deployment tiers (no tests here): who may run them, and the image build.
+
+The tiers need root (buildah, podman, mount namespaces). As root a missing tool is a failure,
+not a skip: scripts/setup.sh installs them, so CI never passes without running them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE_TAG = "localhost/gpudiag:test"
+
+
+def require_root_tools(*tools: str) -> None:
+    """Skip as a plain user; as root fail when a tool is missing (setup.sh installs them)."""
+    if os.geteuid() != 0:
+        pytest.skip("the deployment tiers need root (buildah, podman, mount namespaces)")
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} missing: run scripts/setup.sh as root (it installs "
+                    "buildah, podman, runc, mmdebstrap and systemd-container)")
+
+
+def build_image(tag: str = IMAGE_TAG) -> tuple[str, float]:
+    """scripts/build-image.sh (Debian rootfs base, cached under .cache/image); (tag, seconds)."""
+    started = time.monotonic()
+    proc = subprocess.run([str(ROOT / "scripts" / "build-image.sh"), "--base", "debian",
+                           "--tag", tag], capture_output=True, text=True, timeout=900,
+                          check=False, cwd=ROOT,
+                          env={**os.environ, "PYTHON": sys.executable})
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/build-image.sh failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    assert proc.stdout.strip().splitlines()[-1] == tag, proc.stdout
+    return tag, time.monotonic() - started
+
+
+def debian_rootfs(name: str, packages: str) -> Path:
+    """A Debian bookworm rootfs tarball from mmdebstrap, made once and cached in .cache/."""
+    cache = ROOT / ".cache" / "rootfs"
+    tar = cache / f"{name}.tar"
+    if tar.is_file():
+        return tar
+    cache.mkdir(parents=True, exist_ok=True)
+    sources = Path("/etc/apt/sources.list.d/debian.sources")
+    proc = subprocess.run(
+        ["mmdebstrap", "--quiet", "--format=tar", "--variant=minbase", f"--include={packages}",
+         "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",
+         "--dpkgopt=path-exclude=/usr/share/locale/*", "bookworm", f"{tar}.tmp",
+         *([str(sources)] if sources.is_file() else [])],
+        capture_output=True, text=True, timeout=900, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"mmdebstrap failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    Path(f"{tar}.tmp").rename(tar)
+    return tar
