@@ -171,6 +171,9 @@ def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
               f"restart_backoff_max_s = {value(x.restart_backoff_max_s)}",
               "", "[history]", f"retention_s = {value(h.retention_s)}",
               f"max_bytes = {value(h.max_bytes)}",
+              "", "[nvml]", f"clock_event_dwell_s = {value(cfg.nvml.clock_dwell_s)}",
+              *([f"expected_nvlinks = {value(cfg.nvml.expected_nvlinks)}"]
+                if cfg.nvml.expected_nvlinks is not None else []),
               "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
               "", f"# not in the file: --state-dir {state_dir}, socket in effect "
               f"{default_socket_path(cfg) or 'none'}"]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
+from gpudiag.core.nvml_health import NvmlHistory, advance
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
@@ -149,6 +150,7 @@ class Scheduler:
         self._last_proven: dict[tuple[str, str], float] = {}
         self._backend_gpu: dict[str, str | None] = {}
         self._rounds: dict[str, int] = {}
+        self._nvml_history = NvmlHistory()
         self._guard = threading.Lock()  # one active-probe claim at a time
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
@@ -157,7 +159,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
                                     gap_warning_s=config.xid.gap_warning_s,
-                                    expected_gpus=config.expected_gpus)
+                                    expected_gpus=config.expected_gpus, nvml=config.nvml)
         self.full_requirement = full_requirement(config)
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
@@ -323,6 +325,8 @@ class Scheduler:
         with self._lock:
             previous = self._results.get(key)
             self._results[key] = result
+            if key.backend == "nvml":
+                self._nvml_history = advance(self._nvml_history, run.nvml, finished)
             self._record_stats(key, result)
             self._schedule_next(key, run)
             self._learn(key.backend, run, finished)
@@ -374,7 +378,8 @@ class Scheduler:
         base = Snapshot(seq=old.seq + 1, published_wall=now, results=dict(self._results),
                         stats=dict(self._stats), scheduled=self.scheduled, watcher=watcher,
                         full=None, ready=None, scope=self._scope(),
-                        last_proven=dict(self._last_proven))
+                        last_proven=dict(self._last_proven),
+                        nvml_history=self._nvml_history)
         full = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
         ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
         self._snapshot = replace(base, full=full, ready=ready)
