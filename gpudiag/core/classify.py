@@ -25,7 +25,12 @@ from gpudiag.core.environment import (
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.limits import PROBES
 from gpudiag.core.missing import missing_gpu_findings
-from gpudiag.core.nvml_health import NvmlHealthPolicy, NvmlHistory, device_health
+from gpudiag.core.nvml_health import (
+    NvmlHealthPolicy,
+    NvmlHistory,
+    device_health,
+    held_memory_blocks,
+)
 from gpudiag.core.observations import (
     CommandResult,
     CudaObservation,
@@ -172,8 +177,7 @@ def _nvml_findings(nvml: NvmlObservation | None, host: HostObservation | None,
 
 def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
                      f: Findings, history: NvmlHistory | None = None,
-                     policy: NvmlHealthPolicy | None = None,
-                     min_free: int | None = None) -> None:
+                     policy: NvmlHealthPolicy | None = None) -> None:
     for d in devs:
         label = d.label
         if not d.ok:
@@ -182,7 +186,7 @@ def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
             f.block(blocker or "nvml_error", f"GPU {d.index}: {name} ({code}): {text}",
                     backend="nvml", device=label)
             continue
-        device_health(d, f, history=history, policy=policy, min_free_memory_bytes=min_free)
+        device_health(d, f, history=history, policy=policy)
         if d.persistence_mode is False:
             f.warn("gpu_persistence_off", f"GPU {d.index}: persistence mode is off",
                    backend="nvml", device=label)
@@ -395,8 +399,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
         candidates = _visibility(raw, all_devs, nvml_ok, f)
         selected = _select(candidates, requirement, f)
-        _device_findings(selected, xids, f, nvml_history, nvml_policy,
-                         requirement.min_free_memory_bytes)
+        _device_findings(selected, xids, f, nvml_history, nvml_policy)
         # core.missing reads the host probe's PCI listing, which the typed host record does
         # not carry yet: it gets the checked JSON of the three runs.
         missing_gpu_findings(_json(host_run), _json(nvml_run), _json(cuda_run),
@@ -410,6 +413,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                        f"NVML shows {len(candidates)} visible GPU(s), cuInit {n_cuda}",
                        backend="cuda")
         _requirement_findings(selected, requirement, f)
+        held_memory_blocks(f)
         devices = [_device_info(d) for d in selected]
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))

@@ -13,7 +13,8 @@ remembers between rounds, :class:`NvmlHistory`) into blockers and warnings. The 
 - NVLink: links down against ``expected_nvlinks`` or the most links seen active before;
 - NVSwitch fabric registration not started, in progress or failed: ``gpu_fabric_not_ready``;
 - memory held while no compute or graphics process is listed: ``gpu_memory_held_without_process``
-  (a blocker when the requirement's free memory is not met, else a warning);
+  (a warning; :func:`held_memory_blocks` makes it the blocker where it is why the
+  requirement's free memory is not met);
 - thermal and power clock events: warnings only once held for a dwell time while working.
 """
 
@@ -138,8 +139,7 @@ def advance(history: NvmlHistory, nvml: NvmlObservation | None, now_wall: float
 
 
 def device_health(d: NvmlDevice, f: Findings, *, history: NvmlHistory | None = None,
-                  policy: NvmlHealthPolicy | None = None,
-                  min_free_memory_bytes: int | None = None) -> None:
+                  policy: NvmlHealthPolicy | None = None) -> None:
     """Blockers and warnings for one readable NVML device."""
     history = history or NvmlHistory()
     policy = policy or NvmlHealthPolicy()
@@ -148,7 +148,7 @@ def device_health(d: NvmlDevice, f: Findings, *, history: NvmlHistory | None = N
     _pcie(d, f)
     _nvlinks(d, history, policy, f)
     _fabric(d, f)
-    _held_memory(d, policy, min_free_memory_bytes, f)
+    _held_memory(d, policy, f)
     _clock_events(d, history, policy, f)
 
 
@@ -235,23 +235,32 @@ def _fabric(d: NvmlDevice, f: Findings) -> None:
                 f"{fab.status})", **_at(d))
 
 
-def _held_memory(d: NvmlDevice, policy: NvmlHealthPolicy, min_free: int | None,
-                 f: Findings) -> None:
+def _held_memory(d: NvmlDevice, policy: NvmlHealthPolicy, f: Findings) -> None:
     mem = d.memory
     if (mem is None or mem.used_bytes is None or mem.total_bytes is None
             or d.processes is None or d.processes or d.graphics_processes
             or (d.mig is not None and d.mig.enabled)):
         return
     limit = max(policy.held_memory_floor_bytes, policy.held_memory_share * mem.total_bytes)
-    if mem.used_bytes <= limit:
-        return
-    text = (f"GPU {d.index}: {mem.used_bytes / GIB:.1f} GiB used while no process is listed "
-            f"(limit {limit / GIB:.1f} GiB): memory of a killed job or a leaked context")
-    free = mem.free_bytes
-    if min_free is not None and free is not None and free < min_free:
-        f.block("gpu_memory_held_without_process", text, **_at(d))
-    else:
-        f.warn("gpu_memory_held_without_process", text, **_at(d))
+    if mem.used_bytes > limit:
+        f.warn("gpu_memory_held_without_process",
+               f"GPU {d.index}: {mem.used_bytes / GIB:.1f} GiB used while no process is "
+               f"listed (limit {limit / GIB:.1f} GiB): memory of a killed job or a leaked "
+               "context", **_at(d))
+
+
+def held_memory_blocks(f: Findings) -> None:
+    """Held memory becomes the blocker where it is why the requirement's memory is short.
+
+    Called once the requirement's findings are in: a GPU named by
+    ``insufficient_free_memory`` whose memory is held by no process blocks for that reason
+    (device layer, so it is the root cause); elsewhere it stays a warning.
+    """
+    short = {b.device for b in f.blockers if b.code == "insufficient_free_memory"}
+    for w in [w for w in f.warnings
+              if w.code == "gpu_memory_held_without_process" and w.device in short]:
+        f.warnings.remove(w)
+        f.block(w.code, w.message, backend=w.backend, device=w.device)
 
 
 def _clock_events(d: NvmlDevice, history: NvmlHistory, policy: NvmlHealthPolicy,
