@@ -321,7 +321,7 @@ def test_nvml_mig(fake_driver: FakeDriver) -> None:
 
 @pytest.mark.parametrize(
     ("code", "text"),
-    [(9, "Driver Not Loaded"), (18, "RM has detected an NVML/RM version mismatch."),
+    [(9, "Driver Not Loaded"), (18, "Driver/library version mismatch"),
      (4, "Insufficient Permissions"), (999, "Unknown Error")],
 )
 def test_nvml_init_error(fake_driver: FakeDriver, code: int, text: str) -> None:

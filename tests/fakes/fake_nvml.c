@@ -295,7 +295,8 @@ FAKE_EXPORT nvmlReturn_t nvmlShutdown(void) {
     return NVML_ERROR_UNINITIALIZED;
 }
 
-/* The strings the real libnvidia-ml returns. */
+/* The strings the real libnvidia-ml returns (0..27 checked against NVIDIA's 535 library by
+ * tests/test_real_nvidia.py; 28.. are newer than 535, which answers "Unknown Error"). */
 FAKE_EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     switch (result) {
     case 0: return "Success";
@@ -314,18 +315,18 @@ FAKE_EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     case 13: return "Function Not Found";
     case 14: return "Corrupted infoROM";
     case 15: return "GPU is lost";
-    case 16: return "GPU requires restart";
-    case 17: return "The operating system has blocked the request.";
-    case 18: return "RM has detected an NVML/RM version mismatch.";
+    case 16: return "GPU requires reset";
+    case 17: return "GPU access blocked by the operating system";
+    case 18: return "Driver/library version mismatch";
     case 19: return "In use by another client";
     case 20: return "Insufficient Memory";
     case 21: return "No data";
-    case 22: return "The requested vgpu operation is not available on target device, becasue ECC is enabled";
-    case 23: return "Insufficient resources";
-    case 24: return "Frequency not supported";
+    case 22: return "vGPU ECC not supported";
+    case 23: return "Insufficient Resources";
+    case 24: return "Invalid Frequency";
     case 25: return "Argument version mismatch";
-    case 26: return "Deprecated";
-    case 27: return "Not Ready";
+    case 26: return "Requested functionality has been deprecated";
+    case 27: return "System is not in ready state";
     case 28: return "GPU not found";
     case 29: return "Invalid state";
     case 30: return "Reset type not supported";
