@@ -194,6 +194,9 @@ def test_memory_held_on_a_gpu_without_processes_warns() -> None:
     assert _codes(_dev(readings=_mem(20), graphics_processes=(GpuProcess(8),))) == ([], [])
     assert _codes(_dev(readings=_mem(20), processes=None)) == ([], [])  # unknown: no claim
     assert _codes(_dev(readings=_mem(20), mig=MigState(True, False, ()))) == ([], [])
+    # A working GPU (here: busy, no process listed, as in a container) owns its memory.
+    busy = GpuReadings(memory=_mem(20).memory, utilization_gpu_ratio=0.5)
+    assert _codes(_dev(readings=busy)) == ([], [])
 
 
 def test_held_memory_blocks_only_where_the_requirement_is_short() -> None:

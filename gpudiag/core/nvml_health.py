@@ -237,8 +237,10 @@ def _fabric(d: NvmlDevice, f: Findings) -> None:
 
 def _held_memory(d: NvmlDevice, policy: NvmlHealthPolicy, f: Findings) -> None:
     mem = d.memory
+    # A working GPU's memory has an owner even when NVML lists none (in a container, other
+    # containers' processes are often not listed): leaked memory sits on an idle GPU.
     if (mem is None or mem.used_bytes is None or mem.total_bytes is None
-            or d.processes is None or d.processes or d.graphics_processes
+            or d.processes is None or working(d)
             or (d.mig is not None and d.mig.enabled)):
         return
     limit = max(policy.held_memory_floor_bytes, policy.held_memory_share * mem.total_bytes)
