@@ -22,7 +22,6 @@ from gpudiag.core.findings import Findings
 from gpudiag.core.nvml_health import (
     CODES,
     RECOVERY_ACTION_CODES,
-    RECOVERY_ACTION_NAMES,
     ClockHold,
     NvmlHealthPolicy,
     NvmlHistory,
@@ -43,6 +42,7 @@ from gpudiag.core.observations import (
     RemappedRows,
 )
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.recovery import RECOVERY_ACTION_NAMES
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import ProbeKey, ProbeResult, Snapshot, WatcherState

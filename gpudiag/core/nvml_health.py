@@ -26,11 +26,7 @@ from dataclasses import dataclass, field, replace
 from gpudiag.core.findings import Findings
 from gpudiag.core.observations import Ecc, NvmlDevice, NvmlObservation, RemappedRows
 
-# nvmlDeviceGpuRecoveryAction_t's values 0..7, by the names the probe reports.
-RECOVERY_ACTION_NAMES: tuple[str, ...] = (
-    "none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset",
-    "recover_imex_domain", "bus_reset", "system_reboot")
-# NVIDIA's recovery-action values (nvmlDeviceGpuRecoveryAction_t), by the probe's names:
+# NVIDIA's recovery-action values (core.recovery's names, as the probe reports them):
 # name -> (code, what to do). "none" needs nothing.
 RECOVERY_ACTION_CODES: dict[str, tuple[str, str]] = {
     "gpu_reset": ("gpu_reset_required",

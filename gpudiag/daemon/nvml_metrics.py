@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from gpudiag.core.nvml_health import CLOCK_GROUPS, CODES, RECOVERY_ACTION_NAMES
+from gpudiag.core.nvml_health import CLOCK_GROUPS, CODES
+from gpudiag.core.recovery import RECOVERY_ACTION_NAMES
 from gpudiag.daemon.snapshot import Snapshot
 
 Known = Callable[[int, "str | None"], tuple[str, str, str]]

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from gpudiag.core.nvml_health import RECOVERY_ACTION_NAMES
+from gpudiag.core.recovery import RECOVERY_ACTION_NAMES
 
 T = TypeVar("T")
 
@@ -30,7 +30,10 @@ NVLINK_MAX_LINKS = 18  # nvml.h NVML_NVLINK_MAX_LINKS (pynvml's 36 is a newer he
 _NO_SUCH_LINK = {2, 3}  # INVALID_ARGUMENT past the last link, NOT_SUPPORTED without NVLink
 
 
+@functools.cache
 def _error_names(pynvml: Any) -> dict[int, str]:
+    # Once per process: scanning the module's names costs about a millisecond, and every
+    # unsupported field of every GPU asks.
     return {getattr(pynvml, n): n for n in dir(pynvml) if n.startswith("NVML_ERROR_")}
 
 
