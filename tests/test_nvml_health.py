@@ -9,6 +9,7 @@ codes through the real CLI (tests/test_fault_matrix.py covers daemon, metrics an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,14 @@ from gpudiag.core.observations import (
 )
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.recovery import RECOVERY_ACTION_NAMES
+from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import ProbeKey, ProbeResult, Snapshot, WatcherState
 from gpudiag.engine.isolation import run_probe
 from tests.conftest import verdict_of
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import host_env
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 GIB = 1024 ** 3
@@ -385,3 +387,42 @@ def test_the_condition_metric_follows_the_verdict(nvml_run: ProbeRun) -> None:
     assert on == {("0", "gpu_pcie_link_degraded"), ("2", "gpu_fabric_not_ready"),
                   ("2", "gpu_reset_required")}
 
+
+
+# -- the NVLink memory survives a restart ----------------------------------------------------
+def test_nvlink_memory_round_trips_and_refuses_what_is_not_its_own(tmp_path: Path) -> None:
+    path = tmp_path / nvlinks.FILE_NAME
+    assert nvlinks.load(path) == {}
+    nvlinks.save(path, {UUID: 18})
+    assert nvlinks.load(path) == {UUID: 18} and path.stat().st_mode & 0o777 == 0o600
+    for bad in ("not json", "[1, 2]", '{"GPU-x": "18", "GPU-y": true, "GPU-z": 999}'):
+        path.write_text(bad)
+        assert nvlinks.load(path) == {}
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    path.write_text(json.dumps({UUID: 4}))
+    assert nvlinks.load(link) == {}  # never followed
+
+
+def test_a_link_that_went_down_while_the_daemon_was_stopped_is_missed(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "gpudiag.toml", daemon_toml({"xid": {"enabled": False}}))
+    state = tmp_path / "state"
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   FAKE_NVML_NVLINKS="0:4,1:4")
+    daemon = Daemon(env, config, state)
+    try:
+        daemon.wait_ready()
+        wait_for(lambda: nvlinks.load(state / nvlinks.FILE_NAME) != {}, 20, interval=0.1)
+    finally:
+        assert daemon.stop() == 0
+    remembered = nvlinks.load(state / nvlinks.FILE_NAME)
+    assert sorted(remembered.values()) == [4, 4]
+    daemon = Daemon({**env, "FAKE_NVML_NVLINK_DOWN": "1:2"}, config, state)
+    try:
+        daemon.wait_ready()
+        status, rec = daemon.get("/v1/preflight?require=cuda")
+    finally:
+        assert daemon.stop() == 0
+    assert status == 200 and rec["gpu_validation_blocker"] == "gpu_nvlink_down"
+    assert "4 active before; down: link 2" in rec["blockers"][0]["message"]

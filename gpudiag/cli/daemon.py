@@ -22,6 +22,7 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
+from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
@@ -235,7 +236,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         clears.prepare()
     except OSError as e:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll)
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll,
+                          nvlinks_file=state_dir / nvlinks.FILE_NAME)
     late.append(scheduler)
     wake.append(scheduler.wake)
 

@@ -25,6 +25,7 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
+from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import DaemonConfig
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
@@ -134,7 +135,7 @@ class Scheduler:
                  rng: random.Random | None = None, notifier: Notifier | None = None,
                  watcher: WatcherSource | None = None, max_workers: int = 8,
                  on_tick: Callable[[], object] | None = None,
-                 lock_dir: Path | None = None) -> None:
+                 lock_dir: Path | None = None, nvlinks_file: Path | None = None) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self._runner = runner
@@ -150,7 +151,10 @@ class Scheduler:
         self._last_proven: dict[tuple[str, str], float] = {}
         self._backend_gpu: dict[str, str | None] = {}
         self._rounds: dict[str, int] = {}
-        self._nvml_history = NvmlHistory()
+        # NVLink counts seen survive a restart in the state directory (daemon.nvlinks).
+        self._nvlinks_file = nvlinks_file
+        self._nvml_history = NvmlHistory(
+            nvlinks_active=nvlinks.load(nvlinks_file) if nvlinks_file else {})
         self._guard = threading.Lock()  # one active-probe claim at a time
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
@@ -326,7 +330,7 @@ class Scheduler:
             previous = self._results.get(key)
             self._results[key] = result
             if key.backend == "nvml":
-                self._nvml_history = advance(self._nvml_history, run.nvml, finished)
+                self._remember_nvml(run, finished)
             self._record_stats(key, result)
             self._schedule_next(key, run)
             self._learn(key.backend, run, finished)
@@ -340,6 +344,12 @@ class Scheduler:
             log.debug("probe %s %s", key.backend, result.outcome)
         flight.done.set()
         self._notify(snapshot)
+
+    def _remember_nvml(self, run: ProbeRun, finished: float) -> None:
+        before = self._nvml_history.nvlinks_active
+        self._nvml_history = advance(self._nvml_history, run.nvml, finished)
+        if self._nvlinks_file is not None and self._nvml_history.nvlinks_active != before:
+            nvlinks.save(self._nvlinks_file, self._nvml_history.nvlinks_active)
 
     def _record_stats(self, key: ProbeKey, result: ProbeResult) -> None:
         old = self._stats.get(key) or BackendStats(runs_by_outcome=dict.fromkeys(OUTCOMES, 0))
