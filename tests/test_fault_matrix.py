@@ -341,6 +341,8 @@ CASES: tuple[Case, ...] = (
     # Links down against expected_nvlinks (MATRIX_CONFIG): only the daemon has that config.
     _d("gpu_nvlink_down", {"FAKE_NVML_NVLINKS": "0:4", "FAKE_NVML_NVLINK_DOWN": "0:1/3"},
        rounds=True),
+    # An x1 link under pcie_block_below_width = 4 (MATRIX_CONFIG): only the daemon's config.
+    _d("gpu_pcie_link_degraded", {"FAKE_NVML_PCIE": "5:5/5/1/16"}, rounds=True),
     _j("gpu_memory_held_without_process",
        cli_args=("--min-free-memory", "130GiB", "--devices", "0"),
        env=lambda r, t: _job_env(r, t, FAKE_NVML_MEMORY_USED_MIB="0:20000")),
@@ -508,7 +510,7 @@ MATRIX_CONFIG = {
     "backends.nvml": {"interval_s": 600, "deadline_s": 2},
     "backends.cuda": {"interval_s": 600, "deadline_s": 10},
     "xid": {"telemetry_s": 5, "hold_s": 6, "gap_warning_s": 1, "restart_backoff_max_s": 0.5},
-    "nvml": {"expected_nvlinks": 4, "clock_event_dwell_s": 0},
+    "nvml": {"expected_nvlinks": 4, "clock_event_dwell_s": 0, "pcie_block_below_width": 4},
 }
 
 

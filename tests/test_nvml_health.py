@@ -136,6 +136,14 @@ def test_a_narrow_pcie_link_warns_idle_or_busy(busy: bool) -> None:
     assert _codes(d) == ([], ["gpu_pcie_link_degraded"])
 
 
+def test_a_link_below_the_configured_width_blocks() -> None:
+    policy = NvmlHealthPolicy(pcie_block_below_width=8)
+    assert _codes(_dev(pcie=PcieLink(5, 5, 4, 16)), policy=policy) == (
+        ["gpu_pcie_link_degraded"], [])
+    assert _codes(_dev(pcie=PcieLink(5, 5, 8, 16)), policy=policy) == (
+        [], ["gpu_pcie_link_degraded"])
+
+
 def test_a_lower_pcie_generation_warns_only_while_the_gpu_works() -> None:
     link = PcieLink(1, 5, 16, 16)  # an idle link trains down to gen 1 to save power
     assert _codes(_dev(pcie=link)) == ([], [])
@@ -326,11 +334,15 @@ def test_a_driver_without_the_functions_degrades_too(fakes: FakeDriver, tmp_path
 
 # -- config and metrics ----------------------------------------------------------------------------
 def test_nvml_config_keys_are_checked() -> None:
-    cfg = from_mapping({"nvml": {"expected_nvlinks": 18, "clock_event_dwell_s": 30}})
-    assert cfg.nvml == NvmlHealthPolicy(expected_nvlinks=18, clock_dwell_s=30.0)
+    cfg = from_mapping({"nvml": {"expected_nvlinks": 18, "clock_event_dwell_s": 30,
+                                 "pcie_block_below_width": 8}})
+    assert cfg.nvml == NvmlHealthPolicy(expected_nvlinks=18, clock_dwell_s=30.0,
+                                        pcie_block_below_width=8)
     for bad in ({"expected_nvlinks": 0}, {"expected_nvlinks": "4"},
-                {"clock_event_dwell_s": -1}, {"expected_nvlink": 4}):
-        with pytest.raises(ConfigError, match="nvml.expected_nvlink|nvml.clock_event"):
+                {"clock_event_dwell_s": -1}, {"expected_nvlink": 4},
+                {"pcie_block_below_width": 0}, {"pcie_block_below_width": 2.5}):
+        with pytest.raises(ConfigError,
+                           match="nvml.expected_nvlink|nvml.clock_event|nvml.pcie_block"):
             from_mapping({"nvml": bad})
 
 

@@ -175,6 +175,8 @@ def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
               "", "[nvml]", f"clock_event_dwell_s = {value(cfg.nvml.clock_dwell_s)}",
               *([f"expected_nvlinks = {value(cfg.nvml.expected_nvlinks)}"]
                 if cfg.nvml.expected_nvlinks is not None else []),
+              *([f"pcie_block_below_width = {value(cfg.nvml.pcie_block_below_width)}"]
+                if cfg.nvml.pcie_block_below_width is not None else []),
               "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
               "", f"# not in the file: --state-dir {state_dir}, socket in effect "
               f"{default_socket_path(cfg) or 'none'}"]

@@ -118,6 +118,10 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "NVLink links that were active (or expected_nvlinks) are down.",
              "Drain the node; check the NVLink errors (nvidia-smi nvlink -s -e), reset the "
              "GPU or reboot; reseat or replace the GPU or baseboard if a link stays down."),
+            ("gpu_pcie_link_degraded",
+             "The GPU's PCIe link is narrower than [nvml] pcie_block_below_width lanes.",
+             "Drain the node; reseat the GPU or its riser, check the slot's BIOS settings "
+             "and PCIe AER errors in dmesg."),
             ("gpu_memory_held_without_process",
              "A GPU with no process listed holds memory, and the job's free-memory need is "
              "not met.",

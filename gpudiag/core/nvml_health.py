@@ -8,8 +8,9 @@ remembers between rounds, :class:`NvmlHistory`) into blockers and warnings. The 
 - row remapping or page retirement *pending*: NVIDIA says new work may still start and the
   reset applies it, so it is a ``gpu_reset_required`` warning naming the reason; a remap
   *failure* or volatile uncorrectable ECC is a ``gpu_ecc_uncorrectable`` blocker;
-- PCIe: a width below the maximum warns always; a generation below the maximum warns only
-  while the GPU works (links drop their generation at idle to save power);
+- PCIe: a width below the maximum warns always (blocks below ``pcie_block_below_width``
+  lanes); a generation below the maximum warns only while the GPU works (links drop their
+  generation at idle to save power);
 - NVLink: links down against ``expected_nvlinks`` or the most links seen active before;
 - NVSwitch fabric registration not started, in progress or failed: ``gpu_fabric_not_ready``;
 - memory held while no compute or graphics process is listed: ``gpu_memory_held_without_process``
@@ -90,6 +91,8 @@ class NvmlHealthPolicy:
     # Used memory above max(floor, share of total) with no process listed is "held".
     held_memory_floor_bytes: int = GIB
     held_memory_share: float = 0.02
+    # A link narrower than this many lanes blocks (None: a narrow link only ever warns).
+    pcie_block_below_width: int | None = None
 
 
 def working(d: NvmlDevice) -> bool:
@@ -141,7 +144,7 @@ def device_health(d: NvmlDevice, f: Findings, *, history: NvmlHistory | None = N
     policy = policy or NvmlHealthPolicy()
     _recovery_action(d, f)
     _memory_errors(d, f)
-    _pcie(d, f)
+    _pcie(d, policy, f)
     _nvlinks(d, history, policy, f)
     _fabric(d, f)
     _held_memory(d, policy, f)
@@ -185,9 +188,15 @@ def _memory_errors(d: NvmlDevice, f: Findings) -> None:
                f"GPU {d.index}: {ecc.volatile_corrected} correctable ECC error(s)", **_at(d))
 
 
-def _pcie(d: NvmlDevice, f: Findings) -> None:
+def _pcie(d: NvmlDevice, policy: NvmlHealthPolicy, f: Findings) -> None:
     p = d.pcie
     if p is None:
+        return
+    floor = policy.pcie_block_below_width
+    if floor is not None and p.current_width and p.current_width < floor:
+        f.block("gpu_pcie_link_degraded",
+                f"GPU {d.index}: PCIe link width x{p.current_width} of x{p.max_width}, "
+                f"below the x{floor} that pcie_block_below_width asks for", **_at(d))
         return
     why = []
     if p.current_width and p.max_width and p.current_width < p.max_width:

@@ -258,8 +258,15 @@ def _nvml_policy(t: _Table) -> NvmlHealthPolicy:
                           "NVLink links each GPU must have active, an integer from 1 to 18 "
                           "(leave it out to compare with the most links seen active)")
     dwell = t.seconds("clock_event_dwell_s", base.clock_dwell_s, minimum=0.0, maximum=86400.0)
+    lanes = t.get("pcie_block_below_width")
+    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
+                              or not 1 <= lanes <= 32):
+        raise ConfigError(f"{t._key('pcie_block_below_width')} = {lanes!r}: expected a PCIe "
+                          "lane count from 1 to 32; a narrower link blocks (leave it out to "
+                          "only warn)")
     t.finish()
-    return replace(base, expected_nvlinks=links, clock_dwell_s=dwell)
+    return replace(base, expected_nvlinks=links, clock_dwell_s=dwell,
+                   pcie_block_below_width=lanes)
 
 
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
