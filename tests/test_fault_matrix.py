@@ -401,7 +401,7 @@ WARNING_CASES: tuple[Case, ...] = (
     # Held while working over the dwell time (0 s in MATRIX_CONFIG): rounds of the daemon.
     _d("gpu_thermal_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "0:0x40",
                                   "FAKE_NVML_UTILIZATION": "0:90"}, rounds=True),
-    _d("gpu_power_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "1:0x4",
+    _d("gpu_power_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "1:0x80",
                                 "FAKE_NVML_UTILIZATION": "1:90"}, rounds=True),
     _d("gpu_pcie_link_degraded", {"FAKE_NVML_PCIE": "2:5/5/8/16"}),
     _d("gpu_memory_held_without_process", {"FAKE_NVML_MEMORY_USED_MIB": "3:20000"}),

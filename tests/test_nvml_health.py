@@ -234,7 +234,7 @@ def _clock_warnings(h: NvmlHistory, dwell: float = 60) -> list[str]:
 def test_an_idle_gpu_never_starts_a_clock_event_hold() -> None:
     h = NvmlHistory()
     for t in range(0, 600, 10):
-        h = _round(h, float(t), ("sw_power_cap", "hw_slowdown"), 0.0)
+        h = _round(h, float(t), ("hw_power_brake_slowdown", "hw_slowdown"), 0.0)
     assert h.clock_holds == {} and _clock_warnings(h, dwell=0) == []
 
 
@@ -252,22 +252,25 @@ def test_a_clock_event_warns_only_once_held_past_the_dwell_while_working() -> No
     assert "100% of samples" in f.warnings[0].message
 
 
-def test_a_busy_gpu_at_full_clocks_never_warns() -> None:
+@pytest.mark.parametrize("reasons", [(), ("sw_power_cap",), ("gpu_idle",)])
+def test_a_busy_gpu_at_full_clocks_or_its_power_cap_never_warns(reasons: tuple[str, ...]
+                                                                  ) -> None:
     h = NvmlHistory()
     for t in range(0, 600, 10):
-        h = _round(h, float(t), (), 1.0)
-    assert _clock_warnings(h, dwell=0) == []
+        h = _round(h, float(t), reasons, 1.0)
+    assert _clock_warnings(h, dwell=0) == [] and h.clock_holds == {}
 
 
 def test_a_hold_survives_short_breaks_and_ends_when_mostly_clear() -> None:
     h = NvmlHistory()
-    for t, reasons in ((0, ("sw_power_cap",)), (10, ()), (20, ("sw_power_cap",))):
+    brake = ("hw_power_brake_slowdown",)
+    for t, reasons in ((0, brake), (10, ()), (20, brake)):
         h = _round(h, float(t), reasons, 0.9)
     hold = h.clock_holds[(UUID, "power")]
-    assert hold == ClockHold(0.0, 2, 3, ("sw_power_cap",))
+    assert hold == ClockHold(0.0, 2, 3, brake)
     h = _round(_round(h, 30.0, (), 0.9), 40.0, (), 0.9)
     assert (UUID, "power") not in h.clock_holds
-    h = _round(_round(NvmlHistory(), 0.0, ("sw_power_cap",), 0.9), 10.0, (), 0.0)
+    h = _round(_round(NvmlHistory(), 0.0, brake, 0.9), 10.0, (), 0.0)
     assert h.clock_holds == {}  # a quiet idle GPU ends the hold
 
 

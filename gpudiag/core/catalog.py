@@ -234,9 +234,10 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "The GPU has been clocked down for heat while working, past a dwell time.",
                      "Check cooling, airflow and fan status."),
         CatalogEntry("gpu_power_throttling", "device",
-                     "The GPU has been clocked down by power limits while working, past a "
-                     "dwell time.",
-                     "Check the power cap and the PSU; expected under heavy load."),
+                     "The GPU's power brake has held its clocks down while working, past a "
+                     "dwell time (its own power cap under load is normal and never warns).",
+                     "Check the PSU and the system's power-brake signal (an external "
+                     "power-capping controller, a failing supply)."),
         CatalogEntry("gpu_ecc_correctable", "device", "The GPU reports correctable ECC errors.",
                      "Watch the rate; a rising count predicts uncorrectable errors."),
         CatalogEntry("gpu_persistence_off", "device", "Persistence mode is off.",

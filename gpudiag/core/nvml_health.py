@@ -47,7 +47,8 @@ UNKNOWN_ACTION = ("gpu_reset_required", "an action this gpudiag does not know")
 
 FABRIC_STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "completed"}
 THERMAL_REASONS = frozenset({"hw_thermal_slowdown", "sw_thermal_slowdown", "hw_slowdown"})
-POWER_REASONS = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})
+# Not sw_power_cap: a busy GPU held at its power cap is working as designed, never a fault.
+POWER_REASONS = frozenset({"hw_power_brake_slowdown"})
 CLOCK_GROUPS: dict[str, tuple[frozenset[str], str]] = {
     "thermal": (THERMAL_REASONS, "gpu_thermal_throttling"),
     "power": (POWER_REASONS, "gpu_power_throttling"),
@@ -116,25 +117,27 @@ def advance(history: NvmlHistory, nvml: NvmlObservation | None, now_wall: float
         busy = working(d)
         for group, (reasons, _code) in CLOCK_GROUPS.items():
             key = (d.uuid, group)
-            held = sorted(set(d.clocks_event_reasons) & reasons)
-            old = holds.get(key)
-            if not busy:
-                # Idle: a clock event never starts a hold; a quiet idle GPU ends one.
-                if not held:
-                    holds.pop(key, None)
-                continue
-            if old is None:
-                if held:
-                    holds[key] = ClockHold(now_wall, 1, 1, tuple(held))
-                continue
-            hold = ClockHold(old.since_wall, old.held_samples + bool(held),
-                             old.working_samples + 1, tuple(held) or old.reasons)
-            # A hold survives short breaks; it ends when held under half the working time.
-            if hold.held_samples * 2 < hold.working_samples:
+            held = tuple(sorted(set(d.clocks_event_reasons) & reasons))
+            hold = _next_hold(holds.get(key), held, busy, now_wall)
+            if hold is None:
                 holds.pop(key, None)
             else:
                 holds[key] = hold
     return NvmlHistory(links, holds, now_wall)
+
+
+def _next_hold(old: ClockHold | None, held: tuple[str, ...], busy: bool, now_wall: float
+               ) -> ClockHold | None:
+    """One group's hold after one more sample of one GPU (None: no hold)."""
+    if not busy:
+        # Idle: a clock event never starts a hold; a quiet idle GPU ends one.
+        return old if held else None
+    if old is None:
+        return ClockHold(now_wall, 1, 1, held) if held else None
+    hold = ClockHold(old.since_wall, old.held_samples + bool(held), old.working_samples + 1,
+                     held or old.reasons)
+    # A hold survives short breaks; it ends when held under half the working samples.
+    return None if hold.held_samples * 2 < hold.working_samples else hold
 
 
 def device_health(d: NvmlDevice, f: Findings, *, history: NvmlHistory | None = None,
