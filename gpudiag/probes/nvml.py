@@ -26,7 +26,7 @@ _THROTTLE_BITS = {
 }
 RECOVERY_ACTIONS = dict(enumerate(RECOVERY_ACTION_NAMES))
 FIELD_RECOVERY_ACTION = 230
-NVLINK_MAX_LINKS = 18  # nvml.h NVML_NVLINK_MAX_LINKS (pynvml's 36 is a newer header's)
+NVLINK_MAX_LINKS = 18  # nvml.h's NVML_NVLINK_MAX_LINKS where pynvml lacks it (newer: 36)
 _NO_SUCH_LINK = {2, 3}  # INVALID_ARGUMENT past the last link, NOT_SUPPORTED without NVLink
 
 
@@ -138,7 +138,8 @@ def _nvlinks(pynvml: Any, handle: Any) -> dict[str, list[int]]:
     """Active and inactive NVLink links; raises NOT_SUPPORTED for a GPU without NVLink."""
     active: list[int] = []
     inactive: list[int] = []
-    for link in range(NVLINK_MAX_LINKS):
+    # The first link past the GPU's last answers INVALID_ARGUMENT: the bound rarely matters.
+    for link in range(int(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", NVLINK_MAX_LINKS))):
         try:
             state = int(pynvml.nvmlDeviceGetNvLinkState(handle, link))
         except pynvml.NVMLError as e:

@@ -143,7 +143,7 @@ _Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t layout");
 _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
-#define NVML_NVLINK_MAX_LINKS 18 /* nvml.h: links a GPU can have (pynvml's 36 counts lanes too) */
+#define NVML_NVLINK_MAX_LINKS 18 /* the 535 nvml.h's bound (newer headers: 36); FAKE_NVML_NVLINKS caps here */
 
 /* nvmlGpuFabricInfo_t (v1, nvmlDeviceGetGpuFabricInfo) and _v2_t (nvmlDeviceGetGpuFabricInfoV). */
 typedef struct {
