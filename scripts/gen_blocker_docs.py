@@ -7,6 +7,29 @@ from pathlib import Path
 
 from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS
 
+# Where a code's meaning follows NVIDIA's own word, the page that says it.
+SOURCES: tuple[str, ...] = (
+    "`gpu_reset_required` (warning) and `gpu_ecc_uncorrectable`: NVIDIA's *GPU Memory Error "
+    "Management* guide, [Error Recovery and Response Flags](https://docs.nvidia.com/deploy/"
+    "a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html), says a pending row "
+    "remap is applied at the next GPU reset and that running and new work may go on until "
+    "then (so it warns, never blocks), and sends a row-remapping failure to its RMA policy "
+    "thresholds (so it blocks as `gpu_ecc_uncorrectable`). NVML's reference for "
+    "`nvmlDeviceGetRemappedRows` agrees: the reset performs the remap, and a pending one does "
+    "not harm later work thanks to error containment and dynamic page blacklisting.",
+    "Recovery action (`NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`), the same page: none (nothing); "
+    "gpu_reset, drain_p2p, drain_and_reset and bus_reset -> `gpu_reset_required`; node_reboot "
+    "and system_reboot -> `node_reboot_required`; recover_imex_domain -> "
+    "`gpu_fabric_not_ready`; a value newer than this list -> `gpu_reset_required`.",
+    "`gpu_fabric_not_ready`: NVML's reference for `nvmlDeviceGetGpuFabricInfoV` (fabric "
+    "state not started, in progress or completed, and a status once completed); cuInit "
+    "answers `CUDA_ERROR_SYSTEM_NOT_READY` (802) until the fabric manager has registered "
+    "the GPU.",
+    "`gpu_pcie_link_degraded`: NVML's maximum PCIe width and generation are what the device "
+    "and the system (its slot) can do together; the current generation drops at idle to save "
+    "power, so only a working GPU's generation is judged.",
+)
+
 
 def render() -> str:
     """The catalog as Markdown, one table per layer, then the warnings."""
@@ -24,6 +47,8 @@ def render() -> str:
             "| code | layer | meaning | what to do |", "|---|---|---|---|"]
     out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
             for e in WARNINGS.values()]
+    out += ["", "## Sources", ""]
+    out += [f"- {line}" for line in SOURCES]
     return "\n".join(out) + "\n"
 
 

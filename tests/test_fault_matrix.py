@@ -157,6 +157,7 @@ class Case:
     cli_args: tuple[str, ...] = ()  # extra `gpudiag preflight` flags
     query: str = ""  # extra /v1/preflight parameters for the same job
     via_daemon: bool = False  # only the daemon can see it (XIDs, watcher): CLI asks it
+    rounds: bool = False  # needs the daemon's NVML rounds or config: fresh, CLI asks it
     env: Callable[[Rig, Path], dict[str, str]] | None = None  # job route environment
     require: str = "cuda"
     evidence: tuple[str, ...] = HOST_EVIDENCE
@@ -353,8 +354,19 @@ CASES: tuple[Case, ...] = (
     _d("gpu_reset_required", {"FAKE_NVML_RECOVERY_ACTION": "2:1"}, variant="recovery_action"),
     _d("gpu_reset_required", {"FAKE_NVML_XIDS": "0:1,1:48"}, via_daemon=True, variant="xid48"),
     _d("gpu_ecc_uncorrectable"),
-    _d("gpu_ecc_uncorrectable", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"},
-       variant="remap_pending"),
+    _d("gpu_ecc_uncorrectable", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/0/1"},
+       variant="remap_failure"),
+    # Fabric registration still running: the device layer names it before cuInit's 802.
+    _d("gpu_fabric_not_ready", {"FAKE_NVML_FABRIC": "3:2/0", "FAKE_CUDA_INIT_ERROR": 802}),
+    _d("gpu_fabric_not_ready", {"FAKE_NVML_RECOVERY_ACTION": "5:5"}, variant="imex_domain"),
+    # Links down against expected_nvlinks (MATRIX_CONFIG): only the daemon has that config.
+    _d("gpu_nvlink_down", {"FAKE_NVML_NVLINKS": "0:4", "FAKE_NVML_NVLINK_DOWN": "0:1/3"},
+       rounds=True),
+    # An x1 link under pcie_block_below_width = 4 (MATRIX_CONFIG): only the daemon's config.
+    _d("gpu_pcie_link_degraded", {"FAKE_NVML_PCIE": "5:5/5/1/16"}, rounds=True),
+    _j("gpu_memory_held_without_process",
+       cli_args=("--min-free-memory", "130GiB", "--devices", "0"),
+       env=lambda r, t: _job_env(r, t, FAKE_NVML_MEMORY_USED_MIB="0:20000")),
     _d("gpu_inforom_corrupted"),
     # The fake delivers each entry of FAKE_NVML_XIDS once per watcher process, by position:
     # the "N:1" (informational) entries stand in for those the cases before consumed.
@@ -408,8 +420,14 @@ CASES: tuple[Case, ...] = (
 )
 
 WARNING_CASES: tuple[Case, ...] = (
-    _d("gpu_thermal_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "0:0x40"}),
-    _d("gpu_power_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "1:0x4"}),
+    # Held while working over the dwell time (0 s in MATRIX_CONFIG): rounds of the daemon.
+    _d("gpu_thermal_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "0:0x40",
+                                  "FAKE_NVML_UTILIZATION": "0:90"}, rounds=True),
+    _d("gpu_power_throttling", {"FAKE_NVML_CLOCKS_EVENT_REASONS": "1:0x80",
+                                "FAKE_NVML_UTILIZATION": "1:90"}, rounds=True),
+    _d("gpu_pcie_link_degraded", {"FAKE_NVML_PCIE": "2:5/5/8/16"}),
+    _d("gpu_memory_held_without_process", {"FAKE_NVML_MEMORY_USED_MIB": "3:20000"}),
+    _d("gpu_reset_required", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"}, variant="remap_pending"),
     _d("gpu_ecc_correctable", {"FAKE_NVML_ECC_VOLATILE_CORRECTED": "1:5"}),
     _d("gpu_persistence_off", {"FAKE_NVML_PERSISTENCE": "2:0"}),
     _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,3:1,2:13"}, via_daemon=True),
@@ -514,6 +532,7 @@ MATRIX_CONFIG = {
     "backends.nvml": {"interval_s": 600, "deadline_s": 2},
     "backends.cuda": {"interval_s": 600, "deadline_s": 10},
     "xid": {"telemetry_s": 5, "hold_s": 6, "gap_warning_s": 1, "restart_backoff_max_s": 0.5},
+    "nvml": {"expected_nvlinks": 4, "clock_event_dwell_s": 0, "pcie_block_below_width": 4},
 }
 
 
@@ -591,12 +610,12 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
     if case.mutate is not None:
         case.mutate(rig)
     with ThreadPoolExecutor(1) as pool:
-        inline = None if case.via_daemon else pool.submit(
+        inline = None if case.via_daemon or case.rounds else pool.submit(
             _cli, ["preflight", "--no-daemon", "--require", "cuda", "--format", "json",
                    *case.cli_args], rig.env(), running.prefix)
         rec = _wait_record(running, case, fresh=not case.via_daemon)
         metrics = running.metrics()
-        if case.via_daemon:
+        if case.via_daemon or case.rounds:
             cli = _cli(["preflight", "--daemon-url", running.daemon.url, "--require", "cuda",
                         "--format", "json"], rig.env())
             assert cli["source"] == "daemon"

@@ -189,11 +189,11 @@ def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     root = tmp_path_factory.mktemp("fleet")
     healthy = start_daemon(root / "a", node_env(fakes, root / "host-a",
                                                 FAKE_NVML_UTILIZATION="0:40,1:60"))
-    # Node b: GPU 1 fell off the bus (XID 79), has a pending row remap and uncorrectable
+    # Node b: GPU 1 fell off the bus (XID 79), has a failed row remap and uncorrectable
     # ECC errors; GPU 0 saw an application XID 13 (a warning, not a blocker).
     blocked = start_daemon(root / "b", node_env(
         fakes, root / "host-b", FAKE_NVML_XIDS="1:79,0:13",
-        FAKE_NVML_REMAPPED_ROWS="1:0/0/1/0", FAKE_NVML_ECC_AGGREGATE_UNCORRECTED="1:2"))
+        FAKE_NVML_REMAPPED_ROWS="1:0/0/0/1", FAKE_NVML_ECC_AGGREGATE_UNCORRECTED="1:2"))
     prometheus = start_prometheus(root, [healthy.instance, blocked.instance])
     port = prometheus.port  # type: ignore[attr-defined]
     try:

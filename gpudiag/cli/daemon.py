@@ -23,6 +23,7 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
+from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
@@ -180,6 +181,11 @@ def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
               f"restart_backoff_max_s = {value(x.restart_backoff_max_s)}",
               "", "[history]", f"retention_s = {value(h.retention_s)}",
               f"max_bytes = {value(h.max_bytes)}",
+              "", "[nvml]", f"clock_event_dwell_s = {value(cfg.nvml.clock_dwell_s)}",
+              *([f"expected_nvlinks = {value(cfg.nvml.expected_nvlinks)}"]
+                if cfg.nvml.expected_nvlinks is not None else []),
+              *([f"pcie_block_below_width = {value(cfg.nvml.pcie_block_below_width)}"]
+                if cfg.nvml.pcie_block_below_width is not None else []),
               "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
               "", f"# not in the file: --state-dir {state_dir}, socket in effect "
               f"{default_socket_path(cfg) or 'none'}"]
@@ -263,7 +269,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                     "or set GPUDIAG_LOCK_DIR to the jobs' folder", SYSTEM_LOCK_DIR, locks.why,
                     locks.path, extra={"lock_dir": str(locks.path), "lock_dir_shared": False})
     scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll,
-                          history=history_state, lock_dir=locks.path)
+                          history=history_state, lock_dir=locks.path,
+                          nvlinks_file=state_dir / nvlinks.FILE_NAME)
     late.append(scheduler)
     wake.append(scheduler.wake)
 

@@ -99,15 +99,34 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "Drain the node, stop GPU processes and run nvidia-smi -r on that GPU, or "
              "reboot as the recovery action says."),
             ("gpu_ecc_uncorrectable",
-             "Uncorrectable ECC errors, or row remapping pending or failed.",
-             "Drain the node and reset the GPU to apply pending row remaps; a failed "
-             "remap means the GPU should be replaced (RMA)."),
+             "Volatile uncorrectable ECC errors, or a row-remapping failure.",
+             "Drain the node and reset the GPU; a row-remapping failure means the GPU has "
+             "no spare rows left and NVIDIA's RMA policy applies: replace it."),
             ("gpu_inforom_corrupted", "The GPU's InfoROM is corrupted (NVML 14).",
              "Drain the node and contact the vendor; the InfoROM needs reflashing."),
             ("gpu_missing",
              "An NVIDIA GPU on the PCI bus, or one of expected_gpus, is missing from NVML.",
              "Drain the node; check dmesg for the GPU (NVRM, PCIe AER, RmInitAdapter "
              "errors), reseat or power-cycle it, and replace it if it stays missing."),
+            ("gpu_fabric_not_ready",
+             "The GPU's NVSwitch fabric registration has not completed or failed (NVML "
+             "fabric state), or NVML asks to recover the IMEX domain.",
+             "Start nvidia-fabricmanager (NVSwitch systems) and read its log; the GPU "
+             "cannot run CUDA work until its fabric registration completes (cuInit then "
+             "fails with 802)."),
+            ("gpu_nvlink_down",
+             "NVLink links that were active (or expected_nvlinks) are down.",
+             "Drain the node; check the NVLink errors (nvidia-smi nvlink -s -e), reset the "
+             "GPU or reboot; reseat or replace the GPU or baseboard if a link stays down."),
+            ("gpu_pcie_link_degraded",
+             "The GPU's PCIe link is narrower than [nvml] pcie_block_below_width lanes.",
+             "Drain the node; reseat the GPU or its riser, check the slot's BIOS settings "
+             "and PCIe AER errors in dmesg."),
+            ("gpu_memory_held_without_process",
+             "A GPU with no process listed holds memory, and the job's free-memory need is "
+             "not met.",
+             "Memory of a killed job or a leaked (zombie) context: find what still holds "
+             "/dev/nvidia* (fuser -v /dev/nvidia*), end it, or reset the GPU."),
             ("node_reboot_required",
              "An XID asks for a node reboot or power-off service (docs/xids.md lists them).",
              "Drain the node and follow the XID's action in docs/xids.md (reboot, power "
@@ -217,10 +236,14 @@ BLOCKERS: dict[str, CatalogEntry] = {
 WARNINGS: dict[str, CatalogEntry] = {
     e.code: e
     for e in [
-        CatalogEntry("gpu_thermal_throttling", "device", "The GPU is clocked down for heat.",
+        CatalogEntry("gpu_thermal_throttling", "device",
+                     "The GPU has been clocked down for heat while working, past a dwell time.",
                      "Check cooling, airflow and fan status."),
-        CatalogEntry("gpu_power_throttling", "device", "The GPU is clocked down by power limits.",
-                     "Check the power cap and the PSU; expected under heavy load."),
+        CatalogEntry("gpu_power_throttling", "device",
+                     "The GPU's power brake has held its clocks down while working, past a "
+                     "dwell time (its own power cap under load is normal and never warns).",
+                     "Check the PSU and the system's power-brake signal (an external "
+                     "power-capping controller, a failing supply)."),
         CatalogEntry("gpu_ecc_correctable", "device", "The GPU reports correctable ECC errors.",
                      "Watch the rate; a rising count predicts uncorrectable errors."),
         CatalogEntry("gpu_persistence_off", "device", "Persistence mode is off.",
@@ -228,6 +251,20 @@ WARNINGS: dict[str, CatalogEntry] = {
         CatalogEntry("gpu_xid_application", "device",
                      "An application XID (13 31 43 45 ...; docs/xids.md) was reported.",
                      "Usually a bug or fault in a job, not in the GPU; read the job's log."),
+        CatalogEntry("gpu_pcie_link_degraded", "device",
+                     "The GPU's PCIe link runs below its width, or below its generation "
+                     "while the GPU works.",
+                     "Reseat the GPU or riser, check the slot's BIOS settings and PCIe AER "
+                     "errors in dmesg; a narrower link slows host transfers."),
+        CatalogEntry("gpu_memory_held_without_process", "device",
+                     "A GPU with no process listed holds memory (a killed job, a leaked "
+                     "context).",
+                     "Find what still holds /dev/nvidia* (fuser -v /dev/nvidia*) and end "
+                     "it, or reset the GPU when it is free."),
+        CatalogEntry("gpu_reset_required", "device",
+                     "A reset is due: row remaps or page retirements are pending.",
+                     "New work may still run (NVIDIA); reset the GPU (nvidia-smi -r) at the "
+                     "next drain to apply them."),
         CatalogEntry("device_count_mismatch", "cuda",
                      "NVML and cuInit disagree on the number of GPUs.",
                      "Check CUDA_VISIBLE_DEVICES and MIG; a GPU may be hidden or failing."),

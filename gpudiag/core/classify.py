@@ -25,17 +25,21 @@ from gpudiag.core.environment import (
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.limits import PROBES
 from gpudiag.core.missing import missing_gpu_findings
+from gpudiag.core.nvml_health import (
+    NvmlHealthPolicy,
+    NvmlHistory,
+    device_health,
+    held_memory_blocks,
+)
 from gpudiag.core.observations import (
     CommandResult,
     CudaObservation,
     CudaStep,
-    Ecc,
     ErrorInfo,
     HostObservation,
     Memory,
     NvmlDevice,
     NvmlObservation,
-    RemappedRows,
 )
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope, require_proof, settle, with_proof_gpu
@@ -60,8 +64,6 @@ CUDA_INIT_CODES = {100: "cuda_no_device", 803: "cuda_driver_mismatch",
                    35: "cuda_driver_too_old", 802: "cuda_system_not_ready",
                    46: "cuda_devices_unavailable", 2: "cuda_out_of_memory"}
 CUDA_CONTEXT_CODES = {46: "cuda_devices_unavailable", 2: "cuda_out_of_memory"}
-THERMAL_REASONS = frozenset({"hw_thermal_slowdown", "sw_thermal_slowdown", "hw_slowdown"})
-POWER_REASONS = frozenset({"sw_power_cap", "hw_power_brake_slowdown"})
 
 
 
@@ -175,7 +177,8 @@ def _nvml_findings(nvml: NvmlObservation | None, host: HostObservation | None,
 
 
 def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
-                     f: Findings) -> None:
+                     f: Findings, history: NvmlHistory | None = None,
+                     policy: NvmlHealthPolicy | None = None) -> None:
     for d in devs:
         label = d.label
         if not d.ok:
@@ -184,36 +187,7 @@ def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
             f.block(blocker or "nvml_error", f"GPU {d.index}: {name} ({code}): {text}",
                     backend="nvml", device=label)
             continue
-        action = d.recovery_action
-        if action not in (None, "none"):
-            f.block("gpu_reset_required", f"GPU {d.index}: NVML recovery action {action}",
-                    backend="nvml", device=label)
-        ecc = d.ecc or Ecc()
-        if (ecc.volatile_uncorrected or 0) > 0:
-            f.block("gpu_ecc_uncorrectable",
-                    f"GPU {d.index}: {ecc.volatile_uncorrected} volatile uncorrectable "
-                    "ECC error(s)", backend="nvml", device=label)
-        rows = d.remapped_rows or RemappedRows()
-        if rows.failure or rows.pending:
-            state = "failed" if rows.failure else "pending (a reset applies it)"
-            uncorrectable = 0 if rows.uncorrectable is None else rows.uncorrectable
-            f.block("gpu_ecc_uncorrectable",
-                    f"GPU {d.index}: row remapping {state}; "
-                    f"{uncorrectable} uncorrectable remapped row(s)",
-                    backend="nvml", device=label)
-        if (ecc.volatile_corrected or 0) > 0:
-            f.warn("gpu_ecc_correctable",
-                   f"GPU {d.index}: {ecc.volatile_corrected} correctable ECC error(s)",
-                   backend="nvml", device=label)
-        reasons = set(d.clocks_event_reasons)
-        if reasons & THERMAL_REASONS:
-            f.warn("gpu_thermal_throttling",
-                   f"GPU {d.index}: {', '.join(sorted(reasons & THERMAL_REASONS))}",
-                   backend="nvml", device=label)
-        if reasons & POWER_REASONS:
-            f.warn("gpu_power_throttling",
-                   f"GPU {d.index}: {', '.join(sorted(reasons & POWER_REASONS))}",
-                   backend="nvml", device=label)
+        device_health(d, f, history=history, policy=policy)
         if d.persistence_mode is False:
             f.warn("gpu_persistence_off", f"GPU {d.index}: persistence mode is off",
                    backend="nvml", device=label)
@@ -387,7 +361,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
              extra_warnings: Sequence[Finding] = (),
              visibility: tuple[str | None, str | None] | None = None,
              scope: ProbeScope | None = None,
-             expected_gpus: int | None = None) -> Verdict:
+             expected_gpus: int | None = None, nvml_history: NvmlHistory | None = None,
+             nvml_policy: NvmlHealthPolicy | None = None) -> Verdict:
     """The verdict for ``requirement`` from what the probe children observed.
 
     ``visibility`` is the job's (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) when it
@@ -395,6 +370,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     applies only where a host observation exists, which is where visibility is read from.
     ``scope`` says which GPUs the active probes could touch and each GPU's occupancy
     (core.readiness); without it every GPU is taken as probed (a caller without NVML).
+    ``nvml_history`` and ``nvml_policy`` feed the NVML health rules (core.nvml_health).
     """
     f = Findings()
     f.warnings.extend(extra_warnings)
@@ -424,7 +400,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
         candidates = _visibility(raw, all_devs, nvml_ok, f)
         selected = _select(candidates, requirement, f)
-        _device_findings(selected, xids, f)
+        _device_findings(selected, xids, f, nvml_history, nvml_policy)
         # core.missing reads the host probe's PCI listing, which the typed host record does
         # not carry yet: it gets the checked JSON of the three runs.
         missing_gpu_findings(_json(host_run), _json(nvml_run), _json(cuda_run),
@@ -438,6 +414,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                        f"NVML shows {len(candidates)} visible GPU(s), cuInit {n_cuda}",
                        backend="cuda")
         _requirement_findings(selected, requirement, f)
+        held_memory_blocks(f)
         devices = [_device_info(d) for d in selected]
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))

@@ -55,6 +55,11 @@ _DEVICE = Obj({
     "mig": Obj({"instances": ListOf(Obj({"uuid": str, "slot": NUMBER, "memory": _MEMORY,
                                          "processes": _PROCESSES, "error": _ERROR}))}),
     "utilization_gpu_ratio": NUMBER, "temperature_c": NUMBER, "power_w": NUMBER,
+    "retired_pages_pending": bool, "graphics_processes": _PROCESSES,
+    "pcie": Obj({k: int for k in ("current_generation", "max_generation", "current_width",
+                                  "max_width")}),
+    "nvlinks": Obj({"active": ListOf(int), "inactive": ListOf(int)}),
+    "fabric": Obj({"state": int, "status": int}),
 }, required=frozenset({"index"}))
 _CUDA_STEP = Obj({"ok": ANY, "code": ANY, "message": ANY})
 

@@ -61,6 +61,11 @@ def _flag(value: Any) -> bool | None:
     return None if value is None else bool(value)
 
 
+def _bool(value: Any) -> bool | None:
+    """A JSON true/false; anything else (absent, unsupported) is None."""
+    return value if isinstance(value, bool) else None
+
+
 def _code(value: Any) -> int | str | None:
     """An error code: an int stays an int (it is looked up), anything else is its text."""
     if value is None:
@@ -238,6 +243,56 @@ class RemappedRows:
 
 
 @dataclass(frozen=True)
+class PcieLink:
+    """The PCIe link now and at most (what this GPU and its slot can do together)."""
+
+    current_generation: int | None = None
+    max_generation: int | None = None
+    current_width: int | None = None
+    max_width: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> PcieLink | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
+        if not isinstance(value, Mapping):
+            return None
+        return cls(*(_int(value.get(k)) for k in (
+            "current_generation", "max_generation", "current_width", "max_width")))
+
+
+@dataclass(frozen=True)
+class NvLinks:
+    """The GPU's NVLink links by state (a GPU without NVLink has none: the field is None)."""
+
+    active: tuple[int, ...] = ()
+    inactive: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, value: Any) -> NvLinks | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
+        if not isinstance(value, Mapping):
+            return None
+        return cls(*(tuple(n for x in value.get(k) or () if (n := _int(x)) is not None)
+                     for k in ("active", "inactive")))
+
+
+@dataclass(frozen=True)
+class FabricInfo:
+    """NVSwitch fabric registration: state 0 not supported, 1 not started, 2 in progress,
+    3 completed; status is the nvmlReturn_t of the registration once completed."""
+
+    state: int | None = None
+    status: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> FabricInfo | None:
+        """Parsed from the probe's JSON (already shape-checked)."""
+        if not isinstance(value, Mapping):
+            return None
+        return cls(_int(value.get("state")), _int(value.get("status")))
+
+
+@dataclass(frozen=True)
 class MigInstance:
     """One MIG instance: a schedulable leaf of its GPU."""
 
@@ -288,6 +343,11 @@ class NvmlDevice:
     compute_mode: int | None = None
     mig: MigState | None = None
     recovery_action: str | None = None
+    retired_pages_pending: bool | None = None
+    pcie: PcieLink | None = None
+    nvlinks: NvLinks | None = None
+    fabric: FabricInfo | None = None
+    graphics_processes: tuple[GpuProcess, ...] | None = None
 
     @property
     def memory(self) -> Memory | None:
@@ -319,7 +379,11 @@ class NvmlDevice:
             clocks_event_reasons=_strs(reasons),
             persistence_mode=persistence if isinstance(persistence, bool) else None,
             compute_mode=_int(d.get("compute_mode")),
-            mig=MigState.parse(d.get("mig")), recovery_action=_text(action))
+            mig=MigState.parse(d.get("mig")), recovery_action=_text(action),
+            retired_pages_pending=_bool(d.get("retired_pages_pending")),
+            pcie=PcieLink.parse(d.get("pcie")), nvlinks=NvLinks.parse(d.get("nvlinks")),
+            fabric=FabricInfo.parse(d.get("fabric")),
+            graphics_processes=_processes(d.get("graphics_processes")))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.limits import DEFAULT_PORT, PROBE_TIMEOUTS_S, PROBES
+from gpudiag.core.nvml_health import NvmlHealthPolicy
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -88,6 +89,8 @@ class DaemonConfig:
     # TCP answers only the monitoring endpoints (/metrics, /healthz, /readyz, /v1/history).
     tcp_read_only: bool = False
     expected_gpus: int | None = None  # NVIDIA GPUs this node must show; None: PCI decides
+    # [nvml]: expected_nvlinks and the clock-event dwell time (core.nvml_health).
+    nvml: NvmlHealthPolicy = field(default_factory=NvmlHealthPolicy)
     # Kubernetes: a node-feature-discovery local feature file (features.d) to keep current;
     # None writes none. Its labels expire after nfd_expiry_s unless the daemon rewrites it.
     nfd_features_file: str | None = None
@@ -246,6 +249,26 @@ def _expected_gpus(t: _Table) -> int | None:
     return value
 
 
+def _nvml_policy(t: _Table) -> NvmlHealthPolicy:
+    base = NvmlHealthPolicy()
+    links = t.get("expected_nvlinks")
+    if links is not None and (isinstance(links, bool) or not isinstance(links, int)
+                              or not 1 <= links <= 18):
+        raise ConfigError(f"{t._key('expected_nvlinks')} = {links!r}: expected the number of "
+                          "NVLink links each GPU must have active, an integer from 1 to 18 "
+                          "(leave it out to compare with the most links seen active)")
+    dwell = t.seconds("clock_event_dwell_s", base.clock_dwell_s, minimum=0.0, maximum=86400.0)
+    lanes = t.get("pcie_block_below_width")
+    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
+                              or not 1 <= lanes <= 32):
+        raise ConfigError(f"{t._key('pcie_block_below_width')} = {lanes!r}: expected a PCIe "
+                          "lane count from 1 to 32; a narrower link blocks (leave it out to "
+                          "only warn)")
+    t.finish()
+    return replace(base, expected_nvlinks=links, clock_dwell_s=dwell,
+                   pcie_block_below_width=lanes)
+
+
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
     top = _Table(raw, "")
@@ -297,7 +320,8 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     nfd_file = None if nfd_raw is None else parse_nfd_file(nfd_raw)
     cfg = DaemonConfig(
         socket_path=socket_path, tcp_read_only=top.flag("tcp_read_only", False),
-        expected_gpus=_expected_gpus(top), nfd_features_file=nfd_file,
+        expected_gpus=_expected_gpus(top), nvml=_nvml_policy(top.table("nvml")),
+        nfd_features_file=nfd_file,
         nfd_expiry_s=top.seconds("nfd_expiry_s", base.nfd_expiry_s, minimum=10.0,
                                  maximum=7 * 86400.0),
         listen_host=host, listen_port=port, default_requirement=requirement,

@@ -30,6 +30,7 @@ from gpudiag.core.observations import (
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import Finding
 from gpudiag.core.version import __version__
+from gpudiag.daemon.nvml_metrics import nvml_health_metrics
 from gpudiag.daemon.recorder import HistoryHealth
 from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
 
@@ -71,6 +72,7 @@ class SnapshotCollector(Collector):
         yield from self._occupancy(snap)
         yield from self._backend_readiness(snap)
         yield from self._xids(snap, now)
+        yield from nvml_health_metrics(snap, self._known)
 
     def _verdict(self, snap: Snapshot) -> Iterator[Metric]:
         ready = GaugeMetricFamily(

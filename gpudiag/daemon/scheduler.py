@@ -20,10 +20,12 @@ from typing import Any, Protocol
 
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
+from gpudiag.core.nvml_health import NvmlHistory, advance
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
+from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import DaemonConfig
 from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
 from gpudiag.daemon.sdnotify import Notifier
@@ -159,7 +161,8 @@ class Scheduler:
                  rng: random.Random | None = None, notifier: Notifier | None = None,
                  watcher: WatcherSource | None = None, max_workers: int = 8,
                  on_tick: Callable[[], object] | None = None,
-                 lock_dir: Path | None = None, history: HistoryState | None = None) -> None:
+                 lock_dir: Path | None = None, history: HistoryState | None = None,
+                 nvlinks_file: Path | None = None) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self._runner = runner
@@ -176,6 +179,10 @@ class Scheduler:
         self._last_proven: dict[tuple[str, str], float] = {}
         self._backend_gpu: dict[str, str | None] = {}
         self._rounds: dict[str, int] = {}
+        # NVLink counts seen survive a restart in the state directory (daemon.nvlinks).
+        self._nvlinks_file = nvlinks_file
+        self._nvml_history = NvmlHistory(
+            nvlinks_active=nvlinks.load(nvlinks_file) if nvlinks_file else {})
         self._guard = threading.Lock()  # one active-probe claim at a time
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
@@ -184,7 +191,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
                                     gap_warning_s=config.xid.gap_warning_s,
-                                    expected_gpus=config.expected_gpus, history=history)
+                                    expected_gpus=config.expected_gpus, history=history,
+                                    nvml=config.nvml)
         self.full_requirement = full_requirement(config)
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
@@ -341,6 +349,8 @@ class Scheduler:
         with self._lock:
             previous = self._results.get(key)
             self._results[key] = result
+            if key.backend == "nvml":
+                self._remember_nvml(run, finished)
             self._record_stats(key, result)
             self._schedule_next(key, run)
             self._learn(key.backend, run, finished)
@@ -354,6 +364,12 @@ class Scheduler:
             log.debug("probe %s %s", key.backend, result.outcome)
         flight.done.set()
         self._notify(snapshot)
+
+    def _remember_nvml(self, run: ProbeRun, finished: float) -> None:
+        before = self._nvml_history.nvlinks_active
+        self._nvml_history = advance(self._nvml_history, run.nvml, finished)
+        if self._nvlinks_file is not None and self._nvml_history.nvlinks_active != before:
+            nvlinks.save(self._nvlinks_file, self._nvml_history.nvlinks_active)
 
     def _record_stats(self, key: ProbeKey, result: ProbeResult) -> None:
         old = self._stats.get(key) or BackendStats(runs_by_outcome=dict.fromkeys(OUTCOMES, 0))
@@ -392,7 +408,8 @@ class Scheduler:
         base = Snapshot(seq=old.seq + 1, published_wall=now, results=dict(self._results),
                         stats=dict(self._stats), scheduled=self.scheduled, watcher=watcher,
                         full=None, ready=None, scope=self._scope(),
-                        last_proven=dict(self._last_proven))
+                        last_proven=dict(self._last_proven),
+                        nvml_history=self._nvml_history)
         full = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
         ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
         self._snapshot = replace(base, full=full, ready=ready)

@@ -14,6 +14,7 @@ from typing import Any
 from gpudiag.core.classify import classify
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.nvml_health import NvmlHealthPolicy, NvmlHistory
 from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope
@@ -131,6 +132,8 @@ class Snapshot:
     scope: ProbeScope | None = None
     # (uuid, backend) -> wall time of the last successful active probe on that GPU.
     last_proven: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    # NVLink counts seen and clock-event holds, across NVML rounds (core.nvml_health).
+    nvml_history: NvmlHistory = field(default_factory=NvmlHistory)
 
     @property
     def round_complete(self) -> bool:
@@ -188,6 +191,7 @@ class VerdictPolicy:
     gap_warning_s: float = 60.0
     expected_gpus: int | None = None
     history: HistoryState | None = None
+    nvml: NvmlHealthPolicy = field(default_factory=NvmlHealthPolicy)
 
 
 def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float,
@@ -224,7 +228,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
     verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
                        source="daemon", xids=xids, extra_warnings=extra,
                        visibility=visibility, scope=snapshot.scope,
-                       expected_gpus=policy.expected_gpus)
+                       expected_gpus=policy.expected_gpus,
+                       nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(

@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from gpudiag.core.recovery import RECOVERY_ACTION_NAMES
+
 T = TypeVar("T")
 
 # Errors that mean the device itself is gone or broken, not that a field is unsupported.
@@ -22,13 +24,16 @@ _THROTTLE_BITS = {
     0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
-RECOVERY_ACTIONS = {0: "none", 1: "gpu_reset", 2: "node_reboot", 3: "drain_p2p",
-                    4: "drain_and_reset", 5: "recover_imex_domain", 6: "bus_reset",
-                    7: "system_reboot"}
+RECOVERY_ACTIONS = dict(enumerate(RECOVERY_ACTION_NAMES))
 FIELD_RECOVERY_ACTION = 230
+NVLINK_MAX_LINKS = 18  # nvml.h's NVML_NVLINK_MAX_LINKS where pynvml lacks it (newer: 36)
+_NO_SUCH_LINK = {2, 3}  # INVALID_ARGUMENT past the last link, NOT_SUPPORTED without NVLink
 
 
+@functools.cache
 def _error_names(pynvml: Any) -> dict[int, str]:
+    # Once per process: scanning the module's names costs about a millisecond, and every
+    # unsupported field of every GPU asks.
     return {getattr(pynvml, n): n for n in dir(pynvml) if n.startswith("NVML_ERROR_")}
 
 
@@ -96,12 +101,15 @@ def readings(pynvml: Any, handle: Any, read: Reader) -> dict[str, Any]:
     }
 
 
-def _processes(pynvml: Any, handle: Any) -> list[dict[str, Any]]:
-    # The _v3 call directly: the unsuffixed wrapper refuses on an NVML version mismatch.
-    procs = pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle)
+def _process_entries(procs: Any) -> list[dict[str, Any]]:
     return [{"pid": int(p.pid),
              "used_memory_bytes": None if p.usedGpuMemory is None else int(p.usedGpuMemory)}
             for p in procs]
+
+
+def _processes(pynvml: Any, handle: Any) -> list[dict[str, Any]]:
+    # The _v3 call directly: the unsuffixed wrapper refuses on an NVML version mismatch.
+    return _process_entries(pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle))
 
 
 def _field_value(pynvml: Any, handle: Any, field_id: int) -> int:
@@ -111,6 +119,48 @@ def _field_value(pynvml: Any, handle: Any, field_id: int) -> int:
         raise pynvml.NVMLError(v.nvmlReturn)
     member = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
     return int(getattr(v.value, member.get(int(v.valueType), "ullVal")))
+
+
+def _graphics_processes(pynvml: Any, handle: Any) -> list[dict[str, Any]]:
+    # Graphics clients hold memory too: memory has no owner only without either kind.
+    return _process_entries(pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(handle))
+
+
+def _pcie(pynvml: Any, handle: Any) -> dict[str, int]:
+    # "Max" is what this GPU and its slot can do together (NVML's definition).
+    return {"current_generation": int(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)),
+            "max_generation": int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)),
+            "current_width": int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)),
+            "max_width": int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))}
+
+
+def _nvlinks(pynvml: Any, handle: Any) -> dict[str, list[int]]:
+    """Active and inactive NVLink links; raises NOT_SUPPORTED for a GPU without NVLink."""
+    active: list[int] = []
+    inactive: list[int] = []
+    # The first link past the GPU's last answers INVALID_ARGUMENT: the bound rarely matters.
+    for link in range(int(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", NVLINK_MAX_LINKS))):
+        try:
+            state = int(pynvml.nvmlDeviceGetNvLinkState(handle, link))
+        except pynvml.NVMLError as e:
+            if int(getattr(e, "value", -1)) in _NO_SUCH_LINK and link > 0:
+                break  # past this GPU's last link
+            raise
+        (active if state == 1 else inactive).append(link)
+    return {"active": active, "inactive": inactive}
+
+
+def _fabric(pynvml: Any, handle: Any) -> dict[str, int]:
+    """Fabric state and status; the versioned call first, the v1 call on older drivers."""
+    try:
+        info: Any = pynvml.c_nvmlGpuFabricInfo_v2_t()
+        pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+    except pynvml.NVMLError as e:
+        if int(getattr(e, "value", -1)) != 13:  # FUNCTION_NOT_FOUND: a driver before 550
+            raise
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+    return {"state": int(info.state), "status": int(info.status)}
 
 
 def _ecc(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, int | None]:
@@ -186,6 +236,12 @@ def _device(pynvml: Any, index: int) -> dict[str, Any]:
         dev["remapped_rows"] = fields.read("remapped_rows", lambda: _remapped(pynvml, handle))
         dev["retired_pages_double_bit"] = fields.read(
             "retired_pages", lambda: len(pynvml.nvmlDeviceGetRetiredPages(handle, 1)))
+        dev["retired_pages_pending"] = fields.read(
+            "retired_pages_pending",
+            lambda: int(pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)) == 1)
+        dev["pcie"] = fields.read("pcie", lambda: _pcie(pynvml, handle))
+        dev["nvlinks"] = fields.read("nvlinks", lambda: _nvlinks(pynvml, handle))
+        dev["fabric"] = fields.read("fabric", lambda: _fabric(pynvml, handle))
         dev["clocks_event_reasons"] = fields.read(
             "clocks_event_reasons", lambda: _throttle(pynvml, handle))
         dev["persistence_mode"] = fields.read(
@@ -198,6 +254,8 @@ def _device(pynvml: Any, index: int) -> dict[str, Any]:
         dev["recovery_action"] = None if action is None else RECOVERY_ACTIONS.get(
             action, f"action_{action}")
         dev["processes"] = fields.read("processes", lambda: _processes(pynvml, handle))
+        dev["graphics_processes"] = fields.read(
+            "graphics_processes", lambda: _graphics_processes(pynvml, handle))
     except _DeviceFailed as e:
         dev.update(ok=False, error=e.error)
     dev["unsupported"] = fields.unsupported

@@ -21,7 +21,7 @@
  *   FAKE_NVML_UNSUPPORTED=f1,f2       listed query families return NOT_SUPPORTED:
  *       power, temperature, utilization, ecc, remapped_rows, retired_pages,
  *       clocks_event_reasons, persistence, compute_mode, mig, field_values,
- *       processes, events, memory
+ *       processes, events, memory, pcie, nvlink, fabric
  *   FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MEMORY_USED_MIB=IDX[.J]:MIB
  *   FAKE_NVML_UTILIZATION=IDX:PCT, FAKE_NVML_MEMORY_UTILIZATION=IDX:PCT
  *   FAKE_NVML_TEMPERATURE_C=IDX:C (35), FAKE_NVML_POWER_MW=IDX:MW (75000),
@@ -34,6 +34,13 @@
  *   FAKE_NVML_MIG=IDX:COUNT
  *   FAKE_NVML_RECOVERY_ACTION=IDX:N   field 230 of nvmlDeviceGetFieldValues
  *   FAKE_NVML_PROCESSES=IDX[.J]:PID:USED_MIB,...
+ *   FAKE_NVML_GRAPHICS_PROCESSES=IDX:PID:USED_MIB,...  (graphics clients, _v3)
+ *   FAKE_NVML_PCIE=IDX:CURGEN/MAXGEN/CURWIDTH/MAXWIDTH (5/5/16/16): the PCIe link
+ *   FAKE_NVML_NVLINKS=IDX:N           NVLink links per GPU (0: NOT_SUPPORTED, a PCIe GPU)
+ *   FAKE_NVML_NVLINK_DOWN=IDX:L/L...  those links report inactive
+ *   FAKE_NVML_FABRIC=IDX:STATE/STATUS fabric state (0 not supported, 1 not started,
+ *       2 in progress, 3 completed) and status (an nvmlReturn_t); unset: NOT_SUPPORTED
+ *   FAKE_NVML_RETIRED_PAGES_PENDING=IDX:0|1  pages waiting for a reset to retire
  *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, each delivered once per process
  *   FAKE_NVML_DRIVER_VERSION (570.124.06), FAKE_CUDA_DRIVER_VERSION (12080)
  * FAKE_NVML_COMPUTE_MODE, FAKE_NVML_PROCESSES and FAKE_NVML_MEMORY_USED_MIB also
@@ -136,6 +143,27 @@ _Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t layout");
 _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_NVLINK_MAX_LINKS 18 /* the 535 nvml.h's bound (newer headers: 36); FAKE_NVML_NVLINKS caps here */
+
+/* nvmlGpuFabricInfo_t (v1, nvmlDeviceGetGpuFabricInfo) and _v2_t (nvmlDeviceGetGpuFabricInfoV). */
+typedef struct {
+    unsigned char clusterUuid[16];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    unsigned int state;
+} nvmlGpuFabricInfo_t; /* 28 bytes */
+
+typedef struct {
+    unsigned int version;
+    unsigned char clusterUuid[16];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    unsigned int state;
+    unsigned int healthMask;
+} nvmlGpuFabricInfo_v2_t; /* 36 bytes */
+#define NVML_GPU_FABRIC_INFO_V2_VERSION 0x02000024u
+_Static_assert(sizeof(nvmlGpuFabricInfo_t) == 28, "nvmlGpuFabricInfo_t layout");
+_Static_assert(sizeof(nvmlGpuFabricInfo_v2_t) == 36, "nvmlGpuFabricInfo_v2_t layout");
 #define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
 
 #define nvmlEventTypeSingleBitEccError 0x1ULL
@@ -267,7 +295,8 @@ FAKE_EXPORT nvmlReturn_t nvmlShutdown(void) {
     return NVML_ERROR_UNINITIALIZED;
 }
 
-/* The strings the real libnvidia-ml returns. */
+/* The strings the real libnvidia-ml returns (0..27 checked against NVIDIA's 535 library by
+ * tests/test_real_nvidia.py; 28.. are newer than 535, which answers "Unknown Error"). */
 FAKE_EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     switch (result) {
     case 0: return "Success";
@@ -286,18 +315,18 @@ FAKE_EXPORT const char *nvmlErrorString(nvmlReturn_t result) {
     case 13: return "Function Not Found";
     case 14: return "Corrupted infoROM";
     case 15: return "GPU is lost";
-    case 16: return "GPU requires restart";
-    case 17: return "The operating system has blocked the request.";
-    case 18: return "RM has detected an NVML/RM version mismatch.";
+    case 16: return "GPU requires reset";
+    case 17: return "GPU access blocked by the operating system";
+    case 18: return "Driver/library version mismatch";
     case 19: return "In use by another client";
     case 20: return "Insufficient Memory";
     case 21: return "No data";
-    case 22: return "The requested vgpu operation is not available on target device, becasue ECC is enabled";
-    case 23: return "Insufficient resources";
-    case 24: return "Frequency not supported";
+    case 22: return "vGPU ECC not supported";
+    case 23: return "Insufficient Resources";
+    case 24: return "Invalid Frequency";
     case 25: return "Argument version mismatch";
-    case 26: return "Deprecated";
-    case 27: return "Not Ready";
+    case 26: return "Requested functionality has been deprecated";
+    case 27: return "System is not in ready state";
     case 28: return "GPU not found";
     case 29: return "Invalid state";
     case 30: return "Reset type not supported";
@@ -714,12 +743,11 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int value
  * A full-GPU handle sees every process on that GPU (including those on its
  * MIG instances, tagged with their instance ids); a MIG handle sees its own.
  */
-FAKE_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
-                                                                 unsigned int *infoCount,
-                                                                 nvmlProcessInfo_t *infos) {
+static nvmlReturn_t running_processes(const char *knob, nvmlDevice_t device,
+                                      unsigned int *infoCount, nvmlProcessInfo_t *infos) {
     CHECK_DEVICE(device, "processes", 1);
     if (!infoCount) return NVML_ERROR_INVALID_ARGUMENT;
-    char *list = fake_get_dup("FAKE_NVML_PROCESSES");
+    char *list = fake_get_dup(knob);
     char *cur = list, *rest;
     int gpu, mig;
     unsigned int n = 0, cap = *infoCount;
@@ -748,6 +776,129 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t de
     }
     if (n > 0 && !infos) return NVML_ERROR_INVALID_ARGUMENT;
     *infoCount = n;
+    return NVML_SUCCESS;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                                 unsigned int *infoCount,
+                                                                 nvmlProcessInfo_t *infos) {
+    return running_processes("FAKE_NVML_PROCESSES", device, infoCount, infos);
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device,
+                                                                  unsigned int *infoCount,
+                                                                  nvmlProcessInfo_t *infos) {
+    return running_processes("FAKE_NVML_GRAPHICS_PROCESSES", device, infoCount, infos);
+}
+
+/* ------------------------------------------------------------------------- */
+/* PCIe link, NVLink, fabric, pending page retirement                        */
+/* ------------------------------------------------------------------------- */
+
+/* Field k (0 cur gen, 1 max gen, 2 cur width, 3 max width) of FAKE_NVML_PCIE for a GPU. */
+static unsigned int pcie_field(int gpu, int k) {
+    static const unsigned int defaults[4] = {5, 5, 16, 16};
+    unsigned int v[4] = {defaults[0], defaults[1], defaults[2], defaults[3]};
+    char buf[128];
+    if (fake_list_str("FAKE_NVML_PCIE", gpu, -1, buf, sizeof buf)) {
+        char *save = NULL;
+        int n = 0;
+        for (char *tok = strtok_r(buf, "/", &save); tok && n < 4; tok = strtok_r(NULL, "/", &save)) {
+            long long x;
+            if (fake_parse_ll(tok, &x) && x >= 0) v[n] = (unsigned int)x;
+            n++;
+        }
+    }
+    return v[k];
+}
+
+#define PCIE_GETTER(name, k)                                                 \
+    FAKE_EXPORT nvmlReturn_t name(nvmlDevice_t device, unsigned int *out) { \
+        CHECK_DEVICE(device, "pcie", 0);                                     \
+        if (!out) return NVML_ERROR_INVALID_ARGUMENT;                        \
+        *out = pcie_field(device->gpu, (k));                                 \
+        return NVML_SUCCESS;                                                 \
+    }
+PCIE_GETTER(nvmlDeviceGetCurrPcieLinkGeneration, 0)
+PCIE_GETTER(nvmlDeviceGetMaxPcieLinkGeneration, 1)
+PCIE_GETTER(nvmlDeviceGetGpuMaxPcieLinkGeneration, 1)
+PCIE_GETTER(nvmlDeviceGetCurrPcieLinkWidth, 2)
+PCIE_GETTER(nvmlDeviceGetMaxPcieLinkWidth, 3)
+
+/* True when `link` is listed for this GPU in FAKE_NVML_NVLINK_DOWN (L/L/...). */
+static int nvlink_down(int gpu, unsigned int link) {
+    char buf[256];
+    if (!fake_list_str("FAKE_NVML_NVLINK_DOWN", gpu, -1, buf, sizeof buf)) return 0;
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, "/", &save); tok; tok = strtok_r(NULL, "/", &save)) {
+        long long x;
+        if (fake_parse_ll(tok, &x) && x == (long long)link) return 1;
+    }
+    return 0;
+}
+
+/* As the real library: NOT_SUPPORTED without NVLink, INVALID_ARGUMENT past the last link. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link,
+                                                  unsigned int *isActive) {
+    CHECK_DEVICE(device, "nvlink", 0);
+    if (!isActive) return NVML_ERROR_INVALID_ARGUMENT;
+    long long links = fake_list_ll("FAKE_NVML_NVLINKS", device->gpu, -1, 0);
+    if (links <= 0) return NVML_ERROR_NOT_SUPPORTED;
+    if (link >= (unsigned int)links || link >= NVML_NVLINK_MAX_LINKS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isActive = nvlink_down(device->gpu, link) ? 0 : 1;
+    return NVML_SUCCESS;
+}
+
+/* FAKE_NVML_FABRIC=IDX:STATE/STATUS; returns 0 (NOT_SUPPORTED) when unset for this GPU. */
+static int fabric_of(int gpu, unsigned int *state, nvmlReturn_t *status) {
+    char buf[64];
+    if (!fake_list_str("FAKE_NVML_FABRIC", gpu, -1, buf, sizeof buf)) return 0;
+    long long st = 0, rc = 0;
+    char *slash = strchr(buf, '/');
+    if (slash) {
+        *slash = '\0';
+        if (!fake_parse_ll(slash + 1, &rc)) rc = 0;
+    }
+    if (!fake_parse_ll(buf, &st)) st = 0;
+    *state = (unsigned int)st;
+    *status = (nvmlReturn_t)rc;
+    return 1;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device,
+                                                    nvmlGpuFabricInfo_t *info) {
+    CHECK_DEVICE(device, "fabric", 0);
+    if (!info) return NVML_ERROR_INVALID_ARGUMENT;
+    memset(info, 0, sizeof *info);
+    if (!fabric_of(device->gpu, &info->state, &info->status)) return NVML_ERROR_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device,
+                                                     nvmlGpuFabricInfo_v2_t *info) {
+    CHECK_DEVICE(device, "fabric", 0);
+    if (!info) return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != NVML_GPU_FABRIC_INFO_V2_VERSION) return 25; /* ARGUMENT_VERSION_MISMATCH */
+    memset(info->clusterUuid, 0, sizeof info->clusterUuid);
+    info->cliqueId = 0;
+    info->healthMask = 0;
+    if (!fabric_of(device->gpu, &info->state, &info->status)) return NVML_ERROR_NOT_SUPPORTED;
+    return NVML_SUCCESS;
+}
+
+/* Like the retired-page list: NOT_SUPPORTED (Hopper) unless a retired-pages knob is set. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device,
+                                                                int *isPending) {
+    CHECK_DEVICE(device, "retired_pages", 0);
+    if (!isPending) return NVML_ERROR_INVALID_ARGUMENT;
+    char *a = fake_get_dup("FAKE_NVML_RETIRED_PAGES");
+    char *b = fake_get_dup("FAKE_NVML_RETIRED_PAGES_PENDING");
+    int set = a != NULL || b != NULL;
+    free(a);
+    free(b);
+    if (!set) return NVML_ERROR_NOT_SUPPORTED;
+    *isPending = fake_list_ll("FAKE_NVML_RETIRED_PAGES_PENDING", device->gpu, -1, 0) ? 1 : 0;
     return NVML_SUCCESS;
 }
 
