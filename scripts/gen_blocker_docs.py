@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS
+from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, QUALIFICATION, WARNINGS
 
 
 def render() -> str:
@@ -24,6 +24,10 @@ def render() -> str:
             "| code | layer | meaning | what to do |", "|---|---|---|---|"]
     out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
             for e in WARNINGS.values()]
+    out += ["", "## Qualification outcomes (gpudiag qualify; docs/qualify.md)", "",
+            "| code | layer | meaning | what to do |", "|---|---|---|---|"]
+    out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
+            for e in QUALIFICATION.values()]
     return "\n".join(out) + "\n"
 
 
