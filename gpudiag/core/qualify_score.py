@@ -228,7 +228,7 @@ def _score_measure(result: GpuResult, measure: str, model: ReferenceModel | None
            and (v := h.value(measure)) is not None]
     hist_ref = statistics.median(own) if len(own) >= th.min_history else None
     hist = _ratio_score("history", value, hist_ref, th.history_ratio + margin,
-                        f"median of this GPU's last {len(own)} passing result(s)"
+                        f"median of this GPU's last {len(own)} result(s)"
                         + ("" if hist_ref is not None else f" (fewer than {th.min_history})"))
     return MeasureScore(measure, UNITS[measure], value, (table, peer, hist))
 
@@ -238,8 +238,9 @@ def score(result: GpuResult, *, peers: Sequence[GpuResult] = (),
           table: Sequence[ReferenceModel] | None = None,
           thresholds: Thresholds = Thresholds()) -> Qualification:
     """Judge one GPU's result. ``peers``: this node's latest results (any GPUs, filtered to
-    the model and tier here); ``history``: this GPU's own earlier passing results, oldest
-    first; ``previous_code``: its last outcome, for hysteresis (no flapping near a line)."""
+    the model and tier here); ``history``: this GPU's own earlier results, oldest first
+    (aborted ones and wrong answers are skipped); ``previous_code``: its last outcome, for
+    hysteresis (no flapping near a line)."""
     if result.aborted is not None:
         return Qualification(result, ABORTED, "aborted",
                              f"qualification stopped: {result.aborted}; no verdict changed")

@@ -271,23 +271,37 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     platform = str(options.get("platform", "cuda"))
     seed = int(options.get("seed", 20261201))
     targets = list(options.get("targets") or ())
-    deadline = time.monotonic() + float(options.get("deadline_s", spec.deadline_s))
+    deadline_s = float(options.get("deadline_s", spec.deadline_s))
     results = []
     for target in targets:
         started = time.monotonic()
-        guard = Guard(deadline)
+        guard = Guard(started + deadline_s)
         if platform == "cpu":
             from gpudiag.probes import qualify_jax
 
             result = qualify_jax.cpu_target(target, _base(target, spec, "cpu"), spec, guard.check,
                                             seed)
         else:
-            watcher = watch(guard, str(target["uuid"]))
-            try:
-                result = _cuda_target(target, spec, guard, seed)
-            finally:
-                guard.done.set()
-                watcher.join(timeout=1.0)
+            result = _guarded_cuda_target(target, spec, guard, seed)
         result["duration_s"] = round(time.monotonic() - started, 4)
         results.append(result)
     return {"ok": True, "results": results}
+
+
+def _guarded_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard,
+                         seed: int) -> dict[str, Any]:
+    """One GPU under the watcher; first one more NVML reading, before any context exists."""
+    uuid = str(target["uuid"])
+    pids = _foreign_pids(uuid)
+    if pids is None or pids:
+        out = _base(target, spec, "cuda")
+        out["aborted"] = ("NVML could not list the GPU's processes (UNKNOWN is never FREE)"
+                          if pids is None else
+                          f"process(es) {', '.join(map(str, pids))} on the GPU before it began")
+        return out
+    watcher = watch(guard, uuid)
+    try:
+        return _cuda_target(target, spec, guard, seed)
+    finally:
+        guard.done.set()
+        watcher.join(timeout=1.0)
