@@ -55,7 +55,7 @@ def _history_dir(state_dir: str | None, no_history: bool) -> tuple[Path | None, 
     return folder, None
 
 
-@click.command(short_help="Measure idle GPUs; catch the one that runs slow or computes wrong.",
+@click.command(short_help="Measure idle GPUs: catch one that runs slow or wrong.",
                epilog=examples(
                    "gpudiag qualify                          # every idle GPU, quick tier",
                    "gpudiag qualify --gpus 0,3 --tier full   # two GPUs, up to 60 s each",
