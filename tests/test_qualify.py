@@ -213,3 +213,21 @@ def test_the_watcher_stops_the_run_when_a_process_appears() -> None:
     guard.done.set()  # the measurements stopped: the watcher must not end the process
     thread.join(ABORT_GRACE_S * 2)
     assert not thread.is_alive()
+
+
+def test_the_python_api_qualifies_and_keeps_history(gpu_env: EnvFactory, tmp_path: Path) -> None:
+    import gpudiag
+    from gpudiag.core.qualify import parse_reference_table
+
+    table = parse_reference_table(json.loads(_write_table(
+        tmp_path / "t.json", names=["h200"], bandwidth=HEALTHY_GBPS * GIB_PER_S,
+        matmul=1e12).read_text()))
+    env = gpu_env(FAKE_CUDA_COPY_GBPS=f"0:{HEALTHY_GBPS}", **SMALL_GPU)
+    options = gpudiag.QualifyOptions(gpus=("0",), table=table, state_dir=tmp_path / "state")
+    report = gpudiag.qualify(options, env=env)
+    (only,) = report.qualifications
+    assert (only.code, only.result.uuid, report.failed) == ("none", uuid(0), False)
+    assert only.reference_model == "test" and report.history_error is None
+    assert only.result.value("memory_bandwidth") == pytest.approx(HEALTHY_GBPS * GIB_PER_S,
+                                                                   rel=0.25)
+    assert (tmp_path / "state" / "qualifications.jsonl").read_text().count("\n") == 1
