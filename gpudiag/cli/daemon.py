@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,16 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
     run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path)
 
 
+def qualification_lines(cfg: DaemonConfig, value: Callable[[Any], str]) -> list[str]:
+    """The [qualification] table of the effective configuration."""
+    q, t = cfg.qualification, cfg.qualification.thresholds
+    return ["", "[qualification]", f"enabled = {value(q.enabled)}", f"tier = {value(q.tier)}",
+            f"idle_s = {value(q.idle_s)}", f"max_age_s = {value(q.max_age_s)}",
+            f"tick_s = {value(q.tick_s)}", f"block = {value(t.block)}",
+            f"table_ratio = {value(t.table_ratio)}", f"peer_ratio = {value(t.peer_ratio)}",
+            f"history_ratio = {value(t.history_ratio)}", f"hysteresis = {value(t.hysteresis)}"]
+
+
 def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
     """Every setting the daemon would run with, as TOML in the config file's own layout."""
 
@@ -170,7 +181,7 @@ def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
               f"heartbeat_s = {value(x.heartbeat_s)}", f"telemetry_s = {value(x.telemetry_s)}",
               f"restart_backoff_max_s = {value(x.restart_backoff_max_s)}",
               "", "[history]", f"retention_s = {value(h.retention_s)}",
-              f"max_bytes = {value(h.max_bytes)}",
+              f"max_bytes = {value(h.max_bytes)}", *qualification_lines(cfg, value),
               "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
               "", f"# not in the file: --state-dir {state_dir}, socket in effect "
               f"{default_socket_path(cfg) or 'none'}"]
