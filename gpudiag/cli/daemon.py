@@ -26,8 +26,14 @@ from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from gpudiag.core.readiness import GpuOccupancy
     from gpudiag.core.verdict import Verdict
+    from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.httpserver import HttpServer, WsgiApp
+    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.daemon.scheduler import Scheduler
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
                                                                          "asctime"}
@@ -284,6 +290,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     store = recorder.store
     app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
     app.registry.register(HistoryCollector(writer.health))
+    qualifier = start_qualifier(cfg, state_dir, scheduler, app)
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,
                                     read_only=cfg.tcp_read_only)
@@ -324,6 +331,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     if unix_httpd is not None:
         unix_httpd.shutdown()
     httpd.shutdown()
+    qualifier.stop()
     scheduler.stop()
     watcher.stop()
     # A probe child still running (even hung in the driver) must not hold the exit up to
@@ -336,6 +344,23 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     if writer.stop() and isinstance(recorder.store, HistoryStore):
         recorder.store.close()
     state_lock.release()
+
+
+def start_qualifier(cfg: DaemonConfig, state_dir: Path, scheduler: Scheduler,
+                    app: DaemonApp) -> Qualifier:
+    """The qualification schedule on idle GPUs, its metrics and POST /v1/qualify."""
+    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.daemon.qualify_exporter import QualificationCollector
+
+    def occupancy() -> Mapping[str, GpuOccupancy]:
+        scope = scheduler.snapshot().scope
+        return scope.occupancy if scope is not None else {}
+
+    qualifier = Qualifier(cfg.qualification, state_dir, occupancy)
+    app.qualifier = qualifier
+    app.registry.register(QualificationCollector(qualifier.state))
+    qualifier.start()
+    return qualifier
 
 
 def start_socket(app: WsgiApp, cfg: DaemonConfig, tcp: HttpServer) -> HttpServer | None:
