@@ -96,3 +96,24 @@ def test_the_off_switch_and_read_only_tcp(fakes: FakeDriver, tmp_path: Path) -> 
     finally:
         assert daemon.stop() == 0
     assert not (tmp_path / "state" / "qualifications.jsonl").exists()
+
+
+def test_the_qualification_config_is_checked_key_by_key(tmp_path: Path) -> None:
+    import pytest
+
+    from gpudiag.daemon.config import ConfigError, from_mapping
+
+    table = tmp_path / "t.json"
+    table.write_text('{"models": [{"names": ["h200"], "source": "site", '
+                     '"peaks": {"memory_bandwidth": 4e12}}]}')
+    cfg = from_mapping({"qualification": {"enabled": False, "block": True, "peer_ratio": 0.7,
+                                          "reference_file": str(table)}}).qualification
+    assert (cfg.enabled, cfg.thresholds.block, cfg.thresholds.peer_ratio) == (False, True, 0.7)
+    assert cfg.table is not None and cfg.table[0].source == "site"
+    for bad, said in [({"peer_ratio": 1.5}, "qualification.peer_ratio"),
+                      ({"tier": "slow"}, "qualification.tier"),
+                      ({"reference_file": "t.json"}, "absolute path"),
+                      ({"reference_file": str(tmp_path / "none.json")}, "cannot read"),
+                      ({"idle": 5}, "unknown key(s) qualification.idle")]:
+        with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            from_mapping({"qualification": bad})

@@ -155,7 +155,8 @@ def qualification_lines(cfg: DaemonConfig, value: Callable[[Any], str]) -> list[
             f"idle_s = {value(q.idle_s)}", f"max_age_s = {value(q.max_age_s)}",
             f"tick_s = {value(q.tick_s)}", f"block = {value(t.block)}",
             f"table_ratio = {value(t.table_ratio)}", f"peer_ratio = {value(t.peer_ratio)}",
-            f"history_ratio = {value(t.history_ratio)}", f"hysteresis = {value(t.hysteresis)}"]
+            f"history_ratio = {value(t.history_ratio)}", f"hysteresis = {value(t.hysteresis)}",
+            *([f"reference_file = {value(q.reference_file)}"] if q.reference_file else [])]
 
 
 def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:

@@ -6,6 +6,7 @@ seconds and may be fractions so that tests can run the scheduler quickly.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.limits import DEFAULT_PORT, PROBE_TIMEOUTS_S, PROBES
+from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
 from gpudiag.core.qualify_score import Thresholds
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 
@@ -71,6 +73,9 @@ class QualificationConfig:
     max_age_s: float = 86400.0    # a GPU qualified more recently than this is left alone
     tick_s: float = 5.0
     thresholds: Thresholds = field(default_factory=Thresholds)
+    # A site's own reference table (JSON, docs/qualify.md), read when the config is loaded.
+    reference_file: str | None = None
+    table: tuple[ReferenceModel, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -281,9 +286,27 @@ def _qualification(t: _Table) -> QualificationConfig:
         enabled=t.flag("enabled", d.enabled), tier=t.choice("tier", d.tier, ("quick", "full")),
         idle_s=t.seconds("idle_s", d.idle_s, maximum=7 * 86400.0),
         max_age_s=t.seconds("max_age_s", d.max_age_s, minimum=1.0, maximum=366 * 86400.0),
-        tick_s=t.seconds("tick_s", d.tick_s, maximum=60.0), thresholds=th)
+        tick_s=t.seconds("tick_s", d.tick_s, maximum=60.0), thresholds=th,
+        **_reference(t))
     t.finish()
     return cfg
+
+
+def _reference(t: _Table) -> dict[str, Any]:
+    path = t.get("reference_file")
+    if path is None:
+        return {}
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(f"{t._key('reference_file')} = {path!r}: expected an absolute path "
+                          "to a JSON reference table")
+    try:
+        table = parse_reference_table(json.loads(Path(path).read_text(encoding="utf-8")))
+    except OSError as e:
+        raise ConfigError(f"{t._key('reference_file')}: cannot read {path}: "
+                          f"{e.strerror or e}") from e
+    except (ValueError, ReferenceError) as e:
+        raise ConfigError(f"{t._key('reference_file')}: {path}: {e}") from e
+    return {"reference_file": path, "table": table}
 
 
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:

@@ -83,7 +83,7 @@ class Qualifier:
             except ValueError:
                 continue
             # The record's own verdict stands; scoring again only rebuilds the figures.
-            q = score(result, thresholds=self.config.thresholds)
+            q = score(result, thresholds=self.config.thresholds, table=self.config.table)
             latest[result.uuid] = Qualification(result, str(rec.get("code")),
                                                 str(rec.get("severity")),
                                                 str(rec.get("message")), q.scores,
@@ -148,7 +148,8 @@ class Qualifier:
 
     def _run(self, req: QualifyRequest) -> None:
         options = QualifyOptions(tier=req.tier, gpus=req.gpus, state_dir=self.state_dir,
-                                 thresholds=self.config.thresholds, lock_dir=self._lock_dir)
+                                 thresholds=self.config.thresholds, lock_dir=self._lock_dir,
+                                 table=self.config.table)
         self._state = QualifierState(self._state.latest, self._state.runs,
                                      self._state.gpu_seconds_total, running=True)
         try:
