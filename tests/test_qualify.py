@@ -231,3 +231,10 @@ def test_the_python_api_qualifies_and_keeps_history(gpu_env: EnvFactory, tmp_pat
     assert only.result.value("memory_bandwidth") == pytest.approx(HEALTHY_GBPS * GIB_PER_S,
                                                                    rel=0.25)
     assert (tmp_path / "state" / "qualifications.jsonl").read_text().count("\n") == 1
+
+
+def test_without_nvml_nothing_is_known_idle_and_gpudiag_says_so(bare_env: dict[str, str]
+                                                                 ) -> None:
+    proc = run_gpudiag(["qualify", "--no-history"], bare_env)
+    assert proc.returncode == 3 and "NVML could not be read" in proc.stderr
+    assert "gpudiag probe --backend nvml" in proc.stderr and "Traceback" not in proc.stderr

@@ -153,9 +153,15 @@ def judge(results: Sequence[GpuResult], past: Sequence[Mapping[str, Any]],
     return out
 
 
-def _nvml(env: Mapping[str, str]) -> NvmlObservation | None:
+def _nvml(env: Mapping[str, str]) -> NvmlObservation:
     run = run_probe("nvml", env=env, timeout_s=10.0)
-    return run.nvml if run.ok else None
+    nvml = run.nvml if run.ok else None
+    if nvml is None or not nvml.ok:
+        why = (nvml.library_error or (nvml.error.message if nvml.error else None)
+               if nvml is not None else run.error) or "no answer"
+        raise QualifyError(f"NVML could not be read ({why}), so no GPU is known to be idle: "
+                           "run `gpudiag probe --backend nvml` to see why")
+    return nvml
 
 
 def _targets(nvml: NvmlObservation | None, env: Mapping[str, str],
@@ -183,9 +189,6 @@ def _targets(nvml: NvmlObservation | None, env: Mapping[str, str],
 def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
               ) -> tuple[list[GpuResult], dict[str, str]]:
     nvml = _nvml(env)
-    if nvml is None:
-        raise QualifyError("NVML could not be read, so no GPU is known to be idle: run "
-                           "`gpudiag probe --backend nvml` to see why")
     targets = _targets(nvml, env, options.gpus)
     occupancy = occupancy_from_nvml(nvml, own_process_tree())
     results: list[GpuResult] = []
