@@ -246,6 +246,11 @@ def _cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard, seed: 
         matmul = qualify_jax.measure_cuda(spec, guard.check, budget, seed)
         out["measurements"] += matmul.measurements
         out["known_answers"] += matmul.known_answers
+        if "matmul_fp32_iree" in spec.measures:
+            out["measurements"].append({
+                "measure": "matmul_fp32_iree", "value": None,
+                "reason": "not run on a GPU: IREE 3.x cannot compile for sm_90 (Hopper); it "
+                          "runs on the CPU route"})
         out["bytes_used"] = max(buf.bytes_used, matmul.bytes_used)
     except Aborted as e:
         out["aborted"] = str(e)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpudiag.core.qualify import TierSpec
+from gpudiag.probes import qualify_iree
 
 FP32_TOLERANCE = 1e-4
 CHECK_N = 256  # the known-answer matmul: small, exact to compute in float64 on the host
@@ -189,6 +190,11 @@ def cpu_target(target: Mapping[str, Any], out: dict[str, Any], spec: TierSpec,
         held = time.monotonic()
         measures, answer = _bandwidths(device, n_bytes, spec.copy_repeats, check, seed)
         mm = matmuls(device, spec, spec.cpu_matmul_n, check, seed)
+        if qualify_iree.MEASURE in spec.measures:
+            iree_measure, iree_answer = qualify_iree.measure_cpu(
+                spec.cpu_matmul_n, spec.matmul_repeats, check, seed)
+            mm.measurements.append(iree_measure)
+            mm.known_answers += [iree_answer] if iree_answer else []
         out["measurements"] = measures + mm.measurements
         out["known_answers"] = [answer, *mm.known_answers]
         out["bytes_used"] = max(2 * n_bytes, mm.bytes_used)
