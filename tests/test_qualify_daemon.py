@@ -117,3 +117,57 @@ def test_the_qualification_config_is_checked_key_by_key(tmp_path: Path) -> None:
                       ({"idle": 5}, "unknown key(s) qualification.idle")]:
         with pytest.raises(ConfigError, match=said.replace("(", r"\(").replace(")", r"\)")):
             from_mapping({"qualification": bad})
+
+
+def _report(uuid: str, code_bw: float, aborted: str | None = None) -> Any:
+    from gpudiag.core.qualify_score import GpuResult, Measurement, score
+    from gpudiag.engine.qualify import QualifyReport
+
+    result = GpuResult(uuid, "Fake GPU", 0, "quick", "cuda",
+                       (Measurement("memory_bandwidth", code_bw),), aborted=aborted,
+                       started_at=1000.0, gpu_seconds=0.5, bytes_used=1 << 20)
+    return QualifyReport("quick", "cuda", "t", (score(result),))
+
+
+def test_the_schedule_waits_for_idle_s_and_max_age_and_keeps_aborts_out(tmp_path: Path
+                                                                           ) -> None:
+    from gpudiag.core.readiness import BUSY, FREE, GpuOccupancy
+    from gpudiag.daemon.config import QualificationConfig
+    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.engine.qualify_history import QualificationHistory
+
+    uuid = "GPU-f00d0000-0000-4000-8000-000000000000"
+    occupancy = {uuid: GpuOccupancy(uuid, FREE)}
+    runs: list[Any] = []
+    answers = [_report(uuid, 1e9), _report(uuid, 0.0, aborted="process 7 appeared")]
+
+    def runner(options: Any) -> Any:
+        runs.append(options)
+        return answers[len(runs) - 1]
+
+    cfg = QualificationConfig(idle_s=10.0, max_age_s=100.0, tick_s=0.02)
+    q = Qualifier(cfg, tmp_path, lambda: occupancy, runner=runner)
+    assert q.due(0.0) == [] and q.due(9.0) == [] and q.due(10.0) == [uuid]
+    occupancy[uuid] = GpuOccupancy(uuid, BUSY)
+    assert q.due(11.0) == []  # busy once: idle_s starts again
+    occupancy[uuid] = GpuOccupancy(uuid, FREE)
+    assert q.due(12.0) == [] and q.due(22.0) == [uuid]
+    # Two on-demand runs: the second aborts, and the first's outcome stands.
+    q.request([uuid], "quick")
+    q.request(["0"], "quick")
+    q.start()
+    try:
+        wait_for(lambda: len(runs) == 2 and not q.state().running, 10)
+    finally:
+        q.stop()
+    state = q.state()
+    assert state.latest[uuid].code == "none" and state.runs == {
+        "none": 1, "qualification_aborted": 1}
+    assert state.gpu_seconds_total == 1.0
+    assert q.due(1000.0 + 50.0) == []  # qualified at 1000: not due again before max_age_s
+    # A restart finds the outcome (and its figures) in the history the engine keeps.
+    QualificationHistory.in_state_dir(tmp_path).append([a.qualifications[0].record()
+                                                        for a in answers])
+    again = Qualifier(cfg, tmp_path, lambda: occupancy, runner=runner)
+    again.load()
+    assert again.state().latest[uuid] == answers[0].qualifications[0]

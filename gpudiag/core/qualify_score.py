@@ -191,6 +191,27 @@ def parse_result(data: Any) -> GpuResult:
                      _opt_int(data.get("bytes_used")))
 
 
+def parse_qualification(data: Any) -> Qualification:
+    """A whole scored Qualification from its record (a history line): no scoring again."""
+    result = parse_result(data)
+    scores = []
+    for s in data.get("scores") or ():
+        if not isinstance(s, Mapping) or s.get("measure") not in MEASURES:
+            raise ResultError(f"scores: unknown entry {s!r:.80}")
+        refs = tuple(ReferenceScore(str(r.get("reference")), _num(r.get("value")),
+                                    _num(r.get("ratio")), _num(r.get("threshold")) or 0.0,
+                                    r.get("below") is True, str(r.get("basis") or ""))
+                     for r in s.get("references") or () if isinstance(r, Mapping))
+        scores.append(MeasureScore(s["measure"], UNITS[s["measure"]], _num(s.get("value")),
+                                   refs))
+    code, severity = data.get("code"), data.get("severity")
+    if code not in (PASSED, UNDERPERFORMING, COMPUTE_MISMATCH, ABORTED) or not isinstance(
+            severity, str):
+        raise ResultError(f"code {code!r} or severity {severity!r} is not a qualification's")
+    return Qualification(result, code, severity, str(data.get("message") or ""),
+                         tuple(scores), _opt_str(data.get("reference_model")))
+
+
 # -- scoring --------------------------------------------------------------------------------
 
 def _comparable(a: GpuResult, b: GpuResult) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpudiag.core.qualify_score import Qualification, parse_result, score
+from gpudiag.core.qualify_score import Qualification, parse_qualification
 from gpudiag.core.readiness import FREE, GpuOccupancy
 from gpudiag.daemon.config import QualificationConfig
 from gpudiag.engine.qualify import QualifyError, QualifyOptions, QualifyReport, qualify
@@ -79,15 +79,11 @@ class Qualifier:
         latest: dict[str, Qualification] = {}
         for rec in records:
             try:
-                result = parse_result(rec)
+                q = parse_qualification(rec)
             except ValueError:
-                continue
-            # The record's own verdict stands; scoring again only rebuilds the figures.
-            q = score(result, thresholds=self.config.thresholds, table=self.config.table)
-            latest[result.uuid] = Qualification(result, str(rec.get("code")),
-                                                str(rec.get("severity")),
-                                                str(rec.get("message")), q.scores,
-                                                q.reference_model)
+                continue  # a damaged line is not evidence
+            if q.result.aborted is None or q.result.uuid not in latest:
+                latest[q.result.uuid] = q
         self._state = QualifierState(latest=latest)
 
     def start(self) -> None:

@@ -213,9 +213,9 @@ def _run_cpu(options: QualifyOptions, env: Mapping[str, str]) -> list[GpuResult]
     n = options.cpu_devices
     if not 1 <= n <= 64:
         raise QualifyError(f"cpu_devices {n}: give 1 to 64")
-    indices = [int(g) for g in options.gpus] if options.gpus else list(range(n))
-    if any(i >= n for i in indices) or any(not g.isdigit() for g in options.gpus or ()):
+    if any(not g.isdigit() or int(g) >= n for g in options.gpus or ()):
         raise QualifyError(f"--gpus: the CPU platform has devices 0 to {n - 1}")
+    indices = [int(g) for g in options.gpus] if options.gpus else list(range(n))
     targets = [{"uuid": f"CPU-{i}", "index": i, "name": "cpu"} for i in indices]
     flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
     return _run_child(options, targets, {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
