@@ -1,6 +1,7 @@
 """gpudiag: can this job's backend really initialize on this host's GPUs now, and if not, why?
 
-Public API (stable): ``preflight``, ``parse_requirement``, ``Verdict``, ``Requirement``.
+Public API (stable): ``preflight``, ``parse_requirement``, ``Verdict``, ``Requirement``;
+``qualify`` with ``QualifyOptions`` (docs/qualify.md).
 Nothing happens at import: no NVML, CUDA, JAX or IREE is touched here.
 """
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from gpudiag.core.verdict import Verdict as Verdict
     from gpudiag.engine.api import node_health as node_health
     from gpudiag.engine.api import preflight as preflight
+    from gpudiag.engine.qualify import QualifyOptions as QualifyOptions
+    from gpudiag.engine.qualify import qualify as qualify
     from gpudiag.runner.admission import Admission as Admission
     from gpudiag.runner.admission import AdmissionError as AdmissionError
     from gpudiag.runner.admission import admit as admit
@@ -31,6 +34,8 @@ _LAZY = {
     "child_environment": ("gpudiag.runner.admission", "child_environment"),
     "Admission": ("gpudiag.runner.admission", "Admission"),
     "AdmissionError": ("gpudiag.runner.admission", "AdmissionError"),
+    "qualify": ("gpudiag.engine.qualify", "qualify"),
+    "QualifyOptions": ("gpudiag.engine.qualify", "QualifyOptions"),
 }
 
 
@@ -44,5 +49,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gpudiag' has no attribute {name!r}")
 
 
-__all__ = ["Admission", "AdmissionError", "Requirement", "Verdict", "__version__", "admit",
-           "child_environment", "node_health", "parse_requirement", "preflight"]
+__all__ = ["Admission", "AdmissionError", "QualifyOptions", "Requirement", "Verdict",
+           "__version__", "admit", "child_environment", "node_health", "parse_requirement",
+           "preflight", "qualify"]

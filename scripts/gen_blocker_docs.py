@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS
+from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, QUALIFICATION, WARNINGS
 
 # Where a code's meaning follows NVIDIA's own word, the page that says it.
 SOURCES: tuple[str, ...] = (
@@ -49,6 +49,10 @@ def render() -> str:
             for e in WARNINGS.values()]
     out += ["", "## Sources", ""]
     out += [f"- {line}" for line in SOURCES]
+    out += ["", "## Qualification outcomes (gpudiag qualify; docs/qualify.md)", "",
+            "| code | layer | meaning | what to do |", "|---|---|---|---|"]
+    out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
+            for e in QUALIFICATION.values()]
     return "\n".join(out) + "\n"
 
 

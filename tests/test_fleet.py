@@ -199,6 +199,19 @@ def test_the_recording_rules_agree_with_the_cli(rig: FleetRig) -> None:
     assert got == {rig.healthy.instance: 2, rig.lost.instance: 1, rig.busy.instance: 1}
 
 
+def test_qualified_counts_only_gpus_that_passed_qualification_lately(rig: FleetRig) -> None:
+    # The rig's daemons qualify each idle GPU once, soon after they start (test_grafana's
+    # FLEET_CONFIG): node a's two GPUs pass, so a two-GPU job that wants them qualified fits.
+    record = wait_for_answer(rig, lambda n: n.get(rig.healthy.instance, {}).get("ready"),
+                             "--qualified", "3600")
+    assert record["query"]["qualified_within_s"] == 3600
+    time.sleep(1.5)
+    code, record = rig.answer("--require", "cuda", "--gpus", "1", "--qualified", "1")
+    assert code == EXIT_BLOCKED, record
+    node = nodes_of(record)[rig.healthy.instance]
+    assert node["state"] == "blocked" and "passed qualification within 1 s" in node["reason"]
+
+
 def test_usage_errors_exit_2(rig: FleetRig) -> None:
     for args in (("--require", "cudnn"), ("--gpus", "0"), ("--max-age", "0")):
         proc = rig.fleet(*args)

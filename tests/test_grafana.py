@@ -131,13 +131,22 @@ FLEET_CONFIG = {
     "scheduler": {"tick_s": 0.2, "jitter_ratio": None, "backoff_max_s": None},
     "backends.nvml": {"interval_s": 1.0, "deadline_s": None},
     "xid": {"heartbeat_s": None, "gap_warning_s": None},
+    # Each fake GPU qualified once, against a table of this machine's fakes (no alert fires).
+    "qualification": {"idle_s": 0.5, "tick_s": 0.2, "reference_file": None},
 }
+FAKE_REFERENCE = {"models": [{"model": "fake", "names": ["h200"], "source": "test_grafana.py",
+                              "peaks": {"memory_bandwidth": 1e6, "host_to_device_bandwidth": 1e6,
+                                        "device_to_host_bandwidth": 1e6}}]}
 
 
 def start_daemon(folder: Path, env: dict[str, str], extra_args: tuple[str, ...] = ()
                  ) -> Daemon:
     folder.mkdir(parents=True)
-    return Daemon(env, write_config(folder / "gpudiag.toml", daemon_toml(FLEET_CONFIG)),
+    table = folder / "reference.json"
+    table.write_text(json.dumps(FAKE_REFERENCE))
+    config = daemon_toml({**FLEET_CONFIG, "qualification": {
+        **FLEET_CONFIG["qualification"], "reference_file": str(table)}})
+    return Daemon(env, write_config(folder / "gpudiag.toml", config),
                   folder / "state", extra_args=extra_args)
 
 

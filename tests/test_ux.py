@@ -174,7 +174,8 @@ def test_history_without_daemon_state_is_a_usage_error_with_a_hint(tmp_path: Pat
     assert "gpudiag serve" in proc.stderr and "--state-dir" in proc.stderr
 
 
-COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear", "fleet"]
+COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear", "fleet",
+            "qualify"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -27,8 +27,14 @@ from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from gpudiag.core.readiness import GpuOccupancy
     from gpudiag.core.verdict import Verdict
+    from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.httpserver import HttpServer, WsgiApp
+    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.daemon.scheduler import Scheduler
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
                                                                          "asctime"}
@@ -151,6 +157,17 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
                reload=lambda: _reloaded(config_path, listen, socket_path))
 
 
+def qualification_lines(cfg: DaemonConfig, value: Callable[[Any], str]) -> list[str]:
+    """The [qualification] table of the effective configuration."""
+    q, t = cfg.qualification, cfg.qualification.thresholds
+    return ["", "[qualification]", f"enabled = {value(q.enabled)}", f"tier = {value(q.tier)}",
+            f"idle_s = {value(q.idle_s)}", f"max_age_s = {value(q.max_age_s)}",
+            f"tick_s = {value(q.tick_s)}", f"block = {value(t.block)}",
+            f"table_ratio = {value(t.table_ratio)}", f"peer_ratio = {value(t.peer_ratio)}",
+            f"history_ratio = {value(t.history_ratio)}", f"hysteresis = {value(t.hysteresis)}",
+            *([f"reference_file = {value(q.reference_file)}"] if q.reference_file else [])]
+
+
 def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
     """Every setting the daemon would run with, as TOML in the config file's own layout."""
 
@@ -186,6 +203,7 @@ def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
                 if cfg.nvml.expected_nvlinks is not None else []),
               *([f"pcie_block_below_width = {value(cfg.nvml.pcie_block_below_width)}"]
                 if cfg.nvml.pcie_block_below_width is not None else []),
+              *qualification_lines(cfg, value),
               "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
               "", f"# not in the file: --state-dir {state_dir}, socket in effect "
               f"{default_socket_path(cfg) or 'none'}"]
@@ -318,6 +336,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                         set_log_level=lambda level: logging.getLogger("gpudiag").setLevel(
                             level.upper()))
     app.registry.register(ReloadCollector(reloader.state))
+    qualifier = start_qualifier(cfg, state_dir, scheduler, app)
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,
                                     read_only=cfg.tcp_read_only)
@@ -364,6 +383,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     if unix_httpd is not None:
         unix_httpd.shutdown()
     httpd.shutdown()
+    qualifier.stop()
     scheduler.stop()
     watcher.stop()
     # A probe child still running (even hung in the driver) must not hold the exit up to
@@ -376,6 +396,23 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     if writer.stop() and isinstance(recorder.store, HistoryStore):
         recorder.store.close()
     state_lock.release()
+
+
+def start_qualifier(cfg: DaemonConfig, state_dir: Path, scheduler: Scheduler,
+                    app: DaemonApp) -> Qualifier:
+    """The qualification schedule on idle GPUs, its metrics and POST /v1/qualify."""
+    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.daemon.qualify_exporter import QualificationCollector
+
+    def occupancy() -> Mapping[str, GpuOccupancy]:
+        scope = scheduler.snapshot().scope
+        return scope.occupancy if scope is not None else {}
+
+    qualifier = Qualifier(cfg.qualification, state_dir, occupancy)
+    app.qualifier = qualifier
+    app.registry.register(QualificationCollector(qualifier.state))
+    qualifier.start()
+    return qualifier
 
 
 def start_socket(app: WsgiApp, cfg: DaemonConfig, tcp: HttpServer) -> HttpServer | None:

@@ -40,6 +40,7 @@ def _positive(value: float, name: str) -> float:
                epilog=examples(
                    "gpudiag fleet --prometheus http://prometheus:9090",
                    "gpudiag fleet --prometheus http://prometheus:9090 --require jax --gpus 4",
+                   "gpudiag fleet --prometheus http://prometheus:9090 --qualified 86400",
                    "gpudiag fleet --prometheus https://prom.example --bearer-token-file "
                    "/etc/gpudiag/token --format json"))
 @click.option("--prometheus", "url", envvar="GPUDIAG_PROMETHEUS_URL", required=True,
@@ -56,6 +57,9 @@ def _positive(value: float, name: str) -> float:
 @click.option("--max-age", "max_age_s", type=float, default=DEFAULT_MAX_AGE_S,
               show_default=True, metavar="SECONDS",
               help="A node whose newest sample is older than this is unknown, never ready.")
+@click.option("--qualified", "qualified_s", type=float, default=None, metavar="SECONDS",
+              help="Count only GPUs whose qualification passed within this many seconds "
+              "(gpudiag qualify; docs/qualify.md).")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True,
               metavar="SECONDS", help="Per request to Prometheus.")
 @click.option("--user", default=None, help="Basic auth user.")
@@ -68,7 +72,7 @@ def _positive(value: float, name: str) -> float:
 @click.option("--insecure-skip-tls-verify", "insecure", is_flag=True,
               help="Do not verify Prometheus's TLS certificate (verification is on by default).")
 def fleet(url: str, require: str, gpus: int, fmt: str, job: str, max_age_s: float,
-          timeout_s: float, user: str | None, password_file: str | None,
+          qualified_s: float | None, timeout_s: float, user: str | None, password_file: str | None,
           bearer_token_file: str | None, ca_file: str | None, insecure: bool) -> None:
     """Ask Prometheus which nodes can run the requirement on N GPUs now, and why not the others.
 
@@ -88,7 +92,8 @@ def fleet(url: str, require: str, gpus: int, fmt: str, job: str, max_age_s: floa
         access = PrometheusAccess(url=url, username=user, password=password,
                                   bearer_token=token, ca_file=ca_file,
                                   verify_tls=not insecure, timeout_s=timeout_s)
-        query = FleetQuery(backends=backends, gpus=gpus, job=job, max_age_s=max_age_s)
+        query = FleetQuery(backends=backends, gpus=gpus, job=job, max_age_s=max_age_s,
+                           qualified_within_s=qualified_s)
         client = PrometheusClient(access)
     except (RequirementError, FleetUsageError) as e:
         raise click.UsageError(str(e)) from e

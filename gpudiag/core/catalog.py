@@ -281,9 +281,33 @@ WARNINGS: dict[str, CatalogEntry] = {
 }
 
 
+# Outcomes of GPU qualification (gpudiag qualify; docs/qualify.md): kept apart from the probe
+# verdict's tables because a qualification, not a probe round, produces them.
+QUALIFICATION: dict[str, CatalogEntry] = {
+    e.code: e
+    for e in [
+        CatalogEntry("gpu_underperforming", "device",
+                     "A GPU measured below its model's reference, its node peers' median or "
+                     "its own history (a warning unless qualification.block = true).",
+                     "Compare the figures in the result; check clocks, power cap, PCIe link "
+                     "width/generation and thermals (nvidia-smi -q -d PERFORMANCE,CLOCK); "
+                     "reseat or replace the GPU if it stays slow."),
+        CatalogEntry("gpu_compute_mismatch", "device",
+                     "A GPU returned a wrong answer: the known-answer matmul or the memory "
+                     "pattern read back differed from the trusted result.",
+                     "Drain the GPU and run the vendor's diagnostics (dcgmi diag -r 3); a GPU "
+                     "that computes wrong answers must not run jobs."),
+        CatalogEntry("qualification_aborted", "device",
+                     "A qualification stopped early (another process appeared on the GPU, "
+                     "or its deadline passed); no verdict changed.",
+                     "Nothing to repair: it runs again when the GPU is idle."),
+    ]
+}
+
+
 def entry(code: str) -> CatalogEntry:
-    """The catalog row of a blocker or warning code."""
-    found = BLOCKERS.get(code) or WARNINGS.get(code)
+    """The catalog row of a blocker, warning or qualification code."""
+    found = BLOCKERS.get(code) or WARNINGS.get(code) or QUALIFICATION.get(code)
     if found is None:
         raise KeyError(f"unknown blocker or warning code: {code!r}")
     return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -28,6 +29,7 @@ from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
+from gpudiag.daemon.qualifier import Qualifier
 from gpudiag.daemon.scheduler import SCHEDULED_OPTIONS, Scheduler
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, verdict_for
 from gpudiag.daemon.store import HistoryError, HistoryStore
@@ -154,6 +156,7 @@ class DaemonApp:
                  probe_limit: ProbeRateLimit | None = None) -> None:
         self.scheduler = scheduler
         self.store = store
+        self.qualifier: Qualifier | None = None  # set by the daemon when it qualifies GPUs
         self.probe_limit = probe_limit or ProbeRateLimit()
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Verdicts per (snapshot, requirement, visibility): a snapshot never changes.
@@ -168,6 +171,7 @@ class DaemonApp:
             "/v1/preflight": (("GET",), self._preflight),
             "/v1/health": (("GET",), self._health),
             "/v1/probe": (("POST",), self._probe),
+            "/v1/qualify": (("POST",), self._qualify),
             "/v1/history": (("GET",), self._history),
             "/healthz": (("GET", "HEAD"), self._healthz),
             "/readyz": (("GET", "HEAD"), self._readyz),
@@ -351,6 +355,28 @@ class DaemonApp:
         self.scheduler.trigger(keys)
         return 202, {"accepted": [k.backend for k in keys],
                      "status": "running; GET /v1/preflight or /metrics for the result"}
+
+    def _qualify(self, params: Mapping[str, str]) -> tuple[int, Any]:
+        """Queue a qualification of idle GPUs now (docs/qualify.md); 202, result in /metrics."""
+        self._only(params, ("gpus", "tier"))
+        if self.qualifier is None:
+            raise ApiError(503, "no_qualification", "this daemon runs no qualification")
+        tier = params.get("tier", "quick")
+        if tier not in ("quick", "full"):
+            raise ApiError(400, "bad_parameter", f"tier={tier!r}: accepted quick, full")
+        gpus = [g.strip() for g in params["gpus"].split(",")] if "gpus" in params else []
+        bad = [g for g in gpus if not re.fullmatch(r"[0-9]{1,3}|GPU-[0-9a-fA-F-]{36}", g)]
+        if bad or ("gpus" in params and not gpus):
+            raise ApiError(400, "bad_parameter", f"gpus={params['gpus']!r}: give GPU indices "
+                           "or full GPU- UUIDs, comma-separated")
+        retry = self._buckets.take(["qualify"])
+        if retry > 0:
+            raise ApiError(429, "rate_limited", f"POST /v1/qualify: retry in {retry:.1f} s",
+                           retry_after_s=retry)
+        req = self.qualifier.request(gpus or None, tier)
+        return 202, {"accepted": {"gpus": list(req.gpus or ()), "tier": req.tier},
+                     "status": "queued; busy GPUs are skipped; the result is in /metrics "
+                               "(gpudiag_gpu_qualification_*) and the history"}
 
     def _limit(self, keys: Iterable[ProbeKey], what: str) -> None:
         """429 when the keys that would start a run have used up their on-demand budget."""

@@ -6,6 +6,7 @@ seconds and may be fractions so that tests can run the scheduler quickly.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Mapping
@@ -15,6 +16,8 @@ from typing import Any
 
 from gpudiag.core.limits import DEFAULT_PORT, PROBE_TIMEOUTS_S, PROBES
 from gpudiag.core.nvml_health import NvmlHealthPolicy
+from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
+from gpudiag.core.qualify_score import Thresholds
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -62,6 +65,21 @@ class HistoryConfig:
 
 
 @dataclass(frozen=True)
+class QualificationConfig:
+    """The quick tier on idle GPUs (docs/qualify.md): when, and how results are judged."""
+
+    enabled: bool = True          # the off switch
+    tier: str = "quick"
+    idle_s: float = 900.0         # FREE in every reading for this long before it is measured
+    max_age_s: float = 86400.0    # a GPU qualified more recently than this is left alone
+    tick_s: float = 5.0
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    # A site's own reference table (JSON, docs/qualify.md), read when the config is loaded.
+    reference_file: str | None = None
+    table: tuple[ReferenceModel, ...] | None = None
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     """Everything ``gpudiag serve`` can be told."""
 
@@ -95,6 +113,7 @@ class DaemonConfig:
     # None writes none. Its labels expire after nfd_expiry_s unless the daemon rewrites it.
     nfd_features_file: str | None = None
     nfd_expiry_s: float = 600.0
+    qualification: QualificationConfig = field(default_factory=QualificationConfig)
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -267,6 +286,48 @@ def _nvml_policy(t: _Table) -> NvmlHealthPolicy:
     t.finish()
     return replace(base, expected_nvlinks=links, clock_dwell_s=dwell,
                    pcie_block_below_width=lanes)
+def _share(t: _Table, key: str, default: float) -> float:
+    value = t.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{t._key(key)} = {value!r}: expected a ratio above 0 and at most 1 "
+                          "(0.8: at least 80% of the reference)")
+    return float(value)
+
+
+def _qualification(t: _Table) -> QualificationConfig:
+    d, dt = QualificationConfig(), Thresholds()
+    th = Thresholds(table_ratio=_share(t, "table_ratio", dt.table_ratio),
+                    peer_ratio=_share(t, "peer_ratio", dt.peer_ratio),
+                    history_ratio=_share(t, "history_ratio", dt.history_ratio),
+                    hysteresis=t.ratio("hysteresis", dt.hysteresis),
+                    block=t.flag("block", dt.block))
+    cfg = QualificationConfig(
+        enabled=t.flag("enabled", d.enabled), tier=t.choice("tier", d.tier, ("quick", "full")),
+        idle_s=t.seconds("idle_s", d.idle_s, maximum=7 * 86400.0),
+        max_age_s=t.seconds("max_age_s", d.max_age_s, minimum=1.0, maximum=366 * 86400.0),
+        tick_s=t.seconds("tick_s", d.tick_s, maximum=60.0), thresholds=th,
+        **_reference(t))
+    t.finish()
+    return cfg
+
+
+def _reference(t: _Table) -> dict[str, Any]:
+    path = t.get("reference_file")
+    if path is None:
+        return {}
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(f"{t._key('reference_file')} = {path!r}: expected an absolute path "
+                          "to a JSON reference table")
+    try:
+        table = parse_reference_table(json.loads(Path(path).read_text(encoding="utf-8")))
+    except OSError as e:
+        raise ConfigError(f"{t._key('reference_file')}: cannot read {path}: "
+                          f"{e.strerror or e}") from e
+    except (ValueError, ReferenceError) as e:
+        raise ConfigError(f"{t._key('reference_file')}: {path}: {e}") from e
+    return {"reference_file": path, "table": table}
 
 
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
@@ -331,7 +392,7 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
         tick_s=sched.seconds("tick_s", base.tick_s, maximum=5.0),
         probe_busy_gpus=sched.flag("probe_busy_gpus", base.probe_busy_gpus),
         backends=backends, xid=xid, history=history, log_format=log_format,
-        log_level=log_level)
+        log_level=log_level, qualification=_qualification(top.table("qualification")))
     sched.finish()
     top.finish()
     return cfg

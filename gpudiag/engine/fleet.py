@@ -82,6 +82,8 @@ class FleetQuery:
     job: str = DEFAULT_JOB
     max_age_s: float = DEFAULT_MAX_AGE_S
     window_s: float = DEFAULT_WINDOW_S
+    # Count only GPUs whose qualification passed within this many seconds (docs/qualify.md).
+    qualified_within_s: float | None = None
 
     def __post_init__(self) -> None:
         unknown = [b for b in self.backends if b not in FLEET_BACKENDS]
@@ -93,12 +95,17 @@ class FleetQuery:
             raise FleetUsageError(f"--gpus must be at least 1, got {self.gpus}")
         if self.max_age_s <= 0:
             raise FleetUsageError(f"--max-age must be positive, got {self.max_age_s}")
+        if self.qualified_within_s is not None and not self.qualified_within_s >= 1:
+            raise FleetUsageError(f"--qualified must be at least 1 second, got "
+                                  f"{self.qualified_within_s}")
         if not self.job or '"' in self.job or "\\" in self.job:
             raise FleetUsageError(f"--job {self.job!r}: give the scrape job's plain name")
 
     def record(self) -> dict[str, Any]:
         return {"require": ",".join(self.backends), "gpus": self.gpus, "job": self.job,
-                "max_age_s": self.max_age_s}
+                "max_age_s": self.max_age_s,
+                **({} if self.qualified_within_s is None
+                   else {"qualified_within_s": self.qualified_within_s})}
 
 
 @dataclass(frozen=True)
@@ -234,6 +241,12 @@ def fleet_queries(q: FleetQuery) -> dict[str, str]:
         "proven": (f'gpudiag_backend_last_proven_timestamp_seconds{{{job},'
                    f'backend=~"{backends}"}}'),
         "now": "vector(time())",
+        **({} if q.qualified_within_s is None else {"qualified": (
+            f"count by (instance) ((gpudiag_gpu_healthy{{{job}}} == 1) and on (instance, uuid) "
+            f"(gpudiag_gpu_occupancy{{{job},state=\"free\"}} == 1) and on (instance, uuid) "
+            f"(gpudiag_gpu_qualification_outcome{{{job},code=\"none\"}} == 1) and on "
+            f"(instance, uuid) ((time() - gpudiag_gpu_qualification_last_timestamp_seconds"
+            f"{{{job}}}) <= {q.qualified_within_s:g}))")}),
     }
 
 
@@ -264,6 +277,9 @@ def ask_fleet(query: FleetQuery, client: PrometheusClient, url: str = "") -> Fle
     nodes = [_judge(query, i, now, up.get(i), scraped.get(i), ready_by.get(i, {}),
                     int(free.get(i, 0)), int(busy.get(i, 0)), blockers.get(i, []),
                     proven_by.get(i, {})) for i in instances if i]
+    if query.qualified_within_s is not None:
+        qualified = per_instance("qualified")
+        nodes = [_qualified(query, n, int(qualified.get(n.instance, 0))) for n in nodes]
     order = {"ready": 0, "blocked": 1, "unknown": 2}
     nodes.sort(key=lambda n: (order[n.state], n.instance))
     return FleetAnswer(query, url, now, tuple(nodes))
@@ -299,3 +315,12 @@ def _judge(q: FleetQuery, instance: str, now: float, up: float | None, scraped: 
         code = "devices_busy" if busy else "insufficient_devices"
     return NodeAnswer(instance, "blocked", free, code, age,
                       f"{free} healthy free GPU(s), {q.gpus} needed ({busy} busy)")
+
+
+def _qualified(q: FleetQuery, node: NodeAnswer, qualified: int) -> NodeAnswer:
+    """A ready node stays ready only with N free GPUs that passed qualification lately."""
+    if not node.ready or qualified >= q.gpus:
+        return node
+    return NodeAnswer(node.instance, "blocked", node.gpus_ready_free, None, node.age_s,
+                      f"{qualified} of the free GPU(s) passed qualification within "
+                      f"{q.qualified_within_s:g} s, {q.gpus} needed")

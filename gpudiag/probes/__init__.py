@@ -20,6 +20,8 @@ PROBE_MODULES: dict[str, str] = {
     "cuda": "gpudiag.probes.cuda",
     "jax": "gpudiag.probes.jax_probe",
     "iree": "gpudiag.probes.iree_probe",
+    # Not a verdict probe (core.limits.PROBES): GPU qualification, run by engine.qualify.
+    "qualify": "gpudiag.probes.qualify",
 }
 
 

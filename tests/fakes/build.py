@@ -27,6 +27,11 @@ fake_cuda.c):
   ordinal, physical ``gpu``, ``mig``, full ``uuid``, ``result``, ``time``,
   ``cuda_visible_devices``; ``bytes`` for allocations), from every process.
 
+Qualification (gpudiag qualify): ``FAKE_CUDA_COPY_GBPS=IDX:GBPS`` makes synchronous copies on
+GPU IDX take the time that rate says (a device-to-device copy moves 2 x its size),
+``FAKE_CUDA_CORRUPT_COPY=IDX:OFFSET`` flips the byte at OFFSET of every device-to-host copy,
+and the context log gains an ``"event": "copy"`` line per copy.
+
 ``tests.fakes.jobs`` has ``FakeJobs`` (real sleeping processes as other people's jobs, published
 through the state file) and ``read_context_log``.
 """

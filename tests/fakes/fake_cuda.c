@@ -31,13 +31,16 @@
  *   FAKE_CUDA_VMM=0            device attribute 102 (virtual memory management) reads 0,
  *                              as on some virtualized GPUs; XLA then refuses the device
  *   FAKE_CUDA_TRACE=1          log every call (and cuGetProcAddress look-ups) to stderr
+ *   FAKE_CUDA_COPY_GBPS=IDX:GBPS, FAKE_CUDA_CORRUPT_COPY=IDX:OFFSET
+ *                              copy speed and a wrong byte per GPU (see copy_faults)
  *   FAKE_GPU_NAME, FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MIG,
  *   FAKE_NVML_MEMORY_USED_MIB  shared with the fake NVML
  *
  * Busy GPUs:
  *   FAKE_CUDA_CONTEXT_MIB=<n>  device memory a new context needs (default 500)
- *   FAKE_CUDA_CONTEXT_LOG=PATH append one JSON line per context creation attempt
- *                              and per device allocation (see log_device_event)
+ *   FAKE_CUDA_CONTEXT_LOG=PATH append one JSON line per context creation attempt,
+ *                              per device allocation and per synchronous HtoD, DtoH or
+ *                              DtoD copy (see log_device_event)
  * Contexts follow the GPU's state as the fake NVML reports it (fake_common.h):
  * creating one (cuCtxCreate*, or the first cuDevicePrimaryCtxRetain of a device
  * in this process) fails with
@@ -638,11 +641,11 @@ static CUresult ctx_occupancy_error(CUdevice dev) {
 
 /*
  * With FAKE_CUDA_CONTEXT_LOG=PATH, appends one JSON line for an attempt on
- * ordinal dev ("event": "context" or "alloc"):
+ * ordinal dev ("event": "context", "alloc" or "copy"):
  *   {"event", "call" (driver entry point), "pid", "ordinal", "gpu" (physical
  *    index), "mig" (instance or null), "uuid" (the device's full GPU- or MIG-
  *    UUID), "gpu_uuid" (the physical GPU's), "result" (CUresult), "time" (Unix
- *    seconds), "cuda_visible_devices" (string or null), "bytes" (allocs only)}
+ *    seconds), "cuda_visible_devices" (string or null), "bytes" (allocs and copies)}
  */
 static void log_device_event(const char *event, const char *call, CUdevice dev, CUresult rc,
                              long long bytes) {
@@ -1261,12 +1264,62 @@ FAKE_EXPORT CUresult cuMemPrefetchAsync(CUdeviceptr dptr, size_t count, CUdevice
 
 static void *dptr_to_host(CUdeviceptr p) { return (void *)(uintptr_t)p; }
 
-static CUresult do_memcpy(void *dst, const void *src, size_t n) {
+/* Which way a copy goes: the bandwidth knob charges DtoD twice (it reads and writes). */
+typedef enum { COPY_ANY, COPY_HTOD, COPY_DTOH, COPY_DTOD } copy_kind;
+
+/*
+ * Copy timing and faults, per physical GPU of the current context (qualification's measures):
+ *   FAKE_CUDA_COPY_GBPS=IDX:GBPS      copies on GPU IDX move bytes at GBPS * 1e9 bytes/s:
+ *                                     the copy returns once bytes / rate has passed (a
+ *                                     device-to-device copy moves 2 x its size, read and
+ *                                     written). Unset: as fast as memmove.
+ *   FAKE_CUDA_CORRUPT_COPY=IDX:OFFSET every device-to-host copy on GPU IDX returns the byte
+ *                                     at OFFSET (mod the size) flipped (XOR 0xFF): a GPU
+ *                                     that returns a wrong byte.
+ * With FAKE_CUDA_CONTEXT_LOG set, each synchronous copy appends an "event": "copy" line
+ * (call, bytes, time at its end): proof of what ran on a GPU and when.
+ */
+static void copy_faults(copy_kind kind, void *dst, size_t n, long long started_us) {
+    int dev = current_device();
+    if (dev < 0) return;
+    int gpu = g_visible[dev].gpu;
+    long long mbps = 0; /* MB/s: GBPS may be fractional ("0.5") */
+    char rate[64];
+    if (fake_list_str("FAKE_CUDA_COPY_GBPS", gpu, -1, rate, sizeof rate)) {
+        double gbps = strtod(rate, NULL);
+        mbps = gbps > 0 ? (long long)(gbps * 1000.0) : 0;
+    }
+    if (kind == COPY_DTOH) {
+        long long off = fake_list_ll("FAKE_CUDA_CORRUPT_COPY", gpu, -1, -1);
+        if (off >= 0) ((unsigned char *)dst)[(size_t)off % n] ^= 0xFF;
+    }
+    if (mbps > 0) {
+        double moved = (double)n * (kind == COPY_DTOD ? 2.0 : 1.0);
+        long long want_us = (long long)(moved / ((double)mbps * 1e6) * 1e6);
+        long long left_us = started_us + want_us - fake_now_us();
+        if (left_us > 0) {
+            struct timespec ts = {left_us / 1000000, (left_us % 1000000) * 1000};
+            while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+            }
+        }
+    }
+}
+
+static CUresult do_copy(copy_kind kind, void *dst, const void *src, size_t n, const char *call) {
     CHECK_INIT();
     if (n == 0) return CUDA_SUCCESS;
     if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
+    long long started_us = fake_now_us();
     memmove(dst, src, n);
+    if (kind != COPY_ANY) copy_faults(kind, dst, n, started_us);
+    int dev = current_device();
+    if (kind != COPY_ANY && dev >= 0)
+        log_device_event("copy", call, dev, CUDA_SUCCESS, n > (size_t)LLONG_MAX ? LLONG_MAX : (long long)n);
     return CUDA_SUCCESS;
+}
+
+static CUresult do_memcpy(void *dst, const void *src, size_t n) {
+    return do_copy(COPY_ANY, dst, src, n, "memcpy");
 }
 
 FAKE_EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
@@ -1280,15 +1333,15 @@ FAKE_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, C
 }
 FAKE_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
     TRACE_CALL();
-    return do_memcpy(dptr_to_host(dst), src, n);
+    return do_copy(COPY_HTOD, dptr_to_host(dst), src, n, __func__);
 }
 FAKE_EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     TRACE_CALL();
-    return do_memcpy(dst, dptr_to_host(src), n);
+    return do_copy(COPY_DTOH, dst, dptr_to_host(src), n, __func__);
 }
 FAKE_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     TRACE_CALL();
-    return do_memcpy(dptr_to_host(dst), dptr_to_host(src), n);
+    return do_copy(COPY_DTOD, dptr_to_host(dst), dptr_to_host(src), n, __func__);
 }
 FAKE_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
     TRACE_CALL();

@@ -128,7 +128,7 @@ class FakeJob:
 class DeviceEvent:
     """One line of the fake libcuda's FAKE_CUDA_CONTEXT_LOG."""
 
-    event: str  # "context" (a creation attempt) or "alloc" (a device allocation)
+    event: str  # "context" (a creation attempt), "alloc" (a device allocation) or "copy"
     call: str | None  # the driver entry point, e.g. "cuCtxCreate_v2"
     pid: int
     ordinal: int  # the device ordinal the caller used

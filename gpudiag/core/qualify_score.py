@@ -1,0 +1,286 @@
+"""Qualification results, typed once from the probe child's JSON, and their scoring.
+
+``parse_result`` reads one GPU's record (the child's JSON, or a history line) into a frozen
+``GpuResult``; ``score`` judges it against the reference table, the node's peers and the
+GPU's own history (core.qualify has the table and the tiers). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpudiag.core.qualify import (
+    ABORTED,
+    COMPUTE_MISMATCH,
+    MEASURES,
+    PASSED,
+    REFERENCE_TABLE,
+    SCHEMA,
+    UNDERPERFORMING,
+    UNITS,
+    ReferenceModel,
+    expected,
+    reference_for,
+)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured figure in base units (``value`` None: not measured, ``reason`` says why)."""
+
+    measure: str
+    value: float | None
+    reason: str | None = None
+    route: str | None = None        # cuMemcpyDtoD, jax, iree, ...
+    bytes: int | None = None        # per timed operation
+    repeats: int | None = None
+
+
+@dataclass(frozen=True)
+class KnownAnswer:
+    """One known-answer check: seeded inputs, a result compared with a trusted one."""
+
+    check: str                      # memory_pattern, matmul_fp32, matmul_bf16, ...
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class GpuResult:
+    """What one qualification of one GPU measured (or why it stopped)."""
+
+    uuid: str
+    name: str | None
+    index: int | None
+    tier: str
+    platform: str                   # cuda, or cpu (JAX's CPU devices: no GPU here)
+    measurements: tuple[Measurement, ...] = ()
+    known_answers: tuple[KnownAnswer, ...] = ()
+    aborted: str | None = None      # why the run stopped early (another process, deadline)
+    started_at: float | None = None  # Unix seconds
+    duration_s: float | None = None
+    gpu_seconds: float | None = None  # time the GPU was held for measurements
+    bytes_used: int | None = None     # the most GPU memory held at once
+
+    def value(self, measure: str) -> float | None:
+        """The measured value of ``measure``, None when it was not measured."""
+        return next((m.value for m in self.measurements if m.measure == measure), None)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a measurement counts as too slow (config ``[qualification]``; docs/qualify.md)."""
+
+    table_ratio: float = 0.5        # of what a healthy GPU of the model reaches
+    peer_ratio: float = 0.8         # of the node's median for the model
+    history_ratio: float = 0.8      # of this GPU's own recent median
+    min_peers: int = 3              # a median of fewer GPUs says little
+    history_window: int = 5
+    min_history: int = 3
+    hysteresis: float = 0.05        # a GPU found slow must beat threshold + this to pass again
+    block: bool = False             # gpu_underperforming blocks job readiness and node health
+
+
+@dataclass(frozen=True)
+class ReferenceScore:
+    """The measurement against one reference: its value, the ratio and the verdict."""
+
+    reference: str                  # table, peers, history
+    value: float | None             # None: no such reference for this GPU (basis says why)
+    ratio: float | None
+    threshold: float
+    below: bool
+    basis: str
+
+
+@dataclass(frozen=True)
+class MeasureScore:
+    """One measurement and how it compares with each reference."""
+
+    measure: str
+    unit: str
+    value: float | None
+    references: tuple[ReferenceScore, ...]
+
+    @property
+    def below(self) -> bool:
+        return any(r.below for r in self.references)
+
+
+@dataclass(frozen=True)
+class Qualification:
+    """The scored outcome for one GPU: the code, its severity and every figure behind it."""
+
+    result: GpuResult
+    code: str                       # none, gpu_underperforming, gpu_compute_mismatch,
+    severity: str                   # qualification_aborted; ok, warning, blocker, aborted
+    message: str
+    scores: tuple[MeasureScore, ...] = field(default_factory=tuple)
+    reference_model: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The JSON record (schema gpudiag.qualification/1): one GPU's line in the history."""
+        return {"schema": SCHEMA, **result_record(self.result), "code": self.code,
+                "severity": self.severity, "message": self.message,
+                "reference_model": self.reference_model,
+                "scores": [{"measure": s.measure, "unit": s.unit, "value": s.value,
+                            "below": s.below,
+                            "references": [vars(r) for r in s.references]}
+                           for s in self.scores]}
+
+
+def result_record(r: GpuResult) -> dict[str, Any]:
+    """The measured part of a record, what ``parse_result`` reads back."""
+    return {"uuid": r.uuid, "name": r.name, "index": r.index, "tier": r.tier,
+            "platform": r.platform, "aborted": r.aborted, "started_at": r.started_at,
+            "duration_s": r.duration_s, "gpu_seconds": r.gpu_seconds, "bytes_used": r.bytes_used,
+            "measurements": [vars(m) for m in r.measurements],
+            "known_answers": [vars(k) for k in r.known_answers]}
+
+
+# -- parsing: once, at the boundary ---------------------------------------------------------
+
+class ResultError(ValueError):
+    """A result record that cannot be read (names the field)."""
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _opt_int(value: Any) -> int | None:
+    n = _num(value)
+    return None if n is None else int(n)
+
+
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def parse_result(data: Any) -> GpuResult:
+    """A GpuResult from a child's or history's JSON; ResultError names what is wrong."""
+    if not isinstance(data, Mapping):
+        raise ResultError("a qualification result must be a JSON object")
+    uuid, tier, platform = data.get("uuid"), data.get("tier"), data.get("platform")
+    if not isinstance(uuid, str) or not uuid:
+        raise ResultError("uuid: missing or not a string")
+    if not isinstance(tier, str) or not isinstance(platform, str):
+        raise ResultError("tier and platform must be strings")
+    measurements = []
+    for m in data.get("measurements") or ():
+        if not isinstance(m, Mapping) or m.get("measure") not in MEASURES:
+            raise ResultError(f"measurements: unknown entry {m!r:.80}")
+        measurements.append(Measurement(m["measure"], _num(m.get("value")),
+                                        _opt_str(m.get("reason")), _opt_str(m.get("route")),
+                                        _opt_int(m.get("bytes")), _opt_int(m.get("repeats"))))
+    answers = []
+    for k in data.get("known_answers") or ():
+        if not isinstance(k, Mapping) or not isinstance(k.get("ok"), bool):
+            raise ResultError(f"known_answers: entry without a boolean ok: {k!r:.80}")
+        answers.append(KnownAnswer(str(k.get("check")), k["ok"], str(k.get("detail") or "")))
+    return GpuResult(uuid, _opt_str(data.get("name")), _opt_int(data.get("index")), tier,
+                     platform, tuple(measurements), tuple(answers),
+                     _opt_str(data.get("aborted")), _num(data.get("started_at")),
+                     _num(data.get("duration_s")), _num(data.get("gpu_seconds")),
+                     _opt_int(data.get("bytes_used")))
+
+
+def parse_qualification(data: Any) -> Qualification:
+    """A whole scored Qualification from its record (a history line): no scoring again."""
+    result = parse_result(data)
+    scores = []
+    for s in data.get("scores") or ():
+        if not isinstance(s, Mapping) or s.get("measure") not in MEASURES:
+            raise ResultError(f"scores: unknown entry {s!r:.80}")
+        refs = tuple(ReferenceScore(str(r.get("reference")), _num(r.get("value")),
+                                    _num(r.get("ratio")), _num(r.get("threshold")) or 0.0,
+                                    r.get("below") is True, str(r.get("basis") or ""))
+                     for r in s.get("references") or () if isinstance(r, Mapping))
+        scores.append(MeasureScore(s["measure"], UNITS[s["measure"]], _num(s.get("value")),
+                                   refs))
+    code, severity = data.get("code"), data.get("severity")
+    if code not in (PASSED, UNDERPERFORMING, COMPUTE_MISMATCH, ABORTED) or not isinstance(
+            severity, str):
+        raise ResultError(f"code {code!r} or severity {severity!r} is not a qualification's")
+    return Qualification(result, code, severity, str(data.get("message") or ""),
+                         tuple(scores), _opt_str(data.get("reference_model")))
+
+
+# -- scoring --------------------------------------------------------------------------------
+
+def _comparable(a: GpuResult, b: GpuResult) -> bool:
+    return (a.name == b.name and a.tier == b.tier and a.platform == b.platform
+            and b.aborted is None and all(k.ok for k in b.known_answers))
+
+
+def _ratio_score(reference: str, value: float | None, ref: float | None, threshold: float,
+                 basis: str) -> ReferenceScore:
+    if value is None or ref is None or ref <= 0:
+        return ReferenceScore(reference, ref, None, threshold, False, basis)
+    ratio = value / ref
+    return ReferenceScore(reference, ref, round(ratio, 4), threshold, ratio < threshold, basis)
+
+
+def _score_measure(result: GpuResult, measure: str, model: ReferenceModel | None,
+                   peers: Sequence[GpuResult], history: Sequence[GpuResult],
+                   th: Thresholds, margin: float) -> MeasureScore:
+    value = result.value(measure)
+    if model is None:
+        table = _ratio_score("table", value, None, th.table_ratio + margin,
+                             f"no row for {result.name!r} in the reference table")
+    else:
+        table = _ratio_score("table", value, expected(model, measure), th.table_ratio + margin,
+                             f"{model.model}: {model.source}")
+    peer_values = [v for p in peers if _comparable(result, p)
+                   and (v := p.value(measure)) is not None]
+    if value is not None and not any(p.uuid == result.uuid for p in peers):
+        peer_values.append(value)
+    peer_ref = statistics.median(peer_values) if len(peer_values) >= th.min_peers else None
+    peer = _ratio_score("peers", value, peer_ref, th.peer_ratio + margin,
+                        f"median of {len(peer_values)} GPU(s) of this model on this node"
+                        + ("" if peer_ref is not None else f" (fewer than {th.min_peers})"))
+    own = [v for h in history[-th.history_window:] if _comparable(result, h)
+           and (v := h.value(measure)) is not None]
+    hist_ref = statistics.median(own) if len(own) >= th.min_history else None
+    hist = _ratio_score("history", value, hist_ref, th.history_ratio + margin,
+                        f"median of this GPU's last {len(own)} result(s)"
+                        + ("" if hist_ref is not None else f" (fewer than {th.min_history})"))
+    return MeasureScore(measure, UNITS[measure], value, (table, peer, hist))
+
+
+def score(result: GpuResult, *, peers: Sequence[GpuResult] = (),
+          history: Sequence[GpuResult] = (), previous_code: str | None = None,
+          table: Sequence[ReferenceModel] | None = None,
+          thresholds: Thresholds = Thresholds()) -> Qualification:
+    """Judge one GPU's result. ``peers``: this node's latest results (any GPUs, filtered to
+    the model and tier here); ``history``: this GPU's own earlier results, oldest first
+    (aborted ones and wrong answers are skipped); ``previous_code``: its last outcome, for
+    hysteresis (no flapping near a line)."""
+    if result.aborted is not None:
+        return Qualification(result, ABORTED, "aborted",
+                             f"qualification stopped: {result.aborted}; no verdict changed")
+    wrong = [k for k in result.known_answers if not k.ok]
+    model = reference_for(result.name, REFERENCE_TABLE if table is None else table)
+    margin = thresholds.hysteresis if previous_code == UNDERPERFORMING else 0.0
+    scores = tuple(_score_measure(result, m, model, peers, history, thresholds, margin)
+                   for m in MEASURES if any(x.measure == m for x in result.measurements))
+    model_name = model.model if model else None
+    if wrong:
+        return Qualification(result, COMPUTE_MISMATCH, "blocker",
+                             "wrong answer: " + "; ".join(f"{k.check}: {k.detail}"
+                                                          for k in wrong), scores, model_name)
+    slow = [(s, r) for s in scores for r in s.references if r.below]
+    if slow:
+        severity = "blocker" if thresholds.block else "warning"
+        text = "; ".join(f"{s.measure} {s.value:.4g} {s.unit} is {r.ratio:.2f} of {r.reference}"
+                         f" ({r.value:.4g}, threshold {r.threshold:.2f})" for s, r in slow
+                         if s.value is not None and r.ratio is not None and r.value is not None)
+        return Qualification(result, UNDERPERFORMING, severity, text, scores, model_name)
+    return Qualification(result, PASSED, "ok", "every measurement within its thresholds",
+                         scores, model_name)

@@ -1,0 +1,171 @@
+"""The daemon's qualification schedule: the quick tier on GPUs that have been idle a while.
+
+A worker thread looks at the scheduler's occupancy every ``tick_s``. A GPU FREE in every
+reading for ``idle_s``, whose last qualification is older than ``max_age_s``, is qualified
+(engine.qualify: under its lock, aborted within 1 s when someone else appears), one GPU at a
+time. ``POST /v1/qualify`` queues a run now. The daemon itself never holds a GPU context:
+each measurement is a child. The latest result per GPU and the costs feed the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpudiag.core.qualify_score import Qualification, parse_qualification
+from gpudiag.core.readiness import FREE, GpuOccupancy
+from gpudiag.daemon.config import QualificationConfig
+from gpudiag.engine.qualify import QualifyError, QualifyOptions, QualifyReport, qualify
+from gpudiag.engine.qualify_history import HistoryUnavailable, QualificationHistory
+
+log = logging.getLogger("gpudiag.daemon.qualifier")
+
+Runner = Callable[[QualifyOptions], QualifyReport]
+
+
+@dataclass(frozen=True)
+class QualifierState:
+    """What the metrics read: the latest outcome per GPU and what qualification cost."""
+
+    latest: Mapping[str, Qualification] = field(default_factory=dict)
+    runs: Mapping[str, int] = field(default_factory=dict)   # outcome code -> count
+    gpu_seconds_total: float = 0.0
+    running: bool = False
+
+
+@dataclass(frozen=True)
+class QualifyRequest:
+    """One queued on-demand run (POST /v1/qualify)."""
+
+    gpus: tuple[str, ...] | None
+    tier: str
+
+
+class Qualifier:
+    """Runs qualifications on idle GPUs on a schedule and on request."""
+
+    def __init__(self, config: QualificationConfig, state_dir: Path,
+                 occupancy: Callable[[], Mapping[str, GpuOccupancy]], *,
+                 runner: Runner = qualify, clock: Callable[[], float] = time.time,
+                 lock_dir: Path | None = None) -> None:
+        self.config = config
+        self.state_dir = state_dir
+        self._occupancy = occupancy
+        self._runner = runner
+        self._clock = clock
+        self._lock_dir = lock_dir
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._queue: list[QualifyRequest] = []
+        self._free_since: dict[str, float] = {}
+        self._state = QualifierState()
+        self._thread: threading.Thread | None = None
+
+    def state(self) -> QualifierState:
+        return self._state
+
+    def load(self) -> None:
+        """The latest outcome per GPU from the history: a restart keeps the schedule's ages."""
+        try:
+            records = QualificationHistory.in_state_dir(self.state_dir).records()
+        except HistoryUnavailable as e:
+            log.warning("qualification history unreadable: %s", e)
+            return
+        latest: dict[str, Qualification] = {}
+        for rec in records:
+            try:
+                q = parse_qualification(rec)
+            except ValueError:
+                continue  # a damaged line is not evidence
+            if q.result.aborted is None or q.result.uuid not in latest:
+                latest[q.result.uuid] = q
+        self._state = QualifierState(latest=latest)
+
+    def start(self) -> None:
+        self.load()
+        self._thread = threading.Thread(target=self._loop, name="gpudiag-qualifier",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def request(self, gpus: Sequence[str] | None, tier: str) -> QualifyRequest:
+        """Queue a run now (on-demand: no idle time or age needed; busy GPUs still skipped)."""
+        req = QualifyRequest(tuple(gpus) if gpus else None, tier)
+        with self._lock:
+            if req not in self._queue:
+                self._queue.append(req)
+        self._wake.set()
+        return req
+
+    def due(self, now: float) -> list[str]:
+        """GPUs FREE for idle_s whose last qualification is older than max_age_s."""
+        occupancy = self._occupancy()
+        for uuid, occ in occupancy.items():
+            if occ.state == FREE and uuid.startswith("GPU-"):
+                self._free_since.setdefault(uuid, now)
+            else:
+                self._free_since.pop(uuid, None)
+        for uuid in [u for u in self._free_since if u not in occupancy]:
+            del self._free_since[uuid]
+        latest = self._state.latest
+        out = []
+        for uuid, since in sorted(self._free_since.items()):
+            last = latest.get(uuid)
+            age = now - (last.result.started_at or 0.0) if last is not None else float("inf")
+            if now - since >= self.config.idle_s and age >= self.config.max_age_s:
+                out.append(uuid)
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                req = self._queue.pop(0) if self._queue else None
+            if req is None and self.config.enabled:
+                due = self.due(self._clock())
+                req = QualifyRequest((due[0],), self.config.tier) if due else None
+            if req is not None:
+                self._run(req)
+                # Measured or found busy: either way it must be idle for idle_s again.
+                for uuid in req.gpus or list(self._free_since):
+                    self._free_since.pop(uuid, None)
+                continue
+            self._wake.wait(self.config.tick_s)
+            self._wake.clear()
+
+    def _run(self, req: QualifyRequest) -> None:
+        options = QualifyOptions(tier=req.tier, gpus=req.gpus, state_dir=self.state_dir,
+                                 thresholds=self.config.thresholds, lock_dir=self._lock_dir,
+                                 table=self.config.table)
+        self._state = QualifierState(self._state.latest, self._state.runs,
+                                     self._state.gpu_seconds_total, running=True)
+        try:
+            report = self._runner(options)
+        except QualifyError as e:
+            log.warning("qualification of %s not run: %s", req.gpus or "every GPU", e)
+            report = None
+        except Exception:  # a bug of ours must not end the schedule
+            log.exception("qualification of %s failed", req.gpus or "every GPU")
+            report = None
+        latest = dict(self._state.latest)
+        runs = dict(self._state.runs)
+        cost = self._state.gpu_seconds_total
+        for q in report.qualifications if report else ():
+            if q.result.aborted is None or q.result.uuid not in latest:
+                latest[q.result.uuid] = q  # an aborted run changes no verdict
+            runs[q.code] = runs.get(q.code, 0) + 1
+            cost += q.result.gpu_seconds or 0.0
+            log.info("qualified %s: %s", q.result.uuid, q.code,
+                     extra={"severity": q.severity, "qualification": q.message})
+        if report is not None and report.history_error:
+            log.warning("qualification history not kept: %s", report.history_error)
+        self._state = QualifierState(latest, runs, cost, running=False)
