@@ -17,7 +17,7 @@
 # On a GPU-less host it still runs and every check is a blocker record (never a pass).
 #
 # Knobs (environment): GPUDIAG_VALIDATE_ONLY=probe,jaxmem,timings,faults,daemon,run,iree,
-# occupancy,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
+# occupancy,together,nvml,qualify,attribution,image,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
 # GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
 # tests/fakes tree for the texts' fake side; default: built here when gcc is present);
 # GPUDIAG_VALIDATE_HOLDER (a command that holds GPU 0 and prints a "holding" line; default
@@ -416,6 +416,129 @@ if want occupancy; then
             --require cuda --gpus 1 --format json >"$occ/inline-preflight-after.json" 2>>"$occ/inline.stderr"
         read -r status detail < <("${GV[@]}" judge-free "$occ/inline-preflight-after.json" "$stopped")
         result occupancy-inline-free-proven "$status" "$detail"
+    fi
+fi
+
+# 10. Round 3: truthful together (issue 23). Eight inline preflights started at the same
+# moment on the idle card equal the lone answer and never say devices_busy; the same while a
+# helper holds GPU 0 all say devices_busy (never none). An XID hold across a daemon restart
+# needs a real XID: recorded as not exercised.
+if want together; then
+    section "eight preflights together"
+    tog=$OUT/together
+    mkdir -p "$tog"
+    tog_env=()
+    [[ -n $first_uuid ]] && tog_env=("CUDA_VISIBLE_DEVICES=$first_uuid")
+    together_run() {  # together_run TAG: the lone answer, then 8 at once, into $tog/TAG-*
+        env ${tog_env[@]+"${tog_env[@]}"} timeout 200 "$PY" -m gpudiag preflight --no-daemon \
+            --require cuda,jax --format json >"$tog/$1-lone.json" 2>"$tog/$1-lone.stderr"
+        local pids=() i
+        for ((i = 0; i < 8; i++)); do
+            env ${tog_env[@]+"${tog_env[@]}"} timeout 200 "$PY" -m gpudiag preflight --no-daemon \
+                --require cuda,jax --format json >"$tog/$1-$i.json" 2>"$tog/$1-$i.stderr" &
+            pids+=($!)
+        done
+        wait "${pids[@]}"
+    }
+    together_run idle
+    lone=$(blocker_of "$tog/idle-lone.json")
+    same=0 busy=0
+    for ((i = 0; i < 8; i++)); do
+        got=$(blocker_of "$tog/idle-$i.json")
+        [[ $got == "$lone" ]] && same=$((same + 1))
+        [[ $got == devices_busy ]] && busy=$((busy + 1))
+    done
+    ok=1; [[ -n $lone && $same -eq 8 && $busy -eq 0 ]] && ok=0
+    pass_if together-idle "$ok" "lone answer $lone; $same of 8 started together gave it, $busy said devices_busy"
+    env ${tog_env[@]+"${tog_env[@]}"} "${GV[@]}" hold --mib 1024 --max-s 200 >"$tog/helper.out" 2>"$tog/helper.err" </dev/null &
+    helper_pid=$!
+    for ((i = 0; i < 600; i++)); do
+        grep -q '^holding' "$tog/helper.out" 2>/dev/null && break
+        kill -0 "$helper_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if grep -q '^holding' "$tog/helper.out" 2>/dev/null; then
+        together_run busy
+        nonone=0 busy=0
+        for ((i = 0; i < 8; i++)); do
+            got=$(blocker_of "$tog/busy-$i.json")
+            [[ $got != none ]] && nonone=$((nonone + 1))
+            [[ $got == devices_busy ]] && busy=$((busy + 1))
+        done
+        ok=1; [[ $nonone -eq 8 && $busy -eq 8 ]] && ok=0
+        pass_if together-busy "$ok" "$busy of 8 said devices_busy, $nonone of 8 not none (helper holds GPU 0)"
+    else
+        result together-busy blocked "the helper could not hold GPU 0: $(head -c 200 "$tog/helper.err" | tr '\n' ' ')"
+    fi
+    kill -TERM "$helper_pid" 2>/dev/null
+    wait "$helper_pid" 2>/dev/null
+    unset helper_pid
+    result together-xid-restart blocked "not exercised: a held XID needs a real XID on the card (tests/test_holds.py proves it on the fakes)"
+fi
+
+# 11. NVML signals (issue 26): what gpudiag reads with no context, next to nvidia-smi -q.
+if want nvml; then
+    section "NVML signals"
+    timeout 60 "$PY" -m gpudiag probe --backend nvml --format json >"$OUT/nvml-probe.json" 2>"$OUT/nvml-probe.stderr"
+    nvidia-smi -q >"$OUT/nvidia-smi-q.txt" 2>&1
+    "$PY" - "$OUT/nvml-probe.json" >"$OUT/nvml-signals.txt" 2>&1 <<'PYEOF'
+import json, sys
+rec = json.load(open(sys.argv[1]))
+for d in rec.get("devices", []):
+    print(json.dumps(d, sort_keys=True))
+for w in rec.get("warnings", []) + rec.get("blockers", []):
+    print(w.get("code"), "-", w.get("message"))
+PYEOF
+    n=$(grep -c '^{' "$OUT/nvml-signals.txt" 2>/dev/null)
+    ok=1; [[ ${n:-0} -ge 1 && $(blocker_of "$OUT/nvml-probe.json") == none ]] && ok=0
+    pass_if nvml-signals "$ok" "$n GPU(s) read with no context (nvml-signals.txt beside nvidia-smi-q.txt); blocker $(blocker_of "$OUT/nvml-probe.json")"
+fi
+
+# 12. Qualification (issue 27): quick and full tiers on the idle card, and the abort path.
+if want qualify; then
+    section "qualification"
+    for tier in quick full; do
+        t0=$SECONDS
+        timeout 200 "$PY" -m gpudiag qualify --tier "$tier" --format json --no-history \
+            >"$OUT/qualify-$tier.json" 2>"$OUT/qualify-$tier.stderr"
+        rc=$?
+        pass_if "qualify-$tier" "$rc" "exit $rc in $((SECONDS - t0)) s (qualify-$tier.json: measurements against the data sheet)"
+    done
+    timeout 200 "$PY" -m gpudiag qualify --tier full --format json --no-history \
+        >"$OUT/qualify-abort.json" 2>"$OUT/qualify-abort.stderr" &
+    qpid=$!
+    sleep 3
+    "${GV[@]}" hold --mib 256 --max-s 30 >"$OUT/qualify-helper.out" 2>&1 </dev/null &
+    helper_pid=$!
+    wait "$qpid"
+    kill -TERM "$helper_pid" 2>/dev/null
+    wait "$helper_pid" 2>/dev/null
+    unset helper_pid
+    ok=1; grep -q qualification_aborted "$OUT/qualify-abort.json" 2>/dev/null && ok=0
+    pass_if qualify-abort "$ok" "a helper started a context 3 s into the full tier: $(grep -o '"qualification_aborted[^}]*' "$OUT/qualify-abort.json" | head -c 200)"
+fi
+
+# 13. Attribution (issue 28): a job that exits 1 with no GPU event is the application's.
+if want attribution; then
+    section "failure attribution"
+    timeout 120 "$PY" -m gpudiag run --gpus 1 --artifacts "$OUT/attribution-run" -- \
+        "$PY" -c 'raise SystemExit(1)' >"$OUT/attribution.out" 2>&1
+    got=$(sed -n 's/^gpu_failure_attribution=\([a-z]*\).*/\1/p' "$OUT/attribution-run/closeout.txt" 2>/dev/null | head -1)
+    ok=1; [[ $got == application ]] && ok=0
+    pass_if attribution-application "$ok" "exit 1, no GPU event: attribution=${got:-missing} (expected application)"
+    result attribution-xid blocked "a kernel fault's XID (13/31/43) is not provoked on a shared card by this script"
+fi
+
+# 14. The container image (issue 29), where podman and the image are at hand.
+if want image; then
+    section "container image"
+    if command -v podman >/dev/null && podman image exists localhost/gpudiag:0.1.0 2>/dev/null; then
+        timeout 120 podman run --rm --runtime runc --network none --device /dev/nvidiactl \
+            --device /dev/nvidia0 localhost/gpudiag:0.1.0 probe --format json \
+            >"$OUT/image-probe.json" 2>"$OUT/image-probe.stderr"
+        pass_if image-probe $? "gpudiag probe inside the image: $(blocker_of "$OUT/image-probe.json")"
+    else
+        result image-probe blocked "podman or the image localhost/gpudiag:0.1.0 is not on this machine (scripts/build-image.sh builds it)"
     fi
 fi
 

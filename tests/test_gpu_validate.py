@@ -78,10 +78,15 @@ def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
     # Every section left its checks, and each is a blocker record saying why.
     for name in ("probe", "preflight-cuda-jax", "jax-probe-peak-memory", "fault-cvd-empty",
                  "fault-cvd-bogus-uuid", "daemon-gpu-memory", "daemon-samples", "run-jax",
-                 "iree-module", "occupancy-helper", "texts"):
+                 "iree-module", "occupancy-helper", "texts", "together-idle", "together-busy",
+                 "together-xid-restart", "nvml-signals", "qualify-quick", "qualify-full",
+                 "qualify-abort", "attribution-application", "attribution-xid", "image-probe"):
         assert name in checks, f"{name} missing from checks.tsv:\n{summary}"
     assert {status for status, _ in checks.values()} == {"blocked"}, summary
-    assert all(detail.startswith("no GPU") or name == "occupancy-helper"
+    # Blocked for a reason of their own (a helper that needs a GPU, a real XID, an image).
+    own_reason = {"occupancy-helper", "together-busy", "together-xid-restart",
+                  "attribution-xid", "image-probe"}
+    assert all(detail.startswith("no GPU") or name in own_reason
                for name, (_, detail) in checks.items()), summary
     assert "result: BLOCKED: no GPU" in summary
     # The verdict records name the missing driver: a blocker, not a pass.
