@@ -71,13 +71,11 @@ def setup_logging(fmt: str, level: str) -> None:
 
 
 def default_state_dir() -> Path:
-    """$STATE_DIRECTORY (systemd), /var/lib/gpudiag for root, else ~/.local/state/gpudiag."""
-    if os.environ.get("STATE_DIRECTORY"):
-        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
-    if os.geteuid() == 0:
-        return Path("/var/lib/gpudiag")
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "gpudiag"
+    """$GPUDIAG_STATE_DIR, $STATE_DIRECTORY (systemd), /var/lib/gpudiag for root, else
+    ~/.local/state/gpudiag."""
+    from gpudiag.engine.statedir import default_state_dir as default
+
+    return default()
 
 
 SOCKET_NAME = "gpudiag.sock"
@@ -180,6 +178,7 @@ def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
 def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None) -> None:
     """Start everything, serve until SIGTERM/SIGINT, stop everything."""
     from gpudiag.core.environment import probe_environment
+    from gpudiag.core.findings import XidEvent
     from gpudiag.core.verdict import change_summary
     from gpudiag.daemon.app import DaemonApp
     from gpudiag.daemon.app import serve as http_serve
@@ -208,8 +207,19 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                              max_bytes=cfg.history.max_bytes)
     notifier = Notifier()
     wake: list[Any] = []
+    def record_xid(event: XidEvent) -> None:
+        # The XID timeline `gpudiag explain` and run attribution read; a failing disk
+        # costs the stored copy only (the hold and the metrics come from the watcher).
+        history = recorder.store
+        if isinstance(history, HistoryStore):
+            try:
+                history.record_xid(ts=event.timestamp, xid=event.xid,
+                                   gpu_index=event.device_index, uuid=event.uuid)
+            except HistoryError as e:
+                log.warning("XID %d not recorded in the history: %s", event.xid, e)
+
     watcher = XidWatcher(cfg.xid, probe_environment(os.environ),
-                         on_change=lambda: wake[0]() if wake else None)
+                         on_change=lambda: wake[0]() if wake else None, on_xid=record_xid)
     late: list[Scheduler] = []
 
     def record_clear(request: ClearRequest, released: int) -> None:

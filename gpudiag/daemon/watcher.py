@@ -44,8 +44,11 @@ class XidWatcher:
 
     def __init__(self, config: XidConfig, env: Mapping[str, str], *,
                  on_change: Callable[[], None] | None = None,
-                 argv: list[str] | None = None, wall: Callable[[], float] = time.time) -> None:
+                 argv: list[str] | None = None, wall: Callable[[], float] = time.time,
+                 on_xid: Callable[[XidEvent], None] | None = None) -> None:
+        """``on_xid`` gets every XID as it arrives (the daemon stores the XID timeline)."""
         self.config = config
+        self._on_xid = on_xid
         self._env = dict(env)
         self._argv = argv or watcher_argv(config)
         self._on_change = on_change or (lambda: None)
@@ -249,3 +252,5 @@ class XidWatcher:
                                       self._counts.values(),
                                       key=lambda c: (c.gpu or -1, c.xid))))
         self._on_change()
+        if self._on_xid is not None:
+            self._on_xid(event)

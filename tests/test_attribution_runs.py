@@ -1,0 +1,134 @@
+"""Failure attribution end to end: real `gpudiag run`, its XID watcher or a real daemon, fakes.
+
+XIDs and cuInit failures are injected mid-run through the fakes' state file, which the fake
+NVML and libcuda re-read while they run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import processes_with_env, run_gpudiag
+from tests.fakes.build import FakeDriver, write_state_file
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+
+UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
+
+
+class Rig:
+    """A fake host with a state file that tests change while a run runs."""
+
+    def __init__(self, fakes: FakeDriver, root: Path) -> None:
+        self.state_file = root / "gpu-state"
+        self.knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 2}
+        write_state_file(self.state_file, self.knobs)
+        self.state_dir = root / "state"
+        self.state_dir.mkdir()
+        self.env = host_env(fakes, root / "host", gpus=2,
+                            FAKE_GPU_STATE_FILE=str(self.state_file),
+                            GPUDIAG_STATE_DIR=str(self.state_dir))
+        self.root = root
+        self.runs = 0
+
+    def later(self, delay_s: float, **knobs: str | int) -> threading.Timer:
+        """Set ``knobs`` in the state file after ``delay_s`` (while the run runs)."""
+        timer = threading.Timer(delay_s, lambda: write_state_file(
+            self.state_file, {**self.knobs, **knobs}))
+        timer.start()
+        return timer
+
+    def run(self, *argv: str, daemon: Daemon | None = None
+            ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
+        """`gpudiag run` on one GPU; (process, closeout.json, closeout.txt)."""
+        self.runs += 1
+        artifacts = self.root / f"run{self.runs}"
+        where = ["--daemon-url", daemon.url] if daemon else ["--no-daemon"]
+        proc = run_gpudiag(["run", "--gpus", "1", "--artifacts", str(artifacts), *where,
+                            "--", *argv], self.env)
+        closeout = json.loads((artifacts / "closeout.json").read_text())
+        return proc, closeout, (artifacts / "closeout.txt").read_text()
+
+    def explain(self, *args: str) -> dict[str, Any]:
+        proc = run_gpudiag(["explain", *args, "--format", "json"], self.env)
+        assert proc.returncode == 0, proc.stderr
+        return dict(json.loads(proc.stdout))
+
+
+@pytest.fixture
+def rig(fakes: FakeDriver, tmp_path: Path) -> Rig:
+    return Rig(fakes, tmp_path)
+
+
+@pytest.fixture
+def daemon(rig: Rig) -> Iterator[Daemon]:
+    # cuda is probed every second, so a cuInit that starts failing mid-run is seen mid-run.
+    toml = daemon_toml({"backends.cuda": {"interval_s": 1}})
+    d = Daemon(rig.env, write_config(rig.root / "gpudiag.toml", toml), rig.state_dir)
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        assert d.stop() == 0
+
+
+def _kv(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def _attribution(closeout: Mapping[str, Any]) -> tuple[str, str, list[Any]]:
+    a = closeout["attribution"]
+    return a["kind"], a["rule"], [(e["xid"], e["code"], e["gpu"]) for e in a["events"]]
+
+
+def test_an_xid_79_during_a_run_without_a_daemon_is_hardware_with_the_xid(rig: Rig) -> None:
+    rig.later(1.0, FAKE_NVML_XIDS="0:79")
+    proc, closeout, text = rig.run("sleep", "3")
+    assert proc.returncode == 0, proc.stderr
+    gpu = closeout["gpus"][0]["uuid"]
+    assert gpu == UUID0
+    assert _attribution(closeout) == ("hardware", "hardware_xid", [(79, "gpu_lost", gpu)])
+    assert closeout["attribution"]["events"][0]["source"] == "watcher"
+    assert (_kv(text)["gpu_failure_attribution"]
+            == f"hardware rule=hardware_xid xid=79 gpu={gpu}")
+
+
+def test_an_application_xid_with_exit_1_is_the_application(rig: Rig) -> None:
+    rig.later(0.5, FAKE_NVML_XIDS="0:13")
+    proc, closeout, text = rig.run("sh", "-c", "sleep 2; exit 1")
+    assert proc.returncode == 1
+    assert _attribution(closeout) == ("application", "application_xid",
+                                      [(13, "gpu_xid_application", UUID0)])
+    assert _kv(text)["gpu_failure_attribution"].startswith("application rule=application_xid")
+
+
+def test_exit_1_with_no_gpu_event_is_the_application(rig: Rig) -> None:
+    proc, closeout, text = rig.run("sh", "-c", "exit 1")
+    assert proc.returncode == 1
+    assert _attribution(closeout) == ("application", "exit_without_gpu_event", [])
+    assert closeout["attribution"]["missing"] == []
+    assert _kv(text)["gpu_failure_attribution"] == "application rule=exit_without_gpu_event"
+
+
+def test_an_xid_on_another_gpu_is_not_the_jobs(rig: Rig) -> None:
+    rig.later(0.5, FAKE_NVML_XIDS="1:79")
+    proc, closeout, _ = rig.run("sh", "-c", "sleep 2; exit 3")
+    assert proc.returncode == 3
+    assert _attribution(closeout) == ("application", "exit_without_gpu_event", [])
+
+
+def test_a_clean_run_is_none_and_the_watcher_is_gone_after_it(rig: Rig) -> None:
+    proc, closeout, text = rig.run(sys.executable, "-c", "pass")
+    assert proc.returncode == 0
+    assert _attribution(closeout) == ("none", "job_succeeded", [])
+    assert _kv(text)["gpu_failure_attribution"] == "none rule=job_succeeded"
+    # The detached watcher was ended with the run: nothing of it is left.
+    assert processes_with_env(f"FAKE_GPU_STATE_FILE={rig.state_file}", "xid_watch") == []
