@@ -132,3 +132,49 @@ def test_a_clean_run_is_none_and_the_watcher_is_gone_after_it(rig: Rig) -> None:
     assert _kv(text)["gpu_failure_attribution"] == "none rule=job_succeeded"
     # The detached watcher was ended with the run: nothing of it is left.
     assert processes_with_env(f"FAKE_GPU_STATE_FILE={rig.state_file}", "xid_watch") == []
+
+
+# -- with the node's daemon: its history is the evidence ---------------------------------------
+def test_an_xid_79_during_a_run_with_a_daemon_is_hardware_from_its_history(
+        rig: Rig, daemon: Daemon) -> None:
+    rig.later(1.0, FAKE_NVML_XIDS="0:79")
+    proc, closeout, text = rig.run("sleep", "3", daemon=daemon)
+    assert proc.returncode == 0, proc.stderr
+    assert closeout["verdict_source"] == "daemon"
+    kind, rule, events = _attribution(closeout)
+    assert (kind, rule) == ("hardware", "hardware_xid")
+    assert events[0] == (79, "gpu_lost", UUID0)
+    assert {e["source"] for e in closeout["attribution"]["events"]} == {"daemon"}
+    assert (_kv(text)["gpu_failure_attribution"]
+            == f"hardware rule=hardware_xid xid=79 gpu={UUID0}")
+
+
+def test_cuinit_failing_mid_run_is_software(rig: Rig, daemon: Daemon) -> None:
+    rig.later(0.5, FAKE_CUDA_INIT_ERROR=999)
+    proc, closeout, text = rig.run("sh", "-c", "sleep 3; exit 1", daemon=daemon)
+    assert proc.returncode == 1, proc.stderr
+    kind, rule, events = _attribution(closeout)
+    assert (kind, rule) == ("software", "backend_stopped"), closeout["attribution"]
+    assert ("cuda_init_failed" in {code for _, code, _ in events})
+    assert _kv(text)["gpu_failure_attribution"].startswith(
+        "software rule=backend_stopped code=cuda_init_failed")
+
+
+def test_no_history_and_no_watcher_is_unknown_naming_why(fakes: FakeDriver,
+                                                         tmp_path: Path) -> None:
+    rig = Rig(fakes, tmp_path)
+    # The history cannot be opened (a folder where its file belongs): the daemon answers
+    # verdicts, keeps no history, and a run that asks it runs no watcher of its own.
+    (rig.state_dir / "history.sqlite3").mkdir()
+    d = Daemon(rig.env, write_config(tmp_path / "gpudiag.toml", daemon_toml()), rig.state_dir)
+    try:
+        d.wait_ready()
+        proc, closeout, text = rig.run("sh", "-c", "exit 2", daemon=d)
+    finally:
+        assert d.stop() == 0
+    assert proc.returncode == 2
+    assert _attribution(closeout) == ("unknown", "evidence_missing", [])
+    (missing,) = closeout["attribution"]["missing"]
+    assert missing.startswith("daemon history: daemon at ") and "503" in missing
+    assert "no_history" in missing
+    assert _kv(text)["gpu_failure_attribution"] == f"unknown rule=evidence_missing missing={missing}"
