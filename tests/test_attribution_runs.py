@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -177,4 +176,5 @@ def test_no_history_and_no_watcher_is_unknown_naming_why(fakes: FakeDriver,
     (missing,) = closeout["attribution"]["missing"]
     assert missing.startswith("daemon history: daemon at ") and "503" in missing
     assert "no_history" in missing
-    assert _kv(text)["gpu_failure_attribution"] == f"unknown rule=evidence_missing missing={missing}"
+    assert (_kv(text)["gpu_failure_attribution"]
+            == f"unknown rule=evidence_missing missing={missing}")
