@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 
@@ -54,7 +54,19 @@ class Rig:
         proc = run_gpudiag(["run", "--gpus", "1", "--artifacts", str(artifacts), *where,
                             "--", *argv], self.env)
         closeout = json.loads((artifacts / "closeout.json").read_text())
+        self.last = artifacts
         return proc, closeout, (artifacts / "closeout.txt").read_text()
+
+    def explain_agrees(self, closeout: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """`gpudiag explain --pid` (the job's pid) and `--run` say what the closeout said."""
+        child_pid = json.loads((self.last / "result.json").read_text())["pid"]
+        answer = self.explain("--pid", str(child_pid))
+        assert answer["source"] == source
+        assert _decided(answer["attribution"]) == _decided(closeout["attribution"])
+        assert answer["job"]["child_pid"] == child_pid
+        by_run = self.explain("--run", str(self.last))
+        assert _decided(by_run["attribution"]) == _decided(closeout["attribution"])
+        return answer
 
     def explain(self, *args: str) -> dict[str, Any]:
         proc = run_gpudiag(["explain", *args, "--format", "json"], self.env)
@@ -79,13 +91,22 @@ def daemon(rig: Rig) -> Iterator[Daemon]:
         assert d.stop() == 0
 
 
+def taken_in(daemon: Daemon, kind: str) -> None:
+    """Wait until the daemon counted one run of ``kind`` in gpudiag_job_failures_total."""
+    line = f'gpudiag_job_failures_total{{attribution="{kind}"}} 1.0'
+    wait_for(lambda: line in daemon.get("/metrics")[1], 15, interval=0.1)
+
+
 def _kv(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
-def _attribution(closeout: Mapping[str, Any]) -> tuple[str, str, list[Any]]:
-    a = closeout["attribution"]
+def _decided(a: Mapping[str, Any]) -> tuple[str, str, list[Any]]:
     return a["kind"], a["rule"], [(e["xid"], e["code"], e["gpu"]) for e in a["events"]]
+
+
+def _attribution(closeout: Mapping[str, Any]) -> tuple[str, str, list[Any]]:
+    return _decided(closeout["attribution"])
 
 
 def test_an_xid_79_during_a_run_without_a_daemon_is_hardware_with_the_xid(rig: Rig) -> None:
@@ -98,6 +119,7 @@ def test_an_xid_79_during_a_run_without_a_daemon_is_hardware_with_the_xid(rig: R
     assert closeout["attribution"]["events"][0]["source"] == "watcher"
     assert (_kv(text)["gpu_failure_attribution"]
             == f"hardware rule=hardware_xid xid=79 gpu={gpu}")
+    rig.explain_agrees(closeout, "the run's own record")
 
 
 def test_an_application_xid_with_exit_1_is_the_application(rig: Rig) -> None:
@@ -107,6 +129,7 @@ def test_an_application_xid_with_exit_1_is_the_application(rig: Rig) -> None:
     assert _attribution(closeout) == ("application", "application_xid",
                                       [(13, "gpu_xid_application", UUID0)])
     assert _kv(text)["gpu_failure_attribution"].startswith("application rule=application_xid")
+    rig.explain_agrees(closeout, "the run's own record")
 
 
 def test_exit_1_with_no_gpu_event_is_the_application(rig: Rig) -> None:
@@ -115,6 +138,7 @@ def test_exit_1_with_no_gpu_event_is_the_application(rig: Rig) -> None:
     assert _attribution(closeout) == ("application", "exit_without_gpu_event", [])
     assert closeout["attribution"]["missing"] == []
     assert _kv(text)["gpu_failure_attribution"] == "application rule=exit_without_gpu_event"
+    rig.explain_agrees(closeout, "the run's own record")
 
 
 def test_an_xid_on_another_gpu_is_not_the_jobs(rig: Rig) -> None:
@@ -146,6 +170,10 @@ def test_an_xid_79_during_a_run_with_a_daemon_is_hardware_from_its_history(
     assert {e["source"] for e in closeout["attribution"]["events"]} == {"daemon"}
     assert (_kv(text)["gpu_failure_attribution"]
             == f"hardware rule=hardware_xid xid=79 gpu={UUID0}")
+    taken_in(daemon, "hardware")
+    answer = rig.explain_agrees(closeout, "daemon history")
+    what = {(row["what"], row["gpu"]) for row in answer["timeline"]}
+    assert {("xid", UUID0), ("job_began", UUID0), ("job_ended", UUID0)} <= what
 
 
 def test_cuinit_failing_mid_run_is_software(rig: Rig, daemon: Daemon) -> None:
@@ -157,6 +185,8 @@ def test_cuinit_failing_mid_run_is_software(rig: Rig, daemon: Daemon) -> None:
     assert ("cuda_init_failed" in {code for _, code, _ in events})
     assert _kv(text)["gpu_failure_attribution"].startswith(
         "software rule=backend_stopped code=cuda_init_failed")
+    taken_in(daemon, "software")
+    rig.explain_agrees(closeout, "daemon history")
 
 
 def test_no_history_and_no_watcher_is_unknown_naming_why(fakes: FakeDriver,
@@ -169,6 +199,7 @@ def test_no_history_and_no_watcher_is_unknown_naming_why(fakes: FakeDriver,
     try:
         d.wait_ready()
         proc, closeout, text = rig.run("sh", "-c", "exit 2", daemon=d)
+        taken_in(d, "unknown")
     finally:
         assert d.stop() == 0
     assert proc.returncode == 2
@@ -178,3 +209,5 @@ def test_no_history_and_no_watcher_is_unknown_naming_why(fakes: FakeDriver,
     assert "no_history" in missing
     assert (_kv(text)["gpu_failure_attribution"]
             == f"unknown rule=evidence_missing missing={missing}")
+    # The daemon could not keep the record, so it stays in the inbox, where explain finds it.
+    rig.explain_agrees(closeout, "the run's own record")

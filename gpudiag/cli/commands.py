@@ -118,7 +118,8 @@ class LazyGroup(click.Group):
                             "history": "gpudiag.cli.daemon:history",
                             "run": "gpudiag.cli.run:run",
                             "clear": "gpudiag.cli.clear:clear",
-                            "fleet": "gpudiag.cli.fleet:fleet"}
+                            "fleet": "gpudiag.cli.fleet:fleet",
+                            "explain": "gpudiag.cli.explain:explain"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})

@@ -184,6 +184,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.app import serve as http_serve
     from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
     from gpudiag.daemon.exporter import HistoryCollector
+    from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
     from gpudiag.daemon.recorder import RecorderThread, Written
     from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.sdnotify import Notifier
@@ -238,11 +239,14 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
 
     clears = ClearPoller(state_dir, release=watcher.clear, record=record_clear,
                          recheck=lambda: late[0].trigger(recheck_keys(late[0].scheduled)))
+    jobs = JobInbox(state_dir, record=lambda job, uid: record_job(recorder.store, job, uid))
     try:
         clears.prepare()
+        jobs.prepare()
     except OSError as e:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll)
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher,
+                          on_tick=lambda: (clears.poll(), jobs.poll()))
     late.append(scheduler)
     wake.append(scheduler.wake)
 
@@ -283,6 +287,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     store = recorder.store
     app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
     app.registry.register(HistoryCollector(writer.health))
+    app.registry.register(JobFailuresCollector(jobs.counts))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,
                                     read_only=cfg.tcp_read_only)

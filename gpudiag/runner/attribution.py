@@ -318,7 +318,9 @@ def close_attribution(evidence: RunEvidence, closeout: dict[str, Any], argv: Seq
                       child_pid: int, exit_code: int, env: Mapping[str, str]) -> None:
     """Attribute the run into its closeout and report it to the node's daemon."""
     attribution, window = evidence.finish(exit_code)
-    closeout["attribution"] = attribution.record()
+    # The window too, so that `gpudiag explain --run` can ask the history about it later.
+    closeout["attribution"] = {**attribution.record(), "window": {
+        "start": window.start, "end": window.end, "gpus": sorted(window.gpus)}}
     job = JobRecord(os.getpid(), child_pid, tuple(argv), env.get("SLURM_JOB_ID") or None,
                     socket.gethostname(), window.start, window.end, exit_code,
                     tuple(sorted(window.gpus)), attribution,
