@@ -10,10 +10,12 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import click
 
 from gpudiag.cli.commands import examples
+from gpudiag.core.attribution import Attribution
 
 EXIT_NOT_FOUND = 1
 EXIT_FAILED = 3
@@ -60,8 +62,8 @@ def _time(text: str, name: str) -> float:
               "[default: every GPU]")
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="The daemon's state dir.  [default: as for `gpudiag serve`]")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-              show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
+              show_default=True, help="kv: key=value lines for scripts (the Slurm Epilog).")
 def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
             since_text: str | None, until_text: str | None, gpus_text: str | None,
             state_dir: str | None, fmt: str) -> None:
@@ -102,8 +104,25 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
         raise _Failed(str(e)) from e
     if fmt == "json":
         click.echo(json.dumps(answer.record(), indent=2))
-        return
-    _text(answer.record())
+    elif fmt == "kv":
+        click.echo(_kv(answer.attribution, answer.record()), nl=False)
+    else:
+        _text(answer.record())
+
+
+def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
+    """attribution, rule, the first deciding event's code, xid and GPU, then the closeout's
+    one-line form; values on one line each (newlines in messages become spaces)."""
+    first = attribution.events[0] if attribution.events else None
+    job = rec.get("job") or {}
+    pairs = {"attribution": attribution.kind, "rule": attribution.rule,
+             "code": first.code if first else "", "xid": first.xid if first else "",
+             "gpu": first.gpu if first else "", "source": rec["source"],
+             "slurm_job_id": job.get("slurm_job_id") or "",
+             "missing": "; ".join(attribution.missing),
+             "gpu_failure_attribution": attribution.kv()}
+    return "".join(f"{k}={' '.join(str(v if v is not None else '').split())}\n"
+                   for k, v in pairs.items())
 
 
 def _text(rec: dict[str, object]) -> None:

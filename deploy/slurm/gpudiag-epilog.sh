@@ -1,0 +1,67 @@
+#!/bin/bash
+# Slurm Epilog: after a GPU job, say whether the GPU failed it; drain the node on hardware only.
+#
+#   slurm.conf:  Epilog=/usr/local/lib/gpudiag/slurm/gpudiag-epilog.sh
+#                (gpudiag-common.sh next to it)
+#
+# The answer is `gpudiag explain --slurm-job $SLURM_JOB_ID`: every `gpudiag run` inside the
+# job reported its failure attribution to the node's daemon state dir (job-closeouts/, kept
+# in the history), with the events that decided it. Outcome:
+#   hardware     an XID, lost GPU or uncorrectable ECC on the job's GPUs: the node is
+#                drained with Reason="gpudiag: <code> during job <id>" and the explanation
+#                is recorded (below). The health check undoes a gpudiag drain only once the
+#                node is ready again (with the daemon, a held XID keeps it blocked until
+#                `gpudiag clear`).
+#   software, unknown   recorded, no drain (a broken stack is the health check's to drain).
+#   application  nothing: the job's own failure is not the node's business.
+#   no run of the job reported, or gpudiag failed: logged, nothing else.
+# Where the explanation goes: the job's GPUDIAG_EPILOG_FIELD (AdminComment by default: the
+# site's job records and sacct keep it; "none" to skip) gets the one-line form, and with
+# GPUDIAG_RECORD_DIR set, job-<id>-explain.json there gets the whole answer with its timeline.
+# An Epilog always exits 0: Slurm drains a node whose Epilog fails ("Epilog error").
+set -u
+# slurmd gives no PATH: set one before anything else runs.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
+# shellcheck source-path=SCRIPTDIR source=gpudiag-common.sh
+. "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
+
+GPUDIAG_EPILOG_FIELD=${GPUDIAG_EPILOG_FIELD:-AdminComment}
+
+# Not a GPU job: nothing to explain.
+[[ -n ${SLURM_JOB_GPUS:-} ]] || exit 0
+job=${SLURM_JOB_ID:-0}
+node=$(gpudiag_node_name)
+
+answer=$(timeout --kill-after=5 "$GPUDIAG_TIMEOUT_S" \
+    "$GPUDIAG" explain --slurm-job "$job" --format kv 2>&1)
+rc=$?
+if [[ $rc -ne 0 ]]; then
+    # 1: no `gpudiag run` of this job reported (a job that did not use it); else a failure.
+    [[ $rc -eq 1 ]] || gpudiag_log "job $job on $node: gpudiag explain exit $rc: ${answer:0:500}"
+    exit 0
+fi
+value() {
+    sed -n "s/^$1=//p" <<<"$answer" | head -n 1
+}
+kind=$(value attribution)
+code=$(value code)
+line=$(value gpu_failure_attribution)
+
+case $kind in
+    hardware | software | unknown)
+        if [[ -n ${GPUDIAG_RECORD_DIR:-} ]]; then
+            "$GPUDIAG" explain --slurm-job "$job" --format json \
+                >"$GPUDIAG_RECORD_DIR/job-$job-explain.json" 2>/dev/null \
+                || gpudiag_log "job $job: could not write $GPUDIAG_RECORD_DIR/job-$job-explain.json"
+        fi
+        if [[ $GPUDIAG_EPILOG_FIELD != none ]]; then
+            "$SCONTROL" update JobId="$job" "$GPUDIAG_EPILOG_FIELD=gpudiag: $line during job $job" \
+                || gpudiag_log "job $job: could not write $GPUDIAG_EPILOG_FIELD"
+        fi
+        gpudiag_log "job $job on $node: GPU failure attribution $line"
+        ;;
+esac
+if [[ $kind == hardware ]]; then
+    gpudiag_drain "$node" "${code:-gpu_fault} during job $job"
+fi
+exit 0
