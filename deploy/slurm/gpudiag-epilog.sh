@@ -15,17 +15,17 @@
 #   software, unknown   recorded, no drain (a broken stack is the health check's to drain).
 #   application  nothing: the job's own failure is not the node's business.
 #   no run of the job reported, or gpudiag failed: logged, nothing else.
-# Where the explanation goes: the job's GPUDIAG_EPILOG_FIELD (AdminComment by default: the
-# site's job records and sacct keep it; "none" to skip) gets the one-line form, and with
-# GPUDIAG_RECORD_DIR set, job-<id>-explain.json there gets the whole answer with its timeline.
+# Where the explanation goes: GPUDIAG_RECORD_DIR/job-<id>-explain.json (the whole answer with
+# its timeline, beside the Prolog's job-<id>.json verdict) and syslog (the one-line form). The
+# job's AdminComment cannot take it: slurmctld refuses updates of a finished job ("Job has
+# already finished"), and an Epilog runs after the job finished. The drain reason names the
+# job, so `sinfo -R` leads to the record.
 # An Epilog always exits 0: Slurm drains a node whose Epilog fails ("Epilog error").
 set -u
 # slurmd gives no PATH: set one before anything else runs.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
 # shellcheck source-path=SCRIPTDIR source=gpudiag-common.sh
 . "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
-
-GPUDIAG_EPILOG_FIELD=${GPUDIAG_EPILOG_FIELD:-AdminComment}
 
 # Not a GPU job: nothing to explain.
 [[ -n ${SLURM_JOB_GPUS:-} ]] || exit 0
@@ -53,10 +53,6 @@ case $kind in
             "$GPUDIAG" explain --slurm-job "$job" --format json \
                 >"$GPUDIAG_RECORD_DIR/job-$job-explain.json" 2>/dev/null \
                 || gpudiag_log "job $job: could not write $GPUDIAG_RECORD_DIR/job-$job-explain.json"
-        fi
-        if [[ $GPUDIAG_EPILOG_FIELD != none ]]; then
-            "$SCONTROL" update JobId="$job" "$GPUDIAG_EPILOG_FIELD=gpudiag: $line during job $job" \
-                || gpudiag_log "job $job: could not write $GPUDIAG_EPILOG_FIELD"
         fi
         gpudiag_log "job $job on $node: GPU failure attribution $line"
         ;;
