@@ -173,6 +173,10 @@ class RunWatcher:
             self._seen.error = str(msg.message)
             self._ready.set()
 
+    def so_far(self) -> tuple[list[JobEvent], Source]:
+        """Its events until now and whether it has covered the time since its start."""
+        return list(self._seen.events), self._source(self._seen.ended_at)
+
     def stop(self) -> tuple[list[JobEvent], Source]:
         """End the watcher; its events and whether it covered the run."""
         ended_before = self._seen.ended_at
@@ -259,26 +263,29 @@ class RunEvidence:
             self._watcher.stop()
             self._watcher = None
 
+    def attribute(self, exit_code: int, window: Window) -> Attribution:
+        """Attribute a part of the gathering time (a test of a session), gathering on."""
+        if not window.gpus:
+            # No GPU, so no GPU event could be missed.
+            return attribute(exit_code, window, [], [Source("no GPU", True)])
+        if self._watcher is not None:
+            events, source = self._watcher.so_far()
+        elif self._daemon_url is not None:
+            events, source = daemon_history(self._daemon_url, self._env, window.start,
+                                            window.end)
+        else:
+            return attribute(exit_code, window, [], [])
+        return attribute(exit_code, window, events, [source])
+
     def finish(self, exit_code: int) -> tuple[Attribution, Window]:
         """Stop gathering and attribute the run that exited with ``exit_code``."""
         if exit_code != 0:
             time.sleep(LATE_EVENT_WAIT_S)
-        end = time.time()
-        window = Window(self.started, end, self.gpus)
-        events: list[JobEvent] = []
-        sources: list[Source] = []
-        if not self.gpus:
-            sources.append(Source("no GPU", True))  # no GPU, so no GPU event could be missed
-        elif self._watcher is not None:
-            found, source = self._watcher.stop()
-            self._watcher = None
-            events += found
-            sources.append(source)
-        elif self._daemon_url is not None:
-            found, source = daemon_history(self._daemon_url, self._env, self.started, end)
-            events += found
-            sources.append(source)
-        return attribute(exit_code, window, events, sources), window
+        window = Window(self.started, time.time(), self.gpus)
+        try:
+            return self.attribute(exit_code, window), window
+        finally:
+            self.close()
 
 
 def gpus_of(slots: Sequence[Mapping[str, Any]]) -> list[str]:
