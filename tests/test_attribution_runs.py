@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,19 @@ class Rig:
                             GPUDIAG_STATE_DIR=str(self.state_dir))
         self.root = root
         self.runs = 0
+        self.pending: tuple[float, dict[str, str | int]] | None = None
 
-    def later(self, delay_s: float, **knobs: str | int) -> threading.Timer:
-        """Set ``knobs`` in the state file after ``delay_s`` (while the run runs)."""
-        timer = threading.Timer(delay_s, lambda: write_state_file(
-            self.state_file, {**self.knobs, **knobs}))
-        timer.start()
-        return timer
+    def later(self, delay_s: float, **knobs: str | int) -> None:
+        """Set ``knobs`` in the state file ``delay_s`` after the next run's job started."""
+        self.pending = (delay_s, knobs)
+
+    def _inject(self, artifacts: Path, delay_s: float, knobs: dict[str, str | int]) -> None:
+        # stdout.log is opened right after the job started: the fault is surely mid-run.
+        deadline = time.monotonic() + 60
+        while not (artifacts / "stdout.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(delay_s)
+        write_state_file(self.state_file, {**self.knobs, **knobs})
 
     def run(self, *argv: str, daemon: Daemon | None = None
             ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
@@ -51,8 +58,15 @@ class Rig:
         self.runs += 1
         artifacts = self.root / f"run{self.runs}"
         where = ["--daemon-url", daemon.url] if daemon else ["--no-daemon"]
+        injector = None
+        if self.pending is not None:
+            injector = threading.Thread(target=self._inject, args=(artifacts, *self.pending))
+            injector.start()
+            self.pending = None
         proc = run_gpudiag(["run", "--gpus", "1", "--artifacts", str(artifacts), *where,
                             "--", *argv], self.env)
+        if injector is not None:
+            injector.join()
         closeout = json.loads((artifacts / "closeout.json").read_text())
         self.last = artifacts
         return proc, closeout, (artifacts / "closeout.txt").read_text()
@@ -81,8 +95,8 @@ def rig(fakes: FakeDriver, tmp_path: Path) -> Rig:
 
 @pytest.fixture
 def daemon(rig: Rig) -> Iterator[Daemon]:
-    # cuda is probed every second, so a cuInit that starts failing mid-run is seen mid-run.
-    toml = daemon_toml({"backends.cuda": {"interval_s": 1}})
+    # cuda and nvml are probed every second, so what starts failing mid-run is seen mid-run.
+    toml = daemon_toml({"backends.cuda": {"interval_s": 1}, "backends.nvml": {"interval_s": 1}})
     d = Daemon(rig.env, write_config(rig.root / "gpudiag.toml", toml), rig.state_dir)
     try:
         d.wait_ready()
@@ -110,7 +124,7 @@ def _attribution(closeout: Mapping[str, Any]) -> tuple[str, str, list[Any]]:
 
 
 def test_an_xid_79_during_a_run_without_a_daemon_is_hardware_with_the_xid(rig: Rig) -> None:
-    rig.later(1.0, FAKE_NVML_XIDS="0:79")
+    rig.later(0.5, FAKE_NVML_XIDS="0:79")
     proc, closeout, text = rig.run("sleep", "3")
     assert proc.returncode == 0, proc.stderr
     gpu = closeout["gpus"][0]["uuid"]
@@ -160,7 +174,7 @@ def test_a_clean_run_is_none_and_the_watcher_is_gone_after_it(rig: Rig) -> None:
 # -- with the node's daemon: its history is the evidence ---------------------------------------
 def test_an_xid_79_during_a_run_with_a_daemon_is_hardware_from_its_history(
         rig: Rig, daemon: Daemon) -> None:
-    rig.later(1.0, FAKE_NVML_XIDS="0:79")
+    rig.later(0.5, FAKE_NVML_XIDS="0:79")
     proc, closeout, text = rig.run("sleep", "3", daemon=daemon)
     assert proc.returncode == 0, proc.stderr
     assert closeout["verdict_source"] == "daemon"
@@ -186,6 +200,19 @@ def test_cuinit_failing_mid_run_is_software(rig: Rig, daemon: Daemon) -> None:
     assert _kv(text)["gpu_failure_attribution"].startswith(
         "software rule=backend_stopped code=cuda_init_failed")
     taken_in(daemon, "software")
+    rig.explain_agrees(closeout, "daemon history")
+
+
+def test_a_row_remap_failure_mid_run_is_hardware_from_the_daemons_nvml_probe(
+        rig: Rig, daemon: Daemon) -> None:
+    rig.later(0.5, FAKE_NVML_REMAPPED_ROWS="0:0/1/0/1")
+    proc, closeout, text = rig.run("sh", "-c", "sleep 3; exit 1", daemon=daemon)
+    assert proc.returncode == 1, proc.stderr
+    assert _attribution(closeout) == ("hardware", "ecc_uncorrectable",
+                                      [(None, "gpu_ecc_uncorrectable", UUID0)])
+    assert (_kv(text)["gpu_failure_attribution"]
+            == f"hardware rule=ecc_uncorrectable code=gpu_ecc_uncorrectable gpu={UUID0}")
+    taken_in(daemon, "hardware")
     rig.explain_agrees(closeout, "daemon history")
 
 
