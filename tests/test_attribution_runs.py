@@ -238,3 +238,19 @@ def test_no_history_and_no_watcher_is_unknown_naming_why(fakes: FakeDriver,
             == f"unknown rule=evidence_missing missing={missing}")
     # The daemon could not keep the record, so it stays in the inbox, where explain finds it.
     rig.explain_agrees(closeout, "the run's own record")
+
+
+def test_a_watcher_that_cannot_register_for_xids_leaves_a_failed_run_unknown(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    rig = Rig(fakes, tmp_path)
+    rig.knobs["FAKE_NVML_UNSUPPORTED"] = "events"
+    write_state_file(rig.state_file, rig.knobs)
+    proc, closeout, text = rig.run("sh", "-c", "exit 1")
+    assert proc.returncode == 1
+    assert _attribution(closeout) == ("unknown", "evidence_missing", [])
+    assert closeout["attribution"]["missing"] == [
+        f"run watcher: the XID watcher could not register for XID events on {UUID0}"]
+    assert _kv(text)["gpu_failure_attribution"] == (
+        "unknown rule=evidence_missing missing=run watcher: the XID watcher could not "
+        f"register for XID events on {UUID0}")
+    rig.explain_agrees(closeout, "the run's own record")

@@ -71,6 +71,7 @@ class _Seen:
     """What the watcher said so far (written by the reader thread only)."""
 
     hello_at: float | None = None
+    registered: tuple[str, ...] = ()  # the GPUs the watcher registered for XID events
     error: str | None = None
     ended_at: float | None = None  # its stdout closed
     events: list[JobEvent] = field(default_factory=list)
@@ -80,8 +81,10 @@ class _Seen:
 class RunWatcher:
     """The run's own XID watcher child, detached from the run's process tree."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], gpus: frozenset[str] = frozenset()) -> None:
+        """``gpus``: the job's GPUs, which the watcher must have registered to cover it."""
         self._env = probe_environment(env)
+        self._gpus = gpus
         self._seen = _Seen()
         self._ready = threading.Event()
         self._stopping = False
@@ -165,6 +168,7 @@ class RunWatcher:
         if msg is None:
             return
         if msg.kind == "hello":
+            self._seen.registered = msg.device_uuids
             self._seen.hello_at = time.time()
             self._ready.set()
         elif msg.kind == "xid" and msg.xid is not None:
@@ -196,6 +200,10 @@ class RunWatcher:
             return Source(WATCHER, False, why + (f"; stderr: {tail}" if tail else ""))
         if seen.error is not None:
             return Source(WATCHER, False, f"the XID watcher failed during the run: {seen.error}")
+        if self._gpus and not self._gpus & set(seen.registered):
+            # NVML refused event registration for the job's GPUs (e.g. not supported there).
+            return Source(WATCHER, False, "the XID watcher could not register for XID events "
+                          f"on {', '.join(sorted(self._gpus))}")
         if ended_before is not None:
             return Source(WATCHER, False, "the XID watcher ended during the run"
                           + (f"; stderr: {tail}" if tail else ""))
@@ -252,7 +260,7 @@ class RunEvidence:
         """Start gathering: the run's own watcher unless a daemon keeps the history."""
         evidence = cls(gpus, env, daemon_url)
         if gpus and daemon_url is None:
-            evidence._watcher = RunWatcher(env)
+            evidence._watcher = RunWatcher(env, evidence.gpus)
             evidence._watcher.start()
         evidence.started = time.time()
         return evidence
