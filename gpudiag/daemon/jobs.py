@@ -44,11 +44,16 @@ def read_job(path: Path) -> tuple[JobRecord, int]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise JobRecordError(f"cannot open it: {e.strerror or e}") from e
+    # fstat before fdopen: fdopen itself raises on a folder.
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise JobRecordError("not a regular file")
     with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise JobRecordError("not a regular file")
-        raw = fh.read(MAX_RECORD_BYTES + 1)
+        try:
+            raw = fh.read(MAX_RECORD_BYTES + 1)
+        except OSError as e:
+            raise JobRecordError(f"cannot read it: {e.strerror or e}") from e
     if len(raw) > MAX_RECORD_BYTES:
         raise JobRecordError(f"larger than {MAX_RECORD_BYTES} bytes")
     try:
@@ -65,6 +70,7 @@ class JobInbox:
         self.folder = state_dir / JOB_INBOX
         self._record = record
         self._counted: set[str] = set()
+        self._refused: set[str] = set()
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTED_KINDS, 0)
 
@@ -83,7 +89,8 @@ class JobInbox:
     def poll(self) -> list[JobRecord]:
         """Take in every record present, oldest first; returns them."""
         try:
-            names = sorted(n for n in os.listdir(self.folder) if n.endswith(".json"))
+            names = sorted(n for n in os.listdir(self.folder)
+                           if n.endswith(".json") and n not in self._refused)
         except OSError:
             return []
         taken: list[JobRecord] = []
@@ -94,8 +101,10 @@ class JobInbox:
             except JobRecordError as e:
                 log.warning("job record %s refused: %s; deleted", path, e,
                             extra={"record": str(path), "error": str(e)})
-                with contextlib.suppress(OSError):
+                try:
                     path.unlink()
+                except OSError:
+                    self._refused.add(name)  # cannot remove it: at least do not retry it
                 continue
             if name not in self._counted:
                 self._counted.add(name)
