@@ -34,7 +34,7 @@ from gpudiag.runner.admission import (
     Observation,
     preflight_for_admission,
 )
-from gpudiag.runner.attribution import LATE_EVENT_WAIT_S, RunEvidence, gpus_of
+from gpudiag.runner.attribution import LATE_EVENT_WAIT_S, GpuEvents, gpus_of
 
 DEFAULT_REQUIRE = "cuda"
 
@@ -79,7 +79,7 @@ class GpuSession:
     saved_env: dict[str, str | None] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    evidence: RunEvidence | None = None  # GPU events while the tests run (failure attribution)
+    gpu_events: GpuEvents | None = None  # GPU events while the tests run (failure attribution)
     # Verdicts already asked for, by (requirement, needs GPUs): never asked twice.
     verdicts: dict[tuple[str, bool], Verdict] = field(default_factory=dict)
 
@@ -128,21 +128,21 @@ class GpuSession:
                 daemon = default_url(env)
             except DaemonUrlError:
                 daemon = None
-        self.evidence = RunEvidence.begin(_gpus(self.admission.leaves), env, daemon)
+        self.gpu_events = GpuEvents.begin(_gpus(self.admission.leaves), env, daemon)
 
     def failure_attribution(self, n: int, start: float, stop: float) -> Attribution | None:
         """Who failed a GPU test that ran on the first ``n`` GPUs from ``start`` to ``stop``."""
-        if self.evidence is None or self.admission is None:
+        if self.gpu_events is None or self.admission is None:
             return None
         time.sleep(LATE_EVENT_WAIT_S)  # the XID of a GPU that failed the test may trail it
         window = Window(start, stop, frozenset(_gpus(self.admission.leaves[:n])))
-        return self.evidence.attribute(1, window)
+        return self.gpu_events.attribute(1, window)
 
     def release(self) -> None:
         """Drop the GPU locks and put back the environment this session changed."""
-        if self.evidence is not None:
-            self.evidence.close()
-            self.evidence = None
+        if self.gpu_events is not None:
+            self.gpu_events.close()
+            self.gpu_events = None
         if self.admission is not None:
             self.admission.release()
             self.admission = None

@@ -243,7 +243,7 @@ def daemon_history(url: str, env: Mapping[str, str], start: float, now: float
     return events, Source(HISTORY, True)
 
 
-class RunEvidence:
+class GpuEvents:
     """Gathers a run's GPU events from start to finish (the daemon's, or its own watcher's)."""
 
     def __init__(self, gpus: Sequence[str], env: Mapping[str, str],
@@ -256,14 +256,14 @@ class RunEvidence:
 
     @classmethod
     def begin(cls, gpus: Sequence[str], env: Mapping[str, str], daemon_url: str | None
-              ) -> RunEvidence:
+              ) -> GpuEvents:
         """Start gathering: the run's own watcher unless a daemon keeps the history."""
-        evidence = cls(gpus, env, daemon_url)
+        gathering = cls(gpus, env, daemon_url)
         if gpus and daemon_url is None:
-            evidence._watcher = RunWatcher(env, evidence.gpus)
-            evidence._watcher.start()
-        evidence.started = time.time()
-        return evidence
+            gathering._watcher = RunWatcher(env, gathering.gpus)
+            gathering._watcher.start()
+        gathering.started = time.time()
+        return gathering
 
     def close(self) -> None:
         """Stop the watcher without an answer (the job never started)."""
@@ -329,10 +329,10 @@ def report_job(job: JobRecord, env: Mapping[str, str]) -> dict[str, Any]:
     return {"path": str(final), "error": None}
 
 
-def close_attribution(evidence: RunEvidence, closeout: dict[str, Any], argv: Sequence[str],
+def close_attribution(gpu_events: GpuEvents, closeout: dict[str, Any], argv: Sequence[str],
                       child_pid: int, exit_code: int, env: Mapping[str, str]) -> None:
     """Attribute the run into its closeout and report it to the node's daemon."""
-    attribution, window = evidence.finish(exit_code)
+    attribution, window = gpu_events.finish(exit_code)
     # The window too, so that `gpudiag explain --run` can ask the history about it later.
     closeout["attribution"] = {**attribution.record(), "window": {
         "start": window.start, "end": window.end, "gpus": sorted(window.gpus)}}

@@ -43,7 +43,7 @@ from gpudiag.runner.admission import (
     Hook,
     preflight_for_admission,
 )
-from gpudiag.runner.attribution import RunEvidence, close_attribution, gpus_of
+from gpudiag.runner.attribution import GpuEvents, close_attribution, gpus_of
 
 ROUTE = "gpudiag-run"
 PLAN_SCHEMA = "gpudiag.plan/1"
@@ -574,7 +574,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     _write(paths["environment"], _json(environment_record(env, written)))
     closeout.update(gpus=_gpu_slots(admission), ready=True)
 
-    evidence = RunEvidence.begin(gpus_of(closeout["gpus"]), base, options.daemon_url
+    gpu_events = GpuEvents.begin(gpus_of(closeout["gpus"]), base, options.daemon_url
                                  if closeout["verdict_source"] == "daemon" else None)
     subreaper = set_child_subreaper()
     tree = Tree()
@@ -592,7 +592,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
                         duration_s=round(time.monotonic() - t0, 3),
                         error=f"cannot start {written['launch_argv'][0]!r}: {e.strerror or e}")
         _say(err, f"gpudiag run: {closeout['error']}\n")
-        evidence.close()
+        gpu_events.close()
         _close_out(paths, {"launched": False, "exit_code": code, "error": closeout["error"]},
                    closeout, err)
         return RunOutcome(code, closeout)
@@ -650,7 +650,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
         ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
         evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
-    close_attribution(evidence, closeout, written["launch_argv"], proc.pid, code, base)
+    close_attribution(gpu_events, closeout, written["launch_argv"], proc.pid, code, base)
     broken = [t.error for t in tees if t.error]
     if broken:
         closeout["error"] = "artifacts incomplete: " + "; ".join(broken)
