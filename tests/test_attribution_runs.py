@@ -155,6 +155,20 @@ def test_exit_1_with_no_gpu_event_is_the_application(rig: Rig) -> None:
     rig.explain_agrees(closeout, "the run's own record")
 
 
+def test_cuinit_failing_mid_run_without_a_daemon_is_software_by_the_post_run_check(
+        rig: Rig) -> None:
+    rig.later(0.3, FAKE_CUDA_INIT_ERROR=999)
+    proc, closeout, text = rig.run("sh", "-c", "sleep 1; exit 1")
+    assert proc.returncode == 1
+    kind, rule, events = _attribution(closeout)
+    assert (kind, rule, events) == ("software", "backend_stopped",
+                                    [(None, "cuda_init_failed", None)])
+    assert closeout["attribution"]["events"][0]["source"] == "post-run check"
+    assert (_kv(text)["gpu_failure_attribution"]
+            == "software rule=backend_stopped code=cuda_init_failed")
+    rig.explain_agrees(closeout, "the run's own record")
+
+
 def test_an_xid_on_another_gpu_is_not_the_jobs(rig: Rig) -> None:
     rig.later(0.5, FAKE_NVML_XIDS="1:79")
     proc, closeout, _ = rig.run("sh", "-c", "sleep 2; exit 3")

@@ -25,11 +25,14 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpudiag.core.attribution import (
+    APPLICATION_KIND,
     JOB_INBOX,
+    SOFTWARE_CODES,
+    UNKNOWN,
     Attribution,
     JobEvent,
     JobRecord,
@@ -42,7 +45,9 @@ from gpudiag.core.attribution import (
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.observations import parse_watcher_line
 from gpudiag.core.probe_run import bounded_tail
+from gpudiag.core.requirement import parse_requirement
 from gpudiag.engine.client import DaemonUrlError, daemon_get
+from gpudiag.engine.route import daemon_else_inline
 from gpudiag.engine.statedir import default_state_dir
 
 WATCHER = "run watcher"
@@ -50,6 +55,7 @@ HISTORY = "daemon history"
 WATCH_START_S = 10.0  # Python, pynvml and nvmlInit; a hung driver must not hold the job
 LATE_EVENT_WAIT_S = 0.5  # a failed job often ends a moment before its XID is delivered
 HISTORY_LIMIT = 1000
+POST_RUN_CHECK_S = 20.0  # the cuda probe's deadline after a failed run without a daemon
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
 
@@ -291,9 +297,39 @@ class GpuEvents:
             time.sleep(LATE_EVENT_WAIT_S)
         window = Window(self.started, time.time(), self.gpus)
         try:
-            return self.attribute(exit_code, window), window
+            got = self.attribute(exit_code, window)
+            if exit_code != 0 and self._watcher is not None and got.kind in (
+                    APPLICATION_KIND, UNKNOWN):
+                # No daemon watched the backends: a watcher sees XIDs, not a driver or cuInit
+                # that stopped working, so a failed run with no GPU event checks them now.
+                got = self._after_check(exit_code, window, got)
+            return got, window
         finally:
             self.close()
+
+    def _after_check(self, exit_code: int, window: Window, got: Attribution) -> Attribution:
+        events, source = self._watcher.so_far() if self._watcher else ([], None)
+        checked = post_run_check(self._env)
+        if not checked:
+            return got
+        # Seen at the end of the run: the backend stopped proving by then.
+        found = [replace(e, ts=window.end) for e in checked]
+        return attribute(exit_code, window, [*events, *found],
+                         [source] if source is not None else [])
+
+
+def post_run_check(env: Mapping[str, str], timeout_s: float = POST_RUN_CHECK_S
+                   ) -> list[JobEvent]:
+    """The driver and CUDA blockers of an inline node-health check (cuda), as node events."""
+    requirement = parse_requirement("cuda", node_health=True)
+    try:
+        verdict = daemon_else_inline(requirement, use_daemon=False, env=env,
+                                     timeout_s=timeout_s).verdict
+    except (OSError, ValueError):
+        return []
+    now = time.time()
+    return [JobEvent(now, "post-run check", None, b.code, None, b.message)
+            for b in verdict.blockers if b.code in SOFTWARE_CODES]
 
 
 def gpus_of(slots: Sequence[Mapping[str, Any]]) -> list[str]:
