@@ -245,8 +245,14 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
         jobs.prepare()
     except OSError as e:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher,
-                          on_tick=lambda: (clears.poll(), jobs.poll()))
+    def tick() -> None:
+        for poll in (clears.poll, jobs.poll):  # one failing inbox must not stop the other
+            try:
+                poll()
+            except Exception:  # a bug of ours: said, and the loop goes on
+                log.exception("polling %s failed", getattr(poll, "__qualname__", poll))
+
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=tick)
     late.append(scheduler)
     wake.append(scheduler.wake)
 
