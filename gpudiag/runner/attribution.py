@@ -55,6 +55,8 @@ HISTORY = "daemon history"
 WATCH_START_S = 10.0  # Python, pynvml and nvmlInit; a hung driver must not hold the job
 LATE_EVENT_WAIT_S = 0.5  # a failed job often ends a moment before its XID is delivered
 HISTORY_LIMIT = 1000
+SILENCE_S = 5.0  # the watcher beats every 0.5 s; past this it did not watch
+LINE_LIMIT = 1 << 20
 POST_RUN_CHECK_S = 20.0  # the cuda probe's deadline after a failed run without a daemon
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
@@ -80,6 +82,8 @@ class _Seen:
     registered: tuple[str, ...] = ()  # the GPUs the watcher registered for XID events
     error: str | None = None
     ended_at: float | None = None  # its stdout closed
+    last_line_at: float | None = None
+    longest_silence_s: float = 0.0  # between two of its lines (it beats every 0.5 s)
     events: list[JobEvent] = field(default_factory=list)
     stderr: bytearray = field(default_factory=bytearray)
 
@@ -93,7 +97,7 @@ class RunWatcher:
         self._gpus = gpus
         self._seen = _Seen()
         self._ready = threading.Event()
-        self._stopping = False
+        self._pid: int | None = None
         self._pidfd: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
@@ -122,8 +126,9 @@ class RunWatcher:
         finally:
             if was:
                 _prctl_subreaper(1)
+        self._pid = pid
         with contextlib.suppress(OSError, AttributeError):
-            self._pidfd = os.pidfd_open(pid)
+            self._pidfd = os.pidfd_open(pid)  # signals then reach this process, never a reuse
         self._thread = threading.Thread(target=self._read, name="gpudiag-run-watcher",
                                         daemon=True)
         self._thread.start()
@@ -165,11 +170,18 @@ class RunWatcher:
                         del seen.stderr[:-4096]
                     else:
                         *lines, buf = (buf + chunk).split(b"\n")
+                        if len(buf) > LINE_LIMIT:
+                            buf = b""  # not one of its lines: a library's endless print
                         for line in lines:
                             self._line(line)
         self._ready.set()
 
     def _line(self, line: bytes) -> None:
+        now = time.time()
+        if self._seen.last_line_at is not None:
+            self._seen.longest_silence_s = max(self._seen.longest_silence_s,
+                                               now - self._seen.last_line_at)
+        self._seen.last_line_at = now
         msg = parse_watcher_line(line)
         if msg is None:
             return
@@ -194,6 +206,8 @@ class RunWatcher:
             with contextlib.suppress(OSError, AttributeError):
                 if self._pidfd is not None:
                     signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                elif self._pid is not None:  # its stdout is still open here: it still lives
+                    os.kill(self._pid, signal.SIGKILL)
             self._thread.join(5.0)
         self._close_pipes()
         return list(self._seen.events), self._source(ended_before)
@@ -206,6 +220,12 @@ class RunWatcher:
             return Source(WATCHER, False, why + (f"; stderr: {tail}" if tail else ""))
         if seen.error is not None:
             return Source(WATCHER, False, f"the XID watcher failed during the run: {seen.error}")
+        last = seen.last_line_at or seen.hello_at
+        silence = max(seen.longest_silence_s, time.time() - last)
+        if silence > SILENCE_S:
+            # A hung driver stops the heartbeats: an XID in that time may never have come.
+            return Source(WATCHER, False, f"the XID watcher was silent for {silence:.1f} s "
+                          "during the run (a hung driver?)")
         if self._gpus and not self._gpus & set(seen.registered):
             # NVML refused event registration for the job's GPUs (e.g. not supported there).
             return Source(WATCHER, False, "the XID watcher could not register for XID events "
