@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpudiag.core.attribution import JOB_INBOX, JobRecord, Source, Window, attribute, xid_event
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
@@ -253,6 +254,49 @@ def job_env(gpus: str, job: str = "4242") -> dict[str, str]:
     # What slurmd gives a Prolog of a --gres=gpu job (CUDA_VISIBLE_DEVICES too, which the
     # Prolog must not let narrow the node-wide indices a second time).
     return {"SLURM_JOB_ID": job, "SLURM_JOB_GPUS": gpus, "CUDA_VISIBLE_DEVICES": gpus}
+
+
+def _job_record(state_dir: Path, job: str, kind: str, owner: int | None = None) -> None:
+    """A run's job record in the daemon's inbox (no daemon took it in)."""
+    gpu = "GPU-f00d0000-0000-4000-8000-000000000000"
+    window = Window(100.0, 110.0, frozenset({gpu}))
+    events = [xid_event(105.0, 79 if kind == "hardware" else 13, gpu, "watcher")]
+    got = attribute(1, window, events, [Source("run watcher", True)])
+    assert got.kind == kind
+    rec = JobRecord(10, 11, ("train",), job, NODE, 100.0, 110.0, 1, (gpu,), got, None)
+    (state_dir / JOB_INBOX).mkdir(parents=True, exist_ok=True)
+    path = state_dir / JOB_INBOX / f"1-{job}.json"
+    path.write_text(json.dumps(rec.record()))
+    if owner is not None:
+        os.chown(path, owner, owner)
+
+
+@pytest.mark.parametrize(("kind", "owner", "drained"), [
+    ("hardware", None, True), ("application", None, False), ("hardware", 12345, False)])
+def test_epilog_drains_only_on_evidence_the_node_holds(node: SlurmNode, tmp_path: Path,
+                                                      kind: str, owner: int | None,
+                                                      drained: bool) -> None:
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("a record owned by another user needs root to make")
+    state = tmp_path / "gpudiag-state"
+    _job_record(state, "4242", kind, owner)
+    records = tmp_path / "records"
+    records.mkdir()
+    out = node.run(EPILOG, extra={**job_env("0"), "GPUDIAG_STATE_DIR": str(state),
+                                  "GPUDIAG_RECORD_DIR": str(records)})
+    assert out.returncode == 0, out.stderr
+    assert (drain_calls(out) == [[
+        "update", f"NodeName={NODE}", "State=DRAIN",
+        "Reason=gpudiag: gpu_lost during job 4242"]]) == drained, out.calls
+    assert (records / "job-4242-explain.json").exists() == (kind == "hardware")
+    if owner is not None:
+        assert "not drained: the hardware attribution comes only from a record of uid 12345" \
+            in out.stderr
+
+
+def test_epilog_leaves_a_job_without_a_record_alone(node: SlurmNode, tmp_path: Path) -> None:
+    out = node.run(EPILOG, extra={**job_env("0"), "GPUDIAG_STATE_DIR": str(tmp_path)})
+    assert (out.returncode, out.calls, out.stderr) == (0, [], "")
 
 
 def test_prolog_admits_a_ready_job_and_records_the_verdict(node: SlurmNode) -> None:

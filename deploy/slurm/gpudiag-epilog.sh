@@ -12,6 +12,8 @@
 #                is recorded (below). The health check undoes a gpudiag drain only once the
 #                node is ready again (with the daemon, a held XID keeps it blocked until
 #                `gpudiag clear`).
+#                Only on evidence the node holds: the daemon's history, or (without a daemon)
+#                a job record that root wrote; a user's own record never drains a node.
 #   software, unknown   recorded, no drain (a broken stack is the health check's to drain).
 #   application  nothing: the job's own failure is not the node's business.
 #   no run of the job reported, or gpudiag failed: logged, nothing else.
@@ -58,6 +60,12 @@ case $kind in
         ;;
 esac
 if [[ $kind == hardware ]]; then
-    gpudiag_drain "$node" "${code:-gpu_fault} during job $job"
+    # Evidence the node itself holds (the daemon's history), or a record root wrote: a user's
+    # own job record alone never drains a node (anyone can write one for their own job).
+    if [[ $(value source) == "daemon history" || $(value owner_uid) == 0 ]]; then
+        gpudiag_drain "$node" "${code:-gpu_fault} during job $job"
+    else
+        gpudiag_log "job $job on $node: not drained: the hardware attribution comes only from a record of uid $(value owner_uid)"
+    fi
 fi
 exit 0

@@ -119,6 +119,7 @@ def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
              "code": first.code if first else "", "xid": first.xid if first else "",
              "gpu": first.gpu if first else "", "source": rec["source"],
              "slurm_job_id": job.get("slurm_job_id") or "",
+             "owner_uid": rec.get("owner_uid"),
              "missing": "; ".join(attribution.missing),
              "gpu_failure_attribution": attribution.kv()}
     return "".join(f"{k}={' '.join(str(v if v is not None else '').split())}\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class Explanation:
     attribution: Attribution
     source: str  # "daemon history" or "the run's own record"
     timeline: tuple[dict[str, Any], ...]
+    owner_uid: int | None = None  # who reported the run (its job record's or closeout's owner)
 
     def record(self) -> dict[str, Any]:
         """The JSON form."""
@@ -57,15 +58,17 @@ class Explanation:
                 "window": {"start": rfc3339(self.window.start), "end": rfc3339(self.window.end),
                            "gpus": sorted(self.window.gpus)},
                 "exit_code": self.exit_code, "attribution": self.attribution.record(),
-                "source": self.source, "timeline": list(self.timeline)}
+                "source": self.source, "owner_uid": self.owner_uid,
+                "timeline": list(self.timeline)}
 
 
 def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = None,
-             slurm_job_id: str | None = None) -> JobRecord:
-    """The newest run with that pid or Slurm job id: in the history, else still in the inbox."""
+             slurm_job_id: str | None = None) -> tuple[JobRecord, int]:
+    """The newest run with that pid or Slurm job id, and the uid that reported it: in the
+    history, else still in the inbox."""
     if store is not None:
         for entry in store.jobs(pid=pid, slurm_job_id=slurm_job_id, limit=1):
-            return JobRecord.from_record(entry.record)
+            return JobRecord.from_record(entry.record), entry.uid
     inbox = state_dir / JOB_INBOX
     try:
         names = sorted(os.listdir(inbox), reverse=True)
@@ -75,12 +78,12 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
         if not name.endswith(".json"):
             continue
         try:
-            job, _uid = read_job(inbox / name)
+            job, uid = read_job(inbox / name)
         except JobRecordError:
             continue
         if (pid is not None and pid in (job.pid, job.child_pid)) or (
                 slurm_job_id is not None and job.slurm_job_id == slurm_job_id):
-            return job
+            return job, uid
     what = f"pid {pid}" if pid is not None else f"Slurm job {slurm_job_id}"
     raise ExplainError(f"no run with {what} in the history or the inbox of {state_dir} "
                        "(runs report there when they close out; pass the --state-dir the "
@@ -95,16 +98,17 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
     store = HistoryStore(path, readonly=True) if path.is_file() else None
     why = None if store is not None else f"no history at {path} (no daemon used this state dir)"
     try:
-        job, code = None, None
+        job, code, owner = None, None, None
         if run is not None:
             job, code = job_from_closeout(run)
+            owner = (run / "closeout.json" if run.is_dir() else run).stat().st_uid
         elif pid is not None or slurm_job_id is not None:
-            job = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id)
+            job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id)
             code = job.exit_code
         if job is not None:
             window = job.window
         assert window is not None
-        return explain(store, window, code, job, why)
+        return replace(explain(store, window, code, job, why), owner_uid=owner)
     finally:
         if store is not None:
             store.close()
