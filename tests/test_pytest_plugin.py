@@ -489,3 +489,53 @@ def test_xdist_workers_started_together_all_report_the_same_blocker_run_after_ru
         assert len(said) == 1, out
         codes |= said
     assert len(codes) == 1 and "devices_busy" not in codes and "backend_unproven" not in codes
+ATTRIBUTED_TESTS = """
+import os, time
+import pytest
+
+def _inject(knobs):
+    path = os.environ["FAKE_GPU_STATE_FILE"]
+    with open(path + ".tmp", "w") as fh:
+        fh.write("".join(f"{k}={v}\\n" for k, v in knobs.items()))
+    os.replace(path + ".tmp", path)
+
+@pytest.mark.gpu(n=1)
+def test_a_gpu_falls_off_the_bus(gpu_devices):
+    _inject({"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_XIDS": "0:79,1:79"})
+    time.sleep(1.5)
+    raise AssertionError("CUDA_ERROR_LAUNCH_FAILED")
+
+@pytest.mark.gpu(n=1)
+def test_my_own_bug(gpu_devices):
+    time.sleep(0.2)
+    assert 1 + 1 == 3
+
+@pytest.mark.gpu(n=1)
+def test_fine(gpu_devices):
+    assert True
+"""
+
+
+def test_a_failed_gpu_test_with_a_hardware_event_says_so_in_its_report_and_junit(
+        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv,
+        tmp_path: Path) -> None:
+    state = tmp_path / "gpu-state"
+    state.write_text("FAKE_NVML_DEVICE_COUNT=2\n")
+    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=2, FAKE_GPU_STATE_FILE=str(state),
+                    GPUDIAG_LOCK_DIR=str(tmp_path / "locks")))
+    pytester.makepyfile(test_attributed=ATTRIBUTED_TESTS)
+    junit = tmp_path / "junit.xml"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly",
+                                           f"--junitxml={junit}", timeout=180)
+    result.assert_outcomes(passed=1, failed=2)
+    props = properties(junit)
+    assert props["test_a_gpu_falls_off_the_bus"]["gpu_failure_attribution"] == (
+        f"hardware rule=hardware_xid xid=79 gpu={gpu_uuid(0)}")
+    # The XID came during the first test: the second one's failure is its own.
+    assert props["test_my_own_bug"]["gpu_failure_attribution"] == (
+        "application rule=exit_without_gpu_event")
+    assert "gpu_failure_attribution" not in props["test_fine"]
+    result.stdout.fnmatch_lines([
+        "*gpudiag: who failed this GPU test*",
+        f"gpu_failure_attribution=hardware rule=hardware_xid xid=79 gpu={gpu_uuid(0)}",
+        f"  * {gpu_uuid(0)}: XID 79 (GPU has fallen off the bus) (watcher)"])

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from gpudiag.core.attribution import JOB_INBOX, JobRecord, Source, Window, attribute, xid_event
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "deploy" / "slurm"
 PROLOG = SLURM / "gpudiag-prolog.sh"
 HEALTHCHECK = SLURM / "gpudiag-healthcheck.sh"
+EPILOG = SLURM / "gpudiag-epilog.sh"
 NODE = "gpu-node-1"
 # Slurm kills a Prolog or health check at 60 s; these must end well inside it.
 SLURM_LIMIT_S = 60.0
@@ -280,6 +282,49 @@ def job_env(gpus: str, job: str = "4242") -> dict[str, str]:
     return {"SLURM_JOB_ID": job, "SLURM_JOB_GPUS": gpus, "CUDA_VISIBLE_DEVICES": gpus}
 
 
+def _job_record(state_dir: Path, job: str, kind: str, owner: int | None = None) -> None:
+    """A run's job record in the daemon's inbox (no daemon took it in)."""
+    gpu = "GPU-f00d0000-0000-4000-8000-000000000000"
+    window = Window(100.0, 110.0, frozenset({gpu}))
+    events = [xid_event(105.0, 79 if kind == "hardware" else 13, gpu, "watcher")]
+    got = attribute(1, window, events, [Source("run watcher", True)])
+    assert got.kind == kind
+    rec = JobRecord(10, 11, ("train",), job, NODE, 100.0, 110.0, 1, (gpu,), got, None)
+    (state_dir / JOB_INBOX).mkdir(parents=True, exist_ok=True)
+    path = state_dir / JOB_INBOX / f"1-{job}.json"
+    path.write_text(json.dumps(rec.record()))
+    if owner is not None:
+        os.chown(path, owner, owner)
+
+
+@pytest.mark.parametrize(("kind", "owner", "drained"), [
+    ("hardware", None, True), ("application", None, False), ("hardware", 12345, False)])
+def test_epilog_drains_only_on_evidence_the_node_holds(node: SlurmNode, tmp_path: Path,
+                                                      kind: str, owner: int | None,
+                                                      drained: bool) -> None:
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("a record owned by another user needs root to make")
+    state = tmp_path / "gpudiag-state"
+    _job_record(state, "4242", kind, owner)
+    records = tmp_path / "records"
+    records.mkdir()
+    out = node.run(EPILOG, extra={**job_env("0"), "GPUDIAG_STATE_DIR": str(state),
+                                  "GPUDIAG_RECORD_DIR": str(records)})
+    assert out.returncode == 0, out.stderr
+    assert (drain_calls(out) == [[
+        "update", f"NodeName={NODE}", "State=DRAIN",
+        "Reason=gpudiag: gpu_lost during job 4242"]]) == drained, out.calls
+    assert (records / "job-4242-explain.json").exists() == (kind == "hardware")
+    if owner is not None:
+        assert "not drained: the hardware attribution comes only from a record of uid 12345" \
+            in out.stderr
+
+
+def test_epilog_leaves_a_job_without_a_record_alone(node: SlurmNode, tmp_path: Path) -> None:
+    out = node.run(EPILOG, extra={**job_env("0"), "GPUDIAG_STATE_DIR": str(tmp_path)})
+    assert (out.returncode, out.calls, out.stderr) == (0, [], "")
+
+
 def test_prolog_admits_a_ready_job_and_records_the_verdict(node: SlurmNode) -> None:
     out = node.run(PROLOG, extra=job_env("2,5"))
     assert out.returncode == 0, out.stderr
@@ -473,7 +518,7 @@ def real_slurm(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
     os.chmod(d, 0o755)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for sub in ("state", "spool", "dev", "munge", "jobs"):
+        for sub in ("state", "spool", "dev", "munge", "jobs", "gpudiag-state"):
             (d / sub).mkdir()
         (d / "munge").chmod(0o755)
         for i in range(2):
@@ -502,12 +547,17 @@ def real_slurm(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
             f"GPUDIAG_DEVICE_DIR={dev}", f"GPUDIAG_DRIVER_PROC_DIR={proc_dir}",
             f"FAKE_GPU_STATE_FILE={gpu_state}", "FAKE_NVML_DEVICE_COUNT=2",
             "FAKE_CUDA_DEVICE_COUNT=2", ""]))
-        for name, script in (("prolog", PROLOG), ("healthcheck", HEALTHCHECK)):
+        for name, script in (("prolog", PROLOG), ("healthcheck", HEALTHCHECK),
+                             ("epilog", EPILOG)):
             # The health check runs under a lock so that pausing it can wait out a run.
             guard = (f"exec 9>{d}/healthcheck.lock\nflock 9\n"
                      f"[[ -e {d}/healthcheck-off ]] && exit 0\n") if name == "healthcheck" else ""
+            # The Epilog reads the runs' job records from the daemon's state dir.
+            extra = (f"GPUDIAG_STATE_DIR={d}/gpudiag-state GPUDIAG_RECORD_DIR={d}/jobs "
+                     if name == "epilog" else "")
+            log_to = f" 2>>{d}/epilog.log" if name == "epilog" else ""
             (d / name).write_text(f"#!/bin/bash\n{guard}"
-                                  f"GPUDIAG_DEFAULTS={d}/defaults exec {script}\n")
+                                  f"{extra}GPUDIAG_DEFAULTS={d}/defaults exec {script}{log_to}\n")
             (d / name).chmod(0o755)
         (d / "slurm.conf").write_text(f"""\
 ClusterName=gpudiagtest
@@ -530,6 +580,7 @@ SelectType=select/cons_tres
 MailProg=/bin/true
 ReturnToService=2
 Prolog={d}/prolog
+Epilog={d}/epilog
 HealthCheckProgram={d}/healthcheck
 HealthCheckInterval=1
 HealthCheckNodeState=ANY
@@ -627,6 +678,63 @@ def test_real_slurm_prolog_records_and_refuses(real_slurm: RealSlurm) -> None:
     s.set_gpus()
     s.wait("the health check to undo the Prolog's drain",
            lambda: s.reason() == "" and "DRAIN" not in s.node_field("State"))
+
+
+def _gpu_run(s: RealSlurm, *argv: str) -> str:
+    """sbatch a one-GPU job that runs ARGV under `gpudiag run` (no daemon: it watches itself)."""
+    d = s.folder
+    script = (f"set -a; . {d}/defaults; set +a; export GPUDIAG_STATE_DIR={d}/gpudiag-state "
+              f"GPUDIAG_LOCK_DIR={d}/locks; exec \"$GPUDIAG\" run --no-daemon --gpus 1 "
+              f"--artifacts {d}/runs/$SLURM_JOB_ID -- " + " ".join(argv))
+    out = subprocess.run(["sbatch", "--parsable", "--gres=gpu:1", "-o", f"{d}/job-%j.out",
+                          "--wrap", script], env=s.env, capture_output=True, text=True,
+                         timeout=30, check=True, cwd=d)
+    return out.stdout.strip().split(";")[0]
+
+
+def _done(s: RealSlurm, job: str) -> bool:
+    """The job ended and its Epilog finished (the node is no longer COMPLETING)."""
+    return (_job_field(s, job, "JobState") in ("COMPLETED", "FAILED")
+            and "COMPLETING" not in s.node_field("State"))
+
+
+@pytest.mark.slow
+def test_real_slurm_epilog_drains_on_a_hardware_failure_only(real_slurm: RealSlurm) -> None:
+    s = real_slurm
+    s.set_gpus()
+    s.wait("an idle node", lambda: s.node_field("State") == "IDLE")
+    # Paused: its inline probes cannot see an XID, so it would undo the Epilog's drain at
+    # once (with a daemon, the held XID keeps the node blocked until `gpudiag clear`).
+    s.healthcheck(enabled=False)
+    try:
+        failed = _gpu_run(s, "sh", "-c", "'exit 1'")
+        s.wait("the application failure to end", lambda: _done(s, failed))
+        assert _job_field(s, failed, "JobState") == "FAILED"
+        closeout = (s.folder / "runs" / failed / "closeout.txt").read_text()
+        assert "gpu_failure_attribution=application rule=exit_without_gpu_event" in closeout
+        assert s.reason() == "" and "DRAIN" not in s.node_field("State")
+        assert not (s.folder / "jobs" / f"job-{failed}-explain.json").exists()
+
+        hardware = _gpu_run(s, "sleep", "3")
+        s.wait("the job to run", lambda: _job_field(s, hardware, "JobState") == "RUNNING")
+        s.set_gpus(FAKE_NVML_XIDS="0:79,1:79")  # whichever GPU Slurm gave it
+        s.wait("the Epilog's drain",
+               lambda: s.reason() == f"gpudiag: gpu_lost during job {hardware}")
+        assert _job_field(s, hardware, "JobState") == "COMPLETED"
+        assert "DRAIN" in s.node_field("State")
+        log = (s.folder / "epilog.log").read_text()
+        assert (f"job {hardware} on {s.host}: GPU failure attribution hardware "
+                "rule=hardware_xid xid=79 gpu=GPU-") in log
+        explained = json.loads((s.folder / "jobs" / f"job-{hardware}-explain.json").read_text())
+        assert explained["attribution"]["kind"] == "hardware"
+        assert explained["job"]["slurm_job_id"] == hardware
+        assert [e["xid"] for e in explained["attribution"]["events"]] == [79]
+    finally:
+        s.set_gpus()
+        if "DRAIN" in s.node_field("State"):
+            s.scontrol("update", f"NodeName={s.host}", "State=RESUME")
+        s.healthcheck(enabled=True)
+    s.wait("the resume", lambda: "DRAIN" not in s.node_field("State"))
 
 
 def test_scripts_pass_shellcheck() -> None:

@@ -119,7 +119,8 @@ class LazyGroup(click.Group):
                             "run": "gpudiag.cli.run:run",
                             "clear": "gpudiag.cli.clear:clear",
                             "fleet": "gpudiag.cli.fleet:fleet",
-                            "qualify": "gpudiag.cli.qualify:qualify"}
+                            "qualify": "gpudiag.cli.qualify:qualify",
+                            "explain": "gpudiag.cli.explain:explain"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})

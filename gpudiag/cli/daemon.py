@@ -79,13 +79,11 @@ def setup_logging(fmt: str, level: str) -> None:
 
 
 def default_state_dir() -> Path:
-    """$STATE_DIRECTORY (systemd), /var/lib/gpudiag for root, else ~/.local/state/gpudiag."""
-    if os.environ.get("STATE_DIRECTORY"):
-        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
-    if os.geteuid() == 0:
-        return Path("/var/lib/gpudiag")
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "gpudiag"
+    """$GPUDIAG_STATE_DIR, $STATE_DIRECTORY (systemd), /var/lib/gpudiag for root, else
+    ~/.local/state/gpudiag."""
+    from gpudiag.engine.statedir import default_state_dir as default
+
+    return default()
 
 
 SOCKET_NAME = "gpudiag.sock"
@@ -220,6 +218,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
     from gpudiag.daemon.exporter import HistoryCollector
     from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
+    from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
     from gpudiag.daemon.recorder import RecorderThread, Written
     from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
     from gpudiag.daemon.scheduler import Scheduler
@@ -274,10 +273,19 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
 
     clears = ClearPoller(state_dir, release=watcher.clear, record=record_clear,
                          recheck=lambda: late[0].trigger(recheck_keys(late[0].scheduled)))
+    jobs = JobInbox(state_dir, record=lambda job, uid: record_job(recorder.store, job, uid))
     try:
         clears.prepare()
+        jobs.prepare()
     except OSError as e:
         raise _Failed(f"cannot use --state-dir {state_dir}: {e}") from e
+    def tick() -> None:
+        for poll in (clears.poll, jobs.poll):  # one failing inbox must not stop the other
+            try:
+                poll()
+            except Exception:  # a bug of ours: said, and the loop goes on
+                log.exception("polling %s failed", getattr(poll, "__qualname__", poll))
+
     locks = choose_lock_dir(probe_environment(os.environ))
     if not locks.shared:
         # Loud: probes locking GPUs where jobs do not look can meet a job on one GPU.
@@ -286,7 +294,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                     "/run/gpudiag/locks (the unit's ReadWritePaths=, the DaemonSet's hostPath) "
                     "or set GPUDIAG_LOCK_DIR to the jobs' folder", SYSTEM_LOCK_DIR, locks.why,
                     locks.path, extra={"lock_dir": str(locks.path), "lock_dir_shared": False})
-    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=clears.poll,
+    scheduler = Scheduler(cfg, notifier=notifier, watcher=watcher, on_tick=tick,
                           history=history_state, lock_dir=locks.path,
                           nvlinks_file=state_dir / nvlinks.FILE_NAME)
     late.append(scheduler)
@@ -337,6 +345,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                             level.upper()))
     app.registry.register(ReloadCollector(reloader.state))
     qualifier = start_qualifier(cfg, state_dir, scheduler, app)
+    app.registry.register(JobFailuresCollector(jobs.counts))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,
                                     read_only=cfg.tcp_read_only)

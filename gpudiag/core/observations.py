@@ -814,6 +814,7 @@ class WatcherLine:
     uuid: str | None = None
     telemetry: Mapping[int, GpuReadings] = field(default_factory=dict)
     message: str | None = None
+    device_uuids: tuple[str, ...] = ()  # hello: the GPUs registered for XID events
 
 
 def parse_watcher_line(line: bytes | str) -> WatcherLine | None:
@@ -839,4 +840,7 @@ def parse_watcher_line(line: bytes | str) -> WatcherLine | None:
         xid=xid, device_index=index if isinstance(index, int) and not isinstance(index, bool)
         else None, uuid=_str(msg.get("uuid")),
         telemetry=parse_telemetry(msg.get("gpus")) if kind == "telemetry" else {},
-        message=_text(msg.get("message")) if kind == "error" else None)
+        message=_text(msg.get("message")) if kind == "error" else None,
+        device_uuids=tuple(u for d in devices if isinstance(d, Mapping)
+                           and isinstance(u := d.get("uuid"), str))
+        if isinstance(devices, list) else ())

@@ -404,11 +404,13 @@ class DaemonApp:
             entries = self.store.verdicts(since=since, blocked=blocked, limit=limit)
             episodes = self.store.episodes(since=since, limit=limit)
             clears = self.store.clears(since=since, limit=limit)
+            xids = self.store.xids(since=since, limit=limit)
         except HistoryError as e:
             raise ApiError(503, "history_unavailable", str(e)) from e
         return 200, {"verdicts": [e.record() for e in entries],
                      "episodes": [e.record() for e in episodes],
-                     "clears": [c.record() for c in clears]}
+                     "clears": [c.record() for c in clears],
+                     "xids": [x.record() for x in xids]}
 
     def _healthz(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ())

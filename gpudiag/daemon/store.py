@@ -76,6 +76,49 @@ CREATE TABLE IF NOT EXISTS clears (
     released INTEGER NOT NULL
 )"""
 
+# Created with the first job closeout, as clears are: the jobs that closed out on this node,
+# for `gpudiag explain` and a run's failure attribution (the XID timeline is ``xids`` above).
+_JOBS_DDL = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    uid INTEGER NOT NULL,
+    pid INTEGER,
+    slurm_job_id TEXT,
+    started REAL,
+    ended REAL,
+    attribution TEXT NOT NULL,
+    record TEXT NOT NULL
+)"""
+
+
+@dataclass(frozen=True)
+class StoredXid:
+    """One XID the daemon's watcher saw, as stored (``ts``: when the daemon got it)."""
+
+    id: int
+    ts: float
+    xid: int
+    gpu_index: int | None
+    uuid: str | None
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.id, "ts": self.ts, "xid": self.xid, "gpu_index": self.gpu_index,
+                "uuid": self.uuid}
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """One run that closed out on this node (its inbox record), with the owner's uid."""
+
+    id: int
+    ts: float
+    uid: int
+    pid: int | None
+    slurm_job_id: str | None
+    attribution: str
+    record: Mapping[str, Any]
+
 
 @dataclass(frozen=True)
 class ClearEntry:
@@ -408,6 +451,20 @@ class HistoryStore:
                                      "message, evidence FROM episodes WHERE ended IS NULL "
                                      "ORDER BY id", [])]
 
+    def record_job(self, *, ts: float, uid: int, pid: int | None, slurm_job_id: str | None,
+                   started: float | None, ended: float | None, attribution: str,
+                   record: Mapping[str, Any]) -> int:
+        """Store one run's closeout record from the inbox; returns its id once durable."""
+        with self._lock:
+            with self._transaction("record the job in") as db:
+                db.execute(_JOBS_DDL)
+                cur = db.execute(
+                    "INSERT INTO jobs (ts, uid, pid, slurm_job_id, started, ended, attribution, "
+                    "record) VALUES (?,?,?,?,?,?,?,?)",
+                    (ts, uid, pid, slurm_job_id, started, ended, attribution,
+                     json.dumps(record, separators=(",", ":"), default=str)))
+            return int(cur.lastrowid or 0)
+
     def prune(self, now: float | None = None) -> None:
         """Apply retention by age and by size."""
         with self._lock:
@@ -425,10 +482,11 @@ class HistoryStore:
             db.execute("DELETE FROM verdicts WHERE ts < ? AND id < "
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
             db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
-            db.execute("DELETE FROM xids WHERE ts < ?", (cutoff,))
-            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
-                          "name='clears'").fetchone():
-                db.execute("DELETE FROM clears WHERE ts < ?", (cutoff,))
+            for table in ("clears", "xids", "jobs"):  # made on first use
+                if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
+                              (table,)).fetchone():
+                    # A fixed name from the tuple above, never input.
+                    db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,))
         for _ in range(20):
             if self.size_bytes() <= self.max_bytes:
                 break
@@ -498,6 +556,45 @@ class HistoryStore:
         args.append(limit)
         return [ClearEntry(int(r[0]), float(r[1]), int(r[2]), r[3], str(r[4]), int(r[5]))
                 for r in self._query(sql, args)]
+
+    def _has(self, table: str) -> bool:
+        return bool(self._query("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
+                                [table]))
+
+    def xids(self, *, since: float | None = None, until: float | None = None,
+             limit: int = 50) -> list[StoredXid]:
+        """XIDs the watcher saw in [since, until], newest first."""
+        if not self._has("xids"):
+            return []
+        sql = "SELECT id, ts, xid, gpu, uuid FROM xids WHERE ts >= ? AND ts <= ?"
+        args: list[Any] = [-1.0 if since is None else since,
+                           float("inf") if until is None else until, limit]
+        rows = self._query(sql + " ORDER BY id DESC LIMIT ?", args)
+        return [StoredXid(int(r[0]), float(r[1]), int(r[2]), r[3], r[4]) for r in rows]
+
+    def jobs(self, *, pid: int | None = None, slurm_job_id: str | None = None,
+             since: float | None = None, limit: int = 50) -> list[StoredJob]:
+        """Runs that closed out here, newest first; by the run's or its child's pid, or by
+        Slurm job id."""
+        if not self._has("jobs"):
+            return []
+        sql = "SELECT id, ts, uid, pid, slurm_job_id, attribution, record FROM jobs WHERE ts >= ?"
+        args: list[Any] = [-1.0 if since is None else since]
+        if slurm_job_id is not None:
+            sql += " AND slurm_job_id = ?"
+            args.append(slurm_job_id)
+        rows = self._query(sql + " ORDER BY id DESC", args)
+        out: list[StoredJob] = []
+        for r in rows:
+            rec = json.loads(r[6])
+            pids = {r[3], rec.get("child_pid")} if isinstance(rec, dict) else {r[3]}
+            if pid is not None and pid not in pids:
+                continue
+            out.append(StoredJob(int(r[0]), float(r[1]), int(r[2]), r[3], r[4], str(r[5]),
+                                rec if isinstance(rec, dict) else {}))
+            if len(out) >= limit:
+                break
+        return out
 
     def verdict_record(self, row_id: int) -> dict[str, Any] | None:
         rows = self._query("SELECT record FROM verdicts WHERE id = ?", [row_id])

@@ -22,6 +22,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from gpudiag.core.limits import DEFAULT_PORT
@@ -191,23 +192,31 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
     return q
 
 
-def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | None = None,
-               connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0,
-               max_age_s: float | None = None) -> DaemonAnswer:
-    """The daemon's verdict, or None with the reason (not listening, not ready, bad answer).
+@dataclass(frozen=True)
+class DaemonReply:
+    """One JSON answer of the daemon: the status and body, or None with why there is none."""
+
+    status: int | None
+    data: Any  # the parsed JSON body
+    why: str
+    refused: bool = False
+
+
+def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
+               env: Mapping[str, str] | None = None,
+               connect_timeout_s: float = CONNECT_TIMEOUT_S,
+               read_timeout_s: float = 60.0) -> DaemonReply:
+    """GET ``endpoint?params`` of the daemon at ``url`` and read its JSON answer.
 
     On a unix socket the peer must run as the daemon's user, or its answer is refused
     before the question is even sent.
     """
     address = parse_daemon_url(url)
     environ = os.environ if env is None else env
-    # The node-health question has its own endpoint; job readiness is /v1/preflight.
-    endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
-    path = (f"{address.prefix}{endpoint}?"
-            f"{urlencode(query_for(requirement, environ, max_age_s))}")
+    path = f"{address.prefix}{endpoint}?{urlencode(params)}"
     sock, why, refused = _connect(address, environ, connect_timeout_s)
     if sock is None:
-        return DaemonAnswer(None, why, url, refused)
+        return DaemonReply(None, None, why, refused)
     # Host for a unix socket: "localhost", a name the daemon's HTTP checks accept.
     conn = http.client.HTTPConnection(address.host or "localhost", address.port or None,
                                       timeout=read_timeout_s)
@@ -218,19 +227,33 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
         resp = conn.getresponse()
         body = resp.read(64 * 2**20)
     except (OSError, http.client.HTTPException) as e:
-        return DaemonAnswer(None, f"daemon at {url} did not answer: {e}", url)
+        return DaemonReply(None, None, f"daemon at {url} did not answer: {e}")
     finally:
         conn.close()
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return DaemonAnswer(None, f"daemon at {url} answered {resp.status} without JSON", url)
+        return DaemonReply(None, None, f"daemon at {url} answered {resp.status} without JSON")
     if resp.status != 200:
         err = data.get("error") if isinstance(data, dict) else None
         err = err if isinstance(err, dict) else {}
-        return DaemonAnswer(None, f"daemon at {url} answered {resp.status} "
-                            f"{err.get('code')}: {err.get('message')}", url)
+        return DaemonReply(resp.status, data, f"daemon at {url} answered {resp.status} "
+                           f"{err.get('code')}: {err.get('message')}")
+    return DaemonReply(resp.status, data, "daemon")
+
+
+def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | None = None,
+               connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0,
+               max_age_s: float | None = None) -> DaemonAnswer:
+    """The daemon's verdict, or None with the reason (not listening, not ready, bad answer)."""
+    environ = os.environ if env is None else env
+    # The node-health question has its own endpoint; job readiness is /v1/preflight.
+    endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
+    reply = daemon_get(url, endpoint, query_for(requirement, environ, max_age_s), env=environ,
+                       connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    if reply.status != 200:
+        return DaemonAnswer(None, reply.why, url, reply.refused)
     try:
-        return DaemonAnswer(Verdict.from_record(data), "daemon", url)
+        return DaemonAnswer(Verdict.from_record(reply.data), "daemon", url)
     except RecordError as e:
         return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url)

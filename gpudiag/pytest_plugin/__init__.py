@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -185,6 +186,29 @@ def pytest_runtest_call(item: pytest.Item) -> None:
     _spec, oc, gs = outcome
     if oc is not None and not oc.verdict.ready and gs.required:
         pytest.fail(failure_message(oc), pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, Any, None]:
+    """A failed GPU test says who failed it: hardware, software, application or unknown."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    found = _outcome(item) if report.when == "call" and report.failed else None
+    if found is None or found[1] is None or not found[1].verdict.ready:
+        return  # a test that could not run failed for its blocker, said already
+    spec, _oc, gs = found
+    attribution = gs.failure_attribution(spec.n, call.start, call.stop)
+    if attribution is None:
+        return
+    line = attribution.kv()
+    # JUnit XML takes a test's properties from its teardown report, made from the item's.
+    item.user_properties.append(("gpu_failure_attribution", line))
+    text = [f"gpu_failure_attribution={line}"]
+    text += [f"  {e['at']} {e['gpu'] or 'node'}: {e['message'] or e['code']} ({e['source']})"
+             for e in attribution.record()["events"]]
+    text += [f"  missing: {m}" for m in attribution.missing]
+    report.sections.append(("gpudiag: who failed this GPU test", "\n".join(text)))
 
 
 def skip_reason(verdict: Verdict) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from gpudiag.core.attribution import Attribution, Window
 from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.occupancy import Leaf
@@ -33,8 +34,15 @@ from gpudiag.runner.admission import (
     Observation,
     preflight_for_admission,
 )
+from gpudiag.runner.attribution import LATE_EVENT_WAIT_S, GpuEvents, gpus_of
 
 DEFAULT_REQUIRE = "cuda"
+
+
+def _gpus(leaves: tuple[Leaf, ...]) -> list[str]:
+    return gpus_of([{"uuid": lf.uuid, "parent_uuid": lf.parent_uuid} for lf in leaves])
+
+
 # Refusals that another worker or job ending can lift: a worker waits for these.
 WAITABLE = frozenset({"devices_busy", "lock_timeout", "admission_changed"})
 RETRY_S = 0.5
@@ -71,6 +79,7 @@ class GpuSession:
     saved_env: dict[str, str | None] = field(default_factory=dict)
     environment: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    gpu_events: GpuEvents | None = None  # GPU events while the tests run (failure attribution)
     # Verdicts already asked for, by (requirement, needs GPUs): never asked twice.
     verdicts: dict[tuple[str, bool], Verdict] = field(default_factory=dict)
 
@@ -106,9 +115,34 @@ class GpuSession:
             else:
                 self.outcomes[key] = _within(oc, self.admission)
         _apply_environment(self)
+        self._watch(env)
+
+    def _watch(self, env: dict[str, str]) -> None:
+        """Gather the admitted GPUs' events while the tests run: the daemon's history when
+        it gave the verdicts, else a watcher of the session's own (as `gpudiag run` does)."""
+        if self.admission is None:
+            return
+        daemon = None
+        if any(oc.verdict.source == "daemon" for oc in self.outcomes.values()):
+            try:
+                daemon = default_url(env)
+            except DaemonUrlError:
+                daemon = None
+        self.gpu_events = GpuEvents.begin(_gpus(self.admission.leaves), env, daemon)
+
+    def failure_attribution(self, n: int, start: float, stop: float) -> Attribution | None:
+        """Who failed a GPU test that ran on the first ``n`` GPUs from ``start`` to ``stop``."""
+        if self.gpu_events is None or self.admission is None:
+            return None
+        time.sleep(LATE_EVENT_WAIT_S)  # the XID of a GPU that failed the test may trail it
+        window = Window(start, stop, frozenset(_gpus(self.admission.leaves[:n])))
+        return self.gpu_events.attribute(1, window)
 
     def release(self) -> None:
         """Drop the GPU locks and put back the environment this session changed."""
+        if self.gpu_events is not None:
+            self.gpu_events.close()
+            self.gpu_events = None
         if self.admission is not None:
             self.admission.release()
             self.admission = None

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, BinaryIO
 
+from gpudiag.core.attribution import Attribution
 from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
 from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.fileio import atomic_write, write_error
@@ -42,6 +43,7 @@ from gpudiag.runner.admission import (
     Hook,
     preflight_for_admission,
 )
+from gpudiag.runner.attribution import GpuEvents, close_attribution, gpus_of
 
 ROUTE = "gpudiag-run"
 PLAN_SCHEMA = "gpudiag.plan/1"
@@ -351,6 +353,9 @@ def closeout_kv(closeout: Mapping[str, Any]) -> str:
         "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
         "preallocation_source", "container_image", "gpu_injection", "started_at",
         "ended_at", "duration_s", "verdict_source", "host", "gpudiag_version")]
+    attribution = Attribution.from_record(closeout.get("attribution"))
+    if attribution is not None:
+        lines.append(f"gpu_failure_attribution={attribution.kv()}")
     gpus = closeout.get("gpus") or []
     lines.append(f"gpus.count={len(gpus)}")
     lines.append(f"gpus.uuids={','.join(str(g['uuid']) for g in gpus)}")
@@ -569,6 +574,8 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     _write(paths["environment"], _json(environment_record(env, written)))
     closeout.update(gpus=_gpu_slots(admission), ready=True)
 
+    gpu_events = GpuEvents.begin(gpus_of(closeout["gpus"]), base, options.daemon_url
+                                 if closeout["verdict_source"] == "daemon" else None)
     subreaper = set_child_subreaper()
     tree = Tree()
     state = _Wait()
@@ -585,6 +592,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
                         duration_s=round(time.monotonic() - t0, 3),
                         error=f"cannot start {written['launch_argv'][0]!r}: {e.strerror or e}")
         _say(err, f"gpudiag run: {closeout['error']}\n")
+        gpu_events.close()
         _close_out(paths, {"launched": False, "exit_code": code, "error": closeout["error"]},
                    closeout, err)
         return RunOutcome(code, closeout)
@@ -642,6 +650,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
         ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
         evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
+    close_attribution(gpu_events, closeout, written["launch_argv"], proc.pid, code, base)
     broken = [t.error for t in tees if t.error]
     if broken:
         closeout["error"] = "artifacts incomplete: " + "; ".join(broken)

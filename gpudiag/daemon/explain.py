@@ -1,0 +1,211 @@
+"""``gpudiag explain``'s answer: a run's failure attribution after the fact, with its timeline.
+
+The run is found by its closeout, its pid (the ``gpudiag run`` process or the job's own), its
+Slurm job id, or given as a window and GPUs. The answer comes from the daemon's history in
+the state directory when there is one (its XID timeline and blocker episodes, the same rules
+as at closeout: the two agree), else from the attribution the run itself recorded (its own
+watcher's events). The timeline shows what the history knows of that window: verdict
+changes, XIDs, blocker episodes, clears, and which runs held which GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpudiag.core.attribution import (
+    AFTER_END_S,
+    JOB_INBOX,
+    Attribution,
+    JobRecord,
+    Source,
+    Window,
+    attribute,
+    history_events,
+)
+from gpudiag.core.clock import rfc3339
+from gpudiag.daemon.jobs import JobRecordError, read_job
+from gpudiag.daemon.store import HistoryStore, default_path
+from gpudiag.engine.statedir import default_state_dir
+
+TIMELINE_LIMIT = 1000
+BEFORE_S = 60.0  # the timeline starts this long before the run: what led up to it
+
+
+class ExplainError(Exception):
+    """The run asked about cannot be found; the message says where gpudiag looked."""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The answer: the run (if one was named), its window, attribution and timeline."""
+
+    job: JobRecord | None
+    window: Window
+    exit_code: int | None
+    attribution: Attribution
+    source: str  # "daemon history" or "the run's own record"
+    timeline: tuple[dict[str, Any], ...]
+    owner_uid: int | None = None  # who reported the run (its job record's or closeout's owner)
+
+    def record(self) -> dict[str, Any]:
+        """The JSON form."""
+        return {"job": self.job.record() if self.job else None,
+                "window": {"start": rfc3339(self.window.start), "end": rfc3339(self.window.end),
+                           "gpus": sorted(self.window.gpus)},
+                "exit_code": self.exit_code, "attribution": self.attribution.record(),
+                "source": self.source, "owner_uid": self.owner_uid,
+                "timeline": list(self.timeline)}
+
+
+def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = None,
+             slurm_job_id: str | None = None) -> tuple[JobRecord, int]:
+    """The newest run with that pid or Slurm job id, and the uid that reported it: in the
+    history, else still in the inbox."""
+    if store is not None:
+        for entry in store.jobs(pid=pid, slurm_job_id=slurm_job_id, limit=1):
+            return JobRecord.from_record(entry.record), entry.uid
+    inbox = state_dir / JOB_INBOX
+    try:
+        names = sorted(os.listdir(inbox), reverse=True)
+    except OSError:
+        names = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            job, uid = read_job(inbox / name)
+        except JobRecordError:
+            continue
+        if (pid is not None and pid in (job.pid, job.child_pid)) or (
+                slurm_job_id is not None and job.slurm_job_id == slurm_job_id):
+            return job, uid
+    what = f"pid {pid}" if pid is not None else f"Slurm job {slurm_job_id}"
+    raise ExplainError(f"no run with {what} in the history or the inbox of {state_dir} "
+                       "(runs report there when they close out; pass the --state-dir the "
+                       "daemon uses)")
+
+
+def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | None = None,
+               slurm_job_id: str | None = None, window: Window | None = None) -> Explanation:
+    """Find the run (or take the window) and explain it from the state dir's history."""
+    folder = default_state_dir() if state_dir is None else state_dir
+    path = default_path(folder)
+    store = HistoryStore(path, readonly=True) if path.is_file() else None
+    why = None if store is not None else f"no history at {path} (no daemon used this state dir)"
+    try:
+        job, code, owner = None, None, None
+        if run is not None:
+            job, code = job_from_closeout(run)
+            owner = (run / "closeout.json" if run.is_dir() else run).stat().st_uid
+        elif pid is not None or slurm_job_id is not None:
+            job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id)
+            code = job.exit_code
+        if job is not None:
+            window = job.window
+        assert window is not None
+        return replace(explain(store, window, code, job, why), owner_uid=owner)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def job_from_closeout(path: Path) -> tuple[JobRecord, int | None]:
+    """The run of a closeout.json (or of the artifacts folder holding it)."""
+    file = path / "closeout.json" if path.is_dir() else path
+    try:
+        closeout = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ExplainError(f"cannot read the closeout {file}: {e}") from e
+    rec = closeout.get("attribution") if isinstance(closeout, dict) else None
+    attribution = Attribution.from_record(rec)
+    window = rec.get("window") if isinstance(rec, dict) else None
+    if attribution is None or not isinstance(window, dict):
+        raise ExplainError(f"{file} has no attribution (a run that never launched, or a "
+                           "gpudiag older than failure attribution)")
+    code = closeout.get("exit_code")
+    try:
+        result = json.loads((file.parent / "result.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        result = {}
+    child = result.get("pid") if isinstance(result, dict) else None
+    argv = result.get("argv") if isinstance(result, dict) else None
+    try:
+        job = JobRecord(-1, child if isinstance(child, int) else None,
+                        tuple(str(a) for a in argv or ()) if isinstance(argv, list) else (),
+                        None, str(closeout.get("host") or ""),
+                        float(window["start"]), float(window["end"]),
+                        code if isinstance(code, int) else -1,
+                        tuple(str(g) for g in window.get("gpus") or []), attribution, str(file))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExplainError(f"{file}: its attribution window is unreadable: {e}") from e
+    return job, code if isinstance(code, int) else None
+
+
+def explain(store: HistoryStore | None, window: Window, exit_code: int | None,
+            job: JobRecord | None = None, store_why: str | None = None) -> Explanation:
+    """Attribute ``window`` from the history (else from the job's own record)."""
+    if store is None:
+        if job is not None:
+            return Explanation(job, window, exit_code, job.attribution, "the run's own record",
+                               ())
+        missing = Source("daemon history", False, store_why or "no history")
+        return Explanation(None, window, exit_code, attribute(exit_code, window, [], [missing]),
+                           "daemon history", ())
+    since, until = window.start - BEFORE_S, window.end + AFTER_END_S
+    xids = store.xids(since=since, until=until, limit=TIMELINE_LIMIT)
+    episodes = store.episodes(since=since, limit=TIMELINE_LIMIT)
+    events = history_events({"xids": [x.record() for x in xids],
+                             "episodes": [e.record() for e in episodes]}) or []
+    if job is None and not window.gpus:  # a window without --gpus: every GPU
+        window = Window(window.start, window.end, frozenset(e.gpu for e in events if e.gpu))
+    got = attribute(exit_code, window, events, [Source("daemon history", True)])
+    return Explanation(job, window, exit_code, got, "daemon history",
+                       tuple(timeline(store, since, until)))
+
+
+def timeline(store: HistoryStore, since: float, until: float) -> list[dict[str, Any]]:
+    """What the history knows of [since, until], oldest first."""
+    rows: list[dict[str, Any]] = []
+    for v in store.verdicts(since=since, limit=TIMELINE_LIMIT):
+        if v.ts <= until:
+            rows.append(_row(v.ts, "verdict", None, f"{v.gpu_validation_blocker}"
+                             + (f" (warnings: {', '.join(v.warnings)})" if v.warnings else "")))
+    for x in store.xids(since=since, until=until, limit=TIMELINE_LIMIT):
+        rows.append(_row(x.ts, "xid", x.uuid, f"XID {x.xid} on GPU {x.gpu_index}"))
+    for e in store.episodes(since=since, limit=TIMELINE_LIMIT):
+        if since <= e.started <= until:
+            rows.append(_row(e.started, "blocker_began", e.device, f"{e.code}: {e.message}"))
+        if e.ended is not None and since <= e.ended <= until:
+            rows.append(_row(e.ended, "blocker_ended", e.device, e.code))
+    for c in store.clears(since=since, limit=TIMELINE_LIMIT):
+        if c.ts <= until:
+            rows.append(_row(c.ts, "clear", c.gpu, f"by uid {c.uid}: {c.reason}"))
+    for j in store.jobs(since=since, limit=TIMELINE_LIMIT):
+        try:
+            job = JobRecord.from_record(j.record)
+        except ValueError:
+            continue
+        if job.started <= until:
+            who = (f"pid {job.pid} (child {job.child_pid}) uid {j.uid}"
+                   + (f" Slurm job {job.slurm_job_id}" if job.slurm_job_id else "")
+                   + f": {' '.join(job.argv)[:200]}")
+            for gpu in job.gpus:
+                rows.append(_row(job.started, "job_began", gpu, who))
+                rows.append(_row(job.ended, "job_ended", gpu,
+                                 f"pid {job.pid} exit {job.exit_code}, "
+                                 f"{job.attribution.kind}"))
+    return sorted(rows, key=lambda r: (r["ts"], r["what"]))
+
+
+def _row(ts: float, what: str, gpu: str | None, detail: str) -> dict[str, Any]:
+    return {"at": rfc3339(ts), "ts": ts, "what": what, "gpu": gpu, "detail": detail}
+
+
+def window_of(since: float, until: float, gpus: Sequence[str]) -> Window:
+    """A window given by hand (``--since/--until [--gpus]``)."""
+    return Window(since, until, frozenset(gpus))

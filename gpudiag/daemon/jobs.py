@@ -1,0 +1,157 @@
+"""Runs that closed out on this node: the job-closeouts inbox, counted and kept in the history.
+
+Every ``gpudiag run`` drops one ``gpudiag.job/1`` record (who ran what, when, on which GPUs,
+and its failure attribution) into ``STATE_DIR/job-closeouts/``. The daemon takes them in on
+each loop: it counts each failed or GPU-faulted run in ``gpudiag_job_failures_total
+{attribution}``, stores the record in the history (``gpudiag explain --pid`` and
+``--slurm-job`` find runs there), and deletes the file. The folder is sticky and writable by
+everyone but listable by nobody else (1733), like a mail spool: any user's runs can report,
+none can read or remove another's record, and the uid comes from the file's owner as the
+kernel recorded it. The daemon opens each file without following links or blocking, and
+only regular files of at most 64 KiB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from gpudiag.core.attribution import JOB_INBOX, KINDS, NONE, JobRecord
+from gpudiag.daemon.store import HistoryError, HistoryStore
+
+log = logging.getLogger("gpudiag.daemon.jobs")
+MAX_RECORD_BYTES = 64 * 1024
+INBOX_MODE = 0o1733
+COUNTED_KINDS = tuple(k for k in KINDS if k != NONE)
+
+
+class JobRecordError(ValueError):
+    """An inbox file that is not a job record; the message says what was wrong."""
+
+
+def read_job(path: Path) -> tuple[JobRecord, int]:
+    """One inbox file's record and its owner's uid."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise JobRecordError(f"cannot open it: {e.strerror or e}") from e
+    # fstat before fdopen: fdopen itself raises on a folder.
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise JobRecordError("not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            raw = fh.read(MAX_RECORD_BYTES + 1)
+        except OSError as e:
+            raise JobRecordError(f"cannot read it: {e.strerror or e}") from e
+    if len(raw) > MAX_RECORD_BYTES:
+        raise JobRecordError(f"larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        return JobRecord.from_record(json.loads(raw)), st.st_uid
+    except (ValueError, RecursionError) as e:
+        raise JobRecordError(str(e)) from e
+
+
+class JobInbox:
+    """Takes in the inbox's records; ``poll()`` runs on each scheduler loop."""
+
+    def __init__(self, state_dir: Path, *, record: Callable[[JobRecord, int], bool]) -> None:
+        """``record`` keeps a record in the history; False when it could not."""
+        self.folder = state_dir / JOB_INBOX
+        self._record = record
+        self._counted: set[str] = set()
+        self._refused: set[str] = set()
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTED_KINDS, 0)
+
+    def prepare(self) -> None:
+        """Create the inbox: every user's runs may drop a record, none may read another's."""
+        self.folder.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):
+            if self.folder.stat().st_uid == os.getuid():
+                self.folder.chmod(INBOX_MODE)
+
+    def counts(self) -> dict[str, int]:
+        """Runs taken in per attribution kind since the daemon started (none excluded)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def poll(self) -> list[JobRecord]:
+        """Take in every record present, oldest first; returns them."""
+        try:
+            names = sorted(n for n in os.listdir(self.folder)
+                           if n.endswith(".json") and n not in self._refused)
+        except OSError:
+            return []
+        taken: list[JobRecord] = []
+        for name in names:
+            path = self.folder / name
+            try:
+                job, uid = read_job(path)
+            except JobRecordError as e:
+                log.warning("job record %s refused: %s; deleted", path, e,
+                            extra={"record": str(path), "error": str(e)})
+                try:
+                    path.unlink()
+                except OSError:
+                    self._refused.add(name)  # cannot remove it: at least do not retry it
+                continue
+            if name not in self._counted:
+                self._counted.add(name)
+                if job.attribution.kind in self._counts:
+                    with self._lock:
+                        self._counts[job.attribution.kind] += 1
+                taken.append(job)
+            # A record the history could not keep stays in the inbox (`gpudiag explain`
+            # reads it there) and is offered again on the next loop, counted once.
+            if self._record(job, uid):
+                self._counted.discard(name)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        return taken
+
+
+class JobFailuresCollector(Collector):
+    """``gpudiag_job_failures_total{attribution}``, every kind present from the start."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "gpudiag_job_failures",
+            "Runs that closed out on this node having failed or met a GPU fault, by who "
+            "failed them (hardware, software, application, unknown).", labels=["attribution"])
+        counts = self._counts()
+        for kind in COUNTED_KINDS:
+            family.add_metric([kind], float(counts.get(kind, 0)))
+        yield family
+
+
+def record_job(history: object, job: JobRecord, uid: int) -> bool:
+    """Keep a taken-in record in the history; False (said at debug level, as it repeats
+    each loop) when the history is not open or the write failed."""
+    if not isinstance(history, HistoryStore):
+        log.debug("job record of pid %d waits in the inbox: the history is not open", job.pid)
+        return False
+    try:
+        history.record_job(ts=job.ended, uid=uid, pid=job.pid, slurm_job_id=job.slurm_job_id,
+                           started=job.started, ended=job.ended,
+                           attribution=job.attribution.kind, record=job.record())
+    except HistoryError as e:
+        log.debug("job record of pid %d waits in the inbox: %s", job.pid, e)
+        return False
+    return True
