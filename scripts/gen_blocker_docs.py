@@ -9,7 +9,7 @@ from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, QUALIFICATION, WARNINGS
 
 # Where a code's meaning follows NVIDIA's own word, the page that says it.
 SOURCES: tuple[str, ...] = (
-    "`gpu_reset_required` (warning) and `gpu_ecc_uncorrectable`: NVIDIA's *GPU Memory Error "
+    "`gpu_reset_pending` (warning) and `gpu_ecc_uncorrectable`: NVIDIA's *GPU Memory Error "
     "Management* guide, [Error Recovery and Response Flags](https://docs.nvidia.com/deploy/"
     "a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html), says a pending row "
     "remap is applied at the next GPU reset and that running and new work may go on until "

@@ -21,6 +21,7 @@ from gpudiag.core.attribution import (
     attribute,
     xid_event,
 )
+from gpudiag.core.findings import XidEvent
 from gpudiag.daemon.explain import explain
 from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.store import HistoryStore
@@ -40,8 +41,8 @@ def _job(pid: int, events: list[JobEvent], exit_code: int = 1, slurm: str | None
 def test_the_store_keeps_xids_and_jobs_and_prunes_them_with_the_history(tmp_path: Path) -> None:
     store = HistoryStore(tmp_path / "h.sqlite3", retention_s=1000.0)
     assert store.xids() == [] and store.jobs() == []  # tables are made on first use
-    store.record_xid(ts=105.0, xid=79, gpu_index=0, uuid=GPU)
-    store.record_xid(ts=2000.0, xid=13, gpu_index=1, uuid=None)
+    store.record_xids([XidEvent(79, 0, GPU, 105.0)])
+    store.record_xids([XidEvent(13, 1, None, 2000.0)])
     assert [(x.xid, x.uuid) for x in store.xids(since=100.0, until=200.0)] == [(79, GPU)]
     job = _job(10, [xid_event(105.0, 79, GPU, "watcher")], slurm="77")
     store.record_job(ts=job.ended, uid=0, pid=job.pid, slurm_job_id=job.slurm_job_id,
@@ -112,7 +113,7 @@ def test_the_inbox_refuses_links_and_folders(tmp_path: Path) -> None:
 
 def test_explain_from_the_history_applies_the_closeouts_rules(tmp_path: Path) -> None:
     store = HistoryStore(tmp_path / "h.sqlite3")
-    store.record_xid(ts=105.0, xid=79, gpu_index=0, uuid=GPU)
+    store.record_xids([XidEvent(79, 0, GPU, 105.0)])
     got = explain(store, Window(100.0, 110.0, frozenset({GPU})), 1)
     assert (got.attribution.kind, got.attribution.rule) == ("hardware", "hardware_xid")
     assert [(r["what"], r["gpu"]) for r in got.timeline] == [("xid", GPU)]

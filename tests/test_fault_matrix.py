@@ -427,7 +427,7 @@ WARNING_CASES: tuple[Case, ...] = (
                                 "FAKE_NVML_UTILIZATION": "1:90"}, rounds=True),
     _d("gpu_pcie_link_degraded", {"FAKE_NVML_PCIE": "2:5/5/8/16"}),
     _d("gpu_memory_held_without_process", {"FAKE_NVML_MEMORY_USED_MIB": "3:20000"}),
-    _d("gpu_reset_required", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"}, variant="remap_pending"),
+    _d("gpu_reset_pending", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"}),
     _d("gpu_ecc_correctable", {"FAKE_NVML_ECC_VOLATILE_CORRECTED": "1:5"}),
     _d("gpu_persistence_off", {"FAKE_NVML_PERSISTENCE": "2:0"}),
     _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,3:1,2:13"}, via_daemon=True),

@@ -121,10 +121,10 @@ def test_each_recovery_action_value_from_the_driver_reaches_the_verdict(
 # -- memory errors ------------------------------------------------------------------------------
 def test_a_pending_remap_is_a_reset_due_warning_and_a_failure_blocks() -> None:
     assert _codes(_dev(remapped_rows=RemappedRows(0, 2, True, False))) == (
-        [], ["gpu_reset_required"])
+        [], ["gpu_reset_pending"])
     assert _codes(_dev(remapped_rows=RemappedRows(0, 2, False, True))) == (
         ["gpu_ecc_uncorrectable"], [])
-    assert _codes(_dev(retired_pages_pending=True)) == ([], ["gpu_reset_required"])
+    assert _codes(_dev(retired_pages_pending=True)) == ([], ["gpu_reset_pending"])
     assert _codes(_dev(retired_pages_pending=False)) == ([], [])
 
 
@@ -400,7 +400,7 @@ def test_the_condition_metric_follows_the_verdict(nvml_run: ProbeRun) -> None:
           for fam in text_string_to_metric_families(generate_latest(registry).decode())
           for s in fam.samples if s.name == "gpudiag_gpu_condition" and s.value == 1}
     assert on == {("0", "gpu_pcie_link_degraded"), ("2", "gpu_fabric_not_ready"),
-                  ("2", "gpu_reset_required")}
+                  ("2", "gpu_reset_pending")}
 
 
 

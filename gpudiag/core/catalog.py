@@ -261,7 +261,7 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "context).",
                      "Find what still holds /dev/nvidia* (fuser -v /dev/nvidia*) and end "
                      "it, or reset the GPU when it is free."),
-        CatalogEntry("gpu_reset_required", "device",
+        CatalogEntry("gpu_reset_pending", "device",
                      "A reset is due: row remaps or page retirements are pending.",
                      "New work may still run (NVIDIA); reset the GPU (nvidia-smi -r) at the "
                      "next drain to apply them."),

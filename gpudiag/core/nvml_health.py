@@ -6,7 +6,7 @@ remembers between rounds, :class:`NvmlHistory`) into blockers and warnings. The 
 - recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``): each value has one code
   (``RECOVERY_ACTION_CODES``);
 - row remapping or page retirement *pending*: NVIDIA says new work may still start and the
-  reset applies it, so it is a ``gpu_reset_required`` warning naming the reason; a remap
+  reset applies it, so it is a ``gpu_reset_pending`` warning naming the reason; a remap
   *failure* or volatile uncorrectable ECC is a ``gpu_ecc_uncorrectable`` blocker;
 - PCIe: a width below the maximum warns always (blocks below ``pcie_block_below_width``
   lanes); a generation below the maximum warns only while the GPU works (links drop their
@@ -56,7 +56,7 @@ CLOCK_GROUPS: dict[str, tuple[frozenset[str], str]] = {
 GIB = 1024 ** 3
 # The codes these rules give, for the per-GPU condition metric (seeded for every GPU).
 CODES: tuple[str, ...] = (
-    "gpu_reset_required", "node_reboot_required", "gpu_ecc_uncorrectable",
+    "gpu_reset_required", "gpu_reset_pending", "node_reboot_required", "gpu_ecc_uncorrectable",
     "gpu_ecc_correctable", "gpu_pcie_link_degraded", "gpu_nvlink_down",
     "gpu_fabric_not_ready", "gpu_memory_held_without_process", "gpu_thermal_throttling",
     "gpu_power_throttling")
@@ -179,11 +179,11 @@ def _memory_errors(d: NvmlDevice, f: Findings) -> None:
                 f"GPU {d.index}: row remapping failed ({uncorrectable} uncorrectable "
                 "remapped row(s)): the GPU has run out of spare rows", **_at(d))
     if rows.pending:
-        f.warn("gpu_reset_required",
+        f.warn("gpu_reset_pending",
                f"GPU {d.index}: row remapping pending ({uncorrectable} uncorrectable "
                "remapped row(s)): the next GPU reset applies it", **_at(d))
     if d.retired_pages_pending:
-        f.warn("gpu_reset_required",
+        f.warn("gpu_reset_pending",
                f"GPU {d.index}: page retirement pending: the next GPU reset or driver "
                "reload retires the pages", **_at(d))
     if (ecc.volatile_corrected or 0) > 0:
