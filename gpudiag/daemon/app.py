@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.daemon.envelope import error_response, json_response, status_line
@@ -73,10 +74,11 @@ def _int(params: Mapping[str, str], name: str, lo: int, hi: int) -> int | None:
     raw = params.get(name)
     if raw is None:
         return None
-    if not raw.strip().isdigit() or not lo <= int(raw) <= hi:
+    value = ascii_int(raw)
+    if value is None or not lo <= value <= hi:
         raise ApiError(400, "bad_parameter", f"{name}={raw!r} is not an integer from {lo} "
-                       f"to {hi}")
-    return int(raw)
+                       f"to {hi} (ASCII digits)")
+    return value
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:
@@ -200,9 +202,10 @@ class DaemonApp:
                            f"the URL is {len(path) + len(query)} bytes; the limit is "
                            f"{MAX_URL_BYTES}")
         length_text = str(environ.get("CONTENT_LENGTH") or "0").strip() or "0"
-        if not length_text.isdigit():
+        length = ascii_int(length_text)
+        if length is None:
             raise ApiError(400, "bad_request", f"Content-Length {length_text!r} is not a number")
-        if int(length_text) > MAX_BODY_BYTES:
+        if length > MAX_BODY_BYTES:
             raise ApiError(413, "body_too_large",
                            f"a {length_text} byte body; the limit is {MAX_BODY_BYTES} "
                            "(parameters go in the query string)")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.limits import DEFAULT_PORT, PROBE_TIMEOUTS_S, PROBES
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -148,9 +149,10 @@ def parse_listen(text: str, key: str = "listen") -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     host = host or DEFAULT_HOST
-    if not port_text.isdigit() or int(port_text) > 65535:
+    port = ascii_int(port_text, strip=False)
+    if port is None or port > 65535:
         raise ConfigError(f"{key} {text!r}: port {port_text!r} is not 0-65535; {forms}")
-    return host, int(port_text)
+    return host, port
 
 
 class _Table:

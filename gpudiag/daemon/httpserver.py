@@ -11,6 +11,7 @@ One request per connection (``Connection: close``): scrapers and the client reco
 
 from __future__ import annotations
 
+import contextlib
 import io
 import ipaddress
 import logging
@@ -32,6 +33,7 @@ from urllib.parse import unquote
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
 from gpudiag.daemon import envelope
 from gpudiag.daemon.envelope import status_line, wire_bytes
@@ -74,6 +76,8 @@ ABUSE_KINDS: dict[str, str] = {
     "cross_site": "a browser request from another site (Origin on a POST, or a Host that is "
                   "not loopback: DNS rebinding); answered 403",
     "read_only": "a request for a control endpoint on the read-only TCP listener; answered 403",
+    "internal": "an internal error while serving a connection (a gpudiag bug; traceback "
+                "logged); that connection was closed and the listener went on",
 }
 
 
@@ -194,9 +198,10 @@ def body_length(headers: Iterable[tuple[str, str]]) -> int:
                          "parameters go in the query string")
     if not lengths:
         return 0
-    if len(lengths) > 1 or not next(iter(lengths)).isdigit():
+    length = ascii_int(next(iter(lengths))) if len(lengths) == 1 else None
+    if length is None:
         raise BadRequest(400, "bad_body", f"Content-Length {sorted(lengths)!r} is not one number")
-    return int(next(iter(lengths)))
+    return length
 
 
 def _too_large(buf: bytes) -> None:
@@ -421,19 +426,8 @@ class HttpServer:
         try:
             while not self._stop.is_set():
                 for key, _ in self._sel.select(timeout=poll_interval):
-                    if key.data is None:
-                        self._accept()
-                    elif key.data is self._wake_r:
-                        self._drain_outbox()
-                    elif key.data.out is not None:
-                        self._write(key.data)
-                    else:
-                        self._read(key.data)
-                self._expire()
-                self.abuse.flush()
-                if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
-                    self._accept_resume = None
-                    self._sel.register(self._listen, selectors.EVENT_READ, None)
+                    self._guarded(self._event, key)
+                self._guarded(self._housekeeping)
         finally:
             for conn in [*self._pending.values(), *self._writing.values()]:
                 self._drop(conn)
@@ -474,6 +468,43 @@ class HttpServer:
             pass
 
     # -- selector thread -----------------------------------------------------------------
+    def _guarded(self, step: Callable[..., None], *args: Any) -> None:
+        """Run one step of the loop; a bug in it costs that connection, never the listener.
+
+        An exception that escaped here used to end ``serve_forever`` while the process lived
+        on, kept the port and answered nothing. It is logged with its traceback, counted in
+        ``gpudiag_http_rejected_total{reason="internal"}``, and the connection it concerned
+        is closed; the loop goes on.
+        """
+        try:
+            step(*args)
+        except Exception:
+            conn = args[0].data if args and isinstance(args[0].data, _Conn) else None
+            peer = conn.peer if conn is not None else "-"
+            log.exception("http: internal error in the serving loop (from %s); the connection "
+                          "is closed and the listener goes on", peer)
+            self.abuse.note("internal", peer)
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    self._drop(conn)
+
+    def _event(self, key: selectors.SelectorKey) -> None:
+        if key.data is None:
+            self._accept()
+        elif key.data is self._wake_r:
+            self._drain_outbox()
+        elif key.data.out is not None:
+            self._write(key.data)
+        else:
+            self._read(key.data)
+
+    def _housekeeping(self) -> None:
+        self._expire()
+        self.abuse.flush()
+        if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
+            self._accept_resume = None
+            self._sel.register(self._listen, selectors.EVENT_READ, None)
+
     def _accept(self) -> None:
         for _ in range(256):
             try:

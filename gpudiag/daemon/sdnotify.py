@@ -11,6 +11,8 @@ import socket
 import threading
 from collections.abc import Mapping
 
+from gpudiag.core.numbers import ascii_int
+
 
 class Notifier:
     """Sends sd_notify messages; does nothing when NOTIFY_SOCKET is unset."""
@@ -23,7 +25,7 @@ class Notifier:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         usec = environ.get("WATCHDOG_USEC", "")
-        self.watchdog_usec = int(usec) if usec.isdigit() else None
+        self.watchdog_usec = ascii_int(usec)
 
     @property
     def enabled(self) -> bool:

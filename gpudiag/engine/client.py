@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
 from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 
@@ -112,8 +113,9 @@ def configured_daemon_user(env: Mapping[str, str]) -> tuple[int, str] | None:
     raw = (env.get("GPUDIAG_DAEMON_USER") or "").strip()
     if not raw:
         return None
-    if raw.isdigit():
-        return int(raw), f"GPUDIAG_DAEMON_USER={raw}"
+    uid = ascii_int(raw)
+    if uid is not None:
+        return uid, f"GPUDIAG_DAEMON_USER={raw}"
     try:
         return pwd.getpwnam(raw).pw_uid, f"GPUDIAG_DAEMON_USER={raw}"
     except KeyError:
