@@ -410,6 +410,11 @@ class HttpServer:
         return f"{f'[{host}]' if ':' in host else host}:{self.server_address[1]}"
 
     @property
+    def serving(self) -> bool:
+        """False once ``serve_forever`` has ended (after ``shutdown``, or by a failure)."""
+        return not self._stopped.is_set()
+
+    @property
     def pending(self) -> int:
         """Connections still sending their request head."""
         return len(self._pending)
@@ -428,6 +433,11 @@ class HttpServer:
                 for key, _ in self._sel.select(timeout=poll_interval):
                     self._guarded(self._event, key)
                 self._guarded(self._housekeeping)
+        except BaseException:
+            # The selector itself failed: said here; the daemon sees ``serving`` go False.
+            log.critical("http: the serving loop on %s ended by an error", self.describe(),
+                         exc_info=True)
+            raise
         finally:
             for conn in [*self._pending.values(), *self._writing.values()]:
                 self._drop(conn)

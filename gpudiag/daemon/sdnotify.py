@@ -38,8 +38,10 @@ class Notifier:
         with self._lock:
             try:
                 if self._sock is None:
-                    self._sock = socket.socket(socket.AF_UNIX,
-                                               socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                    # Non-blocking: a receiver that does not read (a full queue) must not
+                    # hold the scheduler's loop or a stopping daemon; the message is dropped.
+                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM
+                                               | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
                 self._sock.sendto(message.encode("utf-8"), self._address)
                 return True
             except OSError:
