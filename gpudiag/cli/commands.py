@@ -86,11 +86,18 @@ def check_record_path(path: str | None) -> None:
     """A --record path that cannot be written is a usage error, found before any probe runs."""
     if path is None:
         return
+    from gpudiag.core.fileio import UnwritableTarget, check_output_target
+
     target = Path(path)
     folder = target.parent
     if target.is_dir():
         raise _usage(f"could not write --record {path}: Is a directory (name a file in it, "
                      f"e.g. {target / 'verdict.json'})")
+    try:
+        if check_output_target(path) != "file":
+            return  # a stream (stdout, a FIFO, a tty): written in place
+    except UnwritableTarget as e:
+        raise _usage(f"could not write --record {path}: {e}") from e
     if not folder.is_dir():
         raise _usage(f"could not write --record {path}: No such file or directory (the folder "
                      f"{folder} does not exist: create it with mkdir -p {folder}, or name a "
@@ -103,10 +110,13 @@ def check_record_path(path: str | None) -> None:
 def _record(verdict: Verdict, path: str | None) -> None:
     if path is None:
         return
-    from gpudiag.core.fileio import atomic_write, write_failure
+    from gpudiag.core.fileio import UnwritableTarget, write_failure, write_output
 
     try:
-        atomic_write(path, verdict.json() + "\n")  # the old file or the new, never half
+        # A file: the old one or the new, never half; a stream: written in place.
+        write_output(path, verdict.json() + "\n")
+    except UnwritableTarget as e:
+        raise _usage(f"could not write --record {path}: {e}") from e
     except OSError as e:
         raise Failed(f"could not write --record {path}: {write_failure(e)}") from e
 
