@@ -322,7 +322,7 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
                                         timeout_s=timeout_s, expected_gpus=expected_gpus)
         except DaemonUrlError as e:
             raise _usage(str(e) if isinstance(e, DaemonUserError)
-                         else f"--daemon-url: {e}") from e
+                         else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
     if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
         click.echo(f"gpudiag: {routed.daemon_reason}; ran the probes here", err=True)
     verdict = routed.verdict

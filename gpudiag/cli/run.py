@@ -154,7 +154,8 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
         outcome = execute(options, out=sys.stdout.buffer, err=sys.stderr.buffer)
     except DaemonUrlError as e:
         raise RunUsageError(
-            str(e) if isinstance(e, DaemonUserError) else f"--daemon-url: {e}") from e
+            str(e) if isinstance(e, DaemonUserError)
+            else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
     except RunnerError as e:
         raise RunFailed(f"{e}; ARGV was not started") from e
     except (OSError, ValueError) as e:  # the boundary: a message and 125, never a traceback

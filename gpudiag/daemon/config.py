@@ -330,6 +330,9 @@ def load_config(path: str | Path | None) -> DaemonConfig:
         raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from e
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config {path} is not valid TOML: {e}") from e
+    except RecursionError as e:  # arrays or tables nested thousands deep
+        raise ConfigError(f"config {path} is nested too deeply to be a gpudiag config (the "
+                          "file has at most two levels of tables)") from e
     try:
         return from_mapping(raw)
     except ConfigError as e:

@@ -91,13 +91,13 @@ def parse_daemon_url(url: str) -> DaemonAddress:
             raise DaemonUrlError(f"daemon URL {url!r}: the socket path must be absolute and "
                                  f"at most 107 bytes; accepted: {ACCEPTED}")
         return DaemonAddress(url, socket_path=path)
-    parts = urlsplit(url)
     try:
-        port = parts.port
-    except ValueError:
-        port = None
-        parts = parts._replace(scheme="bad")
-    if parts.scheme != "http" or not parts.hostname:
+        parts = urlsplit(url)
+        port, hostname = parts.port, parts.hostname
+    except ValueError:  # "http://[::1" (unclosed bracket), a port that is not a number
+        raise DaemonUrlError(f"daemon URL {url!r} is not understood; accepted: "
+                             f"{ACCEPTED}") from None
+    if parts.scheme != "http" or not hostname:
         raise DaemonUrlError(f"daemon URL {url!r} is not understood; accepted: {ACCEPTED}")
     return DaemonAddress(url, host=parts.hostname, port=port or DEFAULT_PORT,
                          prefix=parts.path.rstrip("/"))
