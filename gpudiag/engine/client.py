@@ -99,7 +99,7 @@ def parse_daemon_url(url: str) -> DaemonAddress:
                              f"{ACCEPTED}") from None
     if parts.scheme != "http" or not hostname:
         raise DaemonUrlError(f"daemon URL {url!r} is not understood; accepted: {ACCEPTED}")
-    return DaemonAddress(url, host=parts.hostname, port=port or DEFAULT_PORT,
+    return DaemonAddress(url, host=hostname, port=port or DEFAULT_PORT,
                          prefix=parts.path.rstrip("/"))
 
 
