@@ -324,7 +324,10 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
             raise _usage(str(e) if isinstance(e, DaemonUserError)
                          else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
     if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
-        click.echo(f"gpudiag: {routed.daemon_reason}; ran the probes here", err=True)
+        from gpudiag.core.redact import redact_text
+
+        click.echo(f"gpudiag: {redact_text(routed.daemon_reason or '')}; ran the probes here",
+                   err=True)
     verdict = routed.verdict
     _emit(verdict, fmt)  # the verdict is shown even when writing the record then fails
     _record(verdict, record_path)

@@ -23,6 +23,7 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
+from gpudiag.core.redact import redact_text
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
 if TYPE_CHECKING:
@@ -60,11 +61,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _Redacting(logging.Formatter):
+    """Any formatter's line with URL credentials cut out (core.redact): logs are records too."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(self.inner.format(record))
+
+
 def setup_logging(fmt: str, level: str) -> None:
     """Structured logs to stderr; JSON for journald collectors, text for people."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_Redacting(JsonFormatter() if fmt == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s")))
     root = logging.getLogger("gpudiag")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
