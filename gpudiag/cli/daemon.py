@@ -290,7 +290,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
 
         scheduler.on_snapshot(label)
     store = recorder.store
-    app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
+    app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None,
+                    history_error=lambda: writer.health().last_error)
     app.registry.register(HistoryCollector(writer.health))
     try:
         httpd, _thread = http_serve(app, cfg.listen_host, cfg.listen_port,

@@ -152,9 +152,13 @@ class DaemonApp:
     """The WSGI application of ``gpudiag serve``."""
 
     def __init__(self, scheduler: Scheduler, store: HistoryStore | None = None, *,
-                 probe_limit: ProbeRateLimit | None = None) -> None:
+                 probe_limit: ProbeRateLimit | None = None,
+                 history_error: Callable[[], str | None] | None = None) -> None:
         self.scheduler = scheduler
         self.store = store
+        # Why the daemon's history is not open (e.g. the disk was full at start); None: it
+        # keeps none at all. /v1/history says which, and why.
+        self.history_error = history_error
         self.probe_limit = probe_limit or ProbeRateLimit()
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Verdicts per (snapshot, requirement, visibility): a snapshot never changes.
@@ -374,6 +378,12 @@ class DaemonApp:
         blocked = _flag(params, "blocked")
         since_s = _seconds(params, "since_s", 3650 * 86400.0)
         if self.store is None:
+            if self.history_error is not None:
+                raise ApiError(503, "history_unavailable",
+                               "the history could not be opened: "
+                               f"{self.history_error() or 'not opened yet'}; verdict changes "
+                               "are kept in memory and written once it opens (retried every "
+                               "second while changes wait)")
             raise ApiError(503, "no_history", "this daemon keeps no history (no --state-dir)")
         since = None if since_s is None else self.scheduler.clock.time() - since_s
         try:
