@@ -88,6 +88,7 @@ def test_unicode_digit_requests_get_400_and_the_listeners_keep_serving(daemon: D
 @pytest.mark.parametrize("query", [
     "/v1/history?limit=%C2%B2", "/v1/preflight?min_devices=%C2%B3", "/v1/preflight?gpus=%C2%B9",
     "/v1/preflight?gpus=%EF%BC%95", "/v1/history?limit=%D9%A3", "/v1/preflight?max_age_s=%C2%B2",
+    "/v1/preflight?max_age_s=%D9%A3", "/v1/history?since_s=%EF%BC%95",
 ])
 def test_unicode_digit_parameters_are_400_with_the_envelope(daemon: Daemon, query: str) -> None:
     status, body = daemon.get(query)

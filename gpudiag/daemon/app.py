@@ -61,7 +61,8 @@ def _seconds(params: Mapping[str, str], name: str, maximum: float) -> float | No
     if raw is None:
         return None
     try:
-        value = float(raw)
+        # ASCII only: float() also takes Unicode digits ("٣"), which no client means.
+        value = float(raw) if raw.isascii() else math.nan
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0 or value > maximum:

@@ -53,6 +53,7 @@ ACCEPT_PAUSE_S = 0.1        # after EMFILE: stop accepting briefly instead of sp
 WORKERS = 8                 # threads per pool
 MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
 SUMMARY_INTERVAL_S = 60.0
+MAX_INTERNAL_TRACEBACKS = 5  # then internal errors are counted only
 SLOW_PATHS = frozenset({"/v1/preflight"})
 # What a read-only listener (TCP with tcp_read_only) serves: monitoring that never starts a
 # probe. Preflight (it may start probes) and POST /v1/probe are for the unix socket.
@@ -489,10 +490,14 @@ class HttpServer:
         try:
             step(*args)
         except Exception:
-            conn = args[0].data if args and isinstance(args[0].data, _Conn) else None
+            data = getattr(args[0], "data", None) if args else None
+            conn = data if isinstance(data, _Conn) else None
             peer = conn.peer if conn is not None else "-"
-            log.exception("http: internal error in the serving loop (from %s); the connection "
-                          "is closed and the listener goes on", peer)
+            # The traceback the first few times; after that a persistent bug is only counted
+            # (and summarised by the AbuseLog), never a flood of tracebacks.
+            if self.abuse.totals.get("internal", 0) < MAX_INTERNAL_TRACEBACKS:
+                log.exception("http: internal error in the serving loop (from %s); the "
+                              "connection is closed and the listener goes on", peer)
             self.abuse.note("internal", peer)
             if conn is not None:
                 with contextlib.suppress(Exception):

@@ -17,7 +17,9 @@ anything is written:
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import shutil
 import stat
 import tempfile
@@ -62,9 +64,20 @@ def check_private(folder: Path) -> None:
         raise UntrustedFolder(f"{folder} belongs to another user ({_describe(st)}): its "
                               "files and hook could be planted; use a folder of your own "
                               "(absent folders are created private)")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP
+                                      and not _private_group(st.st_gid)):
         raise UntrustedFolder(f"{folder} is writable by others ({_describe(st)}): chmod "
                               "go-w it, or use a folder only you can write")
+
+
+def _private_group(gid: int) -> bool:
+    """A user-private group (named as the caller, no listed members): group-writable is
+    then only the caller (Debian's and Fedora's umask 002 for ordinary users)."""
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(os.geteuid())
+    except KeyError:
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and not group.gr_mem
 
 
 def prepare_folder(folder: Path) -> Path:
