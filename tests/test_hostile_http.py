@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,24 @@ def test_no_exception_in_the_serving_loop_ends_the_listener(
         assert "internal error in the serving loop" in caplog.text
     finally:
         server.shutdown()
+
+
+def test_a_listener_whose_loop_died_makes_the_daemon_exit_instead_of_idling() -> None:
+    from gpudiag.cli.daemon import wait_for_stop
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    server = HttpServer(app, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        # Break the selector under the loop: the loop itself ends (not one connection).
+        time.sleep(0.3)
+        server._sel.close()
+        reason = wait_for_stop(threading.Event(), [server], logging.getLogger("test"))
+        assert reason is not None and server.describe() in reason
+        assert not server.serving
+    finally:
+        server.shutdown(timeout_s=1)

@@ -434,11 +434,11 @@ class HttpServer:
                 for key, _ in self._sel.select(timeout=poll_interval):
                     self._guarded(self._event, key)
                 self._guarded(self._housekeeping)
-        except BaseException:
-            # The selector itself failed: said here; the daemon sees ``serving`` go False.
+        except Exception:
+            # The selector itself failed: said here (with the traceback); the daemon sees
+            # ``serving`` go False and exits so that it is restarted.
             log.critical("http: the serving loop on %s ended by an error", self.describe(),
                          exc_info=True)
-            raise
         finally:
             for conn in [*self._pending.values(), *self._writing.values()]:
                 self._drop(conn)
