@@ -192,7 +192,7 @@ def test_a_fifo_renamed_over_a_held_lock_while_waiting_gives_125_and_a_closeout(
     assert len(held) == 4
     waiting = subprocess.Popen(
         [sys.executable, "-m", "gpudiag", "run", "--artifacts", str(tmp_path / "w"),
-         "--gpus", "1", "--lock-timeout", "15", "--", "true"],
+         "--gpus", "1", "--lock-timeout", "6", "--", "true"],
         env=host, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(3)  # it now waits for a lock to free
