@@ -206,6 +206,11 @@ def test_a_daemon_started_on_a_full_disk_serves_and_opens_its_history_once_there
         daemon = host["start"](state_dir)
         daemon.wait_ready()
         assert _metric(daemon, "gpudiag_history_writable") == 0
+        # Unavailable, and why: not "this daemon keeps no history" (issue 24).
+        status, body = daemon.get("/v1/history")
+        assert status == 503 and body["error"]["code"] == "history_unavailable", body
+        assert body["error"]["message"].startswith("the history could not be opened: "), body
+        assert "no --state-dir" not in body["error"]["message"]
         assert daemon.get("/v1/preflight")[0] == 200  # verdicts go on regardless
         _change_to(host, daemon, {"FAKE_NVML_XIDS": "0:79"})
         filler.unlink()

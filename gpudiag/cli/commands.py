@@ -86,11 +86,18 @@ def check_record_path(path: str | None) -> None:
     """A --record path that cannot be written is a usage error, found before any probe runs."""
     if path is None:
         return
+    from gpudiag.core.fileio import UnwritableTarget, check_output_target
+
     target = Path(path)
     folder = target.parent
     if target.is_dir():
         raise _usage(f"could not write --record {path}: Is a directory (name a file in it, "
                      f"e.g. {target / 'verdict.json'})")
+    try:
+        if check_output_target(path) != "file":
+            return  # a stream (stdout, a FIFO, a tty): written in place
+    except UnwritableTarget as e:
+        raise _usage(f"could not write --record {path}: {e}") from e
     if not folder.is_dir():
         raise _usage(f"could not write --record {path}: No such file or directory (the folder "
                      f"{folder} does not exist: create it with mkdir -p {folder}, or name a "
@@ -103,10 +110,13 @@ def check_record_path(path: str | None) -> None:
 def _record(verdict: Verdict, path: str | None) -> None:
     if path is None:
         return
-    from gpudiag.core.fileio import atomic_write, write_failure
+    from gpudiag.core.fileio import UnwritableTarget, write_failure, write_output
 
     try:
-        atomic_write(path, verdict.json() + "\n")  # the old file or the new, never half
+        # A file: the old one or the new, never half; a stream: written in place.
+        write_output(path, verdict.json() + "\n")
+    except UnwritableTarget as e:
+        raise _usage(f"could not write --record {path}: {e}") from e
     except OSError as e:
         raise Failed(f"could not write --record {path}: {write_failure(e)}") from e
 
@@ -314,9 +324,12 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
                                         timeout_s=timeout_s, expected_gpus=expected_gpus)
         except DaemonUrlError as e:
             raise _usage(str(e) if isinstance(e, DaemonUserError)
-                         else f"--daemon-url: {e}") from e
+                         else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
     if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
-        click.echo(f"gpudiag: {routed.daemon_reason}; ran the probes here", err=True)
+        from gpudiag.core.redact import redact_text
+
+        click.echo(f"gpudiag: {redact_text(routed.daemon_reason or '')}; ran the probes here",
+                   err=True)
     verdict = routed.verdict
     _emit(verdict, fmt)  # the verdict is shown even when writing the record then fails
     _record(verdict, record_path)

@@ -23,6 +23,7 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
+from gpudiag.core.redact import redact_text
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 
@@ -67,11 +68,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _Redacting(logging.Formatter):
+    """Any formatter's line with URL credentials cut out (core.redact): logs are records too."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(self.inner.format(record))
+
+
 def setup_logging(fmt: str, level: str) -> None:
     """Structured logs to stderr; JSON for journald collectors, text for people."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(_Redacting(JsonFormatter() if fmt == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s")))
     root = logging.getLogger("gpudiag")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -153,6 +165,12 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
     setup_logging(log_format or cfg.log_format, cfg.log_level)
     run_daemon(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path,
                reload=lambda: _reloaded(config_path, listen, socket_path))
+    # Everything is stopped and closed. Leave now rather than at interpreter exit, which
+    # joins every thread pool's workers: one stuck in a request or a probe would hold the
+    # exit for as long as it is stuck (docs/daemon.md: exit within SHUTDOWN_LIMIT_S).
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def qualification_lines(cfg: DaemonConfig, value: Callable[[Any], str]) -> list[str]:
@@ -336,7 +354,8 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
 
         scheduler.on_snapshot(label)
     store = recorder.store
-    app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None)
+    app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None,
+                    history_error=lambda: writer.health().last_error)
     app.registry.register(HistoryCollector(writer.health))
     app.registry.register(LockDirCollector(locks.shared))
     reloader = Reloader(scheduler, reload or (lambda: load_config(config_path)),
@@ -381,17 +400,22 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                  extra={"socket_url": f"unix:{unix_httpd.unix_path}"})
     notifier.ready(f"serving on {url}" + (f" and unix:{unix_httpd.unix_path}"
                                           if unix_httpd is not None else ""))
-    while not stop.is_set():
-        wakeup.wait()
-        wakeup.clear()
+    def apply_reload() -> None:
+        # SIGHUP is handled here, on the main thread, outside the signal handler: it takes
+        # locks. The stop wait below wakes every STOP_POLL_S, so a reload waits at most that.
         if hup.is_set() and not stop.is_set():
             hup.clear()
             reloader.reload()
+
+    servers = [s for s in (httpd, unix_httpd) if s is not None]
+    failed = wait_for_stop(stop, servers, log, on_wake=apply_reload)
+    # Armed before anything else, even the log line: a write to a stalled log (a full pipe,
+    # a disk that stopped answering) blocks every thread that logs, this one included.
+    ShutdownDeadline(SHUTDOWN_LIMIT_S, log).start()
     log.info("stopping")
     notifier.stopping()
-    if unix_httpd is not None:
-        unix_httpd.shutdown()
-    httpd.shutdown()
+    for server in servers:
+        server.shutdown()
     qualifier.stop()
     scheduler.stop()
     watcher.stop()
@@ -400,11 +424,88 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     killed = kill_child_groups()
     if killed:
         log.info("killed %d running probe child(ren) on the way out", killed)
-    scheduler.drain()
+    # A worker between two probes may start one more child: kill again, wait a bounded time.
+    bounded(scheduler.drain, DRAIN_LIMIT_S, on_each=kill_child_groups)
     # A write stuck in the disk must not hold the exit up either: closing would wait on it.
     if writer.stop() and isinstance(recorder.store, HistoryStore):
         recorder.store.close()
     state_lock.release()
+    log.info("stopped")
+    if failed:
+        raise _Failed(failed)
+
+
+# The daemon exits within this many seconds of SIGTERM/SIGINT, whatever a thread is stuck on
+# (systemd's TimeoutStopSec=30s in the unit leaves room for it). docs/daemon.md says so.
+SHUTDOWN_LIMIT_S = 15.0
+DRAIN_LIMIT_S = 5.0
+STOP_POLL_S = 0.5
+
+
+def wait_for_stop(stop: threading.Event, servers: list[HttpServer], log: logging.Logger,
+                  on_wake: Callable[[], None] | None = None) -> str | None:
+    """Wait for SIGTERM/SIGINT; the reason to exit non-zero if a listener died instead.
+
+    A timed wait, on purpose: CPython runs a signal's Python handler only when the main thread
+    executes bytecode, so a main thread blocked in an untimed ``Event.wait()`` never sees a
+    signal that the kernel handed to another thread (it then hangs with no "stopping" line).
+    Each wake also checks the serving threads: a listener that died must end the process, so
+    systemd or Kubernetes restarts it, instead of a daemon that keeps its port and answers
+    nothing.
+    """
+    while not stop.wait(STOP_POLL_S):
+        if on_wake is not None:
+            on_wake()  # e.g. a reload asked for by SIGHUP
+        dead = [s.describe() for s in servers if not s.serving]
+        if dead:
+            message = (f"the HTTP listener on {', '.join(dead)} stopped serving; exiting so "
+                       "that the service manager restarts the daemon")
+            log.critical(message)
+            return message
+    return None
+
+
+def bounded(step: Callable[[], object], limit_s: float,
+            on_each: Callable[[], object] | None = None) -> bool:
+    """Run ``step`` on a helper thread; give up waiting after ``limit_s``. True if it ended."""
+    worker = threading.Thread(target=step, name=f"stop-{getattr(step, '__name__', 'step')}",
+                              daemon=True)
+    worker.start()
+    end = time.monotonic() + limit_s
+    while worker.is_alive() and time.monotonic() < end:
+        worker.join(0.2)
+        if on_each is not None:
+            on_each()
+    return not worker.is_alive()
+
+
+class ShutdownDeadline(threading.Thread):
+    """Ends the process when the orderly shutdown overruns its limit, saying what was stuck.
+
+    The last line of defence for the documented stop time: thread pools' workers are joined
+    at interpreter exit, so one request or probe stuck in the kernel would otherwise keep a
+    stopping daemon alive for as long as it is stuck.
+    """
+
+    def __init__(self, limit_s: float, log: logging.Logger) -> None:
+        super().__init__(name="shutdown-deadline", daemon=True)
+        self.limit_s, self._log = limit_s, log
+
+    def run(self) -> None:
+        time.sleep(self.limit_s)
+        # Said from a helper thread and waited for at most a second: the log itself may be
+        # what is stuck.
+        threading.Thread(target=self._say, name="shutdown-said", daemon=True).start()
+        time.sleep(1.0)
+        os._exit(EXIT_FAILED)
+
+    def _say(self) -> None:
+        stuck = sorted(t.name for t in threading.enumerate()
+                       if t.is_alive() and t is not threading.current_thread()
+                       and t is not self)
+        self._log.error("shutdown took more than %g s; exiting now (threads still running: "
+                        "%s)", self.limit_s, ", ".join(stuck) or "none",
+                        extra={"threads": stuck})
 
 
 def start_qualifier(cfg: DaemonConfig, state_dir: Path, scheduler: Scheduler,

@@ -101,7 +101,9 @@ def fleet(url: str, require: str, gpus: int, fmt: str, job: str, max_age_s: floa
         answer = ask_fleet(query, client, url=url)
     except PrometheusError as e:
         raise _Failed(str(e)) from e
-    click.echo(json.dumps(answer.record(), indent=2) if fmt == "json" else render_text(answer))
+    # allow_nan=False: the output is JSON for any parser (the answer holds no NaN by design).
+    click.echo(json.dumps(answer.record(), indent=2, allow_nan=False) if fmt == "json"
+               else render_text(answer))
     raise SystemExit(EXIT_READY if answer.any_ready else EXIT_BLOCKED)
 
 

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpudiag.core.limits import PROBES
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import format_size
 from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, Verdict
 
@@ -42,8 +43,8 @@ _VERSION_LABELS = {"driver": "driver", "cuda_driver": "CUDA", "nvml": "NVML"}
 def cuda_version(value: Any) -> str:
     """CUDA's integer version for people: 12080 -> 12.8 (other values unchanged)."""
     text = str(value)
-    if text.isdigit() and len(text) >= 4:
-        n = int(text)
+    n = ascii_int(text, strip=False)
+    if n is not None and len(text) >= 4:
         return f"{n // 1000}.{(n % 1000) // 10}"
     return text
 
@@ -150,7 +151,8 @@ def _width(stream: IO[str], color: bool | None) -> int | None:
     if color:
         return None  # a terminal: rich asks it
     columns = os.environ.get("COLUMNS", "")
-    return int(columns) if columns.isdigit() and 40 <= int(columns) <= 1000 else PIPE_WIDTH
+    width = ascii_int(columns)
+    return width if width is not None and 40 <= width <= 1000 else PIPE_WIDTH
 
 
 def _backends(verdict: Verdict) -> Table:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -68,8 +67,17 @@ def default_artifacts_root() -> Path:
 
 
 def _default_artifacts() -> Path:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return default_artifacts_root() / f"{stamp}-{os.getpid()}"
+    """A fresh private run folder (``STAMP-xxxxxxxx``, 0700) under the artifacts root."""
+    from gpudiag.runner.artifacts import UntrustedFolder, new_run_folder
+
+    root = default_artifacts_root()
+    try:
+        return new_run_folder(root)
+    except UntrustedFolder as e:
+        raise RunFailed(f"refusing the artifacts root: {e}; ARGV was not started") from e
+    except OSError as e:
+        raise RunFailed(f"cannot create a run folder under {root}: {e.strerror or e}; ARGV "
+                        "was not started") from e
 
 
 @click.command("run", cls=RunCommand, context_settings={"ignore_unknown_options": False,
@@ -146,7 +154,8 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
         outcome = execute(options, out=sys.stdout.buffer, err=sys.stderr.buffer)
     except DaemonUrlError as e:
         raise RunUsageError(
-            str(e) if isinstance(e, DaemonUserError) else f"--daemon-url: {e}") from e
+            str(e) if isinstance(e, DaemonUserError)
+            else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
     except RunnerError as e:
         raise RunFailed(f"{e}; ARGV was not started") from e
     except (OSError, ValueError) as e:  # the boundary: a message and 125, never a traceback

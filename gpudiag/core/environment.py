@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gpudiag.core.child import preallocation_off
+from gpudiag.core.redact import redact_environment
 
 # Evidence never holds a variable outside this allow-list: no secrets in records.
 EVIDENCE_ALLOW_PATTERNS: tuple[str, ...] = (
@@ -31,9 +32,9 @@ PREALLOCATION_OFF: dict[str, str] = {
 
 
 def allow_listed(env: Mapping[str, str]) -> dict[str, str]:
-    """The subset of ``env`` that evidence may record."""
-    return {k: v for k, v in sorted(env.items())
-            if any(fnmatch.fnmatchcase(k, p) for p in EVIDENCE_ALLOW_PATTERNS)}
+    """The subset of ``env`` that evidence may record, with secrets redacted (core.redact)."""
+    return redact_environment({k: v for k, v in sorted(env.items())
+                               if any(fnmatch.fnmatchcase(k, p) for p in EVIDENCE_ALLOW_PATTERNS)})
 
 
 def preallocation_disabled(env: Mapping[str, str]) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import stat
 import tempfile
 from pathlib import Path
 
@@ -54,3 +56,77 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o
     finally:
         os.close(dir_fd)
     return target
+
+
+class UnwritableTarget(ValueError):
+    """An output path gpudiag will not write (a symlink, a block device, a socket, a FIFO
+    nobody reads); the message says why and what to give instead."""
+
+
+_STD_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
+_FD_PATH = re.compile(r"/(?:dev/fd|proc/self/fd)/([0-9]{1,9})")
+
+
+def _inherited_fd(path: str) -> int | None:
+    """The descriptor a /dev/stdout, /dev/stderr or /dev/fd/N path names, else None."""
+    if path in _STD_STREAMS:
+        return _STD_STREAMS[path]
+    m = _FD_PATH.fullmatch(path)
+    return int(m.group(1)) if m else None
+
+
+def check_output_target(path: str | os.PathLike[str]) -> str:
+    """How ``path`` will be written: ``fd`` (an inherited stream), ``stream`` (a FIFO or a
+    character device such as a tty or /dev/null, written in place), or ``file`` (replaced
+    atomically). UnwritableTarget for anything else: never renamed over, never followed."""
+    text = os.fspath(path)
+    if _inherited_fd(text) is not None:
+        return "fd"
+    try:
+        st = os.lstat(text)
+    except FileNotFoundError:
+        return "file"
+    if stat.S_ISREG(st.st_mode):
+        return "file"
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode):
+        return "stream"
+    kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a block device"
+            if stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+            else "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+    raise UnwritableTarget(f"{text} is {kind}: gpudiag neither follows nor replaces it; name a "
+                           "regular file (or /dev/stdout, a FIFO, a tty)")
+
+
+def write_output(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Write a record to ``path``: files atomically, streams in place (see check_output_target)."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    kind = check_output_target(path)
+    if kind == "file":
+        atomic_write(path, raw)
+        return
+    fd = _inherited_fd(os.fspath(path))
+    if fd is not None:
+        _write_all(fd, raw)
+        return
+    try:
+        # Non-blocking open: a FIFO nobody reads fails at once (ENXIO) instead of hanging.
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+                     | os.O_NOCTTY)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise UnwritableTarget(f"{os.fspath(path)} is a FIFO that nobody reads") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode)):  # swapped meanwhile
+            raise UnwritableTarget(f"{os.fspath(path)} changed while it was opened")
+        os.set_blocking(fd, True)
+        _write_all(fd, raw)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, raw: bytes) -> None:
+    view = memoryview(raw)
+    while view:
+        view = view[os.write(fd, view):]

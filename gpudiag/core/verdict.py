@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpudiag.core.catalog import LAYER_ORDER, WARNINGS, entry, layer_rank
+from gpudiag.core.redact import redact_record
 from gpudiag.core.version import __version__
 
 SCHEMA = "gpudiag.verdict/1"
@@ -232,8 +233,9 @@ class Verdict:
         return replace(self, source=source, age_s=round(age_s, 3))
 
     def record(self) -> dict[str, JSONValue]:
-        """The JSON record of DESIGN.md."""
-        return {
+        """The JSON record of DESIGN.md, secrets redacted (core.redact): every output,
+        file and history row is made from this."""
+        record: dict[str, JSONValue] = redact_record({
             "schema": SCHEMA,
             "gpu_validation_blocker": self.gpu_validation_blocker,
             "ready": self.ready,
@@ -249,7 +251,8 @@ class Verdict:
             "age_s": self.age_s,
             "source": self.source,
             "gpudiag_version": self.gpudiag_version,
-        }
+        })
+        return record
 
     def ordered_blockers(self) -> list[Finding]:
         """The blockers root cause first (lowest layer first), as the record lists them."""

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.daemon.envelope import error_response, json_response, status_line
@@ -63,7 +64,8 @@ def _seconds(params: Mapping[str, str], name: str, maximum: float) -> float | No
     if raw is None:
         return None
     try:
-        value = float(raw)
+        # ASCII only: float() also takes Unicode digits ("٣"), which no client means.
+        value = float(raw) if raw.isascii() else math.nan
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value < 0 or value > maximum:
@@ -76,10 +78,11 @@ def _int(params: Mapping[str, str], name: str, lo: int, hi: int) -> int | None:
     raw = params.get(name)
     if raw is None:
         return None
-    if not raw.strip().isdigit() or not lo <= int(raw) <= hi:
+    value = ascii_int(raw)
+    if value is None or not lo <= value <= hi:
         raise ApiError(400, "bad_parameter", f"{name}={raw!r} is not an integer from {lo} "
-                       f"to {hi}")
-    return int(raw)
+                       f"to {hi} (ASCII digits)")
+    return value
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:
@@ -153,10 +156,14 @@ class DaemonApp:
     """The WSGI application of ``gpudiag serve``."""
 
     def __init__(self, scheduler: Scheduler, store: HistoryStore | None = None, *,
-                 probe_limit: ProbeRateLimit | None = None) -> None:
+                 probe_limit: ProbeRateLimit | None = None,
+                 history_error: Callable[[], str | None] | None = None) -> None:
         self.scheduler = scheduler
         self.store = store
         self.qualifier: Qualifier | None = None  # set by the daemon when it qualifies GPUs
+        # Why the daemon's history is not open (e.g. the disk was full at start); None: it
+        # keeps none at all. /v1/history says which, and why.
+        self.history_error = history_error
         self.probe_limit = probe_limit or ProbeRateLimit()
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Verdicts per (snapshot, requirement, visibility): a snapshot never changes.
@@ -205,9 +212,10 @@ class DaemonApp:
                            f"the URL is {len(path) + len(query)} bytes; the limit is "
                            f"{MAX_URL_BYTES}")
         length_text = str(environ.get("CONTENT_LENGTH") or "0").strip() or "0"
-        if not length_text.isdigit():
+        length = ascii_int(length_text)
+        if length is None:
             raise ApiError(400, "bad_request", f"Content-Length {length_text!r} is not a number")
-        if int(length_text) > MAX_BODY_BYTES:
+        if length > MAX_BODY_BYTES:
             raise ApiError(413, "body_too_large",
                            f"a {length_text} byte body; the limit is {MAX_BODY_BYTES} "
                            "(parameters go in the query string)")
@@ -398,6 +406,12 @@ class DaemonApp:
         blocked = _flag(params, "blocked")
         since_s = _seconds(params, "since_s", 3650 * 86400.0)
         if self.store is None:
+            if self.history_error is not None:
+                raise ApiError(503, "history_unavailable",
+                               "the history could not be opened: "
+                               f"{self.history_error() or 'not opened yet'}; verdict changes "
+                               "are kept in memory and written once it opens (retried every "
+                               "second while changes wait)")
             raise ApiError(503, "no_history", "this daemon keeps no history (no --state-dir)")
         since = None if since_s is None else self.scheduler.clock.time() - since_s
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.limits import DEFAULT_PORT, PROBE_TIMEOUTS_S, PROBES
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.nvml_health import NvmlHealthPolicy
 from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
 from gpudiag.core.qualify_score import Thresholds
@@ -170,9 +171,10 @@ def parse_listen(text: str, key: str = "listen") -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     host = host or DEFAULT_HOST
-    if not port_text.isdigit() or int(port_text) > 65535:
+    port = ascii_int(port_text, strip=False)
+    if port is None or port > 65535:
         raise ConfigError(f"{key} {text!r}: port {port_text!r} is not 0-65535; {forms}")
-    return host, int(port_text)
+    return host, port
 
 
 class _Table:
@@ -413,6 +415,9 @@ def load_config(path: str | Path | None) -> DaemonConfig:
         raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from e
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config {path} is not valid TOML: {e}") from e
+    except RecursionError as e:  # arrays or tables nested thousands deep
+        raise ConfigError(f"config {path} is nested too deeply to be a gpudiag config (the "
+                          "file has at most two levels of tables)") from e
     try:
         return from_mapping(raw)
     except ConfigError as e:

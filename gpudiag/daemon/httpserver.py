@@ -11,6 +11,7 @@ One request per connection (``Connection: close``): scrapers and the client reco
 
 from __future__ import annotations
 
+import contextlib
 import io
 import ipaddress
 import logging
@@ -32,6 +33,7 @@ from urllib.parse import unquote
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
 from gpudiag.daemon import envelope
 from gpudiag.daemon.envelope import status_line, wire_bytes
@@ -51,6 +53,7 @@ ACCEPT_PAUSE_S = 0.1        # after EMFILE: stop accepting briefly instead of sp
 WORKERS = 8                 # threads per pool
 MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
 SUMMARY_INTERVAL_S = 60.0
+MAX_INTERNAL_TRACEBACKS = 5  # then internal errors are counted only
 # Every endpoint that can wait runs on the slow pool, so that waiting answers never take the
 # threads of /metrics, /healthz and /readyz: preflight and health wait for probes (max_age_s,
 # wait_s); history waits for the history's lock while a write fsyncs (SQLite busy_timeout).
@@ -77,6 +80,8 @@ ABUSE_KINDS: dict[str, str] = {
     "cross_site": "a browser request from another site (Origin on a POST, or a Host that is "
                   "not loopback: DNS rebinding); answered 403",
     "read_only": "a request for a control endpoint on the read-only TCP listener; answered 403",
+    "internal": "an internal error while serving a connection (a gpudiag bug; traceback "
+                "logged); that connection was closed and the listener went on",
 }
 
 
@@ -197,9 +202,10 @@ def body_length(headers: Iterable[tuple[str, str]]) -> int:
                          "parameters go in the query string")
     if not lengths:
         return 0
-    if len(lengths) > 1 or not next(iter(lengths)).isdigit():
+    length = ascii_int(next(iter(lengths))) if len(lengths) == 1 else None
+    if length is None:
         raise BadRequest(400, "bad_body", f"Content-Length {sorted(lengths)!r} is not one number")
-    return int(next(iter(lengths)))
+    return length
 
 
 def _too_large(buf: bytes) -> None:
@@ -408,6 +414,11 @@ class HttpServer:
         return f"{f'[{host}]' if ':' in host else host}:{self.server_address[1]}"
 
     @property
+    def serving(self) -> bool:
+        """False once ``serve_forever`` has ended (after ``shutdown``, or by a failure)."""
+        return not self._stopped.is_set()
+
+    @property
     def pending(self) -> int:
         """Connections still sending their request head."""
         return len(self._pending)
@@ -424,19 +435,13 @@ class HttpServer:
         try:
             while not self._stop.is_set():
                 for key, _ in self._sel.select(timeout=poll_interval):
-                    if key.data is None:
-                        self._accept()
-                    elif key.data is self._wake_r:
-                        self._drain_outbox()
-                    elif key.data.out is not None:
-                        self._write(key.data)
-                    else:
-                        self._read(key.data)
-                self._expire()
-                self.abuse.flush()
-                if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
-                    self._accept_resume = None
-                    self._sel.register(self._listen, selectors.EVENT_READ, None)
+                    self._guarded(self._event, key)
+                self._guarded(self._housekeeping)
+        except Exception:
+            # The selector itself failed: said here (with the traceback); the daemon sees
+            # ``serving`` go False and exits so that it is restarted.
+            log.critical("http: the serving loop on %s ended by an error", self.describe(),
+                         exc_info=True)
         finally:
             for conn in [*self._pending.values(), *self._writing.values()]:
                 self._drop(conn)
@@ -477,6 +482,47 @@ class HttpServer:
             pass
 
     # -- selector thread -----------------------------------------------------------------
+    def _guarded(self, step: Callable[..., None], *args: Any) -> None:
+        """Run one step of the loop; a bug in it costs that connection, never the listener.
+
+        An exception that escaped here used to end ``serve_forever`` while the process lived
+        on, kept the port and answered nothing. It is logged with its traceback, counted in
+        ``gpudiag_http_rejected_total{reason="internal"}``, and the connection it concerned
+        is closed; the loop goes on.
+        """
+        try:
+            step(*args)
+        except Exception:
+            data = getattr(args[0], "data", None) if args else None
+            conn = data if isinstance(data, _Conn) else None
+            peer = conn.peer if conn is not None else "-"
+            # The traceback the first few times; after that a persistent bug is only counted
+            # (and summarised by the AbuseLog), never a flood of tracebacks.
+            if self.abuse.totals.get("internal", 0) < MAX_INTERNAL_TRACEBACKS:
+                log.exception("http: internal error in the serving loop (from %s); the "
+                              "connection is closed and the listener goes on", peer)
+            self.abuse.note("internal", peer)
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    self._drop(conn)
+
+    def _event(self, key: selectors.SelectorKey) -> None:
+        if key.data is None:
+            self._accept()
+        elif key.data is self._wake_r:
+            self._drain_outbox()
+        elif key.data.out is not None:
+            self._write(key.data)
+        else:
+            self._read(key.data)
+
+    def _housekeeping(self) -> None:
+        self._expire()
+        self.abuse.flush()
+        if self._accept_resume is not None and time.monotonic() >= self._accept_resume:
+            self._accept_resume = None
+            self._sel.register(self._listen, selectors.EVENT_READ, None)
+
     def _accept(self) -> None:
         for _ in range(256):
             try:

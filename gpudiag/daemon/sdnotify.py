@@ -11,6 +11,8 @@ import socket
 import threading
 from collections.abc import Mapping
 
+from gpudiag.core.numbers import ascii_int
+
 
 class Notifier:
     """Sends sd_notify messages; does nothing when NOTIFY_SOCKET is unset."""
@@ -23,7 +25,7 @@ class Notifier:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         usec = environ.get("WATCHDOG_USEC", "")
-        self.watchdog_usec = int(usec) if usec.isdigit() else None
+        self.watchdog_usec = ascii_int(usec)
 
     @property
     def enabled(self) -> bool:
@@ -36,8 +38,10 @@ class Notifier:
         with self._lock:
             try:
                 if self._sock is None:
-                    self._sock = socket.socket(socket.AF_UNIX,
-                                               socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                    # Non-blocking: a receiver that does not read (a full queue) must not
+                    # hold the scheduler's loop or a stopping daemon; the message is dropped.
+                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM
+                                               | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
                 self._sock.sendto(message.encode("utf-8"), self._address)
                 return True
             except OSError:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpudiag.core.numbers import ascii_int
 from gpudiag.daemon.recorder import HistoryRecorder
 from gpudiag.daemon.store import DB_NAME, HistoryDamagedError, HistoryError, HistoryStore
 
@@ -97,7 +98,7 @@ def _read_pid(fd: int) -> int | None:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    return ascii_int(text)
 
 
 def check_writable(state_dir: Path) -> None:

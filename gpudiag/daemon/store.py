@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.redact import redact_text
 from gpudiag.core.verdict import Verdict
 
 SCHEMA_VERSION = 1
@@ -399,7 +400,7 @@ class HistoryStore:
                         "checked_at": verdict.checked_at}
             db.execute("INSERT INTO episodes (code, layer, backend, device, started, ended, "
                        "message, evidence) VALUES (?,?,?,?,?,NULL,?,?)",
-                       (b.code, b.layer, b.backend, b.device, ts, _tail(b.message),
+                       (b.code, b.layer, b.backend, b.device, ts, _tail(redact_text(b.message)),
                         json.dumps(evidence, default=str)))
 
     def record_clear(self, *, uid: int, gpu: str | None, reason: str, released: int,

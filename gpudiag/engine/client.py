@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 
@@ -91,15 +92,15 @@ def parse_daemon_url(url: str) -> DaemonAddress:
             raise DaemonUrlError(f"daemon URL {url!r}: the socket path must be absolute and "
                                  f"at most 107 bytes; accepted: {ACCEPTED}")
         return DaemonAddress(url, socket_path=path)
-    parts = urlsplit(url)
     try:
-        port = parts.port
-    except ValueError:
-        port = None
-        parts = parts._replace(scheme="bad")
-    if parts.scheme != "http" or not parts.hostname:
+        parts = urlsplit(url)
+        port, hostname = parts.port, parts.hostname
+    except ValueError:  # "http://[::1" (unclosed bracket), a port that is not a number
+        raise DaemonUrlError(f"daemon URL {url!r} is not understood; accepted: "
+                             f"{ACCEPTED}") from None
+    if parts.scheme != "http" or not hostname:
         raise DaemonUrlError(f"daemon URL {url!r} is not understood; accepted: {ACCEPTED}")
-    return DaemonAddress(url, host=parts.hostname, port=port or DEFAULT_PORT,
+    return DaemonAddress(url, host=hostname, port=port or DEFAULT_PORT,
                          prefix=parts.path.rstrip("/"))
 
 
@@ -113,8 +114,9 @@ def configured_daemon_user(env: Mapping[str, str]) -> tuple[int, str] | None:
     raw = (env.get("GPUDIAG_DAEMON_USER") or "").strip()
     if not raw:
         return None
-    if raw.isdigit():
-        return int(raw), f"GPUDIAG_DAEMON_USER={raw}"
+    uid = ascii_int(raw)
+    if uid is not None:
+        return uid, f"GPUDIAG_DAEMON_USER={raw}"
     try:
         return pwd.getpwnam(raw).pw_uid, f"GPUDIAG_DAEMON_USER={raw}"
     except KeyError:

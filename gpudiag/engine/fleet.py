@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import ssl
 import urllib.error
 import urllib.parse
@@ -136,7 +137,7 @@ class FleetAnswer:
 
     query: FleetQuery
     prometheus: str
-    evaluated_at: float
+    evaluated_at: float | None  # None: Prometheus gave no usable time
     nodes: tuple[NodeAnswer, ...] = field(default_factory=tuple)
 
     @property
@@ -153,11 +154,48 @@ Sample = tuple[Mapping[str, str], float]
 Fetch = Callable[[str, float | None], list[Sample]]
 
 
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    default = {"http": 80, "https": 443}.get(parts.scheme)
+    try:
+        port = parts.port or default
+    except ValueError:
+        port = None
+    return parts.scheme, (parts.hostname or "").lower(), port
+
+
+class _SameOriginCredentials(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, but the credentials only to the origin they were given for.
+
+    urllib copies every header (Authorization included) onto the redirected request: a 302
+    from Prometheus (or from whoever answers in its place) to another host would receive the
+    bearer token or the basic-auth password.
+    """
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            for name in list(new.headers):
+                if name.lower() in ("authorization", "proxy-authorization", "cookie"):
+                    del new.headers[name]
+        return new
+
+
+def open_without_leaks(request: urllib.request.Request, *, timeout: float,
+                       context: ssl.SSLContext | None) -> Any:
+    """urlopen whose redirects never carry credentials to another origin."""
+    handlers: list[urllib.request.BaseHandler] = [_SameOriginCredentials()]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    return urllib.request.build_opener(*handlers).open(request, timeout=timeout)
+
+
 class PrometheusClient:
     """Instant queries against ``/api/v1/query``; every failure becomes PrometheusError."""
 
     def __init__(self, access: PrometheusAccess,
-                 opener: Callable[..., Any] = urllib.request.urlopen) -> None:
+                 opener: Callable[..., Any] = open_without_leaks) -> None:
         self._access = access
         self._open = opener
         self._context: ssl.SSLContext | None = None
@@ -203,7 +241,8 @@ class PrometheusClient:
                 raise PrometheusError(f"Prometheus at {where} answered a {data['resultType']}"
                                       f" for {expr!r}, expected a vector")
             return [(dict(r["metric"]), float(r["value"][1])) for r in data["result"]]
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError,
+                RecursionError) as e:
             raise PrometheusError(f"{where} did not answer like Prometheus's query API "
                                   f"({type(e).__name__}: {e}); is the URL right?") from e
 
@@ -254,8 +293,12 @@ def ask_fleet(query: FleetQuery, client: PrometheusClient, url: str = "") -> Fle
     """Every node of the scrape job: can it run ``query`` now, and if not, why."""
     exprs = fleet_queries(query)
     now_samples = client.query(exprs["now"])
-    now = now_samples[0][1] if now_samples else 0.0
-    got = {name: client.query(expr, now) for name, expr in exprs.items() if name != "now"}
+    now = now_samples[0][1] if now_samples else math.nan
+    if not math.isfinite(now):
+        # Without Prometheus's own time no sample's age is known: nothing can be fresh.
+        got = {name: client.query(expr) for name, expr in exprs.items() if name != "now"}
+    else:
+        got = {name: client.query(expr, now) for name, expr in exprs.items() if name != "now"}
 
     def per_instance(name: str) -> dict[str, float]:
         return {labels.get("instance", ""): value for labels, value in got[name]}
@@ -275,31 +318,53 @@ def ask_fleet(query: FleetQuery, client: PrometheusClient, url: str = "") -> Fle
         blockers.setdefault(labels.get("instance", ""), []).append(
             (labels.get("code", ""), labels.get("layer", "")))
     nodes = [_judge(query, i, now, up.get(i), scraped.get(i), ready_by.get(i, {}),
-                    int(free.get(i, 0)), int(busy.get(i, 0)), blockers.get(i, []),
+                    free.get(i, 0.0), busy.get(i, 0.0), blockers.get(i, []),
                     proven_by.get(i, {})) for i in instances if i]
     if query.qualified_within_s is not None:
         qualified = per_instance("qualified")
         nodes = [_qualified(query, n, int(qualified.get(n.instance, 0))) for n in nodes]
     order = {"ready": 0, "blocked": 1, "unknown": 2}
     nodes.sort(key=lambda n: (order[n.state], n.instance))
-    return FleetAnswer(query, url, now, tuple(nodes))
+    return FleetAnswer(query, url, now if math.isfinite(now) else None, tuple(nodes))
+
+
+def _count(value: float) -> int | None:
+    """A GPU count from a sample; None when it is no count (NaN, Inf, negative, fractional)."""
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        return None
+    return int(value)
 
 
 def _judge(q: FleetQuery, instance: str, now: float, up: float | None, scraped: float | None,
-           backend_ready: Mapping[str, float], free: int, busy: int,
+           backend_ready: Mapping[str, float], free_value: float, busy_value: float,
            blockers: Sequence[tuple[str, str]], proven: Mapping[str, float]) -> NodeAnswer:
-    """One node's answer from its series (the rule of docs/fleet.md)."""
+    """One node's answer from its series (the rule of docs/fleet.md).
+
+    Every number is checked before it is believed: a NaN, an Inf or a missing value makes
+    the node unknown, never ready (NaN compares false, so an unchecked staleness test passes).
+    """
     if up is None or up != 1.0 or scraped is None:
         why = "the daemon does not answer Prometheus's scrape" if up == 0.0 else \
             "no current gpudiag series (the daemon stopped answering or is not scraped)"
         return NodeAnswer(instance, "unknown", None, None, None, why)
+    if not math.isfinite(now):
+        return NodeAnswer(instance, "unknown", None, None, None,
+                          "Prometheus gave no usable current time (vector(time())), so no "
+                          "sample's age is known")
+    free, busy = _count(free_value), _count(busy_value)
+    ready_values = [backend_ready[b] for b in q.backends if b in backend_ready]
+    if (not math.isfinite(scraped) or free is None or busy is None
+            or not all(math.isfinite(v) for v in ready_values)):
+        return NodeAnswer(instance, "unknown", None, None, None,
+                          "its gpudiag series hold values that are no numbers (NaN/Inf) "
+                          "or no counts")
     stale_s = now - scraped
     if stale_s > q.max_age_s:
         return NodeAnswer(instance, "unknown", None, None, None,
                           f"the newest sample is {stale_s:.0f} s old (more than "
                           f"{q.max_age_s:g} s)")
     walls = [proven.get(b) for b in q.backends]
-    age = None if any(w is None for w in walls) else \
+    age = None if any(w is None or not math.isfinite(w) for w in walls) else \
         round(max(0.0, now - min(w for w in walls if w is not None)), 3)
     primary = min(blockers, key=lambda cl: layer_rank(cl[1]))[0] if blockers else None
     not_proven = [b for b in q.backends if backend_ready.get(b) != 1.0]

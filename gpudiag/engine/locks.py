@@ -108,13 +108,68 @@ def _lock_path(lock_dir: Path, uuid: str) -> Path:
     return lock_dir / f"{uuid}.lock"
 
 
+
+
+MAX_HOLDER_BYTES = 4096      # a holder record is ~150 bytes; anyone may write the file
+_OPEN_TRIES = 5              # re-opens when the path was replaced under us
+
+
+def _check_lock_dir(lock_dir: Path) -> None:
+    """A folder others may write must be sticky: otherwise anyone can remove a held lock."""
+    with contextlib.suppress(OSError):
+        st = os.stat(lock_dir)
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            mode = stat.S_IMODE(st.st_mode)
+            raise LockFailed(f"lock folder {lock_dir} is writable by others without the sticky "
+                             f"bit (mode {mode:o}): anyone could remove a held lock file and "
+                             "split the lock; chmod 1777 it, or use a folder only you can write")
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (creating) a lock file: never through a symlink, never blocking on a FIFO.
+
+    Read-write to write the holder record; read-only when someone made the file closed to
+    us (flock works on either, so a planted 0644 file does not keep others off the GPU).
+    """
+    flags = os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        return os.open(path, flags | os.O_RDWR, 0o666)
+    except PermissionError:
+        return os.open(path, flags | os.O_RDONLY, 0o666)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not unlinked nor replaced)."""
+    try:
+        here, there = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _claim(fd: int) -> None:
+    """Make the locked file one its creator can no longer remove (root only).
+
+    In a sticky folder only the file's owner (or root) may unlink it. A lock file created by
+    another user could be unlinked by that user while root's job holds it, and the next job
+    would lock a new file of the same name: two jobs on one GPU. Root takes the file over
+    while holding its lock, so the lock cannot be split for as long as it is held.
+    """
+    st = os.fstat(fd)
+    if os.geteuid() == 0 and st.st_uid != 0:
+        os.fchown(fd, 0, -1)
+    if os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, 0o666)  # other users' jobs must be able to open it too
+
+
 def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
              shared: bool = False) -> LockInfo | None:
     """Take the lock of ``uuid`` without waiting; None when another process holds it.
 
     ``purpose`` goes into the holder record: ``job`` (a `gpudiag run` job, `admit()`) or
     ``probe`` (a probe touching the GPU for a moment), so that others can tell a GPU in use
-    from one being proven right now.
+    from one being proven right now. LockFailed names a lock file that is not a plain regular
+    file (someone planted it): that GPU cannot be locked, the others still can.
 
     ``shared`` takes a shared lock (probes on a GPU in the default compute mode): gpudiag
     probes started together prove a GPU side by side instead of finding each other "busy",
@@ -126,10 +181,36 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
     try:
         _check_private_root(lock_dir)
         lock_dir.mkdir(parents=True, exist_ok=True)
-        # Never unlinked: a lock file that vanished under a waiter would split the lock.
+    except OSError as e:
+        raise LockFailed(f"cannot make lock folder {lock_dir}: {e.strerror or e}") from e
+    _check_lock_dir(lock_dir)
+    for _ in range(_OPEN_TRIES):
+        fd = _locked_fd(path, shared)
+        if fd is None:
+            return None
+        # The lock is ours only if the path still names the file we locked: a file unlinked
+        # or renamed over meanwhile (the lock was split, or a waiter's file went stale) is
+        # let go and the path opened again.
+        if _same_file(fd, path):
+            with contextlib.suppress(OSError):
+                _claim(fd)
+            if _same_file(fd, path):
+                if not shared:  # several shared holders at once: the record is exclusive's
+                    _write_holder(fd, uuid, purpose)
+                st = os.fstat(fd)
+                return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd)
+        os.close(fd)
+    raise LockFailed(f"lock file {path} kept being replaced while it was locked (someone is "
+                     "removing or renaming it); that GPU is left alone")
+
+
+def _locked_fd(path: Path, shared: bool = False) -> int | None:
+    """Open ``path`` and flock it; None when another process holds it; LockFailed if unusable."""
+    try:
+        # Never unlinked by gpudiag: a lock file that vanished under a waiter splits the lock.
         # O_NOFOLLOW: the lock folder is shared (sticky, world-writable), so a symlink planted
         # there must not make this process truncate and write a file the planter chose.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        fd = _open_lock_file(path)
     except OSError as e:
         raise LockFailed(f"cannot open lock file {path}: {e.strerror or e} (a lock file must "
                          "be a regular file, not a symlink)") from e
@@ -146,32 +227,46 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
     except OSError as e:
         os.close(fd)
         raise LockFailed(f"cannot lock {path}: {e.strerror or e}") from e
-    with contextlib.suppress(OSError):
-        st = os.fstat(fd)
-        if st.st_uid == os.getuid():
-            os.fchmod(fd, 0o666)  # other users' jobs must be able to open it too
-    if not shared:  # several shared holders at once: the record is the exclusive ones'
-        _write_holder(fd, uuid, purpose)
-    st = os.fstat(fd)
-    return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd)
+    return fd
 
 
 def _write_holder(fd: int, uuid: str, purpose: str) -> None:
-    """Say who holds the lock (evidence for waiters; anyone may overwrite it, so never trusted
-    for more than telling a job from a probe)."""
-    with contextlib.suppress(OSError):
-        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "since": time.time(), "uuid": uuid, "purpose": purpose}) + "\n"
+    holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                         "since": time.time(), "uuid": uuid, "purpose": purpose}) + "\n"
+    with contextlib.suppress(OSError):  # a read-only fd (a file closed to us): no record
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
 
 
+def read_shared_file(path: Path, limit: int = MAX_HOLDER_BYTES) -> bytes | None:
+    """At most ``limit`` bytes of a regular file in a folder others may write; else None.
+
+    Never follows a symlink, never blocks on a FIFO (or a device), never reads past the
+    limit: whatever someone planted at ``path`` costs a None, not a hang or a crash.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.pread(fd, limit, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def lock_holder(lock_dir: Path, uuid: str) -> dict[str, Any] | None:
     """What the last holder wrote into the lock file (evidence only; may be stale)."""
+    raw = read_shared_file(_lock_path(lock_dir, uuid))
+    if raw is None:
+        return None
     try:
-        text = _lock_path(lock_dir, uuid).read_text(encoding="utf-8", errors="replace")
+        text = raw.decode("utf-8", errors="replace")
         value = json.loads(text) if text.strip() else None
-    except (OSError, ValueError, RecursionError):  # anyone may write a lock file
+    except (ValueError, RecursionError):  # anyone may write a lock file
         return None
     return value if isinstance(value, dict) else None
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from gpudiag.core.classify import classify
 from gpudiag.core.environment import (
@@ -209,6 +209,8 @@ class Admission:
     lock_dir: str | None
     attempts: int = 1
     waited_s: float = 0.0
+    # GPUs passed over because their lock file was unusable (planted): (uuid, why).
+    unusable_locks: tuple[tuple[str, str], ...] = ()
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -247,6 +249,7 @@ class Admission:
             "attempts": self.attempts,
             "waited_s": round(self.waited_s, 3),
             "fingerprint": self.fingerprint(),
+            "unusable_locks": [{"uuid": u, "reason": r} for u, r in self.unusable_locks],
         }
 
 
@@ -440,31 +443,38 @@ class Admitter:
                     and (floor is None or (lf.memory_free_bytes or 0) >= floor)]
         held: list[LockInfo] = []
         others: list[Leaf] = []  # eligible or busy leaves whose lock another job holds
-        try:
-            for lf in eligible:
-                if len(held) == self.gpus:
-                    break
-                lk = try_lock(lock_dir, str(lf.uuid))
-                if lk is None:
+        # A lock file someone planted (a FIFO, a symlink) makes only its own GPU unusable.
+        unusable: dict[str, str] = {}
+        for lf in eligible:
+            if len(held) == self.gpus:
+                break
+            lk = _try_lock_leaf(lock_dir, str(lf.uuid), unusable)
+            if lk is False:
+                continue
+            if lk is None:
+                others.append(lf)
+            else:
+                held.append(lk)
+        # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it.
+        for lf in candidates:
+            if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
+                # A shared look writes no holder record (the daemon would read a momentary
+                # "job" there) and leaves other lookers alone.
+                probe = _try_lock_leaf(lock_dir, lf.uuid, unusable, shared=True)
+                if probe is None:
                     others.append(lf)
-                else:
-                    held.append(lk)
-            # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it.
-            for lf in candidates:
-                if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
-                    # A shared look writes no holder record (the daemon would read a
-                    # momentary "job" there) and leaves other lookers alone.
-                    probe = try_lock(lock_dir, lf.uuid, shared=True)
-                    if probe is None:
-                        others.append(lf)
-                    else:
-                        release([probe])
-        except LockFailed as e:
-            release(held)
-            raise self._refuse(verdict, "device_state_unknown", str(e), evidence) from e
+                elif probe is not False:
+                    release([probe])
+        if unusable:
+            evidence["unusable_locks"] = [{"uuid": u, "reason": r} for u, r in unusable.items()]
         if len(held) == self.gpus:
-            return self._confirm(verdict, obs, narrowing, candidates, held, evidence)
+            admitted = self._confirm(verdict, obs, narrowing, candidates, held, evidence)
+            return replace(admitted, unusable_locks=tuple(unusable.items()))
         release(held)
+        if unusable and len(held) + len(others) < self.gpus:
+            raise self._refuse(verdict, "device_state_unknown",
+                               f"asked for {self.gpus}; {len(unusable)} GPU(s) cannot be locked: "
+                               + "; ".join(unusable.values()), evidence)
         evidence["candidates"] = [lf.record() for lf in candidates]
         evidence["held_by_others"] = [
             {"uuid": lf.uuid, "holder": lock_holder(lock_dir, str(lf.uuid))} for lf in others]
@@ -484,7 +494,9 @@ class Admitter:
         until = min(deadline, self.clock() + REOBSERVE_S)
         while self.clock() < until:
             for uuid in uuids:
-                lk = try_lock(lock_dir, uuid, shared=True)
+                lk = _try_lock_leaf(lock_dir, uuid, {}, shared=True)
+                if lk is False:  # replaced by a planted file: the next attempt says so
+                    return
                 if lk is not None:
                     release([lk])
                     # Jitter so that waiters freed together do not race in lockstep.
@@ -537,6 +549,17 @@ class Admitter:
                        if (lf := locked.leaf(uuid)) is not None)
         return Admission(verdict.requirement, verdict, self.gpus, leaves, tuple(candidates),
                          first, locked, tuple(held), narrowing, str(self.lock_dir))
+
+
+def _try_lock_leaf(lock_dir: Path, uuid: str, unusable: dict[str, str], *,
+                   shared: bool = False) -> LockInfo | None | Literal[False]:
+    """try_lock for one leaf; False (and the reason in ``unusable``) when its lock file is
+    unusable, so that one planted file costs one GPU, never the whole admission."""
+    try:
+        return try_lock(lock_dir, uuid, shared=shared)
+    except LockFailed as e:
+        unusable[uuid] = str(e)
+        return False
 
 
 def compare(first: Observation, locked: Observation, selected: Sequence[str],

@@ -33,7 +33,7 @@ from gpudiag.core.fileio import atomic_write, write_error
 from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
 from gpudiag.core.verdict import Requirement, Verdict, kv_value
 from gpudiag.core.version import __version__
-from gpudiag.engine.locks import default_lock_dir, try_lock
+from gpudiag.engine.locks import LockFailed, default_lock_dir, try_lock
 from gpudiag.engine.locks import release as release_locks
 from gpudiag.engine.processes import cmdline, descendants
 from gpudiag.runner.admission import (
@@ -42,6 +42,13 @@ from gpudiag.runner.admission import (
     Admitter,
     Hook,
     preflight_for_admission,
+)
+from gpudiag.runner.artifacts import (
+    UntrustedFolder,
+    create_new,
+    fresh_subfolder,
+    prepare_folder,
+    read_own,
 )
 from gpudiag.runner.attribution import GpuEvents, close_attribution, gpus_of
 
@@ -261,7 +268,8 @@ class _Tee(threading.Thread):
     def run(self) -> None:
         out: BinaryIO | None = None
         try:
-            out = open(self.log, "wb")  # closed below, also after a failure
+            # A new file, never a symlink's target (closed below, also after a failure).
+            out = os.fdopen(create_new(self.log), "wb")
         except OSError as e:
             self.error = str(_artifact_error(self.log, e))
         try:
@@ -503,7 +511,9 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
     started = _now()
     base = dict(os.environ if env is None else env)
     try:
-        options.artifacts.mkdir(parents=True, exist_ok=True)
+        prepare_folder(options.artifacts)
+    except UntrustedFolder as e:
+        raise RunnerError(f"refusing the artifacts dir: {e}") from e
     except OSError as e:
         raise RunnerError(f"cannot create the artifacts dir {options.artifacts}: "
                           f"{e.strerror or e}") from e
@@ -524,6 +534,8 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
             _with_requirement(verdict, options.requirement), first)
     except AdmissionError as e:
         return _refused(options, paths, closeout, e.verdict, t0, err)
+    for uuid, why in admission.unusable_locks:
+        _say(err, f"gpudiag run: passed over {uuid}: {why}\n")
     try:
         return _launch(options, base, admission, paths, closeout, t0, out, err)
     finally:
@@ -544,7 +556,8 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         hook_dir = options.artifacts / "python-hook"
         for folder in (hook_dir, options.artifacts / ARTIFACT_NAMES["child_reports"]):
             try:
-                folder.mkdir(exist_ok=True)
+                # Made anew: what runs in the child (the hook) is only ever what we wrote.
+                fresh_subfolder(folder)
             except OSError as e:
                 raise _artifact_error(folder, e) from e
         _write(hook_dir / "sitecustomize.py", sitecustomize_source())
@@ -567,7 +580,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     _write(paths["verdict"], _json(admission.verdict.record()))
     # Derived from the plan as written, read back: nothing else decides the environment.
     try:
-        written = json.loads(Path(paths["plan"]).read_text(encoding="utf-8"))
+        written = json.loads(read_own(Path(paths["plan"])).decode("utf-8"))
     except OSError as e:
         raise ArtifactError(f"cannot read back {paths['plan']}: {e.strerror or e}") from e
     env = environment_from_plan(written, base)
@@ -615,7 +628,10 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     # Evidence that nothing kept the locks: each can be taken (and dropped) right away.
     free_after = {}
     for lk in admission.locks:
-        again = try_lock(Path(lk.path).parent, lk.uuid)
+        try:
+            again = try_lock(Path(lk.path).parent, lk.uuid)
+        except LockFailed:  # replaced by something else meanwhile: not free for us
+            again = None
         free_after[lk.uuid] = again is not None
         if again is not None:
             release_locks([again])
