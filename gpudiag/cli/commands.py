@@ -247,13 +247,17 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--devices", "devices_text", metavar="LIST",
               help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
 @click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
-              help="At least N usable GPUs.  [default: 1 for a GPU requirement]")
+              help="At least N usable GPUs among --devices (else the visible ones), each "
+              "of them usable: for GPUs a scheduler already gave the job (the Slurm Prolog "
+              "asks --devices $SLURM_JOB_GPUS --min-devices N).  [default: 1 for a GPU "
+              "requirement]")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")
 @click.option("--gpus", type=click.IntRange(1, 64), metavar="N",
-              help="Job readiness on N GPUs: ready when at least N visible GPUs are healthy "
-              "and free (not used by other processes); the verdict names them. A fault on "
-              "another GPU is then a warning. Without it every visible GPU must be usable.")
+              help="Job readiness on N GPUs the job may still choose: ready when at least N "
+              "visible GPUs are healthy and free (not used by other processes); the verdict "
+              "names them, and a fault on another GPU is then a warning. Without it every "
+              "visible GPU must be usable (see --min-devices).")
 @_answer_options
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
@@ -279,7 +283,8 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
                  "gpudiag health --require cuda,jax --format kv",
                  "gpudiag health --daemon-url http://127.0.0.1:9477"))
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
-              help="Backends whose health counts: cuda, nvml, jax, iree; comma-separated.")
+              help="Backends whose health counts: cuda, nvml, jax (on a GPU), jax:cpu, iree "
+              "(cuda driver), iree:DRIVER; comma-separated.")
 @_answer_options
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
            daemon_url: str | None, no_daemon: bool) -> None:

@@ -377,18 +377,24 @@ def _when(ts: float) -> str:
                epilog=examples(
                    "gpudiag history                     # the last 50 changes",
                    "gpudiag history --since 1h --blocked",
-                   "gpudiag history --state-dir /var/lib/gpudiag --json | jq '.episodes'"))
+                   "gpudiag history --state-dir /var/lib/gpudiag --format json | jq .episodes"))
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="The daemon's state dir.  [default: as for `gpudiag serve`]")
 @click.option("--since", "since_text", metavar="DURATION",
               help="Only changes in the last DURATION (e.g. 1h, 30m, 2d).")
 @click.option("--blocked", is_flag=True, help="Only verdicts that were blocked.")
 @click.option("--limit", type=click.IntRange(1, 100000), default=50, show_default=True,
-              help="At most this many verdict changes and episodes.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+              metavar="N", help="At most this many verdict changes and episodes.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default=None,
+              help="Output format: text for people, json (verdicts, episodes, clears).  "
+              "[default: text]")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 def history(state_dir: str | None, since_text: str | None, blocked: bool, limit: int,
-            as_json: bool) -> None:
+            fmt: str | None, as_json: bool) -> None:
     """Show the daemon's verdict changes and blocker episodes (works while it runs)."""
+    if as_json and fmt not in (None, "json"):
+        raise click.UsageError(f"--json and --format {fmt} disagree; give one of them")
+    as_json = as_json or fmt == "json"
     from gpudiag.daemon.statedir import damaged_histories
     from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 
