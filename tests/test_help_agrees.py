@@ -75,3 +75,12 @@ def test_health_require_lists_and_takes_jax_cpu(gpu_env: EnvFactory) -> None:
                        gpu_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gpu_validation_blocker=none" in proc.stdout
+
+
+def test_one_config_file_name_in_the_unit_the_manifests_the_docs_and_the_help() -> None:
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "systemd").iterdir(),
+             *(root / "deploy").rglob("*.yaml")]
+    named = {m for p in files for m in re.findall(r"/etc/gpudiag/[\w.-]+\.toml", p.read_text())}
+    named |= set(re.findall(r"/etc/gpudiag/[\w.-]+\.toml", _help("serve")))
+    assert named == {"/etc/gpudiag/gpudiag.toml"}

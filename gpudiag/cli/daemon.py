@@ -104,7 +104,7 @@ def _config(path: str | None, listen: str | None, socket_path: str | None = None
 @click.command(short_help="Run the daemon: probes, XID watcher, /metrics, preflight API.",
                epilog=examples(
                    "gpudiag serve                                 # 127.0.0.1:9477",
-                   "gpudiag serve --config /etc/gpudiag/daemon.toml --check-config",
+                   "gpudiag serve --config /etc/gpudiag/gpudiag.toml --check-config",
                    "gpudiag serve --listen 0.0.0.0:9477 --state-dir /var/lib/gpudiag",
                    "curl -s localhost:9477/v1/preflight?gpus=1 | jq .ready"))
 @click.option("--listen", metavar="HOST:PORT",
