@@ -84,3 +84,22 @@ def test_one_config_file_name_in_the_unit_the_manifests_the_docs_and_the_help() 
     named = {m for p in files for m in re.findall(r"/etc/gpudiag/[\w.-]+\.toml", p.read_text())}
     named |= set(re.findall(r"/etc/gpudiag/[\w.-]+\.toml", _help("serve")))
     assert named == {"/etc/gpudiag/gpudiag.toml"}
+
+
+WORDS = ("job readiness", "node health", "admission", "leaves", "proven")
+
+
+def test_the_readme_says_what_its_words_mean_before_it_uses_them() -> None:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text().lower()
+    defined_at = text.index("two questions, two commands")
+    for word in WORDS:
+        assert text.index(word) >= defined_at, f"README uses {word!r} before saying what it is"
+
+
+def test_the_glossary_defines_every_word_the_docs_lean_on() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    glossary = text.split("## Glossary", 1)[1]
+    rows = re.findall(r"^\| ([A-Za-z ,]+) \|", glossary, re.M)
+    for word in ("verdict", "blocker", "job readiness", "node health", "busy, free", "proven",
+                 "leaf", "admission", "held XID".lower()):
+        assert word in [r.lower() for r in rows], word
