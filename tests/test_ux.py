@@ -45,7 +45,7 @@ def _hosts(pid: int) -> dict[str, dict[str, str | int]]:
 def _device_rows(text: str) -> dict[int, str]:
     """The devices table's rows by GPU index."""
     rows = {}
-    body = text.split("Devices", 1)[1]
+    body = text.split("Devices", 1)[1].split("\nProcesses", 1)[0]
     for line in body.splitlines():
         m = re.match(r"^\s*([0-7])\s{2,}(\S.*)$", line)
         if m:

@@ -23,6 +23,7 @@ from gpudiag.core.environment import (
     resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.gpu_processes import device_processes
 from gpudiag.core.limits import PROBES
 from gpudiag.core.missing import missing_gpu_findings
 from gpudiag.core.observations import (
@@ -299,7 +300,8 @@ def _device_info(d: NvmlDevice) -> DeviceInfo:
                       memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes,
                       memory_used_bytes=mem.used_bytes,
                       utilization_ratio=None if util is None else float(util),
-                      temperature_c=None if temp is None else float(temp), pids=pids)
+                      temperature_c=None if temp is None else float(temp), pids=pids,
+                      processes=None if pids is None else device_processes(procs))
 
 
 def _free(d: NvmlDevice) -> int | None:

@@ -118,6 +118,35 @@ class Requirement:
 
 
 @dataclass(frozen=True)
+class DeviceProcess:
+    """A compute process on a GPU, as nvidia-smi's process table shows it; name and user are
+    None where /proc hides the process from gpudiag (another PID namespace, hidepid)."""
+
+    pid: int
+    used_memory_bytes: int | None = None
+    name: str | None = None
+    user: str | None = None
+
+    def record(self) -> dict[str, JSONValue]:
+        return {"pid": self.pid, "used_memory_bytes": self.used_memory_bytes,
+                "name": self.name, "user": self.user}
+
+    @classmethod
+    def from_record(cls, d: JSONValue) -> DeviceProcess:
+        """Rebuild one process; TypeError names a field of the wrong type."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"devices[].processes[] holds {d!r}, not an object")
+        pid, used = d.get("pid"), d.get("used_memory_bytes")
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise TypeError(f"devices[].processes[].pid holds {pid!r}, not a process id")
+        if used is not None and (isinstance(used, bool) or not isinstance(used, int)):
+            raise TypeError(f"devices[].processes[].used_memory_bytes holds {used!r}")
+        name, user = d.get("name"), d.get("user")
+        return cls(pid, used, name if isinstance(name, str) else None,
+                   user if isinstance(user, str) else None)
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     """One GPU the job could use, as the verdict reports it."""
 
@@ -141,6 +170,8 @@ class DeviceInfo:
     utilization_ratio: float | None = None
     temperature_c: float | None = None
     pids: tuple[int, ...] | None = None
+    # Those processes with their GPU memory, name and user (nvidia-smi's process table).
+    processes: tuple[DeviceProcess, ...] | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -150,7 +181,9 @@ class DeviceInfo:
                 "selected": self.selected, "memory_used_bytes": self.memory_used_bytes,
                 "utilization_ratio": self.utilization_ratio,
                 "temperature_c": self.temperature_c,
-                "pids": None if self.pids is None else list(self.pids)}
+                "pids": None if self.pids is None else list(self.pids),
+                "processes": None if self.processes is None
+                else [p.record() for p in self.processes]}
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
@@ -159,6 +192,9 @@ class DeviceInfo:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in d.items() if k in known}
         pids = fields.pop("pids", None)
+        procs = fields.pop("processes", None)
+        if procs is not None and not isinstance(procs, list):
+            raise TypeError(f"devices[].processes holds {procs!r}, not a list")
         if pids is not None and not (isinstance(pids, list) and all(
                 isinstance(p, int) and not isinstance(p, bool) for p in pids)):
             raise TypeError(f"devices[].pids holds {pids!r}, not a list of process ids")
@@ -167,7 +203,9 @@ class DeviceInfo:
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, float))):
                 raise TypeError(f"devices[].{key} holds {value!r}, not a number")
-        return cls(**fields, pids=None if pids is None else tuple(pids))
+        return cls(**fields, pids=None if pids is None else tuple(pids),
+                   processes=None if procs is None
+                   else tuple(DeviceProcess.from_record(p) for p in procs))
 
 
 @dataclass(frozen=True)

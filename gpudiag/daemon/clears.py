@@ -192,7 +192,8 @@ def _pci_key(text: str) -> tuple[int, int, int, int] | None:
 
 
 def resolve_gpu(selector: str, known: Sequence[KnownGpu]) -> KnownGpu:
-    """The GPU an index, a unique UUID prefix or a PCI bus id names (as ``nvidia-smi -i``).
+    """The GPU an index, a unique UUID prefix (or ``head…tail``, as `gpudiag probe` prints
+    UUIDs that share a long prefix) or a PCI bus id names (as ``nvidia-smi -i``).
 
     Raises ClearRequestError saying what matched (nothing, or several GPUs) and what is known.
     """
@@ -204,7 +205,10 @@ def resolve_gpu(selector: str, known: Sequence[KnownGpu]) -> KnownGpu:
         matches = [g for g in known if g.pci_bus_id and _pci_key(g.pci_bus_id) == key]
         what = "PCI bus id"
     else:
-        matches = [g for g in known if g.uuid.lower().startswith(text.lower())]
+        # `gpudiag probe` shows UUIDs that share a long prefix as head…tail: take that too.
+        head, _, tail = text.lower().replace("...", "…").partition("…")
+        matches = [g for g in known
+                   if g.uuid.lower().startswith(head) and g.uuid.lower().endswith(tail)]
         what = "UUID prefix"
     if len(matches) == 1:
         return matches[0]
