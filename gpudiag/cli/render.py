@@ -292,7 +292,8 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
     itself (a frame of ``--watch`` drawn into a buffer).
     """
     # Plain text (a pipe, a file) without the spaces rich pads lines with.
-    out: IO[str] = stream if color else io.StringIO()
+    buffer = None if color else io.StringIO()
+    out: IO[str] = stream if buffer is None else buffer
     width = width or _width(stream, color)
     if wide:
         width = max(width or Console().width, WIDE_WIDTH)
@@ -312,5 +313,5 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
     console.print(preallocation_line(verdict), markup=False)
     console.print(f"gpu_validation_blocker={verdict.gpu_validation_blocker}", markup=False,
                   style="bold green" if verdict.ready else "bold red")
-    if out is not stream:  # plain text was buffered: written without trailing spaces
-        stream.write("".join(line.rstrip() + "\n" for line in out.getvalue().splitlines()))
+    if buffer is not None:
+        stream.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))
