@@ -237,6 +237,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     wake.append(scheduler.wake)
 
     logged: list[Verdict] = []  # the verdict of the last "verdict changed" line
+    last_uuids: dict[int, str] = {}  # each GPU index's last UUID: a lost GPU has none now
 
     def written(verdict: Verdict | None, changes: list[Written]) -> None:
         if app.store is None and isinstance(recorder.store, HistoryStore):
@@ -248,8 +249,9 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                                      if change.history_id is not None
                                      else {"history_pending": True})
             # Say what changed (which GPU, which code appeared or went), not only the code.
+            last_uuids.update((d.index, d.uuid) for d in change.verdict.devices if d.uuid)
             log.info("verdict changed: %s (%s)", verdict.gpu_validation_blocker,
-                     change_summary(logged[0] if logged else None, verdict),
+                     change_summary(logged[0] if logged else None, verdict, last_uuids),
                      extra={**where, "ready": verdict.ready,
                             "blockers": sorted({b.code for b in verdict.blockers}),
                             "warnings": sorted({w.code for w in verdict.warnings})})

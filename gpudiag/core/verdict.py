@@ -416,7 +416,8 @@ def render_kv(record: Mapping[str, JSONValue]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _finding_keys(verdict: Verdict | None) -> dict[tuple[str, str | None], str]:
+def _finding_keys(verdict: Verdict | None, last_uuids: Mapping[int, str]
+                  ) -> dict[tuple[str, str | None], str]:
     if verdict is None:
         return {}
     index = {d.uuid: d.index for d in verdict.devices if d.uuid}
@@ -426,14 +427,22 @@ def _finding_keys(verdict: Verdict | None) -> dict[tuple[str, str | None], str]:
         if where is not None and where in index:
             where = f"GPU {index[where]} ({where})"
         elif where is not None and where.startswith("index "):
-            where = "GPU " + where.removeprefix("index ")
+            number = where.removeprefix("index ")
+            last = last_uuids.get(int(number)) if number.isdecimal() else None
+            # A lost GPU has no UUID NVML can read now: name the one it last had.
+            where = f"GPU {number}" + (f" (last seen as {last})" if last else "")
         out[(b.code, b.device)] = b.code + (f" on {where}" if where else "")
     return out
 
 
-def change_summary(old: Verdict | None, new: Verdict) -> str:
-    """What changed between two verdicts, for a log line: which blockers appeared or went."""
-    before, after = _finding_keys(old), _finding_keys(new)
+def change_summary(old: Verdict | None, new: Verdict,
+                   last_uuids: Mapping[int, str] | None = None) -> str:
+    """What changed between two verdicts, for a log line: which blockers appeared or went.
+
+    ``last_uuids``: each GPU index's last UUID seen, to name a GPU that lost it.
+    """
+    known = dict(last_uuids or {})
+    before, after = _finding_keys(old, known), _finding_keys(new, known)
     appeared = [after[k] for k in after if k not in before]
     went = [before[k] for k in before if k not in after]
     bits = []
