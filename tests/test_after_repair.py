@@ -20,6 +20,7 @@ def test_a_held_xid_codes_remediation_ends_with_gpudiag_clear(code: str) -> None
     assert "gpudiag clear" in remediation, remediation
     assert remediation in (ROOT / "docs" / "blockers.md").read_text()
     assert remediation in (ROOT / "prometheus" / "gpudiag.rules.yml").read_text()
+    assert remediation in (ROOT / "docs" / "faults.md").read_text()
 
 
 @pytest.mark.parametrize("xid", [x for x, e in XIDS.items() if e.code in HELD])
