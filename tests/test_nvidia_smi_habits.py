@@ -77,6 +77,13 @@ def test_the_record_carries_the_processes_and_reads_back(gpu_env: EnvFactory, jo
     assert record["devices"][0]["processes"] == []
 
 
+def test_a_process_named_like_markup_is_shown_as_named() -> None:
+    dev = DeviceInfo(0, "GPU-f00d0000-0000-4000-8000-000000000000", "H200", None, None, None,
+                     occupancy="busy", healthy=True, pids=(7,),
+                     processes=(DeviceProcess(7, 2**20, "[red]x[/]", "[b]"),))
+    assert re.search(r"^\s+0\s+7\s+\[b\]\s+1\.0 MiB\s+\[red\]x\[/\]$", _render(dev), re.M)
+
+
 def test_a_process_hidden_by_proc_shows_its_pid_and_memory_and_says_why() -> None:
     dev = DeviceInfo(0, "GPU-f00d0000-0000-4000-8000-000000000000", "H200", None, None, None,
                      occupancy="busy", healthy=True, pids=(4242,),

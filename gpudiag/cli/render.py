@@ -238,8 +238,9 @@ def _processes(verdict: Verdict) -> Table | None:
         table.add_column(col, justify="right" if right else "left",
                          no_wrap=col != "command", overflow="fold")
     for d, p in rows:
-        table.add_row(str(d.index), str(p.pid), p.user or "-",
-                      format_size(p.used_memory_bytes), p.name or "-")
+        # Text, not markup: a command may be named "[red]x" (its owner chooses it).
+        table.add_row(str(d.index), str(p.pid), Text(p.user or "-"),
+                      format_size(p.used_memory_bytes), Text(p.name or "-"))
     if any(p.name is None for _, p in rows):
         table.caption = ("-: hidden from gpudiag by /proc (another PID namespace, hidepid, "
                          "systemd's ProtectProc=)")
