@@ -250,7 +250,6 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
     return _wide_option(command)
 
 
-
 @cli.command(short_help="Can a job with this requirement start here now? Exit 0 or 1.",
              epilog=examples(
                  "gpudiag preflight                            # one CUDA GPU, every GPU usable",
