@@ -136,10 +136,10 @@ def test_the_watcher_releases_the_held_xids_of_one_gpu_then_of_all(tmp_path: Pat
 
 # -- the CLI -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("args", "says"), [
-    ([], "exactly one of --gpu UUID or --all"),
+    ([], "exactly one of --gpu GPU or --all"),
     (["--all", "--gpu", UUID0], "exactly one of"),
-    (["--gpu", "GPU-f00d"], "not a full GPU UUID"),
-    (["--gpu", "0"], "not a full GPU UUID"),
+    (["--gpu", "GPU-f00d"], "not a full GPU UUID and there is no daemon history"),
+    (["--gpu", "0"], "not a full GPU UUID and there is no daemon history"),
 ])
 def test_clear_refuses_bad_flags(args: list[str], says: str, tmp_path: Path) -> None:
     proc = run_gpudiag(["clear", *args, "--state-dir", str(tmp_path)], os.environ)
@@ -216,5 +216,42 @@ def test_clear_releases_held_xids_and_a_gpu_that_still_fails_is_blocked_again(
         text = run_gpudiag(["history", "--state-dir", str(state)], env).stdout
         assert "all GPUs  by uid" in text and "reset both GPUs" in text
         assert any("cleared by uid" in line for line in daemon.lines)
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_clear_names_a_gpu_by_index_uuid_prefix_or_pci_bus_id_as_nvidia_smi_does(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    state_file = tmp_path / "gpu-state"
+    knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 4,
+                                   "FAKE_NVML_XIDS": "1:79,2:79,3:79"}
+    write_state_file(state_file, {"FAKE_NVML_DEVICE_COUNT": 4})
+    env = host_env(fakes, tmp_path / "host", gpus=4, FAKE_GPU_STATE_FILE=str(state_file))
+    state = tmp_path / "state"
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", daemon_toml({})), state)
+    try:
+        daemon.wait_ready()
+        write_state_file(state_file, knobs)
+        wait_for(lambda: len([b for b in _blockers(daemon) if "XID" in b["message"]]) == 3,
+                 15, interval=0.1)
+        write_state_file(state_file, {"FAKE_NVML_DEVICE_COUNT": 4})
+        uuids = [f"GPU-f00d{i:04x}-0000-4000-8000-{i:012x}" for i in range(4)]
+        for selector, index in [("1", 1), ("gpu-F00D0002", 2), ("0000:1b:00.0", 3)]:
+            proc = run_gpudiag(["clear", "--gpu", selector, "--reason", f"fixed {index}",
+                                "--state-dir", str(state)], env)
+            assert proc.returncode == 0, proc.stderr
+            assert f"clear of {uuids[index]} requested" in proc.stdout
+        for selector, says in [("GPU-f00d", "names 4 GPUs"), ("9", "has index '9'"),
+                               ("00:99:00.0", "has PCI bus id")]:
+            proc = run_gpudiag(["clear", "--gpu", selector, "--state-dir", str(state)], env)
+            assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+            assert "Traceback" not in proc.stderr
+        assert uuids[3] in proc.stderr and "00000000:1B:00.0" in proc.stderr  # what it knows
+        wait_for(lambda: not any("XID" in b["message"] for b in _blockers(daemon)), 15,
+                 interval=0.1)
+        hist = run_gpudiag(["history", "--json", "--state-dir", str(state)], env)
+        clears = json.loads(hist.stdout)["clears"]
+        assert sorted((c["gpu"], c["reason"]) for c in clears) == [
+            (uuids[i], f"fixed {i}") for i in (1, 2, 3)]
     finally:
         assert daemon.stop() == 0

@@ -23,12 +23,19 @@ class _Failed(click.ClickException):
     exit_code = EXIT_FAILED
 
 
+# How many of the daemon's newest verdict changes to search for the GPUs it has seen.
+_KNOWN_FROM = 200
+
+
 @click.command(short_help="Release the XID blockers the daemon holds for a repaired GPU.",
                epilog=examples(
-                   "gpudiag clear --gpu GPU-5f3a2b1c-0000-4000-8000-000000000001 "
-                   "--reason 'reseated'",
+                   "gpudiag clear --gpu 3 --reason 'nvidia-smi -r -i 3'",
+                   "gpudiag clear --gpu GPU-5f3a2b1c --reason 'reseated'",
+                   "gpudiag clear --gpu 0000:1b:00.0 --reason 'reseated'",
                    "sudo -u gpudiag gpudiag clear --all --reason 'node rebooted'"))
-@click.option("--gpu", "gpu", metavar="UUID", help="The repaired GPU's full UUID (GPU-...).")
+@click.option("--gpu", "gpu", metavar="GPU",
+              help="The repaired GPU: its index, full UUID, a unique UUID prefix (as in "
+                   "`gpudiag probe`'s table) or PCI bus id, as `nvidia-smi -i` takes them.")
 @click.option("--all", "all_gpus", is_flag=True, help="Clear every GPU.")
 @click.option("--reason", default="", metavar="TEXT",
               help="Why (the repair done); recorded in the history with your uid.")
@@ -45,14 +52,13 @@ def clear(gpu: str | None, all_gpus: bool, reason: str, state_dir: str | None) -
     from gpudiag.daemon.clears import request_dir, write_request
 
     if (gpu is None) == (not all_gpus):
-        raise click.UsageError("name exactly one of --gpu UUID or --all")
-    if gpu is not None and not (gpu.startswith("GPU-") and is_full_uuid(gpu)):
-        raise click.UsageError(f"--gpu {gpu!r} is not a full GPU UUID; `nvidia-smi -L` lists "
-                               "them (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+        raise click.UsageError("name exactly one of --gpu GPU or --all")
     folder = Path(state_dir) if state_dir else default_state_dir()
     if not folder.is_dir():
         raise click.UsageError(f"no daemon state directory at {folder}: pass the --state-dir "
                                "that `gpudiag serve` uses")
+    if gpu is not None and not (gpu.startswith(("GPU-", "MIG-")) and is_full_uuid(gpu)):
+        gpu = _full_uuid(gpu, folder)
     try:
         path = write_request(folder, gpu, reason)
     except OSError as e:
@@ -66,3 +72,29 @@ def clear(gpu: str | None, all_gpus: bool, reason: str, state_dir: str | None) -
     click.echo(f"clear of {gpu or 'all GPUs'} requested ({path.name}); the running daemon "
                "applies it on its next loop, re-probes at once, and records it in "
                "`gpudiag history`")
+
+
+def _full_uuid(selector: str, folder: Path) -> str:
+    """The full UUID an index, UUID prefix or PCI bus id names, by the daemon's history."""
+    from gpudiag.daemon.clears import ClearRequestError, known_gpus, resolve_gpu
+    from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
+
+    path = default_path(folder)
+    if not path.is_file():
+        raise click.UsageError(f"--gpu {selector!r} is not a full GPU UUID and there is no "
+                               f"daemon history at {path} to look it up in; pass the full "
+                               "UUID (`nvidia-smi -L` lists them)")
+    try:
+        store = HistoryStore(path, readonly=True)
+        try:
+            ids = store.ids()[-_KNOWN_FROM:]
+            records = (store.verdict_record(i) for i in reversed(ids))
+            known = known_gpus(r for r in records if r is not None)
+        finally:
+            store.close()
+    except HistoryError as e:
+        raise _Failed(str(e)) from e
+    try:
+        return resolve_gpu(selector, known).uuid
+    except ClearRequestError as e:
+        raise click.UsageError(f"--gpu: {e}") from e

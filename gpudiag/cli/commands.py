@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from gpudiag.cli.watch import watch_command, watch_option
 from gpudiag.core.limits import (
     EXIT_BLOCKED,
     EXIT_FAILED,
@@ -66,7 +67,7 @@ def _progress(message: str) -> Iterator[None]:
         yield
 
 
-def _emit(verdict: Verdict, fmt: str) -> None:
+def _emit(verdict: Verdict, fmt: str, wide: bool = False) -> None:
     if fmt == "json":
         click.echo(verdict.json())
     elif fmt == "kv":
@@ -74,7 +75,7 @@ def _emit(verdict: Verdict, fmt: str) -> None:
     else:
         from gpudiag.cli.render import render_text
 
-        render_text(verdict, sys.stdout, color=sys.stdout.isatty())
+        render_text(verdict, sys.stdout, color=sys.stdout.isatty(), wide=wide)
 
 
 def examples(*lines: str) -> str:
@@ -161,6 +162,11 @@ def cli() -> None:
     """
 
 
+_wide_option = click.option("--wide", is_flag=True,
+                            help="Full GPU UUIDs in the text output (lines may be wider than "
+                            "the terminal).")
+
+
 def _parse_backends(text: str) -> list[str]:
     names = [b.strip().lower() for b in text.split(",") if b.strip()]
     bad = [b for b in names if b.split(":")[0] not in PROBE_BACKENDS]
@@ -176,7 +182,8 @@ def _parse_backends(text: str) -> list[str]:
                  "gpudiag probe --backend host,nvml,cuda # the NVIDIA stack only",
                  "gpudiag probe --backend jax:cpu,iree:local-task   # no GPU needed",
                  "gpudiag probe --format json | jq .gpu_validation_blocker",
-                 "gpudiag probe --expected-gpus 8        # fewer than 8 is gpu_missing"))
+                 "gpudiag probe --expected-gpus 8        # fewer than 8 is gpu_missing",
+                 "gpudiag probe --backend nvml --watch   # every 2 s, redrawn in place"))
 @click.option("--backend", "backend_text", default=",".join(PROBE_BACKENDS), show_default=True,
               metavar="LIST", help="Backends to probe, comma-separated (jax:cpu and "
               "iree:local-task pick a platform).")
@@ -189,8 +196,10 @@ def _parse_backends(text: str) -> list[str]:
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
+@_wide_option
+@watch_option
 def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str | None,
-          expected_gpus: int | None) -> None:
+          expected_gpus: int | None, wide: bool, watch_text: str | None) -> None:
     """Probe every backend and device and show blockers with their remediation.
 
     Exits 0 when everything probed is ready, 1 when blocked, 2 on bad flags, 3 when gpudiag
@@ -211,13 +220,20 @@ def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str |
     from gpudiag.core.classify import classify
     from gpudiag.engine.inline import run_inline
 
-    with _progress("probing " + ", ".join(names)):
+    def produce() -> Verdict:
         done = run_inline(requirement, timeout_s=timeout_s,
                           only={n.split(":")[0] for n in names})
-    verdict = classify(done.runs, requirement, host=socket.gethostname(),
-                       checked_at=done.checked_at, scope=done.scope,
-                       expected_gpus=expected_gpus)
-    _emit(verdict, "json" if as_json else fmt or "text")
+        return classify(done.runs, requirement, host=socket.gethostname(),
+                        checked_at=done.checked_at, scope=done.scope,
+                        expected_gpus=expected_gpus)
+
+    fmt = "json" if as_json else fmt or "text"
+    if watch_text is not None:
+        sys.exit(watch_command(produce, watch_text, "gpudiag probe --backend " + ",".join(names),
+                               fmt, wide))
+    with _progress("probing " + ", ".join(names)):
+        verdict = produce()
+    _emit(verdict, fmt, wide)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 
 
@@ -243,7 +259,7 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
     """Add the options every question-answering command takes."""
     for option in reversed(_ANSWER_OPTIONS):
         command = option(command)
-    return command
+    return _wide_option(command)
 
 
 @cli.command(short_help="Can a job with this requirement start here now? Exit 0 or 1.",
@@ -259,13 +275,17 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--devices", "devices_text", metavar="LIST",
               help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
 @click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
-              help="At least N usable GPUs.  [default: 1 for a GPU requirement]")
+              help="At least N usable GPUs among --devices (else the visible ones), each "
+              "of them usable: for GPUs a scheduler already gave the job (the Slurm Prolog "
+              "asks --devices $SLURM_JOB_GPUS --min-devices N).  [default: 1 for a GPU "
+              "requirement]")
 @click.option("--min-free-memory", "min_free_text", metavar="SIZE",
               help="Free memory each selected GPU needs: 8GiB, 8GB, or bytes.")
 @click.option("--gpus", type=click.IntRange(1, 64), metavar="N",
-              help="Job readiness on N GPUs: ready when at least N visible GPUs are healthy "
-              "and free (not used by other processes); the verdict names them. A fault on "
-              "another GPU is then a warning. Without it every visible GPU must be usable.")
+              help="Job readiness on N GPUs the job may still choose: ready when at least N "
+              "visible GPUs are healthy and free (not used by other processes); the verdict "
+              "names them, and a fault on another GPU is then a warning. Without it every "
+              "visible GPU must be usable (see --min-devices).")
 @_answer_options
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
@@ -273,7 +293,7 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
               min_free_text: str | None, gpus: int | None, timeout_text: str | None, fmt: str,
               record_path: str | None, daemon_url: str | None, no_daemon: bool,
-              expected_gpus: int | None) -> None:
+              expected_gpus: int | None, wide: bool) -> None:
     """The verdict for a job's requirement: exit 0 ready, 1 blocked, 2 usage, 3 failure."""
     try:
         requirement = parse_requirement(require_text, devices=devices_text,
@@ -282,19 +302,23 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
     except RequirementError as e:
         raise _usage(str(e)) from e
     _answer(requirement, "preflight " + require_text, timeout_text, fmt, record_path,
-            daemon_url, no_daemon, expected_gpus)
+            daemon_url, no_daemon, expected_gpus, wide=wide)
 
 
 @cli.command(short_help="Is anything on this node broken? Busy GPUs count as healthy.",
              epilog=examples(
                  "gpudiag health                      # exit 0 healthy, 1 broken",
                  "gpudiag health --require cuda,jax --format kv",
-                 "gpudiag health --daemon-url http://127.0.0.1:9477"))
+                 "gpudiag health --daemon-url http://127.0.0.1:9477",
+                 "gpudiag health --watch 10           # every 10 s until Ctrl-C"))
 @click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
-              help="Backends whose health counts: cuda, nvml, jax, iree; comma-separated.")
+              help="Backends whose health counts: cuda, nvml, jax (on a GPU), jax:cpu, iree "
+              "(cuda driver), iree:DRIVER; comma-separated.")
 @_answer_options
+@watch_option
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
-           daemon_url: str | None, no_daemon: bool) -> None:
+           daemon_url: str | None, no_daemon: bool, wide: bool, watch_text: str | None
+           ) -> None:
     """Node health: is anything on this node broken? Busy GPUs are healthy in use.
 
     The question for a Slurm HealthCheckProgram or node-problem-detector: exit 0 when
@@ -306,17 +330,28 @@ def health(require_text: str, timeout_text: str | None, fmt: str, record_path: s
     except RequirementError as e:
         raise _usage(str(e)) from e
     _answer(requirement, "health " + require_text, timeout_text, fmt, record_path, daemon_url,
-            no_daemon)
+            no_daemon, wide=wide, watch_text=watch_text)
 
 
 def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: str,
             record_path: str | None, daemon_url: str | None, no_daemon: bool,
-            expected_gpus: int | None = None) -> None:
+            expected_gpus: int | None = None, *, wide: bool = False,
+            watch_text: str | None = None) -> None:
     """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
     timeout_s = _timeout(timeout_text)
     check_record_path(record_path)  # before the probes: a typo must not cost a probe round
     from gpudiag.engine.client import DaemonUrlError, DaemonUserError
     from gpudiag.engine.route import daemon_else_inline
+
+    if watch_text is not None:
+        if record_path is not None:
+            raise _usage("--record writes one verdict; --watch shows many: give one of them")
+
+        def produce() -> Verdict:
+            return daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
+                                      timeout_s=timeout_s).verdict
+
+        sys.exit(watch_command(produce, watch_text, "gpudiag " + what, fmt, wide))
 
     with _progress(what):
         try:

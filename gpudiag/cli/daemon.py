@@ -129,7 +129,7 @@ def _config(path: str | None, listen: str | None, socket_path: str | None = None
 @click.command(short_help="Run the daemon: probes, XID watcher, /metrics, preflight API.",
                epilog=examples(
                    "gpudiag serve                                 # 127.0.0.1:9477",
-                   "gpudiag serve --config /etc/gpudiag/daemon.toml --check-config",
+                   "gpudiag serve --config /etc/gpudiag/gpudiag.toml --check-config",
                    "gpudiag serve --listen 0.0.0.0:9477 --state-dir /var/lib/gpudiag",
                    "curl -s localhost:9477/v1/preflight?gpus=1 | jq .ready"))
 @click.option("--listen", metavar="HOST:PORT",
@@ -319,6 +319,7 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
     wake.append(scheduler.wake)
 
     logged: list[Verdict] = []  # the verdict of the last "verdict changed" line
+    last_uuids: dict[int, str] = {}  # each GPU index's last UUID: a lost GPU has none now
 
     def written(verdict: Verdict | None, changes: list[Written]) -> None:
         if app.store is None and isinstance(recorder.store, HistoryStore):
@@ -330,8 +331,9 @@ def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = Non
                                      if change.history_id is not None
                                      else {"history_pending": True})
             # Say what changed (which GPU, which code appeared or went), not only the code.
+            last_uuids.update((d.index, d.uuid) for d in change.verdict.devices if d.uuid)
             log.info("verdict changed: %s (%s)", verdict.gpu_validation_blocker,
-                     change_summary(logged[0] if logged else None, verdict),
+                     change_summary(logged[0] if logged else None, verdict, last_uuids),
                      extra={**where, "ready": verdict.ready,
                             "blockers": sorted({b.code for b in verdict.blockers}),
                             "warnings": sorted({w.code for w in verdict.warnings})})
@@ -575,18 +577,24 @@ def _when(ts: float) -> str:
                epilog=examples(
                    "gpudiag history                     # the last 50 changes",
                    "gpudiag history --since 1h --blocked",
-                   "gpudiag history --state-dir /var/lib/gpudiag --json | jq '.episodes'"))
+                   "gpudiag history --state-dir /var/lib/gpudiag --format json | jq .episodes"))
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="The daemon's state dir.  [default: as for `gpudiag serve`]")
 @click.option("--since", "since_text", metavar="DURATION",
               help="Only changes in the last DURATION (e.g. 1h, 30m, 2d).")
 @click.option("--blocked", is_flag=True, help="Only verdicts that were blocked.")
 @click.option("--limit", type=click.IntRange(1, 100000), default=50, show_default=True,
-              help="At most this many verdict changes and episodes.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+              metavar="N", help="At most this many verdict changes and episodes.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default=None,
+              help="Output format: text for people, json (verdicts, episodes, clears).  "
+              "[default: text]")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 def history(state_dir: str | None, since_text: str | None, blocked: bool, limit: int,
-            as_json: bool) -> None:
+            fmt: str | None, as_json: bool) -> None:
     """Show the daemon's verdict changes and blocker episodes (works while it runs)."""
+    if as_json and fmt not in (None, "json"):
+        raise click.UsageError(f"--json and --format {fmt} disagree; give one of them")
+    as_json = as_json or fmt == "json"
     from gpudiag.daemon.statedir import damaged_histories
     from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 

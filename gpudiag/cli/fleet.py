@@ -43,16 +43,17 @@ def _positive(value: float, name: str) -> float:
                    "gpudiag fleet --prometheus http://prometheus:9090 --qualified 86400",
                    "gpudiag fleet --prometheus https://prom.example --bearer-token-file "
                    "/etc/gpudiag/token --format json"))
-@click.option("--prometheus", "url", envvar="GPUDIAG_PROMETHEUS_URL", required=True,
-              metavar="URL", help="Prometheus's base URL, e.g. http://prometheus:9090 "
-              "(or $GPUDIAG_PROMETHEUS_URL).")
+@click.option("--prometheus", "url", envvar="GPUDIAG_PROMETHEUS_URL", metavar="URL",
+              help="Prometheus's base URL, e.g. http://prometheus:9090.  [default: "
+              "$GPUDIAG_PROMETHEUS_URL]")
 @click.option("--require", "require", default="cuda", show_default=True, metavar="LIST",
               help="Backends the job needs, comma-separated: cuda, jax, iree.")
 @click.option("--gpus", type=click.IntRange(1, MAX_DEVICES), default=1, show_default=True,
-              help="Healthy free GPUs the job needs on one node.")
+              metavar="N", help="Healthy free GPUs the job needs on one node.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-              show_default=True)
-@click.option("--job", default=DEFAULT_JOB, show_default=True,
+              show_default=True, help="Output format: text for people, json (every node's "
+              "answer).")
+@click.option("--job", default=DEFAULT_JOB, show_default=True, metavar="NAME",
               help="The scrape job's name in Prometheus.")
 @click.option("--max-age", "max_age_s", type=float, default=DEFAULT_MAX_AGE_S,
               show_default=True, metavar="SECONDS",
@@ -62,7 +63,7 @@ def _positive(value: float, name: str) -> float:
               "(gpudiag qualify; docs/qualify.md).")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True,
               metavar="SECONDS", help="Per request to Prometheus.")
-@click.option("--user", default=None, help="Basic auth user.")
+@click.option("--user", default=None, metavar="NAME", help="Basic auth user.")
 @click.option("--password-file", type=click.Path(dir_okay=False), default=None,
               help="File holding the basic auth password.")
 @click.option("--bearer-token-file", type=click.Path(dir_okay=False), default=None,
@@ -71,7 +72,7 @@ def _positive(value: float, name: str) -> float:
               help="CA bundle to verify Prometheus's TLS certificate with.")
 @click.option("--insecure-skip-tls-verify", "insecure", is_flag=True,
               help="Do not verify Prometheus's TLS certificate (verification is on by default).")
-def fleet(url: str, require: str, gpus: int, fmt: str, job: str, max_age_s: float,
+def fleet(url: str | None, require: str, gpus: int, fmt: str, job: str, max_age_s: float,
           qualified_s: float | None, timeout_s: float, user: str | None, password_file: str | None,
           bearer_token_file: str | None, ca_file: str | None, insecure: bool) -> None:
     """Ask Prometheus which nodes can run the requirement on N GPUs now, and why not the others.
@@ -81,6 +82,9 @@ def fleet(url: str, require: str, gpus: int, fmt: str, job: str, max_age_s: floa
     Exits 0 when at least one node can, 1 when none can, 2 on usage errors, 3 when
     Prometheus cannot be asked.
     """
+    if not url:
+        raise click.UsageError("no Prometheus to ask: pass --prometheus URL or set "
+                               "$GPUDIAG_PROMETHEUS_URL (e.g. http://prometheus:9090)")
     _positive(max_age_s, "--max-age")
     _positive(timeout_s, "--timeout")
     try:

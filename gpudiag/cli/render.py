@@ -59,15 +59,28 @@ def short_pci(bus_id: str | None) -> str:
     return bus_id
 
 
+# Past this many characters a unique prefix would crowd an 80-column table: the UUID is
+# shown as its first 12 characters, an ellipsis and the shortest tail no other UUID shares.
+_PREFIX_MAX = 17
+
+
 def short_uuids(uuids: Sequence[str | None], minimum: int = 12) -> dict[str, str]:
-    """The shortest prefix of each UUID (at least GPU- plus 8 hex digits) no other shares."""
+    """Each UUID as short as it stays unique: the shortest prefix (at least GPU- plus 8 hex
+    digits), or, when UUIDs share a long prefix, ``GPU-5f3a2b1c…0001`` (head and tail)."""
     known = [u for u in uuids if u]
     out: dict[str, str] = {}
     for u in known:
+        others = [o for o in known if o != u]
         n = min(minimum, len(u))
-        while n < len(u) and any(o != u and o.startswith(u[:n]) for o in known):
+        while n < len(u) and any(o.startswith(u[:n]) for o in others):
             n += 1
-        out[u] = u[:n]
+        if n <= _PREFIX_MAX or len(u) <= minimum + 5:
+            out[u] = u[:n]
+            continue
+        t = 4
+        while t < len(u) - minimum and any(o.endswith(u[-t:]) for o in others):
+            t += 1
+        out[u] = f"{u[:minimum]}…{u[-t:]}"
     return out
 
 
@@ -89,8 +102,10 @@ def device_status(verdict: Verdict, d: DeviceInfo) -> str:
     if outside:
         return _finding_word(outside[0])
     if d.occupancy == "busy":
-        pids = ",".join(str(p) for p in (d.pids or ()))
-        return f"busy pid {pids}" if pids else "busy"
+        # The first pid, and how many more: the Processes table lists each (nvidia-smi's).
+        pids = d.pids or ()
+        more = f" +{len(pids) - 1}" if len(pids) > 1 else ""
+        return f"busy pid {pids[0]}{more}" if pids else "busy"
     if d.healthy is False:
         return "fault"
     if d.occupancy == "unknown":
@@ -171,7 +186,13 @@ def _backends(verdict: Verdict) -> Table:
     return table
 
 
-def _devices(verdict: Verdict) -> Table:
+def _uuid_labels(verdict: Verdict, wide: bool) -> dict[str, str]:
+    """How the UUIDs are shown: full with ``--wide``, else as short as they stay unique."""
+    uuids = [d.uuid for d in verdict.devices]
+    return {u: u for u in uuids if u} if wide else short_uuids(uuids)
+
+
+def _devices(verdict: Verdict, wide: bool = False) -> Table:
     devices = verdict.devices
     names = {d.name for d in devices if d.name}
     totals = {d.memory_total_bytes for d in devices if d.memory_total_bytes}
@@ -189,7 +210,7 @@ def _devices(verdict: Verdict) -> Table:
                          no_wrap=col != "status", overflow="fold")
     if not uniform:
         table.add_column("name", overflow="fold")
-    short = short_uuids([d.uuid for d in devices])
+    short = _uuid_labels(verdict, wide)
     for d in devices:
         status = device_status(verdict, d)
         style = _STATUS_WORD_STYLE.get(status.split(" ")[0].rstrip(","), "red")
@@ -204,6 +225,28 @@ def _devices(verdict: Verdict) -> Table:
         if not uniform:
             row.append(d.name or "-")
         table.add_row(*row)
+    return table
+
+
+def _processes(verdict: Verdict) -> Table | None:
+    """nvidia-smi's process table: every compute process on a GPU, its memory, user, name."""
+    rows = [(d, p) for d in verdict.devices for p in d.processes or ()]
+    if not rows:
+        return None
+    table = Table(title="Processes", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, show_edge=False)
+    for col, right in (("gpu", True), ("pid", True), ("user", False), ("gpu memory", True),
+                       ("command", False)):
+        table.add_column(col, justify="right" if right else "left",
+                         no_wrap=col != "command", overflow="fold")
+    for d, p in rows:
+        # Text, not markup: a command may be named "[red]x" (its owner chooses it).
+        table.add_row(str(d.index), str(p.pid), Text(p.user or "-"),
+                      format_size(p.used_memory_bytes), Text(p.name or "-"))
+    if any(p.name is None for _, p in rows):
+        table.caption = ("-: hidden from gpudiag by /proc (another PID namespace, hidepid, "
+                         "systemd's ProtectProc=)")
+        table.caption_justify = "left"
     return table
 
 
@@ -223,8 +266,8 @@ def _where(f: Finding, verdict: Verdict, short: Mapping[str, str]) -> str:
 
 
 def _findings(console: Console, title: str, items: Sequence[Finding], style: str,
-              verdict: Verdict) -> None:
-    short = short_uuids([d.uuid for d in verdict.devices])
+              verdict: Verdict, wide: bool = False) -> None:
+    short = _uuid_labels(verdict, wide)
     console.print(Text(f"{title} ({len(items)})", style="italic"))
     for f in items:
         head = Text("  ")
@@ -240,22 +283,38 @@ def _indented(console: Console, text: str, style: str) -> None:
     console.print(Padding(Text(text, style=style, overflow="fold"), (0, 0, 0, 4)))
 
 
-def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None) -> None:
-    """Print source, backends, devices, blockers with remediation and the final blocker line."""
+# With --wide nothing is shortened: lines may be wider than the terminal (as nvidia-smi's).
+WIDE_WIDTH = 160
+
+
+def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
+                wide: bool = False, width: int | None = None) -> None:
+    """Print source, backends, devices, blockers with remediation and the final blocker line.
+
+    ``wide``: full UUIDs; ``width``: the terminal's width when ``stream`` is not the terminal
+    itself (a frame of ``--watch`` drawn into a buffer).
+    """
     # Plain text (a pipe, a file) without the spaces rich pads lines with.
-    out: IO[str] = stream if color else io.StringIO()
+    buffer = None if color else io.StringIO()
+    out: IO[str] = stream if buffer is None else buffer
+    width = width or _width(stream, color)
+    if wide:
+        width = max(width or Console().width, WIDE_WIDTH)
     console = Console(file=out, force_terminal=color, no_color=color is False,
-                      width=_width(stream, color), soft_wrap=False, highlight=False)
+                      width=width, soft_wrap=False, highlight=False)
     console.print(Text(source_line(verdict), style="dim"))
     console.print(_backends(verdict))
     if verdict.devices:
-        console.print(_devices(verdict))
+        console.print(_devices(verdict, wide))
+        processes = _processes(verdict)
+        if processes is not None:
+            console.print(processes)
     if verdict.blockers:
-        _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict)
+        _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict, wide)
     if verdict.warnings:
-        _findings(console, "Warnings", verdict.warnings, "yellow", verdict)
+        _findings(console, "Warnings", verdict.warnings, "yellow", verdict, wide)
     console.print(preallocation_line(verdict), markup=False)
     console.print(f"gpu_validation_blocker={verdict.gpu_validation_blocker}", markup=False,
                   style="bold green" if verdict.ready else "bold red")
-    if isinstance(out, io.StringIO):
-        stream.write("".join(line.rstrip() + "\n" for line in out.getvalue().splitlines()))
+    if buffer is not None:
+        stream.write("".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines()))

@@ -93,11 +93,13 @@ BLOCKERS: dict[str, CatalogEntry] = {
             "device",
             ("gpu_lost", "A GPU has fallen off the bus (NVML GPU_IS_LOST or XID 79).",
              "Drain the node and reset the GPU or reboot; check power, cooling and PCIe "
-             "seating if it recurs."),
+             "seating if it recurs. After the repair run `gpudiag clear --gpu N` (index, "
+             "UUID or PCI bus id) so that the daemon releases a held XID at once."),
             ("gpu_reset_required",
              "A GPU needs a reset (NVML RESET_REQUIRED, a recovery action or a critical XID).",
              "Drain the node, stop GPU processes and run nvidia-smi -r on that GPU, or "
-             "reboot as the recovery action says."),
+             "reboot as the recovery action says; then run `gpudiag clear --gpu N` (index, "
+             "UUID or PCI bus id) so that the daemon releases a held XID at once."),
             ("gpu_ecc_uncorrectable",
              "Volatile uncorrectable ECC errors, or a row-remapping failure.",
              "Drain the node and reset the GPU; a row-remapping failure means the GPU has "
@@ -130,8 +132,8 @@ BLOCKERS: dict[str, CatalogEntry] = {
             ("node_reboot_required",
              "An XID asks for a node reboot or power-off service (docs/xids.md lists them).",
              "Drain the node and follow the XID's action in docs/xids.md (reboot, power "
-             "cycle, or reconnect the GPU's power), then `gpudiag clear` if the daemon "
-             "still holds the XID."),
+             "cycle, or reconnect the GPU's power), then run `gpudiag clear --gpu N` (or "
+             "--all) so that the daemon releases the held XID at once."),
         ),
         *_rows(
             "cuda",

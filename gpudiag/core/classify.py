@@ -23,8 +23,9 @@ from gpudiag.core.environment import (
     resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.gpu_processes import device_processes
 from gpudiag.core.limits import PROBES
-from gpudiag.core.missing import missing_gpu_findings
+from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
 from gpudiag.core.nvml_health import (
     NvmlHealthPolicy,
     NvmlHistory,
@@ -262,7 +263,7 @@ def _select(candidates: Sequence[NvmlDevice], requirement: Requirement,
     return chosen
 
 
-def _device_info(d: NvmlDevice) -> DeviceInfo:
+def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None) -> DeviceInfo:
     mem = d.memory or Memory()
     procs = list(d.processes or ())
     for inst in d.mig.instances if d.mig else ():
@@ -270,11 +271,13 @@ def _device_info(d: NvmlDevice) -> DeviceInfo:
     pids = (tuple(sorted({p.pid for p in procs if p.pid is not None}))
             if d.processes is not None or procs else None)
     util, temp = d.readings.utilization_gpu_ratio, d.readings.temperature_c
-    return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, pci_bus_id=d.pci_bus_id,
+    return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name,
+                      pci_bus_id=d.pci_bus_id or sysfs_bus_id,
                       memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes,
                       memory_used_bytes=mem.used_bytes,
                       utilization_ratio=None if util is None else float(util),
-                      temperature_c=None if temp is None else float(temp), pids=pids)
+                      temperature_c=None if temp is None else float(temp), pids=pids,
+                      processes=None if pids is None else device_processes(procs))
 
 
 def _free(d: NvmlDevice) -> int | None:
@@ -415,7 +418,9 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                        backend="cuda")
         _requirement_findings(selected, requirement, f)
         held_memory_blocks(f)
-        devices = [_device_info(d) for d in selected]
+        # A lost GPU keeps the PCI bus id sysfs knows for its place (nvidia-smi shows it too).
+        bus_ids = sysfs_bus_ids(_json(host_run), _json(nvml_run))
+        devices = [_device_info(d, bus_ids.get(d.index)) for d in selected]
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
     gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok, device_nodes_present=nodes_present,

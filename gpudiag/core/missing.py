@@ -64,3 +64,39 @@ def missing_gpu_findings(host: Mapping[str, Any] | None, nvml: Mapping[str, Any]
     seen = ", ".join(f"{k} {v}" for k, v in counts.items() if v is not None)
     names = f"; not shown by NVML: {' '.join(unseen)}" if unseen else ""
     f.block("gpu_missing", f"{'; '.join(why)} ({seen}){names}", backend="nvml")
+
+
+def sysfs_bus_ids(host: Mapping[str, Any] | None, nvml: Mapping[str, Any] | None
+                  ) -> dict[int, str]:
+    """NVML index -> PCI bus id from sysfs, for GPUs whose id NVML could not read (lost ones).
+
+    NVML numbers GPUs in PCI bus order. When sysfs lists exactly NVML's count of NVIDIA GPUs
+    and every id NVML did read sits at its own index in that order, the GPU at an unread
+    index is the one at that place on the bus; otherwise nothing is inferred.
+    """
+    pci = (host or {}).get("pci") or {}
+    devices = [d for d in ((nvml or {}).get("devices") or []) if isinstance(d, Mapping)]
+    if not pci.get("available") or not (nvml or {}).get("ok"):
+        return {}
+    addrs = sorted(str(g["address"]) for g in pci.get("gpus") or []
+                   if g.get("driver") not in _PASSTHROUGH_DRIVERS)
+    if len(addrs) != int((nvml or {}).get("device_count") or 0):
+        return {}
+    unread: dict[int, str] = {}
+    for d in devices:
+        index = d.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(addrs):
+            return {}
+        read = d.get("pci_bus_id")
+        if read:
+            if pci_address(str(read)) != addrs[index]:
+                return {}  # not in bus order: no guess
+        else:
+            unread[index] = nvml_bus_id(addrs[index])
+    return unread
+
+
+def nvml_bus_id(address: str) -> str:
+    """sysfs's ``0000:18:00.0`` -> NVML's ``00000000:18:00.0`` (upper-case hex)."""
+    domain, bus, rest = address.split(":", 2)
+    return f"{int(domain, 16):08X}:{bus.upper()}:{rest.upper()}"

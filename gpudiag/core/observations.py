@@ -190,12 +190,15 @@ class GpuProcess:
 
     pid: int | None
     used_memory_bytes: Number | None = None
+    name: str | None = None  # its command name (/proc/PID/comm); None where /proc hides it
+    user: str | None = None  # its owner's user name (or uid); None where /proc hides it
 
 
 def _processes(value: Any) -> tuple[GpuProcess, ...] | None:
     if not isinstance(value, list):
         return None
-    return tuple(GpuProcess(_int(p.get("pid")), _num(p.get("used_memory_bytes")))
+    return tuple(GpuProcess(_int(p.get("pid")), _num(p.get("used_memory_bytes")),
+                            _str(p.get("name")), _str(p.get("user")))
                  for p in value if isinstance(p, Mapping))
 
 

@@ -119,6 +119,35 @@ class Requirement:
 
 
 @dataclass(frozen=True)
+class DeviceProcess:
+    """A compute process on a GPU, as nvidia-smi's process table shows it; name and user are
+    None where /proc hides the process from gpudiag (another PID namespace, hidepid)."""
+
+    pid: int
+    used_memory_bytes: int | None = None
+    name: str | None = None
+    user: str | None = None
+
+    def record(self) -> dict[str, JSONValue]:
+        return {"pid": self.pid, "used_memory_bytes": self.used_memory_bytes,
+                "name": self.name, "user": self.user}
+
+    @classmethod
+    def from_record(cls, d: JSONValue) -> DeviceProcess:
+        """Rebuild one process; TypeError names a field of the wrong type."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"devices[].processes[] holds {d!r}, not an object")
+        pid, used = d.get("pid"), d.get("used_memory_bytes")
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise TypeError(f"devices[].processes[].pid holds {pid!r}, not a process id")
+        if used is not None and (isinstance(used, bool) or not isinstance(used, int)):
+            raise TypeError(f"devices[].processes[].used_memory_bytes holds {used!r}")
+        name, user = d.get("name"), d.get("user")
+        return cls(pid, used, name if isinstance(name, str) else None,
+                   user if isinstance(user, str) else None)
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     """One GPU the job could use, as the verdict reports it."""
 
@@ -142,6 +171,8 @@ class DeviceInfo:
     utilization_ratio: float | None = None
     temperature_c: float | None = None
     pids: tuple[int, ...] | None = None
+    # Those processes with their GPU memory, name and user (nvidia-smi's process table).
+    processes: tuple[DeviceProcess, ...] | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -151,7 +182,9 @@ class DeviceInfo:
                 "selected": self.selected, "memory_used_bytes": self.memory_used_bytes,
                 "utilization_ratio": self.utilization_ratio,
                 "temperature_c": self.temperature_c,
-                "pids": None if self.pids is None else list(self.pids)}
+                "pids": None if self.pids is None else list(self.pids),
+                "processes": None if self.processes is None
+                else [p.record() for p in self.processes]}
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
@@ -160,6 +193,9 @@ class DeviceInfo:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in d.items() if k in known}
         pids = fields.pop("pids", None)
+        procs = fields.pop("processes", None)
+        if procs is not None and not isinstance(procs, list):
+            raise TypeError(f"devices[].processes holds {procs!r}, not a list")
         if pids is not None and not (isinstance(pids, list) and all(
                 isinstance(p, int) and not isinstance(p, bool) for p in pids)):
             raise TypeError(f"devices[].pids holds {pids!r}, not a list of process ids")
@@ -168,7 +204,9 @@ class DeviceInfo:
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, float))):
                 raise TypeError(f"devices[].{key} holds {value!r}, not a number")
-        return cls(**fields, pids=None if pids is None else tuple(pids))
+        return cls(**fields, pids=None if pids is None else tuple(pids),
+                   processes=None if procs is None
+                   else tuple(DeviceProcess.from_record(p) for p in procs))
 
 
 # A backend that was not tried on a GPU (none free, a sibling probing): never counted as
@@ -387,7 +425,8 @@ def render_kv(record: Mapping[str, JSONValue]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _finding_keys(verdict: Verdict | None) -> dict[tuple[str, str | None], str]:
+def _finding_keys(verdict: Verdict | None, last_uuids: Mapping[int, str]
+                  ) -> dict[tuple[str, str | None], str]:
     if verdict is None:
         return {}
     index = {d.uuid: d.index for d in verdict.devices if d.uuid}
@@ -397,14 +436,22 @@ def _finding_keys(verdict: Verdict | None) -> dict[tuple[str, str | None], str]:
         if where is not None and where in index:
             where = f"GPU {index[where]} ({where})"
         elif where is not None and where.startswith("index "):
-            where = "GPU " + where.removeprefix("index ")
+            number = where.removeprefix("index ")
+            last = last_uuids.get(int(number)) if number.isdecimal() else None
+            # A lost GPU has no UUID NVML can read now: name the one it last had.
+            where = f"GPU {number}" + (f" (last seen as {last})" if last else "")
         out[(b.code, b.device)] = b.code + (f" on {where}" if where else "")
     return out
 
 
-def change_summary(old: Verdict | None, new: Verdict) -> str:
-    """What changed between two verdicts, for a log line: which blockers appeared or went."""
-    before, after = _finding_keys(old), _finding_keys(new)
+def change_summary(old: Verdict | None, new: Verdict,
+                   last_uuids: Mapping[int, str] | None = None) -> str:
+    """What changed between two verdicts, for a log line: which blockers appeared or went.
+
+    ``last_uuids``: each GPU index's last UUID seen, to name a GPU that lost it.
+    """
+    known = dict(last_uuids or {})
+    before, after = _finding_keys(old, known), _finding_keys(new, known)
     appeared = [after[k] for k in after if k not in before]
     went = [before[k] for k in before if k not in after]
     bits = []

@@ -21,13 +21,13 @@ APPLICATION = "gpu_xid_application"
 XID_CODES: tuple[str, ...] = (LOST, RESET, REBOOT, APPLICATION)
 
 # NVIDIA's immediate-action bucket -> (code, what to do). Rows may override both.
-BUCKET_CODES: dict[str, tuple[str | None, str]] = {
+_BUCKETS: dict[str, tuple[str | None, str]] = {
     "RESTART_APP": (APPLICATION,
                     "Restart the application; if it recurs, debug it (compute-sanitizer, "
                     "cuda-gdb) before suspecting the GPU."),
     "RESET_GPU": (RESET,
-                  "Drain the GPU, stop its processes and reset it (nvidia-smi -r), then "
-                  "`gpudiag clear --gpu UUID`; contact the vendor if it recurs."),
+                  "Drain the GPU, stop its processes and reset it (nvidia-smi -r); contact "
+                  "the vendor if it recurs."),
     "RESTART_BM": (LOST,
                    "Drain and reboot the node; check PCIe seating, power and cooling if it "
                    "recurs."),
@@ -59,6 +59,22 @@ BUCKET_CODES: dict[str, tuple[str | None, str]] = {
     "NONE": (None, "No action in the catalog: informational."),
 }
 
+# The daemon holds a blocking XID for xid.hold_s (an hour) because no NVML reading proves a
+# repair: every blocking action ends by saying how to release it.
+AFTER_REPAIR = ("After the repair run `gpudiag clear --gpu N` (the GPU's index, UUID or PCI "
+                "bus id) so that the daemon releases the XID at once.")
+
+
+def with_clear(code: str | None, action: str) -> str:
+    """``action``, ending with how to release the held XID when ``code`` blocks."""
+    if code in (LOST, RESET, REBOOT) and "gpudiag clear" not in action:
+        return f"{action} {AFTER_REPAIR}"
+    return action
+
+
+BUCKET_CODES: dict[str, tuple[str | None, str]] = {
+    bucket: (code, with_clear(code, action)) for bucket, (code, action) in _BUCKETS.items()}
+
 
 @dataclass(frozen=True)
 class XidEntry:
@@ -85,8 +101,9 @@ _FROM_BUCKET = "from the bucket"
 def _e(xid: int, mnemonic: str, description: str, bucket: str,
        code: str | None = _FROM_BUCKET, action: str | None = None) -> XidEntry:
     default_code, default_action = BUCKET_CODES[bucket]
-    return XidEntry(xid, mnemonic, description, bucket,
-                    default_code if code == _FROM_BUCKET else code, action or default_action)
+    code = default_code if code == _FROM_BUCKET else code
+    return XidEntry(xid, mnemonic, description, bucket, code,
+                    with_clear(code, action or default_action))
 
 
 _RC = "ROBUST_CHANNEL_"

@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpudiag.daemon.snapshot import ProbeKey
 
@@ -148,6 +150,75 @@ class ClearPoller:
         if applied:
             self._recheck()
         return applied
+
+
+@dataclass(frozen=True)
+class KnownGpu:
+    """A GPU as the daemon's history last knew it: what ``gpudiag clear --gpu`` may name."""
+
+    index: int
+    uuid: str
+    pci_bus_id: str | None
+
+
+def known_gpus(records: Iterable[Mapping[str, Any]]) -> list[KnownGpu]:
+    """Each GPU index's newest UUID and PCI bus id, from verdict records given newest first.
+
+    A GPU lost now has no UUID in the newest record (NVML cannot read it), but an older one
+    of the same daemon still has it: that is the GPU an operator repaired.
+    """
+    found: dict[int, KnownGpu] = {}
+    for record in records:
+        for dev in record.get("devices") or ():
+            index, uuid = dev.get("index"), dev.get("uuid")
+            if (isinstance(index, int) and index not in found and isinstance(uuid, str)
+                    and uuid):
+                pci = dev.get("pci_bus_id")
+                found[index] = KnownGpu(index, uuid, pci if isinstance(pci, str) else None)
+    return [found[i] for i in sorted(found)]
+
+
+_INDEX = re.compile(r"[0-9]+")
+_PCI = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", re.I)
+
+
+def _pci_key(text: str) -> tuple[int, int, int, int] | None:
+    """``0000:1b:00.0``, ``00000000:1B:00.0`` and ``1B:00.0`` name one PCI address."""
+    m = _PCI.fullmatch(text.strip())
+    if not m:
+        return None
+    return (int(m.group(1) or "0", 16), int(m.group(2), 16), int(m.group(3), 16),
+            int(m.group(4)))
+
+
+def resolve_gpu(selector: str, known: Sequence[KnownGpu]) -> KnownGpu:
+    """The GPU an index, a unique UUID prefix (or ``head…tail``, as `gpudiag probe` prints
+    UUIDs that share a long prefix) or a PCI bus id names (as ``nvidia-smi -i``).
+
+    Raises ClearRequestError saying what matched (nothing, or several GPUs) and what is known.
+    """
+    text = selector.strip()
+    if _INDEX.fullmatch(text):
+        matches = [g for g in known if g.index == int(text)]
+        what = "index"
+    elif (key := _pci_key(text)) is not None:
+        matches = [g for g in known if g.pci_bus_id and _pci_key(g.pci_bus_id) == key]
+        what = "PCI bus id"
+    else:
+        # `gpudiag probe` shows UUIDs that share a long prefix as head…tail: take that too.
+        head, _, tail = text.lower().replace("...", "…").partition("…")
+        matches = [g for g in known
+                   if g.uuid.lower().startswith(head) and g.uuid.lower().endswith(tail)]
+        what = "UUID prefix"
+    if len(matches) == 1:
+        return matches[0]
+    listing = "; ".join(f"{g.index} {g.uuid} {g.pci_bus_id or '-'}" for g in known) or "none"
+    if matches:
+        raise ClearRequestError(
+            f"{what} {selector!r} names {len(matches)} GPUs "
+            f"({', '.join(g.uuid for g in matches)}): give more of the UUID")
+    raise ClearRequestError(f"no GPU the daemon has seen has {what} {selector!r}; "
+                            f"GPUs it knows (index, UUID, PCI bus id): {listing}")
 
 
 def recheck_keys(scheduled: Sequence[ProbeKey]) -> list[ProbeKey]:

@@ -103,13 +103,32 @@ def readings(pynvml: Any, handle: Any, read: Reader) -> dict[str, Any]:
 
 def _process_entries(procs: Any) -> list[dict[str, Any]]:
     return [{"pid": int(p.pid),
-             "used_memory_bytes": None if p.usedGpuMemory is None else int(p.usedGpuMemory)}
+             "used_memory_bytes": None if p.usedGpuMemory is None else int(p.usedGpuMemory),
+             **_process_owner(int(p.pid))}
             for p in procs]
 
 
 def _processes(pynvml: Any, handle: Any) -> list[dict[str, Any]]:
     # The _v3 call directly: the unsuffixed wrapper refuses on an NVML version mismatch.
     return _process_entries(pynvml.nvmlDeviceGetComputeRunningProcesses_v3(handle))
+
+
+def _process_owner(pid: int) -> dict[str, str | None]:
+    """The process's name and user as nvidia-smi and nvitop show them; None where /proc hides
+    them (another PID namespace, hidepid, systemd's ProtectProc=invisible)."""
+    import pwd
+
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
+            name: str | None = fh.read().strip() or None
+    except OSError:
+        return {"name": None, "user": None}
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid without a passwd entry (a container's, a dynamic user's)
+        user = str(uid)
+    return {"name": name, "user": user}
 
 
 def _field_value(pynvml: Any, handle: Any, field_id: int) -> int:

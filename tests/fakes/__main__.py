@@ -7,7 +7,7 @@ prints the ``export`` lines of the environment that makes gpudiag see N healthy 
     eval "$(python -m tests.fakes /tmp/gpudiag-try)"
     gpudiag probe
 
-Also written to DEST/env.sh (``source`` it in another shell); DEST/daemon.toml is a
+Also written to DEST/env.sh (``source`` it in another shell); DEST/gpudiag.toml is a
 ``gpudiag serve --config`` for the fake host. docs/try-without-a-gpu.md has
 recipes; the knobs are listed in tests/fakes/fake_common.h, fake_nvml.c and fake_cuda.c.
 """
@@ -46,7 +46,7 @@ def make_host(dest: Path, gpus: int) -> dict[str, str]:
                          "runs\n")
     (dest / "locks").mkdir(exist_ok=True)
     # A daemon config for the fake host: the fakes emulate no GPU JAX or IREE could use.
-    (dest / "daemon.toml").write_text(
+    (dest / "gpudiag.toml").write_text(
         "# gpudiag serve --config for the fake host (python -m tests.fakes)\n"
         "[backends.jax]\nenabled = false\n\n[backends.iree]\nenabled = false\n")
     return {
@@ -74,7 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fake GPUs, 1 to 16 (default: 8)")
     args = parser.parse_args(argv)
     dest = Path(args.dest).resolve()
-    print(f"building the fake driver and a {args.gpus}-GPU host in {dest} ...", file=sys.stderr)
+    article = "an" if args.gpus in (8, 11) else "a"  # as the number is said: an 8, an 11
+    print(f"building the fake driver and {article} {args.gpus}-GPU host in {dest} ...",
+          file=sys.stderr)
     try:
         env = make_host(dest, args.gpus)
     except (RuntimeError, OSError) as e:

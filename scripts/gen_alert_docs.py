@@ -1,0 +1,78 @@
+"""Write docs/operations.md's alert table from prometheus/gpudiag.rules.yml (a test checks it).
+
+Names, `for` and severity come from the rules file; what each alert means to an operator is
+written here once, keyed by the alert's name, so an alert added to the rules without a line
+here fails the test (and this script) instead of going undocumented.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml  # type: ignore[import-untyped]
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
+DOC = ROOT / "docs" / "operations.md"
+BEGIN = "<!-- alerts: generated from prometheus/gpudiag.rules.yml by scripts/gen_alert_docs.py -->"
+END = "<!-- /alerts -->"
+
+FIRES_WHEN = {
+    "GpudiagNodeBlocked": "`gpudiag_blocker == 1`; the code and layer are labels, the "
+                          "catalog's remediation is the `remediation` annotation",
+    "GpudiagBackendDown": "`gpudiag_backend_up == 0`",
+    "GpudiagProbeTimeouts": "a probe child missed its deadline in the last 30 min (a hung "
+                            "driver)",
+    "GpudiagXidWatcherDead": "the XID watcher is down while enabled",
+    "GpudiagProbesStale": "no probe child of a backend finished in 30 min (a stuck scheduler)",
+    "GpudiagCriticalXid": "the daemon holds a critical XID (48 62 64 74 79 95 119 120) on a "
+                          "GPU: seen within the hold time (an hour) and the GPU reads "
+                          "unhealthy; `gpudiag clear` after the repair resolves it",
+    "GpudiagEccUncorrectable": "new uncorrectable ECC errors in an hour, or row remapping "
+                               "pending/failed",
+    "GpudiagHistoryNotWritable": "`gpudiag_history_writable == 0` (usually a full state-dir "
+                                 "disk)",
+    "GpudiagHistoryDamaged": "`gpudiag_history_damaged_files > 0`: a damaged history was "
+                             "moved aside",
+    "GpudiagGpuUnhealthy": "`gpudiag_gpu_healthy == 0`: one GPU has a fault (per GPU; busy "
+                           "GPUs are healthy in use)",
+    "GpudiagExporterDown": "`up{job=\"gpudiag\"} == 0`: Prometheus cannot scrape the daemon",
+}
+
+
+def rules() -> list[dict[str, Any]]:
+    """Every rule of the file, in its order."""
+    data = yaml.safe_load(RULES.read_text())
+    return [r for g in data["groups"] for r in g["rules"]]
+
+
+def render() -> str:
+    """The generated block: the alert table and the recording rules."""
+    alerts = [r for r in rules() if "alert" in r]
+    missing = [r["alert"] for r in alerts if r["alert"] not in FIRES_WHEN]
+    stale = sorted(set(FIRES_WHEN) - {r["alert"] for r in alerts})
+    if missing or stale:
+        raise ValueError(f"scripts/gen_alert_docs.py FIRES_WHEN: add {missing}, "
+                         f"remove {stale}")
+    out = [BEGIN, "| alert | fires when | for | severity |", "|---|---|---|---|"]
+    out += [f"| `{r['alert']}` | {FIRES_WHEN[r['alert']]} | {r.get('for', '-')} "
+            f"| {r['labels']['severity']} |" for r in alerts]
+    records = ", ".join(f"`{r['record']}`" for r in rules() if "record" in r)
+    out += ["", f"Recording rules: {records}.", END]
+    return "\n".join(out)
+
+
+def rewrite(text: str) -> str:
+    """``text`` (docs/operations.md) with its generated block replaced."""
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"{DOC}: no '{BEGIN}' ... '{END}' block")
+    return pattern.sub(lambda _: render(), text)
+
+
+if __name__ == "__main__":
+    DOC.write_text(rewrite(DOC.read_text()))
+    sys.stdout.write(f"wrote the alert table of {DOC}\n")
