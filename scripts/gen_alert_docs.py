@@ -21,6 +21,14 @@ BEGIN = "<!-- alerts: generated from prometheus/gpudiag.rules.yml by scripts/gen
 END = "<!-- /alerts -->"
 
 FIRES_WHEN = {
+    "GpudiagGpuLinkDown": "a GPU has NVLink links down or its NVSwitch fabric is not ready "
+                          "(`gpudiag_gpu_condition`)",
+    "GpudiagGpuDegraded": "a GPU shows a degraded PCIe link, held clock events, memory no "
+                          "process owns, or a reset due (`gpudiag_gpu_condition`)",
+    "GpudiagGpuComputeMismatch": "a GPU's last qualification computed a wrong answer "
+                                 "(docs/qualify.md)",
+    "GpudiagGpuUnderperforming": "a GPU's last qualification measured it below its data "
+                                 "sheet, node peers or own history (docs/qualify.md)",
     "GpudiagNodeBlocked": "`gpudiag_blocker == 1`; the code and layer are labels, the "
                           "catalog's remediation is the `remediation` annotation",
     "GpudiagBackendDown": "`gpudiag_backend_up == 0`",
