@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
 if TYPE_CHECKING:
     from gpudiag.core.probe_run import ProbeRun
 
