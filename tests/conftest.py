@@ -193,6 +193,8 @@ SLOW_TESTS = {
     "test_systemd": ("test_gpudiag_serve_notifies_ready_then_keepalives_that_stop_when_frozen",
                      "test_wedged_scheduler_loop_stops_the_watchdog_keepalive",
                      "test_gpudiag_serve_under_systemd_serves_its_runtime_directory_socket"),
+    "test_fakes": ("test_iree_healthy", "test_iree_errors",
+                   "test_iree_is_refused_only_on_the_busy_exclusive_gpu"),
     "test_clear": ("test_clear_releases_held_xids_and_a_gpu_that_still_fails_is_blocked_again",),
 }
 
