@@ -7,11 +7,14 @@ Nothing happens at import: no NVML, CUDA, JAX or IREE is touched here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from gpudiag.core.version import __version__
 
+# typing.TYPE_CHECKING without importing typing, which every gpudiag start would pay (about
+# 2 ms: docs/benchmarks.md, "CLI start"); mypy treats any name TYPE_CHECKING as true.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from gpudiag.core.requirement import parse_requirement as parse_requirement
     from gpudiag.core.verdict import Requirement as Requirement
     from gpudiag.core.verdict import Verdict as Verdict

@@ -1,5 +1,7 @@
 """``python -m gpudiag`` is the ``gpudiag`` command."""
 
-from gpudiag.cli.commands import main
+import sys
 
-main()
+from gpudiag.cli.entry import main
+
+sys.exit(main())

@@ -11,14 +11,18 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from gpudiag.core.catalog import LAYER_ORDER, WARNINGS, entry, layer_rank
 from gpudiag.core.redact import redact_record
 from gpudiag.core.version import __version__
 
 SCHEMA = "gpudiag.verdict/1"
-JSONValue = Any  # a JSON-able value; evidence is free-form by design
+# typing.TYPE_CHECKING without importing typing (the daemon-answered CLI call never needs it).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    JSONValue = Any  # a JSON-able value; evidence is free-form by design
 
 
 class RecordError(ValueError):

@@ -24,7 +24,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import RequirementError, parse_requirement
-from gpudiag.core.verdict import Requirement, Verdict
+from gpudiag.core.verdict import Requirement
+from gpudiag.daemon.answers import EncodedAnswer
 from gpudiag.daemon.envelope import error_response, json_response, status_line
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
@@ -166,9 +167,10 @@ class DaemonApp:
         self.history_error = history_error
         self.probe_limit = probe_limit or ProbeRateLimit()
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
-        # Verdicts per (snapshot, requirement, visibility): a snapshot never changes.
+        # Answers per (snapshot, requirement, visibility), classified and encoded once: a
+        # snapshot never changes.
         self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None],
-                          Verdict] = {}
+                          EncodedAnswer] = {}
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
@@ -327,27 +329,23 @@ class DaemonApp:
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
         cache_key = (snap.seq, requirement, visibility)
-        verdict = self._cache.get(cache_key)
-        if verdict is None:
+        answer = self._cache.get(cache_key)
+        if answer is None:
             verdict = verdict_for(snap, requirement, now_wall=now,
                                   policy=self.scheduler.policy, keys=keys,
                                   visibility=visibility)
-            if verdict is not None:
-                if len(self._cache) >= 256:
-                    self._cache.clear()
-                self._cache[cache_key] = verdict
-        if verdict is not None:
-            # Classified once per snapshot; only the age moves on between requests.
-            oldest = min(snap.results[k].started_wall for k in keys)
-            verdict = verdict.with_source("daemon", max(0.0, now - oldest))
-        if verdict is None:
-            missing = [k.backend for k in keys if k not in snap.results]
-            raise ApiError(503, "not_ready",
-                           f"no result yet for {', '.join(missing)}; probes still running "
-                           f"after {wait:g} s (retry, or raise wait_s)")
-        record = verdict.record()
-        record["fresh"] = fresh
-        return 200, record
+            if verdict is None:
+                missing = [k.backend for k in keys if k not in snap.results]
+                raise ApiError(503, "not_ready",
+                               f"no result yet for {', '.join(missing)}; probes still running "
+                               f"after {wait:g} s (retry, or raise wait_s)")
+            answer = EncodedAnswer.of(verdict, "daemon")
+            if len(self._cache) >= 256:
+                self._cache.clear()
+            self._cache[cache_key] = answer
+        # Classified and encoded once per snapshot; only the age and freshness move on.
+        oldest = min(snap.results[k].started_wall for k in keys)
+        return 200, answer.body(max(0.0, now - oldest), fresh)
 
     def _probe(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ("backend",))

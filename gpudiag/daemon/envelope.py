@@ -25,9 +25,14 @@ def status_line(status: int) -> str:
         return f"{status} "
 
 
-def json_response(status: int, body: Mapping[str, Any]) -> Response:
-    """A JSON answer that no cache keeps."""
-    data = (json.dumps(body, default=str) + "\n").encode()
+def encode_json(body: Mapping[str, Any]) -> bytes:
+    """The one JSON encoding of an answer's body."""
+    return (json.dumps(body, default=str) + "\n").encode()
+
+
+def json_response(status: int, body: Mapping[str, Any] | bytes) -> Response:
+    """A JSON answer that no cache keeps; ``body`` may come already encoded (encode_json)."""
+    data = body if isinstance(body, bytes) else encode_json(body)
     return (status_line(status), [("Content-Type", "application/json"),
                                   ("Content-Length", str(len(data))),
                                   ("Cache-Control", "no-store")], data)

@@ -13,15 +13,14 @@ a free TCP port and answer, but not run as that user. ``http://HOST:PORT`` stays
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import pwd
+import re
 import socket
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -37,6 +36,14 @@ DEFAULT_SOCKET = "/run/gpudiag/daemon/gpudiag.sock"
 DEFAULT_URL = f"unix:{DEFAULT_SOCKET}"
 TCP_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 CONNECT_TIMEOUT_S = 0.25
+MAX_ANSWER_BYTES = 64 * 2**20
+# The status line and the one header the client reads. The exchange is written here rather
+# than with http.client, whose imports (email, ssl, ...) cost a daemon-answered CLI call more
+# than the answer itself; one request per connection, framed by Content-Length or the close.
+_STATUS = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [^\r\n]*)?\r\n")
+_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]{1,12})[ \t]*\r\n", re.IGNORECASE)
+_UNSAFE = re.compile(r"[\x00-\x20\x7f]")
+_CHUNKED = re.compile(rb"\r\ntransfer-encoding:", re.IGNORECASE)
 ACCEPTED = f"unix:/ABSOLUTE/PATH (e.g. {DEFAULT_URL}) or http://HOST:PORT (e.g. {TCP_URL})"
 
 
@@ -130,12 +137,13 @@ def socket_folder_owner(socket_path: str) -> tuple[int, str]:
     Trusted only when that folder's parent may be written by root or that owner alone (as
     /run/gpudiag): otherwise anyone could have made the folder, and would own it.
     """
-    folder = Path(socket_path).parent
+    folder = os.path.dirname(socket_path) or "/"  # absolute: parse_daemon_url checked it
+    parent_folder = os.path.dirname(folder) or "/"
     st = os.stat(folder)
-    parent = os.stat(folder.parent)
+    parent = os.stat(parent_folder)
     if parent.st_uid not in (0, st.st_uid) or parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(f"the owner of {folder} (uid {st.st_uid}) is not trusted as the "
-                              f"daemon's user: its parent {folder.parent} may be written by "
+                              f"daemon's user: its parent {parent_folder} may be written by "
                               "others; set GPUDIAG_DAEMON_USER to the daemon's user")
     return st.st_uid, f"the owner of {folder}"
 
@@ -220,28 +228,28 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
     if sock is None:
         return DaemonReply(None, None, why, refused)
     # Host for a unix socket: "localhost", a name the daemon's HTTP checks accept.
-    conn = http.client.HTTPConnection(address.host or "localhost", address.port or None,
-                                      timeout=read_timeout_s)
+    host = address.host or "localhost"
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 literal, as in its URL
+    if address.port:
+        host = f"{host}:{address.port}"
     sock.settimeout(read_timeout_s)
-    conn.sock = sock
     try:
-        conn.request("GET", path, headers={"Accept": "application/json"})
-        resp = conn.getresponse()
-        body = resp.read(64 * 2**20)
-    except (OSError, http.client.HTTPException) as e:
+        status, body = _exchange(sock, host, path)
+    except (OSError, ValueError) as e:
         return DaemonReply(None, None, f"daemon at {url} did not answer: {e}")
     finally:
-        conn.close()
+        sock.close()
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return DaemonReply(None, None, f"daemon at {url} answered {resp.status} without JSON")
-    if resp.status != 200:
+        return DaemonReply(None, None, f"daemon at {url} answered {status} without JSON")
+    if status != 200:
         err = data.get("error") if isinstance(data, dict) else None
         err = err if isinstance(err, dict) else {}
-        return DaemonReply(resp.status, data, f"daemon at {url} answered {resp.status} "
+        return DaemonReply(status, data, f"daemon at {url} answered {status} "
                            f"{err.get('code')}: {err.get('message')}")
-    return DaemonReply(resp.status, data, "daemon")
+    return DaemonReply(status, data, "daemon")
 
 
 def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | None = None,
@@ -259,3 +267,41 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
         return DaemonAnswer(Verdict.from_record(reply.data), "daemon", url)
     except RecordError as e:
         return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url)
+
+
+def _exchange(sock: socket.socket, host: str, path: str) -> tuple[int, bytes]:
+    """One GET on a connected socket: (status, body); ValueError for an answer not HTTP."""
+    if _UNSAFE.search(path) or _UNSAFE.search(host):
+        raise ValueError(f"the request target {path!r} holds spaces or control characters")
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept: application/json\r\n"
+                 "Accept-Encoding: identity\r\nConnection: close\r\n\r\n".encode("ascii"))
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk or len(data) > 65536:
+            raise ValueError("the connection closed before a complete HTTP answer head"
+                             if not chunk else "the HTTP answer head is too large")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    head += b"\r\n"
+    status = _STATUS.match(head)
+    if status is None:
+        raise ValueError(f"not an HTTP answer: {head[:60]!r}")
+    if _CHUNKED.search(head):
+        raise ValueError("a Transfer-Encoding answer to a one-shot request")
+    length = _LENGTH.search(head)
+    want = int(length.group(1)) if length else MAX_ANSWER_BYTES
+    if want > MAX_ANSWER_BYTES:
+        raise ValueError(f"an answer of {want} bytes (at most {MAX_ANSWER_BYTES})")
+    chunks = [body]
+    got = len(body)
+    while got < want:
+        chunk = sock.recv(min(1 << 20, want - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    body = b"".join(chunks)[:want]
+    if length is not None and len(body) < want:
+        raise ValueError(f"the connection closed after {len(body)} of {want} bytes")
+    return int(status.group(1)), body

@@ -7,15 +7,15 @@ The one implementation of "ask the daemon, else run inline", used by ``gpudiag.p
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpudiag.core.classify import classify
-from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url
-from gpudiag.engine.inline import run_inline
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
+if TYPE_CHECKING:
+    from gpudiag.core.probe_run import ProbeRun
 
 # The longest a caller waits for the daemon's answer: a Slurm prolog has 60 s in all.
 MAX_DAEMON_WAIT_S = 60.0
@@ -50,6 +50,13 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
                             read_timeout_s=min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S))
         if answer.verdict is not None:
             return Routed(answer.verdict)
+    # Only a fallback pays for the classifier and the probe engine (tens of ms to import):
+    # a daemon-answered CLI call is mostly Python's start (docs/benchmarks.md).
+    import socket
+
+    from gpudiag.core.classify import classify
+    from gpudiag.engine.inline import run_inline
+
     done = run_inline(requirement, env=env, timeout_s=timeout_s)
     verdict = classify(done.runs, requirement, host=socket.gethostname(),
                        checked_at=done.checked_at, scope=done.scope,

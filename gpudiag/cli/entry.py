@@ -1,0 +1,139 @@
+"""The ``gpudiag`` console entry: a fast path for the calls a job runner makes on every job.
+
+``gpudiag --version`` and a daemon-answered ``gpudiag preflight|health --format kv|json`` (a
+Slurm prolog, a pytest session, ``gpudiag run``'s callers) are answered here without click,
+the classifier or the probe engine: most of their wall time was Python importing what they
+do not use (docs/benchmarks.md, "CLI start"). Everything else, and every case the fast path
+does not recognize exactly (other flags, ``--help``, a bad value, a terminal on stderr, no
+daemon answer), goes to the click commands in ``gpudiag.cli.commands`` unchanged, which then
+say what is wrong or run the probes here. The fast path only asks the daemon the same way
+(``gpudiag.engine.client.ask_daemon``) and prints the same bytes with the same exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gpudiag.core.limits import EXIT_BLOCKED, EXIT_FAILED, EXIT_READY, MAX_DEVICES
+
+# The options the fast path understands, per command: every one also exists on the click
+# command with the same meaning (tests/test_cli_entry.py checks both lists against click's).
+FAST_OPTIONS = {
+    "preflight": frozenset({"--require", "--devices", "--min-devices", "--min-free-memory",
+                            "--gpus", "--timeout", "--format", "--daemon-url"}),
+    "health": frozenset({"--require", "--timeout", "--format", "--daemon-url"}),
+}
+# click.IntRange bounds of the integer options, checked here so that click reports the rest.
+_INT_RANGES = {"--min-devices": (0, MAX_DEVICES), "--gpus": (1, 64)}
+FAST_FORMATS = ("kv", "json")
+
+
+def parse_fast(argv: list[str]) -> tuple[str, dict[str, str]] | None:
+    """(command, options) when argv is a call the fast path answers exactly; else None."""
+    if len(argv) < 1 or argv[0] not in FAST_OPTIONS:
+        return None
+    allowed = FAST_OPTIONS[argv[0]]
+    options: dict[str, str] = {}
+    rest = argv[1:]
+    while rest:
+        token = rest.pop(0)
+        name, eq, value = token.partition("=")
+        if name not in allowed or name in options:
+            return None  # a flag it does not know, or given twice: click decides
+        if not eq:
+            if not rest:
+                return None
+            value = rest.pop(0)
+        options[name] = value
+    if options.get("--format") not in FAST_FORMATS:
+        return None  # text (the default) renders for people: click's path
+    for name, (low, high) in _INT_RANGES.items():
+        if name in options:
+            text = options[name]
+            if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
+                return None
+    return argv[0], options
+
+
+def answer_fast(command: str, options: dict[str, str]) -> int | None:
+    """Print the daemon's verdict and return the exit code; None when click must answer."""
+    from gpudiag.core.requirement import RequirementError, parse_requirement, parse_timeout
+    from gpudiag.engine.client import DaemonUrlError, ask_daemon, default_url
+    from gpudiag.engine.route import MAX_DAEMON_WAIT_S
+
+    try:
+        timeout_s = (parse_timeout(options["--timeout"], name="--timeout")
+                     if "--timeout" in options else None)
+        min_devices = options.get("--min-devices")
+        gpus = options.get("--gpus")
+        requirement = parse_requirement(
+            options.get("--require", "cuda"), devices=options.get("--devices"),
+            min_devices=None if min_devices is None else int(min_devices),
+            min_free_memory=options.get("--min-free-memory"),
+            gpus=None if gpus is None else int(gpus), node_health=command == "health")
+        url = options.get("--daemon-url") or default_url()
+        answer = ask_daemon(url, requirement, read_timeout_s=min(
+            MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S))
+    except (RequirementError, DaemonUrlError):
+        return None  # click's path words the usage error
+    verdict = answer.verdict
+    if verdict is None:
+        return None  # no daemon, or refused: click's path says why and runs the probes here
+    if options["--format"] == "json":
+        _echo(verdict.json() + "\n")
+    else:
+        _echo(verdict.kv())
+    return EXIT_READY if verdict.ready else EXIT_BLOCKED
+
+
+def _echo(text: str) -> None:
+    """Write as click.echo does: ANSI codes stripped when stdout is not a terminal."""
+    if "\x1b" in text:
+        import click  # a rare record with escape codes in its evidence: click strips them
+
+        click.echo(text, nl=False)
+        return
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def main() -> int:
+    """Console entry point: the fast path when it applies, else the click commands."""
+    argv = sys.argv[1:]
+    if argv == ["--version"]:
+        from gpudiag.core.version import __version__
+
+        print(f"gpudiag, version {__version__}")  # click.version_option's words
+        return 0
+    fast = parse_fast(argv) if not sys.stderr.isatty() else None  # a terminal gets a spinner
+    if fast is not None:
+        # The same last lines of defence as gpudiag.cli.commands.main, without click.
+        try:
+            code = answer_fast(*fast)
+        except BrokenPipeError:
+            _pacify()
+            return 1  # what click does when the reader went away
+        except KeyboardInterrupt:
+            print("gpudiag: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:
+            print(f"gpudiag: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        if code is not None:
+            return code
+    from gpudiag.cli.commands import main as click_main
+
+    click_main()
+    return 0
+
+
+def _pacify() -> None:
+    """After a broken pipe: no second error when Python flushes stdout at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The console entry's fast path: same bytes and exit codes as the click commands, fewer imports.
+
+A real `gpudiag serve` on the fakes answers over its unix socket; each call runs once through
+``gpudiag.cli.entry`` (what ``gpudiag`` and ``python -m gpudiag`` run) and once straight
+through the click commands (``gpudiag.cli.commands.main``), and the two must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+
+from gpudiag.cli import commands
+from gpudiag.cli.entry import _INT_RANGES, FAST_FORMATS, FAST_OPTIONS, parse_fast
+from gpudiag.core.version import __version__
+from tests.fakes.build import FakeDriver
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+
+CLICK_MAIN = "import sys; from gpudiag.cli.commands import main; sys.exit(main())"
+# What the daemon-answered path must never load: the terminal renderer, process tables,
+# metrics, the classifier and probe engine, click, the stdlib HTTP client, entry points.
+NOT_ON_THE_FAST_PATH = ("click", "rich", "psutil", "prometheus_client", "gpudiag.core.classify",
+                        "gpudiag.engine.inline", "gpudiag.engine.isolation", "http.client",
+                        "importlib.metadata", "typing")
+
+
+@pytest.fixture(scope="module")
+def daemon(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Daemon, dict[str, str]]]:
+    """A daemon on a socket in a root-owned folder (trusted), rounds far apart: one snapshot."""
+    tmp = tmp_path_factory.mktemp("entry")
+    top = Path(tempfile.mkdtemp(prefix="gpudiag-entry-"))
+    top.chmod(0o755)
+    (top / "daemon").mkdir(mode=0o755)
+    sock = top / "daemon" / "gpudiag.sock"
+    env = host_env(fakes, tmp / "host", gpus=2)
+    slow = {"interval_s": 3600}
+    cfg = write_config(tmp / "gpudiag.toml", daemon_toml(
+        {"backends.host": slow, "backends.nvml": slow, "backends.cuda": slow}))
+    d = Daemon(env, cfg, tmp / "state", extra_args=("--socket", str(sock)))
+    try:
+        d.wait_ready()
+        yield d, {**env, "GPUDIAG_DAEMON_URL": f"unix:{sock}"}
+    finally:
+        d.stop()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _run(argv: list[str], env: dict[str, str], *, via_click: bool = False
+         ) -> subprocess.CompletedProcess[str]:
+    head = [sys.executable, "-c", CLICK_MAIN] if via_click else [sys.executable, "-m", "gpudiag"]
+    return subprocess.run([*head, *argv], env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def _without_age(text: str, fmt: str) -> str:
+    """The output less age_s, the one field that moves between two calls."""
+    if fmt == "json":
+        record = json.loads(text)
+        record.pop("age_s")
+        return json.dumps(record)
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith("age_s="))
+
+
+@pytest.mark.parametrize("argv", [
+    ["preflight", "--require", "cuda", "--format", "kv"],
+    ["preflight", "--format=json", "--require=cuda,nvml", "--gpus", "1"],
+    ["preflight", "--format", "kv", "--devices", "0", "--min-free-memory", "1GiB",
+     "--min-devices", "1", "--timeout", "30"],
+    ["preflight", "--format", "json", "--gpus", "2", "--min-free-memory", "1000TiB"],
+    ["health", "--format", "kv"],
+    ["health", "--require", "nvml", "--format", "json", "--timeout", "5"],
+])
+def test_a_daemon_answered_call_prints_what_the_click_command_prints(
+        daemon: tuple[Daemon, dict[str, str]], argv: list[str]) -> None:
+    _, env = daemon
+    assert parse_fast(argv) is not None, "this call should take the fast path"
+    fast, slow = _run(argv, env), _run(argv, env, via_click=True)
+    fmt = "json" if any("json" in a for a in argv) else "kv"
+    assert (fast.returncode, fast.stderr) == (slow.returncode, slow.stderr)
+    assert fast.returncode in (0, 1)
+    assert ("source=daemon\n" in fast.stdout if fmt == "kv"
+            else json.loads(fast.stdout)["source"] == "daemon")
+    assert _without_age(fast.stdout, fmt) == _without_age(slow.stdout, fmt)
+
+
+def test_the_fast_path_loads_no_renderer_metrics_classifier_or_click(
+        daemon: tuple[Daemon, dict[str, str]], tmp_path: Path) -> None:
+    _, env = daemon
+    out = tmp_path / "modules.json"
+    code = ("import json, sys; sys.argv = ['gpudiag', 'preflight', '--format', 'kv']\n"
+            "from gpudiag.cli.entry import main\n"
+            "rc = main()\n"
+            f"open({str(out)!r}, 'w').write(json.dumps([rc, sorted(sys.modules)]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rc, modules = json.loads(out.read_text())
+    assert rc in (0, 1) and "gpu_validation_blocker=" in proc.stdout
+    loaded = [m for m in NOT_ON_THE_FAST_PATH if m in modules]
+    assert loaded == [], f"the daemon-answered path imported {loaded}"
+
+
+def test_version_is_click_s_words_without_click(tmp_path: Path) -> None:
+    fast = _run(["--version"], dict(os.environ))
+    slow = _run(["--version"], dict(os.environ), via_click=True)
+    assert fast.stdout == slow.stdout == f"gpudiag, version {__version__}\n"
+    assert fast.returncode == slow.returncode == 0
+
+
+def test_without_a_daemon_the_click_path_runs_the_probes_here(
+        gpu_env: object, tmp_path: Path) -> None:
+    env = gpu_env()  # type: ignore[operator]
+    argv = ["preflight", "--format", "json", "--daemon-url", f"unix:{tmp_path}/none.sock"]
+    proc = _run(argv, env)
+    record = json.loads(proc.stdout)
+    assert proc.returncode == 0 and record["source"] == "inline"
+    assert record["evidence"]["daemon"]["used"] is False
+
+
+def test_bad_values_get_click_s_usage_errors(daemon: tuple[Daemon, dict[str, str]]) -> None:
+    _, env = daemon
+    for argv in (["preflight", "--format", "kv", "--require", "cuda,bogus"],
+                 ["preflight", "--format", "kv", "--gpus", "0"],
+                 ["health", "--format", "json", "--timeout", "-1"],
+                 ["preflight", "--format", "kv", "--daemon-url", "ftp://x"]):
+        fast, slow = _run(argv, env), _run(argv, env, via_click=True)
+        assert fast.returncode == slow.returncode == 2, fast.stderr
+        assert fast.stderr == slow.stderr and "Error" in fast.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["probe"], ["preflight"], ["preflight", "--format", "text"],
+    ["preflight", "--format", "kv", "--record", "/tmp/x.json"],
+    ["preflight", "--format", "kv", "--no-daemon"], ["preflight", "--format", "kv", "-h"],
+    ["preflight", "--format", "kv", "--require"], ["preflight", "--format", "kv", "extra"],
+    ["preflight", "--format", "kv", "--require", "cuda", "--require", "jax"],
+    ["preflight", "--format", "kv", "--gpus", "65"], ["preflight", "--format", "kv", "--gpus", "²"],
+    ["preflight", "--format", "kv", "--expected-gpus", "8"],
+    ["health", "--format", "kv", "--gpus", "1"],
+])
+def test_calls_the_fast_path_does_not_know_exactly_go_to_click(argv: list[str]) -> None:
+    assert parse_fast(argv) is None
+
+
+@pytest.mark.parametrize("name", sorted(FAST_OPTIONS))
+def test_every_fast_option_is_the_click_command_s_option(name: str) -> None:
+    command = commands.cli.commands[name]
+    params = {opt: p for p in command.params for opt in p.opts}
+    for option in FAST_OPTIONS[name]:
+        assert option in params, f"{name} {option} is not a click option"
+        assert not params[option].is_flag if isinstance(params[option], click.Option) else True
+    fmt = params["--format"].type
+    assert isinstance(fmt, click.Choice) and set(FAST_FORMATS) <= set(fmt.choices)
+    for option, (low, high) in _INT_RANGES.items():
+        if option in FAST_OPTIONS[name]:
+            kind = params[option].type
+            assert isinstance(kind, click.IntRange) and (kind.min, kind.max) == (low, high)
