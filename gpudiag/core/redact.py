@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+
+# typing.TYPE_CHECKING without importing typing (the daemon-answered CLI call never needs it).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 REDACTED = "***"
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)

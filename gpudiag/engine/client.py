@@ -21,13 +21,17 @@ import socket
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
+
+# typing.TYPE_CHECKING without importing typing (the daemon-answered CLI call never needs it).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 # The daemon's socket under systemd (RuntimeDirectory=gpudiag/daemon) and in the Kubernetes
 # DaemonSet (a hostPath folder). Its own folder: /run/gpudiag/locks belongs to `gpudiag run`,
