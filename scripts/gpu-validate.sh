@@ -382,8 +382,11 @@ if want occupancy; then
             pass_if "occupancy-$what" "$ok" "blocker=$got devices[0].occupancy=$state (expected devices_busy, busy)"
         done
         got=$(blocker_of "$occ/inline-preflight-cuda-jax.json")
-        ok=1; [[ $got == devices_busy ]] && ok=0
-        pass_if occupancy-inline-preflight-cuda-jax "$ok" "blocker=$got (expected devices_busy: JAX has no free GPU)"
+        jax=$(field "$occ/inline-preflight-cuda-jax.json" backends.jax.status)
+        # JAX has no free GPU: never ok. Unproven (devices_busy first), or what its
+        # installation alone shows (e.g. jax_gpu_backend_absent where no plugin is installed).
+        ok=1; [[ $got != none && $jax != ok ]] && ok=0
+        pass_if occupancy-inline-preflight-cuda-jax "$ok" "blocker=$got backends.jax.status=$jax (expected not none: JAX has no free GPU, so it is unproven or its installation is blocked)"
         got=$(blocker_of "$occ/daemon-preflight.json")
         ok=1; [[ $got == devices_busy ]] && ok=0
         pass_if occupancy-daemon-preflight "$ok" "without --gpus: blocker=$got (expected devices_busy)"

@@ -247,7 +247,7 @@ def test_no_history_and_no_watcher_is_unknown_naming_why(fakes: FakeDriver,
     assert _attribution(closeout) == ("unknown", "evidence_missing", [])
     (missing,) = closeout["attribution"]["missing"]
     assert missing.startswith("daemon history: daemon at ") and "503" in missing
-    assert "no_history" in missing
+    assert "history_unavailable" in missing and "could not be opened" in missing
     assert (_kv(text)["gpu_failure_attribution"]
             == f"unknown rule=evidence_missing missing={missing}")
     # The daemon could not keep the record, so it stays in the inbox, where explain finds it.

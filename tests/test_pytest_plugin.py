@@ -449,7 +449,8 @@ def test_a_wrong_timeout_is_a_usage_error_naming_it(
 
 
 # docs/pytest.md's example project, as written there.
-DOCS_EXAMPLE = re.search(r"`tests/test_model.py` of a JAX project:\n\n```python\n(.*?)```",
+DOCS_EXAMPLE = re.search(r"`tests/test_model.py` of a JAX project:\n\n(?:<!--[^\n]*-->\n)?"
+                         r"```python\n(.*?)```",
                          (Path(__file__).resolve().parent.parent / "docs" / "pytest.md")
                          .read_text(), re.DOTALL)
 FAKE_JAX_PLUGIN = Path(__file__).resolve().parent / "fakes" / "jax_plugin"

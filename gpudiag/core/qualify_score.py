@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify import (
     ABORTED,
     COMPUTE_MISMATCH,
@@ -284,3 +285,16 @@ def score(result: GpuResult, *, peers: Sequence[GpuResult] = (),
         return Qualification(result, UNDERPERFORMING, severity, text, scores, model_name)
     return Qualification(result, PASSED, "ok", "every measurement within its thresholds",
                          scores, model_name)
+
+
+def child_results(run: ProbeRun, expected: int) -> list[GpuResult] | str:
+    """The qualification child's per-GPU results parsed once, or why they cannot be read
+    ("" when it gave none: the caller says why from the run's exit and stderr)."""
+    observation = run.observation
+    found = observation.get("results") if isinstance(observation, Mapping) else None
+    if not isinstance(found, list) or len(found) != expected:
+        return ""
+    try:
+        return [parse_result(r) for r in found]
+    except ResultError as e:
+        return f"the qualification child returned a malformed result: {e}"

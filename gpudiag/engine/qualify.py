@@ -27,6 +27,7 @@ from gpudiag.core.qualify_score import (
     Qualification,
     ResultError,
     Thresholds,
+    child_results,
     parse_result,
     score,
 )
@@ -229,14 +230,10 @@ def _run_child(options: QualifyOptions, targets: list[dict[str, Any]],
         "tier": options.tier, "platform": platform, "targets": targets,
         "deadline_s": spec.deadline_s},
         timeout_s=spec.deadline_s * len(targets) + CHILD_MARGIN_S)
-    found = run.observation.get("results") if run.observation else None
-    if isinstance(found, list) and len(found) == len(targets):
-        try:
-            return [parse_result(r) for r in found]
-        except ResultError as e:
-            why = f"the qualification child returned a malformed result: {e}"
-    else:
-        why = _why_no_result(run)
+    parsed = child_results(run, len(targets))
+    if isinstance(parsed, list):
+        return parsed
+    why = parsed or _why_no_result(run)
     return [GpuResult(str(t["uuid"]), t.get("name"), t.get("index"), options.tier, platform,
                       aborted=why, started_at=time.time(), duration_s=run.duration_s)
             for t in targets]
