@@ -18,12 +18,12 @@ from typing import Any
 import click
 
 from gpudiag.cli.watch import watch_command, watch_option
+from gpudiag.core import registry
 from gpudiag.core.limits import (
     EXIT_BLOCKED,
     EXIT_FAILED,
     EXIT_READY,
     MAX_DEVICES,
-    PROBES,
 )
 from gpudiag.core.requirement import (
     RequirementError,
@@ -33,7 +33,7 @@ from gpudiag.core.requirement import (
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
 
-PROBE_BACKENDS = PROBES
+PROBE_BACKENDS = registry.probe_names()
 
 
 class Failed(click.ClickException):
@@ -209,7 +209,7 @@ def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str |
         raise _usage(f"--json and --format {fmt} disagree; give one of them")
     timeout_s = _timeout(timeout_text)
     names = _parse_backends(backend_text)
-    specs = [n for n in names if n.split(":")[0] != "host"]
+    specs = [n for n in names if n.split(":")[0] in registry.requirable()]
     try:
         # A person at a shell asks what `gpudiag health` asks: is anything broken? GPUs that
         # jobs use show as busy, not as blockers (job readiness is `gpudiag preflight`).

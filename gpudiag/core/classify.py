@@ -6,11 +6,10 @@ root cause brings with it stays listed under ``blockers`` as consequences.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpudiag.core.classify_iree import classify_iree
-from gpudiag.core.classify_jax import classify_jax
+from gpudiag.core import registry
 from gpudiag.core.environment import (
     FULL_UUID,
     KnownDevice,
@@ -24,7 +23,6 @@ from gpudiag.core.environment import (
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.gpu_processes import device_processes
-from gpudiag.core.limits import PROBES
 from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
 from gpudiag.core.nvml_health import (
     NvmlHealthPolicy,
@@ -46,7 +44,6 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope, require_proof, settle, with_proof_gpu
 from gpudiag.core.verdict import (
     UNPROVEN,
-    BackendRequirement,
     BackendStatus,
     DeviceInfo,
     Finding,
@@ -335,11 +332,11 @@ def _evidence(runs: Mapping[str, ProbeRun], host: HostObservation | None,
     ev["probe_stderr"] = {n: r.stderr_tail for n, r in runs.items() if r.stderr_tail}
     if not ev.get("environment"):
         # Without a host probe (jax:cpu, iree:local-task) a backend child read it instead.
-        for name in ("jax", "iree"):
-            run = runs.get(name)
-            backend = (run.jax or run.iree) if run is not None else None
-            if backend is not None and backend.environment is not None:
-                ev["environment"] = dict(backend.environment)
+        for spec in registry.specs():
+            run = runs.get(spec.name) if spec.classify is not None else None
+            env = getattr(run.parsed, "environment", None) if run is not None else None
+            if isinstance(env, Mapping):
+                ev["environment"] = dict(env)
                 break
     return ev
 
@@ -429,7 +426,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     backends: dict[str, BackendStatus] = {}
     for req in requirement.backends:
         run = runs.get(req.name)
-        classifier = BACKEND_CLASSIFIERS.get(req.name)
+        spec = registry.spec(req.name)
+        classifier = spec.classify if spec is not None else None
         if run is not None and run.skipped is not None:
             backends[req.name] = BackendStatus(UNPROVEN, None, {}, {"reason": run.skipped})
         elif run is not None and classifier is not None and req.name not in backends:
@@ -454,9 +452,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                                    {"device_count": cuda.device_count if cuda else None,
                                     "init": cuda.init.record if cuda and cuda.init else None,
                                     "init_duration_s": cuda.init_duration_s if cuda else None})
-    # One order everywhere (probe, preflight, JSON, kv, text): host, nvml, cuda, jax, iree.
-    order = {name: i for i, name in enumerate(PROBES)}
-    backends = {n: backends[n] for n in sorted(backends, key=lambda n: order.get(n, len(order)))}
+    # One order everywhere (probe, preflight, JSON, kv, text): the registry's.
+    backends = {n: backends[n] for n in sorted(backends, key=registry.order)}
     jax_run = _ok(runs.get("jax"))
     jax_obs = jax_run.jax if jax_run else None
     prealloc = (jax_obs.preallocation_disabled if jax_obs is not None
@@ -508,8 +505,3 @@ def _driver_cuda_version(nvml: NvmlObservation | None, cuda: CudaObservation | N
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)
 
-
-# name -> classifier(run, requirement, gpu_context, findings) -> BackendStatus
-BackendClassifier = Callable[[ProbeRun, BackendRequirement, GpuContext, Findings],
-                             BackendStatus]
-BACKEND_CLASSIFIERS: dict[str, BackendClassifier] = {"jax": classify_jax, "iree": classify_iree}

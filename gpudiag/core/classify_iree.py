@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gpudiag.core.backend import BackendRun
 from gpudiag.core.classify_jax import cuda_error_meaning
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, IreeObservation
-from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
 
 BACKEND = "iree"
@@ -118,11 +118,11 @@ def _detail(obs: IreeObservation) -> dict[str, Any]:
             "init_s": init, "compute_s": compute}
 
 
-def classify_iree(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
+def classify_iree(run: BackendRun, req: BackendRequirement, gpu: GpuContext,
                   f: Findings) -> BackendStatus:
     """The iree backend's status; blockers only for the required drivers, not the control."""
     duration = round(run.duration_s, 4)
-    obs = run.iree
+    obs = run.parsed if isinstance(run.parsed, IreeObservation) else None
     if obs is None or not run.ok:
         return BackendStatus("blocked", duration, {}, {"error": run.error})
     versions = {k: v for k, v in obs.versions.items() if v}

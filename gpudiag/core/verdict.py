@@ -60,14 +60,10 @@ class BackendRequirement:
 
     @property
     def needs_gpu(self) -> bool:
-        """Whether this requirement can only be met by an NVIDIA GPU."""
-        if self.name in ("cuda", "nvml"):
-            return True
-        if self.name == "jax":
-            return self.platform in (None, "gpu", "cuda")
-        if self.name == "iree":
-            return self.platform in (None, "cuda")
-        return False
+        """Whether this requirement can only be met by an NVIDIA GPU: the default platform
+        (none named) is the GPU; a named one other than gpu/cuda (jax:cpu, iree:local-task,
+        iree:hip) is not. One rule for every backend spec (gpudiag.core.registry)."""
+        return self.platform in (None, "gpu", "cuda")
 
     def spec(self) -> str:
         return self.name if self.platform is None else f"{self.name}:{self.platform}"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core import registry
 from gpudiag.core.environment import (
     KnownDevice,
     is_full_uuid,
@@ -28,20 +29,12 @@ from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.engine.locks import LockFailed, LockInfo, lock_holder, release, try_lock
 from gpudiag.engine.processes import cmdline, is_probe_child, own_process_tree
 
-# The probes that make a CUDA context (and so may only run on FREE GPUs), by their options.
-ACTIVE_PROBES = ("cuda", "jax", "iree")
-
 
 def touches_gpu(name: str, options: Mapping[str, Any] | None) -> bool:
-    """Whether a probe child would make a CUDA context: cuda always, jax/iree on a GPU."""
-    opts = options or {}
-    if name == "cuda":
-        return True
-    if name == "jax":
-        return str(opts.get("platform") or "gpu") not in ("cpu",)
-    if name == "iree":
-        return any(d in ("cuda", "hip") for d in opts.get("drivers") or ["cuda"])
-    return False
+    """Whether a probe child would make a CUDA context (its spec says, by its options): such
+    probes run only on FREE GPUs."""
+    spec = registry.spec(name)
+    return spec is not None and spec.touches_gpu(options or {})
 
 
 # core.occupancy's states, as the verdict and the metrics write them.
