@@ -124,10 +124,10 @@ def _entry_kind(vis: Visibility, raw: str) -> str:
     return found.kind if found else "invalid"
 
 
-def _device_nodes(host: HostObservation | None, inits_failed: bool, f: Findings) -> bool:
-    """Device-node findings; returns whether the nodes are present."""
+def _device_nodes(host: HostObservation | None, inits_failed: bool, f: Findings) -> None:
+    """Device-node findings: missing nodes, and nodes this user cannot open."""
     if host is None:
-        return True
+        return
     nodes = host.device_nodes
     present = nodes.control_present and nodes.gpu_nodes > 0
     where = nodes.dir or "/dev"
@@ -148,7 +148,6 @@ def _device_nodes(host: HostObservation | None, inits_failed: bool, f: Findings)
         f.block("device_nodes_no_access",
                 f"cannot open {', '.join(denied)} (permission denied): NVML/CUDA cannot "
                 "reach the GPUs as this user")
-    return present
 
 
 def _error_text(err: ErrorInfo | None) -> tuple[int | str | None, str | None, str | None]:
@@ -385,7 +384,6 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     devices: list[DeviceInfo] = []
     nvml_ok = bool(nvml and nvml.ok)
     cuda_ok = bool(cuda and cuda.init_ok)
-    nodes_present = True
     if requirement.needs_gpu:
         raw: tuple[str | None, str | None]
         if visibility is not None:
@@ -395,7 +393,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         else:
             raw = nvml.visibility if nvml else (None, None)
         inits_failed = ("nvml" in runs and not nvml_ok) or ("cuda" in runs and not cuda_ok)
-        nodes_present = _device_nodes(host_obs, inits_failed, f)
+        _device_nodes(host_obs, inits_failed, f)
         _nvml_findings(nvml, host_obs, f)
         all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
         candidates = _visibility(raw, all_devs, nvml_ok, f)
@@ -420,7 +418,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         devices = [_device_info(d, bus_ids.get(d.index)) for d in selected]
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
-    gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok, device_nodes_present=nodes_present,
+    gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok,
                      gpu_blocked=bool(f.blockers),
                      cuda_driver_version=_driver_cuda_version(nvml, cuda))
     backends: dict[str, BackendStatus] = {}

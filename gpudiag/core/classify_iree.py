@@ -38,7 +38,6 @@ class IreeStatus:
     status: str | None
     message: str
     cuda_error: str | None
-    cuda_code: int | None
 
 
 def parse_status(text: str) -> IreeStatus:
@@ -55,7 +54,6 @@ def parse_status(text: str) -> IreeStatus:
         status=m.group("status") if m else None,
         message=(m.group("message") if m else text).strip(),
         cuda_error=name,
-        cuda_code=int(cuda.group("code")) if cuda else None,
     )
 
 

@@ -208,7 +208,6 @@ class DeviceInfo:
 # A backend that was not tried on a GPU (none free, a sibling probing): never counted as
 # proven. Its detail says why; readiness decides per question what it means.
 UNPROVEN = "unproven"
-BACKEND_STATES = ("ok", "blocked", "not_installed", UNPROVEN)
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,6 @@ class FleetAnswer:
 
 
 Sample = tuple[Mapping[str, str], float]
-Fetch = Callable[[str, float | None], list[Sample]]
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
