@@ -153,7 +153,7 @@ class DeviceInfo:
     pci_bus_id: str | None
     memory_total_bytes: int | None
     memory_free_bytes: int | None
-    # free | busy | unknown (DESIGN "Busy GPUs"); None where no NVML reading was had.
+    # free | busy | unknown (docs/design-notes.md "Busy GPUs"); None where no NVML reading was had.
     occupancy: str | None = None
     # No fault on this GPU (busy is healthy in use); None where nothing could be read.
     healthy: bool | None = None
@@ -266,7 +266,7 @@ class Verdict:
         return replace(self, source=source, age_s=round(age_s, 3))
 
     def record(self) -> dict[str, JSONValue]:
-        """The JSON record of DESIGN.md, secrets redacted (core.redact): every output,
+        """The JSON record of docs/reference.md, secrets redacted (core.redact): every output,
         file and history row is made from this."""
         record: dict[str, JSONValue] = redact_record({
             "schema": SCHEMA,

@@ -89,9 +89,9 @@ class DaemonConfig:
     jitter_ratio: float = 0.1
     backoff_max_s: float = 600.0
     tick_s: float = 0.5
-    # DESIGN "Busy GPUs": active probes skip GPUs other processes use. A site that wants its
-    # busy GPUs probed anyway (a context costs a job memory, and fails in exclusive mode)
-    # says so here.
+    # docs/design-notes.md "Busy GPUs": active probes skip GPUs other processes use. A site
+    # that wants its busy GPUs probed anyway (a context costs a job memory, and fails in
+    # exclusive mode) says so here.
     probe_busy_gpus: bool = False
     backends: Mapping[str, BackendConfig] = field(default_factory=lambda: {
         s.name: BackendConfig(s.enabled, s.interval_s, s.timeout_s)

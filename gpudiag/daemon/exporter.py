@@ -111,7 +111,7 @@ class SnapshotCollector(Collector):
         yield info
 
     def _occupancy(self, snap: Snapshot) -> Iterator[Metric]:
-        """Per-GPU occupancy, health and last proof (DESIGN "Busy GPUs"), from the
+        """Per-GPU occupancy, health and last proof (docs/design-notes.md "Busy GPUs"), from the
         node-health verdict, so that a busy GPU reads as healthy in use, never as broken."""
         occupancy = GaugeMetricFamily(
             "gpudiag_gpu_occupancy", "1 for the GPU's current occupancy: free (no other "

@@ -175,8 +175,9 @@ class Scheduler:
         self._env = probe_environment(os.environ if env is None else env)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
         self._job_locks = JobLocks(self._lock_dir)
-        # Busy GPUs (DESIGN): the latest occupancy, where each backend last proved itself,
-        # and a round counter per backend so that JAX and IREE rotate over the free GPUs.
+        # Busy GPUs (docs/design-notes.md): the latest occupancy, where each backend last
+        # proved itself, and a round counter per backend so that JAX and IREE rotate over the
+        # free GPUs.
         self._occupancy: dict[str, GpuOccupancy] = {}
         self._last_proven: dict[tuple[str, str], float] = {}
         self._backend_gpu: dict[str, str | None] = {}

@@ -1,10 +1,11 @@
 """The busy-GPU safety rule for active probes: touch only FREE GPUs, each under its lock.
 
-DESIGN "Busy GPUs": a probe never touches a GPU that someone else is using. Before the cuda,
-jax and iree children run, the caller reads NVML (which makes no context), works out each GPU
-leaf's occupancy, and claims the FREE ones here: it takes each one's full-UUID lock (the lock
-``gpudiag run`` takes) without waiting, skipping any that is taken, and holds the locks until
-the children are done. A GPU not claimed is not touched: its last active result stands.
+docs/design-notes.md "Busy GPUs": a probe never touches a GPU that someone else is using.
+Before the cuda, jax and iree children run, the caller reads NVML (which makes no context),
+works out each GPU leaf's occupancy, and claims the FREE ones here: it takes each one's
+full-UUID lock (the lock ``gpudiag run`` takes) without waiting, skipping any that is taken,
+and holds the locks until the children are done. A GPU not claimed is not touched: its last
+active result stands.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ SIBLING_WAIT_S = 20.0
 
 def not_foreign(nvml: NvmlObservation | None) -> frozenset[int]:
     """The PIDs that do not make a GPU busy: this process tree, and other gpudiag probe
-    children (a sibling's probe is proving the GPU, not using it: DESIGN "siblings are not
-    users"). Only PIDs NVML lists are looked at, so this costs a few /proc reads."""
+    children (a sibling's probe is proving the GPU, not using it: docs/design-notes.md
+    "Siblings are not users"). Only PIDs NVML lists are looked at: a few /proc reads."""
     ours = own_process_tree()
     listed: set[int] = set()
     for d in nvml.devices if nvml is not None and nvml.ok else ():

@@ -46,8 +46,9 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
                timeout_s: float | None = None,
                timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None,
                lock_dir: Path | None = None, held: Collection[str] = ()) -> InlineRun:
-    """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs (DESIGN
-    "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs' locks; host beside.
+    """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs
+    (docs/design-notes.md "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs'
+    locks; host beside.
     ``held``: full UUIDs the caller already holds a job's lock on (it proves them as its own).
     """
     checked_at = now_rfc3339()
