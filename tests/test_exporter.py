@@ -12,11 +12,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpudiag.core import registry
 from gpudiag.core.catalog import BLOCKERS, WARNINGS
 from gpudiag.core.findings import XidEvent
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.scheduler import Scheduler
-from gpudiag.daemon.snapshot import REQUIREMENT_BACKENDS, Snapshot, WatcherState, XidCount
+from gpudiag.daemon.snapshot import Snapshot, WatcherState, XidCount
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for
 
@@ -176,7 +177,7 @@ def test_backend_ready_is_present_for_every_requirement_backend(runs_8: dict,
     assert {lab["backend"]: v for lab, v in healthy["gpudiag_backend_ready"]} == {
         "cuda": 1.0, "jax": 0.0, "iree": 0.0}
     assert {lab["backend"] for lab, _ in healthy["gpudiag_backend_ready"]} == set(
-        REQUIREMENT_BACKENDS)
+        registry.published())
     proven = healthy["gpudiag_backend_last_proven_timestamp_seconds"]
     assert [lab["backend"] for lab, _ in proven] == ["cuda"]
     per_gpu = [v for lab, v in healthy["gpudiag_gpu_last_proven_timestamp_seconds"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gpudiag.core import registry
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.nfd import NfdFeatureFile, feature_labels, render
-from gpudiag.daemon.snapshot import REQUIREMENT_BACKENDS
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import Daemon, daemon_toml, real_runs, wait_for, write_config
 from tests.test_exporter import snapshot_of
@@ -40,7 +40,7 @@ def test_labels_say_which_backends_are_proven(healthy_runs: dict) -> None:
     assert labels == {"gpudiag.ready": "true", "gpudiag.ready.cuda": "true",
                       "gpudiag.ready.jax": "false", "gpudiag.ready.iree": "false",
                       "gpudiag.gpus-healthy": "2"}
-    assert {f"gpudiag.ready.{b}" for b in REQUIREMENT_BACKENDS} < set(labels)
+    assert {f"gpudiag.ready.{b}" for b in registry.published()} < set(labels)
 
 
 def test_a_host_wide_blocker_makes_every_backend_false(no_driver_runs: dict) -> None:

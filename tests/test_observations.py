@@ -20,10 +20,10 @@ from gpudiag.core.observations import (
     GpuReadings,
     Malformed,
     NvmlObservation,
-    parse_observation,
     parse_telemetry,
 )
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.registry import parse_observation
 from gpudiag.engine.isolation import run_probe
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import host_env

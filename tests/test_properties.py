@@ -41,9 +41,9 @@ from gpudiag.core.environment import (
     parse_nvidia_visible_devices,
     resolve,
 )
-from gpudiag.core.observation import observation_problem
 from gpudiag.core.observations import GpuReadings, JaxObservation
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.registry import observation_problem
 from gpudiag.core.requirement import (
     RequirementError,
     parse_backends,

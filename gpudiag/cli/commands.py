@@ -17,13 +17,14 @@ from typing import Any
 
 import click
 
+from gpudiag.cli import options
 from gpudiag.cli.watch import watch_command, watch_option
+from gpudiag.core import registry
 from gpudiag.core.limits import (
     EXIT_BLOCKED,
     EXIT_FAILED,
     EXIT_READY,
     MAX_DEVICES,
-    PROBES,
 )
 from gpudiag.core.requirement import (
     RequirementError,
@@ -33,7 +34,7 @@ from gpudiag.core.requirement import (
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
 
-PROBE_BACKENDS = PROBES
+PROBE_BACKENDS = registry.probe_names()
 
 
 class Failed(click.ClickException):
@@ -209,7 +210,7 @@ def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str |
         raise _usage(f"--json and --format {fmt} disagree; give one of them")
     timeout_s = _timeout(timeout_text)
     names = _parse_backends(backend_text)
-    specs = [n for n in names if n.split(":")[0] != "host"]
+    specs = [n for n in names if n.split(":")[0] in registry.requirable()]
     try:
         # A person at a shell asks what `gpudiag health` asks: is anything broken? GPUs that
         # jobs use show as busy, not as blockers (job readiness is `gpudiag preflight`).
@@ -269,9 +270,7 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
                  "gpudiag preflight --require iree:local-task  # IREE on the CPU",
                  "gpudiag preflight --format kv --record /tmp/verdict.json",
                  "gpudiag preflight --no-daemon --devices 0,1 --min-free-memory 8GiB"))
-@click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
-              help="What the job needs: cuda, nvml, jax (on a GPU), jax:cpu, iree (cuda "
-              "driver), iree:DRIVER; comma-separated.")
+@options.require
 @click.option("--devices", "devices_text", metavar="LIST",
               help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
 @click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
@@ -311,9 +310,7 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
                  "gpudiag health --require cuda,jax --format kv",
                  "gpudiag health --daemon-url http://127.0.0.1:9477",
                  "gpudiag health --watch 10           # every 10 s until Ctrl-C"))
-@click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
-              help="Backends whose health counts: cuda, nvml, jax (on a GPU), jax:cpu, iree "
-              "(cuda driver), iree:DRIVER; comma-separated.")
+@options.require
 @_answer_options
 @watch_option
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,

@@ -26,6 +26,7 @@ from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.core.redact import redact_text
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
+from gpudiag.daemon.effective import effective_lines
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -173,57 +174,10 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
     os._exit(0)
 
 
-def qualification_lines(cfg: DaemonConfig, value: Callable[[Any], str]) -> list[str]:
-    """The [qualification] table of the effective configuration."""
-    q, t = cfg.qualification, cfg.qualification.thresholds
-    return ["", "[qualification]", f"enabled = {value(q.enabled)}", f"tier = {value(q.tier)}",
-            f"idle_s = {value(q.idle_s)}", f"max_age_s = {value(q.max_age_s)}",
-            f"tick_s = {value(q.tick_s)}", f"block = {value(t.block)}",
-            f"table_ratio = {value(t.table_ratio)}", f"peer_ratio = {value(t.peer_ratio)}",
-            f"history_ratio = {value(t.history_ratio)}", f"hysteresis = {value(t.hysteresis)}",
-            *([f"reference_file = {value(q.reference_file)}"] if q.reference_file else [])]
-
-
 def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
     """Every setting the daemon would run with, as TOML in the config file's own layout."""
-
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        return json.dumps(v)  # numbers and strings read the same in TOML
-
-    lines = [f"listen = {value(f'{cfg.listen_host}:{cfg.listen_port}')}",
-             f"default_requirement = {value(cfg.default_requirement)}",
-             f"preflight_wait_s = {value(cfg.preflight_wait_s)}",
-             f"tcp_read_only = {value(cfg.tcp_read_only)}"]
-    if cfg.socket_path is not None:
-        lines.append(f"socket = {value(cfg.socket_path)}")
-    if cfg.expected_gpus is not None:
-        lines.append(f"expected_gpus = {value(cfg.expected_gpus)}")
-    lines += ["", "[scheduler]", f"tick_s = {value(cfg.tick_s)}",
-              f"jitter_ratio = {value(cfg.jitter_ratio)}",
-              f"backoff_max_s = {value(cfg.backoff_max_s)}",
-              f"probe_busy_gpus = {value(cfg.probe_busy_gpus)}"]
-    for name, b in cfg.backends.items():
-        lines += ["", f"[backends.{name}]", f"enabled = {value(b.enabled)}",
-                  f"interval_s = {value(b.interval_s)}", f"deadline_s = {value(b.deadline_s)}"]
-    x, h = cfg.xid, cfg.history
-    lines += ["", "[xid]", f"enabled = {value(x.enabled)}", f"hold_s = {value(x.hold_s)}",
-              f"gap_warning_s = {value(x.gap_warning_s)}",
-              f"heartbeat_s = {value(x.heartbeat_s)}", f"telemetry_s = {value(x.telemetry_s)}",
-              f"restart_backoff_max_s = {value(x.restart_backoff_max_s)}",
-              "", "[history]", f"retention_s = {value(h.retention_s)}",
-              f"max_bytes = {value(h.max_bytes)}",
-              "", "[nvml]", f"clock_event_dwell_s = {value(cfg.nvml.clock_dwell_s)}",
-              *([f"expected_nvlinks = {value(cfg.nvml.expected_nvlinks)}"]
-                if cfg.nvml.expected_nvlinks is not None else []),
-              *([f"pcie_block_below_width = {value(cfg.nvml.pcie_block_below_width)}"]
-                if cfg.nvml.pcie_block_below_width is not None else []),
-              *qualification_lines(cfg, value),
-              "", "[log]", f"format = {value(cfg.log_format)}", f"level = {value(cfg.log_level)}",
-              "", f"# not in the file: --state-dir {state_dir}, socket in effect "
-              f"{default_socket_path(cfg) or 'none'}"]
-    return lines
+    return [*effective_lines(cfg), "", f"# not in the file: --state-dir {state_dir}, socket in "
+            f"effect {default_socket_path(cfg) or 'none'}"]
 
 
 def run_daemon(cfg: DaemonConfig, state_dir: Path, config_path: str | None = None,

@@ -17,7 +17,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from gpudiag.core.limits import PROBES
+from gpudiag.core import registry
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import format_size
 from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, Verdict
@@ -177,8 +177,7 @@ def _backends(verdict: Verdict) -> Table:
     table.add_column("status", no_wrap=True)
     table.add_column("time", no_wrap=True, justify="right")
     table.add_column("facts", overflow="fold", ratio=1)
-    order = {name: i for i, name in enumerate(PROBES)}
-    for name in sorted(verdict.backends, key=lambda n: (order.get(n, len(order)), n)):
+    for name in sorted(verdict.backends, key=lambda n: (registry.order(n), n)):
         b = verdict.backends[name]
         duration = "-" if b.duration_s is None else f"{b.duration_s:.2f}s"
         table.add_row(name, Text(b.status, style=_STATUS_STYLE.get(b.status, "")), duration,

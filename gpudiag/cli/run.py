@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from gpudiag.cli import options
 from gpudiag.cli.commands import examples
 from gpudiag.core.limits import EXIT_REFUSED, MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement, parse_size, parse_timeout
@@ -88,9 +89,7 @@ def _default_artifacts() -> Path:
                    "gpudiag run --require jax --gpus 2 -- python train.py",
                    "gpudiag run --timeout 3600 --artifacts /scratch/runs -- ./job.sh",
                    "gpudiag run --image nvcr.io/nvidia/jax:25.04 -- python -c 'import jax'"))
-@click.option("--require", "require_text", default="cuda", show_default=True, metavar="LIST",
-              help="What the job needs: cuda, nvml, jax (on the GPU: JAX_PLATFORMS=cuda), "
-              "jax:cpu, iree, iree:DRIVER; comma-separated.")
+@options.require
 @click.option("--gpus", type=click.IntRange(0, MAX_DEVICES), default=None, metavar="N",
               help="GPUs (or MIG instances) to admit.  [default: 1 for a GPU requirement, "
               "else 0]")

@@ -1,6 +1,6 @@
 """The blocker and warning catalog: code -> layer, summary, remediation, in one table.
 
-The codes are a contract (DESIGN.md): add freely, rename or remove nothing without a
+The codes are a contract (docs/reference.md): add freely, rename or remove nothing without a
 migration note in CHANGELOG.md. The primary ``gpu_validation_blocker`` is the blocker of
 the lowest layer in ``LAYER_ORDER``.
 """

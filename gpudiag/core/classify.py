@@ -6,11 +6,10 @@ root cause brings with it stays listed under ``blockers`` as consequences.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpudiag.core.classify_iree import classify_iree
-from gpudiag.core.classify_jax import classify_jax
+from gpudiag.core import registry
 from gpudiag.core.environment import (
     FULL_UUID,
     KnownDevice,
@@ -24,7 +23,6 @@ from gpudiag.core.environment import (
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.gpu_processes import device_processes
-from gpudiag.core.limits import PROBES
 from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
 from gpudiag.core.nvml_health import (
     NvmlHealthPolicy,
@@ -46,7 +44,6 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope, require_proof, settle, with_proof_gpu
 from gpudiag.core.verdict import (
     UNPROVEN,
-    BackendRequirement,
     BackendStatus,
     DeviceInfo,
     Finding,
@@ -127,10 +124,10 @@ def _entry_kind(vis: Visibility, raw: str) -> str:
     return found.kind if found else "invalid"
 
 
-def _device_nodes(host: HostObservation | None, inits_failed: bool, f: Findings) -> bool:
-    """Device-node findings; returns whether the nodes are present."""
+def _device_nodes(host: HostObservation | None, inits_failed: bool, f: Findings) -> None:
+    """Device-node findings: missing nodes, and nodes this user cannot open."""
     if host is None:
-        return True
+        return
     nodes = host.device_nodes
     present = nodes.control_present and nodes.gpu_nodes > 0
     where = nodes.dir or "/dev"
@@ -151,7 +148,6 @@ def _device_nodes(host: HostObservation | None, inits_failed: bool, f: Findings)
         f.block("device_nodes_no_access",
                 f"cannot open {', '.join(denied)} (permission denied): NVML/CUDA cannot "
                 "reach the GPUs as this user")
-    return present
 
 
 def _error_text(err: ErrorInfo | None) -> tuple[int | str | None, str | None, str | None]:
@@ -335,11 +331,11 @@ def _evidence(runs: Mapping[str, ProbeRun], host: HostObservation | None,
     ev["probe_stderr"] = {n: r.stderr_tail for n, r in runs.items() if r.stderr_tail}
     if not ev.get("environment"):
         # Without a host probe (jax:cpu, iree:local-task) a backend child read it instead.
-        for name in ("jax", "iree"):
-            run = runs.get(name)
-            backend = (run.jax or run.iree) if run is not None else None
-            if backend is not None and backend.environment is not None:
-                ev["environment"] = dict(backend.environment)
+        for spec in registry.specs():
+            run = runs.get(spec.name) if spec.classify is not None else None
+            env = getattr(run.parsed, "environment", None) if run is not None else None
+            if isinstance(env, Mapping):
+                ev["environment"] = dict(env)
                 break
     return ev
 
@@ -388,7 +384,6 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     devices: list[DeviceInfo] = []
     nvml_ok = bool(nvml and nvml.ok)
     cuda_ok = bool(cuda and cuda.init_ok)
-    nodes_present = True
     if requirement.needs_gpu:
         raw: tuple[str | None, str | None]
         if visibility is not None:
@@ -398,7 +393,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         else:
             raw = nvml.visibility if nvml else (None, None)
         inits_failed = ("nvml" in runs and not nvml_ok) or ("cuda" in runs and not cuda_ok)
-        nodes_present = _device_nodes(host_obs, inits_failed, f)
+        _device_nodes(host_obs, inits_failed, f)
         _nvml_findings(nvml, host_obs, f)
         all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
         candidates = _visibility(raw, all_devs, nvml_ok, f)
@@ -423,13 +418,14 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         devices = [_device_info(d, bus_ids.get(d.index)) for d in selected]
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
-    gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok, device_nodes_present=nodes_present,
+    gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok,
                      gpu_blocked=bool(f.blockers),
                      cuda_driver_version=_driver_cuda_version(nvml, cuda))
     backends: dict[str, BackendStatus] = {}
     for req in requirement.backends:
         run = runs.get(req.name)
-        classifier = BACKEND_CLASSIFIERS.get(req.name)
+        spec = registry.spec(req.name)
+        classifier = spec.classify if spec is not None else None
         if run is not None and run.skipped is not None:
             backends[req.name] = BackendStatus(UNPROVEN, None, {}, {"reason": run.skipped})
         elif run is not None and classifier is not None and req.name not in backends:
@@ -454,9 +450,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
                                    {"device_count": cuda.device_count if cuda else None,
                                     "init": cuda.init.record if cuda and cuda.init else None,
                                     "init_duration_s": cuda.init_duration_s if cuda else None})
-    # One order everywhere (probe, preflight, JSON, kv, text): host, nvml, cuda, jax, iree.
-    order = {name: i for i, name in enumerate(PROBES)}
-    backends = {n: backends[n] for n in sorted(backends, key=lambda n: order.get(n, len(order)))}
+    # One order everywhere (probe, preflight, JSON, kv, text): the registry's.
+    backends = {n: backends[n] for n in sorted(backends, key=registry.order)}
     jax_run = _ok(runs.get("jax"))
     jax_obs = jax_run.jax if jax_run else None
     prealloc = (jax_obs.preallocation_disabled if jax_obs is not None
@@ -508,8 +503,3 @@ def _driver_cuda_version(nvml: NvmlObservation | None, cuda: CudaObservation | N
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)
 
-
-# name -> classifier(run, requirement, gpu_context, findings) -> BackendStatus
-BackendClassifier = Callable[[ProbeRun, BackendRequirement, GpuContext, Findings],
-                             BackendStatus]
-BACKEND_CLASSIFIERS: dict[str, BackendClassifier] = {"jax": classify_jax, "iree": classify_iree}

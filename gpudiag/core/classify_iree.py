@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gpudiag.core.backend import BackendRun
 from gpudiag.core.classify_jax import cuda_error_meaning
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, IreeObservation
-from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
 
 BACKEND = "iree"
@@ -38,7 +38,6 @@ class IreeStatus:
     status: str | None
     message: str
     cuda_error: str | None
-    cuda_code: int | None
 
 
 def parse_status(text: str) -> IreeStatus:
@@ -55,7 +54,6 @@ def parse_status(text: str) -> IreeStatus:
         status=m.group("status") if m else None,
         message=(m.group("message") if m else text).strip(),
         cuda_error=name,
-        cuda_code=int(cuda.group("code")) if cuda else None,
     )
 
 
@@ -118,11 +116,11 @@ def _detail(obs: IreeObservation) -> dict[str, Any]:
             "init_s": init, "compute_s": compute}
 
 
-def classify_iree(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
+def classify_iree(run: BackendRun, req: BackendRequirement, gpu: GpuContext,
                   f: Findings) -> BackendStatus:
     """The iree backend's status; blockers only for the required drivers, not the control."""
     duration = round(run.duration_s, 4)
-    obs = run.iree
+    obs = run.parsed if isinstance(run.parsed, IreeObservation) else None
     if obs is None or not run.ok:
         return BackendStatus("blocked", duration, {}, {"error": run.error})
     versions = {k: v for k, v in obs.versions.items() if v}

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpudiag.core.backend import BackendRun
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, JaxObservation
-from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
 
 BACKEND = "jax"
@@ -382,12 +382,12 @@ def _listed(values: Sequence[str] | None) -> list[str] | None:
     return None if values is None else list(values)
 
 
-def classify_jax(run: ProbeRun, req: BackendRequirement, gpu: GpuContext,
+def classify_jax(run: BackendRun, req: BackendRequirement, gpu: GpuContext,
                  f: Findings) -> BackendStatus:
     """The jax backend's status; its blockers go into ``f`` (lower layers name the root)."""
     platform = "cpu" if req.platform == "cpu" else "gpu"
     duration = round(run.duration_s, 4)
-    obs = run.jax
+    obs = run.parsed if isinstance(run.parsed, JaxObservation) else None
     if obs is None or not run.ok:
         # The probe layer already holds the timeout/crash/error blocker for this child.
         return BackendStatus("blocked", duration, {}, {"error": run.error})
@@ -446,7 +446,7 @@ def static_causes(obs: JaxObservation, stderr: str, driver_version: int | None) 
     return out
 
 
-def _classify_static(obs: JaxObservation, run: ProbeRun, gpu: GpuContext, f: Findings,
+def _classify_static(obs: JaxObservation, run: BackendRun, gpu: GpuContext, f: Findings,
                      duration: float, versions: Mapping[str, Any]) -> BackendStatus:
     """An installation-only reading: blocked by what it shows, else unproven (never ok)."""
     found = [c for c in static_causes(obs, run.stderr_tail, gpu.cuda_driver_version)

@@ -3,7 +3,7 @@
 Two kinds of child, one set of rules here: a probe child (``probe_environment``: the caller's
 environment, preallocation off unless the caller set it, never the daemon's systemd channel)
 and the job ``gpudiag run`` starts (``job_environment``: the admitted full UUIDs in both
-visibility variables, preallocation forced off; DESIGN.md's exact child environment).
+visibility variables, preallocation forced off; docs/runner.md's exact child environment).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ EVIDENCE_ALLOW_PATTERNS: tuple[str, ...] = (
     "SLURM_JOB_ID", "LD_LIBRARY_PATH", "PATH",
 )
 
-# The child environment that disables JAX/XLA preallocation (DESIGN.md).
+# The child environment that disables JAX/XLA preallocation (docs/runner.md).
 PREALLOCATION_OFF: dict[str, str] = {
     "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
     "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
@@ -63,7 +63,7 @@ def probe_environment(base: Mapping[str, str]) -> dict[str, str]:
 
 
 def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None) -> dict[str, str]:
-    """The variables gpudiag sets in a job's child (DESIGN.md's exact child environment)."""
+    """The variables gpudiag sets in a job's child (docs/runner.md's exact child environment)."""
     for u in uuids:
         if not is_full_uuid(u):
             raise ValueError(f"{u!r} is not a full GPU-/MIG- UUID")
@@ -150,7 +150,7 @@ def parse_nvidia_visible_devices(raw: str | None) -> Visibility:
     return Visibility(var, raw, "list", entries)
 
 
-# One resolver, two rules (DESIGN.md, "Devices and visibility"):
+# One resolver, two rules (docs/design-notes.md, "Devices and visibility"):
 # PREFIX is how the CUDA driver reads a visibility list, so preflight judges what a job will
 # see: an index, a unique GPU UUID prefix, or a MIG UUID. FULL_UUID is admission's rule:
 # only an index or a complete UUID names a GPU, because a prefix is never an identity for a

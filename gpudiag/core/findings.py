@@ -47,7 +47,6 @@ class GpuContext:
 
     nvml_ok: bool
     cuda_ok: bool
-    device_nodes_present: bool
     gpu_blocked: bool
     # cuDriverGetVersion as NVML or the cuda probe read it (12080 = CUDA 12.8); None: unread.
     cuda_driver_version: int | None = None

@@ -5,6 +5,7 @@ after this check, which lets those parsers assume a dict is a dict and a count i
 a malformed observation (a broken or foreign probe, a truncated write) must become a
 ``probe_error`` naming the bad field, never an exception in the daemon. Only the types of
 the fields that gpudiag reads are checked; unknown fields pass, so probes may add fields.
+Each backend's shape is declared in its spec (gpudiag.core.backends); this module is the checker.
 """
 
 from __future__ import annotations
@@ -42,68 +43,6 @@ class MapOf:
 Spec: TypeAlias = type | tuple[type, ...] | Obj | ListOf | MapOf
 ANY: Spec = object
 SCALAR: Spec = (str, int, float, bool)
-
-_ERROR = Obj({"code": ANY, "name": ANY, "message": ANY, "type": ANY, "step": ANY,
-              "where": ANY})
-_MEMORY = Obj({"total_bytes": NUMBER, "free_bytes": NUMBER, "used_bytes": NUMBER})
-_PROCESSES = ListOf(Obj({"pid": NUMBER, "used_memory_bytes": NUMBER}))
-_DEVICE = Obj({
-    "index": int, "uuid": str, "name": str, "pci_bus_id": str, "error": _ERROR,
-    "recovery_action": SCALAR, "memory": _MEMORY, "processes": _PROCESSES,
-    "ecc": MapOf(NUMBER), "remapped_rows": MapOf((int, float, bool)),
-    "clocks_event_reasons": Obj({"reasons": ListOf(str), "mask": NUMBER}),
-    "mig": Obj({"instances": ListOf(Obj({"uuid": str, "slot": NUMBER, "memory": _MEMORY,
-                                         "processes": _PROCESSES, "error": _ERROR}))}),
-    "utilization_gpu_ratio": NUMBER, "temperature_c": NUMBER, "power_w": NUMBER,
-    "retired_pages_pending": bool, "graphics_processes": _PROCESSES,
-    "pcie": Obj({k: int for k in ("current_generation", "max_generation", "current_width",
-                                  "max_width")}),
-    "nvlinks": Obj({"active": ListOf(int), "inactive": ListOf(int)}),
-    "fabric": Obj({"state": int, "status": int}),
-}, required=frozenset({"index"}))
-_CUDA_STEP = Obj({"ok": ANY, "code": ANY, "message": ANY})
-
-SHAPES: dict[str, Spec] = {
-    "host": Obj({
-        "environment": MapOf(str),
-        "device_nodes": Obj({"gpu_nodes": NUMBER, "permission_denied": ListOf(str),
-                             "dir": str}),
-        "driver_proc": Obj({"path": str, "kernel_module_version": str}),
-        "nvidia_smi": Obj(), "nvidia_smi_xml": Obj(),
-        "pci": Obj({"available": bool, "gpus": ListOf(Obj({"address": str, "driver": str},
-                                                           required=frozenset({"address"})))}),
-    }),
-    "nvml": Obj({
-        "error": _ERROR, "devices": ListOf(_DEVICE), "device_count": NUMBER,
-        "visibility_env": MapOf(str), "driver_version": SCALAR,
-        "cuda_driver_version": SCALAR, "nvml_version": SCALAR,
-    }),
-    "cuda": Obj({
-        "library": Obj(), "init": _CUDA_STEP, "device_count": NUMBER,
-        "devices": ListOf(Obj({"uuid": str, "error": _ERROR, "context": _CUDA_STEP,
-                               "alloc": _CUDA_STEP})),
-        "driver_version": SCALAR, "init_duration_s": NUMBER,
-    }),
-    "jax": Obj({
-        "versions": MapOf(SCALAR), "import_error": _ERROR, "init_error": _ERROR,
-        "required_error": _ERROR, "platforms": ListOf(str),
-        "registered_platforms": ListOf(str), "jax_platforms": str,
-        "backend_errors": MapOf(SCALAR), "required_devices": ListOf(ANY),
-        "compute": Obj({"error": _ERROR}), "xla_env": MapOf(SCALAR),
-        "devices": ListOf(Obj()), "environment": MapOf(str), "default_backend": SCALAR,
-        "init_s": NUMBER, "init_duration_s": NUMBER, "static": str, "plugins": ListOf(str),
-    }),
-    "iree": Obj({
-        "versions": MapOf(SCALAR), "import_error": _ERROR, "required": ListOf(SCALAR),
-        "drivers": MapOf(Obj({
-            "error": _ERROR, "devices": ListOf(Obj()),
-            "execute": Obj({"compile": Obj(), "run": Obj(), "skipped": SCALAR}),
-        }), nullable=False),
-        "environment": MapOf(str), "init_s": NUMBER, "init_duration_s": NUMBER,
-        "static": str,
-    }),
-}
-
 
 def _name(t: type | tuple[type, ...]) -> str:
     types = t if isinstance(t, tuple) else (t,)
@@ -153,8 +92,3 @@ def problem(value: Any, spec: Spec, path: str = "") -> str | None:
     if not isinstance(value, spec):
         return f"{where} is a {type(value).__name__}, not a {_name(spec)}"
     return None
-
-
-def observation_problem(backend: str, observation: Any) -> str | None:
-    """Why a probe's observation is malformed; None when gpudiag can read it."""
-    return problem(observation, SHAPES.get(backend, Obj()))

@@ -1,11 +1,11 @@
 """Typed probe observations: each child's JSON parsed once, where it enters, into frozen records.
 
-A probe child prints one JSON object (the probe child protocol). ``parse_observation`` checks
-its shape (gpudiag.core.observation: a malformed observation is a ``probe_error`` naming the
-field) and builds the records below; nothing above core reads the raw dict. Fields the shape
-check does not cover are read leniently (a wrong type is None), so a probe may add fields and
-a foreign or truncated one never raises. Raw sub-records that only travel into evidence are
-kept as ``Mapping`` (dicts only at the JSON edge).
+A probe child prints one JSON object (the probe child protocol). ``registry.parse_observation``
+checks its shape (its backend spec's, with gpudiag.core.observation: a malformed observation
+is a ``probe_error`` naming the field) and builds the records below; nothing above core reads
+the raw dict. Fields the shape check does not cover are read leniently (a wrong type is None),
+so a probe may add fields and a foreign or truncated one never raises. Raw sub-records that
+only travel into evidence are kept as ``Mapping`` (dicts only at the JSON edge).
 
 One NVML vocabulary: ``GpuReadings`` (memory, utilization, temperature, power) is what both
 the nvml probe's devices and the XID watcher's telemetry lines carry, under the same names.
@@ -18,8 +18,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
-
-from gpudiag.core.observation import observation_problem
 
 Number: TypeAlias = int | float
 Scalar: TypeAlias = str | int | float | bool
@@ -771,31 +769,6 @@ class Malformed:
     """Why an observation could not be read: the field that was wrong."""
 
     problem: str
-
-
-_PARSERS: dict[str, Any] = {
-    "host": HostObservation.parse, "nvml": NvmlObservation.parse,
-    "cuda": CudaObservation.parse, "jax": JaxObservation.parse,
-    "iree": IreeObservation.parse,
-}
-
-
-def parse_observation(backend: str, value: Any) -> ProbeObservation | Malformed:
-    """The typed observation of ``backend``'s JSON, or why it is malformed (never raises)."""
-    why = observation_problem(backend, value)
-    if why is not None:
-        return Malformed(why)
-    parser = _PARSERS.get(backend)
-    try:
-        if parser is None:
-            return OtherObservation(_flag(value.get("ok")))
-        parsed: ProbeObservation = parser(value)
-    except (TypeError, ValueError, OverflowError, KeyError) as e:
-        # A field the shape check lets pass but that still cannot be read: name it.
-        return Malformed(f"the observation cannot be read: {type(e).__name__}: {e}")
-    return parsed
-
-
 
 
 # -- the XID watcher's lines -----------------------------------------------------------------

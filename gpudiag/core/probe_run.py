@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpudiag.core.limits import PROBES
 from gpudiag.core.observations import (
     CudaObservation,
     HostObservation,
@@ -23,12 +22,10 @@ from gpudiag.core.observations import (
     Malformed,
     NvmlObservation,
     ProbeObservation,
-    parse_observation,
 )
+from gpudiag.core.registry import parse_observation
 
 STDERR_TAIL_BYTES = 64 * 1024
-# "devices" is the nvml probe's per-device sub-observation.
-KNOWN_PROBES = (*PROBES, "devices")
 
 
 @dataclass(frozen=True)

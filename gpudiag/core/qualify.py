@@ -40,7 +40,6 @@ PASSED = "none"
 UNDERPERFORMING = "gpu_underperforming"
 COMPUTE_MISMATCH = "gpu_compute_mismatch"
 ABORTED = "qualification_aborted"
-REFERENCES: tuple[str, ...] = ("table", "peers", "history")
 
 GIB = 1024 ** 3
 

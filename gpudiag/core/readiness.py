@@ -1,7 +1,8 @@
 """Occupancy and the two questions a verdict answers: job readiness and node health.
 
-DESIGN "Busy GPUs". Active probes touch only FREE GPUs; what they could not touch keeps its
-last active result. This module turns the GPU-level findings of classify into the answer:
+docs/design-notes.md "Busy GPUs". Active probes touch only FREE GPUs; what they could not
+touch keeps its last active result. This module turns the GPU-level findings of classify
+into the answer:
 
 - Job readiness with ``gpus=N``: ready when at least N GPUs within the caller's visibility are
   healthy and FREE; the verdict names them (``devices[].selected``). A fault on another GPU is

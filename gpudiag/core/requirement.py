@@ -10,11 +10,9 @@ import math
 import re
 from collections.abc import Iterable
 
-from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
-from gpudiag.core.limits import REQUIRABLE_BACKENDS as BACKENDS
+from gpudiag.core import registry
+from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.verdict import BackendRequirement, Requirement
-
-JAX_PLATFORMS = ("gpu", "cuda", "cpu")
 
 
 class RequirementError(ValueError):
@@ -27,33 +25,39 @@ def parse_backends(text: str) -> tuple[BackendRequirement, ...]:
     if not text.strip() or any(not s for s in specs):
         raise RequirementError(
             f"requirement {text!r} is empty or has an empty item; accepted: a comma list of "
-            f"{', '.join(BACKENDS)}, with jax:cpu|gpu and iree:DRIVER (e.g. cuda,jax,iree)")
+            f"{', '.join(registry.requirable())}, with jax:cpu|gpu and iree:DRIVER "
+            f"(e.g. cuda,jax,iree)")
+    backends = registry.requirable()
     out: list[BackendRequirement] = []
     for spec in specs:
         name, sep, platform = spec.partition(":")
         name = name.lower()
-        if name not in BACKENDS:
+        if name not in backends:
             raise RequirementError(
                 f"unknown backend {name!r} in requirement {text!r}; accepted: "
-                f"{', '.join(BACKENDS)} (jax:cpu, iree:local-task and the like pick a platform)")
+                f"{', '.join(backends)} (jax:cpu, iree:local-task and the like pick a platform)")
         plat: str | None = platform.lower() if sep else None
         if sep and not plat:
             raise RequirementError(f"{spec!r} has an empty platform after ':'")
-        if name == "jax" and plat is not None:
-            if plat not in JAX_PLATFORMS:
-                raise RequirementError(
-                    f"JAX platform {plat!r} in {spec!r} is not one of {', '.join(JAX_PLATFORMS)}")
-            plat = "gpu" if plat == "cuda" else plat
-        if name == "iree" and plat is not None and plat not in IREE_DRIVERS:
-            raise RequirementError(
-                f"IREE driver {plat!r} in {spec!r} is not one IREE has; accepted: iree:DRIVER "
-                f"with DRIVER one of {', '.join(IREE_DRIVERS)}")
-        if name in ("cuda", "nvml") and plat is not None:
-            raise RequirementError(f"{name} takes no platform, got {spec!r}")
-        req = BackendRequirement(name, None if plat == "gpu" else plat)
+        req = BackendRequirement(name, _platform(name, plat, spec))
         if req not in out:
             out.append(req)
     return tuple(out)
+
+
+def _platform(name: str, plat: str | None, text: str) -> str | None:
+    """The platform of one ``NAME:PLATFORM`` entry as its backend spec spells it ("gpu" and
+    none are one: the default GPU platform)."""
+    spec = registry.spec(name)
+    if plat is None or spec is None:
+        return None
+    if spec.platforms is None:
+        raise RequirementError(f"{name} takes no platform, got {text!r}")
+    if plat not in spec.platforms:
+        raise RequirementError(f"{spec.platform_word} {plat!r} in {text!r} " + spec.platform_help
+                               .format(choices=", ".join(spec.platforms)))
+    plat = spec.platform_aliases.get(plat, plat)
+    return None if plat == "gpu" else plat
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")

@@ -64,14 +64,10 @@ class BackendRequirement:
 
     @property
     def needs_gpu(self) -> bool:
-        """Whether this requirement can only be met by an NVIDIA GPU."""
-        if self.name in ("cuda", "nvml"):
-            return True
-        if self.name == "jax":
-            return self.platform in (None, "gpu", "cuda")
-        if self.name == "iree":
-            return self.platform in (None, "cuda")
-        return False
+        """Whether this requirement can only be met by an NVIDIA GPU: the default platform
+        (none named) is the GPU; a named one other than gpu/cuda (jax:cpu, iree:local-task,
+        iree:hip) is not. One rule for every backend spec (gpudiag.core.registry)."""
+        return self.platform in (None, "gpu", "cuda")
 
     def spec(self) -> str:
         return self.name if self.platform is None else f"{self.name}:{self.platform}"
@@ -161,7 +157,7 @@ class DeviceInfo:
     pci_bus_id: str | None
     memory_total_bytes: int | None
     memory_free_bytes: int | None
-    # free | busy | unknown (DESIGN "Busy GPUs"); None where no NVML reading was had.
+    # free | busy | unknown (docs/design-notes.md "Busy GPUs"); None where no NVML reading was had.
     occupancy: str | None = None
     # No fault on this GPU (busy is healthy in use); None where nothing could be read.
     healthy: bool | None = None
@@ -216,7 +212,6 @@ class DeviceInfo:
 # A backend that was not tried on a GPU (none free, a sibling probing): never counted as
 # proven. Its detail says why; readiness decides per question what it means.
 UNPROVEN = "unproven"
-BACKEND_STATES = ("ok", "blocked", "not_installed", UNPROVEN)
 
 
 @dataclass(frozen=True)
@@ -275,7 +270,7 @@ class Verdict:
         return replace(self, source=source, age_s=round(age_s, 3))
 
     def record(self) -> dict[str, JSONValue]:
-        """The JSON record of DESIGN.md, secrets redacted (core.redact): every output,
+        """The JSON record of docs/reference.md, secrets redacted (core.redact): every output,
         file and history row is made from this."""
         record: dict[str, JSONValue] = redact_record({
             "schema": SCHEMA,

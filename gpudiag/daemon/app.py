@@ -21,6 +21,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gpudiag.core import registry
 from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import RequirementError, parse_requirement
@@ -32,7 +33,7 @@ from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one li
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.qualifier import Qualifier
-from gpudiag.daemon.scheduler import SCHEDULED_OPTIONS, Scheduler
+from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, verdict_for
 from gpudiag.daemon.store import HistoryError, HistoryStore
 
@@ -352,11 +353,11 @@ class DaemonApp:
         enabled = self.scheduler.config.enabled_backends
         text = params.get("backend")
         names = [n.strip().lower() for n in text.split(",")] if text else list(enabled)
-        bad = [n for n in names if n not in SCHEDULED_OPTIONS]
+        bad = [n for n in names if n not in registry.probe_names()]
         if not names or bad:
             raise ApiError(400, "bad_backend", f"backend={text!r}: unknown {', '.join(bad)}; "
-                           f"accepted: a comma list of {', '.join(SCHEDULED_OPTIONS)}")
-        keys = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in dict.fromkeys(names)]
+                           f"accepted: a comma list of {', '.join(registry.probe_names())}")
+        keys = [ProbeKey.of(n, scheduled_options(n)) for n in dict.fromkeys(names)]
         self._limit(keys, "POST /v1/probe")
         self.scheduler.trigger(keys)
         return 202, {"accepted": [k.backend for k in keys],

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpudiag.core.limits import DEFAULT_PORT, PROBE_TIMEOUTS_S, PROBES
+from gpudiag.core import registry
+from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.nvml_health import NvmlHealthPolicy
 from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
@@ -23,9 +24,6 @@ from gpudiag.core.requirement import RequirementError, parse_backends, parse_siz
 
 DEFAULT_HOST = "127.0.0.1"
 # Unassigned in Prometheus's default-port registry (9400 is dcgm-exporter, 9835 nvidia_gpu).
-SCHEDULED_BACKENDS = PROBES
-DEFAULT_INTERVALS_S = {"host": 60.0, "nvml": 15.0, "cuda": 60.0, "jax": 300.0, "iree": 300.0}
-DEFAULT_DEADLINES_S = PROBE_TIMEOUTS_S
 LOG_FORMATS = ("text", "json")
 # sockaddr_un.sun_path is 108 bytes with the terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -91,13 +89,13 @@ class DaemonConfig:
     jitter_ratio: float = 0.1
     backoff_max_s: float = 600.0
     tick_s: float = 0.5
-    # DESIGN "Busy GPUs": active probes skip GPUs other processes use. A site that wants its
-    # busy GPUs probed anyway (a context costs a job memory, and fails in exclusive mode)
-    # says so here.
+    # docs/design-notes.md "Busy GPUs": active probes skip GPUs other processes use. A site
+    # that wants its busy GPUs probed anyway (a context costs a job memory, and fails in
+    # exclusive mode) says so here.
     probe_busy_gpus: bool = False
     backends: Mapping[str, BackendConfig] = field(default_factory=lambda: {
-        name: BackendConfig(True, DEFAULT_INTERVALS_S[name], DEFAULT_DEADLINES_S[name])
-        for name in SCHEDULED_BACKENDS})
+        s.name: BackendConfig(s.enabled, s.interval_s, s.timeout_s)
+        for s in registry.specs()})
     xid: XidConfig = field(default_factory=XidConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     log_format: str = "text"
@@ -118,7 +116,8 @@ class DaemonConfig:
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
-        return tuple(n for n in SCHEDULED_BACKENDS if self.backends[n].enabled)
+        return tuple(n for n in registry.probe_names()
+                     if n in self.backends and self.backends[n].enabled)
 
     def with_listen(self, text: str) -> DaemonConfig:
         """A copy listening on ``HOST:PORT`` (the --listen flag wins over the file)."""
@@ -350,12 +349,12 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     sched = top.table("scheduler")
     backends_t = top.table("backends")
     backends: dict[str, BackendConfig] = {}
-    for name in SCHEDULED_BACKENDS:
-        b = backends_t.table(name)
-        backends[name] = BackendConfig(
-            enabled=b.flag("enabled", True),
-            interval_s=b.seconds("interval_s", DEFAULT_INTERVALS_S[name]),
-            deadline_s=b.seconds("deadline_s", DEFAULT_DEADLINES_S[name], maximum=3600.0))
+    for s in registry.specs():
+        b = backends_t.table(s.name)
+        backends[s.name] = BackendConfig(
+            enabled=b.flag("enabled", s.enabled),
+            interval_s=b.seconds("interval_s", s.interval_s),
+            deadline_s=b.seconds("deadline_s", s.timeout_s, maximum=3600.0))
         b.finish()
     backends_t.finish()
     x = top.table("xid")

@@ -2,7 +2,7 @@
 
 The WSGI app (app.py) and the transport (httpserver.py, which refuses abusive requests before
 the app sees them) both answer through these, so an error looks the same wherever it starts:
-``{"error": {"code": ..., "message": ...}}`` (DESIGN.md, HTTP API).
+``{"error": {"code": ..., "message": ...}}`` (docs/reference.md, "HTTP API of the daemon").
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from gpudiag.core import registry
 from gpudiag.core.catalog import BLOCKERS, WARNINGS, CatalogEntry
 from gpudiag.core.observations import (
     CudaObservation,
@@ -99,18 +100,18 @@ class SnapshotCollector(Collector):
         versions["driver_version"] = str((obs.driver_version if obs else None) or "")
         versions["cuda_driver_version"] = str((obs.cuda_driver_version if obs else None) or "")
         # label <- the first version key the backend reports (IREE names its package).
-        for backend, label, keys in (("jax", "jax", ("jax",)), ("jax", "jaxlib", ("jaxlib",)),
-                                     ("iree", "iree", ("iree-base-runtime", "iree"))):
-            status = statuses.get(backend)
-            found = [status.versions.get(k) for k in keys] if status is not None else []
-            versions[f"{label}_version"] = str(next((v for v in found if v), ""))
+        for spec in registry.specs():
+            status = statuses.get(spec.name)
+            for label, keys in spec.version_labels.items():
+                found = [status.versions.get(k) for k in keys] if status is not None else []
+                versions[f"{label}_version"] = str(next((v for v in found if v), ""))
         info = InfoMetricFamily("gpudiag_build", "gpudiag, driver and library versions.",
                                 labels=list(versions))
         info.add_metric(list(versions.values()), {})
         yield info
 
     def _occupancy(self, snap: Snapshot) -> Iterator[Metric]:
-        """Per-GPU occupancy, health and last proof (DESIGN "Busy GPUs"), from the
+        """Per-GPU occupancy, health and last proof (docs/design-notes.md "Busy GPUs"), from the
         node-health verdict, so that a busy GPU reads as healthy in use, never as broken."""
         occupancy = GaugeMetricFamily(
             "gpudiag_gpu_occupancy", "1 for the GPU's current occupancy: free (no other "

@@ -423,11 +423,6 @@ class HttpServer:
         """Connections still sending their request head."""
         return len(self._pending)
 
-    @property
-    def writing(self) -> int:
-        """Connections whose response is still being written."""
-        return len(self._writing)
-
     def serve_forever(self, poll_interval: float = 0.2) -> None:
         """Accept, read heads, dispatch and write responses until ``shutdown``."""
         self._sel.register(self._listen, selectors.EVENT_READ, None)

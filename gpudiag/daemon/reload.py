@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -66,7 +65,6 @@ class ReloadState:
     reloads: int = 0
     failures: int = 0
     last_ok: bool = True
-    last_wall: float | None = None
 
 
 class Reloader:
@@ -103,7 +101,7 @@ class Reloader:
             new = self._load()
         except ConfigError as e:
             self._state = replace(self._state, failures=self._state.failures + 1,
-                                  last_ok=False, last_wall=time.time())
+                                  last_ok=False)
             log.error("reload failed, still running the previous config: %s", e,
                       extra={"reload": "failed"})
             self._notifier.status(f"reload failed: {e}"[:200])
@@ -120,8 +118,7 @@ class Reloader:
             self._retune_xid(applied.xid)
         if self._set_log_level is not None and applied.log_level != old.log_level:
             self._set_log_level(applied.log_level)
-        self._state = replace(self._state, reloads=self._state.reloads + 1, last_ok=True,
-                              last_wall=time.time())
+        self._state = replace(self._state, reloads=self._state.reloads + 1, last_ok=True)
         log.info("config reloaded: %s%s", "; ".join(changes) or "no change",
                  f" (needs a restart: {', '.join(later)})" if later else "",
                  extra={"reload": "ok", "changes": changes, "restart_needed": later})

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpudiag.core import registry
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.nvml_health import NvmlHistory, advance
@@ -59,11 +60,12 @@ from gpudiag.engine.processes import own_process_tree
 
 log = logging.getLogger("gpudiag.daemon.scheduler")
 
-# Default options of the scheduled jax and iree children (the same as a plain `jax`/`iree`).
-SCHEDULED_OPTIONS: dict[str, dict[str, Any] | None] = {
-    "host": None, "nvml": None, "cuda": None,
-    "jax": {"platform": "gpu"}, "iree": {"drivers": ["cuda"]},
-}
+
+def scheduled_options(name: str) -> dict[str, Any] | None:
+    """The options of a scheduled probe child (the same as a plain requirement of it)."""
+    spec = registry.spec(name)
+    options = spec.scheduled_options if spec is not None else None
+    return dict(options) if options is not None else None
 
 
 class Clock(Protocol):
@@ -173,8 +175,9 @@ class Scheduler:
         self._env = probe_environment(os.environ if env is None else env)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
         self._job_locks = JobLocks(self._lock_dir)
-        # Busy GPUs (DESIGN): the latest occupancy, where each backend last proved itself,
-        # and a round counter per backend so that JAX and IREE rotate over the free GPUs.
+        # Busy GPUs (docs/design-notes.md): the latest occupancy, where each backend last
+        # proved itself, and a round counter per backend so that JAX and IREE rotate over the
+        # free GPUs.
         self._occupancy: dict[str, GpuOccupancy] = {}
         self._last_proven: dict[tuple[str, str], float] = {}
         self._backend_gpu: dict[str, str | None] = {}
@@ -197,7 +200,7 @@ class Scheduler:
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
                                                    node_health=True)
-        scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
+        scheduled = [ProbeKey.of(n, scheduled_options(n)) for n in config.enabled_backends]
         # gpudiag_ready must always be computable: what the default requirement needs runs
         # on its backend's interval even when that backend is switched off.
         scheduled += [k for k in keys_for(self.ready_requirement) if k not in scheduled]
@@ -486,7 +489,7 @@ class Scheduler:
                 if dev.context is not None and dev.context.ok and dev.alloc is not None \
                         and dev.alloc.ok and dev.uuid is not None:
                     self._last_proven[(dev.uuid, "cuda")] = finished_wall
-        elif backend in ("jax", "iree") and failure_signature(run) is None:
+        elif _proves_on_one_gpu(backend) and failure_signature(run) is None:
             gpu = self._backend_gpu.get(backend)
             if gpu is not None:
                 self._last_proven[(gpu, backend)] = finished_wall
@@ -507,7 +510,7 @@ class Scheduler:
                                gap_warning_s=config.xid.gap_warning_s,
                                expected_gpus=config.expected_gpus)
         ready = parse_requirement(config.default_requirement, node_health=True)
-        scheduled = [ProbeKey.of(n, SCHEDULED_OPTIONS[n]) for n in config.enabled_backends]
+        scheduled = [ProbeKey.of(n, scheduled_options(n)) for n in config.enabled_backends]
         scheduled += [k for k in keys_for(ready) if k not in scheduled]
         now = self.clock.monotonic()
         with self._lock:
@@ -567,3 +570,9 @@ class Scheduler:
             wait = min(tick, max(0.0, next_due - self.clock.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
+
+
+def _proves_on_one_gpu(backend: str) -> bool:
+    """Whether a backend's round proves it on one claimed GPU (jax, iree: their spec says)."""
+    spec = registry.spec(backend)
+    return spec is not None and spec.proves_on_one_gpu

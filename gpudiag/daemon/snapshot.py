@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpudiag.core import registry
 from gpudiag.core.classify import classify
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
@@ -23,7 +24,6 @@ from gpudiag.engine.plan import probes_for
 
 OUTCOMES = ("ok", "error", "timeout", "crashed")
 # The backends a requirement names (``--require``): fleet readiness is told per backend.
-REQUIREMENT_BACKENDS = ("cuda", "jax", "iree")
 
 
 @dataclass(frozen=True, order=True)
@@ -148,7 +148,7 @@ class Snapshot:
         scheduled = {key.backend for key in self.scheduled}
         host_wide = [] if full is None else [b for b in full.blockers if b.device is None]
         out = {}
-        for backend in REQUIREMENT_BACKENDS:
+        for backend in registry.published():
             status = full.backends.get(backend) if full is not None else None
             out[backend] = (backend in scheduled and status is not None
                             and status.status == "ok"

@@ -256,7 +256,6 @@ class HistoryStore:
         # (every 50 writes alone could keep rows for months past the retention).
         self._prune_every_s = min(3600.0, max(1.0, retention_s / 10))
         self._last_prune = -float("inf")
-        self.prune_error: str | None = None
         try:
             if readonly:
                 if not self.path.exists():
@@ -370,12 +369,8 @@ class HistoryStore:
             if self._writes % 50 == 0 or ts - self._last_prune >= self._prune_every_s:
                 # The change is durable: a failed prune must not report it as lost (it
                 # would be written twice). Pruning is retried on a later write.
-                try:
+                with contextlib.suppress(sqlite3.Error):
                     self._prune_locked(ts)
-                except sqlite3.Error as e:
-                    self.prune_error = f"{e}"
-                else:
-                    self.prune_error = None
             row_id = cur.lastrowid
             return int(row_id) if row_id is not None else None
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core import registry
 from gpudiag.core.catalog import layer_rank
 
 # A job needs at least this many GPUs by default; cuda is the default requirement.
@@ -28,7 +29,6 @@ DEFAULT_JOB = "gpudiag"
 DEFAULT_MAX_AGE_S = 120.0
 # Nodes Prometheus scraped within this window are listed (a node gone longer is forgotten).
 DEFAULT_WINDOW_S = 3600.0
-FLEET_BACKENDS = ("cuda", "jax", "iree")
 
 
 class PrometheusError(Exception):
@@ -87,10 +87,11 @@ class FleetQuery:
     qualified_within_s: float | None = None
 
     def __post_init__(self) -> None:
-        unknown = [b for b in self.backends if b not in FLEET_BACKENDS]
+        known = registry.published()
+        unknown = [b for b in self.backends if b not in known]
         if unknown or not self.backends:
             raise FleetUsageError(
-                f"the fleet knows the backends {', '.join(FLEET_BACKENDS)}; got "
+                f"the fleet knows the backends {', '.join(known)}; got "
                 f"{', '.join(unknown) or 'none'}")
         if self.gpus < 1:
             raise FleetUsageError(f"--gpus must be at least 1, got {self.gpus}")
@@ -151,7 +152,6 @@ class FleetAnswer:
 
 
 Sample = tuple[Mapping[str, str], float]
-Fetch = Callable[[str, float | None], list[Sample]]
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

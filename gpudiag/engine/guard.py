@@ -1,10 +1,11 @@
 """The busy-GPU safety rule for active probes: touch only FREE GPUs, each under its lock.
 
-DESIGN "Busy GPUs": a probe never touches a GPU that someone else is using. Before the cuda,
-jax and iree children run, the caller reads NVML (which makes no context), works out each GPU
-leaf's occupancy, and claims the FREE ones here: it takes each one's full-UUID lock (the lock
-``gpudiag run`` takes) without waiting, skipping any that is taken, and holds the locks until
-the children are done. A GPU not claimed is not touched: its last active result stands.
+docs/design-notes.md "Busy GPUs": a probe never touches a GPU that someone else is using.
+Before the cuda, jax and iree children run, the caller reads NVML (which makes no context),
+works out each GPU leaf's occupancy, and claims the FREE ones here: it takes each one's
+full-UUID lock (the lock ``gpudiag run`` takes) without waiting, skipping any that is taken,
+and holds the locks until the children are done. A GPU not claimed is not touched: its last
+active result stands.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core import registry
 from gpudiag.core.environment import (
     KnownDevice,
     is_full_uuid,
@@ -28,20 +30,12 @@ from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.engine.locks import LockFailed, LockInfo, lock_holder, release, try_lock
 from gpudiag.engine.processes import cmdline, is_probe_child, own_process_tree
 
-# The probes that make a CUDA context (and so may only run on FREE GPUs), by their options.
-ACTIVE_PROBES = ("cuda", "jax", "iree")
-
 
 def touches_gpu(name: str, options: Mapping[str, Any] | None) -> bool:
-    """Whether a probe child would make a CUDA context: cuda always, jax/iree on a GPU."""
-    opts = options or {}
-    if name == "cuda":
-        return True
-    if name == "jax":
-        return str(opts.get("platform") or "gpu") not in ("cpu",)
-    if name == "iree":
-        return any(d in ("cuda", "hip") for d in opts.get("drivers") or ["cuda"])
-    return False
+    """Whether a probe child would make a CUDA context (its spec says, by its options): such
+    probes run only on FREE GPUs."""
+    spec = registry.spec(name)
+    return spec is not None and spec.touches_gpu(options or {})
 
 
 # core.occupancy's states, as the verdict and the metrics write them.
@@ -132,8 +126,8 @@ SIBLING_WAIT_S = 20.0
 
 def not_foreign(nvml: NvmlObservation | None) -> frozenset[int]:
     """The PIDs that do not make a GPU busy: this process tree, and other gpudiag probe
-    children (a sibling's probe is proving the GPU, not using it: DESIGN "siblings are not
-    users"). Only PIDs NVML lists are looked at, so this costs a few /proc reads."""
+    children (a sibling's probe is proving the GPU, not using it: docs/design-notes.md
+    "Siblings are not users"). Only PIDs NVML lists are looked at: a few /proc reads."""
     ours = own_process_tree()
     listed: set[int] = set()
     for d in nvml.devices if nvml is not None and nvml.ok else ():

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core import registry
 from gpudiag.core.clock import now_rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
@@ -27,7 +28,7 @@ from gpudiag.engine.guard import (
 )
 from gpudiag.engine.isolation import run_probes
 from gpudiag.engine.locks import default_lock_dir
-from gpudiag.engine.plan import DEFAULT_TIMEOUTS_S, probes_for
+from gpudiag.engine.plan import probes_for
 
 Request = tuple[str, Mapping[str, Any] | None]
 
@@ -45,13 +46,14 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
                timeout_s: float | None = None,
                timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None,
                lock_dir: Path | None = None, held: Collection[str] = ()) -> InlineRun:
-    """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs (DESIGN
-    "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs' locks; host beside.
+    """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs
+    (docs/design-notes.md "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs'
+    locks; host beside.
     ``held``: full UUIDs the caller already holds a job's lock on (it proves them as its own).
     """
     checked_at = now_rfc3339()
     requests = probes_for(requirement, only=only)
-    limits = dict(DEFAULT_TIMEOUTS_S)
+    limits = registry.timeouts_s()
     limits.update(timeouts or {})
     if timeout_s is not None:
         limits = {k: timeout_s for k in limits}

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from gpudiag.core.limits import PROBE_TIMEOUTS_S as DEFAULT_TIMEOUTS_S
+from gpudiag.core import registry
 from gpudiag.core.verdict import Requirement
 
-__all__ = ["DEFAULT_TIMEOUTS_S", "probes_for"]
+__all__ = ["probes_for"]
 
 
 def probes_for(requirement: Requirement, *, only: Collection[str] | None = None
@@ -26,10 +26,10 @@ def probes_for(requirement: Requirement, *, only: Collection[str] | None = None
             requests.append(("cuda", None))
     if only is not None:
         requests = [(name, None) for name in ("host", "nvml", "cuda") if name in only]
-    jax = requirement.backend("jax")
-    if jax is not None:
-        requests.append(("jax", {"platform": jax.platform or "gpu"}))
-    iree = [b.platform or "cuda" for b in requirement.backends if b.name == "iree"]
-    if iree:
-        requests.append(("iree", {"drivers": iree}))
+    # The device layer (host, nvml, cuda) is chosen above; each other backend runs once,
+    # with the options its spec derives from the requirement's entries of it.
+    for spec in registry.specs():
+        entries = [b for b in requirement.backends if b.name == spec.name]
+        if entries and not spec.device_layer:
+            requests.append((spec.name, spec.options(entries)))
     return requests if only is None else [r for r in requests if r[0] in only]

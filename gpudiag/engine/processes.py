@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from gpudiag.core import registry
+
 
 @dataclass(frozen=True)
 class ProcessInfo:
@@ -74,16 +76,13 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
-# The probe children that make a GPU context (gpudiag.engine.isolation starts them so).
-_ACTIVE_PROBES = frozenset({"cuda", "jax", "iree"})
-
 
 def is_probe_child(argv: list[str]) -> bool:
     """Whether ``argv`` is a gpudiag probe child that touches a GPU (``python -m
     gpudiag.probes cuda``): another gpudiag proving a GPU, not a job using it."""
     for i, word in enumerate(argv[:-2]):
         if word == "-m" and argv[i + 1] == "gpudiag.probes":
-            return argv[i + 2] in _ACTIVE_PROBES
+            return argv[i + 2] in registry.gpu_touching()
     return False
 
 

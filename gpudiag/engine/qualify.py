@@ -1,7 +1,7 @@
 """Qualify idle GPUs: pick the FREE ones, run the qualify child on each under its lock, score.
 
-DESIGN "Busy GPUs": NVML is read first (no context); only GPUs FREE in that reading are
-claimed, one at a time, each under its full-UUID lock (engine.guard.claim_free, the lock
+docs/design-notes.md "Busy GPUs": NVML is read first (no context); only GPUs FREE in that
+reading are claimed, one at a time, each under its full-UUID lock (engine.guard.claim_free, the lock
 `gpudiag run` takes), so that no job waits on a GPU this run is not measuring. The child
 re-reads NVML before its first context and every 0.25 s after, and stops within 1 s when
 another process appears. Results are scored (core.qualify_score) against the reference

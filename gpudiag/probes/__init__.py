@@ -10,23 +10,22 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gpudiag.core import registry
+
 Observation = dict[str, Any]
 ProbeFunction = Callable[[Mapping[str, Any]], Observation]
 
-# name -> module; each module has `probe(options) -> Observation`.
-PROBE_MODULES: dict[str, str] = {
-    "host": "gpudiag.probes.host",
-    "nvml": "gpudiag.probes.nvml",
-    "cuda": "gpudiag.probes.cuda",
-    "jax": "gpudiag.probes.jax_probe",
-    "iree": "gpudiag.probes.iree_probe",
-    # Not a verdict probe (core.limits.PROBES): GPU qualification, run by engine.qualify.
-    "qualify": "gpudiag.probes.qualify",
-}
+# Not a verdict probe (gpudiag.core.registry): GPU qualification, run by engine.qualify.
+EXTRA_PROBES: dict[str, str] = {"qualify": "gpudiag.probes.qualify"}
+
+
+def probe_modules() -> dict[str, str]:
+    """name -> module of every probe child; each module has ``probe(options) -> dict``."""
+    return {**{s.name: s.probe_module for s in registry.specs()}, **EXTRA_PROBES}
 
 
 def load(name: str) -> ProbeFunction:
     """The probe function of one backend (imports its module, not its library)."""
-    module = importlib.import_module(PROBE_MODULES[name])
+    module = importlib.import_module(probe_modules()[name])
     fn: ProbeFunction = module.probe
     return fn

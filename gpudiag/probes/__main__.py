@@ -50,10 +50,11 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    from gpudiag.probes import PROBE_MODULES, load
+    from gpudiag.probes import load, probe_modules
 
-    if not argv or argv[0] not in PROBE_MODULES:
-        print(f"usage: python -m gpudiag.probes {{{','.join(PROBE_MODULES)}}} [OPTIONS-JSON]",
+    modules = probe_modules()
+    if not argv or argv[0] not in modules:
+        print(f"usage: python -m gpudiag.probes {{{','.join(modules)}}} [OPTIONS-JSON]",
               file=sys.stderr)
         return 2
     try:

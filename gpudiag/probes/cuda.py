@@ -4,7 +4,7 @@ Runs in a child, through ctypes on libcuda.so.1: cuInit, cuDriverGetVersion, dev
 per visible device name, UUID and total memory, then a context, a small allocation, free,
 destroy. Every failure keeps its CUDA_ERROR name and string.
 
-Busy GPUs (DESIGN "Busy GPUs"): with the option ``contexts_on`` (a list of full UUIDs, the
+Busy GPUs (docs/design-notes.md): with the option ``contexts_on`` (a list of full UUIDs, the
 GPUs the parent found FREE and holds the locks of), a context is made only on those; every
 other device is enumerated (cuInit makes no context) and reported ``"skipped": "not_free"``.
 Right before each context the probe asks NVML once more whether another process appeared on

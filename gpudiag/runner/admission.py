@@ -1,6 +1,6 @@
 """GPU admission: observe leaves, narrow to visibility, lock full UUIDs, re-observe under lock.
 
-One direction only (DESIGN.md, "Admission and the child environment"): observe -> narrow
+One direction only (docs/runner.md, "The admission state machine"): observe -> narrow
 (never widen) -> pick FREE leaves with enough memory -> flock one file per full UUID ->
 observe again while holding the locks -> abort on any change. Every refusal is a Verdict
 whose blocker comes from the catalog, with the leaves and lock holders as evidence.
@@ -357,7 +357,8 @@ class Admitter:
                         "narrowing": narrowing.record(),
                         "first_observation": first.record()}}))
         # A fault on one GPU takes that GPU out of the choice, it does not refuse the run
-        # (DESIGN "Busy GPUs"); on the GPUs admitted it is a warning naming the faulty one.
+        # (docs/design-notes.md "Busy GPUs"); on the GPUs admitted it is a warning naming the
+        # faulty one.
         faulty = frozenset(b.device for b in verdict.blockers
                            if b.device and b.layer in GPU_FAULT_LAYERS) if self.gpus else (
             frozenset())

@@ -49,6 +49,7 @@ from gpudiag.core.requirement import parse_requirement
 from gpudiag.engine.client import DaemonUrlError, daemon_get
 from gpudiag.engine.route import daemon_else_inline
 from gpudiag.engine.statedir import default_state_dir
+from gpudiag.runner.closeout import Closeout
 
 WATCHER = "run watcher"
 HISTORY = "daemon history"
@@ -385,15 +386,15 @@ def report_job(job: JobRecord, env: Mapping[str, str]) -> dict[str, Any]:
     return {"path": str(final), "error": None}
 
 
-def close_attribution(gpu_events: GpuEvents, closeout: dict[str, Any], argv: Sequence[str],
-                      child_pid: int, exit_code: int, env: Mapping[str, str]) -> None:
-    """Attribute the run into its closeout and report it to the node's daemon."""
+def close_attribution(gpu_events: GpuEvents, closeout: Closeout, argv: Sequence[str],
+                      child_pid: int, exit_code: int, env: Mapping[str, str]) -> Closeout:
+    """The closeout with the run attributed, once reported to the node's daemon."""
     attribution, window = gpu_events.finish(exit_code)
-    # The window too, so that `gpudiag explain --run` can ask the history about it later.
-    closeout["attribution"] = {**attribution.record(), "window": {
-        "start": window.start, "end": window.end, "gpus": sorted(window.gpus)}}
     job = JobRecord(os.getpid(), child_pid, tuple(argv), env.get("SLURM_JOB_ID") or None,
                     socket.gethostname(), window.start, window.end, exit_code,
                     tuple(sorted(window.gpus)), attribution,
-                    (closeout.get("artifacts") or {}).get("closeout_json"))
-    closeout["job_record"] = report_job(job, env)
+                    closeout.artifacts.get("closeout_json"))
+    # The window too, so that `gpudiag explain --run` can ask the history about it later.
+    return replace(closeout, attribution={**attribution.record(), "window": {
+        "start": window.start, "end": window.end, "gpus": sorted(window.gpus)}},
+        job_record=report_job(job, env))

@@ -21,17 +21,16 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any, BinaryIO
 
-from gpudiag.core.attribution import Attribution
 from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
 from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.fileio import atomic_write, write_error
 from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
-from gpudiag.core.verdict import Requirement, Verdict, kv_value
+from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
 from gpudiag.engine.locks import LockFailed, default_lock_dir, try_lock
 from gpudiag.engine.locks import release as release_locks
@@ -51,10 +50,9 @@ from gpudiag.runner.artifacts import (
     read_own,
 )
 from gpudiag.runner.attribution import GpuEvents, close_attribution, gpus_of
+from gpudiag.runner.closeout import Closeout, GpuSlot, closeout_kv
 
-ROUTE = "gpudiag-run"
 PLAN_SCHEMA = "gpudiag.plan/1"
-CLOSEOUT_SCHEMA = "gpudiag.closeout/1"
 PR_SET_CHILD_SUBREAPER = 36
 TICK_S = 0.05
 MAX_TRACKED = 4096
@@ -112,7 +110,7 @@ class RunOutcome:
     """The exit code ``gpudiag run`` returns and the closeout it wrote."""
 
     exit_code: int
-    closeout: Mapping[str, Any]
+    closeout: Closeout
 
 
 def set_child_subreaper() -> bool:
@@ -354,55 +352,24 @@ def _wait_tree(proc: subprocess.Popen[bytes], tree: Tree, timeout_s: float | Non
 # --- closeout -------------------------------------------------------------------------------
 
 
-def closeout_kv(closeout: Mapping[str, Any]) -> str:
-    """closeout.txt: one key=value per line, scalars first, then flattened lists."""
-    lines = [f"{k}={kv_value(closeout.get(k), lenient=True)}" for k in (
-        "gpu_execution_route", "gpu_validation_blocker", "ready", "launched", "status",
-        "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
-        "preallocation_source", "container_image", "gpu_injection", "started_at",
-        "ended_at", "duration_s", "verdict_source", "host", "gpudiag_version")]
-    attribution = Attribution.from_record(closeout.get("attribution"))
-    if attribution is not None:
-        lines.append(f"gpu_failure_attribution={attribution.kv()}")
-    gpus = closeout.get("gpus") or []
-    lines.append(f"gpus.count={len(gpus)}")
-    lines.append(f"gpus.uuids={','.join(str(g['uuid']) for g in gpus)}")
-    for i, g in enumerate(gpus):
-        for k in ("uuid", "kind", "parent_uuid", "name", "memory_total_bytes",
-                  "memory_free_bytes"):
-            lines.append(f"gpus.{i}.{k}={kv_value(g.get(k), lenient=True)}")
-    for k, v in (closeout.get("artifacts") or {}).items():
-        lines.append(f"artifacts.{k}={v}")
-    blockers = closeout.get("blockers") or []
-    lines.append(f"blockers={','.join(b['code'] for b in blockers)}")
-    for i, b in enumerate(blockers):
-        for k in ("code", "layer", "device", "message", "remediation"):
-            lines.append(f"blockers.{i}.{k}={kv_value(b.get(k), lenient=True)}")
-    if closeout.get("evidence") is not None:
-        lines.append(f"evidence={kv_value(closeout['evidence'], lenient=True)}")
-    if closeout.get("error"):
-        lines.append(f"error={kv_value(closeout['error'], lenient=True)}")
-    return "\n".join(lines) + "\n"
+def _write_closeout(paths: Mapping[str, str], record: Mapping[str, Any]) -> None:
+    _write(paths["closeout_json"], _json(record))
+    _write(paths["closeout_txt"], closeout_kv(record))
 
 
-def _write_closeout(paths: Mapping[str, str], closeout: dict[str, Any]) -> None:
-    _write(paths["closeout_json"], _json(closeout))
-    _write(paths["closeout_txt"], closeout_kv(closeout))
-
-
-def _close_out(paths: Mapping[str, str], result: Mapping[str, Any], closeout: dict[str, Any],
-               err: BinaryIO | None) -> None:
+def _close_out(paths: Mapping[str, str], result: Mapping[str, Any], closeout: Closeout,
+               err: BinaryIO | None) -> Closeout:
     """Write result.json and the closeout and say where it went; a failure is said, never
     raised: the exit code stays the one the run earned (a job that ran must not look like
     one that never did)."""
     try:
         _write(paths["result"], _json(result))
-        _write_closeout(paths, closeout)
+        _write_closeout(paths, closeout.record())
     except ArtifactError as e:
-        closeout["error"] = f"artifacts incomplete: {e}"
         _say(err, f"gpudiag run: artifacts incomplete: {e}\n")
-    else:
-        _say(err, f"gpudiag run: closeout {paths['closeout_txt']}\n")
+        return replace(closeout, error=f"artifacts incomplete: {e}")
+    _say(err, f"gpudiag run: closeout {paths['closeout_txt']}\n")
+    return closeout
 
 
 def child_reports(folder: Path) -> list[dict[str, Any]]:
@@ -436,35 +403,25 @@ def preallocation_verdict(env: Mapping[str, str], reports: Sequence[Mapping[str,
     return ok, "child", seen
 
 
-def _gpu_slots(admission: Admission | None) -> list[dict[str, Any]]:
-    if admission is None:
-        return []
-    return [{"uuid": lf.uuid, "kind": lf.kind, "parent_uuid": lf.parent_uuid, "name": lf.name,
-             "index": lf.index, "memory_total_bytes": lf.memory_total_bytes,
-             "memory_free_bytes": lf.memory_free_bytes} for lf in admission.leaves]
+def _gpu_slots(admission: Admission) -> tuple[GpuSlot, ...]:
+    return tuple(GpuSlot(lf.uuid, lf.kind, lf.parent_uuid, lf.name, lf.index,
+                         lf.memory_total_bytes, lf.memory_free_bytes)
+                 for lf in admission.leaves)
 
 
-def _base_closeout(options: RunOptions, paths: Mapping[str, str], started: str
-                   ) -> dict[str, Any]:
-    return {
-        "schema": CLOSEOUT_SCHEMA, "gpu_execution_route": ROUTE,
-        "gpu_validation_blocker": "none", "ready": False, "launched": False,
-        "status": "refused", "exit_code": EXIT_REFUSED, "exit_signal": None,
-        "timed_out": False, "preallocation_disabled": "no", "preallocation_source": "none",
-        "container_image": options.image, "gpu_injection": None, "started_at": started,
-        "ended_at": None, "duration_s": None, "host": socket.gethostname(),
-        "gpudiag_version": __version__, "verdict_source": None, "gpus": [],
-        "artifacts": dict(paths),
-        "blockers": [], "evidence": None, "error": None,
-    }
+def _base_closeout(options: RunOptions, paths: Mapping[str, str], started: str) -> Closeout:
+    """A refused run's closeout: what every run starts as until it gets further."""
+    return Closeout(started_at=started, host=socket.gethostname(),
+                    gpudiag_version=__version__, container_image=options.image,
+                    artifacts=dict(paths), exit_code=EXIT_REFUSED)
 
 
-def _refused(options: RunOptions, paths: Mapping[str, str], closeout: dict[str, Any],
+def _refused(options: RunOptions, paths: Mapping[str, str], closeout: Closeout,
              verdict: Verdict, t0: float, err: BinaryIO | None) -> RunOutcome:
     record = verdict.record()
-    closeout.update(
-        gpu_validation_blocker=verdict.gpu_validation_blocker, ready=False,
-        blockers=record["blockers"], ended_at=_now(),
+    closeout = replace(
+        closeout, gpu_validation_blocker=verdict.gpu_validation_blocker, ready=False,
+        blockers=tuple(record["blockers"]), ended_at=_now(),
         duration_s=round(time.monotonic() - t0, 3),
         evidence=record["evidence"].get("admission") or _blocker_evidence(record))
     primary = verdict.primary
@@ -475,11 +432,11 @@ def _refused(options: RunOptions, paths: Mapping[str, str], closeout: dict[str, 
     try:
         _write(paths["verdict"], _json(record))
     except ArtifactError as e:
-        closeout["error"] = f"artifacts incomplete: {e}"
+        closeout = replace(closeout, error=f"artifacts incomplete: {e}")
         _say(err, f"gpudiag run: artifacts incomplete: {e}\n")
     else:
-        _close_out(paths, {"launched": False, "exit_code": EXIT_REFUSED,
-                           "reason": verdict.gpu_validation_blocker}, closeout, err)
+        closeout = _close_out(paths, {"launched": False, "exit_code": EXIT_REFUSED,
+                                      "reason": verdict.gpu_validation_blocker}, closeout, err)
     return RunOutcome(EXIT_REFUSED, closeout)
 
 
@@ -521,7 +478,7 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
     closeout = _base_closeout(options, paths, started)
     verdict, first = preflight_for_admission(options.requirement, options.gpus, base,
                                              options.probe_timeout_s, options.daemon_url)
-    closeout["verdict_source"] = verdict.source
+    closeout = replace(closeout, verdict_source=verdict.source)
     lock_dir = options.lock_dir
     if lock_dir is None:
         lock_dir = default_lock_dir(base) if options.gpus else Path(os.devnull)
@@ -543,14 +500,87 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
 
 
 def _with_requirement(verdict: Verdict, requirement: Requirement) -> Verdict:
-    from dataclasses import replace
-
     return replace(verdict, requirement=requirement)
 
 
 def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
-            paths: Mapping[str, str], closeout: dict[str, Any], t0: float,
+            paths: Mapping[str, str], closeout: Closeout, t0: float,
             out: BinaryIO | None, err: BinaryIO | None) -> RunOutcome:
+    """Write the plan, start the child from it, wait for its whole tree, close out."""
+    written, env, injection = _write_plan(options, base, admission, paths)
+    closeout = replace(closeout, gpu_injection=injection, gpus=_gpu_slots(admission),
+                       ready=True)
+    gpu_events = GpuEvents.begin(gpus_of([g.record() for g in closeout.gpus]), base,
+                                 options.daemon_url if closeout.verdict_source == "daemon"
+                                 else None)
+    subreaper = set_child_subreaper()
+    tree = Tree()
+    state = _Wait()
+    start_wall, start_mono = _now(), time.monotonic()
+    try:
+        proc = subprocess.Popen(  # noqa: S603 - argv as given, never a shell
+            written["launch_argv"], env=env, cwd=str(options.cwd), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            pass_fds=[lk.fd for lk in admission.locks])
+    except OSError as e:
+        gpu_events.close()
+        return _launch_failed(written["launch_argv"][0], e, paths, closeout, t0, err)
+    assert proc.stdout is not None and proc.stderr is not None
+    tees = (_Tee(proc.stdout, Path(paths["stdout"]), out),
+            _Tee(proc.stderr, Path(paths["stderr"]), err))
+    for t in tees:
+        t.start()
+    previous = _forward_signals(proc.pid, state)
+    try:
+        _wait_tree(proc, tree, options.timeout_s, options.kill_grace_s, state)
+    finally:
+        _restore_signals(previous)
+    end_mono = time.monotonic()
+    for t in tees:
+        t.join(timeout=5.0)
+    locks = _release_and_check(admission)
+    code, sig = _exit_code(state.main_status if state.main_status is not None else 0)
+    prealloc, source, seen = preallocation_verdict(
+        env, child_reports(options.artifacts / ARTIFACT_NAMES["child_reports"]))
+    result = {
+        "launched": True, "argv": written["launch_argv"], "pid": proc.pid,
+        "exit_code": code, "exit_signal": sig,
+        "wait_status": state.main_status if state.main_status is not None else 0,
+        "timed_out": state.timed_out, "started_at": start_wall, "ended_at": _now(),
+        "duration_s": round(end_mono - start_mono, 3),
+        "kill": {"grace_s": options.kill_grace_s, "term_sent": state.term_sent_at is not None,
+                 "kill_sent": state.kill_sent_at is not None},
+        "forwarded_signals": state.forwarded,
+        "outputs": {name: {"path": str(t.log), "bytes": t.size, "sha256": t.sha.hexdigest(),
+                           "error": t.error}
+                    for name, t in (("stdout", tees[0]), ("stderr", tees[1]))},
+        "descendants": tree.record(), "descendants_seen": tree.total, "subreaper": subreaper,
+        "locks": locks, "child_reports": seen, "plan_fingerprint": written["fingerprint"],
+    }
+    closeout = replace(
+        closeout, launched=True, status="timed_out" if state.timed_out else (
+            "signaled" if sig is not None else "exited"),
+        exit_code=code, exit_signal=sig, timed_out=state.timed_out,
+        preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
+        ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
+        evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
+    closeout = close_attribution(gpu_events, closeout, written["launch_argv"], proc.pid, code,
+                                 base)
+    broken = [t.error for t in tees if t.error]
+    if broken:
+        closeout = replace(closeout, error="artifacts incomplete: " + "; ".join(broken))
+        _say(err, f"gpudiag run: {closeout.error}\n")
+    closeout = _close_out(paths, result, closeout, err)
+    if state.timed_out:
+        _say(err, f"gpudiag run: timed out after {options.timeout_s:g} s; the whole tree "
+                  f"was ended (exit {code})\n")
+    return RunOutcome(code, closeout)
+
+
+def _write_plan(options: RunOptions, base: Mapping[str, str], admission: Admission,
+                paths: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], str | None]:
+    """Plan, verdict and environment on disk in full; the plan as read back, the child's
+    environment derived from it alone, and how --image injects the GPUs (None: no image)."""
     hook_dir: Path | None = None
     if options.image is None:
         hook_dir = options.artifacts / "python-hook"
@@ -563,6 +593,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         _write(hook_dir / "sitecustomize.py", sitecustomize_source())
     plan = build_plan(options, admission, base, hook_dir)
     argv: list[str] = list(options.argv)
+    injection: str | None = None
     if options.image is not None:
         from gpudiag.runner.containers import plan_docker
 
@@ -571,7 +602,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
                              name=f"gpudiag-{os.getpid()}-{int(time.time())}")
         plan["docker"] = docker.record()
         argv = list(docker.argv)
-        closeout["gpu_injection"] = docker.injection
+        injection = docker.injection
     plan["launch_argv"] = argv
     plan["fingerprint"] = fingerprint(plan)
     # Nothing starts unless plan, verdict and environment are on disk in full: the plan
@@ -585,47 +616,29 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         raise ArtifactError(f"cannot read back {paths['plan']}: {e.strerror or e}") from e
     env = environment_from_plan(written, base)
     _write(paths["environment"], _json(environment_record(env, written)))
-    closeout.update(gpus=_gpu_slots(admission), ready=True)
+    return written, env, injection
 
-    gpu_events = GpuEvents.begin(gpus_of(closeout["gpus"]), base, options.daemon_url
-                                 if closeout["verdict_source"] == "daemon" else None)
-    subreaper = set_child_subreaper()
-    tree = Tree()
-    state = _Wait()
-    start_wall, start_mono = _now(), time.monotonic()
-    try:
-        proc = subprocess.Popen(  # noqa: S603 - argv as given, never a shell
-            written["launch_argv"], env=env, cwd=str(options.cwd), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-            pass_fds=[lk.fd for lk in admission.locks])
-    except OSError as e:
-        code = (EXIT_NOT_FOUND if isinstance(e, FileNotFoundError)
-                else EXIT_CANNOT_EXECUTE if isinstance(e, PermissionError) else EXIT_REFUSED)
-        closeout.update(status="launch_failed", exit_code=code, ended_at=_now(),
-                        duration_s=round(time.monotonic() - t0, 3),
-                        error=f"cannot start {written['launch_argv'][0]!r}: {e.strerror or e}")
-        _say(err, f"gpudiag run: {closeout['error']}\n")
-        gpu_events.close()
-        _close_out(paths, {"launched": False, "exit_code": code, "error": closeout["error"]},
-                   closeout, err)
-        return RunOutcome(code, closeout)
-    assert proc.stdout is not None and proc.stderr is not None
-    tees = [_Tee(proc.stdout, Path(paths["stdout"]), out),
-            _Tee(proc.stderr, Path(paths["stderr"]), err)]
-    for t in tees:
-        t.start()
-    previous = _forward_signals(proc.pid, state)
-    try:
-        _wait_tree(proc, tree, options.timeout_s, options.kill_grace_s, state)
-    finally:
-        _restore_signals(previous)
-    end_mono = time.monotonic()
-    for t in tees:
-        t.join(timeout=5.0)
+
+def _launch_failed(program: str, e: OSError, paths: Mapping[str, str], closeout: Closeout,
+                   t0: float, err: BinaryIO | None) -> RunOutcome:
+    """The child could not start: 127 not found, 126 not executable, else 125."""
+    code = (EXIT_NOT_FOUND if isinstance(e, FileNotFoundError)
+            else EXIT_CANNOT_EXECUTE if isinstance(e, PermissionError) else EXIT_REFUSED)
+    closeout = replace(closeout, status="launch_failed", exit_code=code, ended_at=_now(),
+                       duration_s=round(time.monotonic() - t0, 3),
+                       error=f"cannot start {program!r}: {e.strerror or e}")
+    _say(err, f"gpudiag run: {closeout.error}\n")
+    closeout = _close_out(paths, {"launched": False, "exit_code": code,
+                                  "error": closeout.error}, closeout, err)
+    return RunOutcome(code, closeout)
+
+
+def _release_and_check(admission: Admission) -> dict[str, Any]:
+    """Release the GPUs once the whole tree has ended, with the evidence that nothing kept
+    the locks: each can be taken (and dropped) right away."""
     descendants_ended_at = _now()
     admission.release()
     released_at = _now()
-    # Evidence that nothing kept the locks: each can be taken (and dropped) right away.
     free_after = {}
     for lk in admission.locks:
         try:
@@ -635,47 +648,9 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         free_after[lk.uuid] = again is not None
         if again is not None:
             release_locks([again])
-    status = state.main_status if state.main_status is not None else 0
-    code, sig = _exit_code(status)
-    reports = child_reports(options.artifacts / ARTIFACT_NAMES["child_reports"])
-    prealloc, source, seen = preallocation_verdict(env, reports)
-    result = {
-        "launched": True, "argv": written["launch_argv"], "pid": proc.pid,
-        "exit_code": code, "exit_signal": sig, "wait_status": status,
-        "timed_out": state.timed_out, "started_at": start_wall, "ended_at": _now(),
-        "duration_s": round(end_mono - start_mono, 3),
-        "kill": {"grace_s": options.kill_grace_s, "term_sent": state.term_sent_at is not None,
-                 "kill_sent": state.kill_sent_at is not None},
-        "forwarded_signals": state.forwarded,
-        "outputs": {name: {"path": str(t.log), "bytes": t.size, "sha256": t.sha.hexdigest(),
-                           "error": t.error}
-                    for name, t in (("stdout", tees[0]), ("stderr", tees[1]))},
-        "descendants": tree.record(),
-        "descendants_seen": tree.total,
-        "subreaper": subreaper,
-        "locks": {"released": True, "descendants_ended_at": descendants_ended_at,
-                  "released_at": released_at, "free_after_release": free_after,
-                  "held": [lk.record() for lk in admission.locks]},
-        "child_reports": seen,
-        "plan_fingerprint": written["fingerprint"],
-    }
-    closeout.update(
-        launched=True, status="timed_out" if state.timed_out else (
-            "signaled" if sig is not None else "exited"),
-        exit_code=code, exit_signal=sig, timed_out=state.timed_out,
-        preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
-        ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
-        evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
-    close_attribution(gpu_events, closeout, written["launch_argv"], proc.pid, code, base)
-    broken = [t.error for t in tees if t.error]
-    if broken:
-        closeout["error"] = "artifacts incomplete: " + "; ".join(broken)
-        _say(err, f"gpudiag run: {closeout['error']}\n")
-    _close_out(paths, result, closeout, err)
-    if state.timed_out:
-        _say(err, f"gpudiag run: timed out after {options.timeout_s:g} s; the whole tree "
-                  f"was ended (exit {code})\n")
-    return RunOutcome(code, closeout)
+    return {"released": True, "descendants_ended_at": descendants_ended_at,
+            "released_at": released_at, "free_after_release": free_after,
+            "held": [lk.record() for lk in admission.locks]}
 
 
 def _exit_code(status: int) -> tuple[int, int | None]:

@@ -1,0 +1,94 @@
+"""What gpudiag knows of one backend, in one record: the spec every backend module declares.
+
+A backend is a probe child plus what the parent does with its JSON. Its spec says it all once
+(docs/design-notes.md, "The backend registry"): the child's entry module, the typed
+observation with its shape and parser, the classifier, the daemon's default interval,
+deadline and switch, what a requirement may say about it, which build-info labels its
+versions fill, and a line for the docs. gpudiag.core.registry lists the specs; every table
+that used to name backends one by one is derived from that list.
+
+The spec holds the probe's entry point as a module path (a string): core is pure and the
+probe modules import drivers, so only the child (gpudiag.probes) imports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gpudiag.core.findings import Findings, GpuContext
+from gpudiag.core.observation import Obj, Spec
+from gpudiag.core.verdict import BackendRequirement, BackendStatus
+
+
+class BackendRun(Protocol):
+    """What a classifier reads of one probe run (gpudiag.core.probe_run.ProbeRun has it)."""
+
+    @property
+    def duration_s(self) -> float: ...
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+    @property
+    def stderr_tail(self) -> str: ...
+
+    @property
+    def parsed(self) -> object: ...
+
+
+# classifier(run, requirement, gpu_context, findings) -> the backend's status (and findings)
+BackendClassifier = Callable[[BackendRun, BackendRequirement, GpuContext, Findings],
+                             BackendStatus]
+# The probe options a requirement's entries of this backend ask for (None: no options).
+OptionsFor = Callable[[Sequence[BackendRequirement]], "dict[str, Any] | None"]
+# Whether a child run with these options makes a GPU context (the busy-GPU rule applies).
+TouchesGpu = Callable[[Mapping[str, Any]], bool]
+
+
+def _never(options: Mapping[str, Any]) -> bool:
+    return False
+
+
+def _no_options(entries: Sequence[BackendRequirement]) -> dict[str, Any] | None:
+    return None
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend, declared once (a module under gpudiag.core.backends)."""
+
+    name: str
+    summary: str                      # one line for docs/reference.md's backend table
+    layer: str                        # the catalog layer of its blockers (core.catalog)
+    probe_module: str                 # the child's module: ``probe(options) -> dict``
+    observation: type                 # the typed observation the parser returns
+    parse: Callable[[Mapping[str, Any]], Any]
+    shape: Spec = field(default_factory=Obj)  # the JSON shape checked before parse
+    classify: BackendClassifier | None = None  # None: a device-layer probe (below)
+    interval_s: float = 300.0         # the daemon's default interval
+    timeout_s: float = 60.0           # the child's deadline, inline and in the daemon
+    enabled: bool = True              # scheduled by the daemon unless configured off
+    # The device layer (host, nvml, cuda) feeds the GPU context classify.py builds before
+    # any backend classifier runs; classify.py reads those three itself (design-notes).
+    device_layer: bool = False
+    requirable: bool = True           # may be named in ``--require``
+    # Platforms ``NAME:PLATFORM`` may name (None: no platform); aliases map to one spelling.
+    platforms: tuple[str, ...] | None = None
+    platform_aliases: Mapping[str, str] = field(default_factory=dict)
+    platform_word: str = "platform"   # how errors name it ("IREE driver")
+    platform_help: str = "is not one of {choices}"  # the rest of that error
+    options: OptionsFor = _no_options
+    # The options the daemon's scheduled run uses (a plain requirement of the backend).
+    scheduled_options: Mapping[str, Any] | None = None
+    touches_gpu: TouchesGpu = _never
+    # Whether it is proven on one GPU per round (a backend classifier's run, not cuda's).
+    proves_on_one_gpu: bool = False
+    # gpudiag_build_info labels: label -> the version keys it reads, first found wins.
+    version_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Whether its node-health proof is published (snapshot.backends_proven, NFD, fleet).
+    published: bool = False

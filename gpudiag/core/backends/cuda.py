@@ -1,0 +1,31 @@
+"""The cuda probe: cuInit, and a context and allocation on each free GPU (device layer)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpudiag.core.backend import BackendSpec
+from gpudiag.core.backends.nvml import ERROR
+from gpudiag.core.observation import ANY, NUMBER, SCALAR, ListOf, Obj
+from gpudiag.core.observations import CudaObservation
+
+_STEP = Obj({"ok": ANY, "code": ANY, "message": ANY})
+
+
+def _always(options: Mapping[str, Any]) -> bool:
+    return True
+
+
+SPEC = BackendSpec(
+    name="cuda", layer="cuda", device_layer=True, touches_gpu=_always, published=True,
+    summary="The CUDA driver API: cuInit, then a context and an allocation per free GPU.",
+    probe_module="gpudiag.probes.cuda", observation=CudaObservation,
+    parse=CudaObservation.parse, interval_s=60.0, timeout_s=15.0,
+    shape=Obj({
+        "library": Obj(), "init": _STEP, "device_count": NUMBER,
+        "devices": ListOf(Obj({"uuid": str, "error": ERROR, "context": _STEP,
+                               "alloc": _STEP})),
+        "driver_version": SCALAR, "init_duration_s": NUMBER,
+    }),
+)

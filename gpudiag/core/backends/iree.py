@@ -1,0 +1,43 @@
+"""The iree probe: IREE's HAL drivers create a device and run a tiny kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpudiag.core.backend import BackendSpec
+from gpudiag.core.backends.nvml import ERROR
+from gpudiag.core.classify_iree import classify_iree
+from gpudiag.core.limits import IREE_DRIVERS
+from gpudiag.core.observation import NUMBER, SCALAR, ListOf, MapOf, Obj
+from gpudiag.core.observations import IreeObservation
+from gpudiag.core.verdict import BackendRequirement
+
+
+def _options(entries: Sequence[BackendRequirement]) -> dict[str, Any]:
+    return {"drivers": [b.platform or "cuda" for b in entries]}
+
+
+def _touches_gpu(options: Mapping[str, Any]) -> bool:
+    return any(d in ("cuda", "hip") for d in options.get("drivers") or ["cuda"])
+
+
+SPEC = BackendSpec(
+    name="iree", layer="iree", classify=classify_iree, proves_on_one_gpu=True, published=True,
+    summary="IREE's HAL driver creates a device, compiles and runs a tiny kernel.",
+    probe_module="gpudiag.probes.iree_probe", observation=IreeObservation,
+    parse=IreeObservation.parse, interval_s=300.0, timeout_s=90.0,
+    platforms=IREE_DRIVERS, platform_word="IREE driver",
+    platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
+    options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,
+    version_labels={"iree": ("iree-base-runtime", "iree")},
+    shape=Obj({
+        "versions": MapOf(SCALAR), "import_error": ERROR, "required": ListOf(SCALAR),
+        "drivers": MapOf(Obj({
+            "error": ERROR, "devices": ListOf(Obj()),
+            "execute": Obj({"compile": Obj(), "run": Obj(), "skipped": SCALAR}),
+        }), nullable=False),
+        "environment": MapOf(str), "init_s": NUMBER, "init_duration_s": NUMBER,
+        "static": str,
+    }),
+)

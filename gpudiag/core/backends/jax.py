@@ -1,0 +1,42 @@
+"""The jax probe: JAX's backend comes up on the required platform and computes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpudiag.core.backend import BackendSpec
+from gpudiag.core.backends.nvml import ERROR
+from gpudiag.core.classify_jax import classify_jax
+from gpudiag.core.observation import ANY, NUMBER, SCALAR, ListOf, MapOf, Obj
+from gpudiag.core.observations import JaxObservation
+from gpudiag.core.verdict import BackendRequirement
+
+
+def _options(entries: Sequence[BackendRequirement]) -> dict[str, Any]:
+    return {"platform": entries[0].platform or "gpu"}
+
+
+def _touches_gpu(options: Mapping[str, Any]) -> bool:
+    return str(options.get("platform") or "gpu") not in ("cpu",)
+
+
+SPEC = BackendSpec(
+    name="jax", layer="jax", classify=classify_jax, proves_on_one_gpu=True, published=True,
+    summary="JAX initializes on the GPU (no CPU fallback) and a tiny computation is right.",
+    probe_module="gpudiag.probes.jax_probe", observation=JaxObservation,
+    parse=JaxObservation.parse, interval_s=300.0, timeout_s=60.0,
+    platforms=("gpu", "cuda", "cpu"), platform_aliases={"cuda": "gpu"},
+    platform_word="JAX platform",
+    options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,
+    version_labels={"jax": ("jax",), "jaxlib": ("jaxlib",)},
+    shape=Obj({
+        "versions": MapOf(SCALAR), "import_error": ERROR, "init_error": ERROR,
+        "required_error": ERROR, "platforms": ListOf(str),
+        "registered_platforms": ListOf(str), "jax_platforms": str,
+        "backend_errors": MapOf(SCALAR), "required_devices": ListOf(ANY),
+        "compute": Obj({"error": ERROR}), "xla_env": MapOf(SCALAR),
+        "devices": ListOf(Obj()), "environment": MapOf(str), "default_backend": SCALAR,
+        "init_s": NUMBER, "init_duration_s": NUMBER, "static": str, "plugins": ListOf(str),
+    }),
+)

@@ -1,0 +1,90 @@
+"""The effective configuration as TOML (``serve --check-config``), derived from the dataclasses.
+
+Every field of DaemonConfig and of the records inside it is printed: at its own name in its
+own table unless ``PLACES`` puts it elsewhere in the file's layout, as a comment where
+``NOT_IN_FILE`` says the file cannot set it, and as a comment when it is unset (TOML has no
+null). A field in neither table prints at its own name, so a new setting shows up by itself;
+the printed file loads back into the same configuration (tests/test_ux.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from gpudiag.daemon.config import DaemonConfig
+
+# Class.field -> where the file has it, relative to the class's table ("a.b": table a, key b;
+# "": its fields go into the parent's table).
+PLACES: Mapping[str, str] = {
+    "DaemonConfig.jitter_ratio": "scheduler.jitter_ratio",
+    "DaemonConfig.backoff_max_s": "scheduler.backoff_max_s",
+    "DaemonConfig.tick_s": "scheduler.tick_s",
+    "DaemonConfig.probe_busy_gpus": "scheduler.probe_busy_gpus",
+    "DaemonConfig.log_format": "log.format",
+    "DaemonConfig.log_level": "log.level",
+    "DaemonConfig.socket_path": "socket",
+    "NvmlHealthPolicy.clock_dwell_s": "clock_event_dwell_s",
+    "QualificationConfig.thresholds": "",
+}
+# Class.field -> why the file does not set it (printed as a comment with its value).
+NOT_IN_FILE: Mapping[str, str] = {
+    "DaemonConfig.listen_host": "",   # both are the one key `listen`, printed first
+    "DaemonConfig.listen_port": "",
+    "QualificationConfig.table": "read from reference_file",
+    "NvmlHealthPolicy.held_memory_floor_bytes": "fixed",
+    "NvmlHealthPolicy.held_memory_share": "fixed",
+    "Thresholds.min_peers": "fixed",
+    "Thresholds.history_window": "fixed",
+    "Thresholds.min_history": "fixed",
+}
+
+
+def toml_value(v: Any) -> str:
+    """One TOML value: booleans in TOML's spelling, numbers and strings as JSON writes them."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _walk(obj: Any, table: str, tables: dict[str, list[str]]) -> None:
+    """Put each field of the dataclass ``obj`` (in table ``table``) into ``tables``."""
+    for f in fields(obj):
+        qual = f"{type(obj).__name__}.{f.name}"
+        value = getattr(obj, f.name)
+        place = PLACES.get(qual, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            _walk(value, _join(table, place), tables)
+            continue
+        if isinstance(value, Mapping) and value and all(is_dataclass(v) for v in value.values()):
+            for name, sub in value.items():
+                _walk(sub, _join(table, place, str(name)), tables)
+            continue
+        where, _, key = _join(table, place).rpartition(".")
+        lines = tables.setdefault(where, [])
+        if qual in NOT_IN_FILE:
+            if NOT_IN_FILE[qual]:
+                shown = ("not set" if value is None else f"{len(value)} rows"
+                         if isinstance(value, tuple) else toml_value(value))
+                lines.append(f"# {key} = {shown}  ({NOT_IN_FILE[qual]})")
+        elif value is None:
+            lines.append(f"# {key} is not set")
+        else:
+            lines.append(f"{key} = {toml_value(value)}")
+
+
+def effective_lines(cfg: DaemonConfig) -> list[str]:
+    """Every setting of ``cfg``, as TOML in the config file's own layout."""
+    listen = f"{cfg.listen_host}:{cfg.listen_port}"
+    tables: dict[str, list[str]] = {"": [f"listen = {toml_value(listen)}"]}
+    _walk(cfg, "", tables)
+    out = list(tables.pop(""))
+    for name, lines in tables.items():
+        out += ["", f"[{name}]", *lines]
+    return out
