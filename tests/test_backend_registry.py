@@ -60,7 +60,7 @@ def test_the_toy_backend_is_unknown_without_its_registry_line(fakes: FakeDriver,
 
 def test_a_toy_backend_shows_in_probe_preflight_and_the_verdict(toy_env: dict[str, str]
                                                                 ) -> None:
-    help_text = gpudiag(toy_env, "probe", "--help").stdout
+    help_text = " ".join(gpudiag(toy_env, "probe", "--help").stdout.split())  # unwrapped
     assert "host,nvml,cuda,jax,iree,toy" in help_text
     probe = gpudiag(toy_env, "probe", "--backend", "host,nvml,cuda,toy", "--format", "json")
     assert probe.returncode == 0, probe.stderr

@@ -13,41 +13,50 @@ probe modules import drivers, so only the child (gpudiag.probes) imports them.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
-from gpudiag.core.findings import Findings, GpuContext
-from gpudiag.core.observation import Obj, Spec
-from gpudiag.core.verdict import BackendRequirement, BackendStatus
+from gpudiag.core.observation import Obj
+
+# The classifier and the typed observation are named by "module:attribute" and imported on
+# first use: parsing a requirement (the CLI's daemon-answered fast path, docs/benchmarks.md)
+# needs the specs' names and platforms, not the classifiers and observation models. So is
+# typing: only the type checker reads the Protocol and the aliases below.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+
+    from gpudiag.core.findings import Findings, GpuContext
+    from gpudiag.core.observation import Spec
+    from gpudiag.core.verdict import BackendRequirement, BackendStatus
+
+    class BackendRun(Protocol):
+        """What a classifier reads of one probe run (gpudiag.core.probe_run.ProbeRun has it)."""
+
+        @property
+        def duration_s(self) -> float: ...
+
+        @property
+        def ok(self) -> bool: ...
+
+        @property
+        def error(self) -> str | None: ...
+
+        @property
+        def stderr_tail(self) -> str: ...
+
+        @property
+        def parsed(self) -> object: ...
 
 
-class BackendRun(Protocol):
-    """What a classifier reads of one probe run (gpudiag.core.probe_run.ProbeRun has it)."""
-
-    @property
-    def duration_s(self) -> float: ...
-
-    @property
-    def ok(self) -> bool: ...
-
-    @property
-    def error(self) -> str | None: ...
-
-    @property
-    def stderr_tail(self) -> str: ...
-
-    @property
-    def parsed(self) -> object: ...
-
-
-# classifier(run, requirement, gpu_context, findings) -> the backend's status (and findings)
-BackendClassifier = Callable[[BackendRun, BackendRequirement, GpuContext, Findings],
-                             BackendStatus]
-# The probe options a requirement's entries of this backend ask for (None: no options).
-OptionsFor = Callable[[Sequence[BackendRequirement]], "dict[str, Any] | None"]
-# Whether a child run with these options makes a GPU context (the busy-GPU rule applies).
-TouchesGpu = Callable[[Mapping[str, Any]], bool]
+    # classifier(run, requirement, gpu_context, findings) -> the backend's status (and findings)
+    BackendClassifier = Callable[[BackendRun, BackendRequirement, GpuContext, Findings],
+                                 BackendStatus]
+    # The probe options a requirement's entries of this backend ask for (None: no options).
+    OptionsFor = Callable[[Sequence[BackendRequirement]], "dict[str, Any] | None"]
+    # Whether a child run with these options makes a GPU context (the busy-GPU rule applies).
+    TouchesGpu = Callable[[Mapping[str, Any]], bool]
 
 
 def _never(options: Mapping[str, Any]) -> bool:
@@ -66,10 +75,13 @@ class BackendSpec:
     summary: str                      # one line for docs/reference.md's backend table
     layer: str                        # the catalog layer of its blockers (core.catalog)
     probe_module: str                 # the child's module: ``probe(options) -> dict``
-    observation: type                 # the typed observation the parser returns
-    parse: Callable[[Mapping[str, Any]], Any]
+    # The typed observation ("module:Class", imported on first use, or the class itself);
+    # its ``parse`` reads the checked JSON unless ``parse`` names another parser.
+    observation: type | str
+    parse: Callable[[Mapping[str, Any]], Any] | None = None
     shape: Spec = field(default_factory=Obj)  # the JSON shape checked before parse
-    classify: BackendClassifier | None = None  # None: a device-layer probe (below)
+    # "module:function" (or the function); None: a device-layer probe (below).
+    classify: BackendClassifier | str | None = None
     interval_s: float = 300.0         # the daemon's default interval
     timeout_s: float = 60.0           # the child's deadline, inline and in the daemon
     enabled: bool = True              # scheduled by the daemon unless configured off
@@ -92,3 +104,37 @@ class BackendSpec:
     version_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether its node-health proof is published (snapshot.backends_proven, NFD, fleet).
     published: bool = False
+
+    def observation_type(self) -> type:
+        """The typed observation class (imported on first use)."""
+        found = _resolve(self.observation)
+        assert isinstance(found, type), f"{self.name}: {self.observation!r} is not a class"
+        return found
+
+    def parser(self) -> Callable[[Mapping[str, Any]], Any]:
+        """What turns the checked JSON into the typed observation."""
+        if self.parse is not None:
+            return self.parse
+        model: Any = self.observation_type()
+        parse: Callable[[Mapping[str, Any]], Any] = model.parse
+        return parse
+
+    def classifier(self) -> BackendClassifier | None:
+        """The backend's classifier (imported on first use); None for the device layer."""
+        if self.classify is None:
+            return None
+        found: BackendClassifier = _resolve(self.classify)
+        return found
+
+
+_RESOLVED: dict[str, object] = {}
+
+
+def _resolve(ref: object) -> Any:
+    """``module:attribute`` imported once (anything else is already the object)."""
+    if not isinstance(ref, str):
+        return ref
+    if ref not in _RESOLVED:
+        module, _, attribute = ref.partition(":")
+        _RESOLVED[ref] = getattr(importlib.import_module(module), attribute)
+    return _RESOLVED[ref]

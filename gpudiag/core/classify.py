@@ -425,7 +425,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     for req in requirement.backends:
         run = runs.get(req.name)
         spec = registry.spec(req.name)
-        classifier = spec.classify if spec is not None else None
+        classifier = spec.classifier() if spec is not None else None
         if run is not None and run.skipped is not None:
             backends[req.name] = BackendStatus(UNPROVEN, None, {}, {"reason": run.skipped})
         elif run is not None and classifier is not None and req.name not in backends:

@@ -11,11 +11,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.core.backend import BackendRun
 from gpudiag.core.classify_jax import cuda_error_meaning
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, IreeObservation
 from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
+
+TYPE_CHECKING = False  # BackendRun is a Protocol for the type checker only
+if TYPE_CHECKING:
+    from gpudiag.core.backend import BackendRun
 
 BACKEND = "iree"
 _STATUS_RE = re.compile(r"(?P<file>[\w./\\-]+\.(?:c|cc|cpp|h)):(?P<line>\d+): "

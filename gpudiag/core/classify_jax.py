@@ -13,10 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.core.backend import BackendRun
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, JaxObservation
 from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
+
+TYPE_CHECKING = False  # BackendRun is a Protocol for the type checker only
+if TYPE_CHECKING:
+    from gpudiag.core.backend import BackendRun
 
 BACKEND = "jax"
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+
+TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
+if TYPE_CHECKING:
+    from typing import Any, TypeAlias
 
 NUMBER = (int, float)
 
@@ -40,7 +43,8 @@ class MapOf:
     nullable: bool = True
 
 
-Spec: TypeAlias = type | tuple[type, ...] | Obj | ListOf | MapOf
+if TYPE_CHECKING:
+    Spec: TypeAlias = type | tuple[type, ...] | Obj | ListOf | MapOf
 ANY: Spec = object
 SCALAR: Spec = (str, int, float, bool)
 

@@ -9,12 +9,15 @@ call time), so a test that appends a spec sees it everywhere.
 
 from __future__ import annotations
 
-from typing import Any
-
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.backends import cuda, host, iree, jax, nvml
 from gpudiag.core.observation import Obj, problem
-from gpudiag.core.observations import Malformed, OtherObservation, ProbeObservation
+
+TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpudiag.core.observations import Malformed, ProbeObservation
 
 # Run and report order: the device layer first (its findings are the root causes), then the
 # backends that build on it.
@@ -76,6 +79,10 @@ def observation_problem(backend: str, observation: Any) -> str | None:
 
 def parse_observation(backend: str, value: Any) -> ProbeObservation | Malformed:
     """The typed observation of ``backend``'s JSON, or why it is malformed (never raises)."""
+    # Imported here, not at the top: the observation models are what a requirement's
+    # parsing (the CLI's daemon-answered path) must not pay for; nothing cyclic is hidden.
+    from gpudiag.core.observations import Malformed, OtherObservation
+
     found = spec(backend)
     why = observation_problem(backend, value)
     if why is not None:
@@ -83,7 +90,7 @@ def parse_observation(backend: str, value: Any) -> ProbeObservation | Malformed:
     try:
         if found is None:
             return OtherObservation(None if value.get("ok") is None else bool(value.get("ok")))
-        parsed: ProbeObservation = found.parse(value)
+        parsed: ProbeObservation = found.parser()(value)
     except (TypeError, ValueError, OverflowError, KeyError) as e:
         # A field the shape check lets pass but that still cannot be read: name it.
         return Malformed(f"the observation cannot be read: {type(e).__name__}: {e}")

@@ -10,10 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.core.backend import BackendRun, BackendSpec
+from gpudiag.core.backend import BackendSpec
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observation import Obj
 from gpudiag.core.verdict import BackendRequirement, BackendStatus
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpudiag.core.backend import BackendRun
 
 
 def probe(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.backends.nvml import ERROR
 from gpudiag.core.observation import ANY, NUMBER, SCALAR, ListOf, Obj
-from gpudiag.core.observations import CudaObservation
+
+TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
+if TYPE_CHECKING:
+    from typing import Any
 
 _STEP = Obj({"ok": ANY, "code": ANY, "message": ANY})
 
@@ -20,8 +22,9 @@ def _always(options: Mapping[str, Any]) -> bool:
 SPEC = BackendSpec(
     name="cuda", layer="cuda", device_layer=True, touches_gpu=_always, published=True,
     summary="The CUDA driver API: cuInit, then a context and an allocation per free GPU.",
-    probe_module="gpudiag.probes.cuda", observation=CudaObservation,
-    parse=CudaObservation.parse, interval_s=60.0, timeout_s=15.0,
+    probe_module="gpudiag.probes.cuda",
+    observation="gpudiag.core.observations:CudaObservation",
+    interval_s=60.0, timeout_s=15.0,
     shape=Obj({
         "library": Obj(), "init": _STEP, "device_count": NUMBER,
         "devices": ListOf(Obj({"uuid": str, "error": ERROR, "context": _STEP,

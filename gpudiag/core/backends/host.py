@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.observation import ListOf, MapOf, Obj
-from gpudiag.core.observations import HostObservation
 
 SPEC = BackendSpec(
     name="host", layer="visibility", device_layer=True, requirable=False,
     summary="nvidia-smi, /dev/nvidia* nodes, the kernel module and the PCI bus.",
-    probe_module="gpudiag.probes.host", observation=HostObservation,
-    parse=HostObservation.parse, interval_s=60.0, timeout_s=10.0,
+    probe_module="gpudiag.probes.host",
+    observation="gpudiag.core.observations:HostObservation",
+    interval_s=60.0, timeout_s=10.0,
     shape=Obj({
         "environment": MapOf(str),
         "device_nodes": Obj({"gpu_nodes": (int, float), "permission_denied": ListOf(str),

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.backends.nvml import ERROR
-from gpudiag.core.classify_iree import classify_iree
 from gpudiag.core.limits import IREE_DRIVERS
 from gpudiag.core.observation import NUMBER, SCALAR, ListOf, MapOf, Obj
-from gpudiag.core.observations import IreeObservation
-from gpudiag.core.verdict import BackendRequirement
+
+TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpudiag.core.verdict import BackendRequirement
 
 
 def _options(entries: Sequence[BackendRequirement]) -> dict[str, Any]:
@@ -23,10 +25,12 @@ def _touches_gpu(options: Mapping[str, Any]) -> bool:
 
 
 SPEC = BackendSpec(
-    name="iree", layer="iree", classify=classify_iree, proves_on_one_gpu=True, published=True,
+    name="iree", layer="iree",
+    classify="gpudiag.core.classify_iree:classify_iree", proves_on_one_gpu=True, published=True,
     summary="IREE's HAL driver creates a device, compiles and runs a tiny kernel.",
-    probe_module="gpudiag.probes.iree_probe", observation=IreeObservation,
-    parse=IreeObservation.parse, interval_s=300.0, timeout_s=90.0,
+    probe_module="gpudiag.probes.iree_probe",
+    observation="gpudiag.core.observations:IreeObservation",
+    interval_s=300.0, timeout_s=90.0,
     platforms=IREE_DRIVERS, platform_word="IREE driver",
     platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
     options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,

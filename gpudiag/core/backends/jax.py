@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.backends.nvml import ERROR
-from gpudiag.core.classify_jax import classify_jax
 from gpudiag.core.observation import ANY, NUMBER, SCALAR, ListOf, MapOf, Obj
-from gpudiag.core.observations import JaxObservation
-from gpudiag.core.verdict import BackendRequirement
+
+TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
+if TYPE_CHECKING:
+    from typing import Any
+
+    from gpudiag.core.verdict import BackendRequirement
 
 
 def _options(entries: Sequence[BackendRequirement]) -> dict[str, Any]:
@@ -22,10 +24,12 @@ def _touches_gpu(options: Mapping[str, Any]) -> bool:
 
 
 SPEC = BackendSpec(
-    name="jax", layer="jax", classify=classify_jax, proves_on_one_gpu=True, published=True,
+    name="jax", layer="jax",
+    classify="gpudiag.core.classify_jax:classify_jax", proves_on_one_gpu=True, published=True,
     summary="JAX initializes on the GPU (no CPU fallback) and a tiny computation is right.",
-    probe_module="gpudiag.probes.jax_probe", observation=JaxObservation,
-    parse=JaxObservation.parse, interval_s=300.0, timeout_s=60.0,
+    probe_module="gpudiag.probes.jax_probe",
+    observation="gpudiag.core.observations:JaxObservation",
+    interval_s=300.0, timeout_s=60.0,
     platforms=("gpu", "cuda", "cpu"), platform_aliases={"cuda": "gpu"},
     platform_word="JAX platform",
     options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.observation import ANY, NUMBER, SCALAR, ListOf, MapOf, Obj
-from gpudiag.core.observations import NvmlObservation
 
 ERROR = Obj({"code": ANY, "name": ANY, "message": ANY, "type": ANY, "step": ANY, "where": ANY})
 _MEMORY = Obj({"total_bytes": NUMBER, "free_bytes": NUMBER, "used_bytes": NUMBER})
@@ -27,8 +26,9 @@ _DEVICE = Obj({
 SPEC = BackendSpec(
     name="nvml", layer="driver", device_layer=True,
     summary="NVML: driver, every GPU's memory, health, processes and occupancy.",
-    probe_module="gpudiag.probes.nvml", observation=NvmlObservation,
-    parse=NvmlObservation.parse, interval_s=15.0, timeout_s=10.0,
+    probe_module="gpudiag.probes.nvml",
+    observation="gpudiag.core.observations:NvmlObservation",
+    interval_s=15.0, timeout_s=10.0,
     shape=Obj({
         "error": ERROR, "devices": ListOf(_DEVICE), "device_count": NUMBER,
         "visibility_env": MapOf(str), "driver_version": SCALAR,
