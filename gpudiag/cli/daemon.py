@@ -467,14 +467,19 @@ class ShutdownDeadline(threading.Thread):
 def start_qualifier(cfg: DaemonConfig, state_dir: Path, scheduler: Scheduler,
                     app: DaemonApp) -> Qualifier:
     """The qualification schedule on idle GPUs, its metrics and POST /v1/qualify."""
-    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.core.qualify_verdict import qualification_findings
+    from gpudiag.daemon.qualifier import Qualifier, QualifierState
     from gpudiag.daemon.qualify_exporter import QualificationCollector
 
     def occupancy() -> Mapping[str, GpuOccupancy]:
         scope = scheduler.snapshot().scope
         return scope.occupancy if scope is not None else {}
 
-    qualifier = Qualifier(cfg.qualification, state_dir, occupancy)
+    def publish(state: QualifierState) -> None:
+        scheduler.set_qualification(qualification_findings(
+            state.latest.values(), block=cfg.qualification.thresholds.block))
+
+    qualifier = Qualifier(cfg.qualification, state_dir, occupancy, on_change=publish)
     app.qualifier = qualifier
     app.registry.register(QualificationCollector(qualifier.state))
     qualifier.start()

@@ -358,6 +358,8 @@ VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: str,
              checked_at: str, source: str = "inline", xids: Sequence[XidEvent] = (),
              extra_warnings: Sequence[Finding] = (),
+             device_blockers: Sequence[Finding] = (),
+             device_warnings: Sequence[Finding] = (),
              visibility: tuple[str | None, str | None] | None = None,
              scope: ProbeScope | None = None,
              expected_gpus: int | None = None, nvml_history: NvmlHistory | None = None,
@@ -370,6 +372,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     ``scope`` says which GPUs the active probes could touch and each GPU's occupancy
     (core.readiness); without it every GPU is taken as probed (a caller without NVML).
     ``nvml_history`` and ``nvml_policy`` feed the NVML health rules (core.nvml_health).
+    ``device_blockers`` and ``device_warnings`` name GPUs (by label) and come from outside the
+    probe round (the daemon's qualification); only those of GPUs the requirement selects count.
     """
     f = Findings()
     f.warnings.extend(extra_warnings)
@@ -399,6 +403,9 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         candidates = _visibility(raw, all_devs, nvml_ok, f)
         selected = _select(candidates, requirement, f)
         _device_findings(selected, xids, f, nvml_history, nvml_policy)
+        labels = {d.label for d in selected}
+        f.blockers.extend(b for b in device_blockers if b.device in labels)
+        f.warnings.extend(w for w in device_warnings if w.device in labels)
         # core.missing reads the host probe's PCI listing, which the typed host record does
         # not carry yet: it gets the checked JSON of the three runs.
         missing_gpu_findings(_json(host_run), _json(nvml_run), _json(cuda_run),

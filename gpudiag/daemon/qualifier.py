@@ -51,13 +51,15 @@ class Qualifier:
     def __init__(self, config: QualificationConfig, state_dir: Path,
                  occupancy: Callable[[], Mapping[str, GpuOccupancy]], *,
                  runner: Runner = qualify, clock: Callable[[], float] = time.time,
-                 lock_dir: Path | None = None) -> None:
+                 lock_dir: Path | None = None,
+                 on_change: Callable[[QualifierState], None] | None = None) -> None:
         self.config = config
         self.state_dir = state_dir
         self._occupancy = occupancy
         self._runner = runner
         self._clock = clock
         self._lock_dir = lock_dir
+        self._on_change = on_change  # the verdicts follow the latest outcomes (snapshot)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -84,7 +86,7 @@ class Qualifier:
                 continue  # a damaged line is not evidence
             if q.result.aborted is None or q.result.uuid not in latest:
                 latest[q.result.uuid] = q
-        self._state = QualifierState(latest=latest)
+        self._publish(QualifierState(latest=latest))
 
     def start(self) -> None:
         self.load()
@@ -168,4 +170,12 @@ class Qualifier:
                      extra={"severity": q.severity, "qualification": q.message})
         if report is not None and report.history_error:
             log.warning("qualification history not kept: %s", report.history_error)
-        self._state = QualifierState(latest, runs, cost, running=False)
+        self._publish(QualifierState(latest, runs, cost, running=False))
+
+    def _publish(self, state: QualifierState) -> None:
+        self._state = state
+        if self._on_change is not None:
+            try:
+                self._on_change(state)
+            except Exception:  # the schedule goes on; the verdicts keep the last outcomes
+                log.exception("qualification outcome not published")

@@ -23,6 +23,7 @@ from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.nvml_health import NvmlHistory, advance
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
@@ -213,6 +214,7 @@ class Scheduler:
         self._failures: dict[ProbeKey, tuple[str, int]] = {}
         self._heartbeat = self.clock.monotonic()
         self._listeners: list[Callable[[Snapshot], None]] = []
+        self._qualification = QualificationFindings()
         self._snapshot = Snapshot(seq=0, published_wall=self.clock.time(), results={},
                                   stats={}, scheduled=self.scheduled,
                                   watcher=self._watcher_state(), full=None, ready=None)
@@ -412,7 +414,7 @@ class Scheduler:
                         stats=dict(self._stats), scheduled=self.scheduled, watcher=watcher,
                         full=None, ready=None, scope=self._scope(),
                         last_proven=dict(self._last_proven),
-                        nvml_history=self._nvml_history)
+                        nvml_history=self._nvml_history, qualification=self._qualification)
         full = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
         ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
         self._snapshot = replace(base, full=full, ready=ready)
@@ -523,6 +525,14 @@ class Scheduler:
             snapshot = self._publish_locked()
         self._notify(snapshot)
         self._wake.set()
+        return snapshot
+
+    def set_qualification(self, findings: QualificationFindings) -> Snapshot:
+        """What the qualifier found enters the verdicts from the next snapshot (this one)."""
+        with self._lock:
+            self._qualification = findings
+            snapshot = self._publish_locked()
+        self._notify(snapshot)
         return snapshot
 
     def republish(self) -> Snapshot:

@@ -18,6 +18,7 @@ from gpudiag.core.findings import XidEvent
 from gpudiag.core.nvml_health import NvmlHealthPolicy, NvmlHistory
 from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
+from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import ProbeScope
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.plan import probes_for
@@ -134,6 +135,8 @@ class Snapshot:
     last_proven: Mapping[tuple[str, str], float] = field(default_factory=dict)
     # NVLink counts seen and clock-event holds, across NVML rounds (core.nvml_health).
     nvml_history: NvmlHistory = field(default_factory=NvmlHistory)
+    # What each GPU's latest qualification says (core.qualify_verdict; daemon.qualifier).
+    qualification: QualificationFindings = field(default_factory=QualificationFindings)
 
     @property
     def round_complete(self) -> bool:
@@ -227,6 +230,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                 backend="nvml", warning=True))
     verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
                        source="daemon", xids=xids, extra_warnings=extra,
+                       device_blockers=snapshot.qualification.blockers,
+                       device_warnings=snapshot.qualification.warnings,
                        visibility=visibility, scope=snapshot.scope,
                        expected_gpus=policy.expected_gpus,
                        nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml)

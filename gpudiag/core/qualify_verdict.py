@@ -1,0 +1,41 @@
+"""What a GPU's latest qualification adds to the verdicts (docs/qualify.md).
+
+A GPU that computes wrong answers is broken: ``gpu_compute_mismatch`` is a device-layer
+blocker naming it. A slow one still computes right: ``gpu_underperforming`` is a warning,
+a blocker when the site says so (``qualification.block``). An aborted run measured nothing
+and changes nothing; a later passing run of the same GPU replaces the outcome, so clears it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpudiag.core.qualify import COMPUTE_MISMATCH, UNDERPERFORMING
+from gpudiag.core.qualify_score import Qualification
+from gpudiag.core.verdict import Finding
+
+
+@dataclass(frozen=True)
+class QualificationFindings:
+    """Blockers and warnings from the latest qualification of each GPU."""
+
+    blockers: tuple[Finding, ...] = ()
+    warnings: tuple[Finding, ...] = ()
+
+
+def qualification_findings(latest: Iterable[Qualification], *, block: bool
+                           ) -> QualificationFindings:
+    """The findings of each GPU's latest outcome, labelled by UUID as device findings are."""
+    blockers: list[Finding] = []
+    warnings: list[Finding] = []
+    for q in sorted(latest, key=lambda q: q.result.uuid):
+        if q.result.aborted is not None or q.code not in (COMPUTE_MISMATCH, UNDERPERFORMING):
+            continue
+        # The site's setting now decides, not the one the run was scored under.
+        warning = q.code == UNDERPERFORMING and not block
+        where = f"GPU {q.result.index}" if q.result.index is not None else q.result.uuid
+        (warnings if warning else blockers).append(Finding.of(
+            q.code, f"{where}: qualification ({q.result.tier} tier): {q.message}",
+            backend="cuda", device=q.result.uuid, warning=warning))
+    return QualificationFindings(tuple(blockers), tuple(warnings))
