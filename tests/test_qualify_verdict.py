@@ -12,9 +12,12 @@ from gpudiag.core.qualify_score import GpuResult, Qualification
 from gpudiag.core.qualify_verdict import qualification_findings
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
-from tests.test_qualify_daemon import SMALL_GPU, _outcomes
+from tests.test_qualify_daemon import _outcomes
 
-SLOW = {"FAKE_CUDA_COPY_GBPS": ",".join(f"{i}:{0.1 if i == 4 else 0.4}" for i in range(8))}
+SMALL_GPU: dict[str, str | int] = {"FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,
+                                   "FAKE_GPU_NAME": "Fake GPU"}  # peers and history judge
+SLOW: dict[str, str | int] = {
+    "FAKE_CUDA_COPY_GBPS": ",".join(f"{i}:{0.1 if i == 4 else 0.4}" for i in range(8))}
 
 
 def _start(fakes: FakeDriver, tmp: Path, knobs: dict[str, str], **qualification: Any
@@ -23,7 +26,7 @@ def _start(fakes: FakeDriver, tmp: Path, knobs: dict[str, str], **qualification:
     time, make the median); ``knobs`` go in a state file the test may change."""
     state = tmp / "fake-state"
     write_state_file(state, knobs)
-    env = host_env(fakes, tmp / "host", FAKE_GPU_STATE_FILE=str(state), **SLOW, **SMALL_GPU)
+    env = host_env(fakes, tmp / "host", 8, FAKE_GPU_STATE_FILE=str(state), **SLOW, **SMALL_GPU)
     config = write_config(tmp / "d.toml", daemon_toml({"qualification": {
         "idle_s": 0.2, "tick_s": 0.1, "max_age_s": 3600, **qualification}}))
     return Daemon(env, config, tmp / "state"), state
