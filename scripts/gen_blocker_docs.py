@@ -50,9 +50,12 @@ def render() -> str:
     out += ["", "## Sources", ""]
     out += [f"- {line}" for line in SOURCES]
     out += ["", "## Qualification outcomes (gpudiag qualify; docs/qualify.md)", "",
+            "The daemon adds each GPU's latest outcome to its verdicts: "
+            + ", ".join(f"`{c}`" for c in QUALIFICATION if c in BLOCKERS or c in WARNINGS)
+            + " are in the tables above; these never change a verdict:", "",
             "| code | layer | meaning | what to do |", "|---|---|---|---|"]
     out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
-            for e in QUALIFICATION.values()]
+            for e in QUALIFICATION.values() if e.code not in BLOCKERS and e.code not in WARNINGS]
     return "\n".join(out) + "\n"
 
 

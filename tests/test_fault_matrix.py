@@ -163,6 +163,7 @@ class Case:
     evidence: tuple[str, ...] = HOST_EVIDENCE
     variant: str = ""
     admit: Callable[[Rig, Path], Verdict] | None = None
+    qualify: bool = False  # a qualification of every GPU (POST /v1/qualify) finds it
 
     @property
     def id(self) -> str:
@@ -323,6 +324,20 @@ def _j(code: str, **kw: Any) -> Case:
     return Case(code, "job", **kw)
 
 
+# Qualification (docs/qualify.md) on small GPUs without a data-sheet row: the node's peers
+# and each GPU's history judge, so every qualifying case runs at the same base speed.
+QUALIFY_BASE: dict[str, str | int] = {
+    "FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1, "FAKE_GPU_NAME": "Fake GPU",
+    "FAKE_CUDA_COPY_GBPS": ",".join(f"{i}:0.4" for i in range(8))}
+QUALIFY_SLOW_4 = {**QUALIFY_BASE,
+                  "FAKE_CUDA_COPY_GBPS": ",".join(f"{i}:{0.1 if i == 4 else 0.4}"
+                                                  for i in range(8))}
+
+
+def _q(code: str, knobs: Mapping[str, str | int], **kw: Any) -> Case:
+    return Case(code, "daemon", knobs, via_daemon=True, qualify=True, **kw)
+
+
 def _a(code: str, admit: Callable[[Rig, Path], Verdict]) -> Case:
     return Case(code, "admission", admit=admit, evidence=ADMISSION_EVIDENCE)
 
@@ -417,6 +432,10 @@ CASES: tuple[Case, ...] = (
     _a("admission_changed", _admit_changed),
     _a("lock_timeout", _admit_lock_timeout),
     _j("backend_unproven", require="jax", env=_every_gpu_locked_by_jobs, primary=False),
+    # A GPU whose copies return a wrong byte computes wrong answers: blocked, whatever speed.
+    _q("gpu_compute_mismatch", {**QUALIFY_BASE, "FAKE_CUDA_CORRUPT_COPY": "1:7"}),
+    # A slow GPU with qualification.block = true: a daemon of its own (the shared one warns).
+    Case("gpu_underperforming", "qualify", QUALIFY_SLOW_4, variant="block"),
 )
 
 WARNING_CASES: tuple[Case, ...] = (
@@ -439,9 +458,12 @@ WARNING_CASES: tuple[Case, ...] = (
     # Job readiness on one GPU while GPU 1 is lost: ready on another, GPU 1 named a warning.
     _j("gpu_fault_outside_selection", cli_args=("--gpus", "1"),
        env=lambda r, t: _job_env(r, t, FAKE_NVML_DEVICE_ERRORS="1:15")),
+    # GPU 4 at a quarter of its peers' copy speed: a warning (qualification.block = false).
+    _q("gpu_underperforming", QUALIFY_SLOW_4),
 )
 DAEMON_CASES = [c for c in (*CASES, *WARNING_CASES) if c.route == "daemon"]
-OTHER_CASES = [c for c in CASES if c.route != "daemon"]
+OTHER_CASES = [c for c in CASES if c.route in ("job", "admission")]
+QUALIFY_BLOCK_CASES = [c for c in CASES if c.route == "qualify"]
 
 
 def _is_warning(case: Case) -> bool:
@@ -525,7 +547,7 @@ def _cli(args: list[str], env: Mapping[str, str], prefix: tuple[str, ...] = (),
 # -- the daemon route ----------------------------------------------------------------------------
 # The shared test daemon config, with probes that run only when asked (max_age_s=0), quick
 # backoff, and XIDs held 6 s so that one case's XID is gone before the next case.
-MATRIX_CONFIG = {
+MATRIX_CONFIG: dict[str, dict[str, Any]] = {
     "": {"default_requirement": "cuda", "preflight_wait_s": 30},
     "scheduler": {"jitter_ratio": 0.0, "backoff_max_s": 1},
     "backends.host": {"interval_s": 600},
@@ -533,6 +555,8 @@ MATRIX_CONFIG = {
     "backends.cuda": {"interval_s": 600, "deadline_s": 10},
     "xid": {"telemetry_s": 5, "hold_s": 6, "gap_warning_s": 1, "restart_backoff_max_s": 0.5},
     "nvml": {"expected_nvlinks": 4, "clock_event_dwell_s": 0, "pcie_block_below_width": 4},
+    # No schedule: the qualifying cases ask for a run (POST /v1/qualify), nothing else does.
+    "qualification": {"enabled": False, "tick_s": 0.1},
 }
 
 
@@ -609,11 +633,14 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
     write_state_file(rig.state, dict(case.knobs))
     if case.mutate is not None:
         case.mutate(rig)
+    if case.qualify:
+        _qualify_every_gpu(running)
     with ThreadPoolExecutor(1) as pool:
         inline = None if case.via_daemon or case.rounds else pool.submit(
             _cli, ["preflight", "--no-daemon", "--require", "cuda", "--format", "json",
                    *case.cli_args], rig.env(), running.prefix)
-        rec = _wait_record(running, case, fresh=not case.via_daemon)
+        rec = _wait_record(running, case, fresh=not case.via_daemon,
+                           timeout=90 if case.qualify else 25)
         metrics = running.metrics()
         if case.via_daemon or case.rounds:
             cli = _cli(["preflight", "--daemon-url", running.daemon.url, "--require", "cuda",
@@ -642,10 +669,53 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
         eps = [e for e in hist["episodes"] if e["code"] == case.code]
         assert eps and eps[0]["layer"] == BLOCKERS[case.code].layer and eps[0]["started"]
         assert {"driver", "probe_stderr", "checked_at"} <= set(eps[0]["evidence"])
-    if case.via_daemon and not _is_warning(case):
+    if case.qualify:
+        # The outcome stands until the GPU qualifies again: right answers at the base speed.
+        write_state_file(rig.state, QUALIFY_BASE)
+        _qualify_every_gpu(running)
+        rec_of = running.preflight
+        wait_for(lambda: not any(f["code"] == case.code for f in
+                                 (*rec_of()["blockers"], *rec_of()["warnings"])),
+                 90, interval=0.3)
+        rig.reset()
+    elif case.via_daemon and not _is_warning(case):
         # An XID is held for hold_s, then it no longer blocks.
         wait_for(lambda: not any(b["code"] == case.code
                                  for b in running.preflight()["blockers"]), 10, interval=0.1)
+
+
+def _qualify_every_gpu(running: RunningDaemon) -> None:
+    req = urllib.request.Request(running.daemon.url + "/v1/qualify?tier=quick",
+                                 method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 202
+
+
+@pytest.mark.parametrize("case", QUALIFY_BLOCK_CASES, ids=[c.id for c in QUALIFY_BLOCK_CASES])
+def test_qualification_blockers_with_block_true(case: Case, fakes: FakeDriver,
+                                                tmp_path: Path) -> None:
+    """gpu_underperforming blocks with qualification.block = true: a daemon of its own."""
+    rig = Rig.make(tmp_path, fakes)
+    config = write_config(tmp_path / "gpudiag.toml", daemon_toml({
+        **MATRIX_CONFIG, "qualification": {"enabled": False, "tick_s": 0.1, "block": True}}))
+    own = RunningDaemon(rig, Daemon(rig.env(), config, tmp_path / "state"),
+                        tmp_path / "state", ())
+    try:
+        own.daemon.wait_ready()
+        write_state_file(rig.state, dict(case.knobs))
+        _qualify_every_gpu(own)
+        rec = _wait_record(own, case, fresh=False, timeout=90)
+        metrics = own.metrics()
+        cli = _cli(["preflight", "--daemon-url", own.daemon.url, "--require", "cuda",
+                    "--format", "json"], rig.env())
+    finally:
+        assert own.daemon.stop() == 0, "\n".join(own.daemon.lines[-30:])
+    _check_record(case, rec, "daemon /v1/preflight")
+    _check_record(case, cli, "gpudiag preflight")
+    assert cli["source"] == "daemon"
+    assert metrics[("gpudiag_blocker", case.code)] == 1
+    eps = [e for e in _history(own.state_dir)["episodes"] if e["code"] == case.code]
+    assert eps and eps[0]["layer"] == BLOCKERS[case.code].layer
 
 
 def test_zz_every_daemon_episode_ends_when_the_fault_is_gone(running: RunningDaemon) -> None:

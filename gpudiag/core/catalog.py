@@ -39,6 +39,11 @@ def _rows(layer: str, *rows: tuple[str, str, str]) -> list[CatalogEntry]:
     return [CatalogEntry(code, layer, summary, fix) for code, summary, fix in rows]
 
 
+_SLOW_FIX = ("Compare the figures in the message (gpudiag qualify --format json); check "
+             "clocks, power cap, PCIe link width/generation and thermals (nvidia-smi -q -d "
+             "PERFORMANCE,CLOCK); reseat or replace the GPU if it stays slow. A later "
+             "passing qualification clears it.")
+
 BLOCKERS: dict[str, CatalogEntry] = {
     e.code: e
     for e in [
@@ -134,6 +139,16 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "Drain the node and follow the XID's action in docs/xids.md (reboot, power "
              "cycle, or reconnect the GPU's power), then run `gpudiag clear --gpu N` (or "
              "--all) so that the daemon releases the held XID at once."),
+            ("gpu_compute_mismatch",
+             "A GPU returned a wrong answer in its qualification: the known-answer matmul or "
+             "the memory pattern read back differed from the trusted result.",
+             "Drain the GPU and run the vendor's diagnostics (dcgmi diag -r 3); a GPU that "
+             "computes wrong answers must not run jobs. A later passing qualification "
+             "(POST /v1/qualify?gpus=N) clears it."),
+            ("gpu_underperforming",
+             "A GPU measured below its model's reference, its node peers' median or its own "
+             "history, and qualification.block = true makes that a blocker.",
+             _SLOW_FIX),
         ),
         *_rows(
             "cuda",
@@ -276,6 +291,10 @@ WARNINGS: dict[str, CatalogEntry] = {
         CatalogEntry("gpu_fault_outside_selection", "device",
                      "A GPU the job does not use has a fault (job readiness on N GPUs).",
                      "The job can run on the GPUs named; repair the faulty one (see its code)."),
+        CatalogEntry("gpu_underperforming", "device",
+                     "A GPU measured below its model's reference, its node peers' median or "
+                     "its own history in its qualification (a blocker with "
+                     "qualification.block = true).", _SLOW_FIX),
         CatalogEntry("xid_watcher_gap", "device",
                      "The XID watcher is not running; critical XIDs could be missed.",
                      "Read the daemon's log for why the watcher keeps dying."),
@@ -283,27 +302,17 @@ WARNINGS: dict[str, CatalogEntry] = {
 }
 
 
-# Outcomes of GPU qualification (gpudiag qualify; docs/qualify.md): kept apart from the probe
-# verdict's tables because a qualification, not a probe round, produces them.
+# Outcomes of GPU qualification (gpudiag qualify; docs/qualify.md). The two that change a
+# verdict are rows of BLOCKERS / WARNINGS above (the daemon adds them per GPU:
+# core.qualify_verdict); an aborted run measured nothing and never enters a verdict.
 QUALIFICATION: dict[str, CatalogEntry] = {
-    e.code: e
-    for e in [
-        CatalogEntry("gpu_underperforming", "device",
-                     "A GPU measured below its model's reference, its node peers' median or "
-                     "its own history (a warning unless qualification.block = true).",
-                     "Compare the figures in the result; check clocks, power cap, PCIe link "
-                     "width/generation and thermals (nvidia-smi -q -d PERFORMANCE,CLOCK); "
-                     "reseat or replace the GPU if it stays slow."),
-        CatalogEntry("gpu_compute_mismatch", "device",
-                     "A GPU returned a wrong answer: the known-answer matmul or the memory "
-                     "pattern read back differed from the trusted result.",
-                     "Drain the GPU and run the vendor's diagnostics (dcgmi diag -r 3); a GPU "
-                     "that computes wrong answers must not run jobs."),
-        CatalogEntry("qualification_aborted", "device",
-                     "A qualification stopped early (another process appeared on the GPU, "
-                     "or its deadline passed); no verdict changed.",
-                     "Nothing to repair: it runs again when the GPU is idle."),
-    ]
+    "gpu_underperforming": WARNINGS["gpu_underperforming"],
+    "gpu_compute_mismatch": BLOCKERS["gpu_compute_mismatch"],
+    "qualification_aborted": CatalogEntry(
+        "qualification_aborted", "device",
+        "A qualification stopped early (another process appeared on the GPU, or its "
+        "deadline passed); no verdict changed.",
+        "Nothing to repair: it runs again when the GPU is idle."),
 }
 
 
