@@ -111,9 +111,11 @@ FAULTS: dict[str, Fault] = {
     "insufficient_devices": Fault(args=("--min-devices", "9")),
     "insufficient_free_memory": Fault(args=("--min-free-memory", "200GiB")),
 }
-# Only the daemon raises these (its XID watcher; its NVML rounds and [nvml] config): the
-# fault matrix's daemon route and tests/test_xids.py produce them end to end.
-WATCHER_ONLY = frozenset({"node_reboot_required", "gpu_nvlink_down", "gpu_pcie_link_degraded"})
+# Only the daemon raises these (its XID watcher; its NVML rounds and [nvml] config; its
+# qualification of idle GPUs): the fault matrix's daemon route, tests/test_xids.py and
+# tests/test_qualify_verdict.py produce them end to end.
+WATCHER_ONLY = frozenset({"node_reboot_required", "gpu_nvlink_down", "gpu_pcie_link_degraded",
+                          "gpu_compute_mismatch", "gpu_underperforming"})
 ENGINE_CODES = sorted(c for c, e in BLOCKERS.items()
                       if e.layer in ENGINE_LAYERS and c not in WATCHER_ONLY)
 
