@@ -21,7 +21,7 @@ SLOW: dict[str, str | int] = {
 
 
 def _start(fakes: FakeDriver, tmp: Path, knobs: dict[str, str], **qualification: Any
-           ) -> tuple[Daemon, Path]:
+           ) -> tuple[Daemon, Path, dict[str, str]]:
     """A daemon qualifying 8 fake GPUs, GPU 4 slow (its peers qualified before it, one at a
     time, make the median); ``knobs`` go in a state file the test may change."""
     state = tmp / "fake-state"
@@ -29,7 +29,7 @@ def _start(fakes: FakeDriver, tmp: Path, knobs: dict[str, str], **qualification:
     env = host_env(fakes, tmp / "host", 8, FAKE_GPU_STATE_FILE=str(state), **SLOW, **SMALL_GPU)
     config = write_config(tmp / "d.toml", daemon_toml({"qualification": {
         "idle_s": 0.2, "tick_s": 0.1, "max_age_s": 3600, **qualification}}))
-    return Daemon(env, config, tmp / "state"), state
+    return Daemon(env, config, tmp / "state"), state, env
 
 
 def _get(daemon: Daemon, path: str) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def _uuids(rec: dict[str, Any]) -> dict[int, str]:
 
 def test_a_wrong_answer_blocks_its_gpu_and_a_slow_one_warns(fakes: FakeDriver,
                                                              tmp_path: Path) -> None:
-    daemon, state = _start(fakes, tmp_path, {"FAKE_CUDA_CORRUPT_COPY": "1:7"})
+    daemon, state, env = _start(fakes, tmp_path, {"FAKE_CUDA_CORRUPT_COPY": "1:7"})
     try:
         health = _health_once_all_qualified(daemon)
         uuid = _uuids(health)
@@ -82,6 +82,14 @@ def test_a_wrong_answer_blocks_its_gpu_and_a_slow_one_warns(fakes: FakeDriver,
         # The exporter counts it as a blocker of the node.
         status, text = daemon.get("/metrics")
         assert 'gpudiag_ready 0.0' in text
+        # A restart reads the outcome back from qualifications.jsonl: blocked before any run
+        # (the schedule off, so no run could have made it).
+        assert daemon.stop() == 0
+        config = write_config(tmp_path / "off.toml", daemon_toml({"qualification": {
+            "enabled": False, "tick_s": 0.1}}))
+        daemon = Daemon(env, config, tmp_path / "state")
+        wait_for(lambda: _codes(_get(daemon, "/v1/health")["blockers"],
+                                "gpu_compute_mismatch") == [uuid[1]], 30, interval=0.2)
         # Repaired and qualified again: the pass replaces the outcome and the blocker goes.
         write_state_file(state, {})
         req = urllib.request.Request(daemon.url + "/v1/qualify?gpus=1", method="POST",
@@ -96,7 +104,7 @@ def test_a_wrong_answer_blocks_its_gpu_and_a_slow_one_warns(fakes: FakeDriver,
 
 
 def test_a_slow_gpu_blocks_with_qualification_block(fakes: FakeDriver, tmp_path: Path) -> None:
-    daemon, _ = _start(fakes, tmp_path, {}, block=True)
+    daemon, _, _ = _start(fakes, tmp_path, {}, block=True)
     try:
         uuid = _uuids(_health_once_all_qualified(daemon))
         wait_for(lambda: _codes(_get(daemon, "/v1/health")["blockers"],
