@@ -173,6 +173,9 @@ class DeviceInfo:
     pids: tuple[int, ...] | None = None
     # Those processes with their GPU memory, name and user (nvidia-smi's process table).
     processes: tuple[DeviceProcess, ...] | None = None
+    # Where ``uuid`` comes from: "nvml" (read now), "last_seen" (NVML cannot read it now, a
+    # lost GPU: the daemon names it by the UUID its index last had), None (no UUID).
+    uuid_source: str | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -184,7 +187,8 @@ class DeviceInfo:
                 "temperature_c": self.temperature_c,
                 "pids": None if self.pids is None else list(self.pids),
                 "processes": None if self.processes is None
-                else [p.record() for p in self.processes]}
+                else [p.record() for p in self.processes],
+                "uuid_source": self.uuid_source}
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
