@@ -432,12 +432,14 @@ def _finding_keys(verdict: Verdict | None, last_uuids: Mapping[int, str]
                   ) -> dict[tuple[str, str | None], str]:
     if verdict is None:
         return {}
-    index = {d.uuid: d.index for d in verdict.devices if d.uuid}
+    devices = {d.uuid: d for d in verdict.devices if d.uuid}
     out: dict[tuple[str, str | None], str] = {}
     for b in verdict.blockers:
         where = b.device
-        if where is not None and where in index:
-            where = f"GPU {index[where]} ({where})"
+        if where is not None and where in devices:
+            d = devices[where]
+            seen = "last seen as " if d.uuid_source == "last_seen" else ""
+            where = f"GPU {d.index} ({seen}{where})"
         elif where is not None and where.startswith("index "):
             number = where.removeprefix("index ")
             last = last_uuids.get(int(number)) if number.isdecimal() else None
