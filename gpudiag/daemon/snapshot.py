@@ -15,6 +15,7 @@ from gpudiag.core import registry
 from gpudiag.core.classify import classify
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.identity import GpuIdentity
 from gpudiag.core.nvml_health import NvmlHealthPolicy, NvmlHistory
 from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
@@ -134,6 +135,9 @@ class Snapshot:
     last_proven: Mapping[tuple[str, str], float] = field(default_factory=dict)
     # NVLink counts seen and clock-event holds, across NVML rounds (core.nvml_health).
     nvml_history: NvmlHistory = field(default_factory=NvmlHistory)
+    # Each GPU index's last identity NVML gave (core.identity): a lost GPU's verdict row and
+    # blockers name its last UUID.
+    last_seen: Mapping[int, GpuIdentity] = field(default_factory=dict)
 
     @property
     def round_complete(self) -> bool:
@@ -229,7 +233,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                        source="daemon", xids=xids, extra_warnings=extra,
                        visibility=visibility, scope=snapshot.scope,
                        expected_gpus=policy.expected_gpus,
-                       nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml)
+                       nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml,
+                       last_seen=snapshot.last_seen)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(
