@@ -105,6 +105,12 @@ def test_a_symlinked_request_is_not_followed(tmp_path: Path) -> None:
         read_request(link)
 
 
+def test_a_folder_named_like_a_request_is_refused_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "1-1.json").mkdir()
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_request(tmp_path / "1-1.json")
+
+
 # -- the watcher releases held XIDs ------------------------------------------------------------
 HELD = """
 import json, time

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,8 @@ from gpudiag.core.missing import sysfs_bus_ids
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import DeviceInfo, DeviceProcess, Verdict
 from tests.conftest import EnvFactory, run_gpudiag
+from tests.fakes.build import FakeDriver, write_state_file
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 from tests.tty import run_on_tty
 
 PROBE = ["probe", "--backend", "host,nvml,cuda"]
@@ -107,6 +110,51 @@ def test_a_lost_gpu_keeps_the_pci_bus_id_sysfs_knows(gpu_env: EnvFactory,
     record = json.loads(run_gpudiag([*PROBE, "--format", "json"], env).stdout)
     assert record["devices"][1]["pci_bus_id"] == "00000000:19:00.0"
     assert record["devices"][1]["uuid"] is None  # NVML cannot say: nothing is made up
+
+
+def test_the_daemon_names_a_lost_gpu_by_its_last_uuid_and_bus_id(fakes: FakeDriver,
+                                                                tmp_path: Path) -> None:
+    uuid1 = "GPU-f00d0001-0000-4000-8000-000000000001"
+    state_file = tmp_path / "gpu-state"
+    write_state_file(state_file, {"FAKE_NVML_DEVICE_COUNT": 2})
+    # No sysfs PCI tree here: the bus id of the lost GPU can only come from memory.
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state_file))
+    state = tmp_path / "state"
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", daemon_toml({})), state)
+    try:
+        daemon.wait_ready()  # GPU 1 read fine: the daemon has seen its UUID
+        write_state_file(state_file, {"FAKE_NVML_DEVICE_COUNT": 2,
+                                      "FAKE_NVML_DEVICE_ERRORS": "1:15"})
+
+        def lost() -> dict[str, Any] | None:
+            status, rec = daemon.get("/v1/health")
+            return rec if status == 200 and any(
+                b["code"] == "gpu_lost" for b in rec["blockers"]) else None
+
+        health = wait_for(lost, 15, interval=0.1)
+        gpu0, gpu1 = health["devices"]
+        assert (gpu1["uuid"], gpu1["uuid_source"], gpu1["pci_bus_id"]) == (
+            uuid1, "last_seen", "00000000:19:00.0"), gpu1
+        assert gpu1["healthy"] is False and gpu0["uuid_source"] == "nvml"
+        assert [b["device"] for b in health["blockers"]] == [uuid1]
+        status, pre = daemon.get("/v1/preflight?require=cuda")
+        assert status == 200 and [(b["code"], b["device"]) for b in pre["blockers"]] == [
+            ("gpu_lost", uuid1)]
+        assert pre["devices"][1]["uuid_source"] == "last_seen"
+        # `probe` always probes here; `health` is the text a daemon answers.
+        text = run_gpudiag(["health", "--daemon-url", daemon.url],
+                           {**env, "COLUMNS": "80"})
+        assert text.returncode == 1, text.stdout + text.stderr
+        rows = {r.split()[0]: r.split() for r in _section(text.stdout, "Devices")}
+        assert rows["1"][1] == "lost" and uuid1.startswith(rows["1"][2].rstrip("…"))
+        assert rows["1"][3] == "19:00.0" and "source daemon" in text.stdout, text.stdout
+        said = " ".join(text.stdout.split())
+        assert "uuid of GPU 1: as last seen (NVML cannot read it now)" in said
+        proc = run_gpudiag(["clear", "--gpu", uuid1, "--reason", "reseated GPU 1",
+                            "--state-dir", str(state)], env)
+        assert proc.returncode == 0 and f"clear of {uuid1} requested" in proc.stdout, proc.stderr
+    finally:
+        assert daemon.stop() == 0
 
 
 def test_no_pci_bus_id_is_guessed_when_the_bus_and_nvml_disagree() -> None:

@@ -13,6 +13,7 @@ from gpudiag.core.environment import (
     probe_environment,
     resolve,
 )
+from gpudiag.core.identity import GpuIdentity
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Finding, Verdict, primary_blocker
@@ -95,3 +96,29 @@ def test_garbage_observations_are_reported_not_raised() -> None:
     assert _parse_observation(b"not json")[0] is None
     assert _parse_observation(b"[1, 2]")[0] is None
     assert _parse_observation(b'noise\n{"ok": true}\n')[0] == {"ok": True}
+
+
+U0, U1 = "GPU-0a000000-0000-4000-8000-000000000000", "GPU-0a000001-0000-4000-8000-000000000001"
+
+
+def _one_gpu_lost(last_seen: dict[int, GpuIdentity] | None) -> Verdict:
+    lost = {"index": 1, "ok": False,
+            "error": {"code": 15, "name": "NVML_ERROR_GPU_IS_LOST", "message": "GPU is lost"}}
+    nvml = {"ok": True, "device_count": 2, "devices": [
+        {"index": 0, "ok": True, "uuid": U0, "pci_bus_id": "00000000:18:00.0"}, lost]}
+    return classify({"nvml": ProbeRun("nvml", nvml, 0.1)}, parse_requirement("cuda"),
+                    host="h", checked_at="2026-12-01T00:00:00.000Z", last_seen=last_seen)
+
+
+def test_a_lost_gpu_is_named_by_its_last_uuid_never_by_one_another_gpu_carries() -> None:
+    named = _one_gpu_lost({1: GpuIdentity(U1, "H200", "00000000:19:00.0")})
+    gpu0, gpu1 = named.devices
+    assert (gpu1.uuid, gpu1.uuid_source, gpu1.pci_bus_id) == (
+        U1, "last_seen", "00000000:19:00.0")
+    assert (gpu0.uuid_source, gpu1.name) == ("nvml", None)  # only the UUID is remembered
+    assert [b.device for b in named.blockers if b.code == "gpu_lost"] == [U1]
+    assert Verdict.from_record(json.loads(named.json())).record() == named.record()
+    for last_seen in (None, {1: GpuIdentity(U0, "H200", "")}):  # none; GPU 0's UUID now
+        plain = _one_gpu_lost(last_seen)
+        assert (plain.devices[1].uuid, plain.devices[1].uuid_source) == (None, None)
+        assert [b.device for b in plain.blockers if b.code == "gpu_lost"] == ["index 1"]

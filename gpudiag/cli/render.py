@@ -224,6 +224,11 @@ def _devices(verdict: Verdict, wide: bool = False) -> Table:
         if not uniform:
             row.append(d.name or "-")
         table.add_row(*row)
+    remembered = [str(d.index) for d in devices if d.uuid_source == "last_seen"]
+    if remembered:
+        table.caption = (f"uuid of GPU {', '.join(remembered)}: as last seen (NVML cannot "
+                         "read it now)")
+        table.caption_justify = "left"
     return table
 
 

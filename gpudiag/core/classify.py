@@ -7,6 +7,7 @@ root cause brings with it stays listed under ``blockers`` as consequences.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gpudiag.core import registry
@@ -23,6 +24,7 @@ from gpudiag.core.environment import (
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.gpu_processes import device_processes
+from gpudiag.core.identity import GpuIdentity
 from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
 from gpudiag.core.nvml_health import (
     NvmlHealthPolicy,
@@ -259,7 +261,25 @@ def _select(candidates: Sequence[NvmlDevice], requirement: Requirement,
     return chosen
 
 
-def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None) -> DeviceInfo:
+def _remembered(devs: Sequence[NvmlDevice], last_seen: Mapping[int, GpuIdentity] | None
+                ) -> tuple[list[NvmlDevice], set[int]]:
+    """GPUs whose UUID cannot be read now (lost) named by the UUID their index last had, so
+    that their blockers name it; never a UUID another GPU carries now. Returns the indices
+    so named."""
+    carried = {d.uuid for d in devs if d.uuid}
+    named: set[int] = set()
+    out: list[NvmlDevice] = []
+    for d in devs:
+        last = (last_seen or {}).get(d.index)
+        if not d.uuid and last is not None and last.uuid and last.uuid not in carried:
+            d = replace(d, uuid=last.uuid, pci_bus_id=d.pci_bus_id or last.pci_bus_id or None)
+            named.add(d.index)
+        out.append(d)
+    return out, named
+
+
+def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None,
+                 remembered: bool = False) -> DeviceInfo:
     mem = d.memory or Memory()
     procs = list(d.processes or ())
     for inst in d.mig.instances if d.mig else ():
@@ -268,7 +288,9 @@ def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None) -> DeviceInfo:
             if d.processes is not None or procs else None)
     util, temp = d.readings.utilization_gpu_ratio, d.readings.temperature_c
     return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name,
-                      pci_bus_id=d.pci_bus_id or sysfs_bus_id,
+                      pci_bus_id=(sysfs_bus_id or d.pci_bus_id) if remembered
+                      else d.pci_bus_id or sysfs_bus_id,
+                      uuid_source=("last_seen" if remembered else "nvml" if d.uuid else None),
                       memory_total_bytes=mem.total_bytes, memory_free_bytes=mem.free_bytes,
                       memory_used_bytes=mem.used_bytes,
                       utilization_ratio=None if util is None else float(util),
@@ -363,7 +385,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
              visibility: tuple[str | None, str | None] | None = None,
              scope: ProbeScope | None = None,
              expected_gpus: int | None = None, nvml_history: NvmlHistory | None = None,
-             nvml_policy: NvmlHealthPolicy | None = None) -> Verdict:
+             nvml_policy: NvmlHealthPolicy | None = None,
+             last_seen: Mapping[int, GpuIdentity] | None = None) -> Verdict:
     """The verdict for ``requirement`` from what the probe children observed.
 
     ``visibility`` is the job's (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) when it
@@ -374,6 +397,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     ``nvml_history`` and ``nvml_policy`` feed the NVML health rules (core.nvml_health).
     ``device_blockers`` and ``device_warnings`` name GPUs (by label) and come from outside the
     probe round (the daemon's qualification); only those of GPUs the requirement selects count.
+    ``last_seen``: each GPU index's last identity (the daemon's core.identity memory).
     """
     f = Findings()
     f.warnings.extend(extra_warnings)
@@ -401,7 +425,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         _nvml_findings(nvml, host_obs, f)
         all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
         candidates = _visibility(raw, all_devs, nvml_ok, f)
-        selected = _select(candidates, requirement, f)
+        selected, remembered = _remembered(_select(candidates, requirement, f), last_seen)
         _device_findings(selected, xids, f, nvml_history, nvml_policy)
         labels = {d.label for d in selected}
         f.blockers.extend(b for b in device_blockers if b.device in labels)
@@ -422,7 +446,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         held_memory_blocks(f)
         # A lost GPU keeps the PCI bus id sysfs knows for its place (nvidia-smi shows it too).
         bus_ids = sysfs_bus_ids(_json(host_run), _json(nvml_run))
-        devices = [_device_info(d, bus_ids.get(d.index)) for d in selected]
+        devices = [_device_info(d, bus_ids.get(d.index), d.index in remembered)
+                   for d in selected]
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
     gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok,

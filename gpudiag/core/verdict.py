@@ -173,6 +173,9 @@ class DeviceInfo:
     pids: tuple[int, ...] | None = None
     # Those processes with their GPU memory, name and user (nvidia-smi's process table).
     processes: tuple[DeviceProcess, ...] | None = None
+    # Where ``uuid`` comes from: "nvml" (read now), "last_seen" (NVML cannot read it now, a
+    # lost GPU: the daemon names it by the UUID its index last had), None (no UUID).
+    uuid_source: str | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -184,7 +187,8 @@ class DeviceInfo:
                 "temperature_c": self.temperature_c,
                 "pids": None if self.pids is None else list(self.pids),
                 "processes": None if self.processes is None
-                else [p.record() for p in self.processes]}
+                else [p.record() for p in self.processes],
+                "uuid_source": self.uuid_source}
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
@@ -428,12 +432,14 @@ def _finding_keys(verdict: Verdict | None, last_uuids: Mapping[int, str]
                   ) -> dict[tuple[str, str | None], str]:
     if verdict is None:
         return {}
-    index = {d.uuid: d.index for d in verdict.devices if d.uuid}
+    devices = {d.uuid: d for d in verdict.devices if d.uuid}
     out: dict[tuple[str, str | None], str] = {}
     for b in verdict.blockers:
         where = b.device
-        if where is not None and where in index:
-            where = f"GPU {index[where]} ({where})"
+        if where is not None and where in devices:
+            d = devices[where]
+            seen = "last seen as " if d.uuid_source == "last_seen" else ""
+            where = f"GPU {d.index} ({seen}{where})"
         elif where is not None and where.startswith("index "):
             number = where.removeprefix("index ")
             last = last_uuids.get(int(number)) if number.isdecimal() else None

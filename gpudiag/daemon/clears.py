@@ -80,10 +80,13 @@ def read_request(path: Path) -> ClearRequest:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise ClearRequestError(f"cannot open it: {e.strerror or e}") from e
+    # fstat before fdopen: io refuses a directory with IsADirectoryError, which would escape
+    # as a traceback on every poll instead of setting the entry aside.
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ClearRequestError("not a regular file")
     with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ClearRequestError("not a regular file")
         raw = fh.read(MAX_REQUEST_BYTES + 1)
     if len(raw) > MAX_REQUEST_BYTES:
         raise ClearRequestError(f"larger than {MAX_REQUEST_BYTES} bytes")

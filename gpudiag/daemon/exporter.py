@@ -6,7 +6,6 @@ goes stale and nothing is removed by hand. Every known blocker code is present a
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -21,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from gpudiag.core import registry
 from gpudiag.core.catalog import BLOCKERS, WARNINGS, CatalogEntry
+from gpudiag.core.identity import LastIdentities
 from gpudiag.core.observations import (
     CudaObservation,
     Ecc,
@@ -45,20 +45,7 @@ class SnapshotCollector(Collector):
         self._wall = wall
         # The last identity NVML gave each GPU index: a lost GPU keeps its uuid, name and PCI
         # labels, so that its series do not churn and alerts keyed on uuid still match.
-        self._identity: dict[int, tuple[str, str, str]] = {}
-        self._identity_lock = threading.Lock()
-
-    def _known(self, index: int, uuid: str | None, name: str | None = None,
-               pci: str | None = None) -> tuple[str, str, str]:
-        """(uuid, name, pci) of GPU ``index``: as read now, else as last read."""
-        with self._identity_lock:
-            old = self._identity.get(index)
-            if uuid and name is None and pci is None and old is not None and old[0] == uuid:
-                return old
-            if uuid:
-                self._identity[index] = (uuid, name or "", pci or "")
-                return self._identity[index]
-            return self._identity.get(index, ("", name or "", pci or ""))
+        self._known = LastIdentities().known
 
     def describe(self) -> list[Metric]:
         # Nothing to describe up front: registration must not call collect().

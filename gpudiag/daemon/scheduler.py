@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from gpudiag.core import registry
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
+from gpudiag.core.identity import LastIdentities
 from gpudiag.core.nvml_health import NvmlHistory, advance
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify_verdict import QualificationFindings
@@ -180,6 +181,7 @@ class Scheduler:
         # proved itself, and a round counter per backend so that JAX and IREE rotate over the
         # free GPUs.
         self._occupancy: dict[str, GpuOccupancy] = {}
+        self._last_seen = LastIdentities()  # a lost GPU's verdict row keeps its last UUID
         self._last_proven: dict[tuple[str, str], float] = {}
         self._backend_gpu: dict[str, str | None] = {}
         self._rounds: dict[str, int] = {}
@@ -414,7 +416,8 @@ class Scheduler:
                         stats=dict(self._stats), scheduled=self.scheduled, watcher=watcher,
                         full=None, ready=None, scope=self._scope(),
                         last_proven=dict(self._last_proven),
-                        nvml_history=self._nvml_history, qualification=self._qualification)
+                        nvml_history=self._nvml_history, qualification=self._qualification,
+                        last_seen=self._last_seen.current())
         full = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
         ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
         self._snapshot = replace(base, full=full, ready=ready)
@@ -482,6 +485,7 @@ class Scheduler:
     def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""
         if backend == "nvml" and run.ok and run.nvml is not None:
+            self._last_seen.learn(run.nvml)
             # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
             # (a job may have no process on its GPU yet): one lock view between readings.
             self._occupancy = self._job_locks.mark(

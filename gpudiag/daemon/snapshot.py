@@ -15,6 +15,7 @@ from gpudiag.core import registry
 from gpudiag.core.classify import classify
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.identity import GpuIdentity
 from gpudiag.core.nvml_health import NvmlHealthPolicy, NvmlHistory
 from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
@@ -137,6 +138,9 @@ class Snapshot:
     nvml_history: NvmlHistory = field(default_factory=NvmlHistory)
     # What each GPU's latest qualification says (core.qualify_verdict; daemon.qualifier).
     qualification: QualificationFindings = field(default_factory=QualificationFindings)
+    # Each GPU index's last identity NVML gave (core.identity): a lost GPU's verdict row and
+    # blockers name its last UUID.
+    last_seen: Mapping[int, GpuIdentity] = field(default_factory=dict)
 
     @property
     def round_complete(self) -> bool:
@@ -234,7 +238,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                        device_warnings=snapshot.qualification.warnings,
                        visibility=visibility, scope=snapshot.scope,
                        expected_gpus=policy.expected_gpus,
-                       nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml)
+                       nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml,
+                       last_seen=snapshot.last_seen)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(
