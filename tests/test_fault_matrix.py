@@ -764,11 +764,13 @@ def test_job_and_admission_faults_agree_in_exporter_and_history(
         argv = ["preflight", "--no-daemon", "--require", case.require, "--format", "json",
                 *case.cli_args]
         rec = _cli(argv, env)
-        if case.code == "iree_execute_failed" and _iree_child_crashed(rec):
-            # The fake libcuda has no kernels, only stubs: once in several full runs IREE's
-            # failed-launch path crashed on it (seen as probe_crashed, which is the right
-            # verdict for a crashing child). That is the fake's limit, not the product's;
-            # one more run tells the two apart.
+        for _ in range(3):
+            if not (case.code == "iree_execute_failed" and _iree_child_crashed(rec)):
+                break
+            # The fake libcuda has no kernels, only stubs: under load IREE's failed-launch
+            # path sometimes crashes on it (seen as probe_crashed, which is the right verdict
+            # for a crashing child; twice in a row once in a loaded CI run, never in 50 runs
+            # alone). That is the fake's limit, not the product's; more runs tell them apart.
             rec = _cli(argv, env)
         _check_record(case, rec, "gpudiag preflight")
         if case.query:
