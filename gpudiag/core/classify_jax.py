@@ -268,6 +268,16 @@ def _compute_failure(obs: JaxObservation) -> Cause | None:
                  f"{err.type}: {err.message}")
 
 
+def _preallocation(obs: JaxObservation) -> list[Cause]:
+    """The child read XLA's preallocation on: a job would take 75% of each GPU."""
+    if obs.preallocation_disabled:
+        return []
+    xla = obs.xla_env or {}
+    seen = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in xla.items())
+    return [Cause("jax_preallocation_enabled",
+                  f"the JAX child read {seen}: XLA would preallocate 75% of each GPU")]
+
+
 def causes(obs: JaxObservation, platform: str, stderr: str) -> list[Cause]:
     """Every JAX blocker the observation shows for the required platform, cause first."""
     out: list[Cause] = []
@@ -292,11 +302,7 @@ def causes(obs: JaxObservation, platform: str, stderr: str) -> list[Cause]:
     compute = _compute_failure(obs)
     if compute is not None:
         out.append(compute)
-    if not obs.preallocation_disabled:
-        xla = obs.xla_env or {}
-        seen = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in xla.items())
-        out.append(Cause("jax_preallocation_enabled",
-                         f"the JAX child read {seen}: XLA would preallocate 75% of each GPU"))
+    out.extend(_preallocation(obs))
     return out
 
 
@@ -441,11 +447,7 @@ def static_causes(obs: JaxObservation, stderr: str, driver_version: int | None) 
                          "importable"))
     out.extend(c for c in driver_causes(obs, stderr, driver_version)
                if c.code == "cuda_driver_too_old")
-    if not obs.preallocation_disabled:
-        xla = obs.xla_env or {}
-        seen = ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in xla.items())
-        out.append(Cause("jax_preallocation_enabled",
-                         f"the JAX child read {seen}: XLA would preallocate 75% of each GPU"))
+    out.extend(_preallocation(obs))
     return out
 
 
