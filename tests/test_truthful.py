@@ -22,6 +22,7 @@ import pytest
 
 from gpudiag.engine.locks import LockInfo, release, try_lock
 from tests.conftest import EnvFactory, verdict_of
+from tests.fakes.jobs import read_context_log
 
 UUIDS = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(8)]
 FAKE_PLUGIN_PATH = Path(__file__).resolve().parent / "fakes" / "jax_plugin"
@@ -130,8 +131,10 @@ def test_with_every_gpu_locked_by_jobs_a_missing_jax_plugin_is_still_known(
 
 
 def test_with_every_gpu_locked_by_jobs_a_healthy_jax_is_unproven_never_ready(
-        host: dict[str, str]) -> None:
+        host: dict[str, str], tmp_path: Path) -> None:
     env = _with_fake_plugin(host)
+    contexts = tmp_path / "contexts.jsonl"
+    env["FAKE_CUDA_CONTEXT_LOG"] = str(contexts)
     with _jobs_hold(Path(host["GPUDIAG_LOCK_DIR"]), UUIDS):
         rc, health = verdict_of(["health", "--require", "jax", "--no-daemon", "--format",
                                  "json"], env)
@@ -147,6 +150,11 @@ def test_with_every_gpu_locked_by_jobs_a_healthy_jax_is_unproven_never_ready(
     # Job readiness: not ready; every GPU is held by a job.
     assert job_rc == 1 and job["gpu_validation_blocker"] == "devices_busy"
     assert "backend_unproven" in [b["code"] for b in job["blockers"]]
+    # A job's lock keeps every probe off its GPU, even before the job has a process there
+    # (the same log does record contexts once the locks are gone: the control below).
+    assert read_context_log(contexts, event="context") == []
+    verdict_of(["preflight", "--require", "cuda", "--no-daemon", "--format", "json"], env)
+    assert read_context_log(contexts, event="context"), "the context log records nothing"
 
 
 def test_siblings_exclusive_probe_lock_is_waited_for_not_called_busy(
