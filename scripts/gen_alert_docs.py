@@ -7,12 +7,14 @@ here fails the test (and this script) instead of going undocumented.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml  # type: ignore[import-untyped]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.docblock import replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
@@ -75,10 +77,7 @@ def render() -> str:
 
 def rewrite(text: str) -> str:
     """``text`` (docs/operations.md) with its generated block replaced."""
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{DOC}: no '{BEGIN}' ... '{END}' block")
-    return pattern.sub(lambda _: render(), text)
+    return replace_block(text, BEGIN, END, render, DOC)
 
 
 if __name__ == "__main__":

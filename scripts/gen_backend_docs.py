@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 from gpudiag.core import registry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpudiag.core.backend import BackendSpec
+from scripts.docblock import replace_block
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 BEGIN = "<!-- backends: generated from gpudiag/core/registry.py by scripts/gen_backend_docs.py -->"
@@ -39,10 +41,7 @@ def render() -> str:
 
 def rewrite(text: str) -> str:
     """``text`` (docs/reference.md) with its generated backend block replaced."""
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{DOC}: no '{BEGIN}' ... '{END}' block")
-    return pattern.sub(lambda _: render(), text)
+    return replace_block(text, BEGIN, END, render, DOC)
 
 
 if __name__ == "__main__":
