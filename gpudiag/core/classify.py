@@ -7,7 +7,7 @@ root cause brings with it stays listed under ``blockers`` as consequences.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpudiag.core import registry
@@ -377,6 +377,40 @@ def _with_visibility(environment: Any, visibility: tuple[str | None, str | None]
 VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """The device layer's runs that came back whole, and their typed observations."""
+
+    host_run: ProbeRun | None
+    nvml_run: ProbeRun | None
+    cuda_run: ProbeRun | None
+
+    @property
+    def host(self) -> HostObservation | None:
+        """The host probe's observation, if it came back."""
+        return self.host_run.host if self.host_run else None
+
+    @property
+    def nvml(self) -> NvmlObservation | None:
+        """The NVML probe's observation, if it came back."""
+        return self.nvml_run.nvml if self.nvml_run else None
+
+    @property
+    def cuda(self) -> CudaObservation | None:
+        """The CUDA probe's observation, if it came back."""
+        return self.cuda_run.cuda if self.cuda_run else None
+
+    @property
+    def nvml_ok(self) -> bool:
+        """NVML initialized."""
+        return bool(self.nvml and self.nvml.ok)
+
+    @property
+    def cuda_ok(self) -> bool:
+        """cuInit succeeded."""
+        return bool(self.cuda and self.cuda.init_ok)
+
+
 def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: str,
              checked_at: str, source: str = "inline", xids: Sequence[XidEvent] = (),
              extra_warnings: Sequence[Finding] = (),
@@ -402,57 +436,95 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     f = Findings()
     f.warnings.extend(extra_warnings)
     _probe_layer(runs, f)
-    host_run, nvml_run, cuda_run = _ok(runs.get("host")), _ok(runs.get("nvml")), _ok(
-        runs.get("cuda"))
-    host_obs = host_run.host if host_run else None
-    nvml = nvml_run.nvml if nvml_run else None
-    cuda = cuda_run.cuda if cuda_run else None
-    if host_obs is None:
+    layer = _Layer(_ok(runs.get("host")), _ok(runs.get("nvml")), _ok(runs.get("cuda")))
+    if layer.host is None:
         visibility = None
     devices: list[DeviceInfo] = []
-    nvml_ok = bool(nvml and nvml.ok)
-    cuda_ok = bool(cuda and cuda.init_ok)
     if requirement.needs_gpu:
-        raw: tuple[str | None, str | None]
-        if visibility is not None:
-            raw = visibility
-        elif host_obs is not None and host_obs.environment:
-            raw = host_obs.visibility
-        else:
-            raw = nvml.visibility if nvml else (None, None)
-        inits_failed = ("nvml" in runs and not nvml_ok) or ("cuda" in runs and not cuda_ok)
-        _device_nodes(host_obs, inits_failed, f)
-        _nvml_findings(nvml, host_obs, f)
-        all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
-        candidates = _visibility(raw, all_devs, nvml_ok, f)
-        selected, remembered = _remembered(_select(candidates, requirement, f), last_seen)
+        candidates, selected, remembered = _select_gpus(runs, layer, requirement, visibility,
+                                                        last_seen, f)
         _device_findings(selected, xids, f, nvml_history, nvml_policy)
         labels = {d.label for d in selected}
         f.blockers.extend(b for b in device_blockers if b.device in labels)
         f.warnings.extend(w for w in device_warnings if w.device in labels)
-        # core.missing reads the host probe's PCI listing, which the typed host record does
-        # not carry yet: it gets the checked JSON of the three runs.
-        missing_gpu_findings(_json(host_run), _json(nvml_run), _json(cuda_run),
-                             expected_gpus, f)
-        uuids = {d.uuid for d in selected if d.uuid} if nvml_ok else None
-        _cuda_findings(cuda, uuids, f)
-        if nvml_ok and cuda_ok and cuda is not None and requirement.devices is None:
-            n_cuda = _count(cuda.device_count)
-            if n_cuda != len(candidates):
-                f.warn("device_count_mismatch",
-                       f"NVML shows {len(candidates)} visible GPU(s), cuInit {n_cuda}",
-                       backend="cuda")
-        _requirement_findings(selected, requirement, f)
-        held_memory_blocks(f)
+        _layer_findings(layer, candidates, selected, requirement, expected_gpus, f)
         # A lost GPU keeps the PCI bus id sysfs knows for its place (nvidia-smi shows it too).
-        bus_ids = sysfs_bus_ids(_json(host_run), _json(nvml_run))
+        bus_ids = sysfs_bus_ids(_json(layer.host_run), _json(layer.nvml_run))
         devices = [_device_info(d, bus_ids.get(d.index), d.index in remembered)
                    for d in selected]
         if scope is not None:
             devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
-    gpu = GpuContext(nvml_ok=nvml_ok, cuda_ok=cuda_ok,
+    gpu = GpuContext(nvml_ok=layer.nvml_ok, cuda_ok=layer.cuda_ok,
                      gpu_blocked=bool(f.blockers),
-                     cuda_driver_version=_driver_cuda_version(nvml, cuda))
+                     cuda_driver_version=_driver_cuda_version(layer.nvml, layer.cuda))
+    backends = _backend_statuses(runs, requirement, gpu, scope, f)
+    # Proven or not ready: a required backend that was not tried never passes.
+    require_proof(f, requirement, backends)
+    backends.update(_layer_statuses(runs, layer, f))
+    # One order everywhere (probe, preflight, JSON, kv, text): the registry's.
+    backends = {n: backends[n] for n in sorted(backends, key=registry.order)}
+    return Verdict(
+        requirement=requirement,
+        blockers=tuple(f.blockers),
+        warnings=tuple(f.warnings),
+        devices=tuple(devices),
+        backends=backends,
+        evidence=_evidence(runs, layer.host, layer.nvml, layer.cuda, visibility),
+        preallocation_disabled=_preallocation_disabled(runs, layer.host),
+        host=host,
+        checked_at=checked_at,
+        source=source,
+    )
+
+
+def _select_gpus(runs: Mapping[str, ProbeRun], layer: _Layer, requirement: Requirement,
+                 visibility: tuple[str | None, str | None] | None,
+                 last_seen: Mapping[int, GpuIdentity] | None, f: Findings
+                 ) -> tuple[list[NvmlDevice], list[NvmlDevice], set[int]]:
+    """The visible GPUs, those the requirement selects, and the selected ones remembered."""
+    host_obs, nvml = layer.host, layer.nvml
+    raw: tuple[str | None, str | None]
+    if visibility is not None:
+        raw = visibility
+    elif host_obs is not None and host_obs.environment:
+        raw = host_obs.visibility
+    else:
+        raw = nvml.visibility if nvml else (None, None)
+    inits_failed = (("nvml" in runs and not layer.nvml_ok)
+                    or ("cuda" in runs and not layer.cuda_ok))
+    _device_nodes(host_obs, inits_failed, f)
+    _nvml_findings(nvml, host_obs, f)
+    all_devs = list(nvml.devices) if nvml is not None and nvml.ok else []
+    candidates = _visibility(raw, all_devs, layer.nvml_ok, f)
+    selected, remembered = _remembered(_select(candidates, requirement, f), last_seen)
+    return candidates, selected, remembered
+
+
+def _layer_findings(layer: _Layer, candidates: Sequence[NvmlDevice],
+                    selected: Sequence[NvmlDevice], requirement: Requirement,
+                    expected_gpus: int | None, f: Findings) -> None:
+    """Missing GPUs, CUDA's findings, the NVML/CUDA count check and the requirement's."""
+    # core.missing reads the host probe's PCI listing, which the typed host record does
+    # not carry yet: it gets the checked JSON of the three runs.
+    missing_gpu_findings(_json(layer.host_run), _json(layer.nvml_run), _json(layer.cuda_run),
+                         expected_gpus, f)
+    uuids = {d.uuid for d in selected if d.uuid} if layer.nvml_ok else None
+    cuda = layer.cuda
+    _cuda_findings(cuda, uuids, f)
+    if layer.nvml_ok and layer.cuda_ok and cuda is not None and requirement.devices is None:
+        n_cuda = _count(cuda.device_count)
+        if n_cuda != len(candidates):
+            f.warn("device_count_mismatch",
+                   f"NVML shows {len(candidates)} visible GPU(s), cuInit {n_cuda}",
+                   backend="cuda")
+    _requirement_findings(selected, requirement, f)
+    held_memory_blocks(f)
+
+
+def _backend_statuses(runs: Mapping[str, ProbeRun], requirement: Requirement,
+                      gpu: GpuContext, scope: ProbeScope | None, f: Findings
+                      ) -> dict[str, BackendStatus]:
+    """Each required backend's status, from its classifier or why it was not proven."""
     backends: dict[str, BackendStatus] = {}
     for req in requirement.backends:
         run = runs.get(req.name)
@@ -465,41 +537,40 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         elif run is None and scope is not None and req.name in scope.backend_gpu:
             backends[req.name] = BackendStatus(UNPROVEN, None, {}, {
                 "reason": "no free GPU this round: every visible GPU is in use or locked"})
-    # Proven or not ready: a required backend that was not tried never passes.
-    require_proof(f, requirement, backends)
+    return backends
+
+
+def _layer_statuses(runs: Mapping[str, ProbeRun], layer: _Layer, f: Findings
+                    ) -> dict[str, BackendStatus]:
+    """The status of each device-layer probe that ran (host, nvml, cuda)."""
+    nvml, cuda = layer.nvml, layer.cuda
+    out: dict[str, BackendStatus] = {}
     if "host" in runs:
-        backends["host"] = _status(runs["host"], f, "host", {}, _host_detail(host_obs))
+        out["host"] = _status(runs["host"], f, "host", {}, _host_detail(layer.host))
     if "nvml" in runs:
-        backends["nvml"] = _status(runs["nvml"], f, "nvml", {
+        out["nvml"] = _status(runs["nvml"], f, "nvml", {
             "driver": nvml.driver_version if nvml else None,
             "cuda_driver": _str(nvml.cuda_driver_version if nvml else None),
             "nvml": nvml.nvml_version if nvml else None},
             {"device_count": nvml.device_count if nvml else None,
              "error": nvml.error.record if nvml and nvml.error else None})
     if "cuda" in runs:
-        backends["cuda"] = _status(runs["cuda"], f, "cuda",
-                                   {"cuda_driver": _str(cuda.driver_version if cuda else None)},
-                                   {"device_count": cuda.device_count if cuda else None,
-                                    "init": cuda.init.record if cuda and cuda.init else None,
-                                    "init_duration_s": cuda.init_duration_s if cuda else None})
-    # One order everywhere (probe, preflight, JSON, kv, text): the registry's.
-    backends = {n: backends[n] for n in sorted(backends, key=registry.order)}
+        out["cuda"] = _status(runs["cuda"], f, "cuda",
+                              {"cuda_driver": _str(cuda.driver_version if cuda else None)},
+                              {"device_count": cuda.device_count if cuda else None,
+                               "init": cuda.init.record if cuda and cuda.init else None,
+                               "init_duration_s": cuda.init_duration_s if cuda else None})
+    return out
+
+
+def _preallocation_disabled(runs: Mapping[str, ProbeRun], host: HostObservation | None
+                            ) -> bool:
+    """Whether JAX preallocation is off: the JAX child's reading, else the host probe's."""
     jax_run = _ok(runs.get("jax"))
     jax_obs = jax_run.jax if jax_run else None
-    prealloc = (jax_obs.preallocation_disabled if jax_obs is not None
-                else host_obs.preallocation_disabled if host_obs is not None else False)
-    return Verdict(
-        requirement=requirement,
-        blockers=tuple(f.blockers),
-        warnings=tuple(f.warnings),
-        devices=tuple(devices),
-        backends=backends,
-        evidence=_evidence(runs, host_obs, nvml, cuda, visibility),
-        preallocation_disabled=prealloc,
-        host=host,
-        checked_at=checked_at,
-        source=source,
-    )
+    if jax_obs is not None:
+        return jax_obs.preallocation_disabled
+    return host.preallocation_disabled if host is not None else False
 
 
 def _json(run: ProbeRun | None) -> Mapping[str, Any] | None:

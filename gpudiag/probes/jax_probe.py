@@ -137,6 +137,33 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     """Import JAX, bring up its backends, compute on the required platform; never raises."""
     platform = str(options.get("platform") or "gpu").lower()
     platform = "gpu" if platform in GPU_PLATFORMS else platform
+    out = _environment_reading(platform)
+    started = time.monotonic()
+    try:
+        import jax
+        from jax._src import xla_bridge as xb
+    except Exception as e:
+        out["import_error"] = _error(e)
+        out["import_s"] = round(time.monotonic() - started, 4)
+        return out
+    out["installed"] = True
+    out["import_s"] = round(time.monotonic() - started, 4)
+    out["versions"]["jax"] = out["versions"]["jax"] or getattr(jax, "__version__", None)
+    out["nvidia_gpu_visible"] = _nvidia_gpu_visible()
+    out["plugins"] = _plugins()
+    if options.get("static"):
+        out["static"] = str(options["static"])  # why no GPU: the verdict says it
+        out["ok"] = None  # nothing was proven, and nothing failed
+        sys.stderr.flush()
+        return out
+    out.update(_bring_up(jax, xb))
+    out.update(_required(jax, platform, init_failed=out["init_error"] is not None))
+    sys.stderr.flush()
+    return out
+
+
+def _environment_reading(platform: str) -> dict[str, Any]:
+    """What this child got (read before jax is imported), and the environment it runs JAX in."""
     caller_platforms = os.environ.get("JAX_PLATFORMS")
     # Evidence is the environment as the job would get it, before the CPU pin below.
     environment = allow_listed(os.environ)
@@ -163,27 +190,14 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         # never take 75% of a shared card, so it initializes JAX with preallocation off.
         os.environ.update(PREALLOCATION_OFF)
         out["probe_forced_preallocation_off"] = True
-    started = time.monotonic()
-    try:
-        import jax
-        from jax._src import xla_bridge as xb
-    except Exception as e:
-        out["import_error"] = _error(e)
-        out["import_s"] = round(time.monotonic() - started, 4)
-        return out
-    out["installed"] = True
-    out["import_s"] = round(time.monotonic() - started, 4)
-    out["versions"]["jax"] = out["versions"]["jax"] or getattr(jax, "__version__", None)
-    out["nvidia_gpu_visible"] = _nvidia_gpu_visible()
-    out["plugins"] = _plugins()
-    if options.get("static"):
-        out["static"] = str(options["static"])  # why no GPU: the verdict says it
-        out["ok"] = None  # nothing was proven, and nothing failed
-        sys.stderr.flush()
-        return out
+    return out
 
+
+def _bring_up(jax: Any, xb: Any) -> dict[str, Any]:
+    """Bring up JAX's default backends: the error if any, and the devices each platform has."""
     started = time.monotonic()
     default_devices: list[Any] = []
+    out: dict[str, Any] = {}
     try:
         default_devices = list(jax.devices())
         out["init_error"] = None
@@ -201,10 +215,14 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
             continue
     out["devices"] = devices
     out["default_devices"] = [_device(d) for d in default_devices]
+    return out
 
+
+def _required(jax: Any, platform: str, *, init_failed: bool) -> dict[str, Any]:
+    """The required platform's devices and the computation on the first of them."""
     required: list[Any] = []
-    out["required_error"] = None
-    if out["init_error"] is None:
+    out: dict[str, Any] = {"required_error": None}
+    if not init_failed:
         try:
             required = list(jax.devices(platform))
         except Exception as e:
@@ -222,5 +240,4 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     else:
         out["compute"] = None
         out["compute_s"] = None
-    sys.stderr.flush()
     return out
