@@ -130,3 +130,32 @@ def _write_all(fd: int, raw: bytes) -> None:
     view = memoryview(raw)
     while view:
         view = view[os.write(fd, view):]
+
+
+class RefusedFile(ValueError):
+    """A file not read: the message says why, without the path (the caller names it)."""
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> tuple[bytes, os.stat_result]:
+    """A regular file's bytes (at most ``limit``) and its stat, never through a symlink.
+
+    For folders other users write (inboxes): O_NOFOLLOW refuses a planted symlink,
+    O_NONBLOCK a FIFO that would hang the reader, and fstat before reading refuses a folder
+    or device (io would raise IsADirectoryError as a traceback on every poll).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise RefusedFile(f"cannot open it: {e.strerror or e}") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise RefusedFile("not a regular file")
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            raw = fh.read(limit + 1)
+        except OSError as e:
+            raise RefusedFile(f"cannot read it: {e.strerror or e}") from e
+    if len(raw) > limit:
+        raise RefusedFile(f"larger than {limit} bytes")
+    return raw, st

@@ -15,13 +15,13 @@ import json
 import logging
 import os
 import re
-import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core.fileio import RefusedFile, read_regular
 from gpudiag.daemon.snapshot import ProbeKey
 
 log = logging.getLogger("gpudiag.daemon.clears")
@@ -77,19 +77,9 @@ def write_request(state_dir: Path, gpu: str | None, reason: str,
 def read_request(path: Path) -> ClearRequest:
     """Parse one request file; the uid is its owner's."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        raise ClearRequestError(f"cannot open it: {e.strerror or e}") from e
-    # fstat before fdopen: io refuses a directory with IsADirectoryError, which would escape
-    # as a traceback on every poll instead of setting the entry aside.
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise ClearRequestError("not a regular file")
-    with os.fdopen(fd, "rb") as fh:
-        raw = fh.read(MAX_REQUEST_BYTES + 1)
-    if len(raw) > MAX_REQUEST_BYTES:
-        raise ClearRequestError(f"larger than {MAX_REQUEST_BYTES} bytes")
+        raw, st = read_regular(path, MAX_REQUEST_BYTES)
+    except RefusedFile as e:
+        raise ClearRequestError(str(e)) from e
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:

@@ -31,6 +31,7 @@ from gpudiag.core.observations import (
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import Finding
 from gpudiag.core.version import __version__
+from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.nvml_metrics import nvml_health_metrics
 from gpudiag.daemon.recorder import HistoryHealth
 from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
@@ -236,53 +237,48 @@ class SnapshotCollector(Collector):
             total.add_metric(lv, float(c.count))
             last.add_metric(lv, c.last_timestamp)
         yield from (total, last)
-        up = GaugeMetricFamily("gpudiag_xid_watcher_up",
-                               "1 while the XID watcher child runs and answers.")
-        up.add_metric([], 1.0 if w.running else 0.0)
-        restarts = CounterMetricFamily("gpudiag_xid_watcher_restarts",
-                                       "Times the XID watcher child was restarted.")
-        restarts.add_metric([], float(w.restarts))
-        gap = CounterMetricFamily("gpudiag_xid_watcher_gap_seconds",
-                                  "Seconds during which no XID watcher was running.")
-        gap.add_metric([], w.gap_total_s(now) if w.enabled else 0.0)
-        age = GaugeMetricFamily("gpudiag_snapshot_age_seconds",
-                                "Seconds since the daemon last published a snapshot.")
-        age.add_metric([], max(0.0, now - snap.published_wall))
-        yield from (up, restarts, gap, age)
+        yield GaugeMetricFamily("gpudiag_xid_watcher_up",
+                                "1 while the XID watcher child runs and answers.",
+                                value=1.0 if w.running else 0.0)
+        yield CounterMetricFamily("gpudiag_xid_watcher_restarts",
+                                  "Times the XID watcher child was restarted.",
+                                  value=float(w.restarts))
+        yield CounterMetricFamily("gpudiag_xid_watcher_gap_seconds",
+                                  "Seconds during which no XID watcher was running.",
+                                  value=w.gap_total_s(now) if w.enabled else 0.0)
+        yield GaugeMetricFamily("gpudiag_snapshot_age_seconds",
+                                "Seconds since the daemon last published a snapshot.",
+                                value=max(0.0, now - snap.published_wall))
 
 
-class HistoryCollector(Collector):
+class HistoryCollector(StateCollector[HistoryHealth]):
     """The history's health: writable, write errors, changes waiting or dropped, damage."""
 
-    def __init__(self, health: Callable[[], HistoryHealth]) -> None:
-        self._health = health
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        h = self._health()
-        writable = GaugeMetricFamily(
-            "gpudiag_history_writable",
-            "1 when the last write to the history database worked, 0 while writes fail.")
-        writable.add_metric([], 1.0 if h.writable else 0.0)
-        errors = CounterMetricFamily(
-            "gpudiag_history_write_errors",
-            "Writes to the history database that failed (disk full, I/O error).")
-        errors.add_metric([], float(h.write_errors))
-        pending = GaugeMetricFamily(
-            "gpudiag_history_pending",
-            "Verdict changes kept in memory until the history takes writes again.")
-        pending.add_metric([], float(h.pending))
-        dropped = CounterMetricFamily(
-            "gpudiag_history_dropped",
-            "Verdict changes dropped because too many waited for the history.")
-        dropped.add_metric([], float(h.dropped))
-        damaged = GaugeMetricFamily(
-            "gpudiag_history_damaged_files",
-            "Damaged histories this daemon moved aside at start (history.sqlite3.damaged-*).")
-        damaged.add_metric([], float(len(h.damaged)))
-        yield from (writable, errors, pending, dropped, damaged)
+    def render(self, state: HistoryHealth) -> Iterable[Metric]:
+        """The history's gauges and counters."""
+        return (
+            GaugeMetricFamily(
+                "gpudiag_history_writable",
+                "1 when the last write to the history database worked, 0 while writes fail.",
+                value=1.0 if state.writable else 0.0),
+            CounterMetricFamily(
+                "gpudiag_history_write_errors",
+                "Writes to the history database that failed (disk full, I/O error).",
+                value=float(state.write_errors)),
+            GaugeMetricFamily(
+                "gpudiag_history_pending",
+                "Verdict changes kept in memory until the history takes writes again.",
+                value=float(state.pending)),
+            CounterMetricFamily(
+                "gpudiag_history_dropped",
+                "Verdict changes dropped because too many waited for the history.",
+                value=float(state.dropped)),
+            GaugeMetricFamily(
+                "gpudiag_history_damaged_files",
+                "Damaged histories this daemon moved aside at start "
+                "(history.sqlite3.damaged-*).",
+                value=float(len(state.damaged))),
+        )
 
 
 def _codes(name: str, kind: str, table: Mapping[str, CatalogEntry],

@@ -17,15 +17,15 @@ import contextlib
 import json
 import logging
 import os
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
 
 from gpudiag.core.attribution import JOB_INBOX, KINDS, NONE, JobRecord
+from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.store import HistoryError, HistoryStore
 
 log = logging.getLogger("gpudiag.daemon.jobs")
@@ -41,21 +41,9 @@ class JobRecordError(ValueError):
 def read_job(path: Path) -> tuple[JobRecord, int]:
     """One inbox file's record and its owner's uid."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        raise JobRecordError(f"cannot open it: {e.strerror or e}") from e
-    # fstat before fdopen: fdopen itself raises on a folder.
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise JobRecordError("not a regular file")
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            raw = fh.read(MAX_RECORD_BYTES + 1)
-        except OSError as e:
-            raise JobRecordError(f"cannot read it: {e.strerror or e}") from e
-    if len(raw) > MAX_RECORD_BYTES:
-        raise JobRecordError(f"larger than {MAX_RECORD_BYTES} bytes")
+        raw, st = read_regular(path, MAX_RECORD_BYTES)
+    except RefusedFile as e:
+        raise JobRecordError(str(e)) from e
     try:
         return JobRecord.from_record(json.loads(raw)), st.st_uid
     except (ValueError, RecursionError) as e:
@@ -121,23 +109,17 @@ class JobInbox:
         return taken
 
 
-class JobFailuresCollector(Collector):
+class JobFailuresCollector(StateCollector[dict[str, int]]):
     """``gpudiag_job_failures_total{attribution}``, every kind present from the start."""
 
-    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
-        self._counts = counts
-
-    def describe(self) -> list[CounterMetricFamily]:
-        return []
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def render(self, state: dict[str, int]) -> Iterator[CounterMetricFamily]:
+        """The one counter, a sample per kind."""
         family = CounterMetricFamily(
             "gpudiag_job_failures",
             "Runs that closed out on this node having failed or met a GPU fault, by who "
             "failed them (hardware, software, application, unknown).", labels=["attribution"])
-        counts = self._counts()
         for kind in COUNTED_KINDS:
-            family.add_metric([kind], float(counts.get(kind, 0)))
+            family.add_metric([kind], float(state.get(kind, 0)))
         yield family
 
 

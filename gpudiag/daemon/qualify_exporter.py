@@ -9,30 +9,24 @@ them; docs/qualify.md says how to read them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from gpudiag.core.catalog import QUALIFICATION
 from gpudiag.core.qualify import PASSED
+from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.qualifier import QualifierState
 
 GPU = ["gpu", "uuid"]
 OUTCOME_CODES = (PASSED, *QUALIFICATION)
 
 
-class QualificationCollector(Collector):
+class QualificationCollector(StateCollector[QualifierState]):
     """Collects from ``state()`` at scrape time (any callable returning a QualifierState)."""
 
-    def __init__(self, state: Callable[[], QualifierState]) -> None:
-        self._state = state
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        state = self._state()
+    def render(self, state: QualifierState) -> Iterator[Metric]:
+        """The qualification's per-GPU gauges and its run counters."""
         prefix = "gpudiag_gpu_qualification_"
         bw = GaugeMetricFamily(prefix + "bytes_per_second",
                                "Bandwidth measured by the last qualification.", labels=[

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
+from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.config import ConfigError, DaemonConfig, XidConfig
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
@@ -125,46 +125,36 @@ class Reloader:
         return True
 
 
-class ReloadCollector(Collector):
+class ReloadCollector(StateCollector[ReloadState]):
     """gpudiag_config_reloads_total, gpudiag_config_reload_failures_total and the last
     reload's outcome."""
 
-    def __init__(self, state: Callable[[], ReloadState]) -> None:
-        self._state = state
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        s = self._state()
-        ok = CounterMetricFamily("gpudiag_config_reloads",
-                                 "Config reloads applied (SIGHUP, systemctl reload).")
-        ok.add_metric([], s.reloads)
-        yield ok
-        failed = CounterMetricFamily(
-            "gpudiag_config_reload_failures",
-            "Config reloads refused (invalid file); the running config was kept.")
-        failed.add_metric([], s.failures)
-        yield failed
-        last = GaugeMetricFamily("gpudiag_config_last_reload_successful",
-                                 "0 when the last reload was refused, else 1.")
-        last.add_metric([], 1.0 if s.last_ok else 0.0)
-        yield last
+    def render(self, state: ReloadState) -> Iterable[Metric]:
+        """The reload counters and the last outcome."""
+        return (
+            CounterMetricFamily("gpudiag_config_reloads",
+                                "Config reloads applied (SIGHUP, systemctl reload).",
+                                value=state.reloads),
+            CounterMetricFamily(
+                "gpudiag_config_reload_failures",
+                "Config reloads refused (invalid file); the running config was kept.",
+                value=state.failures),
+            GaugeMetricFamily("gpudiag_config_last_reload_successful",
+                              "0 when the last reload was refused, else 1.",
+                              value=1.0 if state.last_ok else 0.0),
+        )
 
 
-class LockDirCollector(Collector):
+class LockDirCollector(StateCollector[bool]):
     """gpudiag_lock_dir_shared: 1 when the daemon's probes lock GPUs in the folder jobs use."""
 
     def __init__(self, shared: bool) -> None:
-        self._shared = shared
+        super().__init__(lambda: shared)
 
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        g = GaugeMetricFamily(
+    def render(self, state: bool) -> Iterable[Metric]:
+        """The one gauge."""
+        yield GaugeMetricFamily(
             "gpudiag_lock_dir_shared",
             "1 when the daemon locks GPUs in the shared lock folder (/run/gpudiag/locks or "
-            "GPUDIAG_LOCK_DIR), 0 when it fell back to a private one that jobs do not see.")
-        g.add_metric([], 1.0 if self._shared else 0.0)
-        yield g
+            "GPUDIAG_LOCK_DIR), 0 when it fell back to a private one that jobs do not see.",
+            value=1.0 if state else 0.0)

@@ -510,48 +510,29 @@ class HistoryStore:
     def verdicts(self, *, since: float | None = None, blocked: bool = False,
                  limit: int = 50) -> list[HistoryEntry]:
         """Verdict changes, newest first."""
-        sql = ("SELECT id, ts, checked_at, requirement, blocker, ready, blockers, warnings "
-               "FROM verdicts WHERE 1=1")
-        args: list[Any] = []
-        if since is not None:
-            sql += " AND ts >= ?"
-            args.append(since)
-        if blocked:
-            sql += " AND ready = 0"
-        sql += " ORDER BY id DESC LIMIT ?"
-        args.append(limit)
-        rows = self._query(sql, args)
+        rows = self._newest(
+            "SELECT id, ts, checked_at, requirement, blocker, ready, blockers, warnings "
+            "FROM verdicts", {"ts >= ?": since, "ready = ?": 0 if blocked else None}, limit)
         return [HistoryEntry(int(r[0]), float(r[1]), str(r[2]), str(r[3]), str(r[4]),
                              bool(r[5]), _split(r[6]), _split(r[7])) for r in rows]
 
     def episodes(self, *, since: float | None = None, limit: int = 50) -> list[Episode]:
         """Blocker episodes that were open at any time since ``since``, newest first."""
-        sql = ("SELECT id, code, layer, backend, device, started, ended, message, evidence "
-               "FROM episodes")
-        args: list[Any] = []
-        if since is not None:
-            sql += " WHERE ended IS NULL OR ended >= ?"
-            args.append(since)
-        sql += " ORDER BY id DESC LIMIT ?"
-        args.append(limit)
+        rows = self._newest(
+            "SELECT id, code, layer, backend, device, started, ended, message, evidence "
+            "FROM episodes", {"(ended IS NULL OR ended >= ?)": since}, limit)
         return [Episode(int(r[0]), str(r[1]), str(r[2]), r[3], r[4], float(r[5]),
                         None if r[6] is None else float(r[6]), str(r[7]), json.loads(r[8]))
-                for r in self._query(sql, args)]
+                for r in rows]
 
     def clears(self, *, since: float | None = None, limit: int = 50) -> list[ClearEntry]:
         """Applied clears, newest first (none in a history written before clears existed)."""
-        if not self._query("SELECT 1 FROM sqlite_master WHERE type='table' AND name='clears'",
-                           []):
+        if not self._has("clears"):
             return []
-        sql = "SELECT id, ts, uid, gpu, reason, released FROM clears"
-        args: list[Any] = []
-        if since is not None:
-            sql += " WHERE ts >= ?"
-            args.append(since)
-        sql += " ORDER BY id DESC LIMIT ?"
-        args.append(limit)
+        rows = self._newest("SELECT id, ts, uid, gpu, reason, released FROM clears",
+                            {"ts >= ?": since}, limit)
         return [ClearEntry(int(r[0]), float(r[1]), int(r[2]), r[3], str(r[4]), int(r[5]))
-                for r in self._query(sql, args)]
+                for r in rows]
 
     def _has(self, table: str) -> bool:
         return bool(self._query("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
@@ -562,10 +543,8 @@ class HistoryStore:
         """XIDs the watcher saw in [since, until], newest first."""
         if not self._has("xids"):
             return []
-        sql = "SELECT id, ts, xid, gpu, uuid FROM xids WHERE ts >= ? AND ts <= ?"
-        args: list[Any] = [-1.0 if since is None else since,
-                           float("inf") if until is None else until, limit]
-        rows = self._query(sql + " ORDER BY id DESC LIMIT ?", args)
+        rows = self._newest("SELECT id, ts, xid, gpu, uuid FROM xids",
+                            {"ts >= ?": since, "ts <= ?": until}, limit)
         return [StoredXid(int(r[0]), float(r[1]), int(r[2]), r[3], r[4]) for r in rows]
 
     def jobs(self, *, pid: int | None = None, slurm_job_id: str | None = None,
@@ -602,6 +581,13 @@ class HistoryStore:
     def integrity(self) -> str:
         rows = self._query("PRAGMA integrity_check", [])
         return "; ".join(str(r[0]) for r in rows)
+
+    def _newest(self, select: str, where: Mapping[str, Any], limit: int
+                ) -> list[tuple[Any, ...]]:
+        """The rows of ``select`` newest first, filtered by each clause whose value is set."""
+        given = {clause: value for clause, value in where.items() if value is not None}
+        sql = select + (" WHERE " + " AND ".join(given) if given else "")
+        return self._query(sql + " ORDER BY id DESC LIMIT ?", [*given.values(), limit])
 
     def _query(self, sql: str, args: Sequence[Any]) -> list[tuple[Any, ...]]:
         with self._lock:
