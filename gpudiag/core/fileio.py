@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Container
 from pathlib import Path
 
 _HINTS = {
@@ -159,3 +160,14 @@ def read_regular(path: str | os.PathLike[str], limit: int) -> tuple[bytes, os.st
     if len(raw) > limit:
         raise RefusedFile(f"larger than {limit} bytes")
     return raw, st
+
+
+def inbox_names(folder: Path, skip: Container[str]) -> list[str]:
+    """The ``.json`` files waiting in an inbox folder, oldest name first, less ``skip``.
+
+    Empty when the folder cannot be listed: the next poll tries again.
+    """
+    try:
+        return sorted(n for n in os.listdir(folder) if n.endswith(".json") and n not in skip)
+    except OSError:
+        return []

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.fileio import RefusedFile, inbox_names, read_regular
 from gpudiag.daemon.snapshot import ProbeKey
 
 log = logging.getLogger("gpudiag.daemon.clears")
@@ -113,13 +113,8 @@ class ClearPoller:
 
     def poll(self) -> list[ClearRequest]:
         """Apply every request file present, oldest first; returns what was applied."""
-        try:
-            names = sorted(n for n in os.listdir(self.folder)
-                           if n.endswith(".json") and n not in self._refused)
-        except OSError:
-            return []
         applied: list[ClearRequest] = []
-        for name in names:
+        for name in inbox_names(self.folder, self._refused):
             path = self.folder / name
             try:
                 request = read_request(path)

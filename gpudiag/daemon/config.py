@@ -216,6 +216,14 @@ class _Table:
             raise ConfigError(f"{self._key(key)} = {value!r}: expected true or false")
         return value
 
+    def count(self, key: str, low: int, high: int, expected: str) -> int | None:
+        """An optional integer from ``low`` to ``high``; ``expected`` says what it is."""
+        value = self.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not low <= value <= high):
+            raise ConfigError(f"{self._key(key)} = {value!r}: expected {expected}")
+        return value
+
     def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
         value = self.get(key)
         if value is None:
@@ -259,31 +267,20 @@ def _size(t: _Table, key: str, default: int) -> int:
 
 
 def _expected_gpus(t: _Table) -> int | None:
-    value = t.get("expected_gpus")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
-        raise ConfigError(f"{t._key('expected_gpus')} = {value!r}: expected the number of "
-                          "NVIDIA GPUs this node must show, an integer from 1 to 1024 "
-                          "(leave it out to compare the PCI bus with NVML only)")
-    return value
+    return t.count("expected_gpus", 1, 1024,
+                   "the number of NVIDIA GPUs this node must show, an integer from 1 to 1024 "
+                   "(leave it out to compare the PCI bus with NVML only)")
 
 
 def _nvml_policy(t: _Table) -> NvmlHealthPolicy:
     base = NvmlHealthPolicy()
-    links = t.get("expected_nvlinks")
-    if links is not None and (isinstance(links, bool) or not isinstance(links, int)
-                              or not 1 <= links <= 18):
-        raise ConfigError(f"{t._key('expected_nvlinks')} = {links!r}: expected the number of "
-                          "NVLink links each GPU must have active, an integer from 1 to 18 "
-                          "(leave it out to compare with the most links seen active)")
+    links = t.count("expected_nvlinks", 1, 18,
+                    "the number of NVLink links each GPU must have active, an integer from 1 "
+                    "to 18 (leave it out to compare with the most links seen active)")
     dwell = t.seconds("clock_event_dwell_s", base.clock_dwell_s, minimum=0.0, maximum=86400.0)
-    lanes = t.get("pcie_block_below_width")
-    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int)
-                              or not 1 <= lanes <= 32):
-        raise ConfigError(f"{t._key('pcie_block_below_width')} = {lanes!r}: expected a PCIe "
-                          "lane count from 1 to 32; a narrower link blocks (leave it out to "
-                          "only warn)")
+    lanes = t.count("pcie_block_below_width", 1, 32,
+                    "a PCIe lane count from 1 to 32; a narrower link blocks (leave it out to "
+                    "only warn)")
     t.finish()
     return replace(base, expected_nvlinks=links, clock_dwell_s=dwell,
                    pcie_block_below_width=lanes)
@@ -331,33 +328,33 @@ def _reference(t: _Table) -> dict[str, Any]:
     return {"reference_file": path, "table": table}
 
 
-def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
-    """Validate a parsed TOML document into a DaemonConfig."""
-    top = _Table(raw, "")
-    base = DaemonConfig()
-    listen = top.get("listen")
-    host, port = (base.listen_host, base.listen_port) if listen is None else parse_listen(listen)
+def _default_requirement(top: _Table, default: str) -> str:
     requirement = top.get("default_requirement")
     if requirement is None:
-        requirement = base.default_requirement
+        return default
     try:
         if not isinstance(requirement, str):
             raise RequirementError(f"{requirement!r} is not a string")
         parse_backends(requirement)
     except RequirementError as e:
         raise ConfigError(f"default_requirement: {e}") from e
-    sched = top.table("scheduler")
-    backends_t = top.table("backends")
+    return requirement
+
+
+def _backends(t: _Table) -> dict[str, BackendConfig]:
     backends: dict[str, BackendConfig] = {}
     for s in registry.specs():
-        b = backends_t.table(s.name)
+        b = t.table(s.name)
         backends[s.name] = BackendConfig(
             enabled=b.flag("enabled", s.enabled),
             interval_s=b.seconds("interval_s", s.interval_s),
             deadline_s=b.seconds("deadline_s", s.timeout_s, maximum=3600.0))
         b.finish()
-    backends_t.finish()
-    x = top.table("xid")
+    t.finish()
+    return backends
+
+
+def _xid(x: _Table) -> XidConfig:
     d = XidConfig()
     xid = XidConfig(enabled=x.flag("enabled", d.enabled), hold_s=x.seconds("hold_s", d.hold_s),
                     gap_warning_s=x.seconds("gap_warning_s", d.gap_warning_s),
@@ -366,12 +363,29 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
                     restart_backoff_max_s=x.seconds("restart_backoff_max_s",
                                                     d.restart_backoff_max_s, maximum=3600.0))
     x.finish()
-    h = top.table("history")
+    return xid
+
+
+def _history(h: _Table) -> HistoryConfig:
     hd = HistoryConfig()
     history = HistoryConfig(retention_s=h.seconds("retention_s", hd.retention_s, minimum=1.0,
                                                   maximum=3650 * 86400.0),
                             max_bytes=_size(h, "max_bytes", hd.max_bytes))
     h.finish()
+    return history
+
+
+def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
+    """Validate a parsed TOML document into a DaemonConfig."""
+    top = _Table(raw, "")
+    base = DaemonConfig()
+    listen = top.get("listen")
+    host, port = (base.listen_host, base.listen_port) if listen is None else parse_listen(listen)
+    requirement = _default_requirement(top, base.default_requirement)
+    sched = top.table("scheduler")
+    backends = _backends(top.table("backends"))
+    xid = _xid(top.table("xid"))
+    history = _history(top.table("history"))
     log = top.table("log")
     log_format = log.choice("format", base.log_format, LOG_FORMATS)
     log_level = log.choice("level", base.log_level, LOG_LEVELS)

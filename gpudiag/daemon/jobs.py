@@ -24,7 +24,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily
 
 from gpudiag.core.attribution import JOB_INBOX, KINDS, NONE, JobRecord
-from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.fileio import RefusedFile, inbox_names, read_regular
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.store import HistoryError, HistoryStore
 
@@ -76,13 +76,8 @@ class JobInbox:
 
     def poll(self) -> list[JobRecord]:
         """Take in every record present, oldest first; returns them."""
-        try:
-            names = sorted(n for n in os.listdir(self.folder)
-                           if n.endswith(".json") and n not in self._refused)
-        except OSError:
-            return []
         taken: list[JobRecord] = []
-        for name in names:
+        for name in inbox_names(self.folder, self._refused):
             path = self.folder / name
             try:
                 job, uid = read_job(path)

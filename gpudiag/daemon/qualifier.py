@@ -19,6 +19,7 @@ from pathlib import Path
 from gpudiag.core.qualify_score import Qualification, parse_qualification
 from gpudiag.core.readiness import FREE, GpuOccupancy
 from gpudiag.daemon.config import QualificationConfig
+from gpudiag.daemon.loop import LoopThread
 from gpudiag.engine.qualify import QualifyError, QualifyOptions, QualifyReport, qualify
 from gpudiag.engine.qualify_history import HistoryUnavailable, QualificationHistory
 
@@ -61,12 +62,11 @@ class Qualifier:
         self._lock_dir = lock_dir
         self._on_change = on_change  # the verdicts follow the latest outcomes (snapshot)
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._thread = LoopThread("gpudiag-qualifier")
+        self._wake, self._stop = self._thread.woken, self._thread.stopping
         self._queue: list[QualifyRequest] = []
         self._free_since: dict[str, float] = {}
         self._state = QualifierState()
-        self._thread: threading.Thread | None = None
 
     def state(self) -> QualifierState:
         return self._state
@@ -90,15 +90,10 @@ class Qualifier:
 
     def start(self) -> None:
         self.load()
-        self._thread = threading.Thread(target=self._loop, name="gpudiag-qualifier",
-                                        daemon=True)
-        self._thread.start()
+        self._thread.start(self._loop)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._thread.stop(timeout_s)
 
     def request(self, gpus: Sequence[str] | None, tier: str) -> QualifyRequest:
         """Queue a run now (on-demand: no idle time or age needed; busy GPUs still skipped)."""

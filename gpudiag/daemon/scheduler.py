@@ -31,6 +31,7 @@ from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import DaemonConfig
 from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
+from gpudiag.daemon.loop import LoopThread
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
     OUTCOMES,
@@ -192,9 +193,8 @@ class Scheduler:
         self._guard = threading.Lock()  # one active-probe claim at a time
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = LoopThread("scheduler")
+        self._wake, self._stop = self._thread.woken, self._thread.stopping
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
                                     gap_warning_s=config.xid.gap_warning_s,
                                     expected_gpus=config.expected_gpus, history=history,
@@ -229,8 +229,7 @@ class Scheduler:
     def alive(self, limit_s: float | None = None) -> bool:
         """Whether the loop ran recently (healthz)."""
         limit = limit_s if limit_s is not None else max(5.0, 10 * self.config.tick_s)
-        running = self._thread is not None and self._thread.is_alive()
-        return running and self.clock.monotonic() - self._heartbeat < limit
+        return self._thread.running and self.clock.monotonic() - self._heartbeat < limit
 
     def on_snapshot(self, listener: Callable[[Snapshot], None]) -> None:
         """Call ``listener`` (in the publishing thread) after each new snapshot."""
@@ -253,15 +252,11 @@ class Scheduler:
         with self._lock:
             for key in self.scheduled:
                 self._due.setdefault(key, now)
-        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-        self._thread.start()
+        self._thread.start(self._loop)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop; running probe children finish or die at their deadlines."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._thread.stop(timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def drain(self) -> None:
