@@ -117,20 +117,24 @@ def _text(error: ErrorInfo | None) -> str:
 
 def cuda_error_meaning(text: str) -> str | None:
     """``CUDA_ERROR_NO_DEVICE (no CUDA-capable device is visible)`` for the first name in text."""
-    m = _CUDA_ERROR_RE.search(text)
-    if m is None:
-        return None
-    meaning = CUDA_ERROR_MEANINGS.get(m.group())
-    return f"{m.group()} ({meaning})" if meaning else m.group()
+    return _named(_CUDA_ERROR_RE, CUDA_ERROR_MEANINGS, text)
 
 
 def runtime_error_meaning(text: str) -> str | None:
     """``cudaErrorInsufficientDriver (the driver is older ...)`` for the first cudart name."""
-    m = _CUDA_RUNTIME_ERROR_RE.search(text)
+    return _named(_CUDA_RUNTIME_ERROR_RE, _RUNTIME_MEANINGS, text)
+
+
+_RUNTIME_MEANINGS = {name: meaning for name, (_, meaning) in CUDA_RUNTIME_ERRORS.items()}
+
+
+def _named(pattern: re.Pattern[str], meanings: Mapping[str, str], text: str) -> str | None:
+    """``NAME (meaning)`` for the first name ``pattern`` finds; the bare name when unknown."""
+    m = pattern.search(text)
     if m is None:
         return None
-    known = CUDA_RUNTIME_ERRORS.get(m.group())
-    return f"{m.group()} ({known[1]})" if known else m.group()
+    meaning = meanings.get(m.group())
+    return f"{m.group()} ({meaning})" if meaning else m.group()
 
 
 def _inner_cause(texts: Sequence[str]) -> str | None:
@@ -167,37 +171,53 @@ def _gpu_errors(obs: JaxObservation) -> dict[str, str]:
     return {str(k): str(v) for k, v in errors.items() if k in GPU_PLATFORMS}
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """What gpu_cause reads: the observation, the child's stderr and the error texts."""
+
+    obs: JaxObservation
+    stderr: str
+    errors: dict[str, str]     # the GPU platforms' recorded errors
+    texts: tuple[str, ...]     # the init error, those errors and stderr, in that order
+    present: str               # the platforms that came up, for messages
+    skew: str | None           # plugin/jaxlib version skew, if any
+
+
 def gpu_cause(obs: JaxObservation, stderr: str) -> Cause | None:
     """Why JAX has no usable GPU, most specific cause first; None when it has one."""
-    init_error = obs.init_error
-    init_text = _text(init_error)
     errors = _gpu_errors(obs)
-    texts = [init_text, *errors.values(), stderr]
-    platforms = obs.platforms or ()
-    present = ",".join(platforms) or "none"
-    jax_platforms = obs.jax_platforms
-    versions = obs.versions
+    r = _Reading(obs, stderr, errors, (_text(obs.init_error), *errors.values(), stderr),
+                 ",".join(obs.platforms or ()) or "none", _plugin_version_skew(obs.versions))
+    return _refused_cause(r) or _init_cause(r) or _platform_cause(r)
 
-    for text in texts:
+
+def _refused_cause(r: _Reading) -> Cause | None:
+    """The CUDA plugin was refused (version) or did not register (libraries), as JAX said."""
+    for text in r.texts:
         m = _MISMATCH_RE.search(text)
         if m:
             return Cause("jax_plugin_version_mismatch",
                          f"the JAX CUDA plugin was refused: {m.group().strip()}; "
-                         f"platforms present are: {present}")
-    skew = _plugin_version_skew(versions)
-    for text in texts:
+                         f"platforms present are: {r.present}")
+    for text in r.texts:
         m = _LIBS_RE.search(text)
         if m:
             found = " ".join(m.group().split())
             return Cause("jax_cuda_libs_mismatch",
                          f"JAX's CUDA plugin did not register the cuda backend: {found}; "
-                         f"platforms present are: {present}")
-    init_line = next((m.group() for t in texts if (m := _INIT_RE.search(t))), None)
+                         f"platforms present are: {r.present}")
+    return None
+
+
+def _init_cause(r: _Reading) -> Cause | None:
+    """A backend initialization that failed, by JAX's own words or its bare assertion."""
+    obs, init_error = r.obs, r.obs.init_error
+    init_line = next((m.group() for t in r.texts if (m := _INIT_RE.search(t))), None)
     if init_line is not None:
-        inner = _inner_cause([stderr, *errors.values()])
+        inner = _inner_cause([r.stderr, *r.errors.values()])
         because = f"; inner cause from stderr: {inner}" if inner else ""
-        if skew:
-            because += f"; note: {skew}"
+        if r.skew:
+            because += f"; note: {r.skew}"
         return Cause("jax_backend_init_failed", f"{init_line.strip()}{because}")
     if init_error and init_error.type == "AssertionError" and not init_error.message:
         nodes = ("" if obs.nvidia_gpu_visible is not False else
@@ -207,29 +227,35 @@ def gpu_cause(obs: JaxObservation, stderr: str) -> Cause | None:
                      f"JAX_PLATFORMS={_platforms(obs)}: {nodes}with no platform left JAX "
                      f"failed with a bare AssertionError at {init_error.where} "
                      f"({init_error.code})")
-    if skew:
-        return Cause("jax_plugin_version_mismatch", f"JAX has no GPU platform: {skew}")
+    if r.skew:
+        return Cause("jax_plugin_version_mismatch", f"JAX has no GPU platform: {r.skew}")
     if init_error:
-        inner = _inner_cause([stderr])
+        inner = _inner_cause([r.stderr])
         return Cause("jax_backend_init_failed",
-                     f"JAX failed to initialize: {init_text}"
+                     f"JAX failed to initialize: {r.texts[0]}"
                      + (f"; inner cause from stderr: {inner}" if inner else ""))
-    has_plugin = any(versions.get(n) for n in PLUGIN_DISTRIBUTIONS)
+    return None
+
+
+def _platform_cause(r: _Reading) -> Cause:
+    """No error said why: the platforms pinned, registered and installed say it."""
+    obs, present, versions = r.obs, r.present, r.obs.versions
     registered = obs.registered_platforms or ()
+    jax_platforms = obs.jax_platforms
     if jax_platforms and not any(p.strip() in GPU_PLATFORMS
                                  for p in str(jax_platforms).split(",")):
         return Cause("jax_cpu_fallback",
                      f"JAX_PLATFORMS={_platforms(obs)} keeps JAX off the GPU; platforms "
                      f"present are: {present}")
-    if "cuda" in registered and "cuda" not in platforms:
+    if "cuda" in registered and "cuda" not in (obs.platforms or ()):
         why = ("JAX found no /dev/nvidia0, /dev/nvidiactl or /dev/dxg (device nodes missing)"
                if obs.nvidia_gpu_visible is False else "no error was recorded")
         return Cause("jax_backend_init_failed",
                      f"the cuda backend is registered but did not start: {why}; platforms "
                      f"present are: {present}")
     required = _text(obs.required_error)
-    fallback = next((m.group() for t in texts if (m := _FALLBACK_RE.search(t))), None)
-    if not has_plugin and "cuda" not in registered:
+    fallback = next((m.group() for t in r.texts if (m := _FALLBACK_RE.search(t))), None)
+    if not any(versions.get(n) for n in PLUGIN_DISTRIBUTIONS) and "cuda" not in registered:
         said = f"; JAX says: {fallback}" if fallback else ""
         return Cause("jax_gpu_backend_absent",
                      f"JAX has no GPU platform: no jax-cuda12/13 plugin is installed "

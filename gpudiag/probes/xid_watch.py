@@ -59,22 +59,8 @@ def watch(out: IO[str], heartbeat_s: float, telemetry_s: float,
         _emit(out, "error", message=f"nvmlInit failed: {e}", code=getattr(e, "value", None))
         return 1
     try:
-        handles: dict[int, Any] = {}
-        uuids: dict[int, str | None] = {}
-        failed: list[dict[str, Any]] = []
         event_set = pynvml.nvmlEventSetCreate()
-        for i in range(int(pynvml.nvmlDeviceGetCount())):
-            try:
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                pynvml.nvmlDeviceRegisterEvents(h, XID_CRITICAL_ERROR, event_set)
-            except pynvml.NVMLError as e:
-                failed.append({"index": i, "error": str(e), "code": getattr(e, "value", None)})
-                continue
-            handles[i] = h
-            try:
-                uuids[i] = _decode(pynvml.nvmlDeviceGetUUID(h))
-            except pynvml.NVMLError:
-                uuids[i] = None
+        handles, uuids, failed = _register(pynvml, event_set)
         by_addr = {ctypes_addr(h): i for i, h in handles.items()}
         _emit(out, "hello", devices=[{"index": i, "uuid": uuids[i]} for i in handles],
               failed=failed)
@@ -107,6 +93,28 @@ def watch(out: IO[str], heartbeat_s: float, telemetry_s: float,
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def _register(pynvml: Any, event_set: Any
+              ) -> tuple[dict[int, Any], dict[int, str | None], list[dict[str, Any]]]:
+    """Register every GPU for XID events: the handles and UUIDs of those registered, and
+    the GPUs that could not be (index, error, code)."""
+    handles: dict[int, Any] = {}
+    uuids: dict[int, str | None] = {}
+    failed: list[dict[str, Any]] = []
+    for i in range(int(pynvml.nvmlDeviceGetCount())):
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pynvml.nvmlDeviceRegisterEvents(h, XID_CRITICAL_ERROR, event_set)
+        except pynvml.NVMLError as e:
+            failed.append({"index": i, "error": str(e), "code": getattr(e, "value", None)})
+            continue
+        handles[i] = h
+        try:
+            uuids[i] = _decode(pynvml.nvmlDeviceGetUUID(h))
+        except pynvml.NVMLError:
+            uuids[i] = None
+    return handles, uuids, failed
 
 
 def ctypes_addr(handle: Any) -> int | None:

@@ -436,36 +436,10 @@ class Admitter:
                                narrowing.blockers[:-1])
         candidates = [lf for lf in obs.leaves
                       if narrowing.allowed is None or (lf.uuid in narrowing.allowed)]
-        blocked_devices = {b.device for b in verdict.blockers if b.device} | faulty
-        floor = self.min_free_memory_bytes
-        eligible = [lf for lf in candidates
-                    if lf.occupancy == FREE and lf.uuid and is_full_uuid(lf.uuid)
-                    and lf.uuid not in blocked_devices and lf.parent_uuid not in blocked_devices
-                    and (floor is None or (lf.memory_free_bytes or 0) >= floor)]
-        held: list[LockInfo] = []
-        others: list[Leaf] = []  # eligible or busy leaves whose lock another job holds
         # A lock file someone planted (a FIFO, a symlink) makes only its own GPU unusable.
         unusable: dict[str, str] = {}
-        for lf in eligible:
-            if len(held) == self.gpus:
-                break
-            lk = _try_lock_leaf(lock_dir, str(lf.uuid), unusable)
-            if lk is False:
-                continue
-            if lk is None:
-                others.append(lf)
-            else:
-                held.append(lk)
-        # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it.
-        for lf in candidates:
-            if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
-                # A shared look writes no holder record (the daemon would read a momentary
-                # "job" there) and leaves other lookers alone.
-                probe = _try_lock_leaf(lock_dir, lf.uuid, unusable, shared=True)
-                if probe is None:
-                    others.append(lf)
-                elif probe is not False:
-                    release([probe])
+        held, others = self._lock_free(candidates, self._eligible(verdict, candidates, faulty),
+                                       unusable)
         if unusable:
             evidence["unusable_locks"] = [{"uuid": u, "reason": r} for u, r in unusable.items()]
         if len(held) == self.gpus:
@@ -489,6 +463,44 @@ class Admitter:
                 evidence)
         self._wait_for_release(lock_dir, [str(lf.uuid) for lf in others], deadline)
         return None
+
+    def _eligible(self, verdict: Verdict, candidates: Sequence[Leaf],
+                  faulty: frozenset[str]) -> list[Leaf]:
+        """The FREE candidates a job may take: full UUID, not blocked, enough free memory."""
+        blocked_devices = {b.device for b in verdict.blockers if b.device} | faulty
+        floor = self.min_free_memory_bytes
+        return [lf for lf in candidates
+                if lf.occupancy == FREE and lf.uuid and is_full_uuid(lf.uuid)
+                and lf.uuid not in blocked_devices and lf.parent_uuid not in blocked_devices
+                and (floor is None or (lf.memory_free_bytes or 0) >= floor)]
+
+    def _lock_free(self, candidates: Sequence[Leaf], eligible: Sequence[Leaf],
+                   unusable: dict[str, str]) -> tuple[list[LockInfo], list[Leaf]]:
+        """Lock eligible leaves until enough are held; also the leaves other jobs hold."""
+        lock_dir = self.lock_dir
+        held: list[LockInfo] = []
+        others: list[Leaf] = []  # eligible or busy leaves whose lock another job holds
+        for lf in eligible:
+            if len(held) == self.gpus:
+                break
+            lk = _try_lock_leaf(lock_dir, str(lf.uuid), unusable)
+            if lk is False:
+                continue
+            if lk is None:
+                others.append(lf)
+            else:
+                held.append(lk)
+        # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it.
+        for lf in candidates:
+            if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
+                # A shared look writes no holder record (the daemon would read a momentary
+                # "job" there) and leaves other lookers alone.
+                probe = _try_lock_leaf(lock_dir, lf.uuid, unusable, shared=True)
+                if probe is None:
+                    others.append(lf)
+                elif probe is not False:
+                    release([probe])
+        return held, others
 
     def _wait_for_release(self, lock_dir: Path, uuids: Sequence[str], deadline: float) -> None:
         """Poll others' locks until one frees, a fresh look is due, or the deadline passes."""

@@ -513,18 +513,69 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     gpu_events = GpuEvents.begin(gpus_of([g.record() for g in closeout.gpus]), base,
                                  options.daemon_url if closeout.verdict_source == "daemon"
                                  else None)
+    ran = _run_child(options, written["launch_argv"], env, admission, paths, out, err)
+    if isinstance(ran, OSError):
+        gpu_events.close()
+        return _launch_failed(written["launch_argv"][0], ran, paths, closeout, t0, err)
+    locks = _release_and_check(admission)
+    code, sig = _exit_code(ran.status)
+    prealloc, source, seen = preallocation_verdict(
+        env, child_reports(options.artifacts / ARTIFACT_NAMES["child_reports"]))
+    result = _result_record(ran, written, options, code, sig, locks, seen)
+    timed_out = ran.state.timed_out
+    closeout = replace(
+        closeout, launched=True, status="timed_out" if timed_out else (
+            "signaled" if sig is not None else "exited"),
+        exit_code=code, exit_signal=sig, timed_out=timed_out,
+        preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
+        ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
+        evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
+    closeout = close_attribution(gpu_events, closeout, written["launch_argv"], ran.pid, code,
+                                 base)
+    broken = [t.error for t in ran.tees if t.error]
+    if broken:
+        closeout = replace(closeout, error="artifacts incomplete: " + "; ".join(broken))
+        _say(err, f"gpudiag run: {closeout.error}\n")
+    closeout = _close_out(paths, result, closeout, err)
+    if timed_out:
+        _say(err, f"gpudiag run: timed out after {options.timeout_s:g} s; the whole tree "
+                  f"was ended (exit {code})\n")
+    return RunOutcome(code, closeout)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """A child that started, its whole tree waited for: what the closeout records of it."""
+
+    pid: int
+    tees: tuple[_Tee, _Tee]
+    tree: Tree
+    state: _Wait
+    subreaper: bool
+    started_at: str
+    duration_s: float
+
+    @property
+    def status(self) -> int:
+        """The child's wait status (0 when it was never reaped as such)."""
+        return self.state.main_status if self.state.main_status is not None else 0
+
+
+def _run_child(options: RunOptions, argv: Sequence[str], env: Mapping[str, str],
+               admission: Admission, paths: Mapping[str, str], out: BinaryIO | None,
+               err: BinaryIO | None) -> _Ran | OSError:
+    """Start the child (the OSError when it cannot start) and wait for its whole tree."""
     subreaper = set_child_subreaper()
     tree = Tree()
     state = _Wait()
     start_wall, start_mono = _now(), time.monotonic()
     try:
         proc = subprocess.Popen(  # noqa: S603 - argv as given, never a shell
-            written["launch_argv"], env=env, cwd=str(options.cwd), stdout=subprocess.PIPE,
+            argv, env=env, cwd=str(options.cwd), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
             pass_fds=[lk.fd for lk in admission.locks])
     except OSError as e:
-        gpu_events.close()
-        return _launch_failed(written["launch_argv"][0], e, paths, closeout, t0, err)
+        return e
     assert proc.stdout is not None and proc.stderr is not None
     tees = (_Tee(proc.stdout, Path(paths["stdout"]), out),
             _Tee(proc.stderr, Path(paths["stderr"]), err))
@@ -538,43 +589,30 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     end_mono = time.monotonic()
     for t in tees:
         t.join(timeout=5.0)
-    locks = _release_and_check(admission)
-    code, sig = _exit_code(state.main_status if state.main_status is not None else 0)
-    prealloc, source, seen = preallocation_verdict(
-        env, child_reports(options.artifacts / ARTIFACT_NAMES["child_reports"]))
-    result = {
-        "launched": True, "argv": written["launch_argv"], "pid": proc.pid,
-        "exit_code": code, "exit_signal": sig,
-        "wait_status": state.main_status if state.main_status is not None else 0,
-        "timed_out": state.timed_out, "started_at": start_wall, "ended_at": _now(),
-        "duration_s": round(end_mono - start_mono, 3),
+    return _Ran(proc.pid, tees, tree, state, subreaper, start_wall,
+                round(end_mono - start_mono, 3))
+
+
+def _result_record(ran: _Ran, written: Mapping[str, Any], options: RunOptions, code: int,
+                   sig: int | None, locks: dict[str, Any], seen: list[dict[str, Any]]
+                   ) -> dict[str, Any]:
+    """The closeout's result: how the child ran and ended, its outputs, tree and locks."""
+    state = ran.state
+    return {
+        "launched": True, "argv": written["launch_argv"], "pid": ran.pid,
+        "exit_code": code, "exit_signal": sig, "wait_status": ran.status,
+        "timed_out": state.timed_out, "started_at": ran.started_at, "ended_at": _now(),
+        "duration_s": ran.duration_s,
         "kill": {"grace_s": options.kill_grace_s, "term_sent": state.term_sent_at is not None,
                  "kill_sent": state.kill_sent_at is not None},
         "forwarded_signals": state.forwarded,
         "outputs": {name: {"path": str(t.log), "bytes": t.size, "sha256": t.sha.hexdigest(),
                            "error": t.error}
-                    for name, t in (("stdout", tees[0]), ("stderr", tees[1]))},
-        "descendants": tree.record(), "descendants_seen": tree.total, "subreaper": subreaper,
-        "locks": locks, "child_reports": seen, "plan_fingerprint": written["fingerprint"],
+                    for name, t in (("stdout", ran.tees[0]), ("stderr", ran.tees[1]))},
+        "descendants": ran.tree.record(), "descendants_seen": ran.tree.total,
+        "subreaper": ran.subreaper, "locks": locks, "child_reports": seen,
+        "plan_fingerprint": written["fingerprint"],
     }
-    closeout = replace(
-        closeout, launched=True, status="timed_out" if state.timed_out else (
-            "signaled" if sig is not None else "exited"),
-        exit_code=code, exit_signal=sig, timed_out=state.timed_out,
-        preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
-        ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
-        evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
-    closeout = close_attribution(gpu_events, closeout, written["launch_argv"], proc.pid, code,
-                                 base)
-    broken = [t.error for t in tees if t.error]
-    if broken:
-        closeout = replace(closeout, error="artifacts incomplete: " + "; ".join(broken))
-        _say(err, f"gpudiag run: {closeout.error}\n")
-    closeout = _close_out(paths, result, closeout, err)
-    if state.timed_out:
-        _say(err, f"gpudiag run: timed out after {options.timeout_s:g} s; the whole tree "
-                  f"was ended (exit {code})\n")
-    return RunOutcome(code, closeout)
 
 
 def _write_plan(options: RunOptions, base: Mapping[str, str], admission: Admission,
