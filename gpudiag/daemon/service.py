@@ -114,7 +114,10 @@ class _Parts:
 
 
 class DaemonService:
-    """Probes, XID watcher, history, /metrics and the preflight API, built from one config."""
+    """Probes, XID watcher, history, /metrics and the preflight API, built from one config.
+
+    One start and one stop per object: a restart is a new DaemonService.
+    """
 
     def __init__(self, cfg: DaemonConfig, state_dir: Path, config_path: str | None = None,
                  reload: Callable[[], DaemonConfig] | None = None, *,
