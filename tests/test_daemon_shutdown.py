@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.cli.daemon import SHUTDOWN_LIMIT_S
+from gpudiag.daemon.service import SHUTDOWN_LIMIT_S
 from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config

@@ -130,7 +130,7 @@ def test_no_exception_in_the_serving_loop_ends_the_listener(
 
 
 def test_a_listener_whose_loop_died_makes_the_daemon_exit_instead_of_idling() -> None:
-    from gpudiag.cli.daemon import wait_for_stop
+    from gpudiag.daemon.service import wait_for_stop
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         start_response("200 OK", [])

@@ -137,7 +137,7 @@ def test_unit_execstart_uses_the_example_config_path() -> None:
 
 
 def test_unit_runtime_directory_holds_the_socket_clients_ask_by_default() -> None:
-    from gpudiag.cli.daemon import SOCKET_NAME
+    from gpudiag.daemon.effective import SOCKET_NAME
     from gpudiag.engine.client import DEFAULT_SOCKET
 
     s = unit_settings(UNIT.read_text())

@@ -4,14 +4,17 @@ Every field of DaemonConfig and of the records inside it is printed: at its own 
 own table unless ``PLACES`` puts it elsewhere in the file's layout, as a comment where
 ``NOT_IN_FILE`` says the file cannot set it, and as a comment when it is unset (TOML has no
 null). A field in neither table prints at its own name, so a new setting shows up by itself;
-the printed file loads back into the same configuration (tests/test_ux.py).
+the printed file loads back into the same configuration (tests/test_ux.py). The unix socket
+in effect (``default_socket_path``) also depends on systemd's $RUNTIME_DIRECTORY.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from gpudiag.daemon.config import DaemonConfig
@@ -40,6 +43,18 @@ NOT_IN_FILE: Mapping[str, str] = {
     "Thresholds.history_window": "fixed",
     "Thresholds.min_history": "fixed",
 }
+
+
+SOCKET_NAME = "gpudiag.sock"
+
+
+def default_socket_path(cfg: DaemonConfig, env: Mapping[str, str] | None = None) -> str | None:
+    """--socket / ``socket =``, else $RUNTIME_DIRECTORY/gpudiag.sock (systemd), else none."""
+    if cfg.socket_path is not None:
+        return cfg.socket_path or None
+    environ = os.environ if env is None else env
+    runtime = environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return str(Path(runtime) / SOCKET_NAME) if runtime else None
 
 
 def toml_value(v: Any) -> str:
@@ -88,3 +103,9 @@ def effective_lines(cfg: DaemonConfig) -> list[str]:
     for name, lines in tables.items():
         out += ["", f"[{name}]", *lines]
     return out
+
+
+def effective_config(cfg: DaemonConfig, state_dir: str) -> list[str]:
+    """Every setting the daemon would run with, as TOML in the config file's own layout."""
+    return [*effective_lines(cfg), "", f"# not in the file: --state-dir {state_dir}, socket in "
+            f"effect {default_socket_path(cfg) or 'none'}"]
