@@ -183,6 +183,7 @@ class Ecc:
 
     volatile_corrected: Number | None = None
     volatile_uncorrected: Number | None = None
+    # aggregate: over the GPU's life; volatile: since the driver last loaded
     aggregate_corrected: Number | None = None
     aggregate_uncorrected: Number | None = None
 
@@ -193,6 +194,7 @@ class RemappedRows:
 
     correctable: Number | bool | None = None
     uncorrectable: Number | bool | None = None
+    # counts of rows remapped so far above; flags below (true/false, or 0/1)
     pending: Number | bool | None = None
     failure: Number | bool | None = None
 
@@ -315,11 +317,31 @@ class NvmlObservation:
     @property
     def visibility(self) -> tuple[str | None, str | None]:
         """CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES as the nvml child saw them."""
-        return (self.visibility_env.get("CUDA_VISIBLE_DEVICES"),
-                self.visibility_env.get("NVIDIA_VISIBLE_DEVICES"))
+        return _visibility(self.visibility_env)
+
+
+def _visibility(env: Mapping[str, str | None]) -> tuple[str | None, str | None]:
+    return env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES")
 
 
 # -- host ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PciGpu:
+    """A display or 3D controller of NVIDIA's on the PCI bus, and the driver bound to it."""
+
+    address: str  # required: a controller without one names no GPU
+    # The kernel driver bound to it (nvidia, vfio-pci, nouveau); None when none is bound.
+    driver: str | None = None
+
+
+@dataclass(frozen=True)
+class PciBus:
+    """NVIDIA's GPUs on the PCI bus (``available``: whether sysfs could be read)."""
+
+    available: bool | None = None
+    gpus: tuple[PciGpu, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -344,23 +366,10 @@ class CommandResult:
     exit_code: int | str | None = field(default=None, metadata=_CODE)
 
 
-@dataclass(frozen=True)
-class PciGpu:
-    """A display or 3D controller of NVIDIA's on the PCI bus, and the driver bound to it."""
-
-    address: str
-    driver: str | None = None
-
-
-@dataclass(frozen=True)
-class PciBus:
-    """NVIDIA's GPUs on the PCI bus (``available``: whether sysfs could be read)."""
-
-    available: bool | None = None
-    gpus: tuple[PciGpu, ...] = ()
-
-
-_HOST_EVIDENCE = ("nvidia_smi", "nvidia_smi_xml", "environment", "device_nodes", "driver_proc")
+def _host_evidence(o: Record) -> dict[str, Any]:
+    """The raw records the host probe's findings cite as evidence."""
+    return {k: o.get(k) for k in ("nvidia_smi", "nvidia_smi_xml", "environment",
+                                  "device_nodes", "driver_proc")}
 
 
 @dataclass(frozen=True)
@@ -378,16 +387,15 @@ class HostObservation:
     nvidia_smi: CommandResult = field(default_factory=CommandResult)
     preallocation_disabled: bool = field(default=False, metadata=_BOOL)
     evidence: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False,
-                                        metadata=from_json(whole=True, as_type=Any, then=lambda o: {
-                                            k: o.get(k) for k in _HOST_EVIDENCE}))
+                                        metadata=from_json(whole=True, as_type=Any,
+                                                           then=_host_evidence))
     nvidia_smi_xml: Record | None = field(default=None, compare=False, repr=False)
     pci: PciBus | None = None
 
     @property
     def visibility(self) -> tuple[str | None, str | None]:
         """CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES as the probe saw them."""
-        return (self.environment.get("CUDA_VISIBLE_DEVICES"),
-                self.environment.get("NVIDIA_VISIBLE_DEVICES"))
+        return _visibility(self.environment)
 
 
 # -- cuda ------------------------------------------------------------------------------------
