@@ -233,6 +233,14 @@ class FabricInfo:
 
 
 @dataclass(frozen=True)
+class ClockEvents:
+    """Why the clocks are held down: NVML's reason names, and its bit mask (checked, unread)."""
+
+    reasons: tuple[str, ...] = ()
+    mask: Number | None = None
+
+
+@dataclass(frozen=True)
 class MigInstance:
     """One MIG instance: a schedulable leaf of its GPU."""
 
@@ -268,8 +276,8 @@ class NvmlDevice:
     ecc: Ecc | None = field(default=None, metadata=from_json(values=Number))
     remapped_rows: RemappedRows | None = field(default=None,
                                                metadata=from_json(values=Number | bool))
-    clocks_event_reasons: tuple[str, ...] = field(
-        default=(), metadata=from_json(key="clocks_event_reasons.reasons"))
+    clocks_event_reasons: tuple[str, ...] = field(default=(), metadata=from_json(
+        as_type=ClockEvents, then=lambda c: c.reasons))
     persistence_mode: bool | None = field(default=None, metadata=_LENIENT)
     compute_mode: int | None = field(default=None, metadata=from_json(
         as_type=Number | None, then=_int, lenient=True))
@@ -281,8 +289,6 @@ class NvmlDevice:
     nvlinks: NvLinks | None = None
     fabric: FabricInfo | None = None
     graphics_processes: tuple[GpuProcess, ...] | None = None
-    clocks_event_mask: Number | None = field(
-        default=None, metadata=from_json(key="clocks_event_reasons.mask"))
 
     @property
     def memory(self) -> Memory | None:
