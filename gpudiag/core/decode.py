@@ -6,8 +6,9 @@ A probe child's JSON is described once, by the typed record gpudiag reads it int
 ``Literal``, ``Any``, nested dataclasses) and returns the instance, or raises ``SchemaError``
 naming the bad field's path and what was wrong (``devices[3].memory.total_bytes: expected a
 number, got "abc"``). Unknown keys pass, so a probe may add fields. A field that needs another
-key, a looser reading or a conversion says so in its ``field(metadata=from_json(...))``, never in a
-second table. Pure: no I/O.
+key, a looser reading or a conversion says so in its ``field(metadata=from_json(...))``, never
+in a second table. A type hint without a rule (``set[int]``) is a TypeError when the record is
+first decoded, a programming error, not a malformed observation. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ def from_json(*, key: str | None = None, whole: bool = False, as_type: Any = Non
 _PLAIN = JsonField()
 
 
-def decode(cls: type[Any], value: Any, *, lenient: bool = False, path: str = "") -> Any:
+def decode(cls: type[Any], value: Any, *, lenient: bool = False) -> Any:
     """``value`` as a ``cls`` instance; SchemaError names the first bad field.
 
     ``lenient``: every field of the wrong type reads as absent instead (the XID watcher's
     telemetry, where one bad reading must not drop the others).
     """
-    return _decode(cls, value, path, lenient)
+    return _plan(cls)(value, None, lenient)
 
 
 def problem(cls: type[Any], value: Any) -> str | None:
@@ -70,141 +71,175 @@ def problem(cls: type[Any], value: Any) -> str | None:
     return None
 
 
-def _decode(hint: Any, value: Any, path: str, lenient: bool) -> Any:
+# A decoder is planned once per type hint: a function of (value, path, lenient). The path is
+# a chain of (parent, key) pairs, spelled out only for an error message.
+Path = tuple[Any, str | int] | None
+Step = Callable[[Any, Path, bool], Any]
+_PLANS: dict[Any, Step] = {}
+
+
+def _plan(hint: Any) -> Step:
+    found = _PLANS.get(hint)
+    if found is None:
+        found = _PLANS[hint] = _make(hint)
+    return found
+
+
+def _make(hint: Any) -> Step:
     origin = typing.get_origin(hint)
     if hint is Any or hint is object:
-        return value
+        return lambda value, path, lenient: value
     if origin in (Union, types.UnionType):
-        return _union(hint, value, path, lenient)
-    if value is None:
-        raise _error(path, hint, value)
+        return _union(hint)
     if origin is Literal:
-        if value in typing.get_args(hint) and type(value) in _SCALARS:
-            return value
-        raise _error(path, hint, value)
+        choices = typing.get_args(hint)
+        return _checked(hint, lambda v: type(v) in _SCALARS and v in choices)
     if origin in (tuple, list, Sequence):
-        return _sequence(hint, origin, value, path, lenient)
+        return _sequence(hint, origin is list)
     if origin in (dict, Mapping) or hint in (dict, Mapping):
-        return _mapping(hint, value, path, lenient)
-    if dataclasses.is_dataclass(hint):
-        return _record(hint, value, path, lenient)
-    if hint in _SCALARS and _is(value, hint):
+        return _mapping(hint)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return _record(hint)
+    if hint in _SCALARS:
+        accepted = _ACCEPTS[hint]
+        return _checked(hint, lambda v: type(v) in accepted)
+    raise TypeError(f"gpudiag.core.decode has no rule for the type hint {hint!r}")
+
+
+def _checked(hint: Any, ok: Callable[[Any], bool]) -> Step:
+    def step(value: Any, path: Path, lenient: bool) -> Any:
+        if value is None or not ok(value):
+            raise _error(path, hint, value)
         return value
-    raise _error(path, hint, value)
+    return step
 
 
-def _is(value: Any, scalar: type) -> bool:
-    """Whether a JSON value is this scalar type (a bool is no number; an int is a float)."""
-    if isinstance(value, bool):
-        return scalar is bool
-    if scalar is float:
-        return isinstance(value, (int, float))
-    return isinstance(value, scalar)
+# The JSON value types each scalar hint accepts: a bool is no number; an int is a float.
+_ACCEPTS: dict[Any, frozenset[type]] = {str: frozenset({str}), int: frozenset({int}),
+                                        float: frozenset({int, float}),
+                                        bool: frozenset({bool})}
 
 
-def _union(hint: Any, value: Any, path: str, lenient: bool) -> Any:
+def _union(hint: Any) -> Step:
     options = typing.get_args(hint)
-    if value is None:
-        if type(None) in options or Any in options:
-            return None
-        raise _error(path, hint, value)
-    for option in options:
-        if option in _SCALARS and _is(value, option):
-            return value
+    none_ok = type(None) in options or Any in options
+    accepted = frozenset(t for o in options if o in _SCALARS for t in _ACCEPTS[o])
     rest = [o for o in options if o not in _SCALARS and o is not type(None)]
-    if len(rest) == 1:
-        return _decode(rest[0], value, path, lenient)
-    raise _error(path, hint, value)
+    inner = _plan(rest[0]) if len(rest) == 1 else None
 
-
-def _sequence(hint: Any, origin: Any, value: Any, path: str, lenient: bool) -> Any:
-    if not isinstance(value, list):
+    def step(value: Any, path: Path, lenient: bool) -> Any:
+        if value is None:
+            if none_ok:
+                return None
+        elif type(value) in accepted:
+            return value
+        elif inner is not None:
+            return inner(value, path, lenient)
         raise _error(path, hint, value)
+    return step
+
+
+def _sequence(hint: Any, as_list: bool) -> Step:
     args = typing.get_args(hint)
-    item = args[0] if args else Any
-    items = [_decode(item, v, f"{path}[{i}]", lenient) for i, v in enumerate(value)]
-    return items if origin is list else tuple(items)
+    item = _plan(args[0] if args else Any)
+
+    def step(value: Any, path: Path, lenient: bool) -> Any:
+        if not isinstance(value, list):
+            raise _error(path, hint, value)
+        items = [item(v, (path, i), lenient) for i, v in enumerate(value)]
+        return items if as_list else tuple(items)
+    return step
 
 
-def _mapping(hint: Any, value: Any, path: str, lenient: bool) -> Any:
-    if not isinstance(value, Mapping):
-        raise _error(path, hint, value)
+def _mapping(hint: Any) -> Step:
     args = typing.get_args(hint)
-    item = args[1] if len(args) == 2 else Any
-    return {str(k): _decode(item, v, _join(path, str(k)), lenient) for k, v in value.items()}
+    item = _plan(args[1] if len(args) == 2 else Any)
+
+    def step(value: Any, path: Path, lenient: bool) -> Any:
+        if not isinstance(value, Mapping):
+            raise _error(path, hint, value)
+        return {str(k): item(v, (path, str(k)), lenient) for k, v in value.items()}
+    return step
 
 
-def _record(cls: Any, value: Any, path: str, lenient: bool) -> Any:
-    if not isinstance(value, Mapping):
-        raise _error(path, cls, value)
-    if not value and getattr(cls, "EMPTY_IS_NONE", False):
-        return None  # an empty record says nothing (an error with no field set)
-    return cls(**{f.name: _field(f, hint, value, path, lenient) for f, hint in _fields(cls)})
+def _record(cls: type) -> Step:
+    empty_is_none = getattr(cls, "EMPTY_IS_NONE", False)
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, _field(f, hints[f.name])) for f in dataclasses.fields(cls) if f.init]
+
+    def step(value: Any, path: Path, lenient: bool) -> Any:
+        if not isinstance(value, Mapping):
+            raise _error(path, cls, value)
+        if not value and empty_is_none:
+            return None  # an empty record says nothing (an error with no field set)
+        return cls(**{name: read(value, path, lenient) for name, read in fields})
+    return step
 
 
-_FIELDS: dict[type, tuple[tuple[dataclasses.Field[Any], Any], ...]] = {}
-
-
-def _fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], Any], ...]:
-    """A record's init fields with their resolved type hints (resolved once per class)."""
-    if cls not in _FIELDS:
-        hints = typing.get_type_hints(cls)
-        _FIELDS[cls] = tuple((f, hints[f.name]) for f in dataclasses.fields(cls) if f.init)
-    return _FIELDS[cls]
-
-
-def _field(f: dataclasses.Field[Any], hint: Any, obj: Mapping[str, Any], path: str,
-           lenient: bool) -> Any:
+def _field(f: dataclasses.Field[Any], hint: Any) -> Callable[[Mapping[str, Any], Path, bool],
+                                                              Any]:
+    """How one field is read from its record's JSON object."""
     how: JsonField = f.metadata.get("json") or _PLAIN
-    where = path if how.whole else _join(path, how.key or f.name)
-    raw = obj if how.whole else _lookup(obj, how.key or f.name, path)
-    if raw is None and _has_default(f):
-        return _default(f)
-    try:
-        checked = _decode(hint if how.as_type is None else how.as_type, raw, where, lenient)
-        if how.values is not None and isinstance(raw, Mapping):
-            for k, v in raw.items():
-                if v is not None:
-                    _decode(how.values, v, _join(where, str(k)), lenient)
-    except SchemaError:
-        if not (lenient or how.lenient):
-            if raw is None:
-                raise SchemaError(f"{where}: missing (required)") from None
-            raise
-        if _has_default(f):
-            return _default(f)
-        checked = None
-    return how.then(checked) if how.then is not None else checked
-
-
-def _has_default(f: dataclasses.Field[Any]) -> bool:
-    return f.default is not MISSING or f.default_factory is not MISSING
-
-
-def _default(f: dataclasses.Field[Any]) -> Any:
+    keys = () if how.whole else tuple((how.key or f.name).split("."))
+    check = _plan(hint if how.as_type is None else how.as_type)
+    each = _plan(how.values) if how.values is not None else None
+    has_default = f.default is not MISSING or f.default_factory is not MISSING
     make: Callable[[], Any] = f.default_factory  # type: ignore[assignment]
-    return f.default if f.default is not MISSING else make()
+
+    def default() -> Any:
+        return f.default if f.default is not MISSING else make()
+
+    def read(obj: Mapping[str, Any], path: Path, lenient: bool) -> Any:
+        where: Path
+        if len(keys) == 1:
+            raw, where = obj.get(keys[0]), (path, keys[0])
+        else:
+            raw, where = _lookup(obj, keys, path)
+        if raw is None and has_default:
+            return default()
+        try:
+            checked = check(raw, where, lenient)
+            if each is not None and isinstance(raw, Mapping):
+                for k, v in raw.items():
+                    if v is not None:
+                        each(v, (where, str(k)), lenient)
+        except SchemaError:
+            if not (lenient or how.lenient):
+                if raw is None:
+                    raise SchemaError(f"{_spelled(where)}: missing (required)") from None
+                raise
+            if has_default:
+                return default()
+            checked = None
+        return how.then(checked) if how.then is not None else checked
+    return read
 
 
-def _lookup(obj: Mapping[str, Any], key: str, path: str) -> Any:
-    """The value at ``key`` (``a.b``: ``b`` of the object at ``a``; absent when ``a`` is)."""
-    *outer, last = key.split(".")
-    for i, part in enumerate(outer):
-        inner = obj.get(part)
-        if inner is None:
-            return None
-        if not isinstance(inner, Mapping):
-            raise _error(_join(path, ".".join(outer[:i + 1])), dict, inner)
-        obj = inner
-    return obj.get(last)
+def _lookup(obj: Mapping[str, Any], keys: tuple[str, ...], path: Path) -> tuple[Any, Path]:
+    """The value at ``keys`` (``a.b``: ``b`` of the object at ``a``; absent when ``a`` is)."""
+    value: Any = obj
+    for i, key in enumerate(keys):
+        if i:
+            if value is None:
+                return None, path
+            if not isinstance(value, Mapping):
+                raise _error(path, dict, value)
+        path = (path, key)
+        value = value.get(key)
+    return value, path
 
 
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+def _spelled(path: Path) -> str:
+    """``devices[3].memory``: the path as the error names it."""
+    parts: list[str] = []
+    while path is not None:
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    return "".join(reversed(parts)).lstrip(".")
 
 
-def _error(path: str, hint: Any, value: Any) -> SchemaError:
-    where = path or "the observation"
+def _error(path: Path, hint: Any, value: Any) -> SchemaError:
+    where = _spelled(path) or "the observation"
     return SchemaError(f"{where}: expected {_expected(hint)}, got {_shown(value)}")
 
 
