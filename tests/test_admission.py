@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import gpudiag
+from gpudiag.core.decode import decode
 from gpudiag.core.environment import PREALLOCATION_OFF, is_full_uuid
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.requirement import parse_requirement
@@ -329,7 +330,7 @@ def test_leaves_from_an_unreadable_device_are_unknown() -> None:
          "processes": []},
         {"index": 2, "ok": True, "uuid": gpu_uuid(2), "memory": None, "processes": []},
     ]}
-    leaves = leaves_from_nvml(NvmlObservation.parse(nvml))
+    leaves = leaves_from_nvml(decode(NvmlObservation, nvml))
     assert [lf.occupancy for lf in leaves] == [UNKNOWN, UNKNOWN, UNKNOWN]
     assert "full UUID" in str(leaves[1].reason) and "memory" in str(leaves[2].reason)
 
@@ -338,9 +339,9 @@ def test_index_entries_narrow_by_nvml_index() -> None:
     nvml = {"ok": True, "devices": [
         {"index": i, "ok": True, "uuid": gpu_uuid(i), "memory": {"free_bytes": 1},
          "processes": []} for i in range(3)]}
-    got = narrow(leaves_from_nvml(NvmlObservation.parse(nvml)), {"CUDA_VISIBLE_DEVICES": "2,0"})
+    got = narrow(leaves_from_nvml(decode(NvmlObservation, nvml)), {"CUDA_VISIBLE_DEVICES": "2,0"})
     assert got.allowed == frozenset({gpu_uuid(0), gpu_uuid(2)}) and not got.blockers
-    bad = narrow(leaves_from_nvml(NvmlObservation.parse(nvml)), {"CUDA_VISIBLE_DEVICES": "7"})
+    bad = narrow(leaves_from_nvml(decode(NvmlObservation, nvml)), {"CUDA_VISIBLE_DEVICES": "7"})
     assert [b.code for b in bad.blockers] == ["visible_devices_invalid"]
 
 

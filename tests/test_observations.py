@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpudiag.core.decode import decode
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.observations import (
     GpuReadings,
@@ -75,15 +76,15 @@ def test_every_real_probe_parses_to_its_own_record(fakes: FakeDriver, tmp_path: 
 def test_a_malformed_observation_names_the_field() -> None:
     found = parse_observation("nvml", {"ok": True, "devices": [{"index": "zero"}]})
     assert isinstance(found, Malformed)
-    assert found.problem == "devices[0].index is a str, not a int"
+    assert found.problem == 'devices[0].index: expected an integer, got "zero"'
 
 
 def test_building_a_run_parses_it_and_malformed_json_is_a_probe_error_run() -> None:
     run = ProbeRun("nvml", {"ok": True, "devices": [{"index": 0, "memory": "lots"}]}, 0.1,
                    exit_code=0)
     assert not run.ok and run.observation is None and run.parsed is None
-    assert run.error == ("probe nvml returned a malformed observation: devices[0].memory is "
-                         "a str, not an object")
+    assert run.error == ("probe nvml returned a malformed observation: devices[0].memory: "
+                         'expected an object, got "lots"')
 
 
 def test_replacing_the_observation_parses_the_new_one() -> None:
@@ -97,13 +98,13 @@ def test_replacing_the_observation_parses_the_new_one() -> None:
 def test_the_nvml_probe_and_the_watcher_share_one_reading_vocabulary() -> None:
     reading = {"index": 2, "memory": {"total_bytes": 80, "used_bytes": 30, "free_bytes": 50},
                "utilization_gpu_ratio": 0.5, "temperature_c": 61, "power_w": 300.5}
-    from_probe = NvmlObservation.parse({"ok": True, "devices": [{**reading, "ok": True}]})
+    from_probe = decode(NvmlObservation, {"ok": True, "devices": [{**reading, "ok": True}]})
     from_watcher = parse_telemetry([reading])
-    assert from_probe.devices[0].readings == from_watcher[2] == GpuReadings.parse(reading)
+    assert from_probe.devices[0].readings == from_watcher[2] == decode(GpuReadings, reading)
 
 
 def test_newer_telemetry_replaces_only_the_readings_it_has() -> None:
-    old = GpuReadings.parse({"index": 0, "memory": {"total_bytes": 80, "free_bytes": 80},
+    old = decode(GpuReadings, {"index": 0, "memory": {"total_bytes": 80, "free_bytes": 80},
                              "temperature_c": 40, "power_w": 100.0})
     new = parse_telemetry([{"index": 0, "memory": {"free_bytes": 10}, "temperature_c": 70}])
     merged = old.updated_by(new[0])
@@ -118,7 +119,7 @@ def test_malformed_telemetry_entries_are_dropped(bad: Any) -> None:
 
 
 def test_unset_fields_are_none_not_guesses() -> None:
-    nvml = NvmlObservation.parse({"ok": True, "devices": [{"index": 0}]})
+    nvml = decode(NvmlObservation, {"ok": True, "devices": [{"index": 0}]})
     dev = nvml.devices[0]
     assert (dev.ok, dev.uuid, dev.memory, dev.processes, dev.persistence_mode,
             dev.compute_mode, dev.mig) == (False, None, None, None, None, None, None)

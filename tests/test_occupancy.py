@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from gpudiag.core.decode import decode
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, leaves_from_nvml, occupancy
 
@@ -16,7 +17,7 @@ MIG = "MIG-f00d0000-0000-4000-8000-000000000001"
 def device(**changes: Any) -> Any:
     raw = {"index": 0, "ok": True, "uuid": UUID, "memory": {"free_bytes": 10, "total_bytes": 20},
            "processes": [], **changes}
-    return NvmlObservation.parse({"ok": True, "devices": [raw]}).devices[0]
+    return decode(NvmlObservation, {"ok": True, "devices": [raw]}).devices[0]
 
 
 @pytest.mark.parametrize("changes, state, why", [
@@ -50,13 +51,13 @@ def test_mig_instances_are_the_leaves_and_inherit_an_unreadable_parent() -> None
     mig = {"enabled": True, "instances": [
         {"slot": 0, "uuid": MIG, "memory": {"free_bytes": 1, "total_bytes": 2},
          "processes": [{"pid": 5}]}]}
-    leaves = leaves_from_nvml(NvmlObservation.parse({"ok": True, "devices": [
+    leaves = leaves_from_nvml(decode(NvmlObservation, {"ok": True, "devices": [
         {"index": 0, "ok": True, "uuid": UUID, "mig": mig}]}))
     assert [(lf.uuid, lf.kind, lf.parent_uuid, lf.occupancy, lf.pids) for lf in leaves] == [
         (MIG, "mig", UUID, BUSY, (5,))]
-    lost = leaves_from_nvml(NvmlObservation.parse({"ok": True, "devices": [
+    lost = leaves_from_nvml(decode(NvmlObservation, {"ok": True, "devices": [
         {"index": 0, "ok": False, "uuid": UUID, "mig": mig}]}))
     assert lost[0].occupancy == UNKNOWN
-    empty = leaves_from_nvml(NvmlObservation.parse({"ok": True, "devices": [
+    empty = leaves_from_nvml(decode(NvmlObservation, {"ok": True, "devices": [
         {"index": 0, "ok": True, "uuid": UUID, "mig": {"enabled": True, "instances": []}}]}))
     assert empty[0].occupancy == UNKNOWN and empty[0].uuid is None

@@ -35,6 +35,7 @@ from gpudiag.core.classify_jax import (
     gpu_cause,
     runtime_error_meaning,
 )
+from gpudiag.core.decode import decode
 from gpudiag.core.environment import (
     KnownDevice,
     parse_cuda_visible_devices,
@@ -341,7 +342,7 @@ def test_jax_error_texts_classify_without_raising(obs: dict[str, Any], stderr: s
                                                   platform: str) -> None:
     if observation_problem("jax", obs) is not None:
         return  # malformed: the boundary turns it into probe_error (tested below)
-    typed = JaxObservation.parse(obs)
+    typed = decode(JaxObservation, obs)
     found = causes(typed, platform, stderr)
     assert all(c.code in BLOCKERS and BLOCKERS[c.code].layer == "jax" and c.message
                for c in found)
@@ -363,7 +364,7 @@ def test_driver_causes_from_jax_texts_are_cuda_layer_codes(
     obs = {**obs, "versions": versions}
     if observation_problem("jax", obs) is not None:
         return
-    found = driver_causes(JaxObservation.parse(obs), stderr, driver)
+    found = driver_causes(decode(JaxObservation, obs), stderr, driver)
     assert all(c.code in BLOCKERS and BLOCKERS[c.code].layer == "cuda" and c.message
                for c in found)
     assert len({c.code for c in found}) == len(found)
@@ -500,7 +501,7 @@ def test_a_malformed_observation_is_a_probe_error_not_a_crash(real_observations:
                                              real_observations.items()}, "nvml": nvml})
     verdict = classify(runs, parse_requirement("cuda"), host="h", checked_at="t")
     assert verdict.gpu_validation_blocker == "probe_error"
-    assert "devices[0].index is a str, not a int" in verdict.blockers[0].message
+    assert 'devices[0].index: expected an integer, got "zero"' in verdict.blockers[0].message
 
 
 # -- HTTP query strings ------------------------------------------------------------------------

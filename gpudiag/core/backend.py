@@ -2,7 +2,7 @@
 
 A backend is a probe child plus what the parent does with its JSON. Its spec says it all once
 (docs/design-notes.md, "The backend registry"): the child's entry module, the typed
-observation with its shape and parser, the classifier, the daemon's default interval,
+observation (which is also its JSON schema), the classifier, the daemon's default interval,
 deadline and switch, what a requirement may say about it, which build-info labels its
 versions fill, and a line for the docs. gpudiag.core.registry lists the specs; every table
 that used to name backends one by one is derived from that list.
@@ -17,8 +17,6 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpudiag.core.observation import Obj
-
 # The classifier and the typed observation are named by "module:attribute" and imported on
 # first use: parsing a requirement (the CLI's daemon-answered fast path, docs/benchmarks.md)
 # needs the specs' names and platforms, not the classifiers and observation models. So is
@@ -28,7 +26,6 @@ if TYPE_CHECKING:
     from typing import Any, Protocol
 
     from gpudiag.core.findings import Findings, GpuContext
-    from gpudiag.core.observation import Spec
     from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
     class BackendRun(Protocol):
@@ -75,11 +72,9 @@ class BackendSpec:
     summary: str                      # one line for docs/reference.md's backend table
     layer: str                        # the catalog layer of its blockers (core.catalog)
     probe_module: str                 # the child's module: ``probe(options) -> dict``
-    # The typed observation ("module:Class", imported on first use, or the class itself);
-    # its ``parse`` reads the checked JSON unless ``parse`` names another parser.
+    # The typed observation ("module:Class", imported on first use, or the class itself):
+    # a frozen dataclass that is the JSON's schema too (gpudiag.core.decode reads it).
     observation: type | str
-    parse: Callable[[Mapping[str, Any]], Any] | None = None
-    shape: Spec = field(default_factory=Obj)  # the JSON shape checked before parse
     # "module:function" (or the function); None: a device-layer probe (below).
     classify: BackendClassifier | str | None = None
     interval_s: float = 300.0         # the daemon's default interval
@@ -110,14 +105,6 @@ class BackendSpec:
         found = _resolve(self.observation)
         assert isinstance(found, type), f"{self.name}: {self.observation!r} is not a class"
         return found
-
-    def parser(self) -> Callable[[Mapping[str, Any]], Any]:
-        """What turns the checked JSON into the typed observation."""
-        if self.parse is not None:
-            return self.parse
-        model: Any = self.observation_type()
-        parse: Callable[[Mapping[str, Any]], Any] = model.parse
-        return parse
 
     def classifier(self) -> BackendClassifier | None:
         """The backend's classifier (imported on first use); None for the device layer."""

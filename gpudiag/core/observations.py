@@ -1,11 +1,13 @@
-"""Typed probe observations: each child's JSON parsed once, where it enters, into frozen records.
+"""Typed probe observations: each child's JSON decoded once, where it enters, into frozen records.
 
-A probe child prints one JSON object (the probe child protocol). ``registry.parse_observation``
-checks its shape (its backend spec's, with gpudiag.core.observation: a malformed observation
-is a ``probe_error`` naming the field) and builds the records below; nothing above core reads
-the raw dict. Fields the shape check does not cover are read leniently (a wrong type is None),
-so a probe may add fields and a foreign or truncated one never raises. Raw sub-records that
-only travel into evidence are kept as ``Mapping`` (dicts only at the JSON edge).
+A probe child prints one JSON object (the probe child protocol). These records are the one
+description of that JSON: ``registry.parse_observation`` decodes it with gpudiag.core.decode,
+which checks every field against its type hint, so a malformed observation is a
+``probe_error`` naming the field (``devices[0].index: expected an integer, got "zero"``).
+A field read under another key, more loosely or converted says so in its
+``metadata=from_json(...)``: ``lenient`` fields (a wrong type reads as None) are the ones a
+probe fills best-effort; the rest must have their type. Raw sub-records that only travel into
+evidence are kept as ``Mapping`` (dicts only at the JSON edge).
 
 One NVML vocabulary: ``GpuReadings`` (memory, utilization, temperature, power) is what both
 the nvml probe's devices and the XID watcher's telemetry lines carry, under the same names.
@@ -17,19 +19,16 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
+
+from gpudiag.core.decode import decode, from_json
 
 Number: TypeAlias = int | float
 Scalar: TypeAlias = str | int | float | bool
 Record: TypeAlias = Mapping[str, Any]
-_EMPTY: Record = {}
 
 
-# -- lenient readers: the shape check already refused wrong types where it looks --------------
-
-
-def _map(value: Any) -> Record:
-    return value if isinstance(value, Mapping) else _EMPTY
+# -- conversions of checked JSON values into the fields' types ------------------------------
 
 
 def _num(value: Any) -> Number | None:
@@ -50,18 +49,9 @@ def _text(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def _scalar(value: Any) -> Scalar | None:
-    return value if isinstance(value, (str, int, float, bool)) else None
-
-
 def _flag(value: Any) -> bool | None:
     """True/False as the probe said it; None when absent (``ok is False`` differs from unset)."""
     return None if value is None else bool(value)
-
-
-def _bool(value: Any) -> bool | None:
-    """A JSON true/false; anything else (absent, unsupported) is None."""
-    return value if isinstance(value, bool) else None
 
 
 def _code(value: Any) -> int | str | None:
@@ -73,16 +63,32 @@ def _code(value: Any) -> int | str | None:
     return str(value)
 
 
-def _strs(value: Any) -> tuple[str, ...]:
-    return tuple(str(v) for v in value) if isinstance(value, list) else ()
+def _texts(value: Any) -> tuple[str, ...] | None:
+    return None if value is None else tuple(str(v) for v in value)
 
 
-def _records(value: Any) -> tuple[Record, ...]:
-    return tuple(v for v in value if isinstance(v, Mapping)) if isinstance(value, list) else ()
+def _str_values(value: Any) -> dict[str, str | None]:
+    return {str(k): (None if v is None else str(v)) for k, v in (value or {}).items()}
 
 
-def _str_map(value: Any) -> dict[str, str | None]:
-    return {str(k): (None if v is None else str(v)) for k, v in _map(value).items()}
+def _or_none(value: str | None) -> str | None:
+    """An empty text is no value (an empty UUID names no device)."""
+    return value or None
+
+
+def _count(value: Any) -> int:
+    return len(value) if isinstance(value, (list, Mapping)) else 0
+
+
+# How fields read: any JSON value as a flag, a bool(), an error code, a text; a number as an int.
+_FLAG = from_json(as_type=Any, then=_flag)
+_BOOL = from_json(as_type=Any, then=bool)
+_CODE = from_json(as_type=Any, then=_code)
+_TEXT = from_json(as_type=Any, then=_text)
+_INT = from_json(as_type=Number | None, then=_int)
+_LENIENT = from_json(lenient=True)
+_WHOLE = from_json(whole=True, as_type=Any)  # the record's own JSON, for evidence
+_VERSIONS = from_json(as_type=Mapping[str, Scalar | None], then=_str_values)
 
 
 # -- shared records --------------------------------------------------------------------------
@@ -92,22 +98,15 @@ def _str_map(value: Any) -> dict[str, str | None]:
 class ErrorInfo:
     """An error a probe recorded (NVML, CUDA, Python or IREE); ``record`` is its JSON."""
 
-    code: int | str | None = None
-    name: str | None = None
-    message: str | None = None
-    type: str | None = None
-    step: str | None = None
-    where: str | None = None
-    record: Record = field(default_factory=dict, compare=False, repr=False)
+    EMPTY_IS_NONE: ClassVar[bool] = True  # an empty record says nothing: no error
 
-    @classmethod
-    def parse(cls, value: Any) -> ErrorInfo | None:
-        """The error in ``value``; None when absent or empty (an empty record says nothing)."""
-        if not isinstance(value, Mapping) or not value:
-            return None
-        return cls(_code(value.get("code")), _text(value.get("name")),
-                   _text(value.get("message")), _text(value.get("type")),
-                   _text(value.get("step")), _text(value.get("where")), value)
+    code: int | str | None = field(default=None, metadata=_CODE)
+    name: str | None = field(default=None, metadata=_TEXT)
+    message: str | None = field(default=None, metadata=_TEXT)
+    type: str | None = field(default=None, metadata=_TEXT)
+    step: str | None = field(default=None, metadata=_TEXT)
+    where: str | None = field(default=None, metadata=_TEXT)
+    record: Record = field(default_factory=dict, compare=False, repr=False, metadata=_WHOLE)
 
     def without_traceback(self) -> dict[str, Any]:
         """The record without its (long) traceback, for verdict details."""
@@ -118,36 +117,21 @@ class ErrorInfo:
 class Memory:
     """Device memory as NVML reads it, in bytes."""
 
-    total_bytes: int | None = None
-    free_bytes: int | None = None
-    used_bytes: int | None = None
-
-    @classmethod
-    def parse(cls, value: Any) -> Memory | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping):
-            return None
-        return cls(_int(value.get("total_bytes")), _int(value.get("free_bytes")),
-                   _int(value.get("used_bytes")))
+    total_bytes: int | None = field(default=None, metadata=_INT)
+    free_bytes: int | None = field(default=None, metadata=_INT)
+    used_bytes: int | None = field(default=None, metadata=_INT)
 
 
 @dataclass(frozen=True)
 class GpuReadings:
     """One GPU's live readings, the one vocabulary of the nvml probe and the XID watcher."""
 
-    index: int | None = None
+    index: int | None = field(default=None, metadata=from_json(
+        as_type=Number | None, then=_int, lenient=True))
     memory: Memory | None = None
     utilization_gpu_ratio: Number | None = None
     temperature_c: Number | None = None
     power_w: Number | None = None
-
-    @classmethod
-    def parse(cls, value: Any) -> GpuReadings:
-        """The readings in a device record or a telemetry line; a bad field is None."""
-        v = _map(value)
-        return cls(_int(v.get("index")), Memory.parse(v.get("memory")),
-                   _num(v.get("utilization_gpu_ratio")), _num(v.get("temperature_c")),
-                   _num(v.get("power_w")))
 
     def updated_by(self, newer: GpuReadings | None) -> GpuReadings:
         """These readings with every value ``newer`` has replacing the older one."""
@@ -175,7 +159,7 @@ def parse_telemetry(value: Any) -> dict[int, GpuReadings]:
             continue
         index = raw.get("index")
         if isinstance(index, int) and not isinstance(index, bool):
-            out[index] = GpuReadings.parse(raw)
+            out[index] = decode(GpuReadings, raw, lenient=True)  # a bad reading is None
     return out
 
 
@@ -186,18 +170,11 @@ def parse_telemetry(value: Any) -> dict[int, GpuReadings]:
 class GpuProcess:
     """A compute process NVML lists on a GPU or MIG instance."""
 
-    pid: int | None
+    pid: int | None = field(metadata=_INT)
     used_memory_bytes: Number | None = None
-    name: str | None = None  # its command name (/proc/PID/comm); None where /proc hides it
-    user: str | None = None  # its owner's user name (or uid); None where /proc hides it
-
-
-def _processes(value: Any) -> tuple[GpuProcess, ...] | None:
-    if not isinstance(value, list):
-        return None
-    return tuple(GpuProcess(_int(p.get("pid")), _num(p.get("used_memory_bytes")),
-                            _str(p.get("name")), _str(p.get("user")))
-                 for p in value if isinstance(p, Mapping))
+    # its command name (/proc/PID/comm) and owner (user name or uid); None where /proc hides it
+    name: str | None = field(default=None, metadata=_LENIENT)
+    user: str | None = field(default=None, metadata=_LENIENT)
 
 
 @dataclass(frozen=True)
@@ -206,17 +183,9 @@ class Ecc:
 
     volatile_corrected: Number | None = None
     volatile_uncorrected: Number | None = None
+    # aggregate: over the GPU's life; volatile: since the driver last loaded
     aggregate_corrected: Number | None = None
     aggregate_uncorrected: Number | None = None
-
-    @classmethod
-    def parse(cls, value: Any) -> Ecc | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping):
-            return None
-        return cls(*(_num(value.get(k)) for k in (
-            "volatile_corrected", "volatile_uncorrected", "aggregate_corrected",
-            "aggregate_uncorrected")))
 
 
 @dataclass(frozen=True)
@@ -225,16 +194,9 @@ class RemappedRows:
 
     correctable: Number | bool | None = None
     uncorrectable: Number | bool | None = None
+    # counts of rows remapped so far above; flags below (true/false, or 0/1)
     pending: Number | bool | None = None
     failure: Number | bool | None = None
-
-    @classmethod
-    def parse(cls, value: Any) -> RemappedRows | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping):
-            return None
-        return cls(*(v if isinstance(v := value.get(k), (int, float, bool)) else None
-                     for k in ("correctable", "uncorrectable", "pending", "failure")))
 
     def states(self) -> dict[str, float]:
         """The readings that exist, as numbers (pending and failure are 0 or 1)."""
@@ -252,14 +214,6 @@ class PcieLink:
     current_width: int | None = None
     max_width: int | None = None
 
-    @classmethod
-    def parse(cls, value: Any) -> PcieLink | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping):
-            return None
-        return cls(*(_int(value.get(k)) for k in (
-            "current_generation", "max_generation", "current_width", "max_width")))
-
 
 @dataclass(frozen=True)
 class NvLinks:
@@ -267,14 +221,6 @@ class NvLinks:
 
     active: tuple[int, ...] = ()
     inactive: tuple[int, ...] = ()
-
-    @classmethod
-    def parse(cls, value: Any) -> NvLinks | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping):
-            return None
-        return cls(*(tuple(n for x in value.get(k) or () if (n := _int(x)) is not None)
-                     for k in ("active", "inactive")))
 
 
 @dataclass(frozen=True)
@@ -285,20 +231,21 @@ class FabricInfo:
     state: int | None = None
     status: int | None = None
 
-    @classmethod
-    def parse(cls, value: Any) -> FabricInfo | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping):
-            return None
-        return cls(_int(value.get("state")), _int(value.get("status")))
+
+@dataclass(frozen=True)
+class ClockEvents:
+    """Why the clocks are held down: NVML's reason names, and its bit mask (checked, unread)."""
+
+    reasons: tuple[str, ...] = ()
+    mask: Number | None = None
 
 
 @dataclass(frozen=True)
 class MigInstance:
     """One MIG instance: a schedulable leaf of its GPU."""
 
-    slot: int | None
-    uuid: str | None
+    slot: int | None = field(metadata=_INT)
+    uuid: str | None = field(metadata=from_json(then=_or_none))
     memory: Memory | None
     processes: tuple[GpuProcess, ...] | None
     error: ErrorInfo | None
@@ -308,21 +255,9 @@ class MigInstance:
 class MigState:
     """MIG mode of a GPU and its instances."""
 
-    enabled: bool
-    pending: bool
-    instances: tuple[MigInstance, ...]
-
-    @classmethod
-    def parse(cls, value: Any) -> MigState | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping):
-            return None
-        instances = tuple(MigInstance(_int(i.get("slot")), _str(i.get("uuid")) or None,
-                                      Memory.parse(i.get("memory")),
-                                      _processes(i.get("processes")),
-                                      ErrorInfo.parse(i.get("error")))
-                          for i in _records(value.get("instances")))
-        return cls(bool(value.get("enabled")), bool(value.get("pending")), instances)
+    enabled: bool = field(metadata=_BOOL)
+    pending: bool = field(metadata=_BOOL)
+    instances: tuple[MigInstance, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -330,20 +265,25 @@ class NvmlDevice:
     """One GPU as the nvml probe read it; ``ok`` is False when the device itself failed."""
 
     index: int
-    ok: bool
+    ok: bool = field(metadata=_BOOL)
     error: ErrorInfo | None = None
-    uuid: str | None = None
+    uuid: str | None = field(default=None, metadata=from_json(then=_or_none))
     name: str | None = None
     pci_bus_id: str | None = None
-    readings: GpuReadings = field(default_factory=GpuReadings)
+    # The readings are the device record's own fields (the watcher's vocabulary).
+    readings: GpuReadings = field(default_factory=GpuReadings, metadata=from_json(whole=True))
     processes: tuple[GpuProcess, ...] | None = None
-    ecc: Ecc | None = None
-    remapped_rows: RemappedRows | None = None
-    clocks_event_reasons: tuple[str, ...] = ()
-    persistence_mode: bool | None = None
-    compute_mode: int | None = None
+    ecc: Ecc | None = field(default=None, metadata=from_json(values=Number))
+    remapped_rows: RemappedRows | None = field(default=None,
+                                               metadata=from_json(values=Number | bool))
+    clocks_event_reasons: tuple[str, ...] = field(default=(), metadata=from_json(
+        as_type=ClockEvents, then=lambda c: c.reasons))
+    persistence_mode: bool | None = field(default=None, metadata=_LENIENT)
+    compute_mode: int | None = field(default=None, metadata=from_json(
+        as_type=Number | None, then=_int, lenient=True))
     mig: MigState | None = None
-    recovery_action: str | None = None
+    recovery_action: str | None = field(default=None, metadata=from_json(
+        as_type=Scalar | None, then=_text))
     retired_pages_pending: bool | None = None
     pcie: PcieLink | None = None
     nvlinks: NvLinks | None = None
@@ -365,35 +305,14 @@ class NvmlDevice:
         """The UUIDs of the MIG instances that could be read."""
         return tuple(i.uuid for i in (self.mig.instances if self.mig else ()) if i.uuid)
 
-    @classmethod
-    def parse(cls, d: Record) -> NvmlDevice:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        reasons = _map(d.get("clocks_event_reasons")).get("reasons")
-        persistence = d.get("persistence_mode")
-        action = d.get("recovery_action")
-        return cls(
-            index=int(d["index"]), ok=bool(d.get("ok")), error=ErrorInfo.parse(d.get("error")),
-            uuid=_str(d.get("uuid")) or None, name=_str(d.get("name")),
-            pci_bus_id=_str(d.get("pci_bus_id")), readings=GpuReadings.parse(d),
-            processes=_processes(d.get("processes")), ecc=Ecc.parse(d.get("ecc")),
-            remapped_rows=RemappedRows.parse(d.get("remapped_rows")),
-            clocks_event_reasons=_strs(reasons),
-            persistence_mode=persistence if isinstance(persistence, bool) else None,
-            compute_mode=_int(d.get("compute_mode")),
-            mig=MigState.parse(d.get("mig")), recovery_action=_text(action),
-            retired_pages_pending=_bool(d.get("retired_pages_pending")),
-            pcie=PcieLink.parse(d.get("pcie")), nvlinks=NvLinks.parse(d.get("nvlinks")),
-            fabric=FabricInfo.parse(d.get("fabric")),
-            graphics_processes=_processes(d.get("graphics_processes")))
-
 
 @dataclass(frozen=True)
 class NvmlObservation:
     """What the nvml probe read: versions and every device."""
 
-    ok: bool | None
+    ok: bool | None = field(metadata=_FLAG)
     error: ErrorInfo | None = None
-    library_error: str | None = None
+    library_error: str | None = field(default=None, metadata=_TEXT)
     devices: tuple[NvmlDevice, ...] = ()
     device_count: Number | None = None
     visibility_env: Mapping[str, str | None] = field(default_factory=dict)
@@ -401,27 +320,34 @@ class NvmlObservation:
     cuda_driver_version: Scalar | None = None
     nvml_version: Scalar | None = None
 
-    @classmethod
-    def parse(cls, o: Record) -> NvmlObservation:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        return cls(
-            ok=_flag(o.get("ok")), error=ErrorInfo.parse(o.get("error")),
-            library_error=_text(o.get("library_error")),
-            devices=tuple(NvmlDevice.parse(d) for d in _records(o.get("devices"))),
-            device_count=_num(o.get("device_count")),
-            visibility_env=_str_map(o.get("visibility_env")),
-            driver_version=_scalar(o.get("driver_version")),
-            cuda_driver_version=_scalar(o.get("cuda_driver_version")),
-            nvml_version=_scalar(o.get("nvml_version")))
-
     @property
     def visibility(self) -> tuple[str | None, str | None]:
         """CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES as the nvml child saw them."""
-        return (self.visibility_env.get("CUDA_VISIBLE_DEVICES"),
-                self.visibility_env.get("NVIDIA_VISIBLE_DEVICES"))
+        return _visibility(self.visibility_env)
+
+
+def _visibility(env: Mapping[str, str | None]) -> tuple[str | None, str | None]:
+    return env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES")
 
 
 # -- host ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PciGpu:
+    """A display or 3D controller of NVIDIA's on the PCI bus, and the driver bound to it."""
+
+    address: str  # required: a controller without one names no GPU
+    # The kernel driver bound to it (nvidia, vfio-pci, nouveau); None when none is bound.
+    driver: str | None = None
+
+
+@dataclass(frozen=True)
+class PciBus:
+    """NVIDIA's GPUs on the PCI bus (``available``: whether sysfs could be read)."""
+
+    available: bool | None = None
+    gpus: tuple[PciGpu, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -429,70 +355,53 @@ class DeviceNodes:
     """The /dev/nvidia* nodes the host probe found (absent means none were found)."""
 
     dir: str | None = None
-    control_present: bool = False
-    gpu_nodes: int = 0
-    node_count: int = 0
+    control_present: bool = field(default=False, metadata=_BOOL)
+    gpu_nodes: int = field(default=0, metadata=from_json(
+        as_type=Number, then=lambda n: _int(n) or 0))
+    node_count: int = field(default=0, metadata=from_json(key="nodes", as_type=Any,
+                                                          then=_count))
     permission_denied: tuple[str, ...] = ()
-
-    @classmethod
-    def parse(cls, value: Any) -> DeviceNodes:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        v = _map(value)
-        nodes = v.get("nodes")
-        return cls(_str(v.get("dir")), bool(v.get("control_present")),
-                   _int(v.get("gpu_nodes")) or 0,
-                   len(nodes) if isinstance(nodes, (list, Mapping)) else 0,
-                   _strs(v.get("permission_denied")))
 
 
 @dataclass(frozen=True)
 class CommandResult:
     """How a command the host probe ran (nvidia-smi) ended."""
 
-    missing: bool = False
-    timed_out: bool = False
-    exit_code: int | str | None = None
+    missing: bool = field(default=False, metadata=_BOOL)
+    timed_out: bool = field(default=False, metadata=_BOOL)
+    exit_code: int | str | None = field(default=None, metadata=_CODE)
 
-    @classmethod
-    def parse(cls, value: Any) -> CommandResult:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        v = _map(value)
-        return cls(bool(v.get("missing")), bool(v.get("timed_out")), _code(v.get("exit_code")))
+
+def _host_evidence(o: Record) -> dict[str, Any]:
+    """The raw records the host probe's findings cite as evidence."""
+    return {k: o.get(k) for k in ("nvidia_smi", "nvidia_smi_xml", "environment",
+                                  "device_nodes", "driver_proc")}
 
 
 @dataclass(frozen=True)
 class HostObservation:
     """What the host probe saw; the raw records travel on into evidence as they are."""
 
-    ok: bool | None = None
+    ok: bool | None = field(default=None, metadata=_FLAG)
     environment: Mapping[str, str | None] = field(default_factory=dict)
     device_nodes: DeviceNodes = field(default_factory=DeviceNodes)
-    driver_present: bool = False
-    driver_path: str | None = None
-    kernel_module_version: str | None = None
+    driver_present: bool = field(default=False, metadata=from_json(
+        key="driver_proc.present", as_type=Any, then=bool))
+    driver_path: str | None = field(default=None, metadata=from_json(key="driver_proc.path"))
+    kernel_module_version: str | None = field(default=None, metadata=from_json(
+        key="driver_proc.kernel_module_version"))
     nvidia_smi: CommandResult = field(default_factory=CommandResult)
-    preallocation_disabled: bool = False
-    evidence: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    preallocation_disabled: bool = field(default=False, metadata=_BOOL)
+    evidence: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False,
+                                        metadata=from_json(whole=True, as_type=Any,
+                                                           then=_host_evidence))
+    nvidia_smi_xml: Record | None = field(default=None, compare=False, repr=False)
+    pci: PciBus | None = None
 
     @property
     def visibility(self) -> tuple[str | None, str | None]:
         """CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES as the probe saw them."""
-        return (self.environment.get("CUDA_VISIBLE_DEVICES"),
-                self.environment.get("NVIDIA_VISIBLE_DEVICES"))
-
-    @classmethod
-    def parse(cls, o: Record) -> HostObservation:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        proc = _map(o.get("driver_proc"))
-        return cls(
-            ok=_flag(o.get("ok")), environment=_str_map(o.get("environment")),
-            device_nodes=DeviceNodes.parse(o.get("device_nodes")),
-            driver_present=bool(proc.get("present")), driver_path=_text(proc.get("path")),
-            kernel_module_version=_str(proc.get("kernel_module_version")),
-            nvidia_smi=CommandResult.parse(o.get("nvidia_smi")),
-            preallocation_disabled=bool(o.get("preallocation_disabled")),
-            evidence={k: o.get(k) for k in ("nvidia_smi", "nvidia_smi_xml", "environment",
-                                            "device_nodes", "driver_proc")})
+        return _visibility(self.environment)
 
 
 # -- cuda ------------------------------------------------------------------------------------
@@ -502,18 +411,12 @@ class HostObservation:
 class CudaStep:
     """One driver call's outcome (cuInit, context, allocation); ``record`` is its JSON."""
 
-    ok: bool | None
-    code: int | str | None = None
-    message: str | None = None
-    record: Record = field(default_factory=dict, compare=False, repr=False)
+    EMPTY_IS_NONE: ClassVar[bool] = True
 
-    @classmethod
-    def parse(cls, value: Any) -> CudaStep | None:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        if not isinstance(value, Mapping) or not value:
-            return None
-        return cls(_flag(value.get("ok")), _code(value.get("code")),
-                   _text(value.get("message")), value)
+    ok: bool | None = field(metadata=_FLAG)
+    code: int | str | None = field(default=None, metadata=_CODE)
+    message: str | None = field(default=None, metadata=_TEXT)
+    record: Record = field(default_factory=dict, compare=False, repr=False, metadata=_WHOLE)
 
 
 @dataclass(frozen=True)
@@ -521,7 +424,7 @@ class CudaDevice:
     """One device as cuInit listed it, with its context and allocation steps."""
 
     ordinal: Any
-    uuid: str | None
+    uuid: str | None = field(metadata=from_json(then=_or_none))
     error: ErrorInfo | None
     context: CudaStep | None
     alloc: CudaStep | None
@@ -531,9 +434,11 @@ class CudaDevice:
 class CudaObservation:
     """What the cuda probe proved: library, cuInit, and a context per device."""
 
-    ok: bool | None
-    library_loaded: bool = False
-    library_error: str | None = None
+    ok: bool | None = field(metadata=_FLAG)
+    library_loaded: bool = field(default=False, metadata=from_json(
+        key="library.loaded", as_type=Any, then=bool))
+    library_error: str | None = field(default=None, metadata=from_json(
+        key="library.error", as_type=Any, then=_text))
     init: CudaStep | None = None
     device_count: Number | None = None
     devices: tuple[CudaDevice, ...] = ()
@@ -544,19 +449,6 @@ class CudaObservation:
     def init_ok(self) -> bool:
         """Whether cuInit succeeded."""
         return bool(self.init and self.init.ok)
-
-    @classmethod
-    def parse(cls, o: Record) -> CudaObservation:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        lib = _map(o.get("library"))
-        devices = tuple(CudaDevice(d.get("ordinal"), _str(d.get("uuid")) or None,
-                                   ErrorInfo.parse(d.get("error")),
-                                   CudaStep.parse(d.get("context")),
-                                   CudaStep.parse(d.get("alloc")))
-                        for d in _records(o.get("devices")))
-        return cls(_flag(o.get("ok")), bool(lib.get("loaded")), _text(lib.get("error")),
-                   CudaStep.parse(o.get("init")), _num(o.get("device_count")), devices,
-                   _scalar(o.get("driver_version")), _num(o.get("init_duration_s")))
 
 
 # -- jax -------------------------------------------------------------------------------------
@@ -580,19 +472,21 @@ class JaxDevice:
 class JaxCompute:
     """The tiny jitted computation: where it ran and how it ended; ``record`` is its JSON."""
 
-    ok: bool
+    EMPTY_IS_NONE: ClassVar[bool] = True
+
+    ok: bool = field(metadata=_BOOL)
     device: Any
     error: ErrorInfo | None
-    record: Record = field(default_factory=dict, compare=False, repr=False)
+    record: Record = field(default_factory=dict, compare=False, repr=False, metadata=_WHOLE)
 
 
 @dataclass(frozen=True)
 class JaxObservation:
     """What the jax probe saw: versions, platforms, errors, and the computation."""
 
-    ok: bool | None
-    installed: bool = False
-    versions: Mapping[str, str | None] = field(default_factory=dict)
+    ok: bool | None = field(metadata=_FLAG)
+    installed: bool = field(default=False, metadata=_BOOL)
+    versions: Mapping[str, str | None] = field(default_factory=dict, metadata=_VERSIONS)
     import_error: ErrorInfo | None = None
     init_error: ErrorInfo | None = None
     required_error: ErrorInfo | None = None
@@ -606,8 +500,8 @@ class JaxObservation:
     devices: tuple[JaxDevice, ...] = ()
     compute: JaxCompute | None = None
     xla_env: Mapping[str, Scalar | None] | None = None
-    preallocation_disabled: bool = False
-    nvidia_gpu_visible: bool | None = None
+    preallocation_disabled: bool = field(default=False, metadata=_BOOL)
+    nvidia_gpu_visible: bool | None = field(default=None, metadata=_LENIENT)
     environment: Mapping[str, str | None] | None = None
     import_s: Any = None
     init_s: Number | None = None
@@ -616,46 +510,6 @@ class JaxObservation:
     # Only the installation was read (no GPU free to prove the backend on): see jax_probe.
     static: str | None = None  # why (e.g. "every GPU is in use"); None: a full probe
     plugins: tuple[str, ...] | None = None
-
-    @classmethod
-    def parse(cls, o: Record) -> JaxObservation:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        compute = o.get("compute")
-        errors = o.get("backend_errors")
-        xla = o.get("xla_env")
-        visible = o.get("nvidia_gpu_visible")
-        env = o.get("environment")
-        return cls(
-            ok=_flag(o.get("ok")), installed=bool(o.get("installed")),
-            versions=_str_map(o.get("versions")),
-            import_error=ErrorInfo.parse(o.get("import_error")),
-            init_error=ErrorInfo.parse(o.get("init_error")),
-            required_error=ErrorInfo.parse(o.get("required_error")),
-            platforms=_strs(o["platforms"]) if isinstance(o.get("platforms"), list) else None,
-            registered_platforms=(_strs(o["registered_platforms"]) if isinstance(
-                o.get("registered_platforms"), list) else None),
-            jax_platforms=_str(o.get("jax_platforms")),
-            jax_platforms_effective=o.get("jax_platforms_effective"),
-            default_backend=_scalar(o.get("default_backend")),
-            backend_errors=({str(k): _scalar(v) for k, v in errors.items()}
-                            if isinstance(errors, Mapping) else None),
-            required_devices=(tuple(o["required_devices"])
-                              if isinstance(o.get("required_devices"), list) else ()),
-            devices=tuple(JaxDevice(d.get("platform"), d.get("id"), d.get("kind"))
-                          for d in _records(o.get("devices"))),
-            compute=(JaxCompute(bool(compute.get("ok")), compute.get("device"),
-                                ErrorInfo.parse(compute.get("error")), compute)
-                     if isinstance(compute, Mapping) and compute else None),
-            xla_env=({str(k): _scalar(v) for k, v in xla.items()}
-                     if isinstance(xla, Mapping) else None),
-            preallocation_disabled=bool(o.get("preallocation_disabled")),
-            nvidia_gpu_visible=visible if isinstance(visible, bool) else None,
-            environment=_str_map(env) if isinstance(env, Mapping) else None,
-            import_s=o.get("import_s"), init_s=_num(o.get("init_s")),
-            compute_s=o.get("compute_s"),
-            init_duration_s=_num(o.get("init_duration_s")),
-            static=_str(o.get("static")),
-            plugins=_strs(o["plugins"]) if isinstance(o.get("plugins"), list) else None)
 
 
 # -- iree ------------------------------------------------------------------------------------
@@ -692,38 +546,25 @@ class IreeDevice:
 class IreeDriver:
     """One IREE HAL driver as the iree probe found it."""
 
-    ok: bool | None
+    ok: bool | None = field(metadata=_FLAG)
     error: ErrorInfo | None = None
-    compiled_in: bool = True
+    compiled_in: bool = field(default=True, metadata=_BOOL)
     execute: IreeExecute = field(default_factory=IreeExecute)
     devices: tuple[IreeDevice, ...] = ()
     init_s: Any = None
     compute_s: Any = None
-
-    @classmethod
-    def parse(cls, d: Record) -> IreeDriver:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        ex = _map(d.get("execute"))
-        compile_, run = ex.get("compile"), ex.get("run")
-        return cls(_flag(d.get("ok")), ErrorInfo.parse(d.get("error")),
-                   bool(d.get("compiled_in", True)),
-                   IreeExecute(compile_ if isinstance(compile_, Mapping) else None,
-                               run if isinstance(run, Mapping) else None,
-                               _scalar(ex.get("skipped"))),
-                   tuple(IreeDevice(v.get("device_id"), v.get("name"))
-                         for v in _records(d.get("devices"))),
-                   d.get("init_s"), d.get("compute_s"))
 
 
 @dataclass(frozen=True)
 class IreeObservation:
     """What the iree probe saw: versions and each driver it tried."""
 
-    ok: bool | None
-    installed: bool = False
-    versions: Mapping[str, str | None] = field(default_factory=dict)
+    ok: bool | None = field(metadata=_FLAG)
+    installed: bool = field(default=False, metadata=_BOOL)
+    versions: Mapping[str, str | None] = field(default_factory=dict, metadata=_VERSIONS)
     import_error: ErrorInfo | None = None
-    required: tuple[str, ...] | None = None
+    required: tuple[str, ...] | None = field(default=None, metadata=from_json(
+        as_type=tuple[Scalar, ...] | None, then=_texts))
     drivers: Mapping[str, IreeDriver] = field(default_factory=dict)
     compiled_in_drivers: Any = None
     environment: Mapping[str, str | None] | None = None
@@ -731,23 +572,6 @@ class IreeObservation:
     init_s: Number | None = None
     init_duration_s: Number | None = None
     static: str | None = None  # only the drivers' loading was read, and why (see iree_probe)
-
-    @classmethod
-    def parse(cls, o: Record) -> IreeObservation:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        required = o.get("required")
-        env = o.get("environment")
-        return cls(
-            ok=_flag(o.get("ok")), installed=bool(o.get("installed")),
-            versions=_str_map(o.get("versions")),
-            import_error=ErrorInfo.parse(o.get("import_error")),
-            required=tuple(str(d) for d in required) if isinstance(required, list) else None,
-            drivers={str(k): IreeDriver.parse(v) for k, v in _map(o.get("drivers")).items()
-                     if isinstance(v, Mapping)},
-            compiled_in_drivers=o.get("compiled_in_drivers"),
-            environment=_str_map(env) if isinstance(env, Mapping) else None,
-            import_s=o.get("import_s"), init_s=_num(o.get("init_s")),
-            init_duration_s=_num(o.get("init_duration_s")), static=_str(o.get("static")))
 
 
 # -- any other probe -------------------------------------------------------------------------
@@ -757,7 +581,7 @@ class IreeObservation:
 class OtherObservation:
     """An observation of a probe gpudiag does not classify: only whether it said ok."""
 
-    ok: bool | None
+    ok: bool | None = field(metadata=_FLAG)
 
 
 ProbeObservation: TypeAlias = (HostObservation | NvmlObservation | CudaObservation

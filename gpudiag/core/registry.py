@@ -2,7 +2,7 @@
 
 Add a backend with one module under gpudiag.core.backends and one line in ``BACKENDS``
 (docs/design-notes.md, "The backend registry"). The probe names, requirable names, deadlines,
-the daemon's defaults, the shape checks and parsers, the classifiers and the render order are
+the daemon's defaults, the typed observations, the classifiers and the render order are
 all read from this list, never written out again; read it through the functions below (at
 call time), so a test that appends a spec sees it everywhere.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.backends import cuda, host, iree, jax, nvml
-from gpudiag.core.observation import Obj, problem
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
 if TYPE_CHECKING:
@@ -73,25 +72,21 @@ def published() -> tuple[str, ...]:
 
 def observation_problem(backend: str, observation: Any) -> str | None:
     """Why a probe's observation is malformed; None when gpudiag can read it."""
-    found = spec(backend)
-    return problem(observation, found.shape if found is not None else Obj())
+    found = parse_observation(backend, observation)
+    return getattr(found, "problem", None)
 
 
 def parse_observation(backend: str, value: Any) -> ProbeObservation | Malformed:
     """The typed observation of ``backend``'s JSON, or why it is malformed (never raises)."""
     # Imported here, not at the top: the observation models are what a requirement's
     # parsing (the CLI's daemon-answered path) must not pay for; nothing cyclic is hidden.
+    from gpudiag.core.decode import SchemaError, decode
     from gpudiag.core.observations import Malformed, OtherObservation
 
     found = spec(backend)
-    why = observation_problem(backend, value)
-    if why is not None:
-        return Malformed(why)
     try:
-        if found is None:
-            return OtherObservation(None if value.get("ok") is None else bool(value.get("ok")))
-        parsed: ProbeObservation = found.parser()(value)
-    except (TypeError, ValueError, OverflowError, KeyError) as e:
-        # A field the shape check lets pass but that still cannot be read: name it.
-        return Malformed(f"the observation cannot be read: {type(e).__name__}: {e}")
+        parsed: ProbeObservation = decode(
+            found.observation_type() if found is not None else OtherObservation, value)
+    except SchemaError as e:
+        return Malformed(str(e))
     return parsed

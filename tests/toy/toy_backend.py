@@ -12,7 +12,6 @@ from typing import Any
 
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.findings import Findings, GpuContext
-from gpudiag.core.observation import Obj
 from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
 TYPE_CHECKING = False
@@ -27,15 +26,10 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ToyObservation:
-    """What the toy probe saw."""
+    """What the toy probe saw (and its JSON's schema: ``answer`` is a required integer)."""
 
-    ok: bool
     answer: int
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> ToyObservation:
-        """Parsed from the probe's JSON (already shape-checked)."""
-        return cls(bool(o.get("ok")), int(o["answer"]))
+    ok: bool = False
 
 
 def classify_toy(run: BackendRun, req: BackendRequirement, gpu: GpuContext,
@@ -52,6 +46,5 @@ def classify_toy(run: BackendRun, req: BackendRequirement, gpu: GpuContext,
 SPEC = BackendSpec(
     name="toy", layer="requirement", summary="A toy backend: answers 42.",
     probe_module="tests.toy.toy_backend", observation=ToyObservation,
-    parse=ToyObservation.parse, shape=Obj({"answer": int}, required=frozenset({"answer"})),
     classify=classify_toy, interval_s=1.0, timeout_s=20.0, published=True,
 )

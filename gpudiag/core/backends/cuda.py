@@ -5,15 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gpudiag.core.backend import BackendSpec
-from gpudiag.core.backends.nvml import ERROR
-from gpudiag.core.observation import ANY, NUMBER, SCALAR, ListOf, Obj
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
 if TYPE_CHECKING:
     from typing import Any
-
-_STEP = Obj({"ok": ANY, "code": ANY, "message": ANY})
-
 
 def _always(options: Mapping[str, Any]) -> bool:
     return True
@@ -25,10 +20,4 @@ SPEC = BackendSpec(
     probe_module="gpudiag.probes.cuda",
     observation="gpudiag.core.observations:CudaObservation",
     interval_s=60.0, timeout_s=15.0,
-    shape=Obj({
-        "library": Obj(), "init": _STEP, "device_count": NUMBER,
-        "devices": ListOf(Obj({"uuid": str, "error": ERROR, "context": _STEP,
-                               "alloc": _STEP})),
-        "driver_version": SCALAR, "init_duration_s": NUMBER,
-    }),
 )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from gpudiag.core.backend import BackendSpec
-from gpudiag.core.observation import ListOf, MapOf, Obj
 
 SPEC = BackendSpec(
     name="host", layer="visibility", device_layer=True, requirable=False,
@@ -11,13 +10,4 @@ SPEC = BackendSpec(
     probe_module="gpudiag.probes.host",
     observation="gpudiag.core.observations:HostObservation",
     interval_s=60.0, timeout_s=10.0,
-    shape=Obj({
-        "environment": MapOf(str),
-        "device_nodes": Obj({"gpu_nodes": (int, float), "permission_denied": ListOf(str),
-                             "dir": str}),
-        "driver_proc": Obj({"path": str, "kernel_module_version": str}),
-        "nvidia_smi": Obj(), "nvidia_smi_xml": Obj(),
-        "pci": Obj({"available": bool, "gpus": ListOf(Obj({"address": str, "driver": str},
-                                                           required=frozenset({"address"})))}),
-    }),
 )

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gpudiag.core.backend import BackendSpec
-from gpudiag.core.backends.nvml import ERROR
 from gpudiag.core.limits import IREE_DRIVERS
-from gpudiag.core.observation import NUMBER, SCALAR, ListOf, MapOf, Obj
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
 if TYPE_CHECKING:
@@ -35,13 +33,4 @@ SPEC = BackendSpec(
     platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
     options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,
     version_labels={"iree": ("iree-base-runtime", "iree")},
-    shape=Obj({
-        "versions": MapOf(SCALAR), "import_error": ERROR, "required": ListOf(SCALAR),
-        "drivers": MapOf(Obj({
-            "error": ERROR, "devices": ListOf(Obj()),
-            "execute": Obj({"compile": Obj(), "run": Obj(), "skipped": SCALAR}),
-        }), nullable=False),
-        "environment": MapOf(str), "init_s": NUMBER, "init_duration_s": NUMBER,
-        "static": str,
-    }),
 )

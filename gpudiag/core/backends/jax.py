@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gpudiag.core.backend import BackendSpec
-from gpudiag.core.backends.nvml import ERROR
-from gpudiag.core.observation import ANY, NUMBER, SCALAR, ListOf, MapOf, Obj
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
 if TYPE_CHECKING:
@@ -34,13 +32,4 @@ SPEC = BackendSpec(
     platform_word="JAX platform",
     options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,
     version_labels={"jax": ("jax",), "jaxlib": ("jaxlib",)},
-    shape=Obj({
-        "versions": MapOf(SCALAR), "import_error": ERROR, "init_error": ERROR,
-        "required_error": ERROR, "platforms": ListOf(str),
-        "registered_platforms": ListOf(str), "jax_platforms": str,
-        "backend_errors": MapOf(SCALAR), "required_devices": ListOf(ANY),
-        "compute": Obj({"error": ERROR}), "xla_env": MapOf(SCALAR),
-        "devices": ListOf(Obj()), "environment": MapOf(str), "default_backend": SCALAR,
-        "init_s": NUMBER, "init_duration_s": NUMBER, "static": str, "plugins": ListOf(str),
-    }),
 )
