@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from gpudiag.core.observations import (
     CudaObservation,
@@ -26,6 +26,18 @@ from gpudiag.core.observations import (
 from gpudiag.core.registry import parse_observation
 
 STDERR_TAIL_BYTES = 64 * 1024
+_Kind = TypeVar("_Kind")
+
+
+class _Typed(Generic[_Kind]):
+    """A read-only attribute of a ProbeRun: its parsed observation if it is of this kind."""
+
+    def __init__(self, kind: type[_Kind]) -> None:
+        self.kind = kind
+
+    def __get__(self, run: ProbeRun, owner: type[ProbeRun] | None = None) -> _Kind | None:
+        parsed = run.parsed
+        return parsed if isinstance(parsed, self.kind) else None
 
 
 @dataclass(frozen=True)
@@ -62,34 +74,13 @@ class ProbeRun:
     def ok(self) -> bool:
         return self.observation is not None and self.error is None
 
-    def _typed(self, kind: type[Any]) -> Any:
-        return self.parsed if isinstance(self.parsed, kind) else None
-
-    @property
-    def host(self) -> HostObservation | None:
-        """The typed host observation, whether or not the child exited cleanly."""
-        found: HostObservation | None = self._typed(HostObservation)
-        return found
-
-    @property
-    def nvml(self) -> NvmlObservation | None:
-        found: NvmlObservation | None = self._typed(NvmlObservation)
-        return found
-
-    @property
-    def cuda(self) -> CudaObservation | None:
-        found: CudaObservation | None = self._typed(CudaObservation)
-        return found
-
-    @property
-    def jax(self) -> JaxObservation | None:
-        found: JaxObservation | None = self._typed(JaxObservation)
-        return found
-
-    @property
-    def iree(self) -> IreeObservation | None:
-        found: IreeObservation | None = self._typed(IreeObservation)
-        return found
+    # The typed observation by kind, whether or not the child exited cleanly; None when the
+    # run holds another kind or nothing.
+    host = _Typed(HostObservation)
+    nvml = _Typed(NvmlObservation)
+    cuda = _Typed(CudaObservation)
+    jax = _Typed(JaxObservation)
+    iree = _Typed(IreeObservation)
 
 
 def bounded_tail(data: bytes, limit: int = STDERR_TAIL_BYTES) -> str:
