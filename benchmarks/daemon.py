@@ -158,7 +158,7 @@ def render_times(env: dict[str, str]) -> tuple[float, float]:
 
     from gpudiag.daemon.exporter import SnapshotCollector
     from gpudiag.daemon.scheduler import Scheduler
-    from tests.test_daemon_support import Replay, quick_config, real_runs, wait_for
+    from tests.support.daemon import Replay, quick_config, real_runs, wait_for
 
     sched = Scheduler(quick_config(), runner=Replay(real_runs(env)), env={})
     sched.start()

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 

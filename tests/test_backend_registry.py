@@ -20,7 +20,7 @@ import pytest
 from gpudiag.core import registry
 from gpudiag.core.catalog import LAYER_ORDER
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
 REPO = Path(__file__).resolve().parent.parent
 # The one registry line, run at every interpreter start (CLI, daemon and probe children).

@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import processes_with_env, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import (
+from tests.support.daemon import (
     Daemon,
     daemon_toml,
     host_env,

@@ -28,7 +28,7 @@ import pytest
 from gpudiag.cli.daemon import SHUTDOWN_LIMIT_S
 from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux)
 

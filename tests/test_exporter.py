@@ -19,7 +19,7 @@ from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.snapshot import Snapshot, WatcherState, XidCount
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for
+from tests.support.daemon import Replay, host_env, quick_config, real_runs, wait_for
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 

@@ -49,7 +49,7 @@ from gpudiag.runner.admission import AdmissionError
 from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.sysfs import make_pci_tree
-from tests.test_daemon_support import Daemon, daemon_toml, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
 from tests.test_probe_engine import FAULTS
 
 ROOT = Path(__file__).resolve().parent

@@ -33,7 +33,7 @@ from gpudiag.engine.fleet import (
 from tests.conftest import clean_env, run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs
-from tests.test_daemon_support import Daemon
+from tests.support.daemon import Daemon
 from tests.test_grafana import PROMETHEUS, free_port, node_env, start_daemon, start_prometheus
 
 EXCLUSIVE_PROCESS = 3

@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, write_config
+from tests.support.daemon import Daemon, daemon_toml, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "gpudiag.json"

@@ -21,7 +21,7 @@ from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 from gpudiag.daemon.watcher import XidWatcher
 from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import (
+from tests.support.daemon import (
     Daemon,
     daemon_toml,
     host_env,

@@ -13,7 +13,7 @@ from tests.conftest import run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
 from tests.fakes.sysfs import make_pci_tree
 from tests.fakes.sysfs import pci_address as fake_address
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
 
 PROBE = ["probe", "--backend", "host,nvml,cuda", "--json"]
 

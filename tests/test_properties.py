@@ -68,7 +68,7 @@ from gpudiag.daemon.store import HistoryStore
 from gpudiag.engine.isolation import _parse_observation
 from gpudiag.engine.plan import probes_for
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Replay, host_env, quick_config, wait_for, wsgi
+from tests.support.daemon import Replay, host_env, quick_config, wait_for, wsgi
 
 # CI runs a fixed, bounded set of examples; GPUDIAG_PROPERTY_EXAMPLES=N explores N random
 # examples per property (for a longer hunt, not for CI).

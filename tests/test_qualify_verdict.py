@@ -11,7 +11,7 @@ from typing import Any
 from gpudiag.core.qualify_score import GpuResult, Qualification
 from gpudiag.core.qualify_verdict import qualification_findings
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 from tests.test_qualify_daemon import _outcomes
 
 SMALL_GPU: dict[str, str | int] = {"FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,

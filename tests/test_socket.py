@@ -31,7 +31,7 @@ from gpudiag.engine.client import (
 )
 from tests.conftest import run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
 NOBODY = 65534
 # The impostor runs as uid 65534, which cannot read root's pyenv: the system interpreter.

@@ -19,7 +19,7 @@ from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.store import HistoryError, HistoryStore
 from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import host_env, quick_config, real_runs
+from tests.support.daemon import host_env, quick_config, real_runs
 
 
 def verdict(*blockers: tuple[str, str], warnings: tuple[str, ...] = (),

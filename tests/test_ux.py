@@ -18,8 +18,8 @@ import pytest
 from gpudiag.core.catalog import BLOCKERS
 from tests.conftest import EnvFactory, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
-from tests.tty import run_on_tty
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.tty import run_on_tty
 
 PROBE = [sys.executable, "-m", "gpudiag", "probe", "--backend", "host,nvml,cuda"]
 UUIDS = [f"GPU-f00d{i:04x}" for i in range(8)]

@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import EnvFactory
 from tests.fakes.build import write_state_file
-from tests.tty import strip_ansi
+from tests.support.tty import strip_ansi
 
 COMMANDS = {"probe": ["probe", "--backend", "host,nvml,cuda"], "health": ["health"]}
 

@@ -5,7 +5,7 @@
 ``dpkg-deb -x``: nothing on the machine changes. The package index comes from this machine's
 own Debian sources (``/etc/apt/sources.list.d/*.sources``, deb822), with the ``contrib`` and
 ``non-free`` components added, in a private sources file, lists and cache folder.
-``python -m tests.realnvidia`` fetches it ahead and prints where it is.
+``python -m tests.support.realnvidia`` fetches it ahead and prints where it is.
 
 The libraries must only ever run inside :func:`in_private_dev`: as root, NVIDIA's libraries
 create ``/dev/nvidiactl`` when it is missing, which would change what every other test on the
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = ROOT / ".cache" / "nvidia-userspace"
 PACKAGES = ("libnvidia-ml1", "libcuda1", "nvidia-smi")
 STAMP = ".gpudiag-nvidia-userspace-complete"
@@ -194,7 +194,7 @@ def _fetch(base: Path, root: Path) -> NvidiaUserspace:
 
 
 def main() -> int:
-    """``python -m tests.realnvidia``: fetch the packages (if missing) and print where."""
+    """``python -m tests.support.realnvidia``: fetch the packages (if missing) and print where."""
     try:
         found = ensure_nvidia_userspace()
     except UserspaceUnavailable as e:

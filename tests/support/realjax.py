@@ -6,7 +6,7 @@ jax, jaxlib and ``jax-cuda12-plugin[with-cuda]`` at the version of the jax in th
 plus gpudiag's own runtime dependencies; gpudiag itself comes from this checkout through
 PYTHONPATH, so one cache (``GPUDIAG_REAL_JAX_CACHE``) can serve every checkout. It is built
 in a temporary folder and renamed into place, so a half-made venv is never used.
-``python -m tests.realjax`` installs it ahead of the tests and prints its path; the tier
+``python -m tests.support.realjax`` installs it ahead of the tests and prints its path; the tier
 itself installs it when missing.
 
 Knob: ``GPUDIAG_REAL_JAX`` = ``0`` (skip the tier, with that reason), ``require`` (a stack
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = ROOT / ".cache" / "real-jax"
 STAMP = ".gpudiag-real-jax-complete"
 
@@ -192,7 +192,7 @@ def _install(venv: Path, version: str, timeout_s: float) -> RealJax:
 
 
 def main() -> int:
-    """``python -m tests.realjax``: install the stack (if missing) and print where it is."""
+    """``python -m tests.support.realjax``: install the stack (if missing) and print where it is."""
     try:
         stack = ensure_real_jax()
     except StackUnavailable as e:
