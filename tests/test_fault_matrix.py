@@ -46,10 +46,10 @@ from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import Snapshot, WatcherState
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.runner.admission import AdmissionError
-from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.sysfs import make_pci_tree
 from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
+from tests.support.host import bare_host_env, clean_env, make_host_dirs, processes_with_env
 from tests.test_probe_engine import FAULTS
 
 ROOT = Path(__file__).resolve().parent
@@ -185,11 +185,7 @@ def _job_env(rig: Rig, tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def _bare(tmp: Path, **extra: str) -> dict[str, str]:
-    dev, proc = make_host_dirs(tmp / "bare", driver_loaded=False, nodes=False)
-    env = clean_env()
-    env.update(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc))
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if not (Path(p) / "nvidia-smi").exists())
+    env = bare_host_env(tmp / "bare")
     env.update(extra)
     return env
 

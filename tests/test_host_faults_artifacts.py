@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import EnvFactory, run_gpudiag
+from tests.support.host import EnvFactory, run_gpudiag
 from tests.support.host_disk import fill, small_tmpfs
 from tests.test_run import NO_DAEMON, gpudiag_run
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.support.daemon import (
     Daemon,
@@ -24,6 +23,7 @@ from tests.support.daemon import (
     wait_for,
     write_config,
 )
+from tests.support.host import processes_with_env, run_gpudiag
 from tests.support.host_disk import fill, small_tmpfs
 
 GPUS = {"FAKE_NVML_DEVICE_COUNT": 2}

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver, build_fakes
 from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
 from tests.support.deploy import ROOT, require_root_tools
+from tests.support.host import clean_env, make_host_dirs
 from tests.test_systemd import UNIT, unit_settings
 
 TMPFILES = ROOT / "systemd" / "gpudiag-tmpfiles.conf"

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
-from tests.conftest import (
+from tests.fakes.build import FakeDriver
+from tests.fakes.sysfs import make_pci_tree
+from tests.support.host import (
     EnvFactory,
     make_host_dirs,
     processes_with_env,
     run_gpudiag,
     verdict_of,
 )
-from tests.fakes.build import FakeDriver
-from tests.fakes.sysfs import make_pci_tree
 
 ENGINE_LAYERS = ("probe", "visibility", "driver", "device", "cuda", "requirement")
 

@@ -8,23 +8,17 @@ catalog changed.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
+from tests.support.prometheus import PROMTOOL, ROOT, RULE_TESTS, RULES, promtool
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra (pip install -e .[test])")
 
-ROOT = Path(__file__).resolve().parent.parent
-RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
-RULE_TESTS = ROOT / "prometheus" / "gpudiag.rules.test.yml"
 BEGIN, END = "# BEGIN generated remediation", "# END generated remediation"
-PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None,
                                     reason="promtool not installed (apt-get install prometheus)")
 
@@ -65,12 +59,6 @@ def load_rules() -> dict[str, Any]:
 
 def alerts() -> dict[str, dict[str, Any]]:
     return {r["alert"]: r for g in load_rules()["groups"] for r in g["rules"] if "alert" in r}
-
-
-def promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    assert PROMTOOL is not None
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60,
-                          check=False, cwd=RULES.parent)
 
 
 @needs_promtool

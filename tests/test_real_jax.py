@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
+from tests.support.host import clean_env, make_host_dirs
 from tests.support.realjax import RealJax, StackUnavailable, ensure_real_jax, namespace_problem
 from tests.support.realjax import with_device_nodes as in_namespace
 

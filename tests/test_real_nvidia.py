@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import clean_env
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
+from tests.support.host import clean_env
 from tests.support.realnvidia import (
     NvidiaUserspace,
     UserspaceUnavailable,

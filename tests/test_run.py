@@ -23,9 +23,9 @@ import pytest
 
 from gpudiag.core.child import env_sha256
 from gpudiag.engine.processes import ended
-from tests.conftest import EnvFactory, run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+from tests.support.host import EnvFactory, run_gpudiag
 
 PRINT_ENV = ("import json, os; from gpudiag.core.child import env_sha256; "
              "print(json.dumps({'env': dict(os.environ), 'sha256': env_sha256(os.environ)}))")

@@ -17,9 +17,9 @@ from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.daemon.config import BackendConfig
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.store import HistoryError, HistoryStore
-from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import host_env, quick_config, real_runs
+from tests.support.host import run_gpudiag
 
 
 def verdict(*blockers: tuple[str, str], warnings: tuple[str, ...] = (),

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import clean_env
+from tests.support.host import clean_env
 from tests.test_ux import TRY_DOC, _doc_blocks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
-from tests.conftest import EnvFactory, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import EnvFactory, run_gpudiag, verdict_of
 from tests.support.tty import run_on_tty
 
 PROBE = [sys.executable, "-m", "gpudiag", "probe", "--backend", "host,nvml,cuda"]
@@ -360,7 +360,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("recipe", ["healthy", "lost", "cuinit", "busy", "jax", "xids"])
 def test_every_try_without_a_gpu_recipe_runs_as_written(recipe: str, tmp_path: Path) -> None:
-    from tests.conftest import clean_env
+    from tests.support.host import clean_env
 
     blocks = _doc_blocks()
     assert set(blocks) == {"setup", "healthy", "lost", "cuinit", "busy", "jax", "xids"}

@@ -23,8 +23,8 @@ from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.daemon.config import BackendConfig, DaemonConfig, XidConfig
 from gpudiag.engine.isolation import run_probe
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
+from tests.support.host import clean_env, make_host_dirs
 
 
 def host_env(fakes: FakeDriver, root: Path, gpus: int = 8, **knobs: str | int) -> dict[str, str]:
