@@ -27,8 +27,8 @@ import pytest
 from gpudiag.core.catalog import BLOCKERS
 from tests.fakes.build import FakeDriver
 from tests.support.host import clean_env, make_host_dirs
-from tests.support.realjax import RealJax, StackUnavailable, ensure_real_jax, namespace_problem
-from tests.support.realjax import with_device_nodes as in_namespace
+from tests.support.privatedev import in_private_dev, namespace_problem
+from tests.support.realjax import RealJax, StackUnavailable, ensure_real_jax
 
 # The install (about 2 minutes, once) counts against the first test's time.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -71,7 +71,7 @@ def rig(real_jax: RealJax, fakes: FakeDriver, tmp_path_factory: pytest.TempPathF
 def _preflight(real_jax: RealJax, env: dict[str, str]) -> tuple[int, dict[str, Any]]:
     argv = [str(real_jax.python), "-m", "gpudiag", "preflight", "--require", "jax",
             "--format", "json"]
-    proc = subprocess.run(in_namespace(argv), env=env, capture_output=True, text=True,
+    proc = subprocess.run(in_private_dev(argv, gpus=1), env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     try:
         return proc.returncode, json.loads(proc.stdout)

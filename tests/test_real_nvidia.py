@@ -31,12 +31,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
 from tests.support.host import clean_env
+from tests.support.privatedev import in_private_dev, namespace_problem
 from tests.support.realnvidia import (
     NvidiaUserspace,
     UserspaceUnavailable,
     ensure_nvidia_userspace,
-    in_private_dev,
-    namespace_problem,
 )
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -209,7 +208,7 @@ def test_the_daemon_serves_driver_not_loaded_for_rounds(real: NvidiaUserspace,
         "backends.nvml": {"interval_s": 0.5, "deadline_s": 20},
         "backends.cuda": {"interval_s": 1, "deadline_s": 20},
         "xid": {"enabled": False}}))
-    prefix = tuple(in_private_dev([], stale=1))
+    prefix = tuple(in_private_dev([], gpus=1))
     daemon = Daemon(_real_env(real), config, tmp_path / "state", prefix=prefix)
     try:
         daemon.wait_ready(timeout=60)

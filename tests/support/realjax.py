@@ -52,47 +52,6 @@ class RealJax:
         return env
 
 
-# Run as `sh -c NS_SCRIPT sh GPUS ARGV...` inside `unshare -m --propagation private`: /dev is
-# replaced, in this mount namespace only, by a tmpfs copy of it with the nodes JAX looks for
-# (/dev/nvidia0..GPUS-1, /dev/nvidiactl, /dev/nvidia-uvm). The real /dev is never touched.
-NS_SCRIPT = """set -e
-d=$(mktemp -d /tmp/gpudiag-dev.XXXXXX)
-mount -t tmpfs -o mode=755 gpudiag-dev "$d"
-cp -a /dev/. "$d"/
-mount --move "$d" /dev
-rmdir "$d"
-mknod -m 666 /dev/nvidiactl c 195 255
-mknod -m 666 /dev/nvidia-uvm c 240 0
-i=0
-while [ "$i" -lt "$1" ]; do mknod -m 666 "/dev/nvidia$i" c 195 "$i"; i=$((i + 1)); done
-shift
-exec "$@"
-"""
-
-
-def with_device_nodes(argv: list[str], gpus: int = 1) -> list[str]:
-    """``argv`` run in a private mount namespace whose /dev has the NVIDIA nodes (root only)."""
-    return ["unshare", "-m", "--propagation", "private", "--", "sh", "-c", NS_SCRIPT, "sh",
-            str(gpus), *argv]
-
-
-def namespace_problem() -> str | None:
-    """Why device nodes cannot be made in a private mount namespace here; None when they can."""
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    if os.geteuid() != 0:
-        return "making /dev/nvidia* nodes in a private mount namespace needs root"
-    try:
-        proc = subprocess.run(with_device_nodes(["test", "-c", "/dev/nvidia0"]),
-                              capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unshare failed: {e}"
-    if proc.returncode != 0:
-        said = _tail(proc.stderr) or f"exit {proc.returncode}"
-        return f"unshare -m could not make the device nodes: {said}"
-    return None
-
-
 def jax_version() -> str:
     """The version of the jax installed next to these tests (the one the suite tests)."""
     return importlib.metadata.version("jax")
