@@ -38,8 +38,8 @@ from gpudiag.engine.fleet import (
 from tests.fakes.build import build_fakes
 from tests.fakes.jobs import FakeJobs
 from tests.support.daemon import Daemon
-from tests.support.host import clean_env
-from tests.support.prometheus import RULES, free_port, node_env, start_daemon
+from tests.support.host import clean_env, free_port
+from tests.support.prometheus import RULES, node_env, start_daemon
 
 BARE = 'gpudiag:gpus_ready_free:by_backend{backend="cuda"} >= 2'
 

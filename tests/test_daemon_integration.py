@@ -27,8 +27,7 @@ from tests.support.daemon import (
     wait_for,
     write_config,
 )
-from tests.support.host import processes_with_env, run_gpudiag, verdict_of
-from tests.support.prometheus import free_port
+from tests.support.host import free_port, processes_with_env, run_gpudiag, verdict_of
 
 
 @pytest.fixture

@@ -51,9 +51,9 @@ from gpudiag.runner.admission import AdmissionError
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.sysfs import make_pci_tree
 from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
+from tests.support.faults import FAULTS
 from tests.support.host import bare_host_env, clean_env, make_host_dirs, processes_with_env
 from tests.support.toy import toy_registered, toy_registered_env
-from tests.test_probe_engine import FAULTS
 
 ROOT = Path(__file__).resolve().parent
 FAKE_PLUGIN_PATH = ROOT / "fakes" / "jax_plugin"
@@ -174,7 +174,7 @@ class Case:
 
 
 def _engine_knobs(code: str) -> dict[str, str | int]:
-    """The knobs test_probe_engine's FAULTS table uses for ``code`` (one source of truth)."""
+    """The knobs tests/support/faults.py's FAULTS table has for ``code`` (one source)."""
     return dict(FAULTS[code].knobs)
 
 
@@ -516,7 +516,7 @@ def test_a_registered_backend_is_in_the_matrix_with_its_own_faults() -> None:
 
 
 def test_the_engine_faults_table_is_the_one_reused() -> None:
-    # Engine-layer knobs come from test_probe_engine.FAULTS, not a copy of it.
+    # Engine-layer knobs come from tests/support/faults.py's FAULTS, not a copy of it.
     assert next(c for c in CASES if c.code == "cuda_no_device").knobs == FAULTS[
         "cuda_no_device"].knobs
 

@@ -33,7 +33,7 @@ from gpudiag.daemon.store import (
     fingerprint,
 )
 from tests.support.host_disk import fill, small_tmpfs
-from tests.test_store import verdict
+from tests.support.verdicts import verdict
 
 
 class FlakyStore:

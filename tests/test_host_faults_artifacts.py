@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.support.host import EnvFactory, run_gpudiag
 from tests.support.host_disk import fill, small_tmpfs
-from tests.test_run import NO_DAEMON, gpudiag_run
+from tests.support.run import NO_DAEMON, gpudiag_run
 
 
 def _files(folder: Path) -> list[Path]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+from tests.support.host import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
@@ -30,13 +30,6 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     assert PROMTOOL is not None
     return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60,
                           check=False, cwd=RULES.parent)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for tools that need a number)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_json(url: str, timeout: float = 5.0) -> Any:
