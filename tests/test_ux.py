@@ -336,7 +336,7 @@ def test_reference_states_every_contract_without_design_md() -> None:
     for name in names:
         assert name in reference, name
         assert name in daemon_md, f"{name} missing from docs/daemon.md's metric table"
-    docs = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tests").glob("*.py")]
+    docs = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tests").rglob("*.py")]
     mentions = [p.name for p in docs if "DESIGN" + ".md" in p.read_text()]
     assert mentions == [], "refer to docs/reference.md, not a design brief outside the repository"
 
