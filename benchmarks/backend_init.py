@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import clean_env
+from tests.support.host import clean_env
 
 BARE_JAX = "import jax; jax.devices()"
 BARE_IREE = "import iree.runtime as rt; rt.get_driver('local-task').create_default_device()"

@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import clean_env, make_host_dirs  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
+from tests.support.host import clean_env, make_host_dirs  # noqa: E402
 
 PASS = "python -c pass"
 

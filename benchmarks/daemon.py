@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import clean_env, make_host_dirs  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
+from tests.support.host import clean_env, make_host_dirs  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -158,7 +158,7 @@ def render_times(env: dict[str, str]) -> tuple[float, float]:
 
     from gpudiag.daemon.exporter import SnapshotCollector
     from gpudiag.daemon.scheduler import Scheduler
-    from tests.test_daemon_support import Replay, quick_config, real_runs, wait_for
+    from tests.support.daemon import Replay, quick_config, real_runs, wait_for
 
     sched = Scheduler(quick_config(), runner=Replay(real_runs(env)), env={})
     sched.start()

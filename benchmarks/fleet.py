@@ -35,11 +35,11 @@ from gpudiag.engine.fleet import (
     PrometheusError,
     ask_fleet,
 )
-from tests.conftest import clean_env
 from tests.fakes.build import build_fakes
 from tests.fakes.jobs import FakeJobs
-from tests.test_daemon_support import Daemon
-from tests.test_grafana import RULES, free_port, node_env, start_daemon
+from tests.support.daemon import Daemon
+from tests.support.host import clean_env, free_port
+from tests.support.prometheus import RULES, node_env, start_daemon
 
 BARE = 'gpudiag:gpus_ready_free:by_backend{backend="cuda"} >= 2'
 

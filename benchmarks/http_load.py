@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.soak import rss_bytes, soak_config, thread_count
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import build_fakes
-from tests.test_daemon_support import Daemon
+from tests.support.daemon import Daemon
+from tests.support.host import clean_env, make_host_dirs
 
 SCRAPE = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 MALFORMED = (b"GARBAGE\r\n\r\n", b"GET /x HTTP/9.9\r\n\r\n", b"\x16\x03\x01" + b"\0" * 60 +

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import clean_env  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
+from tests.support.host import clean_env  # noqa: E402
 
 NODES: dict[str, dict[str, str]] = {
     "pcie": {},

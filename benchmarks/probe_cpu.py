@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from gpudiag.daemon.config import DEFAULT_INTERVALS_S  # noqa: E402
 from gpudiag.engine.isolation import run_probe  # noqa: E402
-from tests.conftest import clean_env, make_host_dirs  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
+from tests.support.host import clean_env, make_host_dirs  # noqa: E402
 
 BARE_NVML = "import pynvml; pynvml.nvmlInit(); pynvml.nvmlDeviceGetCount()"
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import build_fakes
+from tests.support.host import clean_env, make_host_dirs
 
 BARE = ("import pynvml; pynvml.nvmlInit(); pynvml.nvmlDeviceGetCount(); "
         "pynvml.nvmlShutdown()")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import clean_env
+from tests.support.host import clean_env
 
 PLAIN = """
 import pytest

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpudiag.core.qualify import TIERS  # noqa: E402
-from tests.conftest import clean_env, make_host_dirs  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
+from tests.support.host import clean_env, make_host_dirs  # noqa: E402
 
 BARE = """
 import time, jax, jax.numpy as jnp, numpy as np

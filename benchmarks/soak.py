@@ -31,9 +31,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import build_fakes, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml
+from tests.support.daemon import Daemon, daemon_toml
+from tests.support.host import clean_env, make_host_dirs, processes_with_env
 
 RSS_TARGET_BYTES = 5 * 2**20
 EPISODE_SLACK_S = 12.0
@@ -64,7 +64,7 @@ def schedule(scale: float) -> list[Phase]:
     ]
 
 
-# The shared test daemon config (tests/test_daemon_support.py), probing every second.
+# The shared test daemon config (tests/support/daemon.py), probing every second.
 SOAK_CONFIG = {
     "backends.nvml": {"interval_s": 1, "deadline_s": 5},
     "backends.cuda": {"interval_s": 1, "deadline_s": 1.5},

@@ -372,7 +372,7 @@ def _fake_env(fakes: Path, base: Mapping[str, str], gpus: int, scratch: Path) ->
     driver = FakeDriver(root=fakes, lib_dir=fakes / "lib", bin_dir=fakes / "bin")
     env = driver.env(base=base, FAKE_NVML_DEVICE_COUNT=max(gpus, 1))
     if not Path("/dev/nvidiactl").exists():  # a GPU-less host: healthy look-alike nodes
-        from tests.conftest import make_host_dirs
+        from tests.support.host import make_host_dirs
         dev, proc = make_host_dirs(scratch / "host", gpus=max(gpus, 1))
         env["GPUDIAG_DEVICE_DIR"], env["GPUDIAG_DRIVER_PROC_DIR"] = str(dev), str(proc)
     return env

@@ -42,7 +42,7 @@ def record(target: Path) -> None:
     from gpudiag.core.environment import probe_environment
     from gpudiag.engine.isolation import run_probe
     from tests.fakes.build import build_fakes
-    from tests.test_daemon_support import host_env
+    from tests.support.daemon import host_env
 
     root = Path(tempfile.mkdtemp(prefix="gpudiag-corpus-"))
     fakes = build_fakes(root / "fakes")

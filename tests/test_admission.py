@@ -36,8 +36,8 @@ from gpudiag.runner.admission import (
     leaves_from_nvml,
     narrow,
 )
-from tests.conftest import EnvFactory
 from tests.fakes.build import write_state_file
+from tests.support.host import EnvFactory
 
 
 def gpu_uuid(i: int) -> str:

@@ -12,7 +12,7 @@ from gpudiag.core.verdict import Verdict
 from gpudiag.daemon import answers
 from gpudiag.daemon.answers import EncodedAnswer
 from gpudiag.daemon.envelope import encode_json
-from tests.test_properties import verdicts
+from tests.support.verdicts import verdicts
 
 # Encoding is deterministic: a few dozen generated verdicts cover it (the inner loop stays fast).
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

@@ -25,7 +25,7 @@ from gpudiag.core.findings import XidEvent
 from gpudiag.daemon.explain import explain
 from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.store import HistoryStore
-from tests.conftest import run_gpudiag
+from tests.support.host import run_gpudiag
 
 GPU = "GPU-f00d0000-0000-4000-8000-000000000000"
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import processes_with_env, run_gpudiag
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,23 +19,14 @@ import pytest
 from gpudiag.core import registry
 from gpudiag.core.catalog import LAYER_ORDER
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
-
-REPO = Path(__file__).resolve().parent.parent
-# The one registry line, run at every interpreter start (CLI, daemon and probe children).
-REGISTRY_LINE = ("from gpudiag.core import registry\nfrom tests.toy import toy_backend\n"
-                 "registry.BACKENDS.append(toy_backend.SPEC)\n")
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.toy import REPO, toy_registered, toy_registered_env
 
 
 @pytest.fixture
 def toy_env(fakes: FakeDriver, tmp_path: Path) -> dict[str, str]:
     """A healthy fake host whose Python processes have the toy backend registered."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(REGISTRY_LINE)
-    env = host_env(fakes, tmp_path / "host")
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)])
-    return env
+    return toy_registered_env(host_env(fakes, tmp_path / "host"), tmp_path / "site")
 
 
 def gpudiag(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -50,6 +40,14 @@ def test_every_spec_names_a_catalog_layer_and_an_importable_probe() -> None:
         assert importlib.util.find_spec(spec.probe_module) is not None, spec.name
     assert registry.probe_names() == ("host", "nvml", "cuda", "jax", "iree")
     assert registry.requirable() == ("nvml", "cuda", "jax", "iree")
+
+
+def test_the_registry_line_registers_the_toy_in_this_process_until_undone() -> None:
+    with toy_registered():
+        assert registry.probe_names()[-1] == "toy" and "toy" in registry.requirable()
+        spec = registry.spec("toy")
+        assert spec is not None and spec.probe_module == "tests.toy.toy_backend"
+    assert registry.probe_names() == ("host", "nvml", "cuda", "jax", "iree")
 
 
 def test_the_toy_backend_is_unknown_without_its_registry_line(fakes: FakeDriver,

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EnvFactory, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs, read_context_log
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+from tests.support.host import EnvFactory, run_gpudiag, verdict_of
 
 UUID = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(4)]
 EXCLUSIVE_PROCESS, PROHIBITED = 3, 2

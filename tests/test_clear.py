@@ -17,9 +17,9 @@ import pytest
 from gpudiag.daemon.clears import ClearPoller, ClearRequest, read_request, write_request
 from gpudiag.daemon.config import XidConfig
 from gpudiag.daemon.watcher import XidWatcher
-from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import run_gpudiag
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 UUID1 = "GPU-f00d0001-0000-4000-8000-000000000001"

@@ -23,7 +23,7 @@ from gpudiag.cli import commands
 from gpudiag.cli.entry import _INT_RANGES, FAST_FORMATS, FAST_OPTIONS, parse_fast
 from gpudiag.core.version import __version__
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
 
 CLICK_MAIN = "import sys; from gpudiag.cli.commands import main; sys.exit(main())"
 # What the daemon-answered path must never load: the terminal renderer, process tables,

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_gpudiag
-from tests.deploy_support import build_image, require_root_tools
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import host_env, wait_for
+from tests.support.daemon import host_env, wait_for
+from tests.support.deploy import build_image, require_root_tools
+from tests.support.host import run_gpudiag
 
 # podman's default runtime (crun) fails on this kind of machine (cgroups in hybrid mode, no
 # CAP_SYS_RESOURCE for its rlimits): runc with lowered ulimits works (FIELD-NOTES).

@@ -28,7 +28,7 @@ from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.daemon.store import HistoryStore
 from gpudiag.engine.locks import lock_holder, release, try_lock
 from gpudiag.runner.execute import _write_closeout, closeout_kv
-from tests.conftest import EnvFactory, processes_with_env
+from tests.support.host import EnvFactory, processes_with_env
 
 KILLS = 40
 

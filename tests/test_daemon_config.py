@@ -9,7 +9,7 @@ import pytest
 
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.daemon.config import ConfigError, DaemonConfig, from_mapping, load_config, parse_listen
-from tests.conftest import run_gpudiag
+from tests.support.host import run_gpudiag
 
 FULL = """
 listen = "127.0.0.1:9999"

@@ -19,15 +19,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import processes_with_env, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import (
+from tests.support.daemon import (
     Daemon,
     daemon_toml,
     host_env,
     wait_for,
     write_config,
 )
+from tests.support.host import free_port, processes_with_env, run_gpudiag, verdict_of
 
 
 @pytest.fixture
@@ -69,12 +69,6 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed")
 def test_prometheus_scrapes_ready_blockers_and_gpus_then_sees_a_new_blocker(rig) -> None:
     daemon = rig["start"]()
@@ -85,7 +79,7 @@ def test_prometheus_scrapes_ready_blockers_and_gpus_then_sees_a_new_blocker(rig)
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n"
         f"scrape_configs:\n  - job_name: gpudiag\n    static_configs:\n"
         f"      - targets: ['{target}']\n")
-    port = _free_port()
+    port = free_port()
     prom = subprocess.Popen(
         ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
          f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
@@ -250,7 +244,7 @@ def test_preflight_cli_asks_the_daemon_then_falls_back_inline(rig) -> None:
     del env["CUDA_VISIBLE_DEVICES"]
     code, rec = verdict_of(["preflight", "--format", "json", "--no-daemon"], env)
     assert code == 0 and rec["source"] == "inline"
-    free = f"http://127.0.0.1:{_free_port()}"
+    free = f"http://127.0.0.1:{free_port()}"
     t = time.monotonic()
     code, rec = verdict_of(["preflight", "--format", "json", "--daemon-url", free], env)
     assert code == 0 and rec["source"] == "inline" and time.monotonic() - t < 20

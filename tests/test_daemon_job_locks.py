@@ -17,7 +17,7 @@ from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
 from gpudiag.engine.locks import release, try_lock
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 UUID1 = "GPU-f00d0001-0000-4000-8000-000000000001"

@@ -20,7 +20,7 @@ from gpudiag.daemon.scheduler import Scheduler, failure_signature
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import ProbeKey, WatcherState
 from gpudiag.daemon.watcher import XidWatcher
-from tests.test_daemon_support import Replay, quick_config, wait_for
+from tests.support.daemon import Replay, quick_config, wait_for
 
 NVML = ProbeKey("nvml")
 HUNG = ProbeRun("nvml", None, 2.0, timed_out=True, error="probe nvml missed its deadline")
@@ -297,7 +297,7 @@ def _watch_lines(env: dict, count: int) -> tuple[list[dict], int | None]:
 
 
 def test_the_watcher_child_streams_xids_and_telemetry_from_nvml(fakes, tmp_path: Path) -> None:
-    from tests.test_daemon_support import host_env
+    from tests.support.daemon import host_env
 
     env = host_env(fakes, tmp_path, gpus=2, FAKE_NVML_DEVICE_COUNT=2,
                    FAKE_NVML_XIDS="1:48,0:13", FAKE_NVML_TEMPERATURE_C="0:61")
@@ -311,7 +311,7 @@ def test_the_watcher_child_streams_xids_and_telemetry_from_nvml(fakes, tmp_path:
 
 
 def test_the_watcher_child_reports_nvml_init_failure_and_exits(fakes, tmp_path: Path) -> None:
-    from tests.test_daemon_support import host_env
+    from tests.support.daemon import host_env
 
     env = host_env(fakes, tmp_path, gpus=2, FAKE_NVML_INIT_ERROR=9)
     lines, _ = _watch_lines(env, 1)

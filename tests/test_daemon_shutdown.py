@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 from gpudiag.daemon.service import SHUTDOWN_LIMIT_S
-from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import processes_with_env, run_gpudiag
 
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux)
 

@@ -16,22 +16,11 @@ from gpudiag.core import registry
 from gpudiag.core.catalog import BLOCKERS, WARNINGS
 from gpudiag.core.findings import XidEvent
 from gpudiag.daemon.exporter import SnapshotCollector
-from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.snapshot import Snapshot, WatcherState, XidCount
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for
+from tests.support.daemon import host_env, real_runs, snapshot_of
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
-
-
-class FixedWatcher:
-    """A WatcherSource with a fixed state (the supervisor itself is tested elsewhere)."""
-
-    def __init__(self, state: WatcherState) -> None:
-        self._state = state
-
-    def state(self) -> WatcherState:
-        return self._state
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +33,6 @@ def runs_8(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
 def runs_lost(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return real_runs(host_env(fakes, tmp_path_factory.mktemp("hl"), FAKE_NVML_DEVICE_COUNT=2,
                               FAKE_NVML_DEVICE_ERRORS="1:15"))
-
-
-def snapshot_of(runs: dict, watcher: WatcherState | None = None) -> Snapshot:
-    sched = Scheduler(quick_config(), runner=Replay(dict(runs)), env={},
-                      watcher=FixedWatcher(watcher) if watcher else None)
-    try:
-        sched.start()
-        return wait_for(lambda: (s := sched.snapshot()).round_complete and s, 5)
-    finally:
-        sched.stop()
 
 
 def scrape(snap: Snapshot, now: float = 1_800_000_000.0) -> tuple[str, dict]:

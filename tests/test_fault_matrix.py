@@ -19,6 +19,7 @@ never skips silently). Three routes, each with real children on the fake driver:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -40,17 +41,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import gpudiag
 from gpudiag.cli.daemon import history as history_cmd
+from gpudiag.core import registry
 from gpudiag.core.catalog import BLOCKERS, WARNINGS
 from gpudiag.core.verdict import Verdict
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import Snapshot, WatcherState
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.runner.admission import AdmissionError
-from tests.conftest import clean_env, make_host_dirs, processes_with_env
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.sysfs import make_pci_tree
-from tests.test_daemon_support import Daemon, daemon_toml, wait_for, write_config
-from tests.test_probe_engine import FAULTS
+from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
+from tests.support.faults import FAULTS
+from tests.support.host import bare_host_env, clean_env, make_host_dirs, processes_with_env
+from tests.support.toy import toy_registered, toy_registered_env
 
 ROOT = Path(__file__).resolve().parent
 FAKE_PLUGIN_PATH = ROOT / "fakes" / "jax_plugin"
@@ -171,7 +174,7 @@ class Case:
 
 
 def _engine_knobs(code: str) -> dict[str, str | int]:
-    """The knobs test_probe_engine's FAULTS table uses for ``code`` (one source of truth)."""
+    """The knobs tests/support/faults.py's FAULTS table has for ``code`` (one source)."""
     return dict(FAULTS[code].knobs)
 
 
@@ -185,11 +188,7 @@ def _job_env(rig: Rig, tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def _bare(tmp: Path, **extra: str) -> dict[str, str]:
-    dev, proc = make_host_dirs(tmp / "bare", driver_loaded=False, nodes=False)
-    env = clean_env()
-    env.update(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc))
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if not (Path(p) / "nvidia-smi").exists())
+    env = bare_host_env(tmp / "bare")
     env.update(extra)
     return env
 
@@ -342,6 +341,32 @@ def _a(code: str, admit: Callable[[Rig, Path], Verdict]) -> Case:
     return Case(code, "admission", admit=admit, evidence=ADMISSION_EVIDENCE)
 
 
+# -- registered backends' own faults -------------------------------------------------------------
+# A backend whose probe module declares FAULTS (catalog code -> knobs of its child's
+# environment, as tests/toy/toy_backend.py does) gets one job-route case per entry: required
+# alone, through `gpudiag preflight`, the exporter and the history like every job case. The
+# matrix's registry is the suite's plus the toy's one registry line (tests/support/toy.py),
+# which every child of these cases runs too: a backend is in the matrix by being registered.
+def _registered(knobs: Mapping[str, str]) -> Callable[[Rig, Path], dict[str, str]]:
+    def make(rig: Rig, tmp: Path) -> dict[str, str]:
+        return toy_registered_env(_job_env(rig, tmp, **knobs), tmp / "site")
+    return make
+
+
+def _backend_fault_cases() -> tuple[Case, ...]:
+    with toy_registered():
+        specs = registry.specs()
+    cases = []
+    for spec in specs:
+        faults: Mapping[str, Mapping[str, str]] = getattr(
+            importlib.import_module(spec.probe_module), "FAULTS", {})
+        cases += [Case(code, "job", require=spec.name, variant=spec.name, env=_registered(knobs),
+                       # a hang needs a deadline shorter than the backend's own
+                       cli_args=("--timeout", "3") if code == "probe_timeout" else ())
+                  for code, knobs in faults.items()]
+    return tuple(cases)
+
+
 CASES: tuple[Case, ...] = (
     # probe
     _d("probe_timeout", cli_args=("--timeout", "2")),
@@ -436,7 +461,11 @@ CASES: tuple[Case, ...] = (
     _q("gpu_compute_mismatch", {**QUALIFY_BASE, "FAKE_CUDA_CORRUPT_COPY": "1:7"}),
     # A slow GPU with qualification.block = true: a daemon of its own (the shared one warns).
     Case("gpu_underperforming", "qualify", QUALIFY_SLOW_4, variant="block"),
+    # registered backends' own faults (the toy's among them)
+    *_backend_fault_cases(),
 )
+
+
 
 WARNING_CASES: tuple[Case, ...] = (
     # Held while working over the dwell time (0 s in MATRIX_CONFIG): rounds of the daemon.
@@ -478,8 +507,16 @@ def test_every_catalog_code_has_a_fault_case() -> None:
     assert blockers <= set(BLOCKERS) and warnings <= set(WARNINGS)
 
 
+def test_a_registered_backend_is_in_the_matrix_with_its_own_faults() -> None:
+    from tests.toy import toy_backend
+
+    toy = sorted(c.id for c in CASES if c.require == "toy")
+    assert toy == sorted(f"{code}[toy]" for code in toy_backend.FAULTS)
+    assert "toy" not in registry.probe_names()  # registered for the matrix, then undone
+
+
 def test_the_engine_faults_table_is_the_one_reused() -> None:
-    # Engine-layer knobs come from test_probe_engine.FAULTS, not a copy of it.
+    # Engine-layer knobs come from tests/support/faults.py's FAULTS, not a copy of it.
     assert next(c for c in CASES if c.code == "cuda_no_device").knobs == FAULTS[
         "cuda_no_device"].knobs
 

@@ -30,11 +30,11 @@ from gpudiag.engine.fleet import (
     PrometheusError,
     ask_fleet,
 )
-from tests.conftest import clean_env, run_gpudiag
 from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs
-from tests.test_daemon_support import Daemon
-from tests.test_grafana import PROMETHEUS, free_port, node_env, start_daemon, start_prometheus
+from tests.support.daemon import Daemon
+from tests.support.host import clean_env, free_port, run_gpudiag
+from tests.support.prometheus import PROMETHEUS, node_env, start_daemon, start_prometheus
 
 EXCLUSIVE_PROCESS = 3
 # The CLI's staleness window in these tests; Prometheus scrapes every second.

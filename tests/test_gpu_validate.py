@@ -22,7 +22,7 @@ import pytest
 from scripts.gpu_validate import rules_test
 from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs, read_context_log
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-validate.sh"

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -20,16 +18,20 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, write_config
+from tests.support.daemon import Daemon
+from tests.support.prometheus import (
+    PROMETHEUS,
+    http_json,
+    node_env,
+    start_daemon,
+    start_prometheus,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "gpudiag.json"
 PROVISIONING = ROOT / "grafana" / "provisioning"
-RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
-PROMETHEUS = shutil.which("prometheus")
 
 
 def dashboard() -> dict[str, Any]:
@@ -115,41 +117,6 @@ def test_provisioning_examples_parse() -> None:
 
 # --- a real Prometheus scraping real daemons ----------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-# The shared test daemon config at a scrape-friendly pace (scheduler and watcher defaults).
-FLEET_CONFIG = {
-    "scheduler": {"tick_s": 0.2, "jitter_ratio": None, "backoff_max_s": None},
-    "backends.nvml": {"interval_s": 1.0, "deadline_s": None},
-    "xid": {"heartbeat_s": None, "gap_warning_s": None},
-    # Each fake GPU qualified once, against a table of this machine's fakes (no alert fires).
-    "qualification": {"idle_s": 0.5, "tick_s": 0.2, "reference_file": None},
-}
-FAKE_REFERENCE = {"models": [{"model": "fake", "names": ["h200"], "source": "test_grafana.py",
-                              "peaks": {"memory_bandwidth": 1e6, "host_to_device_bandwidth": 1e6,
-                                        "device_to_host_bandwidth": 1e6}}]}
-
-
-def start_daemon(folder: Path, env: dict[str, str], extra_args: tuple[str, ...] = ()
-                 ) -> Daemon:
-    folder.mkdir(parents=True)
-    table = folder / "reference.json"
-    table.write_text(json.dumps(FAKE_REFERENCE))
-    config = daemon_toml({**FLEET_CONFIG, "qualification": {
-        **FLEET_CONFIG["qualification"], "reference_file": str(table)}})
-    return Daemon(env, write_config(folder / "gpudiag.toml", config),
-                  folder / "state", extra_args=extra_args)
-
-
 @dataclass
 class Fleet:
     prometheus_url: str
@@ -162,33 +129,6 @@ class Fleet:
         assert answer["status"] == "success", answer
         result: list[dict[str, Any]] = answer["data"]["result"]
         return result
-
-
-def node_env(fakes: FakeDriver, root: Path, **knobs: str) -> dict[str, str]:
-    dev, proc = make_host_dirs(root, gpus=2)
-    base = clean_env()
-    base.update(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc))
-    return fakes.env(base=base, FAKE_NVML_DEVICE_COUNT="2", FAKE_CUDA_DEVICE_COUNT="2",
-                     **knobs)
-
-
-def start_prometheus(root: Path, targets: list[str]) -> subprocess.Popen[bytes]:
-    """A real Prometheus scraping ``targets`` every second with gpudiag's rules; ``.port``."""
-    assert PROMETHEUS is not None
-    port = free_port()
-    rules = root / "gpudiag.rules.yml"
-    shutil.copy(RULES, rules)
-    (root / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"rule_files: [{rules}]\n"
-        "scrape_configs:\n  - job_name: gpudiag\n    static_configs:\n"
-        f"      - targets: {json.dumps(targets)}\n")
-    proc = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={root / 'prometheus.yml'}",
-         f"--storage.tsdb.path={root / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(root / "prometheus.log").open("w"))
-    proc.port = port  # type: ignore[attr-defined]
-    return proc
 
 
 @pytest.fixture(scope="module")

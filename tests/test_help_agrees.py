@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EnvFactory, clean_env, run_gpudiag
+from tests.support.host import EnvFactory, clean_env, run_gpudiag
 
 COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear", "fleet"]
 RECORD_PRINTERS = ["probe", "preflight", "health", "history", "fleet"]

@@ -19,9 +19,8 @@ from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread
 from gpudiag.daemon.statedir import start_history
 from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 from gpudiag.daemon.watcher import XidWatcher
-from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import (
+from tests.support.daemon import (
     Daemon,
     daemon_toml,
     host_env,
@@ -29,6 +28,7 @@ from tests.test_daemon_support import (
     wait_for,
     write_config,
 )
+from tests.support.host import run_gpudiag
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 UUID1 = "GPU-f00d0001-0000-4000-8000-000000000001"

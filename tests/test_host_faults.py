@@ -1,7 +1,7 @@
 """Faults of the host under the daemon's store: a full disk, a damaged history, a held lock.
 
-The disk is a real small tmpfs (tests/host_disk.py): SQLite and the OS answer as they would on
-a node. The end-to-end tests with a real `gpudiag serve` are in test_host_faults_daemon.py.
+The disk is a real small tmpfs (tests/support/host_disk.py): SQLite and the OS answer as they
+would on a node. The end-to-end tests with a real `gpudiag serve` are in test_host_faults_daemon.py.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from gpudiag.daemon.store import (
     HistoryWriteError,
     fingerprint,
 )
-from tests.host_disk import fill, small_tmpfs
-from tests.test_store import verdict
+from tests.support.host_disk import fill, small_tmpfs
+from tests.support.verdicts import verdict
 
 
 class FlakyStore:

@@ -1,5 +1,6 @@
 """`gpudiag run` artifacts and `--record` on a full disk or a vanished folder: a clear error,
-the right exit code, and never a half-written file (a real small tmpfs, tests/host_disk.py)."""
+the right exit code, and never a half-written file (a real small tmpfs,
+tests/support/host_disk.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import EnvFactory, run_gpudiag
-from tests.host_disk import fill, small_tmpfs
-from tests.test_run import NO_DAEMON, gpudiag_run
+from tests.support.host import EnvFactory, run_gpudiag
+from tests.support.host_disk import fill, small_tmpfs
+from tests.support.run import NO_DAEMON, gpudiag_run
 
 
 def _files(folder: Path) -> list[Path]:

@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import processes_with_env, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.host_disk import fill, small_tmpfs
-from tests.test_daemon_support import (
+from tests.support.daemon import (
     Daemon,
     daemon_toml,
     host_env,
     wait_for,
     write_config,
 )
+from tests.support.host import processes_with_env, run_gpudiag
+from tests.support.host_disk import fill, small_tmpfs
 
 GPUS = {"FAKE_NVML_DEVICE_COUNT": 2}
 

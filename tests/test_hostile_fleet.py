@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import clean_env, run_gpudiag
+from tests.support.host import clean_env, run_gpudiag
 
 NODE = {"instance": "node1:9477", "job": "gpudiag"}
 NOW = 1_800_000_000.0

@@ -21,7 +21,7 @@ import pytest
 from gpudiag.core.numbers import ascii_int
 from gpudiag.daemon.httpserver import HttpServer, body_length
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
 
 UNICODE_DIGITS = ["\u00b2", "\u00b3", "\u00b9", "\u0663", "\uff15"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EnvFactory, run_gpudiag
+from tests.support.host import EnvFactory, run_gpudiag
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:\u00b2", "127.0.0.1:\u0663", "[::1]:\uff19"])

@@ -22,7 +22,7 @@ import pytest
 
 from gpudiag.engine.locks import lock_holder, try_lock
 from gpudiag.engine.locks import release as release_locks
-from tests.conftest import EnvFactory, run_gpudiag
+from tests.support.host import EnvFactory, run_gpudiag
 
 NOBODY = 65534
 NO_DAEMON = "http://127.0.0.1:9"

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from gpudiag.core.redact import redact_environment, redact_record, redact_text
-from tests.conftest import EnvFactory, run_gpudiag
-from tests.test_daemon_support import Daemon, daemon_toml, write_config
+from tests.support.daemon import Daemon, daemon_toml, write_config
+from tests.support.host import EnvFactory, run_gpudiag
 
 
 def _secrets(env: dict[str, str]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from gpudiag.daemon.httpserver import MAX_HEAD_BYTES, AbuseLog, HttpServer
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.snapshot import ProbeKey
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import (
+from tests.support.daemon import (
     Daemon,
     Replay,
     daemon_toml,

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from gpudiag.core.version import __version__
-from tests.conftest import run_gpudiag
-from tests.deploy_support import ROOT
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import host_env
+from tests.support.daemon import host_env
+from tests.support.deploy import ROOT
+from tests.support.host import run_gpudiag
 
 
 @pytest.fixture(scope="module")

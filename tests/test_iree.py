@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpudiag.core.classify_iree import parse_status
-from tests.conftest import EnvFactory, run_gpudiag, verdict_of
+from tests.support.host import EnvFactory, run_gpudiag, verdict_of
 
 
 def _codes(record: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.engine.isolation import run_probe
-from tests.conftest import EnvFactory, clean_env, verdict_of
+from tests.support.host import EnvFactory, clean_env, verdict_of
 
 FAKE_PLUGIN_PATH = Path(__file__).resolve().parent / "fakes" / "jax_plugin"
 

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import clean_env, make_host_dirs
-from tests.deploy_support import ROOT, require_root_tools
 from tests.fakes.build import FakeDriver, build_fakes
-from tests.test_daemon_support import Daemon, daemon_toml, wait_for, write_config
-from tests.test_systemd import UNIT, unit_settings
+from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
+from tests.support.deploy import ROOT, UNIT, require_root_tools, unit_settings
+from tests.support.host import clean_env, make_host_dirs
 
 TMPFILES = ROOT / "systemd" / "gpudiag-tmpfiles.conf"
 # Run as `sh -c SANDBOX sh RW_PATHS ARGV...` in `unshare -m --propagation private`.

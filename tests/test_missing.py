@@ -9,11 +9,11 @@ import pytest
 from gpudiag.core.missing import pci_address
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.probes.host import pci_gpus
-from tests.conftest import run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
 from tests.fakes.sysfs import make_pci_tree
 from tests.fakes.sysfs import pci_address as fake_address
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+from tests.support.host import run_gpudiag, verdict_of
 
 PROBE = ["probe", "--backend", "host,nvml,cuda", "--json"]
 

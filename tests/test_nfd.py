@@ -13,9 +13,8 @@ from gpudiag.core import registry
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.nfd import NfdFeatureFile, feature_labels, render
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, real_runs, wait_for, write_config
-from tests.test_exporter import snapshot_of
-from tests.test_grafana import FLEET_CONFIG, node_env
+from tests.support.daemon import Daemon, daemon_toml, real_runs, snapshot_of, wait_for, write_config
+from tests.support.prometheus import FLEET_CONFIG, node_env
 
 
 def parse(text: str) -> dict[str, str]:

@@ -23,10 +23,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import make_host_dirs
-from tests.deploy_support import ROOT, debian_rootfs, require_root_tools
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import wait_for
+from tests.support.daemon import wait_for
+from tests.support.deploy import ROOT, debian_rootfs, require_root_tools
+from tests.support.host import make_host_dirs
 
 # One machine per session: ~45 s to unpack, boot and install, ~80 s for the file; the rootfs
 # (mmdebstrap, ~3 min) is made once and cached in .cache/rootfs.

@@ -21,10 +21,10 @@ from gpudiag.cli.render import render_text
 from gpudiag.core.missing import sysfs_bus_ids
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import DeviceInfo, DeviceProcess, Verdict
-from tests.conftest import EnvFactory, run_gpudiag
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
-from tests.tty import run_on_tty
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import EnvFactory, run_gpudiag
+from tests.support.tty import run_on_tty
 
 PROBE = ["probe", "--backend", "host,nvml,cuda"]
 

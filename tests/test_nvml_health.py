@@ -49,9 +49,9 @@ from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import ProbeKey, ProbeResult, Snapshot, WatcherState
 from gpudiag.engine.isolation import run_probe
-from tests.conftest import verdict_of
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import verdict_of
 
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 GIB = 1024 ** 3

@@ -27,7 +27,7 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.registry import parse_observation
 from gpudiag.engine.isolation import run_probe
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import host_env
+from tests.support.daemon import host_env
 
 BACKENDS = ("host", "nvml", "cuda", "jax", "iree")
 JSON = st.recursive(

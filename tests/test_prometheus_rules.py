@@ -1,61 +1,25 @@
 """Prometheus rules: promtool check/test pass, every alert has a firing and a quiet case,
 and the NodeBlocked remediation annotation covers the whole blocker catalog.
 
-``python -m tests.test_prometheus_rules`` rewrites the generated remediation block after the
-catalog changed.
+``scripts/gen_rule_remediation.py`` writes the remediation block from the catalog; a test
+here checks it is current.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
+from scripts import gen_rule_remediation
+from tests.support.prometheus import PROMTOOL, ROOT, RULE_TESTS, RULES, promtool
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra (pip install -e .[test])")
 
-ROOT = Path(__file__).resolve().parent.parent
-RULES = ROOT / "prometheus" / "gpudiag.rules.yml"
-RULE_TESTS = ROOT / "prometheus" / "gpudiag.rules.test.yml"
-BEGIN, END = "# BEGIN generated remediation", "# END generated remediation"
-PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None,
                                     reason="promtool not installed (apt-get install prometheus)")
-
-
-def remediation_template() -> str:
-    """The Go template choosing the catalog's remediation by the alert's code label."""
-    lines = []
-    for i, entry in enumerate(BLOCKERS.values()):
-        keyword = "if" if i == 0 else "else if"
-        lines.append(f'{{{{- {keyword} eq $labels.code "{entry.code}" -}}}}')
-        lines.append(entry.remediation)
-    lines.append("{{- else -}}")
-    lines.append("See the gpudiag blocker catalog for {{ $labels.code }}.")
-    lines.append("{{- end -}}")
-    return "\n".join(lines)
-
-
-def generated_block(indent: str) -> str:
-    body = "\n".join(indent + "  " + line for line in remediation_template().splitlines())
-    return f"{indent}{BEGIN} (python -m tests.test_prometheus_rules rewrites it)\n" \
-           f"{indent}remediation: |-\n{body}\n{indent}{END}"
-
-
-def rewrite(text: str) -> str:
-    """The rules file with its generated block replaced by the current catalog's."""
-    pattern = re.compile(rf"^([ \t]*){re.escape(BEGIN)}.*?^[ \t]*{re.escape(END)}",
-                         re.M | re.S)
-    match = pattern.search(text)
-    if match is None:
-        raise ValueError(f"{RULES}: no '{BEGIN}' ... '{END}' block")
-    return text[:match.start()] + generated_block(match.group(1)) + text[match.end():]
 
 
 def load_rules() -> dict[str, Any]:
@@ -65,12 +29,6 @@ def load_rules() -> dict[str, Any]:
 
 def alerts() -> dict[str, dict[str, Any]]:
     return {r["alert"]: r for g in load_rules()["groups"] for r in g["rules"] if "alert" in r}
-
-
-def promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    assert PROMTOOL is not None
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60,
-                          check=False, cwd=RULES.parent)
 
 
 @needs_promtool
@@ -114,9 +72,22 @@ def test_every_alert_has_severity_and_summary(name: str) -> None:
 
 def test_remediation_block_matches_the_catalog() -> None:
     text = RULES.read_text()
-    assert rewrite(text) == text, (
+    assert gen_rule_remediation.rewrite(text) == text, (
         "the remediation annotation is out of date with gpudiag/core/catalog.py: "
-        "run `python -m tests.test_prometheus_rules`")
+        "run .venv/bin/python scripts/gen_rule_remediation.py")
+
+
+def test_the_generator_rewrites_a_stale_block_and_nothing_else() -> None:
+    text = RULES.read_text()
+    first = BLOCKERS[next(iter(BLOCKERS))].remediation
+    stale = text.replace(first, "an old remediation", 1)
+    assert stale != text
+    assert gen_rule_remediation.rewrite(stale) == text
+
+
+def test_the_generator_names_the_file_when_the_block_is_gone() -> None:
+    with pytest.raises(ValueError, match=r"gpudiag\.rules\.yml: no '# BEGIN generated"):
+        gen_rule_remediation.rewrite("groups: []\n")
 
 
 @pytest.mark.parametrize("code", list(BLOCKERS))
@@ -135,7 +106,3 @@ def test_metrics_used_are_in_the_contract() -> None:
     assert not missing, f"metrics not in docs/reference.md: {missing}"
     assert "gpudiag_blocker" in names
 
-
-if __name__ == "__main__":
-    RULES.write_text(rewrite(RULES.read_text()))
-    print(f"rewrote the remediation block of {RULES}", file=sys.stderr)

@@ -54,10 +54,6 @@ from gpudiag.core.requirement import (
     parse_timeout,
 )
 from gpudiag.core.verdict import (
-    BackendRequirement,
-    BackendStatus,
-    DeviceInfo,
-    Finding,
     RecordError,
     Requirement,
     Verdict,
@@ -69,7 +65,8 @@ from gpudiag.daemon.store import HistoryStore
 from gpudiag.engine.isolation import _parse_observation
 from gpudiag.engine.plan import probes_for
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Replay, host_env, quick_config, wait_for, wsgi
+from tests.support.daemon import Replay, host_env, quick_config, wait_for, wsgi
+from tests.support.verdicts import verdicts
 
 # CI runs a fixed, bounded set of examples; GPUDIAG_PROPERTY_EXAMPLES=N explores N random
 # examples per property (for a longer hunt, not for CI).
@@ -555,38 +552,6 @@ def test_any_request_is_answered_with_a_known_status_never_500(
 
 # -- verdict records: JSON and key=value -------------------------------------------------------
 CODES = st.sampled_from(sorted(BLOCKERS))
-FREE_TEXT = st.text(max_size=30) | st.sampled_from(["a\nb", "x\\ny", "c\\\\", "\r\n", "=", ""])
-
-
-@st.composite
-def verdicts(draw: st.DrawFn) -> Verdict:
-    def finding(codes: list[str]) -> Finding:
-        return Finding.of(draw(st.sampled_from(codes)), draw(FREE_TEXT),
-                          backend=draw(st.none() | st.sampled_from(["nvml", "cuda", "jax"])),
-                          device=draw(st.none() | FREE_TEXT))
-    backends = draw(st.lists(st.sampled_from([BackendRequirement("cuda"),
-                                              BackendRequirement("jax", "cpu"),
-                                              BackendRequirement("iree", "local-task")]),
-                             min_size=1, max_size=3, unique=True))
-    return Verdict(
-        requirement=Requirement(tuple(backends),
-                                draw(st.none() | st.lists(st.sampled_from(["0", "1"]),
-                                                          min_size=1, unique=True).map(tuple)),
-                                draw(st.none() | st.integers(0, 64)),
-                                draw(st.none() | st.integers(0, 2**40))),
-        blockers=tuple(finding(sorted(BLOCKERS)) for _ in range(draw(st.integers(0, 3)))),
-        warnings=tuple(finding(sorted(WARNINGS)) for _ in range(draw(st.integers(0, 2)))),
-        devices=tuple(DeviceInfo(i, draw(st.none() | FREE_TEXT), draw(st.none() | FREE_TEXT),
-                                 None, draw(st.none() | st.integers(0, 2**50)), None)
-                      for i in range(draw(st.integers(0, 2)))),
-        backends={"cuda": BackendStatus(draw(st.sampled_from(["ok", "blocked"])),
-                                        draw(st.none() | st.floats(0, 100)),
-                                        {"cuda_driver": draw(st.none() | FREE_TEXT)}, {})},
-        evidence={"driver": {"version": draw(st.none() | FREE_TEXT)}},
-        preallocation_disabled=draw(st.booleans()),
-        host=draw(FREE_TEXT), checked_at=draw(FREE_TEXT), source="inline")
-
-
 @FAST
 @given(verdicts())
 def test_verdict_records_round_trip_through_json(verdict: Verdict) -> None:

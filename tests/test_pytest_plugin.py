@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from gpudiag.engine.locks import release, try_lock
-from tests.conftest import EnvFactory
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+from tests.support.host import EnvFactory
 
 pytest_plugins = ["pytester"]
 

@@ -21,8 +21,8 @@ import pytest
 
 from gpudiag.engine.locks import release, try_lock
 from gpudiag.probes.qualify import ABORT_GRACE_S, Guard, watch
-from tests.conftest import EnvFactory, run_gpudiag
 from tests.fakes.jobs import FakeJobs, read_context_log
+from tests.support.host import EnvFactory, run_gpudiag
 
 GIB_PER_S = 1e9
 HEALTHY_GBPS, SLOW_GBPS = 0.4, 0.1
@@ -130,7 +130,7 @@ def test_a_job_appearing_mid_run_aborts_it_within_1_s(
 # machine, 20 s on a loaded one.
 @pytest.mark.slow
 def test_the_pipeline_runs_for_real_on_jax_cpu_devices(tmp_path: Path) -> None:
-    from tests.conftest import clean_env
+    from tests.support.host import clean_env
 
     table = _write_table(tmp_path / "cpu.json", names=["cpu"], bandwidth=1e6, matmul=1e6)
     state = tmp_path / "state"
@@ -165,7 +165,7 @@ def test_the_pipeline_runs_for_real_on_jax_cpu_devices(tmp_path: Path) -> None:
 # 10 s on an idle machine, 20 s on a loaded one.
 @pytest.mark.slow
 def test_full_tier_measures_fp32_with_a_known_answer_on_cpu(tmp_path: Path) -> None:
-    from tests.conftest import clean_env
+    from tests.support.host import clean_env
 
     code, report, err = _qualify(["--platform", "cpu", "--cpu-devices", "1", "--tier", "full",
                                   "--no-history"], clean_env())
@@ -186,7 +186,7 @@ def test_full_tier_measures_fp32_with_a_known_answer_on_cpu(tmp_path: Path) -> N
     (["--platform", "cpu", "--cpu-devices", "2", "--gpus", "5"], "devices 0 to 1"),
 ])
 def test_bad_flags_are_usage_errors_that_name_the_fix(args: list[str], message: str) -> None:
-    from tests.conftest import clean_env
+    from tests.support.host import clean_env
 
     proc = run_gpudiag(["qualify", *args, "--no-history"], clean_env())
     assert proc.returncode == 2 and message in proc.stderr
@@ -194,7 +194,7 @@ def test_bad_flags_are_usage_errors_that_name_the_fix(args: list[str], message: 
 
 
 def test_a_bad_reference_table_is_a_usage_error(tmp_path: Path) -> None:
-    from tests.conftest import clean_env
+    from tests.support.host import clean_env
 
     bad = tmp_path / "t.json"
     bad.write_text('{"models": [{"names": ["x"], "peaks": {"warp": 1}, "source": "s"}]}')

@@ -9,10 +9,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import (
+    Daemon,
+    daemon_toml,
+    host_env,
+    metric_samples,
+    qualification_outcomes,
+    wait_for,
+    write_config,
+)
 
 SMALL_GPU = {"FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,
              # No row in the data-sheet table: the node's peers and history judge.
@@ -28,18 +34,6 @@ def _post(daemon: Daemon, path: str) -> tuple[int, Any]:
         return e.code, json.loads(e.read())
 
 
-def _samples(daemon: Daemon, name: str) -> list[tuple[dict[str, str], float]]:
-    status, text = daemon.get("/metrics")
-    assert status == 200
-    return [(s.labels, s.value) for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name == name]
-
-
-def _outcomes(daemon: Daemon) -> dict[str, str]:
-    return {lab["gpu"]: lab["code"] for lab, v in
-            _samples(daemon, "gpudiag_gpu_qualification_outcome") if v == 1}
-
-
 def test_the_daemon_qualifies_idle_gpus_and_exports_what_it_found(
         fakes: FakeDriver, tmp_path: Path) -> None:
     speeds = ",".join(f"{i}:{0.1 if i == 3 else 0.4}" for i in range(8))
@@ -49,20 +43,20 @@ def test_the_daemon_qualifies_idle_gpus_and_exports_what_it_found(
         "idle_s": 0.2, "tick_s": 0.1, "max_age_s": 3600}}))
     daemon = Daemon(env, config, tmp_path / "state")
     try:
-        outcomes = wait_for(lambda: (o := _outcomes(daemon)) and len(o) == 8 and o, 120,
-                            interval=0.5)
+        outcomes = wait_for(lambda: (o := qualification_outcomes(daemon)) and len(o) == 8 and o,
+                            120, interval=0.5)
         assert outcomes == {str(i): {3: "gpu_underperforming", 5: "gpu_compute_mismatch"}.get(
             i, "none") for i in range(8)}
         ratios = {(lab["gpu"], lab["measure"], lab["reference"]): v for lab, v in
-                  _samples(daemon, "gpudiag_gpu_qualification_ratio")}
+                  metric_samples(daemon, "gpudiag_gpu_qualification_ratio")}
         assert ratios[("3", "memory_bandwidth", "peers")] < 0.5
         bandwidth = {lab["gpu"]: v for lab, v in
-                     _samples(daemon, "gpudiag_gpu_qualification_bytes_per_second")
+                     metric_samples(daemon, "gpudiag_gpu_qualification_bytes_per_second")
                      if lab["measure"] == "memory_bandwidth"}
         assert bandwidth["0"] > 2 * bandwidth["3"]
-        assert all(v <= 8 * 2 ** 20 for _, v in _samples(daemon,
+        assert all(v <= 8 * 2 ** 20 for _, v in metric_samples(daemon,
                                                           "gpudiag_gpu_qualification_bytes"))
-        (cost,) = _samples(daemon, "gpudiag_qualification_gpu_seconds_total")
+        (cost,) = metric_samples(daemon, "gpudiag_qualification_gpu_seconds_total")
         assert cost[1] > 0
         # On demand: queued at once; bad parameters are 400 with the envelope.
         status, body = _post(daemon, "/v1/qualify?gpus=3&tier=quick")
@@ -72,8 +66,8 @@ def test_the_daemon_qualifies_idle_gpus_and_exports_what_it_found(
         status, body = _post(daemon, "/v1/qualify?gpus=GPU-nope")
         assert status == 400 and body["error"]["code"] == "bad_parameter"
         runs = {lab["outcome"]: v for lab, v in
-                _samples(daemon, "gpudiag_qualification_runs_total")}
-        assert wait_for(lambda: sum(v for _, v in _samples(
+                metric_samples(daemon, "gpudiag_qualification_runs_total")}
+        assert wait_for(lambda: sum(v for _, v in metric_samples(
             daemon, "gpudiag_qualification_runs_total")) > sum(runs.values()), 60)
     finally:
         assert daemon.stop() == 0
@@ -90,7 +84,7 @@ def test_the_off_switch_and_read_only_tcp(fakes: FakeDriver, tmp_path: Path) -> 
     try:
         daemon.wait_ready()
         time.sleep(1.5)  # long past idle_s: a schedule that is on would have begun
-        assert _outcomes(daemon) == {}
+        assert qualification_outcomes(daemon) == {}
         status, body = _post(daemon, "/v1/qualify")
         assert status == 403 and "read-only" in json.dumps(body)
     finally:

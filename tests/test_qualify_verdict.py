@@ -11,8 +11,14 @@ from typing import Any
 from gpudiag.core.qualify_score import GpuResult, Qualification
 from gpudiag.core.qualify_verdict import qualification_findings
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
-from tests.test_qualify_daemon import _outcomes
+from tests.support.daemon import (
+    Daemon,
+    daemon_toml,
+    host_env,
+    qualification_outcomes,
+    wait_for,
+    write_config,
+)
 
 SMALL_GPU: dict[str, str | int] = {"FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,
                                    "FAKE_GPU_NAME": "Fake GPU"}  # peers and history judge
@@ -45,7 +51,7 @@ def _codes(pool: list[dict[str, Any]], code: str) -> list[str | None]:
 
 def _health_once_all_qualified(daemon: Daemon) -> dict[str, Any]:
     """/v1/health once every GPU has a qualification outcome."""
-    wait_for(lambda: len(_outcomes(daemon)) == 8, 120, interval=0.3)
+    wait_for(lambda: len(qualification_outcomes(daemon)) == 8, 120, interval=0.3)
     return _get(daemon, "/v1/health?max_age_s=600")
 
 

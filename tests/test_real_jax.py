@@ -1,12 +1,13 @@
 """The real JAX CUDA stack over the fake driver: every driver fault JAX can meet, real texts.
 
 jax, jaxlib and ``jax-cuda12-plugin[with-cuda]`` (NVIDIA's CUDA 12 user-space wheels) at the
-version of the suite's jax are installed once into ``.cache/real-jax`` (tests/realjax.py;
-``python -m tests.realjax`` does it ahead). ``gpudiag preflight --require jax`` then runs with
-that venv's python on the fake libcuda/NVML, in a private mount namespace whose /dev has the
-NVIDIA nodes (JAX only tries CUDA when they exist), for each fault under JAX_PLATFORMS unset,
-``cuda`` and ``cuda,cpu``. The real plugin and XLA print what they print on a real host; the
-verdict must name the right primary code and carry the real inner cause in every jax message.
+version of the suite's jax are installed once into ``.cache/real-jax``
+(tests/support/realjax.py; ``python -m tests.support.realjax`` does it ahead). ``gpudiag
+preflight --require jax`` then runs with that venv's python on the fake libcuda/NVML, in a
+private mount namespace whose /dev has the NVIDIA nodes (JAX only tries CUDA when they exist),
+for each fault under JAX_PLATFORMS unset, ``cuda`` and ``cuda,cpu``. The real plugin and XLA
+print what they print on a real host; the verdict must name the right primary code and carry
+the real inner cause in every jax message.
 
 Skipped, with the reason, when the wheels cannot be fetched or namespaces cannot be made
 (``GPUDIAG_REAL_JAX=require`` makes that a failure; ``GPUDIAG_REAL_JAX=0`` turns the tier off).
@@ -24,10 +25,10 @@ from typing import Any
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
-from tests.realjax import RealJax, StackUnavailable, ensure_real_jax, namespace_problem
-from tests.realjax import with_device_nodes as in_namespace
+from tests.support.host import clean_env, make_host_dirs
+from tests.support.privatedev import in_private_dev, namespace_problem
+from tests.support.realjax import RealJax, StackUnavailable, ensure_real_jax
 
 # The install (about 2 minutes, once) counts against the first test's time.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -70,7 +71,7 @@ def rig(real_jax: RealJax, fakes: FakeDriver, tmp_path_factory: pytest.TempPathF
 def _preflight(real_jax: RealJax, env: dict[str, str]) -> tuple[int, dict[str, Any]]:
     argv = [str(real_jax.python), "-m", "gpudiag", "preflight", "--require", "jax",
             "--format", "json"]
-    proc = subprocess.run(in_namespace(argv), env=env, capture_output=True, text=True,
+    proc = subprocess.run(in_private_dev(argv, gpus=1), env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     try:
         return proc.returncode, json.loads(proc.stdout)

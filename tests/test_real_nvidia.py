@@ -1,8 +1,8 @@
 """NVIDIA's real user space (Debian non-free 535: libnvidia-ml, libcuda, nvidia-smi) without a
 kernel module: the very common "driver installed but not loaded" host, with real texts.
 
-tests/realnvidia.py fetches the packages into ``.cache/nvidia-userspace`` once. Every command
-that loads them runs in a private mount namespace whose /dev is a tmpfs copy (as root the
+tests/support/realnvidia.py fetches the packages into ``.cache/nvidia-userspace`` once. Every
+command that loads them runs in a private mount namespace whose /dev is a tmpfs copy (as root the
 real libraries create /dev/nvidiactl when it is missing): once without NVIDIA nodes, once
 with stale ones (nodes with no driver behind them, as in a container after a host upgrade).
 gpudiag's probe, preflight, health and daemon must name ``driver_not_loaded`` first and carry
@@ -28,16 +28,15 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import clean_env
 from tests.fakes.build import FakeDriver
-from tests.realnvidia import (
+from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
+from tests.support.host import clean_env
+from tests.support.privatedev import in_private_dev, namespace_problem
+from tests.support.realnvidia import (
     NvidiaUserspace,
     UserspaceUnavailable,
     ensure_nvidia_userspace,
-    in_private_dev,
-    namespace_problem,
 )
-from tests.test_daemon_support import Daemon, daemon_toml, wait_for, write_config
 
 pytestmark = [pytest.mark.timeout(600)]
 STALE = [0, 1]  # no NVIDIA node at all; stale /dev/nvidia0, nvidiactl, nvidia-uvm
@@ -209,7 +208,7 @@ def test_the_daemon_serves_driver_not_loaded_for_rounds(real: NvidiaUserspace,
         "backends.nvml": {"interval_s": 0.5, "deadline_s": 20},
         "backends.cuda": {"interval_s": 1, "deadline_s": 20},
         "xid": {"enabled": False}}))
-    prefix = tuple(in_private_dev([], stale=1))
+    prefix = tuple(in_private_dev([], gpus=1))
     daemon = Daemon(_real_env(real), config, tmp_path / "state", prefix=prefix)
     try:
         daemon.wait_ready(timeout=60)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EnvFactory, run_gpudiag
+from tests.support.host import EnvFactory, run_gpudiag
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
 

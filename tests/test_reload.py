@@ -16,7 +16,7 @@ import pytest
 from gpudiag.daemon.config import from_mapping
 from gpudiag.daemon.reload import live_changes, restart_only_changes
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
 
 def samples(daemon: Daemon, name: str) -> dict[str, float]:

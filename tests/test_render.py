@@ -10,7 +10,7 @@ import sys
 from gpudiag.cli.render import render_text
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Finding, Verdict
-from tests.conftest import clean_env
+from tests.support.host import clean_env
 
 
 def test_text_keeps_brackets_that_look_like_markup() -> None:

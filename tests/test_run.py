@@ -23,9 +23,10 @@ import pytest
 
 from gpudiag.core.child import env_sha256
 from gpudiag.engine.processes import ended
-from tests.conftest import EnvFactory, run_gpudiag
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+from tests.support.host import EnvFactory, run_gpudiag
+from tests.support.run import NO_DAEMON, gpudiag_run
 
 PRINT_ENV = ("import json, os; from gpudiag.core.child import env_sha256; "
              "print(json.dumps({'env': dict(os.environ), 'sha256': env_sha256(os.environ)}))")
@@ -52,17 +53,6 @@ def host(gpu_env: EnvFactory, tmp_path: Path) -> dict[str, str]:
     """A healthy 4-GPU fake host whose locks live in this test's folder."""
     return gpu_env(FAKE_NVML_DEVICE_COUNT=4, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"),
                    GPUDIAG_DAEMON_URL=NO_DAEMON)
-
-
-# Nothing listens on the discard port: no daemon a developer runs can answer these tests.
-NO_DAEMON = "http://127.0.0.1:9"
-
-
-def gpudiag_run(args: list[str], env: dict[str, str], artifacts: Path, timeout: float = 60
-                ) -> subprocess.CompletedProcess[str]:
-    env = dict(env)
-    env.setdefault("GPUDIAG_DAEMON_URL", NO_DAEMON)
-    return run_gpudiag(["run", "--artifacts", str(artifacts), *args], env, timeout)
 
 
 def test_a_python_child_sees_exactly_the_admitted_gpu_and_the_closeout_says_ready(

@@ -12,7 +12,7 @@ import pytest
 
 from gpudiag.daemon.config import DaemonConfig
 from gpudiag.engine.locks import LockFailed, try_lock
-from tests.conftest import EnvFactory, run_gpudiag
+from tests.support.host import EnvFactory, run_gpudiag
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpudiag"
 GPU0 = "GPU-f00d0000-0000-4000-8000-000000000000"

@@ -14,7 +14,7 @@ from gpudiag.daemon.app import MAX_BODY_BYTES, MAX_PARAMS, MAX_URL_BYTES, Daemon
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.store import HistoryStore
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Replay, host_env, quick_config, real_runs, wait_for, wsgi
+from tests.support.daemon import Replay, host_env, quick_config, real_runs, wait_for, wsgi
 
 
 @pytest.fixture(scope="module")

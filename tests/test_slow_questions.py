@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gpudiag.daemon.httpserver import SLOW_PATHS
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
 
 WAITERS = 8
 

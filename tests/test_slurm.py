@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from gpudiag.core.attribution import JOB_INBOX, JobRecord, Source, Window, attribute, xid_event
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
-from tests.test_grafana import start_daemon
+from tests.support.host import clean_env, make_host_dirs
+from tests.support.prometheus import start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "deploy" / "slurm"

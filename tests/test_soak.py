@@ -34,7 +34,7 @@ def test_a_probe_killed_while_the_daemon_stops_is_not_published() -> None:
 
     from gpudiag.core.probe_run import ProbeRun
     from gpudiag.daemon.scheduler import Scheduler
-    from tests.test_daemon_support import quick_config, wait_for
+    from tests.support.daemon import quick_config, wait_for
 
     started, release = threading.Event(), threading.Event()
 

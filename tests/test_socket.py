@@ -29,9 +29,9 @@ from gpudiag.engine.client import (
     default_url,
     parse_daemon_url,
 )
-from tests.conftest import run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import run_gpudiag, verdict_of
 
 NOBODY = 65534
 # The impostor runs as uid 65534, which cannot read root's pyenv: the system interpreter.

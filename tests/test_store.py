@@ -13,26 +13,13 @@ from typing import Any
 
 import pytest
 
-from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.daemon.config import BackendConfig
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.store import HistoryError, HistoryStore
-from tests.conftest import run_gpudiag
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import host_env, quick_config, real_runs
-
-
-def verdict(*blockers: tuple[str, str], warnings: tuple[str, ...] = (),
-            stderr: str = "", big: int = 0) -> Verdict:
-    """A verdict with the given (code, device) blockers."""
-    return Verdict(
-        requirement=Requirement(),
-        blockers=tuple(Finding.of(code, f"{code} on {dev}", backend="nvml", device=dev or None)
-                       for code, dev in blockers),
-        warnings=tuple(Finding.of(w, w, backend="nvml") for w in warnings),
-        devices=(), backends={},
-        evidence={"driver": {"version": "570"}, "probe_stderr": {"nvml": stderr + "x" * big}},
-        preallocation_disabled=True, host="node1", checked_at="2026-11-29T00:00:00.000Z")
+from tests.support.daemon import host_env, quick_config, real_runs
+from tests.support.host import run_gpudiag
+from tests.support.verdicts import verdict
 
 
 def test_only_changes_are_recorded_and_survive_a_reopen(tmp_path: Path) -> None:

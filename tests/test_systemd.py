@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from gpudiag.daemon.config import DaemonConfig, load_config
+from tests.support.deploy import UNIT, unit_settings
 
 ROOT = Path(__file__).resolve().parent.parent
-UNIT = ROOT / "systemd" / "gpudiag.service"
 EXAMPLE_CONFIG = ROOT / "systemd" / "gpudiag.toml"
 DOCS = ROOT / "docs" / "operations.md"
 INSTALLED_BINARY = "/opt/gpudiag/bin/gpudiag"
@@ -28,18 +28,6 @@ MAX_EXPOSURE = 4.0
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None,
                                    reason="systemd-analyze not installed (apt-get install systemd)")
-
-
-def unit_settings(text: str) -> dict[str, list[str]]:
-    """``Key=value`` lines of a unit file, per key in order (keys may repeat)."""
-    out: dict[str, list[str]] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";", "[")):
-            continue
-        key, _, value = line.partition("=")
-        out.setdefault(key.strip(), []).append(value.strip())
-    return out
 
 
 def one(settings: dict[str, list[str]], key: str) -> str:

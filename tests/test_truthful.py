@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from gpudiag.engine.locks import LockInfo, release, try_lock
-from tests.conftest import EnvFactory, verdict_of
 from tests.fakes.jobs import read_context_log
+from tests.support.host import EnvFactory, verdict_of
 
 UUIDS = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(8)]
 FAKE_PLUGIN_PATH = Path(__file__).resolve().parent / "fakes" / "jax_plugin"

@@ -10,14 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import clean_env
-from tests.test_ux import TRY_DOC, _doc_blocks
+from tests.support.docs import TRY_DOC, doc_blocks
+from tests.support.host import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_folder_is_named_once_and_every_recipe_uses_the_variable() -> None:
-    blocks = _doc_blocks()
+    blocks = doc_blocks()
     assert "".join(blocks.values()).count("/tmp/gpudiag-try") == 1
     assert "TRY=/tmp/gpudiag-try" in blocks["setup"] and "$TRY" in blocks["xids"]
 
@@ -44,7 +44,7 @@ def test_the_fakes_command_says_an_8_gpu_host(tmp_path: Path) -> None:
 
 def test_the_xid_recipe_on_a_taken_port_says_the_daemon_ended_instead_of_hanging(
         tmp_path: Path) -> None:
-    blocks = _doc_blocks()
+    blocks = doc_blocks()
     # Bound, not listening: the daemon cannot have the port, and nothing answers on it (a
     # listener that never answers would hold `gpudiag preflight --daemon-url` for its 60 s
     # read timeout, which this test is not about).

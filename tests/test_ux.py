@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS
-from tests.conftest import EnvFactory, run_gpudiag, verdict_of
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
-from tests.tty import run_on_tty
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.docs import doc_blocks
+from tests.support.host import EnvFactory, free_port, run_gpudiag, verdict_of
+from tests.support.tty import run_on_tty
 
 PROBE = [sys.executable, "-m", "gpudiag", "probe", "--backend", "host,nvml,cuda"]
 UUIDS = [f"GPU-f00d{i:04x}" for i in range(8)]
@@ -335,36 +336,18 @@ def test_reference_states_every_contract_without_design_md() -> None:
     for name in names:
         assert name in reference, name
         assert name in daemon_md, f"{name} missing from docs/daemon.md's metric table"
-    docs = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tests").glob("*.py")]
+    docs = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tests").rglob("*.py")]
     mentions = [p.name for p in docs if "DESIGN" + ".md" in p.read_text()]
     assert mentions == [], "refer to docs/reference.md, not a design brief outside the repository"
 
 
-TRY_DOC = ROOT / "docs" / "try-without-a-gpu.md"
-
-
-def _doc_blocks() -> dict[str, str]:
-    """The doc's shell blocks by the name in the HTML comment before each."""
-    text = TRY_DOC.read_text()
-    return {m.group(1).removeprefix("recipe: "): m.group(2) for m in re.finditer(
-        r"<!-- (setup|recipe: [a-z]+) -->\n```sh\n(.*?)```", text, re.S)}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("recipe", ["healthy", "lost", "cuinit", "busy", "jax", "xids"])
 def test_every_try_without_a_gpu_recipe_runs_as_written(recipe: str, tmp_path: Path) -> None:
-    from tests.conftest import clean_env
+    from tests.support.host import clean_env
 
-    blocks = _doc_blocks()
+    blocks = doc_blocks()
     assert set(blocks) == {"setup", "healthy", "lost", "cuinit", "busy", "jax", "xids"}
-    port = str(_free_port())
+    port = str(free_port())
     script = (blocks["setup"] + blocks[recipe]).replace("/tmp/gpudiag-try",
                                                        str(tmp_path / "try"))
     script = script.replace("19477", port)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EnvFactory
 from tests.fakes.build import write_state_file
-from tests.tty import strip_ansi
+from tests.support.host import EnvFactory
+from tests.support.tty import strip_ansi
 
 COMMANDS = {"probe": ["probe", "--backend", "host,nvml,cuda"], "health": ["health"]}
 

@@ -17,7 +17,7 @@ from gpudiag.daemon.config import XidConfig
 from gpudiag.daemon.snapshot import WatcherState
 from gpudiag.daemon.watcher import XidWatcher
 from scripts.gen_xid_docs import render
-from tests.test_daemon_support import host_env, real_runs, wait_for
+from tests.support.daemon import host_env, real_runs, wait_for
 
 UNKNOWN_XID = 999  # not in NVIDIA's catalog: counted and held, never classified
 

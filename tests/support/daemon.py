@@ -1,4 +1,4 @@
-"""Helpers for the daemon tests (no tests here): real probe runs on the fakes, replayed.
+"""The daemon for tests and benchmarks: real probe runs on the fakes, replayed; real daemons.
 
 The probes run for real once, as children on the fake driver; the scheduler tests then replay
 those ProbeRuns so that scheduling, HTTP and metrics can be tested in milliseconds.
@@ -19,12 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.daemon.config import BackendConfig, DaemonConfig, XidConfig
+from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.snapshot import Snapshot, WatcherState
 from gpudiag.engine.isolation import run_probe
-from tests.conftest import clean_env, make_host_dirs
 from tests.fakes.build import FakeDriver
+from tests.support.host import clean_env, make_host_dirs
 
 
 def host_env(fakes: FakeDriver, root: Path, gpus: int = 8, **knobs: str | int) -> dict[str, str]:
@@ -219,3 +223,37 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> Any:
         if time.monotonic() > end:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+class FixedWatcher:
+    """A WatcherSource with a fixed state (the supervisor itself is tested elsewhere)."""
+
+    def __init__(self, state: WatcherState) -> None:
+        self._state = state
+
+    def state(self) -> WatcherState:
+        return self._state
+
+
+def snapshot_of(runs: dict, watcher: WatcherState | None = None) -> Snapshot:
+    sched = Scheduler(quick_config(), runner=Replay(dict(runs)), env={},
+                      watcher=FixedWatcher(watcher) if watcher else None)
+    try:
+        sched.start()
+        return wait_for(lambda: (s := sched.snapshot()).round_complete and s, 5)
+    finally:
+        sched.stop()
+
+
+def metric_samples(daemon: Daemon, name: str) -> list[tuple[dict[str, str], float]]:
+    """``name``'s samples (labels, value) in the daemon's /metrics."""
+    status, text = daemon.get("/metrics")
+    assert status == 200
+    return [(s.labels, s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name]
+
+
+def qualification_outcomes(daemon: Daemon) -> dict[str, str]:
+    """GPU -> the code of its last qualification outcome (the series that is 1)."""
+    return {lab["gpu"]: lab["code"] for lab, v in
+            metric_samples(daemon, "gpudiag_gpu_qualification_outcome") if v == 1}

@@ -5,13 +5,13 @@
 ``dpkg-deb -x``: nothing on the machine changes. The package index comes from this machine's
 own Debian sources (``/etc/apt/sources.list.d/*.sources``, deb822), with the ``contrib`` and
 ``non-free`` components added, in a private sources file, lists and cache folder.
-``python -m tests.realnvidia`` fetches it ahead and prints where it is.
+``python -m tests.support.realnvidia`` fetches it ahead and prints where it is.
 
-The libraries must only ever run inside :func:`in_private_dev`: as root, NVIDIA's libraries
-create ``/dev/nvidiactl`` when it is missing, which would change what every other test on the
-machine sees. That wrapper gives the command a private mount namespace whose /dev is a tmpfs
-copy of the real one without NVIDIA nodes, plus ``stale`` stale nodes (/dev/nvidia0..N-1,
-/dev/nvidiactl, /dev/nvidia-uvm) with no driver behind them when asked.
+The libraries must only ever run inside ``in_private_dev`` (tests/support/privatedev.py): as
+root, NVIDIA's libraries create ``/dev/nvidiactl`` when it is missing, which would change what
+every other test on the machine sees. That wrapper gives the command a private mount namespace
+whose /dev is a tmpfs copy of the real one without NVIDIA nodes, plus N stale nodes
+(/dev/nvidia0..N-1, /dev/nvidiactl, /dev/nvidia-uvm) with no driver behind them when asked.
 
 Knob: ``GPUDIAG_REAL_NVIDIA`` = ``0`` (the tier is off), ``require`` (unavailable is a failure),
 unset (skip with the reason; as root under ``CI=true`` a failure, like the real Slurm tier).
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = ROOT / ".cache" / "nvidia-userspace"
 PACKAGES = ("libnvidia-ml1", "libcuda1", "nvidia-smi")
 STAMP = ".gpudiag-nvidia-userspace-complete"
@@ -59,49 +59,6 @@ class NvidiaUserspace:
     def bin_dir(self) -> Path:
         """Holds the real nvidia-smi."""
         return self.root / SMI_SUBDIR
-
-
-# Run as `sh -c NS_SCRIPT sh STALE ARGV...` inside `unshare -m --propagation private`: /dev is
-# replaced, in this namespace only, by a tmpfs copy of it without any NVIDIA node, then STALE
-# GPU nodes (and nvidiactl, nvidia-uvm) are made when STALE > 0. The real /dev is never touched.
-NS_SCRIPT = """set -e
-d=$(mktemp -d /tmp/gpudiag-rdev.XXXXXX)
-mount -t tmpfs -o mode=755 gpudiag-rdev "$d"
-cp -a /dev/. "$d"/
-rm -rf "$d"/nvidia*
-mount --move "$d" /dev
-rmdir "$d"
-if [ "$1" -gt 0 ]; then
-  mknod -m 666 /dev/nvidiactl c 195 255
-  mknod -m 666 /dev/nvidia-uvm c 240 0
-fi
-i=0
-while [ "$i" -lt "$1" ]; do mknod -m 666 "/dev/nvidia$i" c 195 "$i"; i=$((i + 1)); done
-shift
-exec "$@"
-"""
-
-
-def in_private_dev(argv: list[str], stale: int = 0) -> list[str]:
-    """``argv`` in a private mount namespace whose /dev has no NVIDIA node but ``stale``."""
-    return ["unshare", "-m", "--propagation", "private", "--", "sh", "-c", NS_SCRIPT, "sh",
-            str(stale), *argv]
-
-
-def namespace_problem() -> str | None:
-    """Why a private /dev cannot be made here; None when it can."""
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    if os.geteuid() != 0:
-        return "a private /dev (tmpfs over /dev in a mount namespace) needs root"
-    try:
-        proc = subprocess.run(in_private_dev(["test", "-c", "/dev/nvidia0"], stale=1),
-                              capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unshare failed: {e}"
-    if proc.returncode != 0:
-        return f"unshare -m could not make a private /dev: {_tail(proc.stderr)}"
-    return None
 
 
 def cache_dir() -> Path:
@@ -194,7 +151,7 @@ def _fetch(base: Path, root: Path) -> NvidiaUserspace:
 
 
 def main() -> int:
-    """``python -m tests.realnvidia``: fetch the packages (if missing) and print where."""
+    """``python -m tests.support.realnvidia``: fetch the packages (if missing) and print where."""
     try:
         found = ensure_nvidia_userspace()
     except UserspaceUnavailable as e:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 IMAGE_TAG = "localhost/gpudiag:test"
 
 
@@ -60,3 +60,18 @@ def debian_rootfs(name: str, packages: str) -> Path:
         pytest.fail(f"mmdebstrap failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     Path(f"{tar}.tmp").rename(tar)
     return tar
+
+
+UNIT = ROOT / "systemd" / "gpudiag.service"
+
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    """``Key=value`` lines of a unit file, per key in order (keys may repeat)."""
+    out: dict[str, list[str]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";", "[")):
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(key.strip(), []).append(value.strip())
+    return out

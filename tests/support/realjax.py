@@ -6,7 +6,7 @@ jax, jaxlib and ``jax-cuda12-plugin[with-cuda]`` at the version of the jax in th
 plus gpudiag's own runtime dependencies; gpudiag itself comes from this checkout through
 PYTHONPATH, so one cache (``GPUDIAG_REAL_JAX_CACHE``) can serve every checkout. It is built
 in a temporary folder and renamed into place, so a half-made venv is never used.
-``python -m tests.realjax`` installs it ahead of the tests and prints its path; the tier
+``python -m tests.support.realjax`` installs it ahead of the tests and prints its path; the tier
 itself installs it when missing.
 
 Knob: ``GPUDIAG_REAL_JAX`` = ``0`` (skip the tier, with that reason), ``require`` (a stack
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = ROOT / ".cache" / "real-jax"
 STAMP = ".gpudiag-real-jax-complete"
 
@@ -50,47 +50,6 @@ class RealJax:
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{old}" if old else str(ROOT)
         return env
-
-
-# Run as `sh -c NS_SCRIPT sh GPUS ARGV...` inside `unshare -m --propagation private`: /dev is
-# replaced, in this mount namespace only, by a tmpfs copy of it with the nodes JAX looks for
-# (/dev/nvidia0..GPUS-1, /dev/nvidiactl, /dev/nvidia-uvm). The real /dev is never touched.
-NS_SCRIPT = """set -e
-d=$(mktemp -d /tmp/gpudiag-dev.XXXXXX)
-mount -t tmpfs -o mode=755 gpudiag-dev "$d"
-cp -a /dev/. "$d"/
-mount --move "$d" /dev
-rmdir "$d"
-mknod -m 666 /dev/nvidiactl c 195 255
-mknod -m 666 /dev/nvidia-uvm c 240 0
-i=0
-while [ "$i" -lt "$1" ]; do mknod -m 666 "/dev/nvidia$i" c 195 "$i"; i=$((i + 1)); done
-shift
-exec "$@"
-"""
-
-
-def with_device_nodes(argv: list[str], gpus: int = 1) -> list[str]:
-    """``argv`` run in a private mount namespace whose /dev has the NVIDIA nodes (root only)."""
-    return ["unshare", "-m", "--propagation", "private", "--", "sh", "-c", NS_SCRIPT, "sh",
-            str(gpus), *argv]
-
-
-def namespace_problem() -> str | None:
-    """Why device nodes cannot be made in a private mount namespace here; None when they can."""
-    if shutil.which("unshare") is None:
-        return "unshare (util-linux) is not installed"
-    if os.geteuid() != 0:
-        return "making /dev/nvidia* nodes in a private mount namespace needs root"
-    try:
-        proc = subprocess.run(with_device_nodes(["test", "-c", "/dev/nvidia0"]),
-                              capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unshare failed: {e}"
-    if proc.returncode != 0:
-        said = _tail(proc.stderr) or f"exit {proc.returncode}"
-        return f"unshare -m could not make the device nodes: {said}"
-    return None
 
 
 def jax_version() -> str:
@@ -192,7 +151,7 @@ def _install(venv: Path, version: str, timeout_s: float) -> RealJax:
 
 
 def main() -> int:
-    """``python -m tests.realjax``: install the stack (if missing) and print where it is."""
+    """``python -m tests.support.realjax``: install the stack (if missing) and print where it is."""
     try:
         stack = ensure_real_jax()
     except StackUnavailable as e:

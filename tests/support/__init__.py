@@ -1,0 +1,1 @@
+"""Helpers the tests and benchmarks share (no tests here): daemons, hosts, tools, stacks."""
