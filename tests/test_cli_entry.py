@@ -11,9 +11,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -189,6 +191,36 @@ def test_the_probe_path_loads_no_click_renderer_or_metrics(gpu_env: object,
     assert rc == 0 and "backends.nvml.status=ok" in proc.stdout
     loaded = [m for m in NOT_ON_THE_PROBE_PATH if m in modules]
     assert loaded == [], f"the probe path imported {loaded}"
+
+
+def _has_child(pid: int) -> bool:
+    """Whether a process whose parent is ``pid`` runs (a probe child started)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid):
+            return True
+    return False
+
+
+def test_ctrl_c_during_the_probes_ends_both_paths_alike(gpu_env: object) -> None:
+    env = gpu_env(FAKE_CUDA_INIT_HANG=1)  # type: ignore[operator]
+    argv = ["probe", "--backend", "nvml,cuda", "--json", "--timeout", "30"]
+    ends = []
+    for via_click in (False, True):
+        head = [sys.executable, "-c", CLICK_MAIN] if via_click else [sys.executable, "-m",
+                                                                      "gpudiag"]
+        proc = subprocess.Popen([*head, *argv], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not _has_child(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # imports done, probes running: the interrupt lands in them
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        ends.append((proc.returncode, out, err))
+    assert ends[0] == ends[1] == (1, "", "\nAborted!\n")
 
 
 def test_bad_probe_values_get_click_s_usage_errors(gpu_env: object) -> None:

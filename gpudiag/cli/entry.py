@@ -160,15 +160,18 @@ def main() -> int:
         return 0
     fast = parse_fast(argv) if not sys.stderr.isatty() else None  # a terminal gets a spinner
     if fast is not None:
-        # The same last lines of defence as gpudiag.cli.commands.main, without click.
+        # The same last lines of defence as click's standalone mode and
+        # gpudiag.cli.commands.main around it, without click.
         try:
             code = answer_fast(*fast)
         except BrokenPipeError:
             _pacify()
             return 1  # what click does when the reader went away
-        except KeyboardInterrupt:
-            print("gpudiag: interrupted", file=sys.stderr)
-            return 130
+        except (KeyboardInterrupt, EOFError):
+            # click's words and code for a Ctrl-C inside a command (its blank line closes the
+            # terminal's ^C), so that both paths end an interrupted probe alike.
+            print("\nAborted!", file=sys.stderr)
+            return 1
         except Exception as e:
             print(f"gpudiag: internal error: {type(e).__name__}: {e}", file=sys.stderr)
             return EXIT_FAILED
