@@ -21,18 +21,23 @@ from pathlib import Path
 
 import click
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpudiag.cli import commands
 from gpudiag.cli.entry import _INT_RANGES, FAST_FLAGS, FAST_FORMATS, FAST_OPTIONS, parse_fast
 from gpudiag.core.version import __version__
+from gpudiag.engine.client import query_string
 from tests.fakes.build import FakeDriver
 from tests.test_daemon_support import Daemon, daemon_toml, host_env, write_config
 
 CLICK_MAIN = "import sys; from gpudiag.cli.commands import main; sys.exit(main())"
 # What the daemon-answered path must never load: the terminal renderer, process tables,
-# metrics, the classifier and probe engine, click, the stdlib HTTP client, entry points.
+# metrics, the classifier, probe engine and router, click, the stdlib HTTP client and URL
+# parser (ipaddress), entry points.
 NOT_ON_THE_FAST_PATH = ("click", "rich", "psutil", "prometheus_client", "gpudiag.core.classify",
-                        "gpudiag.engine.inline", "gpudiag.engine.isolation", "http.client",
+                        "gpudiag.engine.inline", "gpudiag.engine.isolation",
+                        "gpudiag.engine.route", "http.client", "urllib.parse", "ipaddress",
                         "importlib.metadata", "typing")
 # What `gpudiag probe --format json|kv` never loads in its parent: it runs the probes and
 # classifies, but needs no click, terminal renderer or metrics.
@@ -270,3 +275,15 @@ def test_every_fast_option_is_the_click_command_s_option(name: str) -> None:
         if option in FAST_OPTIONS[name]:
             kind = params[option].type
             assert isinstance(kind, click.IntRange) and (kind.min, kind.max) == (low, high)
+
+
+@given(st.dictionaries(st.text(min_size=1), st.text(), max_size=6))
+def test_the_client_s_query_string_reads_back_as_written(params: dict[str, str]) -> None:
+    # The daemon reads its parameters with parse_qsl (gpudiag/daemon/app.py).
+    from urllib.parse import parse_qsl, urlencode
+
+    text = query_string(params)
+    assert dict(parse_qsl(text, keep_blank_values=True)) == params
+    assert parse_qsl(text, keep_blank_values=True) == parse_qsl(urlencode(params),
+                                                                keep_blank_values=True)
+    assert all(c.isascii() and c.isprintable() and c not in " #+" for c in text)

@@ -17,7 +17,13 @@ from __future__ import annotations
 import os
 import sys
 
-from gpudiag.core.limits import EXIT_BLOCKED, EXIT_FAILED, EXIT_READY, MAX_DEVICES
+from gpudiag.core.limits import (
+    EXIT_BLOCKED,
+    EXIT_FAILED,
+    EXIT_READY,
+    MAX_DAEMON_WAIT_S,
+    MAX_DEVICES,
+)
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
 if TYPE_CHECKING:
@@ -110,7 +116,6 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     """Print the daemon's verdict and return the exit code; None when click must answer."""
     from gpudiag.core.requirement import RequirementError, parse_requirement, parse_timeout
     from gpudiag.engine.client import DaemonUrlError, ask_daemon, default_url
-    from gpudiag.engine.route import MAX_DAEMON_WAIT_S
 
     try:
         timeout_s = (parse_timeout(options["--timeout"], name="--timeout")
