@@ -54,8 +54,7 @@ FLOORS = {
     "python: + json, socket (a bare HTTP exchange)": "import re, json, socket",
     "python: + dataclasses": "import re, json, socket, dataclasses",
     "python: + gpudiag's modules on the daemon-answered path": (
-        "import re, gpudiag.cli.entry, gpudiag.core.requirement, gpudiag.engine.client, "
-        "gpudiag.engine.route"),
+        "import re, gpudiag.cli.entry, gpudiag.core.requirement, gpudiag.engine.client"),
 }
 
 
