@@ -1,6 +1,6 @@
 """CLI start: daemon-answered `gpudiag preflight` and `gpudiag --version` vs `python -c pass`.
 
-Run: .venv/bin/python benchmarks/cli_start.py [--runs 15] [--base DIR]
+Run: .venv/bin/python benchmarks/cli_start.py [--runs 15] [--base DIR] [--floors]
 
 Starts `gpudiag serve` on the fake driver (8 fake GPUs) with a unix socket, waits for its first
 round, then runs every case once per round, in turn (a busy machine slows all cases alike), and
@@ -9,10 +9,17 @@ prints medians, minima and each ratio against `python -c pass` side by side:
 - `gpudiag --version`;
 - `gpudiag preflight --require cuda --format kv` and `gpudiag health --format json`, answered by
   the daemon over its unix socket;
+- `gpudiag probe --backend nvml,cuda --json`: the probes run here, in their children (the CLI's
+  own start is the part of it this benchmark follows; benchmarks/probe_overhead.py compares it
+  with a bare NVML child);
 - the same HTTP question asked in-process (`ask_daemon`): the answer without a Python start.
+With ``--floors`` it also times bare interpreters importing only what a daemon-answered call
+needs at the least (``re``, which the console script imports; then ``json`` and ``socket``;
+then ``dataclasses``; then gpudiag's modules on that path): where the figure's floor lies.
 With ``--base DIR`` (a folder holding another checkout's ``gpudiag`` package, e.g. from
-``git archive OLD gpudiag | tar -x -C DIR``) each CLI case also runs with that package first on
-``PYTHONPATH``: before and after in the same rounds, against the same daemon.
+``git archive OLD gpudiag pyproject.toml | tar -x -C DIR``) each CLI case also runs with that
+package first on ``PYTHONPATH``, through the console entry its pyproject.toml declares: before
+and after in the same rounds, against the same daemon.
 
 Both packages are byte-compiled first (``compileall``), as an installed wheel is: a
 development shell with PYTHONDONTWRITEBYTECODE=1 would otherwise compile every gpudiag module
@@ -41,6 +48,14 @@ from tests.fakes.build import build_fakes  # noqa: E402
 from tests.support.host import clean_env, make_host_dirs  # noqa: E402
 
 PASS = "python -c pass"
+# Interpreters that import a daemon-answered call's least needs, one layer more each row.
+FLOORS = {
+    "python: import re (the console script's own import)": "import re",
+    "python: + json, socket (a bare HTTP exchange)": "import re, json, socket",
+    "python: + dataclasses": "import re, json, socket, dataclasses",
+    "python: + gpudiag's modules on the daemon-answered path": (
+        "import re, gpudiag.cli.entry, gpudiag.core.requirement, gpudiag.engine.client"),
+}
 
 
 def wall_ms(argv: list[str], env: dict[str, str], expect: int) -> float:
@@ -88,8 +103,11 @@ def _ready(sock: Path) -> bool:
 def launcher(tmp: Path, base: Path) -> str:
     """The installed console script, pointed at the entry point the base checkout declares."""
     script = (Path(sys.executable).parent / "gpudiag").read_text()
-    entry = re.search(r'^gpudiag = "([\w.]+):(\w+)"', (base.parent / "pyproject.toml").read_text()
-                      if (base.parent / "pyproject.toml").exists() else "", re.MULTILINE)
+    # The base's pyproject.toml, archived beside its gpudiag/; without it (a checkout older
+    # than gpudiag.cli.entry) the click commands were the console script's target.
+    declared = base / "pyproject.toml"
+    entry = re.search(r'^gpudiag = "([\w.]+):(\w+)"',
+                      declared.read_text() if declared.exists() else "", re.MULTILINE)
     module, attr = entry.groups() if entry else ("gpudiag.cli.commands", "main")
     path = tmp / "gpudiag-base"
     path.write_text(re.sub(r"^from \S+ import main$", f"from {module} import {attr} as main",
@@ -98,7 +116,7 @@ def launcher(tmp: Path, base: Path) -> str:
     return str(path)
 
 
-def cases(env: dict[str, str], sock: Path, base: Path | None, tmp: Path
+def cases(env: dict[str, str], sock: Path, base: Path | None, tmp: Path, floors: bool
           ) -> dict[str, Callable[[], float]]:
     """Each case's name and a function that runs it once and returns its wall ms."""
     sides = {"": (str(Path(sys.executable).parent / "gpudiag"), env)}
@@ -106,6 +124,8 @@ def cases(env: dict[str, str], sock: Path, base: Path | None, tmp: Path
         sides[" [base]"] = (launcher(tmp, base), {**env, "PYTHONPATH": str(base)})
     out: dict[str, Callable[[], float]] = {
         PASS: lambda: wall_ms([sys.executable, "-c", "pass"], env, 0)}
+    for name, code in FLOORS.items() if floors else ():
+        out[name] = lambda c=code: wall_ms([sys.executable, "-c", c], env, 0)
     for tag, (gpudiag, side_env) in sides.items():
         preflight = [gpudiag, "preflight", "--require", "cuda", "--format", "kv",
                      "--daemon-url", f"unix:{sock}"]
@@ -116,6 +136,9 @@ def cases(env: dict[str, str], sock: Path, base: Path | None, tmp: Path
             lambda a=preflight, e=side_env: wall_ms(a, e, 0))
         out[f"gpudiag health --format json (daemon){tag}"] = (
             lambda a=health, e=side_env: wall_ms(a, e, 0))
+        probe = [gpudiag, "probe", "--backend", "nvml,cuda", "--json"]
+        out[f"gpudiag probe --backend nvml,cuda --json{tag}"] = (
+            lambda a=probe, e=side_env: wall_ms(a, e, 0))
     return out
 
 
@@ -138,6 +161,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--base", type=Path, help="a folder holding another checkout's gpudiag/")
+    ap.add_argument("--floors", action="store_true",
+                    help="also time bare interpreters importing the least a call needs")
     args = ap.parse_args()
     for tree in [ROOT, *([args.base] if args.base else [])]:
         compileall.compile_dir(str(tree / "gpudiag"), quiet=1)
@@ -151,7 +176,7 @@ def main() -> int:
     env = fakes.env(base=env, FAKE_NVML_DEVICE_COUNT=8)
     daemon, sock = start_daemon(tmp, env)
     try:
-        table = cases(env, sock, args.base, tmp)
+        table = cases(env, sock, args.base, tmp, args.floors)
         for fn in table.values():  # one warm-up round: page cache, the daemon's first answer
             fn()
         samples: dict[str, list[float]] = {name: [] for name in table}

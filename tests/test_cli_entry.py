@@ -9,28 +9,44 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import click
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpudiag.cli import commands
-from gpudiag.cli.entry import _INT_RANGES, FAST_FORMATS, FAST_OPTIONS, parse_fast
+from gpudiag.cli.entry import _INT_RANGES, FAST_FLAGS, FAST_FORMATS, FAST_OPTIONS, parse_fast
 from gpudiag.core.version import __version__
+from gpudiag.engine.client import query_string
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
 
 CLICK_MAIN = "import sys; from gpudiag.cli.commands import main; sys.exit(main())"
 # What the daemon-answered path must never load: the terminal renderer, process tables,
-# metrics, the classifier and probe engine, click, the stdlib HTTP client, entry points.
+# metrics, the classifier, probe engine and router, click, the stdlib HTTP client and URL
+# parser (ipaddress), entry points.
 NOT_ON_THE_FAST_PATH = ("click", "rich", "psutil", "prometheus_client", "gpudiag.core.classify",
-                        "gpudiag.engine.inline", "gpudiag.engine.isolation", "http.client",
+                        "gpudiag.engine.inline", "gpudiag.engine.isolation",
+                        "gpudiag.engine.route", "http.client", "urllib.parse", "ipaddress",
                         "importlib.metadata", "typing")
+# What `gpudiag probe --format json|kv` never loads in its parent: it runs the probes and
+# classifies, but needs no click, terminal renderer or metrics.
+NOT_ON_THE_PROBE_PATH = ("click", "rich", "prometheus_client", "gpudiag.cli.commands",
+                         "gpudiag.cli.render", "importlib.metadata")
+# What moves between two probe runs of the same host: times, durations, nvidia-smi's clock.
+_VOLATILE = (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z"),
+             re.compile(r"(duration_s[\\\"]*[=:] ?)[0-9.e-]+"),
+             re.compile(r"\w{3} \w{3} [ 0-9]\d \d\d:\d\d:\d\d \d{4}"))
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +155,98 @@ def test_bad_values_get_click_s_usage_errors(daemon: tuple[Daemon, dict[str, str
         assert fast.stderr == slow.stderr and "Error" in fast.stderr
 
 
+def _steady(text: str) -> str:
+    """A probe's output less what moves between two runs (times and durations)."""
+    for pattern in _VOLATILE:
+        text = pattern.sub(lambda m: (m.group(1) if m.groups() else "") + "T", text)
+    return text
+
+
+@pytest.mark.parametrize(("argv", "knobs", "code"), [
+    (["probe", "--backend", "nvml,cuda", "--json"], {}, 0),
+    (["probe", "--format=kv", "--backend=host,nvml,cuda", "--timeout", "30"], {}, 0),
+    (["probe", "--backend", "nvml,cuda", "--format", "json", "--json"], {}, 0),
+    (["probe", "--backend", "nvml,cuda", "--format", "kv", "--expected-gpus", "4"], {}, 1),
+    (["probe", "--backend", "host,nvml,cuda", "--json"], {"FAKE_CUDA_INIT_ERROR": "999"}, 1),
+])
+def test_probe_in_json_or_kv_prints_what_the_click_command_prints(
+        gpu_env: object, argv: list[str], knobs: dict[str, str], code: int) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, **knobs)  # type: ignore[operator]
+    assert parse_fast(argv) is not None, "this call should take the fast path"
+    fast, slow = _run(argv, env), _run(argv, env, via_click=True)
+    assert (fast.returncode, fast.stderr) == (slow.returncode, slow.stderr)
+    assert fast.returncode == code, fast.stdout
+    assert "gpu_validation_blocker" in fast.stdout
+    assert _steady(fast.stdout) == _steady(slow.stdout)
+
+
+def test_the_probe_path_loads_no_click_renderer_or_metrics(gpu_env: object,
+                                                           tmp_path: Path) -> None:
+    env = gpu_env()  # type: ignore[operator]
+    out = tmp_path / "modules.json"
+    code = ("import json, sys\n"
+            "sys.argv = ['gpudiag', 'probe', '--backend', 'nvml', '--format', 'kv']\n"
+            "from gpudiag.cli.entry import main\n"
+            "rc = main()\n"
+            f"open({str(out)!r}, 'w').write(json.dumps([rc, sorted(sys.modules)]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rc, modules = json.loads(out.read_text())
+    assert rc == 0 and "backends.nvml.status=ok" in proc.stdout
+    loaded = [m for m in NOT_ON_THE_PROBE_PATH if m in modules]
+    assert loaded == [], f"the probe path imported {loaded}"
+
+
+def _has_child(pid: int) -> bool:
+    """Whether a process whose parent is ``pid`` runs (a probe child started)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid):
+            return True
+    return False
+
+
+def test_ctrl_c_during_the_probes_ends_both_paths_alike(gpu_env: object) -> None:
+    env = gpu_env(FAKE_CUDA_INIT_HANG=1)  # type: ignore[operator]
+    argv = ["probe", "--backend", "nvml,cuda", "--json", "--timeout", "30"]
+    ends = []
+    for via_click in (False, True):
+        head = [sys.executable, "-c", CLICK_MAIN] if via_click else [sys.executable, "-m",
+                                                                      "gpudiag"]
+        proc = subprocess.Popen([*head, *argv], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not _has_child(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # imports done, probes running: the interrupt lands in them
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        ends.append((proc.returncode, out, err))
+    assert ends[0] == ends[1] == (1, "", "\nAborted!\n")
+
+
+def test_bad_probe_values_get_click_s_usage_errors(gpu_env: object) -> None:
+    env = gpu_env()  # type: ignore[operator]
+    for argv in (["probe", "--json", "--backend", "nvml,bogus"],
+                 ["probe", "--format", "kv", "--backend", " , "],
+                 ["probe", "--format", "kv", "--backend", "jax:tpu"],
+                 ["probe", "--json", "--timeout", "0"],
+                 ["probe", "--json", "--format", "kv"],
+                 ["probe", "--json", "--expected-gpus", "0"]):
+        fast, slow = _run(argv, env), _run(argv, env, via_click=True)
+        assert fast.returncode == slow.returncode == 2, fast.stderr
+        assert fast.stderr == slow.stderr and "Error" in fast.stderr
+
+
 @pytest.mark.parametrize("argv", [
     [], ["probe"], ["preflight"], ["preflight", "--format", "text"],
+    ["probe", "--format", "text"], ["probe", "--json", "--watch"], ["probe", "--json", "--wide"],
+    ["probe", "--json", "--json"], ["probe", "--json=1"], ["probe", "--format", "json", "-h"],
+    ["probe", "--json", "--format", "kv"], ["probe", "--json", "--expected-gpus", "1025"],
+    ["preflight", "--format", "kv", "--json"],
     ["preflight", "--format", "kv", "--record", "/tmp/x.json"],
     ["preflight", "--format", "kv", "--no-daemon"], ["preflight", "--format", "kv", "-h"],
     ["preflight", "--format", "kv", "--require"], ["preflight", "--format", "kv", "extra"],
@@ -160,9 +266,24 @@ def test_every_fast_option_is_the_click_command_s_option(name: str) -> None:
     for option in FAST_OPTIONS[name]:
         assert option in params, f"{name} {option} is not a click option"
         assert not params[option].is_flag if isinstance(params[option], click.Option) else True
+    for option in FAST_FLAGS.get(name, ()):
+        flag = params[option]
+        assert isinstance(flag, click.Option) and flag.is_flag, f"{name} {option}"
     fmt = params["--format"].type
     assert isinstance(fmt, click.Choice) and set(FAST_FORMATS) <= set(fmt.choices)
     for option, (low, high) in _INT_RANGES.items():
         if option in FAST_OPTIONS[name]:
             kind = params[option].type
             assert isinstance(kind, click.IntRange) and (kind.min, kind.max) == (low, high)
+
+
+@given(st.dictionaries(st.text(min_size=1), st.text(), max_size=6))
+def test_the_client_s_query_string_reads_back_as_written(params: dict[str, str]) -> None:
+    # The daemon reads its parameters with parse_qsl (gpudiag/daemon/app.py).
+    from urllib.parse import parse_qsl, urlencode
+
+    text = query_string(params)
+    assert dict(parse_qsl(text, keep_blank_values=True)) == params
+    assert parse_qsl(text, keep_blank_values=True) == parse_qsl(urlencode(params),
+                                                                keep_blank_values=True)
+    assert all(c.isascii() and c.isprintable() and c not in " #+" for c in text)

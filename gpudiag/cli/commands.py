@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +16,8 @@ from typing import Any
 
 import click
 
-from gpudiag.cli import options
+from gpudiag.cli import options, probing
 from gpudiag.cli.watch import watch_command, watch_option
-from gpudiag.core import registry
 from gpudiag.core.limits import (
     EXIT_BLOCKED,
     EXIT_FAILED,
@@ -33,8 +31,6 @@ from gpudiag.core.requirement import (
 )
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
-
-PROBE_BACKENDS = registry.probe_names()
 
 
 class Failed(click.ClickException):
@@ -168,15 +164,6 @@ _wide_option = click.option("--wide", is_flag=True,
                             "the terminal).")
 
 
-def _parse_backends(text: str) -> list[str]:
-    names = [b.strip().lower() for b in text.split(",") if b.strip()]
-    bad = [b for b in names if b.split(":")[0] not in PROBE_BACKENDS]
-    if not names or bad:
-        raise _usage(f"--backend {text!r}: unknown backend(s) {', '.join(bad) or '(none)'}; "
-                     f"accepted: a comma list of {', '.join(PROBE_BACKENDS)}")
-    return names
-
-
 @cli.command(short_help="Probe every backend and GPU here and show what blocks them.",
              epilog=examples(
                  "gpudiag probe                          # every backend, every GPU",
@@ -185,9 +172,9 @@ def _parse_backends(text: str) -> list[str]:
                  "gpudiag probe --format json | jq .gpu_validation_blocker",
                  "gpudiag probe --expected-gpus 8        # fewer than 8 is gpu_missing",
                  "gpudiag probe --backend nvml --watch   # every 2 s, redrawn in place"))
-@click.option("--backend", "backend_text", default=",".join(PROBE_BACKENDS), show_default=True,
-              metavar="LIST", help="Backends to probe, comma-separated (jax:cpu and "
-              "iree:local-task pick a platform).")
+@click.option("--backend", "backend_text", default=probing.default_backends(),
+              show_default=True, metavar="LIST", help="Backends to probe, comma-separated "
+              "(jax:cpu and iree:local-task pick a platform).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default=None,
               help="Output format: text for people, json (the verdict record), kv "
               "(key=value lines).  [default: text]")
@@ -209,24 +196,18 @@ def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str |
     if as_json and fmt not in (None, "json"):
         raise _usage(f"--json and --format {fmt} disagree; give one of them")
     timeout_s = _timeout(timeout_text)
-    names = _parse_backends(backend_text)
-    specs = [n for n in names if n.split(":")[0] in registry.requirable()]
     try:
-        # A person at a shell asks what `gpudiag health` asks: is anything broken? GPUs that
-        # jobs use show as busy, not as blockers (job readiness is `gpudiag preflight`).
-        requirement = (parse_requirement(",".join(specs), node_health=True) if specs
-                       else Requirement(backends=(), min_devices=0, node_health=True))
+        names = probing.parse_backends(backend_text)
+    except probing.BackendListError as e:
+        raise _usage(str(e)) from e
+    try:
+        requirement = probing.probe_requirement(names)
     except RequirementError as e:
         raise _usage(f"--backend: {e}") from e
-    from gpudiag.core.classify import classify
-    from gpudiag.engine.inline import run_inline
 
     def produce() -> Verdict:
-        done = run_inline(requirement, timeout_s=timeout_s,
-                          only={n.split(":")[0] for n in names})
-        return classify(done.runs, requirement, host=socket.gethostname(),
-                        checked_at=done.checked_at, scope=done.scope,
-                        expected_gpus=expected_gpus)
+        return probing.probe_verdict(names, requirement, timeout_s=timeout_s,
+                                     expected_gpus=expected_gpus)
 
     fmt = "json" if as_json else fmt or "text"
     if watch_text is not None:

@@ -3,10 +3,12 @@
 ``gpudiag --version`` and a daemon-answered ``gpudiag preflight|health --format kv|json`` (a
 Slurm prolog, a pytest session, ``gpudiag run``'s callers) are answered here without click,
 the classifier or the probe engine: most of their wall time was Python importing what they
-do not use (docs/benchmarks.md, "CLI start"). Everything else, and every case the fast path
-does not recognize exactly (other flags, ``--help``, a bad value, a terminal on stderr, no
-daemon answer), goes to the click commands in ``gpudiag.cli.commands`` unchanged, which then
-say what is wrong or run the probes here. The fast path only asks the daemon the same way
+do not use (docs/benchmarks.md, "CLI start"). ``gpudiag probe --format kv|json`` (or
+``--json``) runs its probes here without click (``gpudiag.cli.probing``, which the click
+command calls too). Everything else, and every case the fast path does not recognize exactly
+(other flags, ``--help``, a bad value, a terminal on stderr, no daemon answer), goes to the
+click commands in ``gpudiag.cli.commands`` unchanged, which then say what is wrong or run the
+probes here. The fast path only asks the daemon the same way
 (``gpudiag.engine.client.ask_daemon``) and prints the same bytes with the same exit code.
 """
 
@@ -15,7 +17,17 @@ from __future__ import annotations
 import os
 import sys
 
-from gpudiag.core.limits import EXIT_BLOCKED, EXIT_FAILED, EXIT_READY, MAX_DEVICES
+from gpudiag.core.limits import (
+    EXIT_BLOCKED,
+    EXIT_FAILED,
+    EXIT_READY,
+    MAX_DAEMON_WAIT_S,
+    MAX_DEVICES,
+)
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
+if TYPE_CHECKING:
+    from gpudiag.core.verdict import Verdict
 
 # The options the fast path understands, per command: every one also exists on the click
 # command with the same meaning (tests/test_cli_entry.py checks both lists against click's).
@@ -23,29 +35,41 @@ FAST_OPTIONS = {
     "preflight": frozenset({"--require", "--devices", "--min-devices", "--min-free-memory",
                             "--gpus", "--timeout", "--format", "--daemon-url"}),
     "health": frozenset({"--require", "--timeout", "--format", "--daemon-url"}),
+    "probe": frozenset({"--backend", "--format", "--timeout", "--expected-gpus"}),
 }
+# The on/off flags the fast path understands (click is_flag options), per command.
+FAST_FLAGS = {"probe": frozenset({"--json"})}
 # click.IntRange bounds of the integer options, checked here so that click reports the rest.
-_INT_RANGES = {"--min-devices": (0, MAX_DEVICES), "--gpus": (1, 64)}
+_INT_RANGES = {"--min-devices": (0, MAX_DEVICES), "--gpus": (1, 64),
+               "--expected-gpus": (1, 1024)}
 FAST_FORMATS = ("kv", "json")
 
 
 def parse_fast(argv: list[str]) -> tuple[str, dict[str, str]] | None:
-    """(command, options) when argv is a call the fast path answers exactly; else None."""
+    """(command, options) when argv is a call the fast path answers exactly; else None.
+
+    A flag maps to ""; ``--json`` becomes ``--format json``, as the click command reads it.
+    """
     if len(argv) < 1 or argv[0] not in FAST_OPTIONS:
         return None
-    allowed = FAST_OPTIONS[argv[0]]
+    allowed, flags = FAST_OPTIONS[argv[0]], FAST_FLAGS.get(argv[0], frozenset())
     options: dict[str, str] = {}
     rest = argv[1:]
     while rest:
         token = rest.pop(0)
         name, eq, value = token.partition("=")
-        if name not in allowed or name in options:
-            return None  # a flag it does not know, or given twice: click decides
-        if not eq:
+        if name in options or (name not in allowed and (name not in flags or eq)):
+            return None  # a flag it does not know, given twice or given a value: click decides
+        if name in flags:
+            value = ""
+        elif not eq:
             if not rest:
                 return None
             value = rest.pop(0)
         options[name] = value
+    if "--json" in options:
+        if options.setdefault("--format", "json") != "json":
+            return None  # --json with another --format: click words the disagreement
     if options.get("--format") not in FAST_FORMATS:
         return None  # text (the default) renders for people: click's path
     for name, (low, high) in _INT_RANGES.items():
@@ -57,10 +81,41 @@ def parse_fast(argv: list[str]) -> tuple[str, dict[str, str]] | None:
 
 
 def answer_fast(command: str, options: dict[str, str]) -> int | None:
+    """Print the verdict and return the exit code; None when click must answer."""
+    if command == "probe":
+        return answer_probe(options)
+    return answer_daemon(command, options)
+
+
+def answer_probe(options: dict[str, str]) -> int | None:
+    """``gpudiag probe``'s verdict from probes run here; None for a value click must word."""
+    from gpudiag.cli.probing import (
+        BackendListError,
+        default_backends,
+        parse_backends,
+        probe_requirement,
+        probe_verdict,
+    )
+    from gpudiag.core.requirement import RequirementError, parse_timeout
+
+    try:
+        timeout_s = (parse_timeout(options["--timeout"], name="--timeout")
+                     if "--timeout" in options else None)
+        names = parse_backends(options.get("--backend", default_backends()))
+        requirement = probe_requirement(names)
+    except (RequirementError, BackendListError):
+        return None
+    expected = options.get("--expected-gpus")
+    verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
+                            expected_gpus=None if expected is None else int(expected))
+    _print(verdict, options["--format"])
+    return EXIT_READY if verdict.ready else EXIT_BLOCKED
+
+
+def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     """Print the daemon's verdict and return the exit code; None when click must answer."""
     from gpudiag.core.requirement import RequirementError, parse_requirement, parse_timeout
     from gpudiag.engine.client import DaemonUrlError, ask_daemon, default_url
-    from gpudiag.engine.route import MAX_DAEMON_WAIT_S
 
     try:
         timeout_s = (parse_timeout(options["--timeout"], name="--timeout")
@@ -80,11 +135,13 @@ def answer_fast(command: str, options: dict[str, str]) -> int | None:
     verdict = answer.verdict
     if verdict is None:
         return None  # no daemon, or refused: click's path says why and runs the probes here
-    if options["--format"] == "json":
-        _echo(verdict.json() + "\n")
-    else:
-        _echo(verdict.kv())
+    _print(verdict, options["--format"])
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
+
+
+def _print(verdict: Verdict, fmt: str) -> None:
+    """The verdict as the click commands' ``--format json|kv`` prints it."""
+    _echo(verdict.json() + "\n" if fmt == "json" else verdict.kv())
 
 
 def _echo(text: str) -> None:
@@ -108,15 +165,18 @@ def main() -> int:
         return 0
     fast = parse_fast(argv) if not sys.stderr.isatty() else None  # a terminal gets a spinner
     if fast is not None:
-        # The same last lines of defence as gpudiag.cli.commands.main, without click.
+        # The same last lines of defence as click's standalone mode and
+        # gpudiag.cli.commands.main around it, without click.
         try:
             code = answer_fast(*fast)
         except BrokenPipeError:
             _pacify()
             return 1  # what click does when the reader went away
-        except KeyboardInterrupt:
-            print("gpudiag: interrupted", file=sys.stderr)
-            return 130
+        except (KeyboardInterrupt, EOFError):
+            # click's words and code for a Ctrl-C inside a command (its blank line closes the
+            # terminal's ^C), so that both paths end an interrupted probe alike.
+            print("\nAborted!", file=sys.stderr)
+            return 1
         except Exception as e:
             print(f"gpudiag: internal error: {type(e).__name__}: {e}", file=sys.stderr)
             return EXIT_FAILED

@@ -18,6 +18,10 @@ IREE_DRIVERS: tuple[str, ...] = ("cuda", "hip", "local-sync", "local-task", "vul
 # The most devices one requirement, preflight or `gpudiag run` may ask for or list.
 MAX_DEVICES = 64
 
+# The longest a caller waits for the daemon's answer: a Slurm prolog has 60 s in all. Here,
+# not in engine/route.py, so that the CLI's fast path need not import the router for it.
+MAX_DAEMON_WAIT_S = 60.0
+
 # Exit codes of `gpudiag probe` and `gpudiag preflight` (docs/reference.md: a contract).
 EXIT_READY, EXIT_BLOCKED, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 # Exit codes of `gpudiag run` when ARGV did not run (as env(1) and the shells use them).

@@ -21,7 +21,6 @@ import socket
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from urllib.parse import urlencode, urlsplit
 
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.numbers import ascii_int
@@ -103,6 +102,8 @@ def parse_daemon_url(url: str) -> DaemonAddress:
             raise DaemonUrlError(f"daemon URL {url!r}: the socket path must be absolute and "
                                  f"at most 107 bytes; accepted: {ACCEPTED}")
         return DaemonAddress(url, socket_path=path)
+    from urllib.parse import urlsplit  # only here: it imports ipaddress (1-2 ms a CLI call)
+
     try:
         parts = urlsplit(url)
         port, hostname = parts.port, parts.hostname
@@ -206,6 +207,23 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
     return q
 
 
+# RFC 3986's unreserved bytes: everything else in a query value is percent-encoded.
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def query_string(params: Mapping[str, str]) -> str:
+    """``k=v&...`` with every byte but the unreserved ones as %XX (what parse_qsl undoes).
+
+    Written here rather than with urllib.parse.urlencode: importing urllib.parse costs a
+    daemon-answered CLI call 1-2 ms (it imports ipaddress), more than the answer itself.
+    """
+    return "&".join(f"{_percent(k)}={_percent(v)}" for k, v in params.items())
+
+
+def _percent(text: str) -> str:
+    return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in text.encode())
+
+
 @dataclass(frozen=True)
 class DaemonReply:
     """One JSON answer of the daemon: the status and body, or None with why there is none."""
@@ -227,7 +245,7 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
     """
     address = parse_daemon_url(url)
     environ = os.environ if env is None else env
-    path = f"{address.prefix}{endpoint}?{urlencode(params)}"
+    path = f"{address.prefix}{endpoint}?{query_string(params)}"
     sock, why, refused = _connect(address, environ, connect_timeout_s)
     if sock is None:
         return DaemonReply(None, None, why, refused)

@@ -10,15 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpudiag.core.limits import MAX_DAEMON_WAIT_S
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
 if TYPE_CHECKING:
     from gpudiag.core.probe_run import ProbeRun
-
-# The longest a caller waits for the daemon's answer: a Slurm prolog has 60 s in all.
-MAX_DAEMON_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,58 @@
+"""``gpudiag probe`` without click: its backend list, its question and its verdict.
+
+The click command (``gpudiag.cli.commands.probe``) and the console entry's fast path
+(``gpudiag.cli.entry``, for ``--format json|kv``) both call these, so both print the same
+verdict; the fast path saves the probe's parent process the import of click.
+"""
+
+from __future__ import annotations
+
+from gpudiag.core import registry
+from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.verdict import Requirement, Verdict
+
+
+class BackendListError(ValueError):
+    """A ``--backend`` list that names no backend, or one gpudiag does not probe."""
+
+
+def default_backends() -> str:
+    """``--backend``'s default: every probe gpudiag has, in report order."""
+    return ",".join(registry.probe_names())
+
+
+def parse_backends(text: str) -> list[str]:
+    """The probes a ``--backend`` list names (``jax:cpu`` keeps its platform)."""
+    accepted = registry.probe_names()
+    names = [b.strip().lower() for b in text.split(",") if b.strip()]
+    bad = [b for b in names if b.split(":")[0] not in accepted]
+    if not names or bad:
+        raise BackendListError(f"--backend {text!r}: unknown backend(s) "
+                               f"{', '.join(bad) or '(none)'}; accepted: a comma list of "
+                               f"{', '.join(accepted)}")
+    return names
+
+
+def probe_requirement(names: list[str]) -> Requirement:
+    """The node-health question over the requirable backends named (RequirementError if bad).
+
+    A person at a shell asks what ``gpudiag health`` asks: is anything broken? GPUs that jobs
+    use show as busy, not as blockers (job readiness is ``gpudiag preflight``).
+    """
+    specs = [n for n in names if n.split(":")[0] in registry.requirable()]
+    if not specs:
+        return Requirement(backends=(), min_devices=0, node_health=True)
+    return parse_requirement(",".join(specs), node_health=True)
+
+
+def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: float | None,
+                  expected_gpus: int | None) -> Verdict:
+    """Run the named probes here, each in its child, and classify what they saw."""
+    import socket
+
+    from gpudiag.core.classify import classify
+    from gpudiag.engine.inline import run_inline
+
+    done = run_inline(requirement, timeout_s=timeout_s, only={n.split(":")[0] for n in names})
+    return classify(done.runs, requirement, host=socket.gethostname(),
+                    checked_at=done.checked_at, scope=done.scope, expected_gpus=expected_gpus)
