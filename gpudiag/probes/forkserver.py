@@ -42,8 +42,6 @@ def preimport() -> None:
     import their libraries inside the probe function, in the child, never at import) and
     pynvml (no thread, no environment read and no library loaded at import: nvmlInit loads
     libnvidia-ml, in the child)."""
-    import pynvml  # noqa: F401 - imported for the children, not used here
-
     from gpudiag.core import registry
     from gpudiag.probes import __main__ as entry
     from gpudiag.probes import load
@@ -51,6 +49,10 @@ def preimport() -> None:
     for spec in registry.specs():
         load(spec.name)
     del entry
+    try:
+        import pynvml  # noqa: F401 - imported for the children, not used here
+    except Exception:  # a broken install: each child imports it again and says so
+        pass
 
 
 def threads() -> int:
