@@ -52,13 +52,19 @@ def main() -> None:
         gpudiag = [sys.executable, "-m", "gpudiag", "probe", "--backend", "nvml,cuda", "--json"]
         bare = [sys.executable, "-c", BARE]
         t_gpudiag = median_wall_s(gpudiag, env, args.runs)
+        # The same command with every probe spawned (no fork server): the path before it.
+        t_spawned = median_wall_s(gpudiag, {**env, "GPUDIAG_PROBE_FORK_SERVER": "0"},
+                                  args.runs)
         t_bare = median_wall_s(bare, env, args.runs)
         # Where the difference goes: the CLI's own start, and one probe child alone.
         t_cli = median_wall_s([sys.executable, "-m", "gpudiag", "--version"], env, args.runs)
         t_child = median_wall_s([sys.executable, "-m", "gpudiag.probes", "nvml"], env,
                                 args.runs)
-    print(f"devices={args.devices} runs={args.runs} cpus={os.cpu_count()}")
+    print(f"devices={args.devices} runs={args.runs} cpus={os.cpu_count()} "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"gpudiag probe --backend nvml,cuda  median {t_gpudiag * 1000:8.1f} ms")
+    print(f"  the same, every probe spawned    median {t_spawned * 1000:8.1f} ms "
+          f"(GPUDIAG_PROBE_FORK_SERVER=0; ratio {t_spawned / t_bare:.2f})")
     print(f"bare pynvml init + device count    median {t_bare * 1000:8.1f} ms")
     print(f"gpudiag --version (CLI start)      median {t_cli * 1000:8.1f} ms")
     print(f"nvml probe child alone             median {t_child * 1000:8.1f} ms "

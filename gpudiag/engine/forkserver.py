@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path).
+OFF_SWITCH = "GPUDIAG_PROBE_FORK_SERVER"
 # Read by the probe child at run time (after the fork), so a request may differ in them.
 RUNTIME_KEYS = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
                           "GPUDIAG_PROBE_PARENT_PID"})
@@ -71,7 +73,7 @@ class ForkServer:
 
     def serves(self, env: Mapping[str, str]) -> bool:
         """Whether a child with ``env`` may be forked here (else it is spawned)."""
-        return startup_env(env) == self._startup
+        return env.get(OFF_SWITCH) != "0" and startup_env(env) == self._startup
 
     @property
     def pid(self) -> int | None:
