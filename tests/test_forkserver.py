@@ -185,3 +185,32 @@ def test_the_fork_server_is_single_threaded_after_its_imports() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split(maxsplit=1)
     assert out == ["1", "[] True\n"]
+
+
+KILL_FORKED = """
+import os, threading, time
+from gpudiag.engine.forkserver import ForkServer
+from gpudiag.engine.isolation import run_probe
+from gpudiag.engine.processes import descendants, kill_child_groups
+env = dict(os.environ)
+server = ForkServer(env)
+threading.Thread(target=run_probe, args=("nvml",), daemon=True,
+                 kwargs={"env": env, "timeout_s": 120, "forker": server}).start()
+deadline = time.monotonic() + 30
+while len(descendants()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(len(descendants()), kill_child_groups())
+"""
+
+
+def test_the_daemons_exit_kill_reaches_forked_children(gpu_env: EnvFactory) -> None:
+    # gpudiag serve calls kill_child_groups on the way out: the fork server's children lead
+    # groups of their own below it, and go too.
+    marker = uuid.uuid4().hex
+    env = probe_environment(gpu_env(FAKE_NVML_INIT_HANG=1, GPUDIAG_TEST_MARK=marker))
+    proc = subprocess.run([sys.executable, "-c", KILL_FORKED], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "2"]  # the server and its child; both groups killed
+    _wait_for(lambda: not processes_with_env(marker), 5.0)
+    assert processes_with_env(marker) == []
