@@ -80,7 +80,7 @@ def set_cmdline(argv: list[str]) -> bool:
 
 def _child(request: Mapping[str, Any], fds: list[int], control: socket.socket) -> int:
     """In the forked child: become an isolated probe child, run the probe, return its code."""
-    from gpudiag.probes.__main__ import main
+    from gpudiag.probes import __main__ as entry
 
     out, err, _status = fds
     parent = os.getppid()
@@ -102,8 +102,8 @@ def _child(request: Mapping[str, Any], fds: list[int], control: socket.socket) -
     if not set_cmdline(argv if len(argv) > 4 else [*argv, "{}"]):
         print("probe fork server: no room for the child's argv", file=sys.stderr)
         return 70
-    sys.argv = argv
-    return main(args)
+    sys.argv = [str(entry.__file__), *args]  # what ``python -m gpudiag.probes`` would see
+    return entry.main(args)
 
 
 def _fork(request: Mapping[str, Any], fds: list[int], control: socket.socket) -> int | None:
@@ -206,11 +206,13 @@ def serve(control: socket.socket) -> None:
 
 
 def main() -> int:
-    """Pre-import, check this process is single-threaded, serve."""
+    """Pre-import, check this process is single-threaded and imported nothing unsafe, serve."""
     preimport()
-    if threads() != 1:
-        print(f"probe fork server: {threads()} threads after the imports; not serving",
-              file=sys.stderr)
+    # A probe module that came to import one of them at its top would make forking unsafe.
+    unsafe = sorted(m for m in NEVER_PREIMPORTED if m in sys.modules)
+    if threads() != 1 or unsafe:
+        print(f"probe fork server: {threads()} threads and {unsafe or 'none'} of "
+              f"{NEVER_PREIMPORTED} after the imports; not serving", file=sys.stderr)
         return 1
     control = socket.socket(fileno=CONTROL_FD)
     serve(control)
