@@ -109,6 +109,7 @@ class ForkServer:
         return self._start()
 
     def _drop(self) -> None:
+        # Killed, not asked: it would only exit after Python's shutdown, holding nothing.
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -150,19 +151,10 @@ class ForkServer:
         return ForkedChild(pid, out_r, err_r, status_r)
 
     def close(self) -> None:
-        """Stop the server (its children already done end their groups themselves)."""
+        """Stop the server (a child still running ends its group when the server is gone)."""
         with self._lock:
             self._closed = True
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-            if self._proc is not None:
-                try:
-                    self._proc.wait(timeout=1.0)  # it exits at its socket's end
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
-                self._proc = None
+            self._drop()
 
     def __enter__(self) -> ForkServer:
         return self
