@@ -48,6 +48,14 @@ def _children_of(pid: int | None) -> list[psutil.Process]:
         return []
 
 
+def _maps_libcuda(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libcuda" in f.read()
+    except OSError:
+        return False
+
+
 def _in_background(backend: str, env: dict[str, str], timeout_s: float,
                    server: ForkServer) -> tuple[threading.Thread, list[ProbeRun]]:
     runs: list[ProbeRun] = []
@@ -106,9 +114,10 @@ def test_a_forked_cuda_child_shows_the_probe_argv_a_sibling_recognizes(
     env = probe_environment(gpu_env(FAKE_CUDA_INIT_HANG=1))
     with ForkServer(env) as server:
         worker, runs = _in_background("cuda", env, 20.0, server)
-        _wait_for(lambda: _children_of(server.pid))
+        # Once it touches the driver (NVML could list it only then), its argv is the probe's.
+        _wait_for(lambda: any(_maps_libcuda(k.pid) for k in _children_of(server.pid)))
         kids = _children_of(server.pid)
-        assert kids, "no forked child appeared"
+        assert kids and _maps_libcuda(kids[0].pid), "no forked child reached libcuda"
         argv = cmdline(kids[0].pid)
         assert argv[:4] == [sys.executable, "-m", "gpudiag.probes", "cuda"]
         assert is_probe_child(argv)
