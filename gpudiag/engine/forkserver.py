@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +49,11 @@ class ForkedChild:
     status: int
 
 
-def server_argv() -> list[str]:
-    """The server's argv: its last word is the room a child's argv is written into."""
-    return [sys.executable, "-m", "gpudiag.probes.forkserver", " " * ARGV_ROOM_BYTES]
+def server_argv(probes: Collection[str] | None = None) -> list[str]:
+    """The server's argv: the probes it imports for (default every backend), then the room
+    a child's argv is written into."""
+    names = "*" if probes is None else ",".join(probes)
+    return [sys.executable, "-m", "gpudiag.probes.forkserver", names, " " * ARGV_ROOM_BYTES]
 
 
 def startup_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -60,10 +62,12 @@ def startup_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 class ForkServer:
-    """A fork server for probe children started with ``env`` (lazily, at the first fork)."""
+    """A fork server for probe children started with ``env`` (lazily, at the first fork);
+    ``probes``: the ones it imports for ahead (default every backend; others still work)."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], probes: Collection[str] | None = None) -> None:
         self._env = dict(env)
+        self._probes = None if probes is None else tuple(probes)
         self._startup = startup_env(env)
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -85,7 +89,8 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-                server_argv(), env={**self._env, "GPUDIAG_PROBE_PARENT_PID": str(os.getpid())},
+                server_argv(self._probes),
+                env={**self._env, "GPUDIAG_PROBE_PARENT_PID": str(os.getpid())},
                 stdin=theirs.fileno(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, close_fds=True)
         except OSError:

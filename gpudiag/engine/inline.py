@@ -65,7 +65,7 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     base = os.environ if env is None else env
     child_env = probe_environment(base)
     # Two or more children: one interpreter start (the fork server's) instead of one each.
-    with ForkServer(child_env) as forker:
+    with ForkServer(child_env, probes=[name for name, _ in requests]) as forker:
         used = forker if len(requests) > 1 else None
         return _run_all(requests, child_env, limits, lock_dir or default_lock_dir(base), held,
                         checked_at, used)

@@ -1,4 +1,4 @@
-"""The probe fork server: ``python -m gpudiag.probes.forkserver ROOM``, one per caller.
+"""The probe fork server: ``python -m gpudiag.probes.forkserver NAMES ROOM``, one per caller.
 
 A small pre-imported parent that forks one child per probe, so a probe round stops paying a
 fresh interpreter and gpudiag's imports for every probe (docs/design-notes.md "Probe fork
@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 CONTROL_FD = 0  # stdin: the caller's socketpair end
@@ -37,17 +37,19 @@ MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
 NEVER_PREIMPORTED = ("jax", "jaxlib", "iree", "numpy")
 
 
-def preimport() -> None:
-    """Import what every probe child would import first: gpudiag's probe modules (they
-    import their libraries inside the probe function, in the child, never at import) and
-    pynvml (no thread, no environment read and no library loaded at import: nvmlInit loads
-    libnvidia-ml, in the child)."""
+def preimport(names: Collection[str] | None = None) -> None:
+    """Import what the probe children would import first: gpudiag's probe modules (``names``,
+    default every registered backend's; they import their libraries inside the probe
+    function, in the child, never at import) and pynvml (no thread, no environment read and
+    no library loaded at import: nvmlInit loads libnvidia-ml, in the child)."""
     from gpudiag.core import registry
     from gpudiag.probes import __main__ as entry
-    from gpudiag.probes import load
+    from gpudiag.probes import load, probe_modules
 
-    for spec in registry.specs():
-        load(spec.name)
+    known = probe_modules()
+    for name in [s.name for s in registry.specs()] if names is None else names:
+        if name in known:
+            load(name)
     del entry
     try:
         import pynvml  # noqa: F401 - imported for the children, not used here
@@ -207,7 +209,9 @@ def serve(control: socket.socket) -> None:
 
 def main() -> int:
     """Pre-import, check this process is single-threaded and imported nothing unsafe, serve."""
-    preimport()
+    # NAMES: the probes to import for ("*": every backend); ROOM: space for a child's argv.
+    words = sys.argv[1:2]
+    preimport(None if words in ([], ["*"]) else words[0].split(","))
     # A probe module that came to import one of them at its top would make forking unsafe.
     unsafe = sorted(m for m in NEVER_PREIMPORTED if m in sys.modules)
     if threads() != 1 or unsafe:
