@@ -36,6 +36,26 @@ def wall_s(argv: list[str], env: dict[str, str]) -> float:
     return elapsed
 
 
+# The probe engine alone, in this process (no CLI start): nvml then cuda under the busy-GPU
+# rule, with the fork server (one interpreter start, two forks) and without (two spawns).
+ENGINE = {"engine only: nvml then cuda, forked": True,
+          "engine only: nvml then cuda, spawned": False}
+
+
+def engine_s(env: dict[str, str], fork: bool) -> float:
+    """Wall time of one inline nvml-then-cuda round (``gpudiag.engine.inline.run_inline``)."""
+    from gpudiag.core.requirement import parse_requirement
+    from gpudiag.engine.inline import run_inline
+
+    run_env = env if fork else {**env, "GPUDIAG_PROBE_FORK_SERVER": "0"}
+    started = time.perf_counter()
+    done = run_inline(parse_requirement("cuda"), env=run_env, only=("nvml", "cuda"))
+    elapsed = time.perf_counter() - started
+    if not all(run.ok for run in done.runs.values()):
+        raise SystemExit(f"engine round failed: {[r.error for r in done.runs.values()]}")
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=15)
@@ -58,11 +78,15 @@ def main() -> None:
             "gpudiag --version (CLI start)": ([py, "-m", "gpudiag", "--version"], env),
             "nvml probe child alone (spawned)": ([py, "-m", "gpudiag.probes", "nvml"], env),
         }
-        times: dict[str, list[float]] = {name: [] for name in cases}
+        times: dict[str, list[float]] = {name: [] for name in [*cases, *ENGINE]}
         # Interleaved rounds after a warm-up one: a busy machine slows every case alike.
         for i in range(args.runs + 1):
             for name, (argv, case_env) in cases.items():
                 elapsed = wall_s(argv, case_env)
+                if i:
+                    times[name].append(elapsed)
+            for name, fork in ENGINE.items():
+                elapsed = engine_s(env, fork)
                 if i:
                     times[name].append(elapsed)
     med = {name: statistics.median(t) for name, t in times.items()}
@@ -70,7 +94,7 @@ def main() -> None:
     bare = "bare pynvml init + device count"
     print(f"devices={args.devices} runs={args.runs} (interleaved; median and min) "
           f"cpus={os.cpu_count()} load average {os.getloadavg()[0]:.1f}")
-    for name in cases:
+    for name in times:
         print(f"{name:<36} median {med[name] * 1000:7.1f} ms (min {low[name] * 1000:6.1f})  "
               f"ratio {med[name] / med[bare]:5.2f} (min {low[name] / low[bare]:5.2f}) vs bare")
     ratio = med["gpudiag probe --backend nvml,cuda"] / med[bare]
