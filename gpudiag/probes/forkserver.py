@@ -19,6 +19,7 @@ caller's end closes (the caller ended): its children then end their groups thems
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -131,7 +132,11 @@ def _fork(request: Mapping[str, Any], fds: list[int], control: socket.socket) ->
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    os.write(status, f"pid {pid}\n".encode())
+    try:
+        os.write(status, f"pid {pid}\n".encode())
+    except OSError:
+        os.kill(pid, signal.SIGKILL)  # its caller gave up waiting and spawned the probe
+        return None
     return pid
 
 
@@ -171,7 +176,10 @@ def _take(control: socket.socket, children: dict[int, int]) -> bool:
         request = json.loads(data)
         pid = _fork(request, fds, control)
     except (ValueError, KeyError, TypeError) as e:
-        os.write(fds[2], f"error bad request: {e}\n".encode())
+        with contextlib.suppress(OSError):
+            os.write(fds[2], f"error bad request: {e}\n".encode())
+        pid = None
+    except OSError:  # the caller gave up waiting and closed its end: serve the next one
         pid = None
     os.close(fds[0])
     os.close(fds[1])
