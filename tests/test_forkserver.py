@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -26,6 +27,8 @@ from gpudiag.engine.forkserver import ForkServer
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.processes import cmdline, is_probe_child
 from tests.conftest import EnvFactory, processes_with_env
+from tests.fakes.build import FakeDriver
+from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
 
 
 @pytest.fixture
@@ -222,4 +225,32 @@ def test_the_daemons_exit_kill_reaches_forked_children(gpu_env: EnvFactory) -> N
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["2", "2"]  # the server and its child; both groups killed
     _wait_for(lambda: not processes_with_env(marker), 5.0)
+    assert processes_with_env(marker) == []
+
+
+def test_the_daemon_forks_its_probes_from_one_server_and_takes_it_down(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   GPUDIAG_TEST_MARK=marker)
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", daemon_toml()),
+                    tmp_path / "state")
+    try:
+        daemon.wait_ready()
+
+        def servers() -> list[int]:
+            return [k.pid for k in _children_of(daemon.proc.pid)
+                    if cmdline(k.pid)[2:3] == ["gpudiag.probes.forkserver"]]
+
+        wait_for(lambda: len(servers()) == 1, 20)
+        server = servers()[0]
+        status, health = daemon.get("/v1/health")
+        assert status == 200 and health["gpu_validation_blocker"] == "none", health
+        # Rounds go on (nvml every 0.5 s): the same server forks them all.
+        wait_for(lambda: psutil.Process(server).cpu_times().children_user > 0
+                 or psutil.Process(server).cpu_times().children_system > 0, 20)
+        assert servers() == [server]
+    finally:
+        assert daemon.stop() == 0
+    _wait_for(lambda: not processes_with_env(marker), 10.0)
     assert processes_with_env(marker) == []
