@@ -48,6 +48,8 @@ def main() -> None:
     env = clean_env()
     py = sys.executable
     gd = [py, "-m", "gpudiag", "probe", "--json", "--backend"]
+    # The path before the probe fork server: every probe child spawned (env adds ~1 ms).
+    spawned = ["env", "GPUDIAG_PROBE_FORK_SERVER=0", *gd]
     # name -> (argv, fresh cache, the bare baseline it is compared with)
     cases: dict[str, tuple[list[str], bool, str | None]] = {
         "bare jax": ([py, "-c", BARE_JAX], False, None),
@@ -55,10 +57,12 @@ def main() -> None:
         "gpudiag --version (CLI start, no probe)": ([py, "-m", "gpudiag", "--version"], False,
                                                     None),
         "gpudiag probe --backend jax": ([*gd, "jax"], False, "bare jax"),
+        "gpudiag probe --backend jax (spawned)": ([*spawned, "jax"], False, "bare jax"),
         "gpudiag probe --backend jax:cpu": ([*gd, "jax:cpu"], False, "bare jax"),
         "probe child alone: jax cpu": (
             [py, "-m", "gpudiag.probes", "jax", '{"platform": "cpu"}'], False, "bare jax"),
         "gpudiag probe --backend iree": ([*gd, "iree"], False, "bare iree"),
+        "gpudiag probe --backend iree (spawned)": ([*spawned, "iree"], False, "bare iree"),
         "gpudiag probe --backend iree:local-task": ([*gd, "iree:local-task"], False,
                                                     "bare iree"),
         "gpudiag probe --backend iree:local-task (uncached)": ([*gd, "iree:local-task"], True,

@@ -1,6 +1,8 @@
 """Overhead of `gpudiag probe --backend nvml,cuda` over a bare NVML child, against the fakes.
 
-Prints, in one run, the median wall time of each and their ratio (target <= 1.5):
+Prints, in one run, the median wall time of each and their ratio (target <= 1.5), with the
+same command with every probe spawned (GPUDIAG_PROBE_FORK_SERVER=0, the path before the
+probe fork server):
     .venv/bin/python benchmarks/probe_overhead.py [--runs 15]
 """
 
@@ -24,18 +26,34 @@ BARE = ("import pynvml; pynvml.nvmlInit(); pynvml.nvmlDeviceGetCount(); "
         "pynvml.nvmlShutdown()")
 
 
-def median_wall_s(argv: list[str], env: dict[str, str], runs: int) -> float:
-    """Median wall time of a fresh process, after one warm-up run."""
-    times = []
-    for i in range(runs + 1):
-        started = time.perf_counter()
-        proc = subprocess.run(argv, env=env, capture_output=True, check=False)
-        elapsed = time.perf_counter() - started
-        if proc.returncode not in (0,):
-            raise SystemExit(f"{argv} failed with {proc.returncode}: {proc.stderr[-2000:]!r}")
-        if i:
-            times.append(elapsed)
-    return statistics.median(times)
+def wall_s(argv: list[str], env: dict[str, str]) -> float:
+    """Wall time of one fresh process."""
+    started = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, check=False)
+    elapsed = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{argv} failed with {proc.returncode}: {proc.stderr[-2000:]!r}")
+    return elapsed
+
+
+# The probe engine alone, in this process (no CLI start): nvml then cuda under the busy-GPU
+# rule, with the fork server (one interpreter start, two forks) and without (two spawns).
+ENGINE = {"engine only: nvml then cuda, forked": True,
+          "engine only: nvml then cuda, spawned": False}
+
+
+def engine_s(env: dict[str, str], fork: bool) -> float:
+    """Wall time of one inline nvml-then-cuda round (``gpudiag.engine.inline.run_inline``)."""
+    from gpudiag.core.requirement import parse_requirement
+    from gpudiag.engine.inline import run_inline
+
+    run_env = env if fork else {**env, "GPUDIAG_PROBE_FORK_SERVER": "0"}
+    started = time.perf_counter()
+    done = run_inline(parse_requirement("cuda"), env=run_env, only=("nvml", "cuda"))
+    elapsed = time.perf_counter() - started
+    if not all(run.ok for run in done.runs.values()):
+        raise SystemExit(f"engine round failed: {[r.error for r in done.runs.values()]}")
+    return elapsed
 
 
 def main() -> None:
@@ -43,27 +61,44 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--devices", type=int, default=8)
     args = parser.parse_args()
+    py = sys.executable
+    probe = [py, "-m", "gpudiag", "probe", "--backend", "nvml,cuda", "--json"]
     with tempfile.TemporaryDirectory() as tmp:
         fakes = build_fakes(Path(tmp) / "fakes")
         dev, proc = make_host_dirs(Path(tmp) / "host", gpus=args.devices)
         env = fakes.env(base={**clean_env(), "GPUDIAG_DEVICE_DIR": str(dev),
                               "GPUDIAG_DRIVER_PROC_DIR": str(proc)},
                         FAKE_NVML_DEVICE_COUNT=args.devices)
-        gpudiag = [sys.executable, "-m", "gpudiag", "probe", "--backend", "nvml,cuda", "--json"]
-        bare = [sys.executable, "-c", BARE]
-        t_gpudiag = median_wall_s(gpudiag, env, args.runs)
-        t_bare = median_wall_s(bare, env, args.runs)
-        # Where the difference goes: the CLI's own start, and one probe child alone.
-        t_cli = median_wall_s([sys.executable, "-m", "gpudiag", "--version"], env, args.runs)
-        t_child = median_wall_s([sys.executable, "-m", "gpudiag.probes", "nvml"], env,
-                                args.runs)
-    print(f"devices={args.devices} runs={args.runs} cpus={os.cpu_count()}")
-    print(f"gpudiag probe --backend nvml,cuda  median {t_gpudiag * 1000:8.1f} ms")
-    print(f"bare pynvml init + device count    median {t_bare * 1000:8.1f} ms")
-    print(f"gpudiag --version (CLI start)      median {t_cli * 1000:8.1f} ms")
-    print(f"nvml probe child alone             median {t_child * 1000:8.1f} ms "
-          f"(ratio {t_child / t_bare:.2f})")
-    print(f"ratio {t_gpudiag / t_bare:.2f} (target <= 1.5)")
+        # name -> (argv, env); "spawned" is the path before the probe fork server.
+        cases = {
+            "bare pynvml init + device count": ([py, "-c", BARE], env),
+            "gpudiag probe --backend nvml,cuda": (probe, env),
+            "  the same, every probe spawned": (
+                probe, {**env, "GPUDIAG_PROBE_FORK_SERVER": "0"}),
+            "gpudiag --version (CLI start)": ([py, "-m", "gpudiag", "--version"], env),
+            "nvml probe child alone (spawned)": ([py, "-m", "gpudiag.probes", "nvml"], env),
+        }
+        times: dict[str, list[float]] = {name: [] for name in [*cases, *ENGINE]}
+        # Interleaved rounds after a warm-up one: a busy machine slows every case alike.
+        for i in range(args.runs + 1):
+            for name, (argv, case_env) in cases.items():
+                elapsed = wall_s(argv, case_env)
+                if i:
+                    times[name].append(elapsed)
+            for name, fork in ENGINE.items():
+                elapsed = engine_s(env, fork)
+                if i:
+                    times[name].append(elapsed)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    low = {name: min(t) for name, t in times.items()}
+    bare = "bare pynvml init + device count"
+    print(f"devices={args.devices} runs={args.runs} (interleaved; median and min) "
+          f"cpus={os.cpu_count()} load average {os.getloadavg()[0]:.1f}")
+    for name in times:
+        print(f"{name:<36} median {med[name] * 1000:7.1f} ms (min {low[name] * 1000:6.1f})  "
+              f"ratio {med[name] / med[bare]:5.2f} (min {low[name] / low[bare]:5.2f}) vs bare")
+    ratio = med["gpudiag probe --backend nvml,cuda"] / med[bare]
+    print(f"ratio {ratio:.2f} (target <= 1.5)")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from gpudiag.daemon.snapshot import (
     outcome_of,
     verdict_for,
 )
+from gpudiag.engine.forkserver import shared_fork_server
 from gpudiag.engine.guard import (
     claim_free,
     driver_absent,
@@ -94,8 +95,9 @@ ProbeRunner = Callable[[str, Mapping[str, str], float, Mapping[str, Any] | None]
 
 def isolated_runner(backend: str, env: Mapping[str, str], timeout_s: float,
                     options: Mapping[str, Any] | None) -> ProbeRun:
-    """The real runner: one isolated child per probe."""
-    return run_probe(backend, env=env, timeout_s=timeout_s, options=options)
+    """The real runner: one isolated child per probe, forked by the daemon's fork server."""
+    return run_probe(backend, env=env, timeout_s=timeout_s, options=options,
+                     forker=shared_fork_server(env))
 
 
 class WatcherSource(Protocol):

@@ -15,6 +15,7 @@ from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import BUSY, GpuOccupancy, ProbeScope
 from gpudiag.core.verdict import Requirement
+from gpudiag.engine.forkserver import ForkServer
 from gpudiag.engine.guard import (
     SIBLING_WAIT_S,
     claim_free,
@@ -63,18 +64,32 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     requests = [(name, smi_timeout if name == "host" else opts) for name, opts in requests]
     base = os.environ if env is None else env
     child_env = probe_environment(base)
+    # Two or more children: one interpreter start (the fork server's) instead of one each.
+    with ForkServer(child_env, probes=[name for name, _ in requests]) as forker:
+        used = forker if len(requests) > 1 else None
+        return _run_all(requests, child_env, limits, lock_dir or default_lock_dir(base), held,
+                        checked_at, used)
+
+
+def _run_all(requests: Sequence[Request], child_env: Mapping[str, str],
+             limits: Mapping[str, float], lock_dir: Path, held: Collection[str],
+             checked_at: str, forker: ForkServer | None) -> InlineRun:
+    """The passive probes beside the nvml -> active chain (or all at once without one)."""
     active = [r for r in requests if touches_gpu(*r)]
     if not active:
-        return InlineRun(run_probes(requests, env=child_env, timeouts=limits), checked_at)
+        return InlineRun(run_probes(requests, env=child_env, timeouts=limits, forker=forker),
+                         checked_at)
     passive = [r for r in requests if r not in active and r[0] != "nvml"]
     # Occupancy needs NVML's reading first, even when only cuda was asked for; the other
     # passive probes (host: nvidia-smi, the slowest) run beside the nvml -> active chain.
     wanted_nvml = any(name == "nvml" for name, _ in requests)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="passive") as pool:
-        beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits)
-        nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits)["nvml"]
-        active_runs, scope = _run_active(active, nvml_run, child_env, limits,
-                                         lock_dir or default_lock_dir(base), held)
+        beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits,
+                             forker=forker)
+        nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits,
+                              forker=forker)["nvml"]
+        active_runs, scope = _run_active(active, nvml_run, child_env, limits, lock_dir, held,
+                                         forker)
         runs = beside.result()
     if wanted_nvml:
         runs["nvml"] = nvml_run
@@ -83,8 +98,8 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
 
 
 def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mapping[str, str],
-                limits: Mapping[str, float], lock_dir: Path, held: Collection[str] = ()
-                ) -> tuple[dict[str, ProbeRun], ProbeScope]:
+                limits: Mapping[str, float], lock_dir: Path, held: Collection[str] = (),
+                forker: ForkServer | None = None) -> tuple[dict[str, ProbeRun], ProbeScope]:
     """cuda, jax and iree on the FREE GPUs of NVML's reading, under their locks."""
     nvml = nvml_run.nvml if nvml_run.ok else None
     occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
@@ -99,7 +114,7 @@ def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mappin
         if cuda:
             name, opts = cuda[0]
             runs.update(run_probes([(name, {**(opts or {}), "contexts_on": list(claim.claimed)})],
-                                   env=child_env, timeouts=limits))
+                                   env=child_env, timeouts=limits, forker=forker))
         # JAX and IREE prove their backend on one free GPU: the other locks go first, so
         # that no `gpudiag run` job waits for GPUs this preflight does not use.
         one_gpu = claim.claimed[0] if claim.claimed else None
@@ -121,6 +136,7 @@ def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mappin
             envs[name] = {**child_env, "CUDA_VISIBLE_DEVICES": one_gpu,
                           "NVIDIA_VISIBLE_DEVICES": one_gpu}
             planned.append((name, opts))
-        runs.update(run_probes(planned, env=child_env, timeouts=limits, envs=envs))
+        runs.update(run_probes(planned, env=child_env, timeouts=limits, envs=envs,
+                               forker=forker))
     probed = frozenset(claim.claimed) if "cuda" in runs else frozenset()
     return runs, ProbeScope(occupancy=occupancy, probed=probed, backend_gpu=backend_gpu)

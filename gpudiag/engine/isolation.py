@@ -14,9 +14,11 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.probe_run import ProbeRun, bounded_tail
+from gpudiag.engine.forkserver import AFTER_KILL_WAIT_S, ForkServer, collect
 
 STDOUT_LIMIT_BYTES = 16 * 1024 * 1024
 
@@ -37,9 +39,33 @@ def _kill_group(pgid: int) -> None:
 
 
 def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
-              options: Mapping[str, Any] | None = None) -> ProbeRun:
-    """Run one probe child to completion or to its deadline; never raises for the probe's sake."""
+              options: Mapping[str, Any] | None = None,
+              forker: ForkServer | None = None) -> ProbeRun:
+    """Run one probe child to completion or to its deadline; never raises for the probe's sake.
+
+    With ``forker`` the child is forked by the probe fork server when it can (the same child,
+    without a fresh interpreter); otherwise, or when the server is gone, it is spawned."""
     argv = probe_argv(backend, options)
+    if forker is not None:
+        forked = _run_forked(forker, backend, env, timeout_s, options)
+        if forked is not None:
+            return _result(backend, argv, timeout_s, forked)
+    return _result(backend, argv, timeout_s, _run_spawned(argv, env, timeout_s))
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """How a probe child ended, before its output is read: the raw facts of either path."""
+
+    duration_s: float
+    returncode: int | None
+    timed_out: bool
+    out: bytes
+    err: bytes
+    start_error: str | None = None
+
+
+def _run_spawned(argv: list[str], env: Mapping[str, str], timeout_s: float) -> _Ended:
     started = time.monotonic()
     try:
         proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
@@ -48,8 +74,8 @@ def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
         )
     except OSError as e:
-        return ProbeRun(backend, None, time.monotonic() - started,
-                        error=f"could not start the probe child: {e}", argv=tuple(argv))
+        return _Ended(time.monotonic() - started, None, False, b"", b"",
+                      f"could not start the probe child: {e}")
     timed_out = False
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -60,29 +86,60 @@ def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
     finally:
         # Grandchildren (nvidia-smi, compilers) must not outlive the probe either.
         _kill_group(proc.pid)
-    duration = time.monotonic() - started
-    tail = bounded_tail(err)
-    code = proc.returncode
+    return _Ended(time.monotonic() - started, proc.returncode, timed_out, out, err)
+
+
+def _run_forked(forker: ForkServer, backend: str, env: Mapping[str, str], timeout_s: float,
+                options: Mapping[str, Any] | None) -> _Ended | None:
+    """The forked child's end; None when the server could not fork it or died meanwhile
+    (the caller spawns it then: a server's end is not the probe's)."""
+    started = time.monotonic()
+    child = forker.fork(backend, options, env)
+    if child is None:
+        return None
+    try:
+        got = collect(child, started + timeout_s)
+        timed_out = got.status is None and not got.server_gone
+        if timed_out:
+            _kill_group(child.pid)
+            # Killed: its pipes end and the server reports the signal (bounded, if it is gone).
+            got = collect(child, time.monotonic() + AFTER_KILL_WAIT_S, got)
+    finally:
+        _kill_group(child.pid)
+        for fd in (child.stdout, child.stderr, child.status):
+            os.close(fd)
+    if got.status is None:
+        return None if not timed_out else _Ended(
+            time.monotonic() - started, -signal.SIGKILL, True, got.out, got.err)
+    return _Ended(time.monotonic() - started, os.waitstatus_to_exitcode(got.status),
+                  timed_out, got.out, got.err)
+
+
+def _result(backend: str, argv: list[str], timeout_s: float, end: _Ended) -> ProbeRun:
+    """The ProbeRun of a child that ended (spawned or forked: one reading of both)."""
+    duration, code, argv_t = end.duration_s, end.returncode, tuple(argv)
+    if end.start_error is not None:
+        return ProbeRun(backend, None, duration, error=end.start_error, argv=argv_t)
+    tail = bounded_tail(end.err)
     sig = -code if code is not None and code < 0 else None
-    if timed_out:
+    if end.timed_out:
         return ProbeRun(backend, None, duration, None, sig, True, tail,
                         f"probe {backend} missed its {timeout_s:g} s deadline and was killed",
-                        tuple(argv))
+                        argv_t)
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
         return ProbeRun(backend, None, duration, code, sig, False, tail,
-                        f"probe {backend} was killed by signal {sig} ({name})", tuple(argv))
-    observation, parse_error = _parse_observation(out)
+                        f"probe {backend} was killed by signal {sig} ({name})", argv_t)
+    observation, parse_error = _parse_observation(end.out)
     if code != 0:
         return ProbeRun(backend, observation, duration, code, None, False, tail,
-                        f"probe {backend} exited with status {code}", tuple(argv))
+                        f"probe {backend} exited with status {code}", argv_t)
     if observation is None:
         return ProbeRun(backend, None, duration, code, None, False, tail,
-                        f"probe {backend} printed no valid observation: {parse_error}",
-                        tuple(argv))
+                        f"probe {backend} printed no valid observation: {parse_error}", argv_t)
     # Building the run parses the observation into its typed record, once, here; a malformed
     # one becomes a probe_error run naming the field (gpudiag.core.observations).
-    return ProbeRun(backend, observation, duration, code, None, False, tail, None, tuple(argv))
+    return ProbeRun(backend, observation, duration, code, None, False, tail, None, argv_t)
 
 
 def _parse_observation(out: bytes) -> tuple[dict[str, Any] | None, str | None]:
@@ -106,7 +163,8 @@ def _parse_observation(out: bytes) -> tuple[dict[str, Any] | None, str | None]:
 
 def run_probes(requests: Sequence[tuple[str, Mapping[str, Any] | None]], *,
                env: Mapping[str, str], timeouts: Mapping[str, float],
-               envs: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, ProbeRun]:
+               envs: Mapping[str, Mapping[str, str]] | None = None,
+               forker: ForkServer | None = None) -> dict[str, ProbeRun]:
     """Run several probes in parallel, each in its own child with its own deadline
     (``envs`` gives a probe its own environment instead of ``env``)."""
     if not requests:
@@ -115,7 +173,7 @@ def run_probes(requests: Sequence[tuple[str, Mapping[str, Any] | None]], *,
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         futures = {
             name: pool.submit(run_probe, name, env=own.get(name, env),
-                              timeout_s=timeouts[name], options=opts)
+                              timeout_s=timeouts[name], options=opts, forker=forker)
             for name, opts in requests
         }
         return {name: f.result() for name, f in futures.items()}

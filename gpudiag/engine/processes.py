@@ -95,12 +95,22 @@ def ended(pid: int) -> bool:
 
 
 def kill_child_groups() -> int:
-    """SIGKILL the process group of every direct child of this process; returns how many."""
+    """SIGKILL the process group of every direct child of this process, and of every process
+    below them that leads a group of its own (the probe fork server's children, which are
+    not its group's); returns how many groups or lone children were killed."""
     own_group, count = os.getpgrp(), 0
     try:
         kids = psutil.Process().children()
     except psutil.Error:
         return 0
+    # Leaders below the children first: a fork server killed first would orphan them.
+    direct = {kid.pid for kid in kids}
+    leaders = [p.pid for p in descendants() if p.pid not in direct]
+    for pid in leaders:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+                count += 1
     for kid in kids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             pgid = os.getpgid(kid.pid)

@@ -1,0 +1,249 @@
+"""The caller's side of the probe fork server (gpudiag.probes.forkserver).
+
+One server per caller process tree: the daemon keeps one for its life, an inline run one for
+the run. It is started with the probe environment and serves only requests whose environment
+matches it but for the variables read at run time (the visibility variables): what the
+dynamic loader and Python read once at start (``LD_LIBRARY_PATH``, ``PYTHONPATH``, ...) must
+be the child's own. Anything else, or a server that cannot start or is gone, means None from
+``fork`` and the caller spawns the probe as before: never a different verdict, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path).
+OFF_SWITCH = "GPUDIAG_PROBE_FORK_SERVER"
+# Read by the probe child at run time (after the fork), so a request may differ in them.
+RUNTIME_KEYS = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+                          "GPUDIAG_PROBE_PARENT_PID"})
+# The room the server's argv leaves for a child's (python -m gpudiag.probes NAME OPTIONS).
+ARGV_ROOM_BYTES = 16 * 1024
+# A server that died is started again at most this often; meanwhile probes are spawned.
+RESTART_AFTER_S = 30.0
+# How long a caller waits for a started server to take a request before spawning instead.
+PID_WAIT_S = 10.0
+# How long a caller waits for a killed child's pipes to end and its status to come.
+AFTER_KILL_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ForkedChild:
+    """A probe child the server forked: its pid (its group's id) and the caller's pipe ends."""
+
+    pid: int
+    stdout: int
+    stderr: int
+    status: int
+
+
+def server_argv(probes: Collection[str] | None = None) -> list[str]:
+    """The server's argv: the probes it imports for (default every backend), then the room
+    a child's argv is written into."""
+    names = "*" if probes is None else ",".join(probes)
+    return [sys.executable, "-m", "gpudiag.probes.forkserver", names, " " * ARGV_ROOM_BYTES]
+
+
+def startup_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What of ``env`` a forked child inherits from the server's start, unchangeable."""
+    return {k: v for k, v in env.items() if k not in RUNTIME_KEYS}
+
+
+class ForkServer:
+    """A fork server for probe children started with ``env`` (lazily, at the first fork);
+    ``probes``: the ones it imports for ahead (default every backend; others still work)."""
+
+    def __init__(self, env: Mapping[str, str], probes: Collection[str] | None = None) -> None:
+        self._env = dict(env)
+        self._probes = None if probes is None else tuple(probes)
+        self._startup = startup_env(env)
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._failed_at: float | None = None
+        self._closed = False
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        """Whether a child with ``env`` may be forked here (else it is spawned)."""
+        return env.get(OFF_SWITCH) != "0" and startup_env(env) == self._startup
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid while it runs (tests kill it)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def _start(self) -> socket.socket | None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
+                server_argv(self._probes),
+                env={**self._env, "GPUDIAG_PROBE_PARENT_PID": str(os.getpid())},
+                stdin=theirs.fileno(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, close_fds=True)
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        self._sock = ours
+        return ours
+
+    def _connection(self) -> socket.socket | None:
+        """The live server's socket, starting it when due; None: spawn instead."""
+        if self._closed:
+            return None
+        if self._sock is not None and self._proc is not None and self._proc.poll() is None:
+            return self._sock
+        self._drop()
+        if self._failed_at is not None and time.monotonic() - self._failed_at < RESTART_AFTER_S:
+            return None
+        self._failed_at = time.monotonic()
+        return self._start()
+
+    def _drop(self) -> None:
+        # Killed, not asked: it would only exit after Python's shutdown, holding nothing.
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            with contextlib.suppress(OSError):
+                self._proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=1.0)
+            self._proc = None
+
+    def fork(self, backend: str, options: Mapping[str, Any] | None,
+             env: Mapping[str, str]) -> ForkedChild | None:
+        """Fork a probe child with exactly ``env``; None when the server cannot (spawn)."""
+        if not self.serves(env):
+            return None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        status_r, status_w = os.pipe()
+        request = json.dumps({"backend": backend, "options": dict(options or {}),
+                              "env": dict(env)}).encode()
+        try:
+            with self._lock:
+                sock = self._connection()
+                if sock is None:
+                    raise OSError("no fork server")
+                socket.send_fds(sock, [request], [out_w, err_w, status_w])
+        except OSError:
+            for fd in (out_r, err_r, status_r):
+                os.close(fd)
+            return None
+        finally:
+            for fd in (out_w, err_w, status_w):
+                os.close(fd)
+        pid = _read_pid(status_r)
+        if pid is None:
+            for fd in (out_r, err_r, status_r):
+                os.close(fd)
+            return None
+        return ForkedChild(pid, out_r, err_r, status_r)
+
+    def close(self) -> None:
+        """Stop the server (a child still running ends its group when the server is gone)."""
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What a forked child's pipes gave so far: its output, and its wait status once reaped
+    (``server_gone``: the status pipe ended without one, the server died)."""
+
+    out: bytes = b""
+    err: bytes = b""
+    status: int | None = None
+    server_gone: bool = False
+
+
+def collect(child: ForkedChild, deadline: float, prior: Collected | None = None) -> Collected:
+    """Read a forked child's stdout, stderr and status until all three end or ``deadline``
+    (``time.monotonic``) passes: the forked form of ``Popen.communicate``."""
+    got = {child.stdout: bytearray(prior.out if prior else b""),
+           child.stderr: bytearray(prior.err if prior else b""),
+           child.status: bytearray()}
+    status, gone = (prior.status, prior.server_gone) if prior else (None, False)
+    open_fds = [fd for fd in got if fd != child.status or (status is None and not gone)]
+    with selectors.DefaultSelector() as sel:
+        for fd in open_fds:
+            sel.register(fd, selectors.EVENT_READ)
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(left):
+                fd = int(key.fd)
+                chunk = os.read(fd, 65536)
+                if chunk:
+                    got[fd] += chunk
+                    continue
+                sel.unregister(fd)
+                open_fds.remove(fd)
+            if child.status not in open_fds and status is None and not gone:
+                status, gone = _exit_status(bytes(got[child.status]))
+    return Collected(bytes(got[child.stdout]), bytes(got[child.stderr]), status, gone)
+
+
+def _exit_status(text: bytes) -> tuple[int | None, bool]:
+    """The server's ``exit W`` line (the status pipe ended): (W, False), or (None, True)."""
+    word, _, value = text.decode(errors="replace").strip().partition(" ")
+    if word == "exit" and value.lstrip("-").isdigit():
+        return int(value), False
+    return None, True
+
+
+def _read_pid(status_r: int) -> int | None:
+    """The first line of the status pipe: ``pid N``; None for an error or a dead server."""
+    line = b""
+    end = time.monotonic() + PID_WAIT_S
+    while not line.endswith(b"\n"):
+        left = end - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([status_r], [], [], left)
+        if not ready:
+            return None
+        chunk = os.read(status_r, 1)
+        if not chunk:
+            return None
+        line += chunk
+    word, _, value = line.decode(errors="replace").strip().partition(" ")
+    return int(value) if word == "pid" and value.isascii() and value.isdigit() else None
+
+
+_SHARED: dict[frozenset[tuple[str, str]], ForkServer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_fork_server(env: Mapping[str, str]) -> ForkServer:
+    """This process's fork server for children started with ``env`` (the daemon's: one for
+    its life, started at its first probe; it ends when this process does)."""
+    key = frozenset(startup_env(env).items())
+    with _SHARED_LOCK:
+        server = _SHARED.get(key)
+        if server is None:
+            server = _SHARED[key] = ForkServer(env)
+        return server

@@ -1,0 +1,235 @@
+"""The probe fork server: ``python -m gpudiag.probes.forkserver NAMES ROOM``, one per caller.
+
+A small pre-imported parent that forks one child per probe, so a probe round stops paying a
+fresh interpreter and gpudiag's imports for every probe (docs/design-notes.md "Probe fork
+server"). The child is the same isolated child ``python -m gpudiag.probes NAME`` is: its own
+session, the exact environment the caller gave, stdout/stderr on the caller's pipes, the same
+argv (rewritten in place, so a sibling gpudiag still tells it from a user), the same exit codes.
+
+Safe to fork only because this parent is single-threaded and has initialized nothing: no
+NVML, no CUDA, no JAX, no IREE is imported here (they start threads, or read the environment
+when imported); every fork checks /proc/self/task first and refuses when a thread appeared.
+
+Protocol, on the AF_UNIX SOCK_SEQPACKET socket on its stdin: each request is one message, JSON
+``{"backend", "options", "env"}`` with three descriptors attached (the child's stdout and
+stderr, and a status pipe). On the status pipe this server writes ``pid N`` after the fork and
+``exit W`` (the raw wait status) once it reaped the child, or ``error TEXT``. It exits when the
+caller's end closes (the caller ended): its children then end their groups themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Collection, Mapping
+from typing import Any
+
+CONTROL_FD = 0  # stdin: the caller's socketpair end
+MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
+# Never imported here: they start threads (numpy's BLAS, jax) or read the environment when
+# imported (jax's flags), or are big and used by one probe (iree) (design notes).
+NEVER_PREIMPORTED = ("jax", "jaxlib", "iree", "numpy")
+
+
+def preimport(names: Collection[str] | None = None) -> None:
+    """Import what the probe children would import first: gpudiag's probe modules (``names``,
+    default every registered backend's; they import their libraries inside the probe
+    function, in the child, never at import) and pynvml (no thread, no environment read and
+    no library loaded at import: nvmlInit loads libnvidia-ml, in the child)."""
+    from gpudiag.core import registry
+    from gpudiag.probes import __main__ as entry
+    from gpudiag.probes import load, probe_modules
+
+    known = probe_modules()
+    for name in [s.name for s in registry.specs()] if names is None else names:
+        if name in known:
+            load(name)
+    del entry
+    try:
+        import pynvml  # noqa: F401 - imported for the children, not used here
+    except Exception:  # a broken install: each child imports it again and says so
+        pass
+
+
+def threads() -> int:
+    """How many threads this process has now (the kernel's count, not only Python's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def set_cmdline(argv: list[str]) -> bool:
+    """Rewrite this process's /proc/self/cmdline to ``argv`` in the room the start argv left.
+
+    The last word is padded with spaces (a JSON options word ignores them), so the area still
+    ends in one NUL and ps/psutil read exactly ``argv``. False when it does not fit."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: stat fields 48, 49
+    words = [w.encode() for w in argv]
+    head = b"\0".join(words[:-1]) + b"\0"
+    room = end - start - 1 - len(head)
+    if room < len(words[-1]):
+        return False
+    text = head + words[-1].ljust(room, b" ") + b"\0"
+    ctypes.memmove(start, text, len(text))
+    return True
+
+
+def _child(request: Mapping[str, Any], fds: list[int], control: socket.socket) -> int:
+    """In the forked child: become an isolated probe child, run the probe, return its code."""
+    from gpudiag.probes import __main__ as entry
+
+    out, err, _status = fds
+    parent = os.getppid()
+    control.close()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    # Replaced before anything in the child reads it: putenv/unsetenv reach C getenv too.
+    os.environ.clear()
+    os.environ.update({**request["env"], "GPUDIAG_PROBE_PARENT_PID": str(parent)})
+    args = [str(request["backend"])]
+    if request.get("options"):
+        args.append(json.dumps(request["options"], sort_keys=True))
+    argv = [sys.executable, "-m", "gpudiag.probes", *args]
+    if not set_cmdline(argv if len(argv) > 4 else [*argv, "{}"]):
+        print("probe fork server: no room for the child's argv", file=sys.stderr)
+        return 70
+    sys.argv = [str(entry.__file__), *args]  # what ``python -m gpudiag.probes`` would see
+    return entry.main(args)
+
+
+def _fork(request: Mapping[str, Any], fds: list[int], control: socket.socket) -> int | None:
+    """Fork one probe child; its pid, or None (the error is written on the status pipe)."""
+    status = fds[2]
+    if threads() != 1:
+        os.write(status, b"error the fork server is not single-threaded\n")
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.write(status, f"error fork failed: {e}\n".encode())
+        return None
+    if pid == 0:
+        code = 70
+        try:
+            code = _child(request, fds, control)
+        except BaseException:  # the child must end here, whatever happened
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    try:
+        os.write(status, f"pid {pid}\n".encode())
+    except OSError:
+        os.kill(pid, signal.SIGKILL)  # its caller gave up waiting and spawned the probe
+        return None
+    return pid
+
+
+def _reap(children: dict[int, int]) -> None:
+    """Reap every ended child and tell its caller the wait status."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = children.pop(pid, None)
+        if fd is not None:
+            try:
+                os.write(fd, f"exit {status}\n".encode())
+            except OSError:
+                pass  # the caller gave up on it (its deadline passed and it went on)
+            os.close(fd)
+
+
+def _take(control: socket.socket, children: dict[int, int]) -> bool:
+    """Read one request and fork its child; False when the caller's end closed."""
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(control, MESSAGE_LIMIT_BYTES, 3)
+    except OSError:
+        return False
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return False
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return True  # a malformed request has no status pipe to answer on
+    try:
+        request = json.loads(data)
+        pid = _fork(request, fds, control)
+    except (ValueError, KeyError, TypeError) as e:
+        with contextlib.suppress(OSError):
+            os.write(fds[2], f"error bad request: {e}\n".encode())
+        pid = None
+    except OSError:  # the caller gave up waiting and closed its end: serve the next one
+        pid = None
+    os.close(fds[0])
+    os.close(fds[1])
+    if pid is None:
+        os.close(fds[2])
+    else:
+        children[pid] = fds[2]
+    return True
+
+
+def serve(control: socket.socket) -> None:
+    """Fork a child per request until the caller's end closes; reap children as they end."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: dict[int, int] = {}
+    with selectors.DefaultSelector() as sel:
+        sel.register(control, selectors.EVENT_READ)
+        sel.register(wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _events in sel.select():
+                if key.fileobj is control and not _take(control, children):
+                    return
+                if key.fileobj == wake_r:
+                    while True:
+                        try:
+                            if not os.read(wake_r, 4096):
+                                break
+                        except BlockingIOError:
+                            break
+            _reap(children)
+
+
+def main() -> int:
+    """Pre-import, check this process is single-threaded and imported nothing unsafe, serve."""
+    # NAMES: the probes to import for ("*": every backend); ROOM: space for a child's argv.
+    words = sys.argv[1:2]
+    preimport(None if words in ([], ["*"]) else words[0].split(","))
+    # A probe module that came to import one of them at its top would make forking unsafe.
+    unsafe = sorted(m for m in NEVER_PREIMPORTED if m in sys.modules)
+    if threads() != 1 or unsafe:
+        print(f"probe fork server: {threads()} threads and {unsafe or 'none'} of "
+              f"{NEVER_PREIMPORTED} after the imports; not serving", file=sys.stderr)
+        return 1
+    control = socket.socket(fileno=CONTROL_FD)
+    serve(control)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
