@@ -26,9 +26,9 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.engine.forkserver import ForkServer
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.processes import cmdline, is_probe_child
-from tests.conftest import EnvFactory, processes_with_env
 from tests.fakes.build import FakeDriver
-from tests.test_daemon_support import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.host import EnvFactory, processes_with_env
 
 
 @pytest.fixture
