@@ -65,6 +65,7 @@ from gpudiag.daemon.statedir import (
 )
 from gpudiag.daemon.store import HistoryError, HistoryStore
 from gpudiag.daemon.watcher import XidWatcher
+from gpudiag.engine.forkserver import close_shared_fork_servers
 from gpudiag.engine.locks import SYSTEM_LOCK_DIR, LockDirChoice, choose_lock_dir
 from gpudiag.engine.processes import kill_child_groups
 
@@ -190,11 +191,12 @@ class DaemonService:
         parts.watcher.stop()
         # A probe child still running (even hung in the driver) must not hold the exit up to
         # its deadline, nor outlive the daemon: kill each child's process group.
-        killed = kill_child_groups()
+        killed = close_shared_fork_servers() + kill_child_groups()
         if killed:
             log.info("killed %d running probe child(ren) on the way out", killed)
         # A worker between two probes may start one more child: kill again, bounded wait.
         bounded(parts.scheduler.drain, DRAIN_LIMIT_S, on_each=kill_child_groups)
+        close_shared_fork_servers()  # one the drain's last probe may have started again
         # A write stuck in the disk must not hold the exit up either: closing would wait on it.
         if parts.writer.stop():
             _close_history(parts.recorder)

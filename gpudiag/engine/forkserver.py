@@ -24,6 +24,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpudiag.engine.processes import kill_group_leaders_below
+
 # GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path).
 OFF_SWITCH = "GPUDIAG_PROBE_FORK_SERVER"
 # Read by the probe child at run time (after the fork), so a request may differ in them.
@@ -113,17 +115,22 @@ class ForkServer:
         self._failed_at = time.monotonic()
         return self._start()
 
-    def _drop(self) -> None:
+    def _drop(self) -> int:
         # Killed, not asked: it would only exit after Python's shutdown, holding nothing.
+        # Its probe children first (each leads its own group): killed after it, they would
+        # be orphans this process no longer sees. Returns how many were killed.
+        killed = 0
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
+            killed = kill_group_leaders_below(self._proc.pid)
             with contextlib.suppress(OSError):
                 self._proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=1.0)
             self._proc = None
+        return killed
 
     def fork(self, backend: str, options: Mapping[str, Any] | None,
              env: Mapping[str, str]) -> ForkedChild | None:
@@ -155,11 +162,11 @@ class ForkServer:
             return None
         return ForkedChild(pid, out_r, err_r, status_r)
 
-    def close(self) -> None:
-        """Stop the server (a child still running ends its group when the server is gone)."""
+    def close(self) -> int:
+        """Stop the server and kill the probe children it forked; returns how many."""
         with self._lock:
             self._closed = True
-            self._drop()
+            return self._drop()
 
     def __enter__(self) -> ForkServer:
         return self
@@ -247,3 +254,13 @@ def shared_fork_server(env: Mapping[str, str]) -> ForkServer:
         if server is None:
             server = _SHARED[key] = ForkServer(env)
         return server
+
+
+def close_shared_fork_servers() -> int:
+    """Stop this process's shared fork servers, reaped (a daemon's stop: no server outlives
+    it, nor stays a zombie in a process that goes on, such as a test's); returns how many
+    probe children they had running, killed with them."""
+    with _SHARED_LOCK:
+        servers = list(_SHARED.values())
+        _SHARED.clear()
+    return sum(server.close() for server in servers)

@@ -94,6 +94,18 @@ def ended(pid: int) -> bool:
         return True
 
 
+def kill_group_leaders_below(root: int) -> int:
+    """SIGKILL the group of every process below ``root`` that leads a group of its own (a
+    fork server's probe children); returns how many groups were killed."""
+    count = 0
+    for info in descendants(root):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(info.pid) == info.pid:
+                os.killpg(info.pid, signal.SIGKILL)
+                count += 1
+    return count
+
+
 def kill_child_groups() -> int:
     """SIGKILL the process group of every direct child of this process, and of every process
     below them that leads a group of its own (the probe fork server's children, which are
@@ -104,13 +116,7 @@ def kill_child_groups() -> int:
     except psutil.Error:
         return 0
     # Leaders below the children first: a fork server killed first would orphan them.
-    direct = {kid.pid for kid in kids}
-    leaders = [p.pid for p in descendants() if p.pid not in direct]
-    for pid in leaders:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-                count += 1
+    count += sum(kill_group_leaders_below(kid.pid) for kid in kids)
     for kid in kids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             pgid = os.getpgid(kid.pid)
