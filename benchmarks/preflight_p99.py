@@ -4,10 +4,11 @@ Issue 31's figure: 32 clients, each paced at 10 requests/s, against a real `gpud
 8 fake GPUs, and the same load against a minimal threaded Python server that answers a fixed
 body of the same size (the floor on this machine). On a shared 2-core machine one run of each
 side drifts with whatever else runs, so the sides take turns for ``--rounds`` rounds (order
-rotating each round) and the ratio is of the pooled p99s. ``--base DIR`` adds a daemon run
-from another source tree (``git archive COMMIT | tar -x -C DIR``), for before/after in one run:
+rotating each round) and the ratio is of the pooled p99s. ``--base NAME=DIR`` (repeatable)
+adds a daemon run from another source tree (``git archive COMMIT | tar -x -C DIR``), for
+before/after in one run:
 
-    .venv/bin/python benchmarks/preflight_p99.py [--rounds 6] [--seconds 10] [--base DIR]
+    .venv/bin/python benchmarks/preflight_p99.py [--rounds 6] [--seconds 10] [--base NAME=DIR]
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="per side per round")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rate", type=float, default=10.0, help="requests/s per client")
-    ap.add_argument("--base", type=Path, help="a source tree to run as the 'before' daemon")
+    ap.add_argument("--base", action="append", default=[], metavar="NAME=DIR",
+                    help="another source tree to run as a daemon named NAME (repeatable)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="gpudiag-p99-"))
@@ -77,9 +79,10 @@ def main() -> int:
         sides: dict[str, int] = {}
         daemon, sides["daemon"] = start_daemon(env, tmp / "state", None)
         procs.append(daemon)
-        if args.base is not None:
-            base, sides["base"] = start_daemon(env, tmp / "state-base", args.base.resolve())
-            procs.append(base)
+        for base in args.base:
+            name, _, source = base.partition("=")
+            other, sides[name] = start_daemon(env, tmp / f"state-{name}", Path(source).resolve())
+            procs.append(other)
         size = len(http_body("127.0.0.1", sides["daemon"], PATH))
         floor = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, str(size)],
                                  stdout=subprocess.PIPE, text=True)
@@ -115,7 +118,7 @@ def main() -> int:
         timing = ""
         if name != "minimal":
             s = server[name]
-            timing = f"; daemon's own p50 {pct(s, .5):.2f} ms p99 {pct(s, .99):.2f} ms"
+            timing = f"; app's own p50 {pct(s, .5):.2f} ms p99 {pct(s, .99):.2f} ms"
         print(f"  {name:8} {len(c)} requests, {errors[name]} errors; client p50 "
               f"{pct(c, .5):.2f} ms p99 {pct(c, .99):.2f} ms -> p99/minimal "
               f"{pct(c, .99) / floor_p99:.2f}x{timing}")

@@ -59,6 +59,11 @@ def test_an_http_1_1_head_without_host_is_served_without_one() -> None:
         "GET", "/healthz", "HTTP/1.1", (("host", ""),), b"")
 
 
+def test_a_folded_header_line_is_joined_to_the_one_above() -> None:
+    request = read(b"GET / HTTP/1.1\r\nHost: a\r\nX-Long: one\r\n  two\r\n\r\n")
+    assert request is not None and dict(request.headers)["x-long"] == "one two"
+
+
 def test_a_body_over_the_limit_is_not_waited_for() -> None:
     request = read(b"POST /v1/probe HTTP/1.1\r\nContent-Length: %d\r\n\r\n" %
                    (MAX_BODY_BYTES + 1))
@@ -109,6 +114,7 @@ REFUSED = [
     (b"get / HTTP/1.1\r\n\r\n", "bad_method"),
     (b"GET http://evil/metrics HTTP/1.1\r\n\r\n", "bad_request_target"),
     (b"GET * HTTP/1.1\r\n\r\n", "bad_request_target"),
+    (b"GET /caf\xe9 HTTP/1.1\r\n\r\n", "bad_request_line"),  # percent-encode it
     (b"GET / HTTP/9.9\r\n\r\n", "bad_http_version"),
     (b"GET / HTTP/2.0\r\n\r\n", "bad_http_version"),
 ]
