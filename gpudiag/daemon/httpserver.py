@@ -292,6 +292,7 @@ class HttpServer:
         self.unix_path = unix_path
         self.max_connections = max_connections
         self.open_connections = 0
+        self._count_lock = threading.Lock()  # a worker closes the connections it answered
         self._accept_resume: float | None = None
         self.head_timeout_s = head_timeout_s
         self.write_timeout_s = write_timeout_s
@@ -411,7 +412,8 @@ class HttpServer:
         try:
             step(*args)
         except Exception:
-            data = getattr(args[0], "data", None) if args else None
+            target = args[0] if args else None
+            data = target if isinstance(target, _Conn) else getattr(target, "data", None)
             conn = data if isinstance(data, _Conn) else None
             peer = conn.peer if conn is not None else "-"
             # The traceback the first few times; after that a persistent bug is only counted
@@ -470,12 +472,21 @@ class HttpServer:
                 self.abuse.note("connection_cap", oldest.peer)
                 self._drop(oldest)
             conn = _Conn(sock, peer, time.monotonic() + self.head_timeout_s)
-            self.open_connections += 1
+            with self._count_lock:
+                self.open_connections += 1
             self._pending[sock.fileno()] = conn
-            key = self._sel.register(sock, selectors.EVENT_READ, conn)
-            # A client sends its request right after connecting; on loopback it is usually
-            # here already, so read it now rather than after another turn of the loop.
-            self._guarded(self._event, key)
+            self._guarded(self._first_read, conn)
+
+    def _first_read(self, conn: _Conn) -> None:
+        """Read what is already there; only a connection still sending waits on the selector.
+
+        A client sends its request right after connecting, and on loopback it is usually
+        here by now: such a connection is answered without a turn of the loop and without
+        registering it with the selector (two epoll_ctl calls) at all.
+        """
+        self._read(conn)
+        if self._pending.get(conn.sock.fileno()) is conn:  # neither dispatched nor dropped
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
 
     def _peer(self, sock: socket.socket, addr: Any) -> str:
         """The client for logs: its address, or on the unix socket its pid and uid."""
@@ -545,9 +556,6 @@ class HttpServer:
                 conn, data = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            if not data:  # the worker sent it all (or the client was gone)
-                self._close(conn)
-                continue
             if len(self._writing) >= self.max_pending:
                 oldest = next(iter(self._writing.values()))
                 self.abuse.note("client_gone", oldest.peer)
@@ -606,10 +614,12 @@ class HttpServer:
             pass
 
     def _close(self, conn: _Conn) -> None:
-        # Every client socket is closed here, on the selector thread: the count stays exact.
+        # Only the thread that holds a connection closes it (the selector thread, or the worker
+        # that answered it whole), once: the count stays exact.
         if conn.sock.fileno() >= 0:
-            self.open_connections -= 1
             conn.sock.close()
+            with self._count_lock:
+                self.open_connections -= 1
 
     def _drop(self, conn: _Conn) -> None:
         self._forget(conn)
@@ -627,19 +637,23 @@ class HttpServer:
 
     # -- worker threads ------------------------------------------------------------------
     def _handle(self, conn: _Conn, request: Request) -> None:
-        self._outbox.put((conn, self._send_now(conn, self._run_app(conn, request))))
+        rest = self._send_now(conn, self._run_app(conn, request))
+        if not rest:  # all sent (or the client is gone): nothing for the selector thread
+            self._close(conn)
+            return
+        self._outbox.put((conn, rest))
         self._wake()
 
     def _send_now(self, conn: _Conn, data: bytes) -> bytes:
         """One non-blocking send from the worker; what the socket did not take (b"": none).
 
-        The answer (26 KB for 8 GPUs) usually fits the socket buffer whole, so the client has
-        it, and its end, without waiting for the selector thread to wake, register the socket
-        and write (that hand-off was most of the daemon's p99 over a minimal server:
-        docs/benchmarks.md). A client that does not read costs no worker: the rest goes to
-        the selector thread as before, under the write deadline. The socket is the worker's
-        alone here (the selector thread dropped it at dispatch and takes it back from the
-        outbox), and it is still closed on the selector thread so the count stays exact.
+        The answer (26 KB for 8 GPUs) usually fits the socket buffer whole: the client has it
+        and its end without a hand-off back to the selector thread, which every request
+        passes through and which so no longer pays for the copy (about 40 us here) nor the
+        wake-up (docs/benchmarks.md). A client that does not read costs no worker: the rest
+        goes to the selector thread as before, under the write deadline. The socket is the worker's
+        alone here: the selector thread forgot it at dispatch and takes it back only from
+        the outbox.
         """
         try:
             sent = conn.sock.send(data)
