@@ -1,12 +1,17 @@
 """The h11-based request reader: what h11 parses and what gpudiag's own limits add.
 
 Pure (no socket): the transport's behaviour over real sockets is in test_http_abuse.py and
-test_hostile_http.py; here each refusal's status and code, and the reader fed byte by byte.
+test_hostile_http.py; here each refusal's status and code, the reader fed byte by byte, and
+a property over any bytes cut anywhere.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpudiag.daemon.httpparse import (
     _H11_ERRORS,
@@ -135,3 +140,36 @@ def test_every_h11_complaint_we_translate_is_met_by_a_case() -> None:
         said = refusal(data).message
         met |= {prefix for prefix, _, _ in _H11_ERRORS if f"parser said: {prefix}" in said}
     assert met == {prefix for prefix, _, _ in _H11_ERRORS}
+
+
+# As tests/test_properties.py: a fixed set of examples in CI, GPUDIAG_PROPERTY_EXAMPLES=N to hunt.
+_HUNT = int(os.environ.get("GPUDIAG_PROPERTY_EXAMPLES", "0"))
+PROPERTY = settings(max_examples=_HUNT or 300, deadline=None, derandomize=not _HUNT)
+PARTS = [b"GET", b"POST", b"get", b" ", b"/", b"/v1/preflight?require=cuda", b"*",
+         b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"\r\n", b"\n", b"\r\n\r\n", b"Host: a",
+         b"Host:", b"Content-Length: 3", b"Content-Length: 03", b"Content-Length: \xb2",
+         b"Transfer-Encoding: chunked", b":", b"abc", b"\x00", b"\t", b"X-A: b", b"\xff"]
+HEADISH = st.lists(st.sampled_from(PARTS) | st.binary(max_size=6), max_size=40).map(b"".join)
+
+
+def _outcome(pieces: list[bytes]) -> object:
+    reader, buf = RequestReader(), b""
+    try:
+        for piece in pieces:
+            buf += piece
+            request = reader.feed(buf)
+            if request is not None:
+                return request
+    except BadRequest as e:
+        assert e.status in (400, 414, 431) and e.code and e.message
+        return (e.status, e.code)
+    return None
+
+
+@PROPERTY
+@given(data=HEADISH, cuts=st.lists(st.integers(1, 600), max_size=8))
+def test_any_bytes_are_a_request_or_a_refusal_however_they_are_cut(data: bytes,
+                                                                    cuts: list[int]) -> None:
+    points = sorted({c for c in cuts if c < len(data)})
+    pieces = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+    assert _outcome(pieces) == _outcome([data])
