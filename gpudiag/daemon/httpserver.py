@@ -651,9 +651,9 @@ class HttpServer:
         and its end without a hand-off back to the selector thread, which every request
         passes through and which so no longer pays for the copy (about 40 us here) nor the
         wake-up (docs/benchmarks.md). A client that does not read costs no worker: the rest
-        goes to the selector thread as before, under the write deadline. The socket is the worker's
-        alone here: the selector thread forgot it at dispatch and takes it back only from
-        the outbox.
+        goes to the selector thread as before, under the write deadline. The socket is the
+        worker's alone here: the selector thread forgot it at dispatch and takes it back only
+        from the outbox.
         """
         try:
             sent = conn.sock.send(data)
