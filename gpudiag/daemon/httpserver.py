@@ -2,9 +2,11 @@
 
 One selector thread accepts connections and collects request heads without a thread per
 connection, so slow clients that trickle bytes, idle connections and floods of connections cost
-a file descriptor and a bounded buffer each, never a thread. Only a complete request goes to a
-bounded worker pool (one pool for the endpoints that may wait for probes, one for the rest, so a
-waiting preflight never holds up /metrics). Every limit answers with the JSON error envelope or
+a file descriptor and a bounded buffer each, never a thread; h11 parses the heads under our
+limits (httpparse.py). Only a complete request goes to a bounded worker pool (one pool for the
+endpoints that may wait for probes, one for the rest, so a waiting preflight never holds up
+/metrics); the worker sends the answer, and the selector thread writes what the socket did not
+take. Every limit answers with the JSON error envelope or
 closes the connection; abuse is logged once per kind and then summarised at most once a minute.
 One request per connection (``Connection: close``): scrapers and the client reconnect anyway.
 """
