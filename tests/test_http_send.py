@@ -1,4 +1,4 @@
-"""How an answer leaves the daemon: the worker's one non-blocking send, the selector the rest.
+"""How an answer leaves the daemon: written by the selector thread, never by a worker.
 
 A real HttpServer on 127.0.0.1 port 0 with a tiny WSGI app: an answer larger than the socket
 buffer still arrives whole, and a client that never reads it holds no worker (the only one
@@ -52,7 +52,7 @@ def test_an_answer_larger_than_the_socket_buffer_arrives_whole(server: HttpServe
     assert fetch(port, "/small") == b"small"
     deadline = time.monotonic() + 5
     while server.open_connections and time.monotonic() < deadline:
-        time.sleep(0.05)  # closed on the selector thread, just after the client's last byte
+        time.sleep(0.05)  # closed by the selector thread after the last byte
     assert server.open_connections == 0
 
 

@@ -5,10 +5,9 @@ connection, so slow clients that trickle bytes, idle connections and floods of c
 a file descriptor and a bounded buffer each, never a thread; h11 parses the heads under our
 limits (httpparse.py). Only a complete request goes to a bounded worker pool (one pool for the
 endpoints that may wait for probes, one for the rest, so a waiting preflight never holds up
-/metrics); the worker sends the answer, and the selector thread writes what the socket did not
-take. Every limit answers with the JSON error envelope or
-closes the connection; abuse is logged once per kind and then summarised at most once a minute.
-One request per connection (``Connection: close``): scrapers and the client reconnect anyway.
+/metrics). Every limit answers with the JSON error envelope or closes the connection; abuse is
+logged once per kind and then summarised at most once a minute. One request per connection
+(``Connection: close``): scrapers and the client reconnect anyway.
 """
 
 from __future__ import annotations
@@ -294,7 +293,6 @@ class HttpServer:
         self.unix_path = unix_path
         self.max_connections = max_connections
         self.open_connections = 0
-        self._count_lock = threading.Lock()  # a worker closes the connections it answered
         self._accept_resume: float | None = None
         self.head_timeout_s = head_timeout_s
         self.write_timeout_s = write_timeout_s
@@ -414,8 +412,7 @@ class HttpServer:
         try:
             step(*args)
         except Exception:
-            target = args[0] if args else None
-            data = target if isinstance(target, _Conn) else getattr(target, "data", None)
+            data = getattr(args[0], "data", None) if args else None
             conn = data if isinstance(data, _Conn) else None
             peer = conn.peer if conn is not None else "-"
             # The traceback the first few times; after that a persistent bug is only counted
@@ -474,21 +471,9 @@ class HttpServer:
                 self.abuse.note("connection_cap", oldest.peer)
                 self._drop(oldest)
             conn = _Conn(sock, peer, time.monotonic() + self.head_timeout_s)
-            with self._count_lock:
-                self.open_connections += 1
+            self.open_connections += 1
             self._pending[sock.fileno()] = conn
-            self._guarded(self._first_read, conn)
-
-    def _first_read(self, conn: _Conn) -> None:
-        """Read what is already there; only a connection still sending waits on the selector.
-
-        A client sends its request right after connecting, and on loopback it is usually
-        here by now: such a connection is answered without a turn of the loop and without
-        registering it with the selector (two epoll_ctl calls) at all.
-        """
-        self._read(conn)
-        if self._pending.get(conn.sock.fileno()) is conn:  # neither dispatched nor dropped
-            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _peer(self, sock: socket.socket, addr: Any) -> str:
         """The client for logs: its address, or on the unix socket its pid and uid."""
@@ -616,12 +601,10 @@ class HttpServer:
             pass
 
     def _close(self, conn: _Conn) -> None:
-        # Only the thread that holds a connection closes it (the selector thread, or the worker
-        # that answered it whole), once: the count stays exact.
+        # Every client socket is closed here, on the selector thread: the count stays exact.
         if conn.sock.fileno() >= 0:
+            self.open_connections -= 1
             conn.sock.close()
-            with self._count_lock:
-                self.open_connections -= 1
 
     def _drop(self, conn: _Conn) -> None:
         self._forget(conn)
@@ -639,36 +622,8 @@ class HttpServer:
 
     # -- worker threads ------------------------------------------------------------------
     def _handle(self, conn: _Conn, request: Request) -> None:
-        rest = self._send_now(conn, self._run_app(conn, request))
-        if not rest:  # all sent (or the client is gone): nothing for the selector thread
-            self._close(conn)
-            return
-        self._outbox.put((conn, rest))
+        self._outbox.put((conn, self._run_app(conn, request)))
         self._wake()
-
-    def _send_now(self, conn: _Conn, data: bytes) -> bytes:
-        """One non-blocking send from the worker; what the socket did not take (b"": none).
-
-        The answer (26 KB for 8 GPUs) usually fits the socket buffer whole: the client has it
-        and its end without a hand-off back to the selector thread, which every request
-        passes through and which so no longer pays for the copy (about 40 us here) nor the
-        wake-up (docs/benchmarks.md). A client that does not read costs no worker: the rest
-        goes to the selector thread as before, under the write deadline. The socket is the
-        worker's alone here: the selector thread forgot it at dispatch and takes it back only
-        from the outbox.
-        """
-        try:
-            sent = conn.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            return data
-        except OSError:
-            self.abuse.note("client_gone", conn.peer)
-            return b""
-        if sent < len(data):
-            return data[sent:]
-        with contextlib.suppress(OSError):
-            conn.sock.shutdown(socket.SHUT_WR)
-        return b""
 
     def _run_app(self, conn: _Conn, request: Request) -> bytes:
         path, _, query = request.target.partition("?")
