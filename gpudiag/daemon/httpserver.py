@@ -2,11 +2,12 @@
 
 One selector thread accepts connections and collects request heads without a thread per
 connection, so slow clients that trickle bytes, idle connections and floods of connections cost
-a file descriptor and a bounded buffer each, never a thread. Only a complete request goes to a
-bounded worker pool (one pool for the endpoints that may wait for probes, one for the rest, so a
-waiting preflight never holds up /metrics). Every limit answers with the JSON error envelope or
-closes the connection; abuse is logged once per kind and then summarised at most once a minute.
-One request per connection (``Connection: close``): scrapers and the client reconnect anyway.
+a file descriptor and a bounded buffer each, never a thread; h11 parses the heads under our
+limits (httpparse.py). Only a complete request goes to a bounded worker pool (one pool for the
+endpoints that may wait for probes, one for the rest, so a waiting preflight never holds up
+/metrics). Every limit answers with the JSON error envelope or closes the connection; abuse is
+logged once per kind and then summarised at most once a minute. One request per connection
+(``Connection: close``): scrapers and the client reconnect anyway.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import ipaddress
 import logging
 import os
 import queue
-import re
 import selectors
 import socket
 import stat
@@ -33,16 +33,16 @@ from urllib.parse import unquote
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
 from gpudiag.daemon import envelope
 from gpudiag.daemon.envelope import status_line, wire_bytes
+from gpudiag.daemon.httpparse import MAX_BODY_BYTES as MAX_BODY_BYTES
+from gpudiag.daemon.httpparse import MAX_HEAD_BYTES as MAX_HEAD_BYTES
+from gpudiag.daemon.httpparse import BadRequest, Request, RequestReader
+from gpudiag.daemon.httpparse import body_length as body_length
 
 log = logging.getLogger("gpudiag.daemon.app")
 
-MAX_HEAD_BYTES = 16384      # request line and headers together
-MAX_HEADERS = 64
-MAX_BODY_BYTES = 4096       # read and discarded; the API takes parameters in the query
 HEAD_TIMEOUT_S = 10.0       # the whole head (and body) must arrive within this
 WRITE_TIMEOUT_S = 30.0      # the whole response must be taken within this
 MAX_PENDING = 512           # connections still sending their head; past it the oldest goes
@@ -64,9 +64,6 @@ READ_ONLY_PATHS = frozenset({"/metrics", "/healthz", "/readyz", "/v1/history"})
 READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
 SOCKET_MODE = 0o666         # any local user may connect; clients check who answers
 
-_METHOD_RE = re.compile(rb"^[A-Z]{1,16}$")
-_TOKEN_RE = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
-_VERSION_RE = re.compile(rb"^HTTP/1\.[01]$")
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 # What each rejection means, for the log line the first time it happens.
@@ -142,80 +139,6 @@ class AbuseCollector(Collector):
         for kind, n in sorted(self.abuse.totals.items()):
             family.add_metric([kind], float(n))
         yield family
-
-
-@dataclass(frozen=True)
-class Request:
-    """A complete request head (and its small body) ready for the app."""
-
-    method: str
-    target: str
-    version: str
-    headers: tuple[tuple[str, str], ...]
-    body: bytes
-
-
-class BadRequest(Exception):
-    """A request we answer with an error envelope straight from the selector thread."""
-
-    def __init__(self, status: int, code: str, message: str, kind: str = "malformed") -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.kind = status, code, message, kind
-
-
-def parse_head(head: bytes) -> tuple[str, str, str, tuple[tuple[str, str], ...]]:
-    """Request line and headers -> (method, target, version, headers); BadRequest if not HTTP."""
-    lines = head.replace(b"\r\n", b"\n").split(b"\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3:
-        raise BadRequest(400, "bad_request_line",
-                         f"request line {lines[0][:80]!r} is not 'METHOD /path HTTP/1.1'")
-    method, target, version = parts
-    if not _METHOD_RE.match(method):
-        raise BadRequest(400, "bad_method", f"method {method[:40]!r} is not an HTTP method")
-    if not target.startswith(b"/") or any(c < 0x21 or c == 0x7F for c in target):
-        raise BadRequest(400, "bad_request_target",
-                         f"request target {target[:80]!r} is not an origin-form path")
-    if not _VERSION_RE.match(version):
-        raise BadRequest(400, "bad_http_version",
-                         f"version {version[:20]!r}: accepted HTTP/1.0 and HTTP/1.1")
-    headers: list[tuple[str, str]] = []
-    for line in lines[1:]:
-        if not line:
-            continue
-        if len(headers) >= MAX_HEADERS:
-            raise BadRequest(431, "too_many_headers", f"more than {MAX_HEADERS} headers",
-                             kind="head_too_large")
-        name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN_RE.match(name):
-            raise BadRequest(400, "bad_header", f"header line {line[:80]!r} is not 'Name: value'")
-        headers.append((name.decode("ascii").lower(), value.strip().decode("latin-1")))
-    return method.decode("ascii"), target.decode("latin-1"), version.decode("ascii"), tuple(
-        headers)
-
-
-def body_length(headers: Iterable[tuple[str, str]]) -> int:
-    """The Content-Length to read (0 when absent); BadRequest for framing we do not take."""
-    lengths = {v for k, v in headers if k == "content-length"}
-    if any(k == "transfer-encoding" for k, _ in headers):
-        raise BadRequest(400, "bad_body", "Transfer-Encoding bodies are not accepted; "
-                         "parameters go in the query string")
-    if not lengths:
-        return 0
-    length = ascii_int(next(iter(lengths))) if len(lengths) == 1 else None
-    if length is None:
-        raise BadRequest(400, "bad_body", f"Content-Length {sorted(lengths)!r} is not one number")
-    return length
-
-
-def _too_large(buf: bytes) -> None:
-    """Raise 414 when the request line alone is over the limit, else 431."""
-    line_end = buf.find(b"\n")
-    if line_end < 0 or line_end > MAX_HEAD_BYTES:
-        raise BadRequest(414, "uri_too_long", f"the request line is over {MAX_HEAD_BYTES} "
-                         "bytes", kind="head_too_large")
-    raise BadRequest(431, "headers_too_large", f"the request head is over {MAX_HEAD_BYTES} "
-                     "bytes", kind="head_too_large")
 
 
 def _is_loopback(host: str) -> bool:
@@ -320,6 +243,7 @@ class _Conn:
     deadline: float
     buf: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None
+    reader: RequestReader = field(default_factory=RequestReader)
 
 
 class _Pool:
@@ -583,25 +507,7 @@ class HttpServer:
             self._dispatch(conn, request)
 
     def _complete(self, conn: _Conn) -> Request | None:
-        buf = bytes(conn.buf)
-        ends = [i for i in (buf.find(b"\r\n\r\n"), buf.find(b"\n\n")) if i >= 0]
-        if not ends:
-            if len(buf) > MAX_HEAD_BYTES:
-                _too_large(buf)
-            return None
-        end = min(ends)
-        sep = 4 if buf[end:end + 4] == b"\r\n\r\n" else 2
-        if end > MAX_HEAD_BYTES:
-            _too_large(buf)
-        method, target, version, headers = parse_head(buf[:end])
-        length = body_length(headers)
-        if length > MAX_BODY_BYTES:
-            # The app answers 413 from the header alone; the body is never read.
-            return Request(method, target, version, headers, b"")
-        body = buf[end + sep:]
-        if len(body) < length:
-            return None
-        return Request(method, target, version, headers, body[:length])
+        return conn.reader.feed(bytes(conn.buf))
 
     def _dispatch(self, conn: _Conn, request: Request) -> None:
         self._forget(conn)
