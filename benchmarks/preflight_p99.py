@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.daemon import FLOOR_SERVER, http_body, http_get, load, pct  # noqa: E402
-from tests.conftest import clean_env, make_host_dirs  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
+from tests.support.host import clean_env, make_host_dirs  # noqa: E402
 
 PATH = "/v1/preflight?require=cuda"
 
