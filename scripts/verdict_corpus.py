@@ -39,6 +39,9 @@ FIELDS = ("backend", "observation", "duration_s", "exit_code", "signal", "timed_
 
 def record(target: Path) -> None:
     """Run the probes on the fakes and write what they returned."""
+    # The fakes are built from the checkout's tests/ (run as a script, its folder is not on
+    # the path).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from gpudiag.core.environment import probe_environment
     from gpudiag.engine.isolation import run_probe
     from tests.fakes.build import build_fakes
