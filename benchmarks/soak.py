@@ -98,7 +98,8 @@ class SoakReport:
     fds_end: int = 0
     threads_baseline: int = 0
     threads_end: int = 0
-    children_end: int = 0
+    children_end: int = 0  # besides the residents
+    residents_end: int = 0  # the XID watcher and the probe fork server
     zombies_end: int = 0
     leftover_processes: list[int] = field(default_factory=list)
     http_requests: int = 0
@@ -131,9 +132,9 @@ class SoakReport:
             out.append(f"RSS grew {self.rss_growth_bytes / 2**20:.2f} MiB (target <= 5)")
         if self.fds_leaked:
             out.append(f"{self.fds_leaked} file descriptors leaked")
-        if self.children_end > 1 or self.zombies_end:
+        if self.children_end or self.zombies_end:
             out.append(f"{self.children_end} children ({self.zombies_end} zombies) at rest; "
-                       "expected only the XID watcher")
+                       "expected only the XID watcher and the probe fork server")
         if self.leftover_processes:
             out.append(f"processes left after the daemon stopped: {self.leftover_processes}")
         if self.http_5xx or self.http_errors:
@@ -160,7 +161,8 @@ class SoakReport:
             f"file descriptors         baseline {self.fds_baseline}, end {self.fds_end}, "
             f"leaked {self.fds_leaked}",
             f"threads                  baseline {self.threads_baseline}, end {self.threads_end}",
-            f"children at rest         {self.children_end} (the XID watcher), zombies "
+            f"children at rest         {self.residents_end} resident (the XID watcher and "
+            f"the probe fork server), {self.children_end} other, zombies "
             f"{self.zombies_end}",
             f"left after stop          {len(self.leftover_processes)} processes",
             f"HTTP                     {self.http_requests} requests, {self.http_5xx} 5xx, "
@@ -191,12 +193,21 @@ def thread_count(pid: int) -> int:
     return int(psutil.Process(pid).num_threads())
 
 
+# The daemon's children for its whole life: the XID watcher and the probe fork server.
+RESIDENTS = ("gpudiag.probes.xid_watch", "gpudiag.probes.forkserver")
+
+
 def children_of(pid: int) -> list[tuple[int, str]]:
-    """(pid, state letter: Z for a zombie) of the direct children of ``pid``."""
+    """(pid, state letter: Z for a zombie, L for a resident) of the direct children of
+    ``pid``."""
     found = []
     for kid in psutil.Process(pid).children():
         try:
-            found.append((kid.pid, "Z" if kid.status() == psutil.STATUS_ZOMBIE else "R"))
+            if kid.status() == psutil.STATUS_ZOMBIE:
+                found.append((kid.pid, "Z"))
+                continue
+            resident = any(r in " ".join(kid.cmdline()) for r in RESIDENTS)
+            found.append((kid.pid, "L" if resident else "R"))
         except psutil.NoSuchProcess:
             continue
     return found
@@ -345,10 +356,13 @@ def _soak(root: Path, total_s: float, scale: float, warmup_s: float | None,
         samples = []
         for _ in range(10):
             kids = children_of(pid)
-            samples.append((len(kids), sum(1 for _, s in kids if s == "Z"), fd_count(pid)))
+            samples.append((sum(1 for _, s in kids if s != "L"),
+                            sum(1 for _, s in kids if s == "Z"), fd_count(pid),
+                            sum(1 for _, s in kids if s == "L")))
             time.sleep(0.2)
         report.children_end = min(s[0] for s in samples)
         report.zombies_end = min(s[1] for s in samples)
+        report.residents_end = min(s[3] for s in samples)
         report.fds_end = min(s[2] for s in samples)
         report.rss_end_bytes = rss_bytes(pid)
         report.rss_max_bytes = max(report.rss_max_bytes, report.rss_end_bytes)

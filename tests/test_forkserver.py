@@ -170,6 +170,30 @@ def test_a_dead_fork_server_means_spawned_probes(env: dict[str, str],
     assert server.pid is None  # not started again at once: spawned meanwhile
 
 
+def test_a_pynvml_shadowed_while_the_server_runs_reaches_the_next_probe(
+        gpu_env: EnvFactory, tmp_path: Path) -> None:
+    # The server imported the real pynvml; a broken one put on the path later is what a
+    # fresh child imports, so the next probe must see it (spawned), not the server's copy.
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    base = probe_environment(gpu_env(GPUDIAG_TEST_MARK=uuid.uuid4().hex))
+    env = {**base, "PYTHONPATH": os.pathsep.join(
+        [str(shadow), *filter(None, [base.get("PYTHONPATH")])])}
+    with ForkServer(env) as server:
+        assert run_probe("nvml", env=env, timeout_s=30, forker=server).ok
+        first = server.pid
+        assert first is not None
+        (shadow / "pynvml.py").write_text("raise RuntimeError('a broken pynvml install')\n")
+        broken = run_probe("nvml", env=env, timeout_s=30, forker=server)
+        assert not broken.ok and "a broken pynvml install" in broken.stderr_tail + str(
+            broken.observation), (broken.error, broken.observation)
+        # The stale server ends once its children did; the caller spawns meanwhile.
+        _wait_for(lambda: server.pid is None)
+        assert server.pid is None
+        (shadow / "pynvml.py").unlink()
+        assert run_probe("nvml", env=env, timeout_s=30, forker=server).ok
+
+
 def test_a_fork_server_dying_under_a_running_probe_never_hangs_the_caller(
         gpu_env: EnvFactory) -> None:
     marker = uuid.uuid4().hex

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import importlib.machinery
 import json
 import os
 import selectors
@@ -36,6 +38,32 @@ MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
 # Never imported here: they start threads (numpy's BLAS, jax) or read the environment when
 # imported (jax's flags), or are big and used by one probe (iree) (design notes).
 NEVER_PREIMPORTED = ("jax", "jaxlib", "iree", "numpy")
+# Libraries imported here for the children. A fresh child would import them from where the
+# import system finds them NOW: a pynvml installed, replaced or shadowed while this server
+# runs (the old `pynvml` package over nvidia-ml-py) must reach the next probe, so every fork
+# first checks that each still resolves to the same file, unchanged; else this server
+# refuses (its caller spawns the probe) and ends once its children did (the caller starts a
+# new one later).
+PREIMPORTED_LIBRARIES = ("pynvml",)
+
+Origin = tuple[str | None, int, int, int]
+
+
+def import_origins(names: Collection[str] = PREIMPORTED_LIBRARIES) -> dict[str, Origin]:
+    """Where a fresh import of each name would come from now: the file and its identity."""
+    found: dict[str, Origin] = {}
+    for name in names:
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec is not None else None
+        try:
+            st = os.stat(origin) if origin else None
+        except OSError:
+            st = None
+        found[name] = (origin, *((st.st_ino, st.st_size, st.st_mtime_ns) if st else (0, 0, 0)))
+    return found
 
 
 def preimport(names: Collection[str] | None = None) -> None:
@@ -52,10 +80,11 @@ def preimport(names: Collection[str] | None = None) -> None:
         if name in known:
             load(name)
     del entry
-    try:
-        import pynvml  # noqa: F401 - imported for the children, not used here
-    except Exception:  # a broken install: each child imports it again and says so
-        pass
+    for library in PREIMPORTED_LIBRARIES:
+        try:
+            importlib.import_module(library)
+        except Exception:  # a broken install: each child imports it again and says so
+            pass
 
 
 def threads() -> int:
@@ -158,8 +187,25 @@ def _reap(children: dict[int, int]) -> None:
             os.close(fd)
 
 
-def _take(control: socket.socket, children: dict[int, int]) -> bool:
+class Server:
+    """This server's state: its children (pid -> status pipe) and its imports' origins."""
+
+    def __init__(self, origins: Mapping[str, Origin]) -> None:
+        self.children: dict[int, int] = {}
+        self.origins = dict(origins)
+        self.stale: list[str] = []
+
+    def changed(self) -> list[str]:
+        """The pre-imported libraries a fresh child would now import from elsewhere."""
+        if not self.stale:
+            now = import_origins(self.origins)
+            self.stale = sorted(n for n, origin in now.items() if origin != self.origins[n])
+        return self.stale
+
+
+def _take(control: socket.socket, server: Server) -> bool:
     """Read one request and fork its child; False when the caller's end closed."""
+    children = server.children
     try:
         data, fds, _flags, _addr = socket.recv_fds(control, MESSAGE_LIMIT_BYTES, 3)
     except OSError:
@@ -174,7 +220,13 @@ def _take(control: socket.socket, children: dict[int, int]) -> bool:
         return True  # a malformed request has no status pipe to answer on
     try:
         request = json.loads(data)
-        pid = _fork(request, fds, control)
+        stale = server.changed()
+        if stale:
+            os.write(fds[2], f"error {', '.join(stale)} changed on disk since the fork server "
+                             "imported it: spawn the probe\n".encode())
+            pid = None
+        else:
+            pid = _fork(request, fds, control)
     except (ValueError, KeyError, TypeError) as e:
         with contextlib.suppress(OSError):
             os.write(fds[2], f"error bad request: {e}\n".encode())
@@ -190,20 +242,21 @@ def _take(control: socket.socket, children: dict[int, int]) -> bool:
     return True
 
 
-def serve(control: socket.socket) -> None:
-    """Fork a child per request until the caller's end closes; reap children as they end."""
+def serve(control: socket.socket, origins: Mapping[str, Origin] | None = None) -> None:
+    """Fork a child per request until the caller's end closes, or until a pre-imported
+    library changed on disk and every child ended; reap children as they end."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     os.set_blocking(wake_r, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: dict[int, int] = {}
+    server = Server(import_origins() if origins is None else origins)
     with selectors.DefaultSelector() as sel:
         sel.register(control, selectors.EVENT_READ)
         sel.register(wake_r, selectors.EVENT_READ)
         while True:
             for key, _events in sel.select():
-                if key.fileobj is control and not _take(control, children):
+                if key.fileobj is control and not _take(control, server):
                     return
                 if key.fileobj == wake_r:
                     while True:
@@ -212,13 +265,16 @@ def serve(control: socket.socket) -> None:
                                 break
                         except BlockingIOError:
                             break
-            _reap(children)
+            _reap(server.children)
+            if server.stale and not server.children:
+                return  # its caller starts a server that imports what is there now
 
 
 def main() -> int:
     """Pre-import, check this process is single-threaded and imported nothing unsafe, serve."""
     # NAMES: the probes to import for ("*": every backend); ROOM: space for a child's argv.
     words = sys.argv[1:2]
+    origins = import_origins()  # before the imports: what they will load
     preimport(None if words in ([], ["*"]) else words[0].split(","))
     # A probe module that came to import one of them at its top would make forking unsafe.
     unsafe = sorted(m for m in NEVER_PREIMPORTED if m in sys.modules)
@@ -227,7 +283,7 @@ def main() -> int:
               f"{NEVER_PREIMPORTED} after the imports; not serving", file=sys.stderr)
         return 1
     control = socket.socket(fileno=CONTROL_FD)
-    serve(control)
+    serve(control, origins)
     return 0
 
 
