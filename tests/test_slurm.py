@@ -715,8 +715,12 @@ def test_real_slurm_epilog_drains_on_a_hardware_failure_only(real_slurm: RealSlu
         assert s.reason() == "" and "DRAIN" not in s.node_field("State")
         assert not (s.folder / "jobs" / f"job-{failed}-explain.json").exists()
 
-        hardware = _gpu_run(s, "sleep", "3")
-        s.wait("the job to run", lambda: _job_field(s, hardware, "JobState") == "RUNNING")
+        # The XID must come while the job's command runs: Slurm says RUNNING while `gpudiag
+        # run` still admits the GPU, and an XID from before the run's window is not the job's.
+        started = s.folder / "hardware-job-started"
+        hardware = _gpu_run(s, "sh", "-c", f"'touch {started}; sleep 3'")
+        s.wait("the job's command to start", started.exists)
+        time.sleep(0.3)
         s.set_gpus(FAKE_NVML_XIDS="0:79,1:79")  # whichever GPU Slurm gave it
         s.wait("the Epilog's drain",
                lambda: s.reason() == f"gpudiag: gpu_lost during job {hardware}")
