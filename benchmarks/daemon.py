@@ -195,14 +195,15 @@ def main() -> int:
     ap.add_argument("--idle-s", type=float, default=60.0)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rate", type=float, default=10.0, help="requests/s per paced client")
+    ap.add_argument("--gpus", type=int, default=8, help="fake GPUs on the host (1..64)")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="gpudiag-bench-"))
     fakes = build_fakes(tmp / "fakes")
-    dev, proc_dir = make_host_dirs(tmp / "host", gpus=8)
+    dev, proc_dir = make_host_dirs(tmp / "host", gpus=args.gpus)
     env = clean_env()
     env.update(GPUDIAG_DEVICE_DIR=str(dev), GPUDIAG_DRIVER_PROC_DIR=str(proc_dir))
-    env = fakes.env(base=env, FAKE_NVML_DEVICE_COUNT=8)
+    env = fakes.env(base=env, FAKE_NVML_DEVICE_COUNT=args.gpus)
     # Default intervals; jax and iree stay on as by default (their first run is in round 1).
     daemon = subprocess.Popen(
         [sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0",

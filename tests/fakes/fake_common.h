@@ -56,7 +56,7 @@
 /* Only the driver API is exported from the fakes (built -fvisibility=hidden). */
 #define FAKE_EXPORT __attribute__((visibility("default")))
 
-#define FAKE_MAX_GPUS 16
+#define FAKE_MAX_GPUS 64  /* a 64-GPU host for the daemon benchmark (benchmarks/daemon.py --gpus) */
 #define FAKE_MAX_MIG 7
 #define FAKE_DEFAULT_GPU_COUNT 8
 #define FAKE_DEFAULT_MEMORY_MIB 143771ULL

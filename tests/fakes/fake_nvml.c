@@ -13,7 +13,7 @@
  * a failed init, as the real library allows).
  *
  * Knobs (environment, overridden by FAKE_GPU_STATE_FILE; see fake_common.h):
- *   FAKE_NVML_DEVICE_COUNT            number of GPUs (default 8, 0..16)
+ *   FAKE_NVML_DEVICE_COUNT            number of GPUs (default 8, 0..64)
  *   FAKE_NVML_INIT_ERROR=<code>       nvmlInit* returns this nvmlReturn_t
  *   FAKE_NVML_INIT_HANG=1             nvmlInit* never returns
  *   FAKE_NVML_INIT_CRASH=1            nvmlInit* raises SIGSEGV
