@@ -105,6 +105,65 @@ SLOW_TESTS = {
     "test_clear": ("test_clear_releases_held_xids_and_a_gpu_that_still_fails_is_blocked_again",),
 }
 
+# Each over 2 s in the inner loop (`pytest -m "not slow" -n 2 --durations=40`, 2026-12-01:
+# real daemons, restarts, hangs, concurrent CLIs): CI runs them, the inner loop does not.
+INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
+    "test_qualify_verdict": (
+        "test_a_slow_gpu_blocks_with_qualification_block",
+        "test_a_wrong_answer_blocks_its_gpu_and_a_slow_one_warns",
+    ),
+    "test_holds": (
+        "test_an_xid_held_before_a_restart_ends_with_its_hold",
+    ),
+    "test_daemon_shutdown": (
+        "test_sigterm_at_any_stage_stops_the_daemon_within_its_limit",
+    ),
+    "test_daemon_job_locks": (
+        "test_a_gpudiag_run_holding_every_gpu_is_busy_to_the_daemon_within_one_nvml_interval",
+    ),
+    "test_forkserver": (
+        "test_a_hung_forked_child_is_a_timeout_and_its_group_dies",
+        "test_a_fork_server_dying_under_a_running_probe_never_hangs_the_caller",
+    ),
+    "test_qualify_daemon": (
+        "test_the_daemon_qualifies_idle_gpus_and_exports_what_it_found",
+    ),
+    "test_truthful": (
+        "test_eight_jax_preflights_started_together_equal_the_lone_answer",
+        "test_sixteen_mixed_commands_together_never_say_devices_busy",
+        "test_admission_proves_a_backend_it_could_not_prove_before_it_runs_the_job",
+        "test_siblings_exclusive_probe_lock_is_waited_for_not_called_busy",
+        "test_with_every_gpu_locked_by_jobs_a_healthy_jax_is_unproven_never_ready",
+        "test_admission_proves_cuda_on_the_gpu_it_locked",
+    ),
+    "test_hostile_local": (
+        "test_a_fifo_renamed_over_a_held_lock_while_waiting_gives_125_and_a_closeout",
+    ),
+    "test_slow_questions": (
+        "test_eight_waiting_health_questions_leave_metrics_healthz_readyz_under_100_ms",
+    ),
+    "test_qualify": (
+        "test_a_slow_gpu_3_among_8_is_caught_against_table_and_peers",
+    ),
+    "test_attribution_runs": (
+        "test_cuinit_failing_mid_run_is_software",
+        "test_a_row_remap_failure_mid_run_is_hardware_from_the_daemons_nvml_probe",
+        "test_an_xid_79_during_a_run_without_a_daemon_is_hardware_with_the_xid",
+        "test_an_application_xid_with_exit_1_is_the_application",
+        "test_an_xid_79_during_a_run_with_a_daemon_is_hardware_from_its_history",
+        "test_an_xid_on_another_gpu_is_not_the_jobs",
+        "test_cuinit_failing_mid_run_without_a_daemon_is_software_by_the_post_run_check",
+    ),
+    "test_install": (
+        "test_sdist_and_wheel_build_and_pass_twine_check",
+    ),
+    "test_probe_engine": (
+        "test_each_fault_gives_its_code_end_to_end",
+    ),
+}
+for _module, _names in INNER_LOOP_SLOW.items():
+    SLOW_TESTS[_module] = (*SLOW_TESTS.get(_module, ()), *_names)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark the tests of SLOW_MODULES and SLOW_TESTS slow."""
