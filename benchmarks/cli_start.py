@@ -15,7 +15,8 @@ prints medians, minima and each ratio against `python -c pass` side by side:
 - the same HTTP question asked in-process (`ask_daemon`): the answer without a Python start.
 With ``--floors`` it also times bare interpreters importing only what a daemon-answered call
 needs at the least (``re``, which the console script imports; then ``json`` and ``socket``;
-then ``dataclasses``; then gpudiag's modules on that path): where the figure's floor lies.
+then gpudiag's modules on that path), and one with ``dataclasses``, which the typed verdict
+model would add and the path avoids: where the figure's floor lies.
 With ``--base DIR`` (a folder holding another checkout's ``gpudiag`` package, e.g. from
 ``git archive OLD gpudiag pyproject.toml | tar -x -C DIR``) each CLI case also runs with that
 package first on ``PYTHONPATH``, through the console entry its pyproject.toml declares: before
@@ -52,9 +53,11 @@ PASS = "python -c pass"
 FLOORS = {
     "python: import re (the console script's own import)": "import re",
     "python: + json, socket (a bare HTTP exchange)": "import re, json, socket",
-    "python: + dataclasses": "import re, json, socket, dataclasses",
     "python: + gpudiag's modules on the daemon-answered path": (
-        "import re, gpudiag.cli.entry, gpudiag.core.requirement, gpudiag.engine.client"),
+        "import re, json, gpudiag.cli.entry, gpudiag.core.deadlines, gpudiag.engine.wire, "
+        "gpudiag.core.recordtext"),
+    "python: + dataclasses (what the typed verdict model would add, at the least)": (
+        "import re, json, socket, dataclasses"),
 }
 
 

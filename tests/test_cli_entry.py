@@ -34,11 +34,14 @@ from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
 CLICK_MAIN = "import sys; from gpudiag.cli.commands import main; sys.exit(main())"
 # What the daemon-answered path must never load: the terminal renderer, process tables,
 # metrics, the classifier, probe engine and router, click, the stdlib HTTP client and URL
-# parser (ipaddress), entry points.
+# parser (ipaddress), entry points; and, for this version's own record on the unix socket,
+# the typed verdict model, the requirement parser and backend registry, and dataclasses.
 NOT_ON_THE_FAST_PATH = ("click", "rich", "psutil", "prometheus_client", "gpudiag.core.classify",
                         "gpudiag.engine.inline", "gpudiag.engine.isolation",
                         "gpudiag.engine.route", "http.client", "urllib.parse", "ipaddress",
-                        "importlib.metadata", "typing")
+                        "importlib.metadata", "typing", "dataclasses", "inspect",
+                        "gpudiag.core.verdict", "gpudiag.core.requirement",
+                        "gpudiag.core.registry", "gpudiag.engine.client")
 # What `gpudiag probe --format json|kv` never loads in its parent: it runs the probes and
 # classifies, but needs no click, terminal renderer or metrics.
 NOT_ON_THE_PROBE_PATH = ("click", "rich", "prometheus_client", "gpudiag.cli.commands",

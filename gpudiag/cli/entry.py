@@ -27,6 +27,8 @@ from gpudiag.core.limits import (
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from gpudiag.core.verdict import Verdict
 
 # The options the fast path understands, per command: every one also exists on the click
@@ -114,12 +116,80 @@ def answer_probe(options: dict[str, str]) -> int | None:
 
 def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     """Print the daemon's verdict and return the exit code; None when click must answer."""
-    from gpudiag.core.requirement import RequirementError, parse_requirement, parse_timeout
-    from gpudiag.engine.client import DaemonUrlError, ask_daemon, default_url
+    from gpudiag.core.deadlines import RequirementError, parse_timeout
+    from gpudiag.engine import wire
 
     try:
         timeout_s = (parse_timeout(options["--timeout"], name="--timeout")
                      if "--timeout" in options else None)
+        url = options.get("--daemon-url") or wire.default_url()
+    except RequirementError:
+        return None  # click's path words the usage error
+    read_timeout_s = min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S)
+    if not url.startswith("unix:"):
+        return _answer_typed(command, options, url, read_timeout_s)
+    # On the unix socket, only the daemon's user answers (wire.get checks the peer), and
+    # the daemon parses the requirement with the same parser as click's path: a value it
+    # refuses (400) goes to click, which words it.
+    endpoint = "/v1/health" if command == "health" else "/v1/preflight"
+    try:
+        raw = wire.get(url, endpoint, _raw_query(options, os.environ), env=os.environ,
+                       read_timeout_s=read_timeout_s)
+    except wire.DaemonUrlError:
+        return None
+    if raw.status != 200:
+        return None  # no daemon, refused, or an error: click's path says why
+    import json
+
+    from gpudiag.core.recordtext import own_record_text
+    from gpudiag.core.version import __version__
+
+    try:
+        data = json.loads(raw.body)
+    except (ValueError, RecursionError):
+        return None
+    fmt = options["--format"]
+    own = own_record_text(data, fmt, __version__)
+    if own is None:  # another version's record, or an odd one: the typed model checks it
+        return _print_record(data, fmt)
+    text, ready = own
+    _echo(text)
+    return EXIT_READY if ready else EXIT_BLOCKED
+
+
+def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str]:
+    """The daemon's parameters as given: what ``engine.client.query_for`` sends, unparsed."""
+    query = {"require": options.get("--require", "cuda"), "visibility": "1"}
+    for option in ("--devices", "--min-devices", "--min-free-memory", "--gpus"):
+        if option in options:
+            query[option[2:].replace("-", "_")] = options[option]
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        if name in env:
+            query[name.lower()] = env[name]
+    return query
+
+
+def _print_record(data: object, fmt: str) -> int | None:
+    """A daemon's record read with the typed model, printed; None when it is not one."""
+    from gpudiag.core.verdict import RecordError, Verdict
+
+    if not isinstance(data, dict):
+        return None
+    try:
+        verdict = Verdict.from_record(data)
+    except RecordError:
+        return None  # click's path asks again and says why it is unusable
+    _print(verdict, fmt)
+    return EXIT_READY if verdict.ready else EXIT_BLOCKED
+
+
+def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_s: float
+                  ) -> int | None:
+    """Over TCP (no peer check): the requirement parsed here, the answer read typed."""
+    from gpudiag.core.requirement import RequirementError, parse_requirement
+    from gpudiag.engine.client import DaemonUrlError, ask_daemon
+
+    try:
         min_devices = options.get("--min-devices")
         gpus = options.get("--gpus")
         requirement = parse_requirement(
@@ -127,9 +197,7 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
             min_devices=None if min_devices is None else int(min_devices),
             min_free_memory=options.get("--min-free-memory"),
             gpus=None if gpus is None else int(gpus), node_health=command == "health")
-        url = options.get("--daemon-url") or default_url()
-        answer = ask_daemon(url, requirement, read_timeout_s=min(
-            MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S))
+        answer = ask_daemon(url, requirement, read_timeout_s=read_timeout_s)
     except (RequirementError, DaemonUrlError):
         return None  # click's path words the usage error
     verdict = answer.verdict

@@ -11,12 +11,10 @@ import re
 from collections.abc import Iterable
 
 from gpudiag.core import registry
+from gpudiag.core.deadlines import RequirementError as RequirementError
+from gpudiag.core.deadlines import parse_timeout as parse_timeout
 from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.verdict import BackendRequirement, Requirement
-
-
-class RequirementError(ValueError):
-    """A requirement, size, device list or deadline that cannot be understood."""
 
 
 def parse_backends(text: str) -> tuple[BackendRequirement, ...]:
@@ -113,18 +111,6 @@ def parse_devices(text: str) -> tuple[str, ...]:
     if len(set(items)) != len(items):
         raise RequirementError(f"device list {text!r} names a device twice")
     return tuple(items)
-
-
-def parse_timeout(text: str | float, *, name: str = "timeout") -> float:
-    """A deadline in seconds: a positive finite number up to one day."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise RequirementError(
-            f"{name} {text!r} is not a number of seconds; accepted: e.g. 30 or 2.5") from None
-    if not math.isfinite(value) or value <= 0 or value > 86400:
-        raise RequirementError(f"{name} {text!r} must be more than 0 and at most 86400 seconds")
-    return value
 
 
 def parse_requirement(require: str | Iterable[str] = "cuda", *, devices: str | None = None,

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpudiag.core.catalog import LAYER_ORDER, WARNINGS, entry, layer_rank
+from gpudiag.core.recordtext import SCHEMA, render_kv
 from gpudiag.core.redact import redact_record
 from gpudiag.core.version import __version__
 
-SCHEMA = "gpudiag.verdict/1"
 # typing.TYPE_CHECKING without importing typing (the daemon-answered CLI call never needs it).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -367,65 +366,6 @@ def _finding(raw: Mapping[str, JSONValue]) -> Finding:
 def _parse_backend_spec(spec: JSONValue) -> BackendRequirement:
     name, _, platform = _str(spec, "requirement.backends").partition(":")
     return BackendRequirement(name, platform or None)
-
-
-_KV_UNSAFE = re.compile(r"[\\\n\r]")
-_KV_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r"}
-
-
-def kv_value(value: Any, *, lenient: bool = False) -> str:
-    """One ``key=value`` value: "" for None, true/false, compact JSON, escaped text.
-
-    ``lenient`` renders non-JSON objects inside a dict or list with str() (the closeout);
-    a verdict record must be JSON, so there they raise TypeError (from_record relies on it).
-    """
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"),
-                          default=str if lenient else None)
-    # One record line per key: newlines inside values are escaped, never emitted raw; the
-    # backslash is escaped too, so a reader can undo it (a literal "\\n" stays itself).
-    return _KV_UNSAFE.sub(lambda m: _KV_ESCAPES[m.group()], str(value))
-
-
-def render_kv(record: Mapping[str, JSONValue]) -> str:
-    """Flatten a verdict record into ``key=value`` lines (stable order, one per key)."""
-    lines = [
-        f"gpu_validation_blocker={record['gpu_validation_blocker']}",
-        f"ready={kv_value(record['ready'])}",
-        f"preallocation_disabled={record['preallocation_disabled']}",
-    ]
-    for key in ("schema", "host", "checked_at", "age_s", "source", "gpudiag_version"):
-        lines.append(f"{key}={kv_value(record[key])}")
-    req = record["requirement"]
-    lines.append(f"requirement.backends={','.join(req['backends'])}")
-    lines.append(f"requirement.devices={','.join(req['devices'] or [])}")
-    lines.append(f"requirement.min_devices={kv_value(req['min_devices'])}")
-    lines.append(f"requirement.min_free_memory_bytes={kv_value(req['min_free_memory_bytes'])}")
-    lines.append(f"requirement.gpus={kv_value(req.get('gpus'))}")
-    lines.append(f"requirement.question={kv_value(req.get('question', 'job'))}")
-    lines.append(f"blockers={','.join(b['code'] for b in record['blockers'])}")
-    for kind in ("blockers", "warnings"):
-        for i, item in enumerate(record[kind]):
-            for k in ("code", "layer", "backend", "device", "message", "remediation"):
-                lines.append(f"{kind}.{i}.{k}={kv_value(item[k])}")
-    lines.append(f"devices.count={len(record['devices'])}")
-    for dev in record["devices"]:
-        for k, v in dev.items():
-            if k != "index":
-                lines.append(f"devices.{dev['index']}.{k}={kv_value(v)}")
-    for name, backend in record["backends"].items():
-        lines.append(f"backends.{name}.status={backend['status']}")
-        lines.append(f"backends.{name}.duration_s={kv_value(backend['duration_s'])}")
-        for k, v in backend["versions"].items():
-            lines.append(f"backends.{name}.versions.{k}={kv_value(v)}")
-    driver = record["evidence"].get("driver") or {}
-    for k, v in driver.items():
-        lines.append(f"evidence.driver.{k}={kv_value(v)}")
-    return "\n".join(lines) + "\n"
 
 
 def _finding_keys(verdict: Verdict | None, last_uuids: Mapping[int, str]

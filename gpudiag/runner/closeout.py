@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from gpudiag.core.attribution import Attribution
-from gpudiag.core.verdict import kv_value
+from gpudiag.core.recordtext import kv_value
 
 CLOSEOUT_SCHEMA = "gpudiag.closeout/1"
 ROUTE = "gpudiag-run"

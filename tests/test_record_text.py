@@ -1,0 +1,150 @@
+"""The daemon's record printed without the typed model (``gpudiag.core.recordtext``).
+
+The console entry prints a daemon-answered verdict straight from its JSON when this gpudiag
+version wrote it and it holds together; these tests hold that path to the typed model's
+bytes and exit code, and show that anything else (another version, a record that does not
+hold together) is read by the typed model, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpudiag.core.recordtext import RECORD_KEYS, own_record_text
+from gpudiag.core.verdict import Verdict
+from gpudiag.core.version import __version__
+from gpudiag.daemon.answers import EncodedAnswer
+from tests.support.host import run_gpudiag
+from tests.support.verdicts import verdict, verdicts
+
+PROPERTY = settings(max_examples=200, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _typed(data: dict[str, Any], fmt: str) -> tuple[str, bool]:
+    """What the typed path prints for a daemon's record, and whether it is ready."""
+    v = Verdict.from_record(data)
+    return (v.kv() if fmt == "kv" else v.json() + "\n"), v.ready
+
+
+def _daemon_body(v: Verdict, age_s: float = 1.5, fresh: bool = True) -> dict[str, Any]:
+    """The record as the daemon answers it (encoded once, age and freshness spliced in)."""
+    data: dict[str, Any] = json.loads(EncodedAnswer.of(v).body(age_s, fresh))
+    return data
+
+
+def test_the_record_keys_are_the_typed_model_s_in_its_order() -> None:
+    assert tuple(verdict().record()) == RECORD_KEYS
+
+
+@PROPERTY
+@given(verdicts(), st.floats(0, 1e6), st.booleans(), st.sampled_from(["kv", "json"]))
+def test_own_records_print_as_the_typed_model_prints_them(
+        v: Verdict, age_s: float, fresh: bool, fmt: str) -> None:
+    data = _daemon_body(v, age_s, fresh)
+    assert own_record_text(data, fmt, __version__) == _typed(data, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["kv", "json"])
+def test_anything_else_is_left_to_the_typed_model(fmt: str) -> None:
+    good = _daemon_body(verdict(("cuda_init_failed", "")))
+    assert own_record_text(good, fmt, __version__) is not None
+    reordered = {"ready": good["ready"], **{k: v for k, v in good.items() if k != "ready"}}
+    odd: list[object] = [
+        None, [], "ready", {**good, "gpudiag_version": "0.0.1"},
+        {**good, "schema": "gpudiag.verdict/2"}, {**good, "extra": 1}, reordered,
+        {k: v for k, v in good.items() if k != "evidence"},
+        {**good, "ready": True},  # says ready while it lists a blocker
+        {**good, "ready": "false"}, {**good, "gpu_validation_blocker": "none"},
+        {**good, "gpu_validation_blocker": "nvml_init_failed"},  # not its root cause
+        {**good, "blockers": [1]}, {**good, "blockers": "cuda_init_failed"},
+        {**good, "requirement": {}}, {**good, "devices": 3},
+    ]
+    for data in odd:
+        assert own_record_text(data, fmt, __version__) is None, data
+    # The daemon's own freshness flag is not part of the record the CLI prints.
+    assert "fresh" not in own_record_text(good, "json", __version__)[0]  # type: ignore[index]
+
+
+# --- through the console entry, against a canned answer on a unix socket -------------------
+
+@pytest.fixture
+def canned() -> Iterator[tuple[Path, list[bytes]]]:
+    """A unix socket that answers every GET with the next canned body (as our own user)."""
+    top = Path(tempfile.mkdtemp(prefix="gpudiag-canned-"))
+    path = top / "gpudiag.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(8)
+    bodies: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(65536)
+                body = bodies.pop(0)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                             % (len(body), body))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path, bodies
+    finally:
+        server.close()
+        path.unlink(missing_ok=True)
+        top.rmdir()
+
+
+@pytest.mark.parametrize("fmt", ["kv", "json"])
+def test_another_version_s_record_is_read_by_the_typed_model(
+        canned: tuple[Path, list[bytes]], fmt: str) -> None:
+    path, bodies = canned
+    older = {**_daemon_body(verdict(("cuda_init_failed", ""))), "gpudiag_version": "0.0.1"}
+    # Says ready while listing a blocker: the typed model goes by the blockers.
+    lying = {**_daemon_body(verdict(("cuda_init_failed", ""))), "ready": True}
+    env = {**os.environ, "GPUDIAG_DAEMON_USER": str(os.getuid())}
+    for data in (older, lying):
+        bodies.append(json.dumps(data).encode())
+        proc = run_gpudiag(["preflight", "--format", fmt, "--daemon-url", f"unix:{path}"],
+                           env, timeout=60)
+        assert proc.stderr == ""
+        assert (proc.stdout, proc.returncode) == (_typed(data, fmt)[0], 1)
+
+
+def test_this_version_s_record_is_printed_as_the_typed_model_would(
+        canned: tuple[Path, list[bytes]]) -> None:
+    path, bodies = canned
+    data = _daemon_body(verdict(warnings=("gpu_persistence_off",)), fresh=False)
+    env = {**os.environ, "GPUDIAG_DAEMON_USER": str(os.getuid())}
+    code = ("import json, sys; sys.argv = ['gpudiag', 'preflight', '--format', 'json', "
+            f"'--daemon-url', 'unix:{path}']\n"
+            "from gpudiag.cli.entry import main\n"
+            "rc = main()\n"
+            "print(json.dumps([rc, 'gpudiag.core.verdict' in sys.modules]), file=sys.stderr)\n")
+    bodies.append(json.dumps(data).encode())
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert json.loads(proc.stderr) == [0, False]  # ready, and the typed model never loaded
+    assert proc.stdout == _typed(data, "json")[0]
