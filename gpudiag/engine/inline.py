@@ -64,9 +64,13 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     requests = [(name, smi_timeout if name == "host" else opts) for name, opts in requests]
     base = os.environ if env is None else env
     child_env = probe_environment(base)
-    # Two or more children: one interpreter start (the fork server's) instead of one each.
-    with ForkServer(child_env, probes=[name for name, _ in requests]) as forker:
+    # Two or more children: one interpreter start (the fork server's) instead of one each,
+    # or none when this process may fork itself into the server (started now, before the
+    # round's threads: docs/design-notes.md "Probe fork server").
+    with ForkServer(child_env, probes=[name for name, _ in requests], fork_here=True) as forker:
         used = forker if len(requests) > 1 else None
+        if used is not None:
+            used.start()
         return _run_all(requests, child_env, limits, lock_dir or default_lock_dir(base), held,
                         checked_at, used)
 
