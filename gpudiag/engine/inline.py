@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,18 +86,32 @@ def _run_all(requests: Sequence[Request], child_env: Mapping[str, str],
     # Occupancy needs NVML's reading first, even when only cuda was asked for; the other
     # passive probes (host: nvidia-smi, the slowest) run beside the nvml -> active chain.
     wanted_nvml = any(name == "nvml" for name, _ in requests)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="passive") as pool:
-        beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits,
-                             forker=forker)
-        nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits,
-                              forker=forker)["nvml"]
-        active_runs, scope = _run_active(active, nvml_run, child_env, limits, lock_dir, held,
-                                         forker)
-        runs = beside.result()
+    runs: dict[str, ProbeRun] = {}
+    if not passive:  # nothing beside the chain: no thread (nor concurrent.futures' import)
+        nvml_run, (active_runs, scope) = _chain(active, child_env, limits, lock_dir, held,
+                                                forker)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="passive") as pool:
+            beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits,
+                                 forker=forker)
+            nvml_run, (active_runs, scope) = _chain(active, child_env, limits, lock_dir,
+                                                    held, forker)
+            runs = beside.result()
     if wanted_nvml:
         runs["nvml"] = nvml_run
     runs.update(active_runs)
     return InlineRun(runs, checked_at, scope)
+
+
+def _chain(active: Sequence[Request], child_env: Mapping[str, str],
+           limits: Mapping[str, float], lock_dir: Path, held: Collection[str],
+           forker: ForkServer | None) -> tuple[ProbeRun, tuple[dict[str, ProbeRun], ProbeScope]]:
+    """nvml, then the active probes on the FREE GPUs of its reading."""
+    nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits,
+                          forker=forker)["nvml"]
+    return nvml_run, _run_active(active, nvml_run, child_env, limits, lock_dir, held, forker)
 
 
 def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mapping[str, str],

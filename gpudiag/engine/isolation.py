@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +169,12 @@ def run_probes(requests: Sequence[tuple[str, Mapping[str, Any] | None]], *,
     if not requests:
         return {}
     own = envs or {}
+    if len(requests) == 1:  # no thread for one child (nor concurrent.futures' import)
+        name, opts = requests[0]
+        return {name: run_probe(name, env=own.get(name, env), timeout_s=timeouts[name],
+                                options=opts, forker=forker)}
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         futures = {
             name: pool.submit(run_probe, name, env=own.get(name, env),
