@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.environment import PREALLOCATION_OFF, SYSTEMD_ONLY
-from gpudiag.engine.processes import kill_group_leaders_below
 
 # GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path).
 OFF_SWITCH = "GPUDIAG_PROBE_FORK_SERVER"
@@ -226,6 +225,9 @@ class ForkServer:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
+            # Imported here: psutil (7 ms) need not be loaded before a CLI forks its server.
+            from gpudiag.engine.processes import kill_group_leaders_below
+
             killed = kill_group_leaders_below(self._proc.pid)
             with contextlib.suppress(OSError):
                 self._proc.kill()

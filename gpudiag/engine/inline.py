@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,11 +46,14 @@ class InlineRun:
 def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
                timeout_s: float | None = None,
                timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None,
-               lock_dir: Path | None = None, held: Collection[str] = ()) -> InlineRun:
+               lock_dir: Path | None = None, held: Collection[str] = (),
+               forker: ForkServer | None = None) -> InlineRun:
     """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs
     (docs/design-notes.md "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs'
     locks; host beside.
     ``held``: full UUIDs the caller already holds a job's lock on (it proves them as its own).
+    ``forker``: a fork server the caller started ahead for this run's probe environment (it
+    stays the caller's to close); else the run starts its own.
     """
     checked_at = now_rfc3339()
     requests = probes_for(requirement, only=only)
@@ -66,7 +70,10 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     # Two or more children: one interpreter start (the fork server's) instead of one each,
     # or none when this process may fork itself into the server (started now, before the
     # round's threads: docs/design-notes.md "Probe fork server").
-    with ForkServer(child_env, probes=[name for name, _ in requests], fork_here=True) as forker:
+    with contextlib.ExitStack() as stack:
+        if forker is None or not forker.serves(child_env):
+            forker = stack.enter_context(ForkServer(
+                child_env, probes=[name for name, _ in requests], fork_here=True))
         used = forker if len(requests) > 1 else None
         if used is not None:
             used.start()
