@@ -1,8 +1,9 @@
 """Overhead of `gpudiag probe --backend nvml,cuda` over a bare NVML child, against the fakes.
 
 Prints, in one run, the median wall time of each and their ratio (target <= 1.5), with the
-same command with every probe spawned (GPUDIAG_PROBE_FORK_SERVER=0, the path before the
-probe fork server):
+same command with its fork server exec'd instead of forked from the CLI
+(GPUDIAG_PROBE_FORK_SERVER=exec, the path before issue 31's third pass) and with every probe
+spawned (GPUDIAG_PROBE_FORK_SERVER=0, the path before the probe fork server):
     .venv/bin/python benchmarks/probe_overhead.py [--runs 15]
 """
 
@@ -37,7 +38,8 @@ def wall_s(argv: list[str], env: dict[str, str]) -> float:
 
 
 # The probe engine alone, in this process (no CLI start): nvml then cuda under the busy-GPU
-# rule, with the fork server (one interpreter start, two forks) and without (two spawns).
+# rule, with the fork server (one interpreter start, two forks; exec'd, since this process
+# asks in another environment than its own) and without (two spawns).
 ENGINE = {"engine only: nvml then cuda, forked": True,
           "engine only: nvml then cuda, spawned": False}
 
@@ -73,6 +75,8 @@ def main() -> None:
         cases = {
             "bare pynvml init + device count": ([py, "-c", BARE], env),
             "gpudiag probe --backend nvml,cuda": (probe, env),
+            "  the same, fork server exec'd": (
+                probe, {**env, "GPUDIAG_PROBE_FORK_SERVER": "exec"}),
             "  the same, every probe spawned": (
                 probe, {**env, "GPUDIAG_PROBE_FORK_SERVER": "0"}),
             "gpudiag --version (CLI start)": ([py, "-m", "gpudiag", "--version"], env),
@@ -95,7 +99,7 @@ def main() -> None:
     print(f"devices={args.devices} runs={args.runs} (interleaved; median and min) "
           f"cpus={os.cpu_count()} load average {os.getloadavg()[0]:.1f}")
     for name in times:
-        print(f"{name:<36} median {med[name] * 1000:7.1f} ms (min {low[name] * 1000:6.1f})  "
+        print(f"{name:<37} median {med[name] * 1000:7.1f} ms (min {low[name] * 1000:6.1f})  "
               f"ratio {med[name] / med[bare]:5.2f} (min {low[name] / low[bare]:5.2f}) vs bare")
     ratio = med["gpudiag probe --backend nvml,cuda"] / med[bare]
     print(f"ratio {ratio:.2f} (target <= 1.5)")

@@ -188,3 +188,15 @@ def test_the_clis_own_server_ends_with_the_cli_when_it_is_killed(gpu_env: EnvFac
     while processes_with_env(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_with_env(marker) == []
+
+
+def test_the_exec_switch_keeps_the_execd_server(gpu_env: EnvFactory) -> None:
+    # GPUDIAG_PROBE_FORK_SERVER=exec: the path before (benchmarks/probe_overhead.py's column).
+    marker = uuid.uuid4().hex
+    env = gpu_env(FAKE_NVML_INIT_HANG=1, GPUDIAG_TEST_MARK=marker,
+                  GPUDIAG_PROBE_FORK_SERVER="exec")
+    proc = _probe(env, "--timeout", "1")
+    server, _child = _server_and_child(proc.pid, "nvml")
+    assert not _forked_from_caller(server)
+    out, _err = proc.communicate(timeout=60)
+    assert json.loads(out)["gpu_validation_blocker"] == "probe_timeout"

@@ -27,7 +27,8 @@ from typing import Any
 
 from gpudiag.core.environment import PREALLOCATION_OFF, SYSTEMD_ONLY
 
-# GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path).
+# GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path);
+# =exec: a server is always exec'd, never forked from its caller (the path before that).
 OFF_SWITCH = "GPUDIAG_PROBE_FORK_SERVER"
 # Read by the probe child at run time (after the fork), so a request may differ in them.
 RUNTIME_KEYS = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
@@ -183,7 +184,8 @@ class ForkServer:
 
     def _start(self) -> socket.socket | None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        if self._fork_here and probe_only(self._env) == probe_only(exec_environment()):
+        if (self._fork_here and self._env.get(OFF_SWITCH) != "exec"
+                and probe_only(self._env) == probe_only(exec_environment())):
             self._fork_here = False  # once: a restart is exec'd
             self._proc = _fork_server_here(theirs, self._probes)
             if self._proc is not None:
