@@ -155,6 +155,7 @@ class ForkServer:
         self._probes = None if probes is None else tuple(probes)
         self._startup = startup_env(env)
         self._fork_here = fork_here
+        self._in_flight = 0  # children asked for or handed out, not yet ``done``
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | _ForkedServerProcess | None = None
         self._sock: socket.socket | None = None
@@ -230,7 +231,9 @@ class ForkServer:
             # Imported here: psutil (7 ms) need not be loaded before a CLI forks its server.
             from gpudiag.engine.processes import kill_group_leaders_below
 
-            killed = kill_group_leaders_below(self._proc.pid)
+            # Every child handed out ended with its group killed: no walk of every process
+            # on the host (a few ms at the end of every inline run).
+            killed = kill_group_leaders_below(self._proc.pid) if self._in_flight else 0
             with contextlib.suppress(OSError):
                 self._proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -250,6 +253,7 @@ class ForkServer:
                               "env": dict(env)}).encode()
         try:
             with self._lock:
+                self._in_flight += 1  # from before the request: a close meanwhile kills it
                 sock = self._connection()
                 if sock is None:
                     raise OSError("no fork server")
@@ -257,6 +261,7 @@ class ForkServer:
         except OSError:
             for fd in (out_r, err_r, status_r):
                 os.close(fd)
+            self.done()
             return None
         finally:
             for fd in (out_w, err_w, status_w):
@@ -265,8 +270,14 @@ class ForkServer:
         if pid is None:
             for fd in (out_r, err_r, status_r):
                 os.close(fd)
+            self.done()
             return None
         return ForkedChild(pid, out_r, err_r, status_r)
+
+    def done(self) -> None:
+        """A child ``fork`` gave has ended and its group was killed (or none was forked)."""
+        with self._lock:
+            self._in_flight -= 1
 
     def close(self) -> int:
         """Stop the server and kill the probe children it forked; returns how many."""

@@ -107,6 +107,7 @@ def _run_forked(forker: ForkServer, backend: str, env: Mapping[str, str], timeou
         _kill_group(child.pid)
         for fd in (child.stdout, child.stderr, child.status):
             os.close(fd)
+        forker.done()
     if got.status is None:
         return None if not timed_out else _Ended(
             time.monotonic() - started, -signal.SIGKILL, True, got.out, got.err)
