@@ -3,8 +3,8 @@
 The CLI's process is single-threaded and has initialized nothing: the server's own
 precondition. It becomes the server by a fork, and the probe children are forked from that,
 the same children as from an exec'd server (tests/test_forkserver.py). A caller that has a
-thread, imported jax/jaxlib/iree/numpy, or changed its environment since it started, gets the
-exec'd server, as before. docs/design-notes.md "Probe fork server".
+thread, imported jax/jaxlib/iree/numpy, loaded a driver library, or changed its environment
+since it started, gets the exec'd server, as before. docs/design-notes.md "Probe fork server".
 """
 
 from __future__ import annotations
@@ -109,6 +109,9 @@ if how == "thread":
     threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
 elif how == "numpy":
     import numpy
+elif how == "nvml":
+    import pynvml
+    pynvml.nvmlInit()  # the caller initialized NVML itself: its process is no fresh child
 elif how == "environ":
     os.environ["GPUDIAG_CHANGED_SINCE_START"] = "1"
 env = probe_environment(os.environ)
@@ -155,6 +158,12 @@ def test_a_caller_with_a_thread_gets_an_execd_server(gpu_env: EnvFactory) -> Non
 
 def test_a_caller_that_imported_numpy_gets_an_execd_server(gpu_env: EnvFactory) -> None:
     answer = _caller(gpu_env(), "numpy")
+    assert answer["forked_here"] is False and answer["pid"]
+
+
+def test_a_caller_that_initialized_nvml_itself_gets_an_execd_server(
+        gpu_env: EnvFactory) -> None:
+    answer = _caller(gpu_env(), "nvml")
     assert answer["forked_here"] is False and answer["pid"]
 
 

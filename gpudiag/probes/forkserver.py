@@ -340,19 +340,38 @@ def forked_here_refusal() -> str | None:
     """Why this process may not become a fork server by forking itself; None: it may.
 
     Its state is the server's: one thread (a fork copies only the calling one, and locks
-    another thread held stay held), none of NEVER_PREIMPORTED imported, and each pre-imported
-    library it already imported loaded from where a fresh import would find it now."""
+    another thread held stay held), none of NEVER_PREIMPORTED imported, no driver library
+    loaded, and each pre-imported library it already imported loaded from where a fresh
+    import would find it now."""
     if threads() != 1:
         return f"{threads()} threads"
     unsafe = unsafe_modules()
     if unsafe:
         return f"{', '.join(unsafe)} imported"
+    loaded = driver_libraries_loaded()
+    if loaded:
+        return f"{', '.join(loaded)} loaded (a driver initialized here is no child's to share)"
     origins = import_origins()
     for name in PREIMPORTED_LIBRARIES:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None) != origins[name][0]:
             return f"{name} imported from elsewhere than a fresh import finds"
     return None
+
+
+# A process that loaded one of these may have initialized the driver (a caller that ran
+# nvmlInit or cuInit itself): its state and descriptors are not a fresh child's.
+DRIVER_LIBRARIES = ("libnvidia-ml.so", "libcuda.so")
+
+
+def driver_libraries_loaded() -> list[str]:
+    """The driver libraries (DRIVER_LIBRARIES) mapped into this process now."""
+    try:
+        with open("/proc/self/maps") as f:
+            names = {line.rsplit("/", 1)[-1].strip() for line in f if "/" in line}
+    except OSError:
+        return ["(/proc/self/maps unreadable)"]
+    return sorted(n for n in names if n.startswith(DRIVER_LIBRARIES))
 
 
 def serve_forked(control: int, probes: Collection[str] | None) -> None:
