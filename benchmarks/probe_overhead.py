@@ -1,8 +1,11 @@
 """Overhead of `gpudiag probe --backend nvml,cuda` over a bare NVML child, against the fakes.
 
 Prints, in one run, the median wall time of each and their ratio (target <= 1.5), with the
-same command with every probe spawned (GPUDIAG_PROBE_FORK_SERVER=0, the path before the
-probe fork server):
+same command with its fork server exec'd instead of forked from the CLI
+(GPUDIAG_PROBE_FORK_SERVER=exec, the path before issue 31's third pass) and with every probe
+spawned (GPUDIAG_PROBE_FORK_SERVER=0, the path before the probe fork server); and each
+command's CPU time, its whole process tree's (a forked server saves CPU, not wall time, where
+a spare core starts the exec'd one beside the CLI's imports):
     .venv/bin/python benchmarks/probe_overhead.py [--runs 15]
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,18 +30,22 @@ BARE = ("import pynvml; pynvml.nvmlInit(); pynvml.nvmlDeviceGetCount(); "
         "pynvml.nvmlShutdown()")
 
 
-def wall_s(argv: list[str], env: dict[str, str]) -> float:
-    """Wall time of one fresh process."""
+def wall_s(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall time of one fresh process, and the CPU time (user + system) of its whole tree
+    (every descendant is reaped by its parent, so RUSAGE_CHILDREN counts it)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, check=False)
     elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{argv} failed with {proc.returncode}: {proc.stderr[-2000:]!r}")
-    return elapsed
+    return elapsed, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
 # The probe engine alone, in this process (no CLI start): nvml then cuda under the busy-GPU
-# rule, with the fork server (one interpreter start, two forks) and without (two spawns).
+# rule, with the fork server (one interpreter start, two forks; exec'd, since this process
+# asks in another environment than its own) and without (two spawns).
 ENGINE = {"engine only: nvml then cuda, forked": True,
           "engine only: nvml then cuda, spawned": False}
 
@@ -73,18 +81,22 @@ def main() -> None:
         cases = {
             "bare pynvml init + device count": ([py, "-c", BARE], env),
             "gpudiag probe --backend nvml,cuda": (probe, env),
+            "  the same, fork server exec'd": (
+                probe, {**env, "GPUDIAG_PROBE_FORK_SERVER": "exec"}),
             "  the same, every probe spawned": (
                 probe, {**env, "GPUDIAG_PROBE_FORK_SERVER": "0"}),
             "gpudiag --version (CLI start)": ([py, "-m", "gpudiag", "--version"], env),
             "nvml probe child alone (spawned)": ([py, "-m", "gpudiag.probes", "nvml"], env),
         }
         times: dict[str, list[float]] = {name: [] for name in [*cases, *ENGINE]}
+        cpu: dict[str, list[float]] = {name: [] for name in cases}
         # Interleaved rounds after a warm-up one: a busy machine slows every case alike.
         for i in range(args.runs + 1):
             for name, (argv, case_env) in cases.items():
-                elapsed = wall_s(argv, case_env)
+                elapsed, cpu_s = wall_s(argv, case_env)
                 if i:
                     times[name].append(elapsed)
+                    cpu[name].append(cpu_s)
             for name, fork in ENGINE.items():
                 elapsed = engine_s(env, fork)
                 if i:
@@ -94,9 +106,13 @@ def main() -> None:
     bare = "bare pynvml init + device count"
     print(f"devices={args.devices} runs={args.runs} (interleaved; median and min) "
           f"cpus={os.cpu_count()} load average {os.getloadavg()[0]:.1f}")
+    cpu_med = {name: statistics.median(t) for name, t in cpu.items()}
     for name in times:
-        print(f"{name:<36} median {med[name] * 1000:7.1f} ms (min {low[name] * 1000:6.1f})  "
-              f"ratio {med[name] / med[bare]:5.2f} (min {low[name] / low[bare]:5.2f}) vs bare")
+        used = (f"  CPU {cpu_med[name] * 1000:6.1f} ms ({cpu_med[name] / cpu_med[bare]:4.2f}x)"
+                if name in cpu_med else "")
+        print(f"{name:<37} median {med[name] * 1000:7.1f} ms (min {low[name] * 1000:6.1f})  "
+              f"ratio {med[name] / med[bare]:5.2f} (min {low[name] / low[bare]:5.2f}) vs bare"
+              f"{used}")
     ratio = med["gpudiag probe --backend nvml,cuda"] / med[bare]
     print(f"ratio {ratio:.2f} (target <= 1.5)")
 

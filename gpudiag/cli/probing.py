@@ -48,11 +48,22 @@ def probe_requirement(names: list[str]) -> Requirement:
 def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: float | None,
                   expected_gpus: int | None) -> Verdict:
     """Run the named probes here, each in its child, and classify what they saw."""
+    import os
     import socket
 
-    from gpudiag.core.classify import classify
-    from gpudiag.engine.inline import run_inline
+    from gpudiag.core.environment import probe_environment
+    from gpudiag.engine.forkserver import ForkServer
 
-    done = run_inline(requirement, timeout_s=timeout_s, only={n.split(":")[0] for n in names})
+    only = {n.split(":")[0] for n in names}
+    # The probe fork server is forked from this process now, before the classifier's and
+    # the engine's imports: its own (pynvml, the probe modules) run beside them.
+    with ForkServer(probe_environment(os.environ), probes=sorted(only),
+                    fork_here=True) as forker:
+        if len(only) > 1:
+            forker.start()
+        from gpudiag.core.classify import classify
+        from gpudiag.engine.inline import run_inline
+
+        done = run_inline(requirement, timeout_s=timeout_s, only=only, forker=forker)
     return classify(done.runs, requirement, host=socket.gethostname(),
                     checked_at=done.checked_at, scope=done.scope, expected_gpus=expected_gpus)

@@ -8,7 +8,6 @@ Each Python process writes ``child-<pid>.json`` into ``$GPUDIAG_CHILD_REPORT_DIR
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -27,6 +26,8 @@ _startup: dict[str, Any] | None = None
 
 def env_sha256(env: Mapping[str, str]) -> str:
     """A hash of a whole environment (names and values), to compare without recording it."""
+    import hashlib  # here: OpenSSL's load is most of a probe parent's imports of this module
+
     h = hashlib.sha256()
     for key in sorted(env):
         h.update(key.encode("utf-8", "surrogateescape") + b"=" +

@@ -15,6 +15,7 @@ import json
 import os
 import select
 import selectors
+import signal
 import socket
 import subprocess
 import sys
@@ -24,13 +25,18 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpudiag.engine.processes import kill_group_leaders_below
+from gpudiag.core.environment import PREALLOCATION_OFF, SYSTEMD_ONLY
 
-# GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path).
+# GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path);
+# =exec: a server is always exec'd, never forked from its caller (the path before that).
 OFF_SWITCH = "GPUDIAG_PROBE_FORK_SERVER"
 # Read by the probe child at run time (after the fork), so a request may differ in them.
 RUNTIME_KEYS = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
                           "GPUDIAG_PROBE_PARENT_PID"})
+# Only read in a probe child (by JAX and XLA, after the fork), or only by sd_notify: a fork
+# server forked from its caller serves a probe environment that adds or drops them
+# (probe_environment) though the caller's own start environment did not.
+PROBE_ONLY_KEYS = frozenset({*PREALLOCATION_OFF, *SYSTEMD_ONLY})
 # The room the server's argv leaves for a child's (python -m gpudiag.probes NAME OPTIONS).
 ARGV_ROOM_BYTES = 16 * 1024
 # A server that died is started again at most this often; meanwhile probes are spawned.
@@ -63,16 +69,95 @@ def startup_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in RUNTIME_KEYS}
 
 
+def exec_environment() -> dict[str, str]:
+    """The environment this process was started with (what its loader and Python read then),
+    as the kernel keeps it: later changes to ``os.environ`` are not in it."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            block = f.read()
+    except OSError:
+        return {}
+    pairs = (entry.partition(b"=") for entry in block.split(b"\0") if b"=" in entry)
+    return {os.fsdecode(k): os.fsdecode(v) for k, _, v in pairs}
+
+
+def probe_only(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less what only a probe child reads (after the fork) and what the probe
+    environment adds or drops (gpudiag.core.environment.probe_environment)."""
+    return {k: v for k, v in startup_env(env).items() if k not in PROBE_ONLY_KEYS}
+
+
+class _ForkedServerProcess:
+    """The fork server this process forked from itself: the part of ``Popen`` used here."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code once it ended (reaped here), else None."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL it, unless already reaped (its pid may be another's by now)."""
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for it to end; its exit code, or TimeoutExpired."""
+        end = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > end:
+                raise subprocess.TimeoutExpired("forked fork server", timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+
+def _fork_server_here(control: socket.socket,
+                      probes: Collection[str] | None) -> _ForkedServerProcess | None:
+    """Fork this process into a fork server on ``control``; None when it may not be
+    (``forked_here_refusal``), or the fork failed: the caller starts one by exec."""
+    from gpudiag.probes import forkserver as server
+
+    if server.forked_here_refusal() is not None:
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        return None
+    if pid == 0:
+        server.serve_forked(control.fileno(), probes)  # never returns
+    return _ForkedServerProcess(pid)
+
+
 class ForkServer:
     """A fork server for probe children started with ``env`` (lazily, at the first fork);
-    ``probes``: the ones it imports for ahead (default every backend; others still work)."""
+    ``probes``: the ones it imports for ahead (default every backend; others still work).
 
-    def __init__(self, env: Mapping[str, str], probes: Collection[str] | None = None) -> None:
+    ``fork_here``: ``start()`` forks this process itself into the server, without an exec,
+    when that is safe (``gpudiag.probes.forkserver.forked_here_refusal``) and ``env`` is
+    this process's start environment but for what only a probe child reads (an inline run
+    from the CLI); otherwise, and for any restart, the server is exec'd as before."""
+
+    def __init__(self, env: Mapping[str, str], probes: Collection[str] | None = None, *,
+                 fork_here: bool = False) -> None:
         self._env = dict(env)
         self._probes = None if probes is None else tuple(probes)
         self._startup = startup_env(env)
+        self._fork_here = fork_here
+        self._in_flight = 0  # children asked for or handed out, not yet ``done``
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | _ForkedServerProcess | None = None
         self._sock: socket.socket | None = None
         self._failed_at: float | None = None
         self._closed = False
@@ -87,8 +172,27 @@ class ForkServer:
         proc = self._proc
         return proc.pid if proc is not None and proc.poll() is None else None
 
+    @property
+    def forked_here(self) -> bool:
+        """Whether the running server was forked from this process (not exec'd)."""
+        return isinstance(self._proc, _ForkedServerProcess) and self.pid is not None
+
+    def start(self) -> None:
+        """Start the server now, while the caller is still single-threaded (the first fork
+        would start it anyway, from a worker thread: too late to fork the caller)."""
+        with self._lock:
+            self._connection()
+
     def _start(self) -> socket.socket | None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        if (self._fork_here and self._env.get(OFF_SWITCH) != "exec"
+                and probe_only(self._env) == probe_only(exec_environment())):
+            self._fork_here = False  # once: a restart is exec'd
+            self._proc = _fork_server_here(theirs, self._probes)
+            if self._proc is not None:
+                theirs.close()
+                self._sock = ours
+                return ours
         try:
             self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
                 server_argv(self._probes),
@@ -124,7 +228,12 @@ class ForkServer:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
-            killed = kill_group_leaders_below(self._proc.pid)
+            # Imported here: psutil (7 ms) need not be loaded before a CLI forks its server.
+            from gpudiag.engine.processes import kill_group_leaders_below
+
+            # Every child handed out ended with its group killed: no walk of every process
+            # on the host (a few ms at the end of every inline run).
+            killed = kill_group_leaders_below(self._proc.pid) if self._in_flight else 0
             with contextlib.suppress(OSError):
                 self._proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -144,6 +253,7 @@ class ForkServer:
                               "env": dict(env)}).encode()
         try:
             with self._lock:
+                self._in_flight += 1  # from before the request: a close meanwhile kills it
                 sock = self._connection()
                 if sock is None:
                     raise OSError("no fork server")
@@ -151,6 +261,7 @@ class ForkServer:
         except OSError:
             for fd in (out_r, err_r, status_r):
                 os.close(fd)
+            self.done()
             return None
         finally:
             for fd in (out_w, err_w, status_w):
@@ -159,8 +270,14 @@ class ForkServer:
         if pid is None:
             for fd in (out_r, err_r, status_r):
                 os.close(fd)
+            self.done()
             return None
         return ForkedChild(pid, out_r, err_r, status_r)
+
+    def done(self) -> None:
+        """A child ``fork`` gave has ended and its group was killed (or none was forked)."""
+        with self._lock:
+            self._in_flight -= 1
 
     def close(self) -> int:
         """Stop the server and kill the probe children it forked; returns how many."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,14 @@ class InlineRun:
 def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None,
                timeout_s: float | None = None,
                timeouts: Mapping[str, float] | None = None, only: Collection[str] | None = None,
-               lock_dir: Path | None = None, held: Collection[str] = ()) -> InlineRun:
+               lock_dir: Path | None = None, held: Collection[str] = (),
+               forker: ForkServer | None = None) -> InlineRun:
     """Run the probes a requirement needs, GPU-touching ones only on FREE GPUs
     (docs/design-notes.md "Busy GPUs"): nvml first, then cuda, jax and iree under the GPUs'
     locks; host beside.
     ``held``: full UUIDs the caller already holds a job's lock on (it proves them as its own).
+    ``forker``: a fork server the caller started ahead for this run's probe environment (it
+    stays the caller's to close); else the run starts its own.
     """
     checked_at = now_rfc3339()
     requests = probes_for(requirement, only=only)
@@ -64,9 +67,16 @@ def run_inline(requirement: Requirement, *, env: Mapping[str, str] | None = None
     requests = [(name, smi_timeout if name == "host" else opts) for name, opts in requests]
     base = os.environ if env is None else env
     child_env = probe_environment(base)
-    # Two or more children: one interpreter start (the fork server's) instead of one each.
-    with ForkServer(child_env, probes=[name for name, _ in requests]) as forker:
+    # Two or more children: one interpreter start (the fork server's) instead of one each,
+    # or none when this process may fork itself into the server (started now, before the
+    # round's threads: docs/design-notes.md "Probe fork server").
+    with contextlib.ExitStack() as stack:
+        if forker is None or not forker.serves(child_env):
+            forker = stack.enter_context(ForkServer(
+                child_env, probes=[name for name, _ in requests], fork_here=True))
         used = forker if len(requests) > 1 else None
+        if used is not None:
+            used.start()
         return _run_all(requests, child_env, limits, lock_dir or default_lock_dir(base), held,
                         checked_at, used)
 
@@ -83,18 +93,32 @@ def _run_all(requests: Sequence[Request], child_env: Mapping[str, str],
     # Occupancy needs NVML's reading first, even when only cuda was asked for; the other
     # passive probes (host: nvidia-smi, the slowest) run beside the nvml -> active chain.
     wanted_nvml = any(name == "nvml" for name, _ in requests)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="passive") as pool:
-        beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits,
-                             forker=forker)
-        nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits,
-                              forker=forker)["nvml"]
-        active_runs, scope = _run_active(active, nvml_run, child_env, limits, lock_dir, held,
-                                         forker)
-        runs = beside.result()
+    runs: dict[str, ProbeRun] = {}
+    if not passive:  # nothing beside the chain: no thread (nor concurrent.futures' import)
+        nvml_run, (active_runs, scope) = _chain(active, child_env, limits, lock_dir, held,
+                                                forker)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="passive") as pool:
+            beside = pool.submit(run_probes, passive, env=child_env, timeouts=limits,
+                                 forker=forker)
+            nvml_run, (active_runs, scope) = _chain(active, child_env, limits, lock_dir,
+                                                    held, forker)
+            runs = beside.result()
     if wanted_nvml:
         runs["nvml"] = nvml_run
     runs.update(active_runs)
     return InlineRun(runs, checked_at, scope)
+
+
+def _chain(active: Sequence[Request], child_env: Mapping[str, str],
+           limits: Mapping[str, float], lock_dir: Path, held: Collection[str],
+           forker: ForkServer | None) -> tuple[ProbeRun, tuple[dict[str, ProbeRun], ProbeScope]]:
+    """nvml, then the active probes on the FREE GPUs of its reading."""
+    nvml_run = run_probes([("nvml", None)], env=child_env, timeouts=limits,
+                          forker=forker)["nvml"]
+    return nvml_run, _run_active(active, nvml_run, child_env, limits, lock_dir, held, forker)
 
 
 def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mapping[str, str],

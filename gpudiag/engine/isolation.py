@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +107,7 @@ def _run_forked(forker: ForkServer, backend: str, env: Mapping[str, str], timeou
         _kill_group(child.pid)
         for fd in (child.stdout, child.stderr, child.status):
             os.close(fd)
+        forker.done()
     if got.status is None:
         return None if not timed_out else _Ended(
             time.monotonic() - started, -signal.SIGKILL, True, got.out, got.err)
@@ -170,6 +170,12 @@ def run_probes(requests: Sequence[tuple[str, Mapping[str, Any] | None]], *,
     if not requests:
         return {}
     own = envs or {}
+    if len(requests) == 1:  # no thread for one child (nor concurrent.futures' import)
+        name, opts = requests[0]
+        return {name: run_probe(name, env=own.get(name, env), timeout_s=timeouts[name],
+                                options=opts, forker=forker)}
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         futures = {
             name: pool.submit(run_probe, name, env=own.get(name, env),

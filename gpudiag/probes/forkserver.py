@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import importlib.machinery
 import json
@@ -92,25 +93,65 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def set_cmdline(argv: list[str]) -> bool:
-    """Rewrite this process's /proc/self/cmdline to ``argv`` in the room the start argv left.
-
-    The last word is padded with spaces (a JSON options word ignores them), so the area still
-    ends in one NUL and ps/psutil read exactly ``argv``. False when it does not fit."""
+def _areas() -> tuple[int, int, int, int]:
+    """This process's argv and environment areas: arg_start, arg_end, env_start, env_end."""
     with open("/proc/self/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: stat fields 48, 49
+    # stat fields 48-51; the split starts at field 3
+    return int(fields[45]), int(fields[46]), int(fields[47]), int(fields[48])
+
+
+def cmdline_text(argv: list[str], *, spill: bool = False) -> tuple[int, bytes] | None:
+    """Where and what to write so that /proc/self/cmdline reads ``argv``; None: no room.
+
+    In the room the start argv left, the last word is padded with spaces (a JSON options
+    word ignores them), so the area still ends in one NUL and ps/psutil read exactly
+    ``argv``. With ``spill``, a longer argv may run on over the environment area (the kernel's
+    setproctitle convention: the area's last byte is not NUL, and the kernel reads one string
+    up to its NUL, which ps and psutil split at spaces): only for words without spaces, and
+    only in a child whose C environment no longer points there (``_child`` clears it)."""
+    start, end, env_start, env_end = _areas()
     words = [w.encode() for w in argv]
     head = b"\0".join(words[:-1]) + b"\0"
     room = end - start - 1 - len(head)
-    if room < len(words[-1]):
+    if room >= len(words[-1]):
+        return start, head + words[-1].ljust(room, b" ") + b"\0"
+    text = b" ".join(words) + b"\0"
+    if (not spill or env_start != end or any(b" " in w or not w for w in words)
+            or len(text) > min(env_end - start, os.sysconf("SC_PAGE_SIZE"))):
+        return None
+    return start, text
+
+
+def set_cmdline(argv: list[str]) -> bool:
+    """Rewrite this process's /proc/self/cmdline to ``argv`` in the room the start argv left
+    (``cmdline_text``); False when it does not fit."""
+    found = cmdline_text(argv)
+    if found is None:
         return False
-    text = head + words[-1].ljust(room, b" ") + b"\0"
-    ctypes.memmove(start, text, len(text))
+    ctypes.memmove(found[0], found[1], len(found[1]))
     return True
 
 
-def _child(request: Mapping[str, Any], fds: list[int], control: socket.socket) -> int:
+def child_argv(request: Mapping[str, Any], *, compact: bool = False) -> list[str]:
+    """The argv a spawned child of ``request`` has (``compact``: its options without spaces)."""
+    argv = [sys.executable, "-m", "gpudiag.probes", str(request["backend"])]
+    if request.get("options"):
+        argv.append(json.dumps(request["options"], sort_keys=True,
+                               separators=(",", ":") if compact else None))
+    return argv if len(argv) > 4 else [*argv, "{}"]
+
+
+def child_cmdline(request: Mapping[str, Any]) -> tuple[int, bytes] | None:
+    """What a forked child of ``request`` writes over its cmdline; None: it would not fit
+    (a fork server forked from a caller has only the caller's argv area: spawn instead)."""
+    found = cmdline_text(child_argv(request))
+    return found if found is not None else cmdline_text(child_argv(request, compact=True),
+                                                        spill=True)
+
+
+def _child(request: Mapping[str, Any], fds: list[int], control: socket.socket,
+           title: tuple[int, bytes]) -> int:
     """In the forked child: become an isolated probe child, run the probe, return its code."""
     from gpudiag.probes import __main__ as entry
 
@@ -125,15 +166,15 @@ def _child(request: Mapping[str, Any], fds: list[int], control: socket.socket) -
         os.dup2(fd, target)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     # Replaced before anything in the child reads it: putenv/unsetenv reach C getenv too.
+    # clearenv first: no C environment entry may point into the start block any more (the
+    # argv may spill over it, cmdline_text).
+    ctypes.CDLL(None).clearenv()
     os.environ.clear()
     os.environ.update({**request["env"], "GPUDIAG_PROBE_PARENT_PID": str(parent)})
-    args = [str(request["backend"])]
-    if request.get("options"):
-        args.append(json.dumps(request["options"], sort_keys=True))
-    argv = [sys.executable, "-m", "gpudiag.probes", *args]
-    if not set_cmdline(argv if len(argv) > 4 else [*argv, "{}"]):
-        print("probe fork server: no room for the child's argv", file=sys.stderr)
-        return 70
+    args = child_argv(request)[3:]
+    if not request.get("options"):
+        args = args[:1]
+    ctypes.memmove(title[0], title[1], len(title[1]))
     sys.argv = [str(entry.__file__), *args]  # what ``python -m gpudiag.probes`` would see
     return entry.main(args)
 
@@ -143,6 +184,10 @@ def _fork(request: Mapping[str, Any], fds: list[int], control: socket.socket) ->
     status = fds[2]
     if threads() != 1:
         os.write(status, b"error the fork server is not single-threaded\n")
+        return None
+    title = child_cmdline(request)
+    if title is None:
+        os.write(status, b"error no room for the child's argv: spawn the probe\n")
         return None
     sys.stdout.flush()
     sys.stderr.flush()
@@ -154,7 +199,7 @@ def _fork(request: Mapping[str, Any], fds: list[int], control: socket.socket) ->
     if pid == 0:
         code = 70
         try:
-            code = _child(request, fds, control)
+            code = _child(request, fds, control, title)
         except BaseException:  # the child must end here, whatever happened
             traceback.print_exc()
         finally:
@@ -270,14 +315,13 @@ def serve(control: socket.socket, origins: Mapping[str, Origin] | None = None) -
                 return  # its caller starts a server that imports what is there now
 
 
-def main() -> int:
-    """Pre-import, check this process is single-threaded and imported nothing unsafe, serve."""
-    # NAMES: the probes to import for ("*": every backend); ROOM: space for a child's argv.
-    words = sys.argv[1:2]
+def run_server(probes: Collection[str] | None) -> int:
+    """Pre-import, check this process is single-threaded and imported nothing unsafe, serve
+    on the socket at fd 0."""
     origins = import_origins()  # before the imports: what they will load
-    preimport(None if words in ([], ["*"]) else words[0].split(","))
+    preimport(probes)
     # A probe module that came to import one of them at its top would make forking unsafe.
-    unsafe = sorted(m for m in NEVER_PREIMPORTED if m in sys.modules)
+    unsafe = unsafe_modules()
     if threads() != 1 or unsafe:
         print(f"probe fork server: {threads()} threads and {unsafe or 'none'} of "
               f"{NEVER_PREIMPORTED} after the imports; not serving", file=sys.stderr)
@@ -285,6 +329,81 @@ def main() -> int:
     control = socket.socket(fileno=CONTROL_FD)
     serve(control, origins)
     return 0
+
+
+def unsafe_modules() -> list[str]:
+    """The modules imported here that no fork server may have (NEVER_PREIMPORTED)."""
+    return sorted(m for m in NEVER_PREIMPORTED if m in sys.modules)
+
+
+def forked_here_refusal() -> str | None:
+    """Why this process may not become a fork server by forking itself; None: it may.
+
+    Its state is the server's: one thread (a fork copies only the calling one, and locks
+    another thread held stay held), none of NEVER_PREIMPORTED imported, no driver library
+    loaded, and each pre-imported library it already imported loaded from where a fresh
+    import would find it now."""
+    if threads() != 1:
+        return f"{threads()} threads"
+    unsafe = unsafe_modules()
+    if unsafe:
+        return f"{', '.join(unsafe)} imported"
+    loaded = driver_libraries_loaded()
+    if loaded:
+        return f"{', '.join(loaded)} loaded (a driver initialized here is no child's to share)"
+    origins = import_origins()
+    for name in PREIMPORTED_LIBRARIES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None) != origins[name][0]:
+            return f"{name} imported from elsewhere than a fresh import finds"
+    return None
+
+
+# A process that loaded one of these may have initialized the driver (a caller that ran
+# nvmlInit or cuInit itself): its state and descriptors are not a fresh child's.
+DRIVER_LIBRARIES = ("libnvidia-ml.so", "libcuda.so")
+
+
+def driver_libraries_loaded() -> list[str]:
+    """The driver libraries (DRIVER_LIBRARIES) mapped into this process now."""
+    try:
+        with open("/proc/self/maps") as f:
+            names = {line.rsplit("/", 1)[-1].strip() for line in f if "/" in line}
+    except OSError:
+        return ["(/proc/self/maps unreadable)"]
+    return sorted(n for n in names if n.startswith(DRIVER_LIBRARIES))
+
+
+def serve_forked(control: int, probes: Collection[str] | None) -> None:
+    """In a child its caller just forked: become the fork server on ``control`` and exit.
+
+    The server an exec would have started, without the exec: its own session, the control
+    socket on fd 0, /dev/null on 1 and 2, no other descriptor of the caller's, and its argv
+    the server's where the caller's argv area has room (ps tells it from the caller)."""
+    code = 1
+    try:
+        # The caller's objects stay as they are: a collection here could run a finalizer
+        # that closes a descriptor number this server has reused since.
+        gc.freeze()
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd, target in ((control, 0), (devnull, 1), (devnull, 2)):
+            os.dup2(fd, target)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        names = "*" if probes is None else ",".join(probes)
+        set_cmdline([sys.executable, "-m", "gpudiag.probes.forkserver", names])
+        code = run_server(probes)
+    except BaseException:  # the forked server must end here, whatever happened
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def main() -> int:
+    """The exec'd server: its probes from argv, then ``run_server``."""
+    # NAMES: the probes to import for ("*": every backend); ROOM: space for a child's argv.
+    words = sys.argv[1:2]
+    return run_server(None if words in ([], ["*"]) else words[0].split(","))
 
 
 if __name__ == "__main__":
