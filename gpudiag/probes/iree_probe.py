@@ -18,6 +18,7 @@ GPU is known even when every GPU is busy.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -176,17 +177,20 @@ def write_cached(path: Path, data: bytes) -> None:
     """Write a module atomically: a fresh 0600 file (never through a link), then renamed
     over ``path`` (which replaces a planted link itself, not what it points to)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a writer that died with this pid: the folder is ours alone
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
             f.write(data)
+        os.replace(tmp, path)
     except OSError:
-        os.close(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
-    os.close(fd)
-    os.replace(tmp, path)
+    finally:
+        os.close(fd)
 
 
 def _compile(backend: str, flags: list[str], use_cache: bool) -> tuple[bytes, dict[str, Any]]:
