@@ -160,6 +160,10 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
     "test_probe_engine": (
         "test_each_fault_gives_its_code_end_to_end",
     ),
+    "test_idle_wakeups": (  # they count wakeups over windows of 2-2.5 s
+        "test_an_idle_http_listener_sleeps_instead_of_polling",
+        "test_the_xid_supervisor_wakes_per_line_not_five_times_a_second",
+    ),
 }
 for _module, _names in INNER_LOOP_SLOW.items():
     SLOW_TESTS[_module] = (*SLOW_TESTS.get(_module, ()), *_names)

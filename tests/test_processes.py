@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from gpudiag.engine.processes import cmdline, descendants, ended
+from gpudiag.engine.processes import cmdline, descendants, ended, own_process_tree
 
 
 def test_descendants_reach_grandchildren_and_ended_sees_the_reaped_and_the_zombie() -> None:
@@ -39,6 +39,45 @@ def test_descendants_reach_grandchildren_and_ended_sees_the_reaped_and_the_zombi
             except ProcessLookupError:
                 pass
     assert ended(child.pid) and cmdline(child.pid) == []
+
+
+def test_own_process_tree_is_this_process_its_ancestors_and_every_descendant() -> None:
+    child = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        below = {p.pid for p in descendants()}
+        tree = own_process_tree()
+        assert child.pid in below and len(below) == 3  # sh, its sleep, and the other sleep
+        ancestors = set()
+        pid = os.getppid()
+        while pid > 1:
+            ancestors.add(pid)
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        # The same set the process table gives: this process, what is below, what is above.
+        assert tree == frozenset({os.getpid(), *below, *ancestors})
+        assert 1 not in tree and 0 not in tree
+        assert own_process_tree(child.pid) >= {child.pid, os.getpid()}
+        assert other.pid not in own_process_tree(child.pid)  # a sibling is someone else
+    finally:
+        for pid in below - {child.pid, other.pid}:  # the grandchild, before it is orphaned
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        for proc in (child, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_own_process_tree_of_a_process_that_ended_is_only_its_pid() -> None:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    assert own_process_tree(proc.pid) == frozenset({proc.pid})
 
 
 KILLER = """

@@ -44,6 +44,10 @@ def preallocation_disabled(env: Mapping[str, str]) -> bool:
     return preallocation_off(env)
 
 
+# Where probe children keep what they may reuse between rounds (the IREE probe's compiled
+# module): a private folder; the daemon points it into its own state directory.
+CACHE_VARIABLE = "GPUDIAG_CACHE_DIR"
+
 # systemd's channel to the service it started (the daemon): a child must not speak for it.
 SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 

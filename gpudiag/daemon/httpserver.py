@@ -53,6 +53,9 @@ ACCEPT_PAUSE_S = 0.1        # after EMFILE: stop accepting briefly instead of sp
 WORKERS = 8                 # threads per pool
 MAX_QUEUED = 512            # complete requests waiting for a worker per pool; past it: 503
 SUMMARY_INTERVAL_S = 60.0
+# The serving loop sleeps until its next deadline or an event; with nothing due it still
+# wakes this often, so a deadline some future change forgets to report is late, not lost.
+IDLE_WAKE_S = 5.0
 MAX_INTERNAL_TRACEBACKS = 5  # then internal errors are counted only
 # Every endpoint that can wait runs on the slow pool, so that waiting answers never take the
 # threads of /metrics, /healthz and /readyz: preflight and health wait for probes (max_age_s,
@@ -111,6 +114,13 @@ class AbuseLog:
                               "gpudiag_http_rejected_total and summarised at most every %g s",
                               ABUSE_KINDS.get(kind, kind), peer, self.interval_s,
                               extra={"abuse": kind, "peer": peer})
+
+    def summary_in_s(self) -> float | None:
+        """Seconds until counts waiting for a summary are due (None: nothing waits)."""
+        with self._lock:
+            if not self._since:
+                return None
+            return max(0.0, self._last_summary + self.interval_s - self._clock())
 
     def flush(self) -> None:
         """Log the counts since the last summary, at most once per interval."""
@@ -347,13 +357,18 @@ class HttpServer:
         """Connections still sending their request head."""
         return len(self._pending)
 
-    def serve_forever(self, poll_interval: float = 0.2) -> None:
-        """Accept, read heads, dispatch and write responses until ``shutdown``."""
+    def serve_forever(self, poll_interval: float = IDLE_WAKE_S) -> None:
+        """Accept, read heads, dispatch and write responses until ``shutdown``.
+
+        The loop sleeps until an event (a connection, data, a worker's answer through the
+        wake socket, ``shutdown``) or its next deadline (``_next_wake_s``), at most
+        ``poll_interval``: an idle daemon's selector no longer wakes five times a second.
+        """
         self._sel.register(self._listen, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
         try:
             while not self._stop.is_set():
-                for key, _ in self._sel.select(timeout=poll_interval):
+                for key, _ in self._sel.select(timeout=self._next_wake_s(poll_interval)):
                     self._guarded(self._event, key)
                 self._guarded(self._housekeeping)
         except Exception:
@@ -434,6 +449,25 @@ class HttpServer:
             self._write(key.data)
         else:
             self._read(key.data)
+
+    def _next_wake_s(self, longest_s: float) -> float:
+        """Seconds until the first thing ``_housekeeping`` must do, at most ``longest_s``.
+
+        Every deadline it keeps: the oldest head still arriving and the oldest response still
+        being taken (each dict is in deadline order), the accept pause after EMFILE and the
+        abuse summary. Only this thread adds to them, so none appears while it sleeps.
+        """
+        now = time.monotonic()
+        due = [longest_s]
+        for conns in (self._pending, self._writing):
+            if conns:
+                due.append(next(iter(conns.values())).deadline - now)
+        if self._accept_resume is not None:
+            due.append(self._accept_resume - now)
+        summary = self.abuse.summary_in_s()
+        if summary is not None:
+            due.append(summary)
+        return max(0.0, min(due))
 
     def _housekeeping(self) -> None:
         self._expire()

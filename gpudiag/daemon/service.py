@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.attribution import JobRecord
-from gpudiag.core.environment import probe_environment
+from gpudiag.core.environment import CACHE_VARIABLE, probe_environment
 from gpudiag.core.limits import EXIT_FAILED, EXIT_USAGE
 from gpudiag.core.qualify_verdict import qualification_findings
 from gpudiag.core.readiness import GpuOccupancy
@@ -76,6 +76,7 @@ log = logging.getLogger("gpudiag.daemon")
 SHUTDOWN_LIMIT_S = 15.0
 DRAIN_LIMIT_S = 5.0
 STOP_POLL_S = 0.5
+PROBE_CACHE = "probe-cache"  # in the state directory: the probe children's private cache
 # Answers are short and latency is what callers wait on: hand the GIL over sooner than
 # CPython's 5 ms default when a request thread wakes up beside a busy one.
 SWITCH_INTERVAL_S = 0.0005
@@ -232,7 +233,8 @@ class DaemonService:
         clears, jobs = self._inboxes(recorder, watcher)
         locks = self._lock_dir()
         self._scheduler = scheduler = Scheduler(
-            cfg, env=self._env, notifier=notifier, watcher=watcher,
+            cfg, env=probe_cache_environment(self._env, self.state_dir), notifier=notifier,
+            watcher=watcher,
             on_tick=partial(_poll_inboxes, (clears.poll, jobs.poll)), history=history_state,
             lock_dir=locks.path, nvlinks_file=self.state_dir / nvlinks.FILE_NAME)
         scheduler.on_snapshot(partial(_record, writer))
@@ -470,6 +472,13 @@ def start_socket(app: DaemonApp, cfg: DaemonConfig, tcp: HttpServer,
         tcp.shutdown()
         raise CannotListen(f"cannot serve on socket {path}: {e.strerror or e}") from e
     return server
+
+
+def probe_cache_environment(env: Mapping[str, str], state_dir: Path) -> dict[str, str]:
+    """The probe children's environment: their compiled-module cache (the IREE probe's) in
+    the daemon's own state directory, unless the operator named one (design notes)."""
+    return {**env,
+            CACHE_VARIABLE: env.get(CACHE_VARIABLE) or str((state_dir / PROBE_CACHE).absolute())}
 
 
 def wait_for_stop(stop: threading.Event, servers: list[HttpServer], log: logging.Logger,

@@ -195,10 +195,13 @@ class XidWatcher:
         open_streams = 2
         try:
             while open_streams and not self._stop.is_set():
-                if time.monotonic() - last_line > silence_limit:
+                silent_s = time.monotonic() - last_line
+                if silent_s > silence_limit:
                     reason = f"the watcher child was silent for more than {silence_limit:g} s"
                     break
-                for key, _ in sel.select(timeout=0.2):
+                # Sleeps until a line (an XID, a heartbeat) or the silence limit: every line
+                # is handled as it arrives, and stop() kills the child, whose end wakes this.
+                for key, _ in sel.select(timeout=silence_limit - silent_s + 0.01):
                     stream: IO[bytes] = key.fileobj  # type: ignore[assignment]
                     chunk = os.read(stream.fileno(), 65536)
                     if not chunk:

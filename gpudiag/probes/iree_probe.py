@@ -18,6 +18,7 @@ GPU is known even when every GPU is busy.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -29,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpudiag.core.environment import allow_listed
+from gpudiag.core.environment import CACHE_VARIABLE, allow_listed
 
 # IREE 3.13 compiles for sm_80/86/89 without a GPU, not for sm_90+ (FIELD-NOTES).
 DEFAULT_CUDA_TARGET = "sm_80"
@@ -95,7 +96,7 @@ def _target(driver: str, cuda_target: str) -> tuple[str, list[str]] | None:
 
 def cache_dir() -> Path | None:
     """A private per-user cache folder, or None when none is safe to use."""
-    root = os.environ.get("GPUDIAG_CACHE_DIR")
+    root = os.environ.get(CACHE_VARIABLE)
     # A folder the user names may be reached through links; the default one may not.
     base = (Path(root).resolve() if root
             else Path(tempfile.gettempdir()) / f"gpudiag-{os.getuid()}")
@@ -114,11 +115,82 @@ def cache_dir() -> Path | None:
     return path
 
 
+# The compiler's native library: what really produces the module's bytes.
+COMPILER_LIBRARY = Path("_mlir_libs") / "libIREECompiler.so"
+MODULE_LIMIT_BYTES = 16 * 2**20  # the tiny kernel's module is a few KiB
+
+
+def _compiler_library_identity() -> str:
+    """The compiler library's path, inode, size and mtime: a reinstalled or replaced library
+    changes the cache key even when its version.py reads the same."""
+    spec = importlib.util.find_spec("iree.compiler")
+    if spec is None or not spec.submodule_search_locations:
+        return "no compiler"
+    path = Path(list(spec.submodule_search_locations)[0]) / COMPILER_LIBRARY
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    return f"{path}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def _cache_key(backend: str, flags: list[str]) -> str:
-    """The compiler's exact build (version and source revisions), target, flags and source."""
+    """The compiler's exact build (version, source revisions and the library file's
+    identity), target, flags and source: everything that decides the module's bytes."""
     version, version_file = _compiler_version_file()
-    text = "\n".join([version or "", version_file, backend, *flags, SOURCE])
+    text = "\n".join([version or "", version_file, _compiler_library_identity(), backend,
+                      *flags, SOURCE])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def read_cached(path: Path) -> tuple[bytes | None, str | None]:
+    """A cached module and None, or None and why it was refused (or None, None: absent).
+
+    Only a regular file (never through a link, never a FIFO), owned by this user, that no
+    one else may write: a module planted by another local user must never be loaded.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:  # ELOOP: a symbolic link in its place
+        return None, f"cannot open {path}: {e.strerror or e}"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{path} is not a regular file"
+        if st.st_uid != os.getuid():
+            return None, f"{path} is owned by uid {st.st_uid}, not {os.getuid()}"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None, f"{path} is writable by others (mode {oct(st.st_mode & 0o777)})"
+        if not 0 < st.st_size <= MODULE_LIMIT_BYTES:
+            return None, f"{path} has {st.st_size} bytes"
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MODULE_LIMIT_BYTES + 1), None
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
+    finally:
+        os.close(fd)
+
+
+def write_cached(path: Path, data: bytes) -> None:
+    """Write a module atomically: a fresh 0600 file (never through a link), then renamed
+    over ``path`` (which replaces a planted link itself, not what it points to)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a writer that died with this pid: the folder is ours alone
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _compile(backend: str, flags: list[str], use_cache: bool) -> tuple[bytes, dict[str, Any]]:
@@ -126,24 +198,22 @@ def _compile(backend: str, flags: list[str], use_cache: bool) -> tuple[bytes, di
     folder = cache_dir() if use_cache else None
     cached = folder / f"{_cache_key(backend, flags)}.vmfb" if folder else None
     started = time.monotonic()
+    refused: str | None = None
     if cached is not None:
-        try:
-            data = cached.read_bytes()
-            if data:
-                return data, {"cached": True, "path": str(cached),
-                              "duration_s": round(time.monotonic() - started, 4)}
-        except OSError:
-            pass
+        data, refused = read_cached(cached)
+        if data is not None:
+            return data, {"cached": True, "path": str(cached),
+                          "duration_s": round(time.monotonic() - started, 4)}
     import iree.compiler as ireec
 
     data = bytes(ireec.compile_str(SOURCE, target_backends=[backend], extra_args=flags))
     info: dict[str, Any] = {"cached": False,
                             "duration_s": round(time.monotonic() - started, 4)}
+    if refused is not None:
+        info["cache_refused"] = refused
     if cached is not None:
         try:
-            tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, cached)
+            write_cached(cached, data)
             info["path"] = str(cached)
         except OSError as e:  # no cache is slower, not wrong
             info["cache_error"] = str(e)

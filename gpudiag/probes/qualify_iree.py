@@ -14,7 +14,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpudiag.probes.iree_probe import _compiler_version_file, cache_dir
+from gpudiag.probes.iree_probe import (
+    _compiler_library_identity,
+    _compiler_version_file,
+    cache_dir,
+    read_cached,
+    write_cached,
+)
 
 MEASURE = "matmul_fp32_iree"
 TOLERANCE = 1e-4  # of the largest element, as for JAX's fp32 known answer
@@ -35,19 +41,20 @@ def source(n: int) -> str:
 def _compiled(n: int) -> bytes:
     text = source(n)
     version, version_file = _compiler_version_file()
-    key = hashlib.sha256("\n".join([version or "", version_file, *FLAGS, text]).encode())
+    key = hashlib.sha256("\n".join([version or "", version_file,
+                                    _compiler_library_identity(), *FLAGS, text]).encode())
     folder = cache_dir()
     cached = folder / f"qualify-{key.hexdigest()[:32]}.vmfb" if folder else None
-    if cached is not None and cached.is_file():
-        return cached.read_bytes()
+    if cached is not None:
+        data, _refused = read_cached(cached)  # refused or absent: compiled again below
+        if data is not None:
+            return data
     import iree.compiler as ireec
 
     data = bytes(ireec.compile_str(text, target_backends=["llvm-cpu"], extra_args=FLAGS))
     if cached is not None:
-        tmp = cached.with_suffix(".tmp")
         try:
-            tmp.write_bytes(data)
-            tmp.replace(cached)
+            write_cached(cached, data)
         except OSError:
             pass  # no cache is slower, not wrong
     return data
