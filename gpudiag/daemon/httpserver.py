@@ -3,11 +3,14 @@
 One selector thread accepts connections and collects request heads without a thread per
 connection, so slow clients that trickle bytes, idle connections and floods of connections cost
 a file descriptor and a bounded buffer each, never a thread; h11 parses the heads under our
-limits (httpparse.py). Only a complete request goes to a bounded worker pool (one pool for the
-endpoints that may wait for probes, one for the rest, so a waiting preflight never holds up
-/metrics). Every limit answers with the JSON error envelope or closes the connection; abuse is
-logged once per kind and then summarised at most once a minute. One request per connection
-(``Connection: close``): scrapers and the client reconnect anyway.
+limits (httpparse.py). A request whose answer is at hand (the app's ``answer_now``: a cached
+verdict, nothing to wait for) is answered there and then; any other complete request goes to a
+bounded worker pool (one pool for the endpoints that may wait for probes, one for the rest, so
+a waiting preflight never holds up /metrics). Answers are sent without blocking; only what a
+slow reader has not taken yet waits for the selector. Every limit answers with the JSON error
+envelope or closes the connection; abuse is logged once per kind and then summarised at most
+once a minute. One request per connection (``Connection: close``): scrapers and the client
+reconnect anyway.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
 SOCKET_MODE = 0o666         # any local user may connect; clients check who answers
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+# An app's optional ``answer_now``: the answer when it needs no wait, else None (the pool).
+AnswerNow = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes] | None]
 
 # What each rejection means, for the log line the first time it happens.
 ABUSE_KINDS: dict[str, str] = {
@@ -289,6 +294,8 @@ class HttpServer:
                  abuse: AbuseLog | None = None, unix_path: str | None = None,
                  unix_mode: int = SOCKET_MODE, read_only: bool = False) -> None:
         self.app = app
+        # Asked on the selector thread first: it must never wait (DaemonApp.answer_now).
+        self._answer_now: AnswerNow | None = getattr(app, "answer_now", None)
         self.read_only = read_only
         self.unix_path = unix_path
         self.max_connections = max_connections
@@ -524,6 +531,13 @@ class HttpServer:
                 self._answer_and_drop(conn, error_response(403, "read_only", refusal))
                 return
         path = request.target.partition("?")[0]
+        if self._answer_now is not None and path in SLOW_PATHS:
+            # A cached answer costs tens of microseconds here, against the same again and a
+            # thread wake or two for each hand-off to a worker and back.
+            data = self._run_app(conn, request, self._answer_now)
+            if data is not None:
+                self._start_write(conn, data)
+                return
         pool = self._slow if path in SLOW_PATHS else self._fast
         if not pool.submit(lambda: self._handle(conn, request)):
             self.abuse.note("busy", conn.peer)
@@ -543,38 +557,47 @@ class HttpServer:
                 conn, data = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            if len(self._writing) >= self.max_pending:
-                oldest = next(iter(self._writing.values()))
-                self.abuse.note("client_gone", oldest.peer)
-                self._drop(oldest)
-            conn.out = memoryview(data)
-            conn.deadline = time.monotonic() + self.write_timeout_s
-            self._writing[conn.sock.fileno()] = conn
-            try:
-                self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
-            except (ValueError, OSError):  # closed meanwhile
-                self._writing.pop(conn.sock.fileno(), None)
-                self._close(conn)
-                continue
-            self._write(conn)
+            self._start_write(conn, data)
 
-    def _write(self, conn: _Conn) -> None:
+    def _start_write(self, conn: _Conn, data: bytes) -> None:
+        """Send what the socket takes now; a slow reader's remainder waits for the selector."""
+        if conn.sock.fileno() < 0:  # closed meanwhile (shutdown)
+            return
+        conn.out = memoryview(data)
+        if not self._write(conn):
+            return  # all sent (or the client went): closed already
+        if len(self._writing) >= self.max_pending:
+            oldest = next(iter(self._writing.values()))
+            self.abuse.note("client_gone", oldest.peer)
+            self._drop(oldest)
+        conn.deadline = time.monotonic() + self.write_timeout_s
+        self._writing[conn.sock.fileno()] = conn
+        try:
+            self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
+        except (ValueError, OSError):  # closed meanwhile
+            self._writing.pop(conn.sock.fileno(), None)
+            self._close(conn)
+
+    def _write(self, conn: _Conn) -> bool:
+        """Send without blocking; whether some of the answer is still to send."""
         assert conn.out is not None
         try:
             sent = conn.sock.send(conn.out)
         except (BlockingIOError, InterruptedError):
-            return
+            return True
         except OSError:
             self.abuse.note("client_gone", conn.peer)
             self._drop(conn)
-            return
+            return False
         conn.out = conn.out[sent:]
-        if not len(conn.out):
-            try:
-                conn.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            self._drop(conn)
+        if len(conn.out):
+            return True
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self._drop(conn)
+        return False
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -622,10 +645,13 @@ class HttpServer:
 
     # -- worker threads ------------------------------------------------------------------
     def _handle(self, conn: _Conn, request: Request) -> None:
-        self._outbox.put((conn, self._run_app(conn, request)))
+        data = self._run_app(conn, request, self.app)
+        assert data is not None  # a WSGI app always answers
+        self._outbox.put((conn, data))
         self._wake()
 
-    def _run_app(self, conn: _Conn, request: Request) -> bytes:
+    def _run_app(self, conn: _Conn, request: Request, app: AnswerNow) -> bytes | None:
+        """The app's answer as response bytes (None: ``answer_now`` declined)."""
         path, _, query = request.target.partition("?")
         environ: dict[str, Any] = {
             "REQUEST_METHOD": request.method, "PATH_INFO": unquote(path, "latin-1"),
@@ -653,7 +679,10 @@ class HttpServer:
             return lambda _data: None
 
         try:
-            body = b"".join(self.app(environ, start_response))
+            answer = app(environ, start_response)
+            if answer is None:
+                return None
+            body = b"".join(answer)
         except Exception:  # the app's bug: still the envelope, never a hung connection
             log.exception("request failed: %s %s", request.method, path)
             return error_response(500, "internal",
