@@ -8,6 +8,8 @@ to a worker, and a client that does not read an inline answer does not stall any
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import socket
 import threading
@@ -21,7 +23,7 @@ from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.scheduler import Scheduler
 from tests.fakes.build import FakeDriver
-from tests.support.daemon import Replay, host_env, quick_config, real_runs, wait_for
+from tests.support.daemon import Replay, host_env, quick_config, real_runs, wait_for, wsgi
 
 WALL = 1_800_000_000.0
 
@@ -187,6 +189,18 @@ def test_answer_now_declines_exactly_what_would_wait(sides) -> None:
     assert ask(app.answer_now, "/v1/preflight", "require=cuda&max_age_s=60") is not None
     for path in ("/metrics", "/healthz", "/readyz", "/v1/history", "/v1/probe"):
         assert ask(app.answer_now, path, "") is None
+
+
+def test_a_question_is_parsed_again_under_a_reloaded_config(sides) -> None:
+    app = sides[0]
+    asked = [json.loads(wsgi(app, q)[2])["requirement"]["backends"]
+             for q in ("/v1/preflight", "/v1/health?wait_s=1")]
+    app.scheduler.reconfigure(dataclasses.replace(app.scheduler.config,
+                                                  default_requirement="nvml"))
+    wait_for(lambda: app.scheduler.snapshot().round_complete, 5)
+    again = [json.loads(wsgi(app, q)[2])["requirement"]["backends"]
+             for q in ("/v1/preflight", "/v1/health?wait_s=1")]
+    assert asked == [["cuda"], ["cuda"]] and again == [["nvml"], ["nvml"]]
 
 
 BIG = bytes(range(256)) * (16 * 1024)  # 4 MiB: far over a loopback socket's buffer

@@ -60,6 +60,17 @@ class _NotNow(Exception):
 
 
 @dataclass(frozen=True)
+class _Question:
+    """A preflight or health question as its query string asks it (parsed once per query)."""
+
+    requirement: Requirement
+    keys: tuple[ProbeKey, ...]
+    max_age: float | None
+    wait: float
+    visibility: tuple[str | None, str | None] | None
+
+
+@dataclass(frozen=True)
 class ApiError(Exception):
     """An HTTP error answered with the JSON envelope."""
 
@@ -183,13 +194,17 @@ class DaemonApp:
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
-        self._now_routes: dict[str, Callable[[Mapping[str, str], bool], tuple[int, Any]]] = {
-            "/v1/preflight": self._preflight, "/v1/health": self._health}
+        # Questions per (path, query) of the config they were parsed under: parsing is pure,
+        # and a job runner asks the same few questions over and over.
+        self._asking: dict[str, Callable[[Mapping[str, str]], _Question]] = {
+            "/v1/preflight": self._preflight_question, "/v1/health": self._health_question}
+        self._questions: tuple[object, dict[tuple[str, str], _Question]] = (None, {})
+        # None: a question (self._asking), answered by _answer.
         self._routes: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, str]],
-                                                                  tuple[int, Any]]]] = {
+                                                                  tuple[int, Any]] | None]] = {
             "/metrics": (("GET", "HEAD"), self._metrics),
-            "/v1/preflight": (("GET",), self._preflight),
-            "/v1/health": (("GET",), self._health),
+            "/v1/preflight": (("GET",), None),
+            "/v1/health": (("GET",), None),
             "/v1/probe": (("POST",), self._probe),
             "/v1/qualify": (("POST",), self._qualify),
             "/v1/history": (("GET",), self._history),
@@ -260,8 +275,10 @@ class DaemonApp:
         if method not in methods:
             raise ApiError(405, "method_not_allowed",
                            f"{method} {path}: accepted {', '.join(methods)}")
-        params = self._params(query)
-        status, payload = self._now_routes[path](params, True) if inline else handler(params)
+        if handler is None:
+            status, payload = self._answer(self._question(path, query), inline)
+        else:
+            status, payload = handler(self._params(query))
         if path == "/metrics":
             data = payload
             return status_line(200), [("Content-Type", CONTENT_TYPE_LATEST),
@@ -304,7 +321,20 @@ class DaemonApp:
         self._metrics_cache = (key, text)
         return 200, text
 
-    def _preflight(self, params: Mapping[str, str], inline: bool = False) -> tuple[int, Any]:
+    def _question(self, path: str, query: str) -> _Question:
+        """The question ``path?query`` asks, parsed once per config; ApiError when it is bad."""
+        cfg, questions = self._questions
+        if cfg is not self.scheduler.config:  # reloaded: defaults may have changed
+            cfg, questions = self._questions = (self.scheduler.config, {})
+        question = questions.get((path, query))
+        if question is None:
+            question = self._asking[path](self._params(query))
+            if len(questions) >= 256:
+                questions.clear()
+            questions[(path, query)] = question
+        return question
+
+    def _preflight_question(self, params: Mapping[str, str]) -> _Question:
         self._only(params, PREFLIGHT_PARAMS)
         cfg = self.scheduler.config
         min_devices = _int(params, "min_devices", 0, MAX_DEVICES)
@@ -316,9 +346,9 @@ class DaemonApp:
                 min_free_memory=params.get("min_free_memory"), gpus=gpus)
         except RequirementError as e:
             raise ApiError(400, "bad_requirement", str(e)) from e
-        return self._answer(requirement, params, inline)
+        return self._asked(requirement, params)
 
-    def _health(self, params: Mapping[str, str], inline: bool = False) -> tuple[int, Any]:
+    def _health_question(self, params: Mapping[str, str]) -> _Question:
         """The node-health question: is anything on this node broken? 200 either way."""
         self._only(params, HEALTH_PARAMS)
         try:
@@ -327,11 +357,10 @@ class DaemonApp:
                 devices=params.get("devices"), node_health=True)
         except RequirementError as e:
             raise ApiError(400, "bad_requirement", str(e)) from e
-        return self._answer(requirement, params, inline)
+        return self._asked(requirement, params)
 
-    def _answer(self, requirement: Requirement, params: Mapping[str, str],
-                inline: bool = False) -> tuple[int, Any]:
-        """The verdict's answer; ``inline``: _NotNow unless it is at hand without any wait."""
+    def _asked(self, requirement: Requirement, params: Mapping[str, str]) -> _Question:
+        """The rest of a question: how fresh, how long to wait, whose visibility."""
         cfg = self.scheduler.config
         max_age = _seconds(params, "max_age_s", 86400.0)
         wait = _seconds(params, "wait_s", cfg.preflight_wait_s)
@@ -342,6 +371,12 @@ class DaemonApp:
                           params.get("nvidia_visible_devices"))
         keys = keys_for(requirement)
         _check_http_keys(keys)
+        return _Question(requirement, keys, max_age, wait, visibility)
+
+    def _answer(self, question: _Question, inline: bool = False) -> tuple[int, Any]:
+        """The verdict's answer; ``inline``: _NotNow unless it is at hand without any wait."""
+        requirement, keys, max_age = question.requirement, question.keys, question.max_age
+        wait, visibility = question.wait, question.visibility
         results = self.scheduler.snapshot().results
         now_wall = self.scheduler.clock.time()
         # A run this request would start (result missing, or older than max_age_s) is
