@@ -3,9 +3,10 @@
 The daemon's app on a scheduler replaying real probe runs (8 fake GPUs), its HttpServer on
 127.0.0.1 port 0, and each stage of a request's path timed alone (median and p99 of
 ``--runs``): h11's parse, the app's answer (query parsing, requirement, cached encoded answer),
-the WSGI environ and response bytes around it, the hand-off to a worker thread and back to
-the selector thread, and whole requests over a socket from a client process of its own
-(sequential, so the figure is the path's latency, not queueing):
+the WSGI environ and response bytes around it, the hand-off to a worker thread and back (what
+an answer not at hand still pays), and whole requests over a socket from a client process of
+its own against the daemon's server and the minimal threaded one (sequential, so the figure is
+the path's latency, not queueing):
 
     .venv/bin/python benchmarks/preflight_path.py [--runs 3000]
 """
@@ -107,17 +108,20 @@ def main() -> int:
         assert request is not None
         conn = _Conn(None, "127.0.0.1", 0.0)  # type: ignore[arg-type]
         run_app = httpd._run_app
-        body = run_app(conn, request)
+        body = run_app(conn, request, app)
+        assert body is not None
         print(f"{PATH}: {len(body)} bytes; load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         row("h11 parse of the head (RequestReader per connection)",
             timed(lambda: RequestReader().feed(HEAD), args.runs))
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/v1/preflight",
+                   "QUERY_STRING": "require=cuda"}
         row("the app alone (WSGI call, cached answer)",
-            timed(lambda: app({"REQUEST_METHOD": "GET", "PATH_INFO": "/v1/preflight",
-                               "QUERY_STRING": "require=cuda"}, lambda *a: None),
-                  args.runs))
+            timed(lambda: app(environ, lambda *a: None), args.runs))
+        row("the app's answer_now (what the selector thread asks)",
+            timed(lambda: app.answer_now(environ, lambda *a: None), args.runs))
         row("environ + app + response bytes (_run_app)",
-            timed(lambda: run_app(conn, request), args.runs))
+            timed(lambda: run_app(conn, request, app.answer_now), args.runs))
         row("hand-off: pool submit -> worker -> back to a waiting thread",
             handoff(args.runs))
         row("whole request over TCP, sequential client process",
