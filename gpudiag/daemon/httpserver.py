@@ -16,6 +16,7 @@ reconnect anyway.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import ipaddress
 import logging
@@ -174,13 +175,20 @@ def cross_site(request: Request, loopback: bool) -> str | None:
             name = name[1:].partition("]")[0]
         elif name.count(":") == 1:
             name = name.partition(":")[0]
-        if name.lower() not in ("localhost", "localhost."):
-            try:
-                ipaddress.ip_address(name)
-            except ValueError:
-                return (f"Host {host[:100]!r}: a daemon on loopback answers only to an IP "
-                        "address or localhost (DNS rebinding defence)")
+        if name.lower() not in ("localhost", "localhost.") and not _is_ip_address(name):
+            return (f"Host {host[:100]!r}: a daemon on loopback answers only to an IP "
+                    "address or localhost (DNS rebinding defence)")
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _is_ip_address(name: str) -> bool:
+    """Whether ``name`` is an IP address; kept, as clients name the same address every time."""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def read_only_refusal(request: Request, where: str) -> str | None:
@@ -249,6 +257,9 @@ class _Conn:
     buf: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None
     reader: RequestReader = field(default_factory=RequestReader)
+    # With the selector: unregistering a socket that is not raises KeyError with the socket's
+    # repr (about 10 us), which every answer sent at once used to pay.
+    registered: bool = False
 
 
 class _Pool:
@@ -481,6 +492,7 @@ class HttpServer:
             self.open_connections += 1
             self._pending[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
+            conn.registered = True
 
     def _peer(self, sock: socket.socket, addr: Any) -> str:
         """The client for logs: its address, or on the unix socket its pid and uid."""
@@ -577,6 +589,8 @@ class HttpServer:
         except (ValueError, OSError):  # closed meanwhile
             self._writing.pop(conn.sock.fileno(), None)
             self._close(conn)
+            return
+        conn.registered = True
 
     def _write(self, conn: _Conn) -> bool:
         """Send without blocking; whether some of the answer is still to send."""
@@ -618,6 +632,9 @@ class HttpServer:
         fd = conn.sock.fileno()
         self._pending.pop(fd, None)
         self._writing.pop(fd, None)
+        if not conn.registered:
+            return
+        conn.registered = False
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
