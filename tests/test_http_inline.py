@@ -174,6 +174,34 @@ def test_questions_that_need_a_probe_or_a_classification_go_to_the_pool(sides) -
     assert watched.threads[-1].startswith("http-wait")
 
 
+def test_an_answer_at_hand_is_sent_while_every_slow_worker_waits(sides) -> None:
+    app, replay = sides[0], sides[1]
+    httpd, thread = _serve(Watched(app), workers=1, max_queued=0)
+    port = int(httpd.server_address[1])
+    target = "/v1/preflight?require=cuda"
+    try:
+        assert fetch(port, target).startswith(b"HTTP/1.1 200 ")  # classified on the worker
+        time.sleep(0.2)  # the worker frees its slot just after its answer is queued
+        assert replay.gate is not None
+        replay.gate.clear()
+        runs = len(replay.calls)
+        waited: list[bytes] = []
+        asker = threading.Thread(target=lambda: waited.append(
+            fetch(port, target + "&max_age_s=1&wait_s=5")))
+        asker.start()
+        wait_for(lambda: len(replay.calls) > runs, 5)  # its probe runs: the one worker waits
+        busy = fetch(port, target + "&max_age_s=2")  # needs a worker: there is none
+        assert busy.startswith(b"HTTP/1.1 503 ") and b'"busy"' in busy
+        assert fetch(port, target).startswith(b"HTTP/1.1 200 ")  # at hand: no worker needed
+        replay.gate.set()
+        asker.join(10)
+        assert waited[0].startswith(b"HTTP/1.1 200 ") and b'"fresh": true' in waited[0]
+    finally:
+        replay.gate.set()
+        httpd.shutdown()
+        thread.join(5)
+
+
 def test_answer_now_declines_exactly_what_would_wait(sides) -> None:
     app = sides[0]
 
