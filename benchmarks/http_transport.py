@@ -2,9 +2,11 @@
 
 No daemon, no verdict: the app returns the same bytes every time, so what differs between
 the sides is accepting, parsing (h11 since round 3), dispatching to a worker and sending.
-Each side runs in its own process; ``--base NAME=DIR`` (repeatable) adds the HttpServer of
-another source tree (``git archive COMMIT | tar -x -C DIR``). Interleaved rounds of one
-sequential client (latency per request) and of 16 closed-loop clients (requests/s):
+``this`` hands every request to a worker; ``inline`` gives the app an ``answer_now`` (as the
+daemon's app has for an answer at hand), so the selector thread answers. Each side runs in
+its own process; ``--base NAME=DIR`` (repeatable) adds the HttpServer of another source tree
+(``git archive COMMIT | tar -x -C DIR``). Interleaved rounds of one sequential client
+(latency per request) and of 16 closed-loop clients (requests/s):
 
     .venv/bin/python benchmarks/http_transport.py [--rounds 4] [--base NAME=DIR]
 """
@@ -29,11 +31,14 @@ sys.path.insert(0, sys.argv[1])
 sys.setswitchinterval(0.0005)  # as `gpudiag serve` sets it
 from gpudiag.daemon.httpserver import HttpServer
 body = b"x" * int(sys.argv[2])
-def app(environ, start_response):
-    start_response("200 OK", [("Content-Type", "application/json"),
-                              ("Content-Length", str(len(body)))])
-    return [body]
-server = HttpServer(app, "127.0.0.1", 0)
+class App:
+    def __call__(self, environ, start_response):
+        start_response("200 OK", [("Content-Type", "application/json"),
+                                  ("Content-Length", str(len(body)))])
+        return [body]
+if sys.argv[3] == "inline":
+    App.answer_now = App.__call__
+server = HttpServer(App(), "127.0.0.1", 0)
 print(server.server_address[1], flush=True)
 server.serve_forever()
 """
@@ -46,17 +51,18 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=4.0, help="closed loop, per side per round")
     ap.add_argument("--base", action="append", default=[], metavar="NAME=DIR")
     args = ap.parse_args()
-    trees = [("this", ROOT)] + [(n, Path(d).resolve()) for n, _, d in
-                                (b.partition("=") for b in args.base)]
+    trees = [("this", ROOT, "pooled"), ("inline", ROOT, "inline")] + [
+        (n, Path(d).resolve(), "pooled") for n, _, d in (b.partition("=") for b in args.base)]
     procs: list[subprocess.Popen[str]] = []
     ports: dict[str, int] = {}
     try:
-        for _, tree in trees:
+        for _, tree, mode in trees:
             procs.append(subprocess.Popen([sys.executable, "-c", SERVER, str(tree),
-                                           str(BODY_BYTES)], stdout=subprocess.PIPE, text=True))
+                                           str(BODY_BYTES), mode],
+                                          stdout=subprocess.PIPE, text=True))
         procs.append(subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, str(BODY_BYTES)],
                                       stdout=subprocess.PIPE, text=True))
-        for name, proc in zip([n for n, _ in trees] + ["minimal"], procs, strict=True):
+        for name, proc in zip([n for n, _, _ in trees] + ["minimal"], procs, strict=True):
             assert proc.stdout is not None
             ports[name] = int(proc.stdout.readline())
         latency: dict[str, list[float]] = {n: [] for n in ports}
@@ -64,9 +70,10 @@ def main() -> int:
         names = list(ports)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                latency[name] += [http_get("127.0.0.1", ports[name], "/")[0]
+                path = "/" if name == "minimal" else "/v1/preflight"
+                latency[name] += [http_get("127.0.0.1", ports[name], path)[0]
                                   for _ in range(args.sequential)]
-                done, _, _ = load("127.0.0.1", ports[name], "/", 16, args.seconds, None)
+                done, _, _ = load("127.0.0.1", ports[name], path, 16, args.seconds, None)
                 rates[name].append(len(done) / args.seconds)
     finally:
         for proc in procs:

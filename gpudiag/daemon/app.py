@@ -49,6 +49,25 @@ PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max
 HEALTH_PARAMS = ("require", "devices", "max_age_s", "wait_s", "cuda_visible_devices",
                  "nvidia_visible_devices", "visibility")
 StartResponse = Callable[..., Any]
+# The endpoints whose answer may be at hand (a snapshot's cached, encoded verdict): the
+# transport asks ``answer_now`` on its selector thread first, and runs on its pool only what
+# needs a probe, a wait or a classification (docs/design-notes.md, "HTTP server").
+NOW_PATHS = frozenset({"/v1/preflight", "/v1/health"})
+
+
+class _NotNow(Exception):
+    """The answer needs a probe, a wait or a classification: not on the selector thread."""
+
+
+@dataclass(frozen=True)
+class _Question:
+    """A preflight or health question as its query string asks it (parsed once per query)."""
+
+    requirement: Requirement
+    keys: tuple[ProbeKey, ...]
+    max_age: float | None
+    wait: float
+    visibility: tuple[str | None, str | None] | None
 
 
 @dataclass(frozen=True)
@@ -175,11 +194,17 @@ class DaemonApp:
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
+        # Questions per (path, query) of the config they were parsed under: parsing is pure,
+        # and a job runner asks the same few questions over and over.
+        self._asking: dict[str, Callable[[Mapping[str, str]], _Question]] = {
+            "/v1/preflight": self._preflight_question, "/v1/health": self._health_question}
+        self._questions: tuple[object, dict[tuple[str, str], _Question]] = (None, {})
+        # None: a question (self._asking), answered by _answer.
         self._routes: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, str]],
-                                                                  tuple[int, Any]]]] = {
+                                                                  tuple[int, Any]] | None]] = {
             "/metrics": (("GET", "HEAD"), self._metrics),
-            "/v1/preflight": (("GET",), self._preflight),
-            "/v1/health": (("GET",), self._health),
+            "/v1/preflight": (("GET",), None),
+            "/v1/health": (("GET",), None),
             "/v1/probe": (("POST",), self._probe),
             "/v1/qualify": (("POST",), self._qualify),
             "/v1/history": (("GET",), self._history),
@@ -189,9 +214,28 @@ class DaemonApp:
 
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse
                  ) -> Iterable[bytes]:
+        answer = self._respond(environ, start_response, inline=False)
+        assert answer is not None  # only answer_now may decline
+        return answer
+
+    def answer_now(self, environ: Mapping[str, Any], start_response: StartResponse
+                   ) -> Iterable[bytes] | None:
+        """The same answer as ``__call__`` when nothing stands between (no probe to start or
+        wait for, the verdict classified and encoded already), else None: ask ``__call__``.
+
+        The transport calls this on its selector thread; it never takes a lock a probe holds.
+        """
+        if environ.get("PATH_INFO") not in NOW_PATHS:
+            return None
+        return self._respond(environ, start_response, inline=True)
+
+    def _respond(self, environ: Mapping[str, Any], start_response: StartResponse,
+                 inline: bool) -> Iterable[bytes] | None:
         started = time.perf_counter()
         try:
-            status, headers, body = self._dispatch(environ)
+            status, headers, body = self._dispatch(environ, inline)
+        except _NotNow:
+            return None
         except ApiError as e:
             status, headers, body = error_response(e.status, e.code, e.message,
                                                    e.retry_after_s)
@@ -206,7 +250,8 @@ class DaemonApp:
         start_response(status, headers)
         return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
 
-    def _dispatch(self, environ: Mapping[str, Any]) -> tuple[str, list[tuple[str, str]], bytes]:
+    def _dispatch(self, environ: Mapping[str, Any], inline: bool = False
+                  ) -> tuple[str, list[tuple[str, str]], bytes]:
         path = str(environ.get("PATH_INFO") or "/")
         query = str(environ.get("QUERY_STRING") or "")
         method = str(environ.get("REQUEST_METHOD") or "GET")
@@ -230,8 +275,10 @@ class DaemonApp:
         if method not in methods:
             raise ApiError(405, "method_not_allowed",
                            f"{method} {path}: accepted {', '.join(methods)}")
-        params = self._params(query)
-        status, payload = handler(params)
+        if handler is None:
+            status, payload = self._answer(self._question(path, query), inline)
+        else:
+            status, payload = handler(self._params(query))
         if path == "/metrics":
             data = payload
             return status_line(200), [("Content-Type", CONTENT_TYPE_LATEST),
@@ -274,7 +321,20 @@ class DaemonApp:
         self._metrics_cache = (key, text)
         return 200, text
 
-    def _preflight(self, params: Mapping[str, str]) -> tuple[int, Any]:
+    def _question(self, path: str, query: str) -> _Question:
+        """The question ``path?query`` asks, parsed once per config; ApiError when it is bad."""
+        cfg, questions = self._questions
+        if cfg is not self.scheduler.config:  # reloaded: defaults may have changed
+            cfg, questions = self._questions = (self.scheduler.config, {})
+        question = questions.get((path, query))
+        if question is None:
+            question = self._asking[path](self._params(query))
+            if len(questions) >= 256:
+                questions.clear()
+            questions[(path, query)] = question
+        return question
+
+    def _preflight_question(self, params: Mapping[str, str]) -> _Question:
         self._only(params, PREFLIGHT_PARAMS)
         cfg = self.scheduler.config
         min_devices = _int(params, "min_devices", 0, MAX_DEVICES)
@@ -286,9 +346,9 @@ class DaemonApp:
                 min_free_memory=params.get("min_free_memory"), gpus=gpus)
         except RequirementError as e:
             raise ApiError(400, "bad_requirement", str(e)) from e
-        return self._answer(requirement, params)
+        return self._asked(requirement, params)
 
-    def _health(self, params: Mapping[str, str]) -> tuple[int, Any]:
+    def _health_question(self, params: Mapping[str, str]) -> _Question:
         """The node-health question: is anything on this node broken? 200 either way."""
         self._only(params, HEALTH_PARAMS)
         try:
@@ -297,10 +357,10 @@ class DaemonApp:
                 devices=params.get("devices"), node_health=True)
         except RequirementError as e:
             raise ApiError(400, "bad_requirement", str(e)) from e
-        return self._answer(requirement, params)
+        return self._asked(requirement, params)
 
-    def _answer(self, requirement: Requirement, params: Mapping[str, str]
-                ) -> tuple[int, Any]:
+    def _asked(self, requirement: Requirement, params: Mapping[str, str]) -> _Question:
+        """The rest of a question: how fresh, how long to wait, whose visibility."""
         cfg = self.scheduler.config
         max_age = _seconds(params, "max_age_s", 86400.0)
         wait = _seconds(params, "wait_s", cfg.preflight_wait_s)
@@ -311,27 +371,40 @@ class DaemonApp:
                           params.get("nvidia_visible_devices"))
         keys = keys_for(requirement)
         _check_http_keys(keys)
+        return _Question(requirement, keys, max_age, wait, visibility)
+
+    def _answer(self, question: _Question, inline: bool = False) -> tuple[int, Any]:
+        """The verdict's answer; ``inline``: _NotNow unless it is at hand without any wait."""
+        requirement, keys, max_age = question.requirement, question.keys, question.max_age
+        wait, visibility = question.wait, question.visibility
         results = self.scheduler.snapshot().results
         now_wall = self.scheduler.clock.time()
         # A run this request would start (result missing, or older than max_age_s) is
         # on-demand work: rate-limited per backend.
-        try:
-            self._limit([k for k in keys if k not in results or (
-                max_age is not None and now_wall - results[k].started_wall > max_age)],
-                "max_age_s" if max_age is not None else "GET /v1/preflight")
-        except ApiError:
-            if any(k not in results for k in keys):
-                raise
-            # Past the budget with results at hand: the snapshot's verdict, marked
-            # "fresh": false with its age_s, as when the probes outrun wait_s.
-            fresh = False
+        stale = [k for k in keys if k not in results or (
+            max_age is not None and now_wall - results[k].started_wall > max_age)]
+        if inline:
+            if stale:
+                raise _NotNow
+            fresh = True  # what ensure_fresh answers when nothing is stale
         else:
-            fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
+            try:
+                self._limit(stale, "max_age_s" if max_age is not None else "GET /v1/preflight")
+            except ApiError:
+                if any(k not in results for k in keys):
+                    raise
+                # Past the budget with results at hand: the snapshot's verdict, marked
+                # "fresh": false with its age_s, as when the probes outrun wait_s.
+                fresh = False
+            else:
+                fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
         cache_key = (snap.seq, requirement, visibility)
         answer = self._cache.get(cache_key)
         if answer is None:
+            if inline:  # classifying and encoding takes milliseconds: the pool does it
+                raise _NotNow
             verdict = verdict_for(snap, requirement, now_wall=now,
                                   policy=self.scheduler.policy, keys=keys,
                                   visibility=visibility)

@@ -3,16 +3,20 @@
 One selector thread accepts connections and collects request heads without a thread per
 connection, so slow clients that trickle bytes, idle connections and floods of connections cost
 a file descriptor and a bounded buffer each, never a thread; h11 parses the heads under our
-limits (httpparse.py). Only a complete request goes to a bounded worker pool (one pool for the
-endpoints that may wait for probes, one for the rest, so a waiting preflight never holds up
-/metrics). Every limit answers with the JSON error envelope or closes the connection; abuse is
-logged once per kind and then summarised at most once a minute. One request per connection
-(``Connection: close``): scrapers and the client reconnect anyway.
+limits (httpparse.py). A request whose answer is at hand (the app's ``answer_now``: a cached
+verdict, nothing to wait for) is answered there and then; any other complete request goes to a
+bounded worker pool (one pool for the endpoints that may wait for probes, one for the rest, so
+a waiting preflight never holds up /metrics). Answers are sent without blocking; only what a
+slow reader has not taken yet waits for the selector. Every limit answers with the JSON error
+envelope or closes the connection; abuse is logged once per kind and then summarised at most
+once a minute. One request per connection (``Connection: close``): scrapers and the client
+reconnect anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import ipaddress
 import logging
@@ -68,6 +72,8 @@ READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
 SOCKET_MODE = 0o666         # any local user may connect; clients check who answers
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+# An app's optional ``answer_now``: the answer when it needs no wait, else None (the pool).
+AnswerNow = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes] | None]
 
 # What each rejection means, for the log line the first time it happens.
 ABUSE_KINDS: dict[str, str] = {
@@ -179,13 +185,20 @@ def cross_site(request: Request, loopback: bool) -> str | None:
             name = name[1:].partition("]")[0]
         elif name.count(":") == 1:
             name = name.partition(":")[0]
-        if name.lower() not in ("localhost", "localhost."):
-            try:
-                ipaddress.ip_address(name)
-            except ValueError:
-                return (f"Host {host[:100]!r}: a daemon on loopback answers only to an IP "
-                        "address or localhost (DNS rebinding defence)")
+        if name.lower() not in ("localhost", "localhost.") and not _is_ip_address(name):
+            return (f"Host {host[:100]!r}: a daemon on loopback answers only to an IP "
+                    "address or localhost (DNS rebinding defence)")
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _is_ip_address(name: str) -> bool:
+    """Whether ``name`` is an IP address; kept, as clients name the same address every time."""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def read_only_refusal(request: Request, where: str) -> str | None:
@@ -254,6 +267,9 @@ class _Conn:
     buf: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None
     reader: RequestReader = field(default_factory=RequestReader)
+    # With the selector: unregistering a socket that is not raises KeyError with the socket's
+    # repr (about 10 us), which every answer sent at once used to pay.
+    registered: bool = False
 
 
 class _Pool:
@@ -299,6 +315,8 @@ class HttpServer:
                  abuse: AbuseLog | None = None, unix_path: str | None = None,
                  unix_mode: int = SOCKET_MODE, read_only: bool = False) -> None:
         self.app = app
+        # Asked on the selector thread first: it must never wait (DaemonApp.answer_now).
+        self._answer_now: AnswerNow | None = getattr(app, "answer_now", None)
         self.read_only = read_only
         self.unix_path = unix_path
         self.max_connections = max_connections
@@ -508,6 +526,7 @@ class HttpServer:
             self.open_connections += 1
             self._pending[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
+            conn.registered = True
 
     def _peer(self, sock: socket.socket, addr: Any) -> str:
         """The client for logs: its address, or on the unix socket its pid and uid."""
@@ -558,6 +577,13 @@ class HttpServer:
                 self._answer_and_drop(conn, error_response(403, "read_only", refusal))
                 return
         path = request.target.partition("?")[0]
+        if self._answer_now is not None and path in SLOW_PATHS:
+            # A cached answer costs tens of microseconds here, against the same again and a
+            # thread wake or two for each hand-off to a worker and back.
+            data = self._run_app(conn, request, self._answer_now)
+            if data is not None:
+                self._start_write(conn, data)
+                return
         pool = self._slow if path in SLOW_PATHS else self._fast
         if not pool.submit(lambda: self._handle(conn, request)):
             self.abuse.note("busy", conn.peer)
@@ -577,38 +603,49 @@ class HttpServer:
                 conn, data = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            if len(self._writing) >= self.max_pending:
-                oldest = next(iter(self._writing.values()))
-                self.abuse.note("client_gone", oldest.peer)
-                self._drop(oldest)
-            conn.out = memoryview(data)
-            conn.deadline = time.monotonic() + self.write_timeout_s
-            self._writing[conn.sock.fileno()] = conn
-            try:
-                self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
-            except (ValueError, OSError):  # closed meanwhile
-                self._writing.pop(conn.sock.fileno(), None)
-                self._close(conn)
-                continue
-            self._write(conn)
+            self._start_write(conn, data)
 
-    def _write(self, conn: _Conn) -> None:
+    def _start_write(self, conn: _Conn, data: bytes) -> None:
+        """Send what the socket takes now; a slow reader's remainder waits for the selector."""
+        if conn.sock.fileno() < 0:  # closed meanwhile (shutdown)
+            return
+        conn.out = memoryview(data)
+        if not self._write(conn):
+            return  # all sent (or the client went): closed already
+        if len(self._writing) >= self.max_pending:
+            oldest = next(iter(self._writing.values()))
+            self.abuse.note("client_gone", oldest.peer)
+            self._drop(oldest)
+        conn.deadline = time.monotonic() + self.write_timeout_s
+        self._writing[conn.sock.fileno()] = conn
+        try:
+            self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
+        except (ValueError, OSError):  # closed meanwhile
+            self._writing.pop(conn.sock.fileno(), None)
+            self._close(conn)
+            return
+        conn.registered = True
+
+    def _write(self, conn: _Conn) -> bool:
+        """Send without blocking; whether some of the answer is still to send."""
         assert conn.out is not None
         try:
             sent = conn.sock.send(conn.out)
         except (BlockingIOError, InterruptedError):
-            return
+            return True
         except OSError:
             self.abuse.note("client_gone", conn.peer)
             self._drop(conn)
-            return
+            return False
         conn.out = conn.out[sent:]
-        if not len(conn.out):
-            try:
-                conn.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            self._drop(conn)
+        if len(conn.out):
+            return True
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self._drop(conn)
+        return False
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -629,6 +666,9 @@ class HttpServer:
         fd = conn.sock.fileno()
         self._pending.pop(fd, None)
         self._writing.pop(fd, None)
+        if not conn.registered:
+            return
+        conn.registered = False
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -656,10 +696,13 @@ class HttpServer:
 
     # -- worker threads ------------------------------------------------------------------
     def _handle(self, conn: _Conn, request: Request) -> None:
-        self._outbox.put((conn, self._run_app(conn, request)))
+        data = self._run_app(conn, request, self.app)
+        assert data is not None  # a WSGI app always answers
+        self._outbox.put((conn, data))
         self._wake()
 
-    def _run_app(self, conn: _Conn, request: Request) -> bytes:
+    def _run_app(self, conn: _Conn, request: Request, app: AnswerNow) -> bytes | None:
+        """The app's answer as response bytes (None: ``answer_now`` declined)."""
         path, _, query = request.target.partition("?")
         environ: dict[str, Any] = {
             "REQUEST_METHOD": request.method, "PATH_INFO": unquote(path, "latin-1"),
@@ -687,7 +730,10 @@ class HttpServer:
             return lambda _data: None
 
         try:
-            body = b"".join(self.app(environ, start_response))
+            answer = app(environ, start_response)
+            if answer is None:
+                return None
+            body = b"".join(answer)
         except Exception:  # the app's bug: still the envelope, never a hung connection
             log.exception("request failed: %s %s", request.method, path)
             return error_response(500, "internal",
