@@ -30,6 +30,7 @@ from gpudiag.core.version import __version__
 from gpudiag.engine.client import query_string
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+from tests.support.host import entry_in_child
 
 CLICK_MAIN = "import sys; from gpudiag.cli.commands import main; sys.exit(main())"
 # What the daemon-answered path must never load: the terminal renderer, process tables,
@@ -116,16 +117,9 @@ def test_a_daemon_answered_call_prints_what_the_click_command_prints(
 def test_the_fast_path_loads_no_renderer_metrics_classifier_or_click(
         daemon: tuple[Daemon, dict[str, str]], tmp_path: Path) -> None:
     _, env = daemon
-    out = tmp_path / "modules.json"
-    code = ("import json, sys; sys.argv = ['gpudiag', 'preflight', '--format', 'kv']\n"
-            "from gpudiag.cli.entry import main\n"
-            "rc = main()\n"
-            f"open({str(out)!r}, 'w').write(json.dumps([rc, sorted(sys.modules)]))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    rc, modules = json.loads(out.read_text())
-    assert rc in (0, 1) and "gpu_validation_blocker=" in proc.stdout
+    rc, stdout, modules = entry_in_child(["preflight", "--format", "kv"], env,
+                                         tmp_path / "modules.json")
+    assert rc in (0, 1) and "gpu_validation_blocker=" in stdout
     loaded = [m for m in NOT_ON_THE_FAST_PATH if m in modules]
     assert loaded == [], f"the daemon-answered path imported {loaded}"
 
@@ -186,17 +180,9 @@ def test_probe_in_json_or_kv_prints_what_the_click_command_prints(
 def test_the_probe_path_loads_no_click_renderer_or_metrics(gpu_env: object,
                                                            tmp_path: Path) -> None:
     env = gpu_env()  # type: ignore[operator]
-    out = tmp_path / "modules.json"
-    code = ("import json, sys\n"
-            "sys.argv = ['gpudiag', 'probe', '--backend', 'nvml', '--format', 'kv']\n"
-            "from gpudiag.cli.entry import main\n"
-            "rc = main()\n"
-            f"open({str(out)!r}, 'w').write(json.dumps([rc, sorted(sys.modules)]))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    rc, modules = json.loads(out.read_text())
-    assert rc == 0 and "backends.nvml.status=ok" in proc.stdout
+    rc, stdout, modules = entry_in_child(["probe", "--backend", "nvml", "--format", "kv"], env,
+                                         tmp_path / "modules.json")
+    assert rc == 0 and "backends.nvml.status=ok" in stdout
     loaded = [m for m in NOT_ON_THE_PROBE_PATH if m in modules]
     assert loaded == [], f"the probe path imported {loaded}"
 

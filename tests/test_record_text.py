@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from gpudiag.core.recordtext import RECORD_KEYS, own_record_text
 from gpudiag.core.verdict import Verdict
 from gpudiag.core.version import __version__
 from gpudiag.daemon.answers import EncodedAnswer
-from tests.support.host import run_gpudiag
+from tests.support.host import entry_in_child, run_gpudiag
 from tests.support.verdicts import verdict, verdicts
 
 PROPERTY = settings(max_examples=200, deadline=None, derandomize=True,
@@ -132,19 +131,13 @@ def test_another_version_s_record_is_read_by_the_typed_model(
 
 
 def test_this_version_s_record_is_printed_as_the_typed_model_would(
-        canned: tuple[Path, list[bytes]]) -> None:
+        canned: tuple[Path, list[bytes]], tmp_path: Path) -> None:
     path, bodies = canned
     data = _daemon_body(verdict(warnings=("gpu_persistence_off",)), fresh=False)
     env = {**os.environ, "GPUDIAG_DAEMON_USER": str(os.getuid())}
-    code = ("import json, sys; sys.argv = ['gpudiag', 'preflight', '--format', 'json', "
-            f"'--daemon-url', 'unix:{path}']\n"
-            "from gpudiag.cli.entry import main\n"
-            "rc = main()\n"
-            "print(json.dumps([rc, 'gpudiag.core.verdict' in sys.modules]), file=sys.stderr)\n")
     bodies.append(json.dumps(data).encode())
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert json.loads(proc.stderr) == [0, False]  # ready, and the typed model never loaded
-    assert proc.stdout == _typed(data, "json")[0]
+    rc, stdout, modules = entry_in_child(
+        ["preflight", "--format", "json", "--daemon-url", f"unix:{path}"], env,
+        tmp_path / "modules.json")
+    assert rc == 0 and "gpudiag.core.verdict" not in modules  # the typed model never loaded
+    assert stdout == _typed(data, "json")[0]

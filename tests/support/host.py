@@ -109,6 +109,22 @@ def run_gpudiag(args: list[str], env: Mapping[str, str], timeout: float = 120
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def entry_in_child(argv: list[str], env: Mapping[str, str], out: Path, timeout: float = 60
+                   ) -> tuple[int, str, list[str]]:
+    """Run the console entry (``gpudiag ARGV``) in a fresh interpreter: its exit code, its
+    stdout and every module it had loaded by the end (what a call's path imports)."""
+    code = ("import json, sys\n"
+            f"sys.argv = ['gpudiag', *{argv!r}]\n"
+            "from gpudiag.cli.entry import main\n"
+            "rc = main()\n"
+            f"open({str(out)!r}, 'w').write(json.dumps([rc, sorted(sys.modules)]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(env), capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0 and out.exists(), proc.stderr
+    rc, modules = json.loads(out.read_text())
+    return rc, proc.stdout, modules
+
+
 def verdict_of(args: list[str], env: Mapping[str, str], timeout: float = 120
                ) -> tuple[int, dict[str, Any]]:
     """Run ``gpudiag ARGS --format json`` (or --json) and return (exit code, record)."""
