@@ -133,11 +133,11 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     # refuses (400) goes to click, which words it.
     endpoint = "/v1/health" if command == "health" else "/v1/preflight"
     try:
-        raw = wire.get(url, endpoint, _raw_query(options, os.environ), env=os.environ,
-                       read_timeout_s=read_timeout_s)
+        status, body, _, _ = wire.get(url, endpoint, _raw_query(options, os.environ),
+                                      env=os.environ, read_timeout_s=read_timeout_s)
     except wire.DaemonUrlError:
         return None
-    if raw.status != 200:
+    if status != 200:
         return None  # no daemon, refused, or an error: click's path says why
     import json
 
@@ -145,7 +145,7 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     from gpudiag.core.version import __version__
 
     try:
-        data = json.loads(raw.body)
+        data = json.loads(body)
     except (ValueError, RecursionError):
         return None
     fmt = options["--format"]

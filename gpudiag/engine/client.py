@@ -87,11 +87,11 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
                read_timeout_s: float = 60.0) -> DaemonReply:
     """GET ``endpoint?params`` of the daemon at ``url`` and read its JSON answer
     (``gpudiag.engine.wire.get``: on a unix socket only from the daemon's user)."""
-    raw = wire.get(url, endpoint, params, env=os.environ if env is None else env,
-                   connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
-    if raw.status is None:
-        return DaemonReply(None, None, raw.why, raw.refused)
-    status, body = raw.status, raw.body
+    status, body, why, refused = wire.get(
+        url, endpoint, params, env=os.environ if env is None else env,
+        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    if status is None:
+        return DaemonReply(None, None, why, refused)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):

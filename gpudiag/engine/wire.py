@@ -185,32 +185,9 @@ def _percent(text: str) -> str:
     return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in text.encode())
 
 
-class RawReply(tuple[int | None, bytes, str, bool]):
-    """One answer of the daemon as bytes: (status, body, why, refused); status None: none."""
-
-    __slots__ = ()
-
-    def __new__(cls, status: int | None, body: bytes, why: str, refused: bool = False
-                ) -> RawReply:
-        return tuple.__new__(cls, (status, body, why, refused))
-
-    @property
-    def status(self) -> int | None:
-        return self[0]
-
-    @property
-    def body(self) -> bytes:
-        return self[1]
-
-    @property
-    def why(self) -> str:
-        """Why there is no answer ("" when there is one)."""
-        return self[2]
-
-    @property
-    def refused(self) -> bool:
-        """Something answered, but not as the daemon's user."""
-        return self[3]
+# One answer of the daemon as bytes: (status, body, why there is none, refused); status None
+# when there is no answer, refused True when something answered but not as the daemon's user.
+RawReply = tuple[int | None, bytes, str, bool]
 
 
 def get(url: str, endpoint: str, params: Mapping[str, str], *, env: Mapping[str, str],
@@ -225,7 +202,7 @@ def get(url: str, endpoint: str, params: Mapping[str, str], *, env: Mapping[str,
     path = f"{address.prefix}{endpoint}?{query_string(params)}"
     sock, why, refused = connect(address, env, connect_timeout_s)
     if sock is None:
-        return RawReply(None, b"", why, refused)
+        return None, b"", why, refused
     # Host for a unix socket: "localhost", a name the daemon's HTTP checks accept.
     host = address.host or "localhost"
     if ":" in host:
@@ -236,10 +213,10 @@ def get(url: str, endpoint: str, params: Mapping[str, str], *, env: Mapping[str,
     try:
         status, body = exchange(sock, host, path)
     except (OSError, ValueError) as e:
-        return RawReply(None, b"", f"daemon at {url} did not answer: {e}")
+        return None, b"", f"daemon at {url} did not answer: {e}", False
     finally:
         sock.close()
-    return RawReply(status, body, "")
+    return status, body, "", False
 
 
 def exchange(sock: socket.socket, host: str, path: str) -> tuple[int, bytes]:
