@@ -116,7 +116,7 @@ class _ForkedServerProcess:
         end = time.monotonic() + timeout
         while self.poll() is None:
             if time.monotonic() > end:
-                raise subprocess.TimeoutExpired("forked fork server", timeout)
+                raise subprocess.TimeoutExpired(cmd=["fork server", str(self.pid)], timeout=timeout)
             time.sleep(0.005)
         return self.returncode
 
