@@ -109,7 +109,9 @@ def canned() -> Iterator[tuple[Path, list[bytes]]]:
     try:
         yield path, bodies
     finally:
+        server.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept(), which then ends
         server.close()
+        thread.join(10)
         path.unlink(missing_ok=True)
         top.rmdir()
 
