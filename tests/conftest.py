@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -16,6 +17,14 @@ from tests.support.host import (
     clean_env,
     make_host_dirs,
 )
+
+# A suite started in the background by a shell without job control (`pytest ... &`, a CI
+# step, nohup) inherits SIGINT ignored, and an ignored signal stays ignored across exec: every
+# CLI the tests start would ignore the Ctrl-C they send it (test_watch, test_cli_entry), and
+# Python installs no KeyboardInterrupt handler over an inherited SIG_IGN. Python's own
+# handler is reset to the default at exec, so the children get Ctrl-C as a person's would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
