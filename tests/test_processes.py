@@ -42,35 +42,37 @@ def test_descendants_reach_grandchildren_and_ended_sees_the_reaped_and_the_zombi
 
 
 def test_own_process_tree_is_this_process_its_ancestors_and_every_descendant() -> None:
-    # What the test session already runs below this process (a module's daemon, a fork
-    # server): in the tree too, but not this test's to count or to kill.
-    before = {p.pid for p in descendants()}
+    # The test session's other processes below this one (a module's daemon and its probe
+    # children) come and go meanwhile: in the tree too, but not this test's to count or kill.
     child = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
     other = subprocess.Popen(["sleep", "30"], start_new_session=True)
-    mine: set[int] = set()
+    grandchildren: set[int] = set()
     try:
         deadline = time.monotonic() + 10
-        while len(mine) < 3 and time.monotonic() < deadline:
+        while not grandchildren and time.monotonic() < deadline:
             time.sleep(0.02)
-            mine = {p.pid for p in descendants()} - before
+            grandchildren = {p.pid for p in descendants(child.pid)}
+        mine = {child.pid, other.pid, *grandchildren}
+        before = {p.pid for p in descendants()}
         tree = own_process_tree()
         after = {p.pid for p in descendants()}
-        assert {child.pid, other.pid} <= mine and len(mine) == 3  # sh, its sleep, the other
+        assert len(grandchildren) == 1 and mine <= before  # sh's sleep; all below this process
         ancestors = set()
         pid = os.getppid()
         while pid > 1:
             ancestors.add(pid)
             with open(f"/proc/{pid}/stat") as f:
                 pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        # The set the process table gives: this process, what is below, what is above (the
-        # session's own processes may come and go between the reads).
+        # The set the process table gives: this process, what is below, what is above (a
+        # process of the session's that started and ended between the reads aside).
         assert {os.getpid(), *mine, *ancestors} <= tree
-        assert tree <= {os.getpid(), *before, *after, *ancestors}
+        unexplained = tree - {os.getpid(), *before, *after, *ancestors}
+        assert all(not os.path.exists(f"/proc/{p}") for p in unexplained), unexplained
         assert 1 not in tree and 0 not in tree
         assert own_process_tree(child.pid) >= {child.pid, os.getpid()}
         assert other.pid not in own_process_tree(child.pid)  # a sibling is someone else
     finally:
-        for pid in mine - {child.pid, other.pid}:  # the grandchild, before it is orphaned
+        for pid in grandchildren:  # before it is orphaned
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
