@@ -8,7 +8,10 @@ library's file identity; the daemon keeps the cache in its own state directory.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,27 @@ def test_the_daemon_keeps_the_probe_cache_in_its_state_dir(tmp_path: Path) -> No
     assert env == {"PATH": "/bin", CACHE_VARIABLE: str(tmp_path / "state" / PROBE_CACHE)}
     named = {CACHE_VARIABLE: "/srv/cache"}
     assert probe_cache_environment(named, tmp_path / "state") == named  # the operator's
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="planting as a second user needs root and setpriv")
+@pytest.mark.parametrize("plant", ["folder", "link"])
+def test_a_cache_folder_another_user_planted_in_tmp_is_not_used(
+        monkeypatch: pytest.MonkeyPatch, plant: str) -> None:
+    """nobody (uid 65534) makes the default cache folder first, in a shared /tmp."""
+    shared = Path(tempfile.mkdtemp(prefix="gpudiag-shared-tmp-"))  # nobody can reach it
+    try:
+        shared.chmod(0o1777)
+        theirs = shared / "theirs"
+        target = shared / f"gpudiag-{os.getuid()}"
+        as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        if plant == "folder":
+            subprocess.run([*as_nobody, "mkdir", "-m", "0755", str(target)], check=True)
+        else:
+            subprocess.run([*as_nobody, "mkdir", "-m", "0777", str(theirs)], check=True)
+            subprocess.run([*as_nobody, "ln", "-s", str(theirs), str(target)], check=True)
+        monkeypatch.delenv(CACHE_VARIABLE, raising=False)
+        monkeypatch.setattr(tempfile, "tempdir", str(shared))
+        assert iree_probe.cache_dir() is None  # no cache rather than theirs
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
