@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.environment import CACHE_VARIABLE, allow_listed
+from gpudiag.core.fileio import RefusedFile, read_regular
 
 # IREE 3.13 compiles for sm_80/86/89 without a GPU, not for sm_90+ (FIELD-NOTES).
 DEFAULT_CUDA_TARGET = "sm_80"
@@ -146,31 +147,23 @@ def _cache_key(backend: str, flags: list[str]) -> str:
 def read_cached(path: Path) -> tuple[bytes | None, str | None]:
     """A cached module and None, or None and why it was refused (or None, None: absent).
 
-    Only a regular file (never through a link, never a FIFO), owned by this user, that no
-    one else may write: a module planted by another local user must never be loaded.
+    Only a regular file (``read_regular``: never through a link, never a FIFO), owned by
+    this user, that no one else may write: a module planted by another local user must never
+    be loaded.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None, None
-    except OSError as e:  # ELOOP: a symbolic link in its place
-        return None, f"cannot open {path}: {e.strerror or e}"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None, f"{path} is not a regular file"
-        if st.st_uid != os.getuid():
-            return None, f"{path} is owned by uid {st.st_uid}, not {os.getuid()}"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return None, f"{path} is writable by others (mode {oct(st.st_mode & 0o777)})"
-        if not 0 < st.st_size <= MODULE_LIMIT_BYTES:
-            return None, f"{path} has {st.st_size} bytes"
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(MODULE_LIMIT_BYTES + 1), None
-    except OSError as e:
-        return None, f"cannot read {path}: {e.strerror or e}"
-    finally:
-        os.close(fd)
+        data, st = read_regular(path, MODULE_LIMIT_BYTES)
+    except RefusedFile as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            return None, None
+        return None, f"{path}: {e}"
+    if st.st_uid != os.getuid():
+        return None, f"{path} is owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None, f"{path} is writable by others (mode {oct(st.st_mode & 0o777)})"
+    if not data:
+        return None, f"{path} has 0 bytes"
+    return data, None
 
 
 def write_cached(path: Path, data: bytes) -> None:
