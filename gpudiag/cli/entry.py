@@ -163,9 +163,9 @@ def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str
     for option in ("--devices", "--min-devices", "--min-free-memory", "--gpus"):
         if option in options:
             query[option[2:].replace("-", "_")] = options[option]
-    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        if name in env:
-            query[name.lower()] = env[name]
+    from gpudiag.engine.wire import visibility_params
+
+    query.update(visibility_params(env))
     return query
 
 

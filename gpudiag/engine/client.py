@@ -65,9 +65,7 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
         q["gpus"] = str(requirement.gpus)
     if max_age_s is not None:
         q["max_age_s"] = f"{max_age_s:g}"
-    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
-        if name in env:
-            q[name.lower()] = env[name]
+    q.update(wire.visibility_params(env))
     return q
 
 

@@ -168,6 +168,13 @@ def connect(address: DaemonAddress, env: Mapping[str, str], timeout_s: float
     return sock, "", False
 
 
+def visibility_params(env: Mapping[str, str]) -> dict[str, str]:
+    """The job's own CUDA_/NVIDIA_VISIBLE_DEVICES as the daemon's parameters: it answers for
+    what the job will see, not for what the daemon sees."""
+    return {name.lower(): env[name] for name in ("CUDA_VISIBLE_DEVICES",
+                                                 "NVIDIA_VISIBLE_DEVICES") if name in env}
+
+
 # RFC 3986's unreserved bytes: everything else in a query value is percent-encoded.
 _UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
