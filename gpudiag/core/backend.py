@@ -56,6 +56,37 @@ if TYPE_CHECKING:
     TouchesGpu = Callable[[Mapping[str, Any]], bool]
 
 
+# The GPUs an active run proves a backend on (``BackendSpec.proves_on``): every GPU the round
+# claimed (cuda's contexts), or one free healthy GPU per round (JAX, IREE).
+EVERY_GPU, ONE_GPU = "every", "one"
+# How its child is pointed at them (``BackendSpec.pointed_by``): the ``contexts_on`` option
+# (a list of full UUIDs), or both visibility variables set to them.
+POINT_BY_OPTION, POINT_BY_VISIBILITY = "contexts_on", "visibility"
+
+
+@dataclass(frozen=True)
+class EnvironmentDecl:
+    """What of the job's environment decides how a backend comes up (its fingerprint).
+
+    The backend layer is proven in the environment the job runs in (docs/design-notes.md,
+    "Whose environment is proven"): two environments with the same interpreter, the same
+    of these distributions (their files: path, inode, size, mtime) and modules on the search
+    path, and the same values of these variables are one proof.
+    """
+
+    # Distribution names (fnmatch patterns over normalized names, ``-`` as ``_``, lower case).
+    distributions: tuple[str, ...] = ()
+    # Top-level import names whose locations on the search path count (a namespace package
+    # such as ``jax_plugins`` counts in every folder that holds it).
+    modules: tuple[str, ...] = ()
+    # Variable names (fnmatch patterns); the visibility variables never count (they travel
+    # with every question on their own).
+    variables: tuple[str, ...] = ()
+    # The distribution whose presence means the backend is installed there (a runtime then
+    # serves it unless its ``require`` says otherwise).
+    installed_by: str = ""
+
+
 def _never(options: Mapping[str, Any]) -> bool:
     return False
 
@@ -93,8 +124,13 @@ class BackendSpec:
     # The options the daemon's scheduled run uses (a plain requirement of the backend).
     scheduled_options: Mapping[str, Any] | None = None
     touches_gpu: TouchesGpu = _never
-    # Whether it is proven on one GPU per round (a backend classifier's run, not cuda's).
-    proves_on_one_gpu: bool = False
+    # The GPUs an active run proves it on (EVERY_GPU or ONE_GPU) and how its child is pointed
+    # at them (POINT_BY_OPTION or POINT_BY_VISIBILITY): engine/round.py reads both.
+    proves_on: str = ONE_GPU
+    pointed_by: str = POINT_BY_VISIBILITY
+    # What of the job's environment decides how it comes up (None: a device-layer probe,
+    # the node's fact, shared by every job).
+    environment: EnvironmentDecl | None = None
     # gpudiag_build_info labels: label -> the version keys it reads, first found wins.
     version_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether its node-health proof is published (snapshot.backends_proven, NFD, fleet).

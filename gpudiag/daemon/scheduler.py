@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpudiag.core import registry
+from gpudiag.core.backend import ONE_GPU
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.identity import LastIdentities
@@ -30,7 +31,7 @@ from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import DaemonConfig
-from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
+from gpudiag.daemon.joblocks import JobLocks
 from gpudiag.daemon.loop import LoopThread
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
@@ -47,20 +48,11 @@ from gpudiag.daemon.snapshot import (
     verdict_for,
 )
 from gpudiag.engine.forkserver import shared_fork_server
-from gpudiag.engine.guard import (
-    claim_free,
-    driver_absent,
-    exclusive_gpus,
-    not_foreign,
-    occupancy_from_nvml,
-    rotated,
-    touches_gpu,
-    visible_uuids,
-    why_unclaimed,
-)
+from gpudiag.engine.guard import occupancy_from_nvml
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.engine.processes import own_process_tree
+from gpudiag.engine.round import RoundPolicy, is_active, prove_round
 
 log = logging.getLogger("gpudiag.daemon.scheduler")
 
@@ -328,7 +320,7 @@ class Scheduler:
 
     def _run(self, key: ProbeKey, flight: Flight) -> None:
         options = key.options_dict()
-        if touches_gpu(key.backend, options):
+        if is_active(key.backend, options):
             run = self._run_guarded(key.backend, options)
             if _installation_only(run) and not self._static_news(key, run):
                 # No free GPU for jax/iree and the installation reads as before: the last
@@ -433,51 +425,35 @@ class Scheduler:
 
     def _run_guarded(self, backend: str, options: Mapping[str, Any] | None
                      ) -> ProbeRun:
-        """Run an active probe (cuda, jax, iree on a GPU) on FREE GPUs only, under their
-        locks: NVML is read first (no context), then the probe touches what was claimed.
+        """Run an active probe (cuda, jax, iree on a GPU) through the one busy-GPU round
+        (engine/round.py): NVML is read first (no context), then the probe touches only the
+        FREE GPUs it claimed, under their locks.
 
         The daemon's own active probes run one at a time (``self._guard``), so a GPU lock
         that is taken is always someone else's (a `gpudiag run` job, another preflight).
-        cuda locks every free GPU for its short round; JAX and IREE lock only the one GPU
-        they prove the backend on, trying the free GPUs in turn from round to round.
+        The one-GPU backends (JAX, IREE) try the free GPUs in turn from round to round.
         """
         with self._guard:
             nvml_run = self._call("nvml", self._env, None)
-            nvml = nvml_run.nvml if nvml_run.ok else None
-            occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
             with self._lock:
                 round_index = self._rounds.get(backend, 0)
                 self._rounds[backend] = round_index + 1
-            candidates = visible_uuids(nvml, self._env)
-            if backend != "cuda":
-                candidates = rotated(candidates, round_index)
-            with claim_free(occupancy, candidates, lock_dir=self._lock_dir,
-                            probe_busy=self.config.probe_busy_gpus,
-                            limit=None if backend == "cuda" else 1,
-                            exclusive=exclusive_gpus(nvml),
-                            sibling_wait_s=DAEMON_SIBLING_WAIT_S) as claim:
-                for uuid, why in claim.left_alone.items():
-                    if why == "locked":  # a gpudiag run job holds it
-                        occupancy[uuid] = GpuOccupancy(uuid, "busy",
-                                                       why=JOB_LOCKED)
-                with self._lock:
-                    self._occupancy = occupancy
-                if backend == "cuda":
-                    return self._call(backend, self._env,
-                                      {**(options or {}), "contexts_on": list(claim.claimed)})
-                gpu = claim.claimed[0] if claim.claimed else None
-                if gpu is None and driver_absent(nvml):
-                    # No driver, so no GPU anyone uses: the probe names what else is missing.
-                    return self._call(backend, self._env, options)
-                with self._lock:
-                    self._backend_gpu[backend] = gpu
-                if gpu is None:
-                    # Nothing is touched; what needs no GPU (plugin, versions) is still read.
-                    log.debug("probe %s: no free GPU this round", backend)
-                    return self._call(backend, self._env,
-                                      {**(options or {}), "static": why_unclaimed(claim)})
-                env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu, "NVIDIA_VISIBLE_DEVICES": gpu}
-                return self._call(backend, env, options)
+
+            def run(requests: Sequence[tuple[str, Mapping[str, Any] | None]],
+                    pinned: Mapping[str, Mapping[str, str]]) -> dict[str, ProbeRun]:
+                return {name: self._call(name, {**self._env, **pinned.get(name, {})}, opts)
+                        for name, opts in requests}
+
+            done = prove_round(nvml_run, [(backend, options)], visibility_env=self._env,
+                               lock_dir=self._lock_dir, run=run, policy=RoundPolicy(
+                                   rotation=round_index,
+                                   probe_busy=self.config.probe_busy_gpus,
+                                   sibling_wait_s=DAEMON_SIBLING_WAIT_S))
+            with self._lock:
+                self._occupancy = done.occupancy
+                if backend in done.backend_gpu:
+                    self._backend_gpu[backend] = done.backend_gpu[backend]
+            return done.runs[backend]
 
     def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""
@@ -586,4 +562,4 @@ class Scheduler:
 def _proves_on_one_gpu(backend: str) -> bool:
     """Whether a backend's round proves it on one claimed GPU (jax, iree: their spec says)."""
     spec = registry.spec(backend)
-    return spec is not None and spec.proves_on_one_gpu
+    return spec is not None and spec.proves_on == ONE_GPU and not spec.device_layer

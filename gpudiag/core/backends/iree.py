@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpudiag.core.backend import BackendSpec
+from gpudiag.core.backend import BackendSpec, EnvironmentDecl
 from gpudiag.core.limits import IREE_DRIVERS
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
@@ -24,7 +24,7 @@ def _touches_gpu(options: Mapping[str, Any]) -> bool:
 
 SPEC = BackendSpec(
     name="iree", layer="iree",
-    classify="gpudiag.core.classify_iree:classify_iree", proves_on_one_gpu=True, published=True,
+    classify="gpudiag.core.classify_iree:classify_iree", published=True,
     summary="IREE's HAL driver creates a device, compiles and runs a tiny kernel.",
     probe_module="gpudiag.probes.iree_probe",
     observation="gpudiag.core.observations:IreeObservation",
@@ -33,4 +33,11 @@ SPEC = BackendSpec(
     platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
     options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,
     version_labels={"iree": ("iree-base-runtime", "iree")},
+    # IREE's runtime and compiler wheels and what decides which HAL drivers load.
+    environment=EnvironmentDecl(
+        distributions=("iree_*",),
+        modules=("iree",),
+        variables=("IREE_*", "LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME", "CUDA_PATH",
+                   "CUDA_ROOT", "PYTHONPATH", "PYTHONHOME"),
+        installed_by="iree_base_runtime"),
 )

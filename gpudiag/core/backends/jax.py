@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpudiag.core.backend import BackendSpec
+from gpudiag.core.backend import BackendSpec, EnvironmentDecl
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ def _touches_gpu(options: Mapping[str, Any]) -> bool:
 
 SPEC = BackendSpec(
     name="jax", layer="jax",
-    classify="gpudiag.core.classify_jax:classify_jax", proves_on_one_gpu=True, published=True,
+    classify="gpudiag.core.classify_jax:classify_jax", published=True,
     summary="JAX initializes on the GPU (no CPU fallback) and a tiny computation is right.",
     probe_module="gpudiag.probes.jax_probe",
     observation="gpudiag.core.observations:JaxObservation",
@@ -32,4 +32,12 @@ SPEC = BackendSpec(
     platform_word="JAX platform",
     options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,
     version_labels={"jax": ("jax",), "jaxlib": ("jaxlib",)},
+    # JAX, its plugins (PJRT), NVIDIA's CUDA wheels and what decides how JAX comes up.
+    environment=EnvironmentDecl(
+        distributions=("jax", "jaxlib", "jax_cuda*", "jax_rocm*", "jax_plugins*", "nvidia_*",
+                       "ml_dtypes"),
+        modules=("jax", "jaxlib", "jax_plugins"),
+        variables=("JAX_*", "XLA_*", "TF_CPP_*", "LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME",
+                   "CUDA_PATH", "CUDA_ROOT", "PYTHONPATH", "PYTHONHOME"),
+        installed_by="jax"),
 )
