@@ -25,6 +25,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Protocol
 
+    from gpudiag.core.environments import EnvironmentDecl
     from gpudiag.core.findings import Findings, GpuContext
     from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
@@ -62,29 +63,6 @@ EVERY_GPU, ONE_GPU = "every", "one"
 # How its child is pointed at them (``BackendSpec.pointed_by``): the ``contexts_on`` option
 # (a list of full UUIDs), or both visibility variables set to them.
 POINT_BY_OPTION, POINT_BY_VISIBILITY = "contexts_on", "visibility"
-
-
-@dataclass(frozen=True)
-class EnvironmentDecl:
-    """What of the job's environment decides how a backend comes up (its fingerprint).
-
-    The backend layer is proven in the environment the job runs in (docs/design-notes.md,
-    "Whose environment is proven"): two environments with the same interpreter, the same
-    of these distributions (their files: path, inode, size, mtime) and modules on the search
-    path, and the same values of these variables are one proof.
-    """
-
-    # Distribution names (fnmatch patterns over normalized names, ``-`` as ``_``, lower case).
-    distributions: tuple[str, ...] = ()
-    # Top-level import names whose locations on the search path count (a namespace package
-    # such as ``jax_plugins`` counts in every folder that holds it).
-    modules: tuple[str, ...] = ()
-    # Variable names (fnmatch patterns); the visibility variables never count (they travel
-    # with every question on their own).
-    variables: tuple[str, ...] = ()
-    # The distribution whose presence means the backend is installed there (a runtime then
-    # serves it unless its ``require`` says otherwise).
-    installed_by: str = ""
 
 
 def _never(options: Mapping[str, Any]) -> bool:
@@ -130,7 +108,7 @@ class BackendSpec:
     pointed_by: str = POINT_BY_VISIBILITY
     # What of the job's environment decides how it comes up (None: a device-layer probe,
     # the node's fact, shared by every job).
-    environment: EnvironmentDecl | None = None
+    environment: EnvironmentDecl | None = None  # gpudiag.core.environments
     # gpudiag_build_info labels: label -> the version keys it reads, first found wins.
     version_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether its node-health proof is published (snapshot.backends_proven, NFD, fleet).

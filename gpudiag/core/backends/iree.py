@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpudiag.core.backend import BackendSpec, EnvironmentDecl
+from gpudiag.core import environments
+from gpudiag.core.backend import BackendSpec
 from gpudiag.core.limits import IREE_DRIVERS
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
@@ -33,11 +34,5 @@ SPEC = BackendSpec(
     platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
     options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,
     version_labels={"iree": ("iree-base-runtime", "iree")},
-    # IREE's runtime and compiler wheels and what decides which HAL drivers load.
-    environment=EnvironmentDecl(
-        distributions=("iree_*",),
-        modules=("iree",),
-        variables=("IREE_*", "LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME", "CUDA_PATH",
-                   "CUDA_ROOT", "PYTHONPATH", "PYTHONHOME"),
-        installed_by="iree_base_runtime"),
+    environment=environments.IREE,
 )

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpudiag.core.backend import BackendSpec, EnvironmentDecl
+from gpudiag.core import environments
+from gpudiag.core.backend import BackendSpec
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
 if TYPE_CHECKING:
@@ -32,12 +33,5 @@ SPEC = BackendSpec(
     platform_word="JAX platform",
     options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,
     version_labels={"jax": ("jax",), "jaxlib": ("jaxlib",)},
-    # JAX, its plugins (PJRT), NVIDIA's CUDA wheels and what decides how JAX comes up.
-    environment=EnvironmentDecl(
-        distributions=("jax", "jaxlib", "jax_cuda*", "jax_rocm*", "jax_plugins*", "nvidia_*",
-                       "ml_dtypes"),
-        modules=("jax", "jaxlib", "jax_plugins"),
-        variables=("JAX_*", "XLA_*", "TF_CPP_*", "LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME",
-                   "CUDA_PATH", "CUDA_ROOT", "PYTHONPATH", "PYTHONHOME"),
-        installed_by="jax"),
+    environment=environments.JAX,
 )
