@@ -29,7 +29,7 @@ from gpudiag.core.environment import probe_environment
 from gpudiag.core.runtime import Runtime
 from gpudiag.core.version import __version__
 
-ARCHIVE_MAIN = '''"""gpudiag's probe archive: ``python ARCHIVE NAME [OPTIONS-JSON]`` or ``fingerprint``."""
+ARCHIVE_MAIN = '''"""gpudiag probe archive: ``python ARCHIVE NAME [OPTIONS]`` or ``fingerprint``."""
 import sys
 
 if len(sys.argv) > 1 and sys.argv[1] == "fingerprint":
@@ -148,8 +148,9 @@ class RuntimeFingerprint:
             if entry.get("installed") is True:
                 installed.add(str(name))
         watch = tuple(tuple(w) for w in data.get("watch") or () if isinstance(w, list))
-        interp = data.get("interpreter") if isinstance(data.get("interpreter"), dict) else {}
-        return cls(ids, frozenset(installed), {k: str(v) for k, v in interp.items()}, watch)
+        interp = data.get("interpreter")
+        said = {str(k): str(v) for k, v in interp.items()} if isinstance(interp, dict) else {}
+        return cls(ids, frozenset(installed), said, watch)
 
     @classmethod
     def failed(cls, why: str) -> RuntimeFingerprint:
