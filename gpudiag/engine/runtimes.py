@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gpudiag
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.runtime import Runtime
 from gpudiag.core.version import __version__
@@ -94,7 +93,7 @@ def probe_archive(folder: Path) -> Path:
     if target.is_file() and not target.is_symlink():
         return target
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    package = Path(gpudiag.__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]  # the gpudiag package folder
     fd, tmp = tempfile.mkstemp(prefix=".probes-", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as zf:
