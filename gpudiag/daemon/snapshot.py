@@ -175,12 +175,34 @@ class Snapshot:
         full = self.full
         scheduled = {key.backend for key in self.scheduled}
         host_wide = [] if full is None else [b for b in full.blockers if b.device is None]
+        by_runtime = self.runtime_backends_proven()
         out = {}
         for backend in registry.published():
+            spec = registry.spec(backend)
+            if spec is not None and spec.environment is not None:
+                # Proven in a job environment: some runtime serving it proved it.
+                out[backend] = any(ok for (_, b), ok in by_runtime.items() if b == backend)
+                continue
             status = full.backends.get(backend) if full is not None else None
             out[backend] = (backend in scheduled and status is not None
                             and status.status == "ok"
                             and not any(b.backend in (None, backend) for b in host_wide))
+        return out
+
+    def runtime_backends_proven(self) -> dict[tuple[str, str], bool]:
+        """Per (runtime, backend) a runtime must serve: ok in its node-health verdict with no
+        host-wide blocker there (the same rule as ``backends_proven``, per runtime)."""
+        out: dict[tuple[str, str], bool] = {}
+        for runtime, verdict in self.runtime_health.items():
+            host_wide = [b for b in verdict.blockers if b.device is None]
+            for req in verdict.requirement.backends:
+                spec = registry.spec(req.name)
+                if spec is None or spec.environment is None:
+                    continue
+                status = verdict.backends.get(req.name)
+                out[(runtime, req.name)] = (
+                    status is not None and status.status == "ok"
+                    and not any(b.backend in (None, req.name) for b in host_wide))
         return out
 
     def result(self, backend: str) -> ProbeResult | None:
