@@ -430,15 +430,24 @@ def test_preflight_cannot_invent_probe_keys_or_run_new_ones_past_the_budget(
         for query in ("require=iree:zzz", "require=iree:metal-x"):
             status, _, body = wsgi(app, f"/v1/preflight?{query}")
             assert status == 400 and json.loads(body)["error"]["code"] == "bad_requirement"
-        # A requirement whose probe never ran starts a run: that is on-demand work too.
-        assert wsgi(app, "/v1/preflight?require=iree:local-task&wait_s=2")[0] == 200
+        # A requirement whose probe never ran starts a run: that is on-demand work too
+        # (asked from the daemon's own environment: its fingerprint, which the client sends).
+        from gpudiag.core.requirement import parse_requirement
+        from gpudiag.engine.client import environment_ids
+        from gpudiag.engine.fingerprint import query_value
+
+        fp = "&fingerprint=" + query_value(environment_ids(parse_requirement("iree"), {}))
+        assert wsgi(app, f"/v1/preflight?require=iree:local-task&wait_s=2{fp}")[0] == 200
         assert replay.calls.count("iree") == 1
-        status, _, body = wsgi(app, "/v1/preflight?require=iree:vulkan&wait_s=2")
+        status, _, body = wsgi(app, f"/v1/preflight?require=iree:vulkan&wait_s=2{fp}")
         assert status == 429 and json.loads(body)["error"]["code"] == "rate_limited"
         assert replay.calls.count("iree") == 1
         # The result it has is answered from the snapshot, as often as asked.
         for _ in range(5):
-            assert wsgi(app, "/v1/preflight?require=iree:local-task")[0] == 200
+            assert wsgi(app, f"/v1/preflight?require=iree:local-task{fp}")[0] == 200
+        # Without a fingerprint no run starts: the asker proves IREE itself.
+        assert wsgi(app, "/v1/preflight?require=iree:local-task")[0] == 200
+        assert replay.calls.count("iree") == 1
     finally:
         sched.stop()
 

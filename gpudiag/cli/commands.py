@@ -128,7 +128,8 @@ class LazyGroup(click.Group):
                             "clear": "gpudiag.cli.clear:clear",
                             "fleet": "gpudiag.cli.fleet:fleet",
                             "qualify": "gpudiag.cli.qualify:qualify",
-                            "explain": "gpudiag.cli.explain:explain"}
+                            "explain": "gpudiag.cli.explain:explain",
+                            "fingerprint": "gpudiag.cli.fingerprint:fingerprint"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})

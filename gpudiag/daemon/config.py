@@ -396,10 +396,14 @@ def _runtime_require(r: _Table) -> tuple[str, ...] | None:
     if value is None:
         return None
     allowed = _environment_backends()
-    names = [n.strip().lower() for n in value.split(",")] if isinstance(value, str) else None
+    names: list[str] | None = None
+    if isinstance(value, str):
+        names = [n.strip().lower() for n in value.split(",")]
+    elif isinstance(value, list) and all(isinstance(n, str) for n in value):
+        names = [n.strip().lower() for n in value]
     if names is None or any(n not in allowed for n in names if n):
         raise ConfigError(f"{r._key('require')} = {value!r}: expected a comma list of "
-                          f"{', '.join(allowed)} (\"\" for none)")
+                          f"{', '.join(allowed)} (\"\" for none), or an array of them")
     return tuple(dict.fromkeys(n for n in names if n))
 
 
@@ -427,7 +431,7 @@ def _runtime(name: str, r: _Table) -> Runtime:
     require = _runtime_require(r)
     if name == OWN_RUNTIME:
         for key in ("python", "env"):
-            if r.get(key) is not None:
+            if r.get(key) not in (None, {}):
                 raise ConfigError(f"{r._key(key)}: [runtimes.{OWN_RUNTIME}] is the daemon's "
                                   "own environment (its interpreter and the unit's variables)"
                                   "; only its require may be set")

@@ -29,7 +29,7 @@ SPEC = BackendSpec(
     summary="IREE's HAL driver creates a device, compiles and runs a tiny kernel.",
     probe_module="gpudiag.probes.iree_probe",
     observation="gpudiag.core.observations:IreeObservation",
-    interval_s=300.0, timeout_s=90.0,
+    interval_s=3600.0, timeout_s=90.0,
     platforms=IREE_DRIVERS, platform_word="IREE driver",
     platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
     options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,

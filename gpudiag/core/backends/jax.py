@@ -28,7 +28,7 @@ SPEC = BackendSpec(
     summary="JAX initializes on the GPU (no CPU fallback) and a tiny computation is right.",
     probe_module="gpudiag.probes.jax_probe",
     observation="gpudiag.core.observations:JaxObservation",
-    interval_s=300.0, timeout_s=60.0,
+    interval_s=3600.0, timeout_s=60.0,
     platforms=("gpu", "cuda", "cpu"), platform_aliases={"cuda": "gpu"},
     platform_word="JAX platform",
     options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,
