@@ -23,17 +23,14 @@ import gpudiag
 from gpudiag.core.decode import decode
 from gpudiag.core.environment import PREALLOCATION_OFF, is_full_uuid
 from gpudiag.core.observations import NvmlObservation
+from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, leaves_from_nvml
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.runner.admission import (
-    BUSY,
-    FREE,
-    UNKNOWN,
     Admission,
     AdmissionError,
     Admitter,
     Observation,
-    leaves_from_nvml,
     narrow,
 )
 from tests.fakes.build import write_state_file

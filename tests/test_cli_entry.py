@@ -254,7 +254,8 @@ def test_every_fast_option_is_the_click_command_s_option(name: str) -> None:
     params = {opt: p for p in command.params for opt in p.opts}
     for option in FAST_OPTIONS[name]:
         assert option in params, f"{name} {option} is not a click option"
-        assert not params[option].is_flag if isinstance(params[option], click.Option) else True
+        param = params[option]
+        assert not param.is_flag if isinstance(param, click.Option) else True
     for option in FAST_FLAGS.get(name, ()):
         flag = params[option]
         assert isinstance(flag, click.Option) and flag.is_flag, f"{name} {option}"
