@@ -210,7 +210,7 @@ def test_min_free_memory_is_per_leaf(gpu_env: EnvFactory, locks: Path) -> None:
 
 
 @pytest.mark.parametrize(("knob", "value", "says"), [
-    ("FAKE_NVML_PROCESSES", "0:999:10,1:999:10", "occupancy FREE -> BUSY"),
+    ("FAKE_NVML_PROCESSES", "0:999:10,1:999:10", "occupancy free -> busy"),
     ("FAKE_NVML_MEMORY_USED_MIB", "0:1000,1:1000", "memory free"),
     ("FAKE_NVML_DEVICE_COUNT", "1", "topology"),
 ])
