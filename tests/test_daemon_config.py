@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,7 +78,7 @@ def test_a_full_file_is_read(tmp_path: Path) -> None:
     ({"log": {"format": "xml"}}, "log.format = 'xml': expected one of text, json"),
     ({"prot": 1}, "unknown key(s) prot"),
 ])
-def test_every_bad_key_is_named_with_the_accepted_form(raw: dict, needle: str) -> None:
+def test_every_bad_key_is_named_with_the_accepted_form(raw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         from_mapping(raw)
     assert needle in str(info.value)

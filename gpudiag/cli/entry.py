@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from gpudiag.core.verdict import Verdict
 
 # The options the fast path understands, per command: every one also exists on the click
-# command with the same meaning (tests/test_cli_entry.py checks both lists against click's).
+# command with the same meaning. Literals, not read off click at import (that would import click
+# and the commands on every call: docs/design-notes.md); tests/test_cli_entry.py regenerates
+# these tables from the click commands and fails when they differ.
 FAST_OPTIONS = {
     "preflight": frozenset({"--require", "--devices", "--min-devices", "--min-free-memory",
                             "--gpus", "--timeout", "--format", "--daemon-url"}),

@@ -236,7 +236,7 @@ class DaemonApp:
 
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse
                  ) -> Iterable[bytes]:
-        answer = self._respond(environ, start_response, inline=False)
+        answer = self._respond(environ, start_response, at_hand=False)
         assert answer is not None  # only answer_now may decline
         return answer
 
@@ -249,13 +249,13 @@ class DaemonApp:
         """
         if environ.get("PATH_INFO") not in NOW_PATHS:
             return None
-        return self._respond(environ, start_response, inline=True)
+        return self._respond(environ, start_response, at_hand=True)
 
     def _respond(self, environ: Mapping[str, Any], start_response: StartResponse,
-                 inline: bool) -> Iterable[bytes] | None:
+                 at_hand: bool) -> Iterable[bytes] | None:
         started = time.perf_counter()
         try:
-            status, headers, body = self._dispatch(environ, inline)
+            status, headers, body = self._dispatch(environ, at_hand)
         except _NotNow:
             return None
         except ApiError as e:
@@ -272,7 +272,7 @@ class DaemonApp:
         start_response(status, headers)
         return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
 
-    def _dispatch(self, environ: Mapping[str, Any], inline: bool = False
+    def _dispatch(self, environ: Mapping[str, Any], at_hand: bool = False
                   ) -> tuple[str, list[tuple[str, str]], bytes]:
         path = str(environ.get("PATH_INFO") or "/")
         query = str(environ.get("QUERY_STRING") or "")
@@ -298,7 +298,7 @@ class DaemonApp:
             raise ApiError(405, "method_not_allowed",
                            f"{method} {path}: accepted {', '.join(methods)}")
         if handler is None:
-            status, payload = self._answer(self._question(path, query), inline)
+            status, payload = self._answer(self._question(path, query), at_hand)
         else:
             status, payload = handler(self._params(query))
         if path == "/metrics":
@@ -395,8 +395,8 @@ class DaemonApp:
         _check_http_keys(keys)
         return _Question(requirement, keys, max_age, wait, visibility, _fingerprint(params))
 
-    def _answer(self, question: _Question, inline: bool = False) -> tuple[int, Any]:
-        """The verdict's answer; ``inline``: _NotNow unless it is at hand without any wait."""
+    def _answer(self, question: _Question, at_hand: bool = False) -> tuple[int, Any]:
+        """The verdict's answer; ``at_hand``: _NotNow unless it is at hand without any wait."""
         requirement, max_age = question.requirement, question.max_age
         wait, visibility = question.wait, question.visibility
         fingerprint = None if question.fingerprint is None else dict(question.fingerprint)
@@ -410,7 +410,7 @@ class DaemonApp:
         # on-demand work: rate-limited per backend.
         stale = [k for k in keys if k not in results or (
             max_age is not None and now_wall - results[k].started_wall > max_age)]
-        if inline:
+        if at_hand:
             if stale:
                 raise _NotNow
             fresh = True  # what ensure_fresh answers when nothing is stale
@@ -430,7 +430,7 @@ class DaemonApp:
         cache_key = (snap.seq, requirement, visibility, question.fingerprint)
         answer = self._cache.get(cache_key)
         if answer is None:
-            if inline:  # classifying and encoding takes milliseconds: the pool does it
+            if at_hand:  # classifying and encoding takes milliseconds: the pool does it
                 raise _NotNow
             verdict = verdict_for(snap, requirement, now_wall=now,
                                   policy=self.scheduler.policy, visibility=visibility,
