@@ -50,9 +50,9 @@ PREALLOCATION_OFF: dict[str, str] = {
     "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR": "false",
 }
 
-# What loads a CUDA stack or an interpreter's packages, for every GPU backend.
-_LOADER_VARIABLES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT",
-                     "PYTHONPATH", "PYTHONHOME")
+# What loads a CUDA stack, for every GPU backend. PYTHONPATH is not among them: what it makes
+# importable is read on the search path itself (a job's own code on it changes nothing).
+_LOADER_VARIABLES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT")
 
 # JAX, its plugins (PJRT), NVIDIA's CUDA wheels and what decides how JAX comes up.
 JAX = EnvironmentDecl(
