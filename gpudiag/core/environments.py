@@ -17,24 +17,21 @@ class EnvironmentDecl:
 
     Two environments with the same interpreter, the same of these distributions (their files:
     path, inode, size, mtime) and modules on the search path, and the same values of these
-    variables are one proof. A plain class with slots, not a dataclass: see the module doc.
+    variables are one proof. ``distributions``: fnmatch patterns over normalized names (lower
+    case, ``_`` for ``-`` and ``.``); ``modules``: top-level import names whose locations on
+    the search path count (a namespace package such as ``jax_plugins`` in every folder that
+    holds it); ``variables``: fnmatch patterns of names (the visibility variables never count:
+    they travel with every question on their own); ``installed_by``: the distribution whose
+    presence means the backend is installed there. A plain class with slots, not a
+    dataclass: see the module's docstring.
     """
 
     __slots__ = ("distributions", "modules", "variables", "installed_by")
 
     def __init__(self, *, distributions: tuple[str, ...] = (), modules: tuple[str, ...] = (),
                  variables: tuple[str, ...] = (), installed_by: str = "") -> None:
-        # Distribution names: fnmatch patterns over normalized names (lower case, ``_`` for
-        # ``-`` and ``.``).
-        self.distributions = distributions
-        # Top-level import names whose locations on the search path count (a namespace
-        # package such as ``jax_plugins`` counts in every folder that holds it).
-        self.modules = modules
-        # Variable names (fnmatch patterns); the visibility variables never count (they
-        # travel with every question on their own).
-        self.variables = variables
-        # The distribution whose presence means the backend is installed there.
-        self.installed_by = installed_by
+        self.distributions, self.modules, self.variables, self.installed_by = (
+            distributions, modules, variables, installed_by)
 
     def __repr__(self) -> str:
         return (f"EnvironmentDecl(distributions={self.distributions!r}, "
