@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -276,3 +277,16 @@ def test_the_probe_archive_runs_a_probe_in_an_interpreter_without_gpudiag(
                     interpreter=interpreter_argv(runtime, archive))
     assert run.ok, run.error or run.stderr_tail
     assert run.jax is not None and run.jax.installed is False
+
+
+def test_the_pytest_plugin_of_a_job_pinned_to_the_cpu_skips_with_its_own_code(
+        daemon: Daemon, gpu_env: EnvFactory, tmp_path: Path) -> None:
+    (tmp_path / "test_model.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu(require='jax')\ndef test_on_gpu():\n    pass\n")
+    env = {**gpu_env(), "JAX_PLATFORMS": "cpu", "GPUDIAG_DAEMON_URL": daemon.url,
+           "GPUDIAG_LOCK_DIR": str(tmp_path / "locks")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs",
+                           "-q", str(tmp_path / "test_model.py")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert "jax_cpu_fallback" in done.stdout, done.stdout + done.stderr
+    assert "1 skipped" in done.stdout, done.stdout
