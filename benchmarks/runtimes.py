@@ -60,6 +60,7 @@ def get(sock: Path, path: str) -> tuple[int, bytes]:
 
 def start_daemon(tmp: Path, env: dict[str, str], python: str, config: str
                  ) -> tuple[subprocess.Popen[bytes], Path]:
+    tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "d.sock"
     (tmp / "d.toml").write_text(f'listen = "127.0.0.1:0"\nsocket = "{sock}"\n' + config)
     proc = subprocess.Popen([python, "-m", "gpudiag", "serve", "--config", str(tmp / "d.toml"),

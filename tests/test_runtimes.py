@@ -290,3 +290,28 @@ def test_the_pytest_plugin_of_a_job_pinned_to_the_cpu_skips_with_its_own_code(
                           capture_output=True, text=True, timeout=240, check=False)
     assert "jax_cpu_fallback" in done.stdout, done.stdout + done.stderr
     assert "1 skipped" in done.stdout, done.stdout
+
+
+def test_a_runtime_that_hangs_is_a_probe_timeout_of_that_runtime_only(
+        tmp_path: Path, gpu_env: EnvFactory) -> None:
+    good = make_venv(tmp_path / "good", with_jax=True)
+    stuck = tmp_path / "stuck" / "python"
+    stuck.parent.mkdir()
+    stuck.write_text("#!/bin/sh\nexec sleep 3600\n")  # an interpreter that never answers
+    stuck.chmod(0o755)
+    extra = (f'[runtimes.good]\npython = "{good}"\nrequire = "jax"\n'
+             f'[runtimes.stuck]\npython = "{stuck}"\nrequire = "jax"\n')
+    d = _daemon(tmp_path, gpu_env(), extra, changes={
+        "backends.jax": {"enabled": True, "interval_s": 600, "deadline_s": 25}})
+    try:
+        def blockers() -> dict[tuple[str, str], float]:
+            return {(labels["runtime"], labels["code"]): value for labels, value in
+                    metric_samples(d, "gpudiag_runtime_blocker")}
+
+        found = wait_for(lambda: (lambda b: b if b.get(("stuck", "probe_timeout")) and
+                                  b.get(("good", "jax_gpu_backend_absent")) else None)(
+            blockers()), 240, 0.5)
+        assert found[("good", "probe_timeout")] == 0
+        assert d.get("/healthz")[0] == 200
+    finally:
+        d.stop()

@@ -117,8 +117,7 @@ class RuntimeProofs:
         """The runtimes whose fingerprint's folders or files differ now (stat calls only)."""
         with self._lock:
             known = dict(self._fingerprints)
-        return [name for name, found in known.items() if found.error is not None
-                or found.changed()]
+        return [name for name, found in known.items() if found.changed()]
 
     def device_changed(self, epoch: tuple[object, ...]) -> bool:
         """Whether the device layer differs from the last NVML round's (the first is no

@@ -396,8 +396,6 @@ class Scheduler:
             self._learn(key, run, finished)
             self._inflight.pop(key, None)
             snapshot = self._publish_locked()
-        if key.backend == "nvml":
-            self._proof_on_change(run)
         if previous is None or previous.outcome != result.outcome:
             log.info("probe %s: child %s in %.2f s", key.backend, result.outcome, run.duration_s,
                      extra={"backend": key.backend, "outcome": result.outcome,
@@ -406,6 +404,8 @@ class Scheduler:
             log.debug("probe %s %s", key.backend, result.outcome)
         flight.done.set()
         self._notify(snapshot)
+        if key.backend == "nvml":  # after the answer: a runtime's re-read may take seconds
+            self._proof_on_change(run)
 
     def _remember_nvml(self, run: ProbeRun, finished: float) -> None:
         before = self._nvml_history.nvlinks_active

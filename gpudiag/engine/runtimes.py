@@ -18,9 +18,10 @@ import os
 import stat
 import subprocess
 import tempfile
+import time
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,8 @@ sys.exit(main(sys.argv[1:]))
 # What a runtime's child never inherits from the daemon's own environment: its Python's
 # search path belongs to the daemon (a runtime's config sets its own when it needs one).
 _DAEMON_ONLY = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "VIRTUAL_ENV")
-FINGERPRINT_TIMEOUT_S = 30.0
+FINGERPRINT_TIMEOUT_S = 10.0
+FAILED_RETRY_S = 300.0
 
 
 def python_problem(path: str, *, trusted_uids: frozenset[int] = frozenset({0})) -> str | None:
@@ -132,6 +134,7 @@ class RuntimeFingerprint:
     interpreter: Mapping[str, str]
     watch: tuple[tuple[Any, ...], ...]  # (path, inode, size, mtime_ns) to look at for change
     error: str | None = None
+    read_at: float = field(default_factory=time.monotonic)  # when it was read (monotonic)
 
     @classmethod
     def of(cls, data: Mapping[str, Any]) -> RuntimeFingerprint:
@@ -155,8 +158,12 @@ class RuntimeFingerprint:
     def failed(cls, why: str) -> RuntimeFingerprint:
         return cls({}, frozenset(), {}, (), why)
 
-    def changed(self) -> bool:
-        """Whether anything it watches differs now (a package installed, removed, rebuilt)."""
+    def changed(self, now: float | None = None) -> bool:
+        """Whether anything it watches differs now (a package installed, removed, rebuilt);
+        a reading that failed is read again after FAILED_RETRY_S (a hung interpreter costs
+        its timeout once per that, not every NVML round)."""
+        if self.error is not None:
+            return (time.monotonic() if now is None else now) - self.read_at > FAILED_RETRY_S
         for path, *before in self.watch:
             try:
                 st = os.stat(path)
