@@ -107,3 +107,28 @@ def test_check_config_refuses_a_missing_interpreter_with_exit_2(tmp_path: Path,
     done = run_gpudiag(["serve", "--check-config", "--config", str(config)], gpu_env())
     assert done.returncode == 2, done.stderr
     assert "runtimes.train.python" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_admission_proves_again_under_its_lock_when_the_runtimes_proof_is_old() -> None:
+    from gpudiag.core.clock import rfc3339
+    from gpudiag.core.requirement import parse_requirement
+    from gpudiag.core.verdict import BackendStatus, DeviceInfo, Verdict
+    from gpudiag.runner.admission import proven_on
+
+    uuid = "GPU-f00d0000-0000-4000-8000-000000000000"
+    now = 1_800_000_000.0
+
+    def verdict(proven_at: float) -> Verdict:
+        device = DeviceInfo(0, uuid, "H200", None, 1, 1, last_proven_at=rfc3339(now - 1))
+        return Verdict(
+            requirement=parse_requirement("cuda,jax"), blockers=(), warnings=(),
+            devices=(device,), backends={
+                "cuda": BackendStatus("ok", 0.1), "jax": BackendStatus(
+                    "ok", 1.0, detail={"proven_on": uuid})},
+            evidence={"proof": {"jax": {"where": "daemon", "runtime": "train",
+                                        "proven_at": rfc3339(proven_at)}}},
+            preallocation_disabled=True, host="n1", checked_at=rfc3339(now), source="daemon")
+
+    assert proven_on(verdict(now - 10), [uuid], now_wall=now)
+    # An hour-old proof of the job's runtime stands for nothing under the lock.
+    assert not proven_on(verdict(now - 3000), [uuid], now_wall=now)

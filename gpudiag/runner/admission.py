@@ -294,11 +294,19 @@ def proven_on(verdict: Verdict, uuids: Sequence[str], *, now_wall: float,
         proven = _wall(device.last_proven_at) if device is not None else None
         if proven is None or now_wall - proven > max_age_s:
             return False
+    proof = verdict.evidence.get("proof")
+    proofs = proof if isinstance(proof, Mapping) else {}
     for b in active:
         status = verdict.backends.get(b.name)
         if status is None or status.status != "ok":
             return False
         if b.name != "cuda" and status.detail.get("proven_on") not in uuids:
+            return False
+        # A backend proven in the job's environment by the daemon: that proof's own age
+        # counts (a runtime's proof may be up to its maximum age old: an hour by default).
+        entry = proofs.get(b.name)
+        when = _wall(entry.get("proven_at")) if isinstance(entry, Mapping) else None
+        if isinstance(entry, Mapping) and (when is None or now_wall - when > max_age_s):
             return False
     return True
 
