@@ -250,6 +250,9 @@ def _device(pynvml: Any, index: int) -> dict[str, Any]:
         dev["name"] = fields.read("name", lambda: _decode(pynvml.nvmlDeviceGetName(handle)))
         dev["pci_bus_id"] = fields.read(
             "pci_bus_id", lambda: _decode(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+        # The board's serial: the GPU's own identity across slots, reboots and RMAs.
+        dev["serial"] = fields.read("serial",
+                                    lambda: _decode(pynvml.nvmlDeviceGetSerial(handle)))
         dev.update(readings(pynvml, handle, fields.read))
         dev["ecc"] = _ecc(pynvml, handle, fields)
         dev["remapped_rows"] = fields.read("remapped_rows", lambda: _remapped(pynvml, handle))
