@@ -202,9 +202,14 @@ def _remapped(pynvml: Any, handle: Any) -> dict[str, int | bool]:
             "failure": bool(failure)}
 
 
+def throttle_reasons(mask: int) -> list[str]:
+    """The names of the clocks event (throttle) reasons set in ``mask``."""
+    return [n for bit, n in _THROTTLE_BITS.items() if mask & bit]
+
+
 def _throttle(pynvml: Any, handle: Any) -> dict[str, Any]:
     mask = int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
-    return {"mask": mask, "reasons": [n for bit, n in _THROTTLE_BITS.items() if mask & bit]}
+    return {"mask": mask, "reasons": throttle_reasons(mask)}
 
 
 def _mig(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, Any] | None:
