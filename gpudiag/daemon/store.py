@@ -283,6 +283,11 @@ def fingerprint(verdict: Verdict) -> str:
         "blockers": sorted([b.code, b.backend or "", b.device or ""] for b in verdict.blockers),
         "warnings": sorted([w.code, w.backend or "", w.device or ""] for w in verdict.warnings),
     }
+    # Which board sits in which slot: a GPU moved or replaced (an RMA) is a change to keep, so
+    # that the history by serial sees it. Left out where NVML gives no serial (as before).
+    boards = sorted([d.index, d.uuid or "", d.serial] for d in verdict.devices if d.serial)
+    if boards:
+        key["boards"] = boards
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 

@@ -115,6 +115,10 @@ def meter(gpus: list[str], interval_s: float, stdin: IO[bytes], out: IO[str]) ->
 
 
 def main(argv: list[str]) -> int:
+    # Nobody reads stderr once the run has the pid: a library's print must not block or fail.
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
     try:
         options = json.loads(argv[0]) if argv else {}
         gpus = [str(g) for g in options.get("gpus", [])]

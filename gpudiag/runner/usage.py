@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from gpudiag.core.usage import (
     usages_of,
 )
 from gpudiag.engine.statedir import default_state_dir
+from gpudiag.runner.attribution import RunWatcher, _prctl_subreaper
 
 METER_START_S = 10.0  # Python, pynvml and nvmlInit; a hung driver must not hold the job
 METER_STOP_S = 5.0
@@ -74,21 +76,49 @@ class JobMeter:
         self._env = probe_environment(env)
         self._interval_s = interval_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._pid: int | None = None  # the meter's own (the detach helper's child)
         self.start_error: str | None = None
+
+    def _kill(self) -> None:
+        """End the meter if it still runs and close the pipes to it."""
+        if self._pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self._pid, signal.SIGKILL)
+            self._pid = None
+        proc = self._proc
+        if proc is not None:
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
 
     def start(self, timeout_s: float = METER_START_S) -> None:
         """Start the meter and wait until it took its start readings."""
         if not self.gpus:
             return
         options = json.dumps({"gpus": self.gpus, "interval_s": self._interval_s})
+        # Detached, as the run's XID watcher is: `gpudiag run` waits for every process of the
+        # job's tree, and the meter must outlive the job's last one to take its end reading.
+        argv = [sys.executable, "-m", "gpudiag.runner.detach",
+                sys.executable, "-m", "gpudiag.probes.job_meter", options]
+        was = _prctl_subreaper(None)
+        if was:
+            _prctl_subreaper(0)  # the orphan must go to init, not come back to this process
         try:
             self._proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-                [sys.executable, "-m", "gpudiag.probes.job_meter", options], env=self._env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                close_fds=True, start_new_session=True)
-        except OSError as e:
+                argv, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, close_fds=True)
+            self._pid = RunWatcher._read_pid(self._proc, timeout_s)
+            self._proc.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired, ValueError) as e:
             self.start_error = f"the GPU meter could not be started: {e}"
+            self._kill()
             return
+        finally:
+            if was:
+                _prctl_subreaper(1)
         if not _read_line(self._proc, "ready", timeout_s):
             # usage also ends the wait: NVML was not usable and it said so at once.
             self.start_error = f"the GPU meter said nothing within {timeout_s:g} s"
@@ -103,12 +133,7 @@ class JobMeter:
             assert proc.stdin is not None
             proc.stdin.close()
         msg = _read_line(proc, "usage", timeout_s)
-        with contextlib.suppress(OSError):
-            proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=1.0)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        self._kill()
         self._proc = None
         found = {u.uuid: u for u in usages_of(msg.get("gpus"))}
         why = self.start_error or "the GPU meter gave no reading"
