@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from gpudiag.core.attribution import JobRecord
+from gpudiag.core.catalog import BLOCKERS
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.usage import BlockRecord
 from gpudiag.core.verdict import Verdict
@@ -250,10 +251,15 @@ class NumbersCollector(StateCollector[NumbersState]):
             "gpudiag_faults_flagged_before_xid",
             "Blocking XIDs whose GPU already had a finding (a qualification drift, a held "
             "throttle, a narrowed link) before the XID.", value=float(state.flagged_before))
-        yield from (_by_code("gpudiag_preflight_blocks",
-                             "Jobs gpudiag refused before they started, by the code.",
-                             state.preflight_blocks),
-                    _by_code("gpudiag_false_blockers",
+        blocks = CounterMetricFamily(
+            "gpudiag_preflight_blocks", "Jobs gpudiag refused before they started, by the code "
+            "(and its layer: device is a hardware fault caught before the job).",
+            labels=["code", "layer"])
+        for code, n in sorted(state.preflight_blocks.items()):
+            row = BLOCKERS.get(code)
+            blocks.add_metric([code, row.layer if row is not None else "unknown"], float(n))
+        yield blocks
+        yield from (_by_code("gpudiag_false_blockers",
                              "Blockers cleared by `gpudiag clear --no-repair`: nothing was "
                              "repaired, so the blocker was false.", state.false_blockers))
         yield state.incident_interval.family(
