@@ -32,6 +32,7 @@ from gpudiag.daemon.store import SCHEMA_VERSION, HistoryStore
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 from tests.support.host import run_gpudiag
+from tests.support.prometheus import PROMTOOL, promtool
 
 UUIDS = [f"GPU-f00d{i:04x}-0000-4000-8000-{i:012x}" for i in range(4)]
 SERIALS = [f"16500000000{i:02d}" for i in range(4)]
@@ -300,3 +301,9 @@ def test_a_run_shows_one_allocation_series_then_closes_out_with_energy_and_a_ref
         assert not list((rig.state_dir / JOB_INBOX).iterdir())
     finally:
         assert daemon.stop() == 0
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
+def test_the_weekly_numbers_recording_rules_pass_their_promtool_cases() -> None:
+    proc = promtool("test", "rules", "gpudiag.numbers.test.yml")
+    assert proc.returncode == 0 and "SUCCESS" in proc.stdout, proc.stdout + proc.stderr
