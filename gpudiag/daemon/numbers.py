@@ -259,9 +259,9 @@ class NumbersCollector(StateCollector[NumbersState]):
             row = BLOCKERS.get(code)
             blocks.add_metric([code, row.layer if row is not None else "unknown"], float(n))
         yield blocks
-        yield from (_by_code("gpudiag_false_blockers",
-                             "Blockers cleared by `gpudiag clear --no-repair`: nothing was "
-                             "repaired, so the blocker was false.", state.false_blockers))
+        yield _by_code("gpudiag_false_blockers",
+                       "Blockers cleared by `gpudiag clear --no-repair`: nothing was "
+                       "repaired, so the blocker was false.", state.false_blockers)
         yield state.incident_interval.family(
             "gpudiag_gpu_incident_interval_seconds",
             "Seconds between a GPU's incidents (by serial): a blocker appearing on a GPU that "
