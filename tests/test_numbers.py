@@ -345,7 +345,10 @@ def test_the_coverage_table_names_real_codes_and_tests() -> None:
                   "PCIe/NVLink", "NIC", "thermal interface/sensor",
                   "SDC (silent data corruption)", "software bug", "host maintenance"):
         assert cause in causes, cause
-    ids = {f"test_daemon_metrics_history_and_cli_agree[{('warning:' if c in matrix.WARNING_CASES else '') + c.id}]"
+    def param(c: Any) -> str:
+        return ("warning:" if c in matrix.WARNING_CASES else "") + str(c.id)
+
+    ids = {f"test_daemon_metrics_history_and_cli_agree[{param(c)}]"
            for c in matrix.DAEMON_CASES}
     ids |= {f"test_qualification_blockers_with_block_true[{c.id}]"
             for c in matrix.QUALIFY_BLOCK_CASES}
@@ -353,8 +356,7 @@ def test_the_coverage_table_names_real_codes_and_tests() -> None:
         covered = how != "not detected"
         assert covered == bool(tests), f"{cause}: a covered row names its tests, others none"
         for code in re.findall(r"`([a-z_]+)`", codes) if covered else ():
-            if code.startswith(("gpu_", "cuda_", "driver_", "jax_", "node_")) and not code.startswith(
-                    "gpudiag_"):
+            if code.startswith(("gpu_", "cuda_", "driver_", "jax_", "node_")):
                 assert code in BLOCKERS or code in WARNINGS, f"{cause}: {code}"
         for ref in re.findall(r"`tests/([a-z_]+)\.py::([^`]+)`", tests):
             module, test = ref
