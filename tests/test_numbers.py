@@ -365,3 +365,21 @@ def test_the_coverage_table_names_real_codes_and_tests() -> None:
             else:
                 mod = __import__(f"tests.{module}", fromlist=["_"])
                 assert hasattr(mod, test.split("[", 1)[0]), f"{cause}: no test {test}"
+
+
+def test_the_meter_says_why_energy_is_missing_and_never_makes_up_a_zero(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    from gpudiag.runner.usage import JobMeter
+
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   FAKE_NVML_UNSUPPORTED="energy", FAKE_NVML_MEMORY_USED_MIB="1:512")
+    meter = JobMeter([UUIDS[1]], env, interval_s=0.1)
+    meter.start()
+    time.sleep(0.3)
+    (usage,) = meter.stop()
+    assert usage.energy_joules is None and "energy" in (usage.why_missing or "")
+    assert usage.peak_memory_used_bytes == 512 * 2**20 and usage.samples >= 2
+    lost = JobMeter(["GPU-f00d0009-0000-4000-8000-000000000009"], env, interval_s=0.1)
+    lost.start()
+    (gone,) = lost.stop()
+    assert gone.energy_joules is None and gone.why_missing
