@@ -277,7 +277,7 @@ def _tail(text: Any, limit: int = EVIDENCE_TEXT_LIMIT) -> Any:
 
 def fingerprint(verdict: Verdict) -> str:
     """What makes a verdict a change: blocker, findings and where they apply, not timing."""
-    key = {
+    key: dict[str, Any] = {
         "requirement": [b.spec() for b in verdict.requirement.backends],
         "blocker": verdict.gpu_validation_blocker,
         "blockers": sorted([b.code, b.backend or "", b.device or ""] for b in verdict.blockers),
@@ -285,7 +285,7 @@ def fingerprint(verdict: Verdict) -> str:
     }
     # Which board sits in which slot: a GPU moved or replaced (an RMA) is a change to keep, so
     # that the history by serial sees it. Left out where NVML gives no serial (as before).
-    boards = sorted([d.index, d.uuid or "", d.serial] for d in verdict.devices if d.serial)
+    boards = sorted((d.index, d.uuid or "", d.serial) for d in verdict.devices if d.serial)
     if boards:
         key["boards"] = boards
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
