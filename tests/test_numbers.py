@@ -116,6 +116,9 @@ def test_an_allocation_shows_while_its_run_lives_once_per_leaf(tmp_path: Path) -
     reg.register(AllocationCollector(allocations.current))
     text = generate_latest(reg).decode()
     assert len(_samples(text, "gpudiag_gpu_allocation_info")) == 2
+    # Only leaves the daemon sees: a claim on any other UUID adds no series.
+    seen = Allocations(tmp_path, leaves=lambda: {UUIDS[1]})
+    assert [a.uuid for a in seen.poll()] == [UUIDS[1]]
     (folder / "0.json").unlink()
     (folder / "1.json").unlink()
     assert allocations.poll() == ()

@@ -20,6 +20,8 @@ from typing import Any, TypeGuard
 BLOCK_SCHEMA = "gpudiag.block/1"
 ALLOCATION_SCHEMA = "gpudiag.allocation/1"
 ALLOCATION_INBOX = "allocations"  # in the daemon's state directory, beside job-closeouts/
+MAX_LABEL = 128
+MAX_LEAVES = 512
 
 
 def _number(value: Any) -> TypeGuard[int | float]:
@@ -129,9 +131,11 @@ class AllocationRecord:
                 and _number(since)):
             raise ValueError("pid and since must be given")
         job, scheduler = rec.get("job"), rec.get("scheduler")
-        return cls(pid, _strings(rec.get("gpus")), str(job) if job not in (None, "") else None,
-                   str(scheduler) if isinstance(scheduler, str) and scheduler else "none",
-                   float(since))
+        # Label values: bounded (a claim anyone can write must not make a 16 KiB label).
+        return cls(pid, _strings(rec.get("gpus"))[:MAX_LEAVES],
+                   str(job)[:MAX_LABEL] if job not in (None, "") else None,
+                   scheduler[:MAX_LABEL] if isinstance(scheduler, str) and scheduler
+                   else "none", float(since))
 
 
 def job_scheduler(env_job_id: str | None) -> tuple[str | None, str]:

@@ -21,7 +21,7 @@ import logging
 import os
 import pwd
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from gpudiag.daemon.collectors import StateCollector
 log = logging.getLogger("gpudiag.daemon.allocations")
 INBOX_MODE = 0o1733
 MAX_FILE_BYTES = 16 * 1024
+MAX_FILES = 1024  # read per loop: anyone may write here, nobody may make the loop crawl
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,13 @@ class Allocations:
     """Reads the allocation files on each loop; ``current()`` is what the collector shows."""
 
     def __init__(self, state_dir: Path, *, proc: Path = Path("/proc"),
-                 owner_name: Callable[[int], str] = _owner_name) -> None:
+                 owner_name: Callable[[int], str] = _owner_name,
+                 leaves: Callable[[], Collection[str] | None] = lambda: None) -> None:
+        """``leaves``: the GPU and MIG UUIDs the daemon sees now (None: not known yet, take
+        any full UUID); a claim on any other UUID is not shown, so the series stay at most
+        one per real leaf whatever the files say."""
         self.folder = state_dir / ALLOCATION_INBOX
+        self._leaves = leaves
         self._proc = proc
         self._owner_name = owner_name
         self._lock = threading.Lock()
@@ -90,7 +96,8 @@ class Allocations:
     def poll(self) -> tuple[Allocation, ...]:
         """Read every file; keep those whose run lives; remove the others' files."""
         found: dict[str, Allocation] = {}
-        for name in inbox_names(self.folder, self._refused):
+        known = self._leaves()
+        for name in inbox_names(self.folder, self._refused)[:MAX_FILES]:
             path = self.folder / name
             try:
                 raw, st = read_regular(path, MAX_FILE_BYTES)
@@ -106,7 +113,7 @@ class Allocations:
             user = self._owner_name(st.st_uid)
             job = record.job or f"pid-{record.pid}"
             for uuid in record.gpus:
-                if not is_full_uuid(uuid):
+                if not is_full_uuid(uuid) or (known is not None and uuid not in known):
                     continue
                 held = found.get(uuid)
                 # At most one series per leaf: the earliest claim (the lock's first holder).

@@ -103,6 +103,10 @@ class _Pending:
     fault_wall: float
 
 
+# Findings that say nothing about the part's health: not a sign "before the XID".
+NOT_PRECURSORS = frozenset({"gpu_persistence_off", "gpu_fault_outside_selection"})
+
+
 def gpu_findings(verdict: Verdict | None, *, blockers_only: bool = False,
                  xids: bool = True) -> dict[str, set[str]]:
     """GPU UUID -> the codes of the verdict's findings on it (``xids`` False: leaving out
@@ -112,7 +116,8 @@ def gpu_findings(verdict: Verdict | None, *, blockers_only: bool = False,
         return out
     findings = [*verdict.blockers, *(() if blockers_only else verdict.warnings)]
     for f in findings:
-        if f.device and (xids or not XID_MESSAGE.match(f.message)):
+        if f.device and (xids or not (XID_MESSAGE.match(f.message)
+                                      or f.code in NOT_PRECURSORS)):
             out.setdefault(f.device, set()).add(f.code)
     return out
 

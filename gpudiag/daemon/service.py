@@ -241,7 +241,7 @@ class DaemonService:
             with contextlib.suppress(HistoryError):  # intervals then start afresh
                 numbers.seed_incidents(recorder.store.incident_times())
         clears, jobs = self._inboxes(recorder, watcher)
-        allocations = Allocations(self.state_dir)
+        allocations = Allocations(self.state_dir, leaves=self._leaves)
         try:
             allocations.prepare()
         except OSError as e:
@@ -377,6 +377,11 @@ class DaemonService:
         there is nothing to wake: its first snapshot reads the watcher."""
         if self._scheduler is not None:
             self._scheduler.wake()
+
+    def _leaves(self) -> set[str] | None:
+        """The GPU and MIG leaves the daemon sees now (None before its first reading)."""
+        scope = self._scheduler.snapshot().scope if self._scheduler is not None else None
+        return set(scope.occupancy) if scope is not None else None
 
     def _recheck(self) -> None:
         """A clear re-runs the probes (it comes from the scheduler's own tick, so it exists)."""
