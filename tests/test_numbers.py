@@ -370,6 +370,7 @@ def test_the_coverage_table_names_real_codes_and_tests() -> None:
                 assert hasattr(mod, test.split("[", 1)[0]), f"{cause}: no test {test}"
 
 
+@pytest.mark.slow
 def test_the_meter_says_why_energy_is_missing_and_never_makes_up_a_zero(
         fakes: FakeDriver, tmp_path: Path) -> None:
     from gpudiag.runner.usage import JobMeter
