@@ -23,6 +23,9 @@ BEGIN = "<!-- alerts: generated from prometheus/gpudiag.rules.yml by scripts/gen
 END = "<!-- /alerts -->"
 
 FIRES_WHEN = {
+    "GpudiagFalseBlockerBudgetExceeded": "the fleet cleared more than 1 false blocker "
+                                         "(`gpudiag clear --no-repair`) per 100 nodes in a "
+                                         "day (docs/numbers.md)",
     "GpudiagGpuLinkDown": "a GPU has NVLink links down or its NVSwitch fabric is not ready "
                           "(`gpudiag_gpu_condition`)",
     "GpudiagGpuDegraded": "a GPU shows a degraded PCIe link, held clock events, memory no "

@@ -209,9 +209,10 @@ def test_clears_are_recorded_read_back_and_pruned_with_the_history(tmp_path: Pat
         store.record_clear(uid=1000, gpu="GPU-x", reason="reseated", released=2, now=10.0)
         store.record_clear(uid=0, gpu=None, reason="", released=0, now=200.0)
         assert [c.record() for c in store.clears()] == [
-            {"id": 2, "ts": 200.0, "uid": 0, "gpu": None, "reason": "", "released_xids": 0},
+            {"id": 2, "ts": 200.0, "uid": 0, "gpu": None, "reason": "", "released_xids": 0,
+             "serial": None, "no_repair": False, "codes": []},
             {"id": 1, "ts": 10.0, "uid": 1000, "gpu": "GPU-x", "reason": "reseated",
-             "released_xids": 2}]
+             "released_xids": 2, "serial": None, "no_repair": False, "codes": []}]
         assert [c.id for c in store.clears(since=100.0)] == [2]
         store.prune(now=250.0)
         assert [c.id for c in store.clears()] == [2]

@@ -32,16 +32,21 @@ _KNOWN_FROM = 200
                    "gpudiag clear --gpu 3 --reason 'nvidia-smi -r -i 3'",
                    "gpudiag clear --gpu GPU-5f3a2b1c --reason 'reseated'",
                    "gpudiag clear --gpu 0000:1b:00.0 --reason 'reseated'",
-                   "sudo -u gpudiag gpudiag clear --all --reason 'node rebooted'"))
+                   "sudo -u gpudiag gpudiag clear --all --reason 'node rebooted'",
+                   "gpudiag clear --gpu 2 --no-repair --reason 'false alarm: passed dcgmi diag'"))
 @click.option("--gpu", "gpu", metavar="GPU",
               help="The repaired GPU: its index, full UUID, a unique UUID prefix (as in "
                    "`gpudiag probe`'s table) or PCI bus id, as `nvidia-smi -i` takes them.")
 @click.option("--all", "all_gpus", is_flag=True, help="Clear every GPU.")
 @click.option("--reason", default="", metavar="TEXT",
               help="Why (the repair done); recorded in the history with your uid.")
+@click.option("--no-repair", is_flag=True,
+              help="Nothing was repaired: the blockers this clears were false (counted in "
+                   "gpudiag_false_blockers_total{code}; docs/numbers.md gives the budget).")
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="The daemon's state dir.  [default: as for `gpudiag serve`]")
-def clear(gpu: str | None, all_gpus: bool, reason: str, state_dir: str | None) -> None:
+def clear(gpu: str | None, all_gpus: bool, reason: str, no_repair: bool,
+          state_dir: str | None) -> None:
     """Release the XID blockers the daemon holds for a repaired GPU, then re-probe at once.
 
     A GPU that still fails is blocked again by that probe round. Only a user who can write
@@ -60,7 +65,7 @@ def clear(gpu: str | None, all_gpus: bool, reason: str, state_dir: str | None) -
     if gpu is not None and not (gpu.startswith(("GPU-", "MIG-")) and is_full_uuid(gpu)):
         gpu = _full_uuid(gpu, folder)
     try:
-        path = write_request(folder, gpu, reason)
+        path = write_request(folder, gpu, reason, no_repair=no_repair)
     except OSError as e:
         if e.errno in _REFUSED:
             raise click.UsageError(
@@ -69,7 +74,8 @@ def clear(gpu: str | None, all_gpus: bool, reason: str, state_dir: str | None) -
                 "GPU: run this as the daemon's user (e.g. sudo -u gpudiag) or as root") from e
         raise _Failed(f"could not write the clear request into {folder}: "
                       f"{e.strerror or e}") from e
-    click.echo(f"clear of {gpu or 'all GPUs'} requested ({path.name}); the running daemon "
+    click.echo(f"clear of {gpu or 'all GPUs'}{' (no repair: a false blocker)' if no_repair else ''}"
+               f" requested ({path.name}); the running daemon "
                "applies it on its next loop, re-probes at once, and records it in "
                "`gpudiag history`")
 

@@ -179,6 +179,68 @@ def parse_since(text: str) -> float:
     return float(m.group(1)) * _SINCE_UNITS[m.group(2)]
 
 
+def _gpu_history(folder: Path, serial: str | None, worst: int | None, since: float | None,
+                 limit: int, as_json: bool) -> None:
+    """``--serial`` (one GPU's history) or ``--worst`` (the repeat offenders)."""
+    from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
+
+    path = default_path(folder)
+    if not path.is_file():
+        raise _Unusable(f"no history at {path}: pass the --state-dir the daemon uses")
+    try:
+        store = HistoryStore(path, readonly=True)
+        try:
+            if worst is not None:
+                offenders = store.worst(worst, since=since)
+                data: dict[str, Any] = {"worst": [o.record() for o in offenders]}
+            else:
+                data = {"serial": serial,
+                        "identities": [i.record() for i in store.identities(serial=serial)],
+                        "episodes": [e.record() for e in store.episodes(
+                            since=since, limit=limit, serial=serial)],
+                        "xids": [x.record() for x in store.xids(since=since, limit=limit,
+                                                                serial=serial)],
+                        "clears": [c.record() for c in store.clears(
+                            since=since, limit=limit, serial=serial)]}
+        finally:
+            store.close()
+    except HistoryError as e:
+        raise _Failed(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    elif worst is not None:
+        _say_worst(data["worst"])
+    else:
+        _say_serial(data)
+
+
+def _say_worst(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        click.echo("no incidents on any GPU with a known serial")
+    for r in rows:
+        click.echo(f"{r['serial']:<16} {r['incidents']:>4} incident(s)  last {_when(r['last'])}"
+                   f"  {','.join(r['codes'])}  ({', '.join(r['uuids'])})")
+
+
+def _say_serial(data: dict[str, Any]) -> None:
+    if not data["identities"]:
+        click.echo(f"no GPU with serial {data['serial']} in this history")
+        return
+    click.echo(f"GPU serial {data['serial']}:")
+    for i in data["identities"]:
+        click.echo(f"  slot {i['gpu_index']}  {i['uuid']}  {i['pci_bus_id'] or '-'}  "
+                   f"{_when(i['first_seen'])} .. {_when(i['last_seen'])}")
+    for ep in data["episodes"]:
+        end = "ongoing" if ep["ended"] is None else _when(ep["ended"])
+        click.echo(f"{_when(ep['started'])} .. {end}  {ep['code']}  {ep['device']}: "
+                   f"{ep['message']}")
+    for x in data["xids"]:
+        click.echo(f"{_when(x['ts'])}  XID {x['xid']}  GPU {x['gpu_index']} {x['uuid']}")
+    for c in data["clears"]:
+        click.echo(f"{_when(c['ts'])}  cleared by uid {c['uid']}"
+                   f"{' (no repair)' if c['no_repair'] else ''}: {c['reason'] or '-'}")
+
+
 def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
 
@@ -187,7 +249,9 @@ def _when(ts: float) -> str:
                epilog=examples(
                    "gpudiag history                     # the last 50 changes",
                    "gpudiag history --since 1h --blocked",
-                   "gpudiag history --state-dir /var/lib/gpudiag --format json | jq .episodes"))
+                   "gpudiag history --state-dir /var/lib/gpudiag --format json | jq .episodes",
+                   "gpudiag history --serial 1650000000003   # one GPU, whatever its slot",
+                   "gpudiag history --worst 10 --since 30d   # the repeat offenders"))
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="The daemon's state dir.  [default: as for `gpudiag serve`]")
 @click.option("--since", "since_text", metavar="DURATION",
@@ -199,12 +263,25 @@ def _when(ts: float) -> str:
               help="Output format: text for people, json (verdicts, episodes, clears).  "
               "[default: text]")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+@click.option("--serial", metavar="SERIAL",
+              help="One GPU's own history by its board serial (nvidia-smi -q: Serial Number), "
+                   "across reboots, slot moves and UUIDs: its slots, episodes, XIDs, clears.")
+@click.option("--worst", type=click.IntRange(1, 100000), metavar="N",
+              help="The N GPUs (by serial) with the most incidents (blocker episodes opened "
+                   "at distinct times).")
 def history(state_dir: str | None, since_text: str | None, blocked: bool, limit: int,
-            fmt: str | None, as_json: bool) -> None:
+            fmt: str | None, as_json: bool, serial: str | None, worst: int | None) -> None:
     """Show the daemon's verdict changes and blocker episodes (works while it runs)."""
     if as_json and fmt not in (None, "json"):
         raise click.UsageError(f"--json and --format {fmt} disagree; give one of them")
+    if serial is not None and worst is not None:
+        raise click.UsageError("give one of --serial SERIAL or --worst N")
     as_json = as_json or fmt == "json"
+    if serial is not None or worst is not None:
+        since = time.time() - parse_since(since_text) if since_text else None
+        _gpu_history(Path(state_dir) if state_dir else default_state_dir(), serial, worst,
+                     since, limit, as_json)
+        return
     from gpudiag.daemon.statedir import damaged_histories
     from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
 

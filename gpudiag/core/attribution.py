@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from gpudiag.core.clock import rfc3339
+from gpudiag.core.usage import GpuUsage, usages_of
 from gpudiag.core.xids import APPLICATION, LOST, REBOOT, RESET, xid_code, xid_description
 
 HARDWARE = "hardware"
@@ -259,6 +260,8 @@ class JobRecord:
     gpus: tuple[str, ...]
     attribution: Attribution
     closeout: str | None  # closeout.json's path
+    # Per GPU: energy, peak memory, throttle reasons, XIDs (gpudiag.core.usage).
+    gpu_usage: tuple[GpuUsage, ...] = ()
 
     def record(self) -> dict[str, Any]:
         """The inbox file's JSON."""
@@ -266,7 +269,8 @@ class JobRecord:
                 "argv": list(self.argv), "slurm_job_id": self.slurm_job_id, "host": self.host,
                 "started": self.started, "ended": self.ended, "exit_code": self.exit_code,
                 "gpus": list(self.gpus), "attribution": self.attribution.record(),
-                "closeout": self.closeout}
+                "closeout": self.closeout,
+                "gpu_usage": [u.record() for u in self.gpu_usage]}
 
     @property
     def window(self) -> Window:
@@ -292,4 +296,4 @@ class JobRecord:
                    str(slurm) if slurm not in (None, "") else None, str(rec.get("host") or ""),
                    float(started), float(ended), code,
                    tuple(str(g) for g in rec.get("gpus") or []), attribution,
-                   _opt_str(rec.get("closeout")))
+                   _opt_str(rec.get("closeout")), usages_of(rec.get("gpu_usage")))

@@ -287,7 +287,7 @@ def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None,
     pids = (tuple(sorted({p.pid for p in procs if p.pid is not None}))
             if d.processes is not None or procs else None)
     util, temp = d.readings.utilization_gpu_ratio, d.readings.temperature_c
-    return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name,
+    return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, serial=d.serial,
                       pci_bus_id=(sysfs_bus_id or d.pci_bus_id) if remembered
                       else d.pci_bus_id or sysfs_bus_id,
                       uuid_source=("last_seen" if remembered else "nvml" if d.uuid else None),

@@ -19,6 +19,9 @@ class XidEvent:
     device_index: int | None
     uuid: str | None
     timestamp: float
+    # The fault's own time: the watcher child's clock when NVML delivered the event (the
+    # daemon's ``timestamp`` comes a pipe read later). Not part of the event's identity.
+    fault_ts: float | None = field(default=None, compare=False)
 
 
 @dataclass

@@ -270,6 +270,7 @@ class NvmlDevice:
     uuid: str | None = field(default=None, metadata=from_json(then=_or_none))
     name: str | None = None
     pci_bus_id: str | None = None
+    serial: str | None = field(default=None, metadata=from_json(then=_or_none))
     # The readings are the device record's own fields (the watcher's vocabulary).
     readings: GpuReadings = field(default_factory=GpuReadings, metadata=from_json(whole=True))
     processes: tuple[GpuProcess, ...] | None = None

@@ -175,6 +175,9 @@ class DeviceInfo:
     # Where ``uuid`` comes from: "nvml" (read now), "last_seen" (NVML cannot read it now, a
     # lost GPU: the daemon names it by the UUID its index last had), None (no UUID).
     uuid_source: str | None = None
+    # The board serial NVML reports (nvmlDeviceGetSerial): the GPU's identity across slots,
+    # reboots and RMAs, which history keys on beside the UUID; None where NVML has none.
+    serial: str | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -187,7 +190,7 @@ class DeviceInfo:
                 "pids": None if self.pids is None else list(self.pids),
                 "processes": None if self.processes is None
                 else [p.record() for p in self.processes],
-                "uuid_source": self.uuid_source}
+                "uuid_source": self.uuid_source, "serial": self.serial}
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:

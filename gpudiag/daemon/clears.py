@@ -42,6 +42,8 @@ class ClearRequest:
     reason: str
     uid: int
     requested_wall: float
+    # `gpudiag clear --no-repair`: nothing was repaired, so what it clears was a false blocker.
+    no_repair: bool = False
 
 
 def request_dir(state_dir: Path) -> Path:
@@ -50,14 +52,14 @@ def request_dir(state_dir: Path) -> Path:
 
 
 def write_request(state_dir: Path, gpu: str | None, reason: str,
-                  now: Callable[[], float] = time.time) -> Path:
+                  now: Callable[[], float] = time.time, *, no_repair: bool = False) -> Path:
     """Write a request file atomically; OSError (e.g. EACCES) goes to the caller."""
     folder = request_dir(state_dir)
     if not folder.is_dir():
         folder.mkdir(mode=0o700)
     wall = now()
     body = json.dumps({"gpu": gpu, "reason": reason[:MAX_REASON_CHARS],
-                       "requested_wall": wall}) + "\n"
+                       "requested_wall": wall, "no_repair": no_repair}) + "\n"
     name = f"{time.time_ns()}-{os.getpid()}"
     tmp = folder / f".{name}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -93,7 +95,10 @@ def read_request(path: Path) -> ClearRequest:
         raise ClearRequestError(f"reason {reason!r} is not a string")
     if isinstance(wall, bool) or not isinstance(wall, (int, float)):
         raise ClearRequestError(f"requested_wall {wall!r} is not a time")
-    return ClearRequest(gpu, reason[:MAX_REASON_CHARS], st.st_uid, float(wall))
+    no_repair = data.get("no_repair", False)
+    if not isinstance(no_repair, bool):
+        raise ClearRequestError(f"no_repair {no_repair!r} is not true or false")
+    return ClearRequest(gpu, reason[:MAX_REASON_CHARS], st.st_uid, float(wall), no_repair)
 
 
 class ClearPoller:

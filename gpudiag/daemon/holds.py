@@ -37,7 +37,8 @@ MAX_PENDING_XIDS = 4096
 
 # How classify words the blockers an XID makes ("GPU 3: XID 79 (fallen off the bus)",
 # "GPU 0: critical XID 48 (...)"); tests/test_holds.py reads them from classify itself.
-_XID_MESSAGE = re.compile(r"^GPU ([0-9]+): (?:critical )?XID ([0-9]+) ")
+XID_MESSAGE = re.compile(r"^GPU ([0-9]+): (?:critical )?XID ([0-9]+) ")
+_XID_MESSAGE = XID_MESSAGE
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from gpudiag.core.attribution import JOB_INBOX, KINDS, NONE, JobRecord
 from gpudiag.core.fileio import RefusedFile, inbox_names, read_regular
+from gpudiag.core.usage import BLOCK_SCHEMA, BlockRecord
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.store import HistoryError, HistoryStore
 
@@ -39,13 +40,24 @@ class JobRecordError(ValueError):
 
 
 def read_job(path: Path) -> tuple[JobRecord, int]:
-    """One inbox file's record and its owner's uid."""
+    """One inbox file's job record and its owner's uid."""
+    found, uid = read_inbox_file(path)
+    if not isinstance(found, JobRecord):
+        raise JobRecordError(f"a {BLOCK_SCHEMA} record, not a job's")
+    return found, uid
+
+
+def read_inbox_file(path: Path) -> tuple[JobRecord | BlockRecord, int]:
+    """One inbox file's record (a job's closeout, or a refused run's block) and its owner."""
     try:
         raw, st = read_regular(path, MAX_RECORD_BYTES)
     except RefusedFile as e:
         raise JobRecordError(str(e)) from e
     try:
-        return JobRecord.from_record(json.loads(raw)), st.st_uid
+        data = json.loads(raw)
+        if isinstance(data, dict) and data.get("schema") == BLOCK_SCHEMA:
+            return BlockRecord.from_record(data), st.st_uid
+        return JobRecord.from_record(data), st.st_uid
     except (ValueError, RecursionError) as e:
         raise JobRecordError(str(e)) from e
 
@@ -53,10 +65,15 @@ def read_job(path: Path) -> tuple[JobRecord, int]:
 class JobInbox:
     """Takes in the inbox's records; ``poll()`` runs on each scheduler loop."""
 
-    def __init__(self, state_dir: Path, *, record: Callable[[JobRecord, int], bool]) -> None:
-        """``record`` keeps a record in the history; False when it could not."""
+    def __init__(self, state_dir: Path, *, record: Callable[[JobRecord, int], bool],
+                 on_job: Callable[[JobRecord], object] | None = None,
+                 on_block: Callable[[BlockRecord], object] | None = None) -> None:
+        """``record`` keeps a record in the history; False when it could not. ``on_job``
+        gets each job once, as it is counted; ``on_block`` each refused run's record."""
         self.folder = state_dir / JOB_INBOX
         self._record = record
+        self._on_job = on_job or (lambda job: None)
+        self._on_block = on_block or (lambda block: None)
         self._counted: set[str] = set()
         self._refused: set[str] = set()
         self._lock = threading.Lock()
@@ -80,7 +97,7 @@ class JobInbox:
         for name in inbox_names(self.folder, self._refused):
             path = self.folder / name
             try:
-                job, uid = read_job(path)
+                found, uid = read_inbox_file(path)
             except JobRecordError as e:
                 log.warning("job record %s refused: %s; deleted", path, e,
                             extra={"record": str(path), "error": str(e)})
@@ -89,8 +106,15 @@ class JobInbox:
                 except OSError:
                     self._refused.add(name)  # cannot remove it: at least do not retry it
                 continue
+            if isinstance(found, BlockRecord):
+                self._on_block(found)  # counted once: the file goes now
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            job = found
             if name not in self._counted:
                 self._counted.add(name)
+                self._on_job(job)
                 if job.attribution.kind in self._counts:
                     with self._lock:
                         self._counts[job.attribution.kind] += 1

@@ -18,13 +18,14 @@ the scheduler's probes) and ``_written`` (a history opened late reaches the app)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -33,11 +34,13 @@ from typing import Any
 
 from gpudiag.core.attribution import JobRecord
 from gpudiag.core.environment import CACHE_VARIABLE, probe_environment
+from gpudiag.core.findings import XidEvent
 from gpudiag.core.limits import EXIT_FAILED, EXIT_USAGE
 from gpudiag.core.qualify_verdict import qualification_findings
 from gpudiag.core.readiness import GpuOccupancy
 from gpudiag.core.verdict import Verdict, change_summary
 from gpudiag.daemon import nvlinks
+from gpudiag.daemon.allocations import AllocationCollector, Allocations
 from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.app import serve as http_serve
 from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
@@ -49,6 +52,7 @@ from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.nfd import NfdFeatureFile
+from gpudiag.daemon.numbers import Numbers, NumbersCollector
 from gpudiag.daemon.qualifier import Qualifier, QualifierState
 from gpudiag.daemon.qualify_exporter import QualificationCollector
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
@@ -133,6 +137,7 @@ class DaemonService:
         self._stop = threading.Event()  # SIGTERM/SIGINT or request_stop()
         self._hup = threading.Event()   # SIGHUP: applied by wait(), on the main thread
         self._verdicts = VerdictLog()
+        self._numbers = Numbers()  # time to detect, catch rate, false blockers (numbers.py)
         # Built by start(); the three callbacks that point back at them check for None.
         self._scheduler: Scheduler | None = None
         self._app: DaemonApp | None = None
@@ -227,17 +232,29 @@ class DaemonService:
         writer = RecorderThread(recorder, partial(self._written, recorder))
         # Each XID goes to the history (its writer starts before the watcher) so that a
         # restart holds it again; the history's holds are handed back before anything starts.
+        numbers = self._numbers
         watcher = XidWatcher(cfg.xid, probe_environment(self._env),
-                             on_change=self._xid_changed, on_xid=XidKeeper(writer))
+                             on_change=self._xid_changed,
+                             on_xid=partial(_each_xid, (XidKeeper(writer), numbers.fault)))
         history_state = restore_holds(before, recorder, watcher, hold_s=cfg.xid.hold_s)
+        if isinstance(recorder.store, HistoryStore):
+            with contextlib.suppress(HistoryError):  # intervals then start afresh
+                numbers.seed_incidents(recorder.store.incident_times())
         clears, jobs = self._inboxes(recorder, watcher)
+        allocations = Allocations(self.state_dir, leaves=self._leaves)
+        try:
+            allocations.prepare()
+        except OSError as e:
+            raise StartError(f"cannot use --state-dir {self.state_dir}: {e}") from e
         locks = self._lock_dir()
         self._scheduler = scheduler = Scheduler(
             cfg, env=probe_cache_environment(self._env, self.state_dir), notifier=notifier,
             watcher=watcher,
-            on_tick=partial(_poll_inboxes, (clears.poll, jobs.poll)), history=history_state,
+            on_tick=partial(_poll_inboxes, (clears.poll, jobs.poll, allocations.poll)),
+            history=history_state,
             lock_dir=locks.path, nvlinks_file=self.state_dir / nvlinks.FILE_NAME,
             runtimes_dir=self.state_dir / "runtimes")
+        scheduler.on_snapshot(numbers.verdict)
         scheduler.on_snapshot(partial(_record, writer))
         if cfg.nfd_features_file is not None:
             scheduler.on_snapshot(partial(_label, NfdFeatureFile(cfg.nfd_features_file,
@@ -252,6 +269,8 @@ class DaemonService:
         app.registry.register(ReloadCollector(reloader.state))
         qualifier = self._start_qualifier(scheduler, app)
         app.registry.register(JobFailuresCollector(jobs.counts))
+        app.registry.register(NumbersCollector(numbers.state))
+        app.registry.register(AllocationCollector(allocations.current))
         try:
             servers = self._listen(app)
         except BaseException:
@@ -264,8 +283,10 @@ class DaemonService:
                  ) -> tuple[ClearPoller, JobInbox]:
         """The `gpudiag clear` requests and the jobs' records the loop takes in each tick."""
         clears = ClearPoller(self.state_dir, release=watcher.clear,
-                             record=partial(record_clear, recorder), recheck=self._recheck)
-        jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder))
+                             record=partial(_cleared, recorder, self._numbers),
+                             recheck=self._recheck)
+        jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder),
+                        on_job=self._numbers.job, on_block=self._numbers.blocked)
         try:
             clears.prepare()
             jobs.prepare()
@@ -358,6 +379,11 @@ class DaemonService:
         if self._scheduler is not None:
             self._scheduler.wake()
 
+    def _leaves(self) -> set[str] | None:
+        """The GPU and MIG leaves the daemon sees now (None before its first reading)."""
+        scope = self._scheduler.snapshot().scope if self._scheduler is not None else None
+        return set(scope.occupancy) if scope is not None else None
+
     def _recheck(self) -> None:
         """A clear re-runs the probes (it comes from the scheduler's own tick, so it exists)."""
         if self._scheduler is not None:
@@ -398,7 +424,21 @@ class VerdictLog:
             self._logged = verdict
 
 
-def record_clear(recorder: HistoryRecorder, request: ClearRequest, released: int) -> None:
+def _cleared(recorder: HistoryRecorder, numbers: Numbers, request: ClearRequest,
+             released: int) -> None:
+    """An applied clear: counted (false blockers when nothing was repaired) and kept."""
+    codes = numbers.cleared(request.gpu, request.no_repair)
+    record_clear(recorder, request, released, codes)
+
+
+def _each_xid(callbacks: tuple[Callable[[XidEvent], object], ...], event: XidEvent) -> None:
+    """Hand one XID to each callback (the history's keeper, the numbers)."""
+    for callback in callbacks:
+        callback(event)
+
+
+def record_clear(recorder: HistoryRecorder, request: ClearRequest, released: int,
+                 codes: Sequence[str] = ()) -> None:
     """Keep an applied ``gpudiag clear`` in the history, or say why it is not kept."""
     # The store is locked per call; it may be missing while the disk is full.
     history = recorder.store
@@ -411,7 +451,8 @@ def record_clear(recorder: HistoryRecorder, request: ClearRequest, released: int
         # Stamped with the time up to which XIDs were released (the request's), so that a
         # restart re-arms exactly the XIDs the watcher still holds (daemon/holds.py).
         history.record_clear(uid=request.uid, gpu=request.gpu, reason=request.reason,
-                             released=released, now=min(request.requested_wall, time.time()))
+                             released=released, now=min(request.requested_wall, time.time()),
+                             no_repair=request.no_repair, codes=codes)
     except HistoryError as e:
         log.warning("clear of %s applied but not recorded: %s%s", request.gpu or "all GPUs",
                     e, again, extra={"uid": request.uid})

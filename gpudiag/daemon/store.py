@@ -23,7 +23,7 @@ from gpudiag.core.findings import XidEvent
 from gpudiag.core.redact import redact_text
 from gpudiag.core.verdict import Verdict
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: serials (issue 43); _migrate() brings a version-1 history up
 EVIDENCE_TEXT_LIMIT = 4096
 DB_NAME = "history.sqlite3"
 
@@ -62,7 +62,22 @@ CREATE TABLE IF NOT EXISTS xids (
     uuid TEXT
 );
 CREATE INDEX IF NOT EXISTS xids_ts ON xids (ts);
+CREATE TABLE IF NOT EXISTS gpu_identities (
+    serial TEXT NOT NULL,
+    uuid TEXT NOT NULL,
+    gpu INTEGER NOT NULL,
+    pci_bus_id TEXT,
+    first_seen REAL NOT NULL,
+    last_seen REAL NOT NULL,
+    PRIMARY KEY (serial, uuid, gpu)
+);
 """
+# Schema 2 keys every per-GPU row by the board's serial as well as its UUID (after an RMA or a
+# slot move the slot's history would mix two parts): columns added to a version-1 history by
+# _migrate(), NULL on its old rows (their serial was never read). ``gpu_identities`` says which
+# serial carried which UUID in which slot, and when.
+_SERIAL_COLUMNS = (("episodes", "serial"), ("xids", "serial"), ("clears", "serial"),
+                   ("clears", "no_repair"), ("clears", "codes"))
 # Held XIDs are re-armed from ``xids`` at start (daemon/holds.py); the table is new in round 3
 # and CREATE ... IF NOT EXISTS adds it to an older history when the daemon opens it.
 # Created with the first `gpudiag clear` (most nodes never have one): the base schema above
@@ -74,7 +89,10 @@ CREATE TABLE IF NOT EXISTS clears (
     uid INTEGER NOT NULL,
     gpu TEXT,
     reason TEXT NOT NULL,
-    released INTEGER NOT NULL
+    released INTEGER NOT NULL,
+    serial TEXT,
+    no_repair INTEGER,
+    codes TEXT
 )"""
 
 # Created with the first job closeout, as clears are: the jobs that closed out on this node,
@@ -102,10 +120,11 @@ class StoredXid:
     xid: int
     gpu_index: int | None
     uuid: str | None
+    serial: str | None = None
 
     def record(self) -> dict[str, Any]:
         return {"id": self.id, "ts": self.ts, "xid": self.xid, "gpu_index": self.gpu_index,
-                "uuid": self.uuid}
+                "uuid": self.uuid, "serial": self.serial}
 
 
 @dataclass(frozen=True)
@@ -131,10 +150,16 @@ class ClearEntry:
     gpu: str | None
     reason: str
     released: int  # held XIDs it released
+    serial: str | None = None
+    # The operator said no repair was done (`gpudiag clear --no-repair`): the blockers it
+    # cleared (``codes``) were false blockers. None in a history from before schema 2.
+    no_repair: bool | None = None
+    codes: tuple[str, ...] = ()
 
     def record(self) -> dict[str, Any]:
         return {"id": self.id, "ts": self.ts, "uid": self.uid, "gpu": self.gpu,
-                "reason": self.reason, "released_xids": self.released}
+                "reason": self.reason, "released_xids": self.released, "serial": self.serial,
+                "no_repair": self.no_repair, "codes": list(self.codes)}
 
 
 class HistoryError(Exception):
@@ -202,11 +227,46 @@ class Episode:
     ended: float | None
     message: str
     evidence: Mapping[str, Any]
+    serial: str | None = None  # the board serial of ``device``'s GPU, when known
 
     def record(self) -> dict[str, Any]:
         return {"id": self.id, "code": self.code, "layer": self.layer,
                 "backend": self.backend, "device": self.device, "started": self.started,
-                "ended": self.ended, "message": self.message, "evidence": dict(self.evidence)}
+                "ended": self.ended, "message": self.message, "evidence": dict(self.evidence),
+                "serial": self.serial}
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """One (serial, UUID, slot) the history has seen, first and last."""
+
+    serial: str
+    uuid: str
+    gpu_index: int
+    pci_bus_id: str | None
+    first_seen: float
+    last_seen: float
+
+    def record(self) -> dict[str, Any]:
+        return {"serial": self.serial, "uuid": self.uuid, "gpu_index": self.gpu_index,
+                "pci_bus_id": self.pci_bus_id, "first_seen": self.first_seen,
+                "last_seen": self.last_seen}
+
+
+@dataclass(frozen=True)
+class Offender:
+    """A GPU (by serial) and its incidents: blocker episodes opened on it at distinct times."""
+
+    serial: str
+    incidents: int
+    first: float
+    last: float
+    codes: tuple[str, ...]
+    uuids: tuple[str, ...]
+
+    def record(self) -> dict[str, Any]:
+        return {"serial": self.serial, "incidents": self.incidents, "first": self.first,
+                "last": self.last, "codes": list(self.codes), "uuids": list(self.uuids)}
 
 
 def _tail(text: Any, limit: int = EVIDENCE_TEXT_LIMIT) -> Any:
@@ -217,12 +277,17 @@ def _tail(text: Any, limit: int = EVIDENCE_TEXT_LIMIT) -> Any:
 
 def fingerprint(verdict: Verdict) -> str:
     """What makes a verdict a change: blocker, findings and where they apply, not timing."""
-    key = {
+    key: dict[str, Any] = {
         "requirement": [b.spec() for b in verdict.requirement.backends],
         "blocker": verdict.gpu_validation_blocker,
         "blockers": sorted([b.code, b.backend or "", b.device or ""] for b in verdict.blockers),
         "warnings": sorted([w.code, w.backend or "", w.device or ""] for w in verdict.warnings),
     }
+    # Which board sits in which slot: a GPU moved or replaced (an RMA) is a change to keep, so
+    # that the history by serial sees it. Left out where NVML gives no serial (as before).
+    boards = sorted((d.index, d.uuid or "", d.serial) for d in verdict.devices if d.serial)
+    if boards:
+        key["boards"] = boards
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
@@ -312,8 +377,30 @@ class HistoryStore:
         # never a verdicts table without its episodes table.
         db.executescript("BEGIN IMMEDIATE;\n" + _DDL + "\nINSERT OR IGNORE INTO meta (key, value) "
                          f"VALUES ('schema_version', '{int(SCHEMA_VERSION)}');\nCOMMIT;")
+        self._migrate()
         row = db.execute("SELECT fingerprint FROM verdicts ORDER BY id DESC LIMIT 1").fetchone()
         self._last_fp = row[0] if row else None
+
+    def _migrate(self) -> None:
+        """Bring an older history to SCHEMA_VERSION in one transaction (ADD COLUMN only: a
+        reader of an older gpudiag still reads it, and nothing is rewritten)."""
+        with self._transaction("migrate") as db:
+            for table, column in _SERIAL_COLUMNS:
+                if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
+                                  (table,)).fetchone():
+                    continue  # made on first use, with the column
+                have = {str(r[1]) for r in db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    # Fixed names from _SERIAL_COLUMNS, never input.
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} "
+                               f"{'INTEGER' if column == 'no_repair' else 'TEXT'}")
+            db.execute("UPDATE meta SET value=? WHERE key='schema_version'",
+                       (str(SCHEMA_VERSION),))
+
+    def schema_version(self) -> int:
+        """The schema version the file says it has."""
+        rows = self._query("SELECT value FROM meta WHERE key='schema_version'", [])
+        return int(rows[0][0]) if rows else 0
 
     @property
     def last_fingerprint(self) -> str | None:
@@ -363,7 +450,8 @@ class HistoryStore:
                      ",".join(sorted({b.code for b in verdict.blockers})),
                      ",".join(sorted({w.code for w in verdict.warnings})), fp,
                      json.dumps(rec, separators=(",", ":"), default=str)))
-                self._episodes(verdict, rec, ts)
+                serials = self._identities(verdict, ts)
+                self._episodes(verdict, rec, ts, serials)
             self._last_fp = fp
             self._writes += 1
             if self._writes % 50 == 0 or ts - self._last_prune >= self._prune_every_s:
@@ -374,7 +462,28 @@ class HistoryStore:
             row_id = cur.lastrowid
             return int(row_id) if row_id is not None else None
 
-    def _episodes(self, verdict: Verdict, rec: Mapping[str, Any], ts: float) -> None:
+    def _identities(self, verdict: Verdict, ts: float) -> dict[str, str]:
+        """Keep which serial carried which UUID in which slot; UUID -> serial of this verdict
+        (a lost GPU, whose serial NVML cannot read now, keeps the one it had)."""
+        db = self._db
+        for d in verdict.devices:
+            if d.serial and d.uuid:
+                db.execute("INSERT INTO gpu_identities (serial, uuid, gpu, pci_bus_id, "
+                           "first_seen, last_seen) VALUES (?,?,?,?,?,?) ON CONFLICT (serial, "
+                           "uuid, gpu) DO UPDATE SET last_seen=excluded.last_seen",
+                           (d.serial, d.uuid, d.index, d.pci_bus_id, ts, ts))
+        return {d.uuid: d.serial for d in verdict.devices if d.uuid and d.serial}
+
+    def _serial_of(self, uuid: str | None) -> str | None:
+        """The serial the history last saw carry ``uuid`` (lock held)."""
+        if not uuid:
+            return None
+        row = self._db.execute("SELECT serial FROM gpu_identities WHERE uuid=? ORDER BY "
+                               "last_seen DESC LIMIT 1", (uuid,)).fetchone()
+        return str(row[0]) if row else None
+
+    def _episodes(self, verdict: Verdict, rec: Mapping[str, Any], ts: float,
+                  serials: Mapping[str, str]) -> None:
         db = self._db
         current = {(b.code, b.backend or "", b.device or ""): b for b in verdict.blockers}
         open_rows = db.execute("SELECT id, code, IFNULL(backend,''), IFNULL(device,'') "
@@ -393,28 +502,34 @@ class HistoryStore:
             evidence = {"driver": (rec.get("evidence") or {}).get("driver"),
                         "probe_stderr": stderr.get(b.backend or "", ""),
                         "checked_at": verdict.checked_at}
+            serial = serials.get(b.device or "") or self._serial_of(b.device)
             db.execute("INSERT INTO episodes (code, layer, backend, device, started, ended, "
-                       "message, evidence) VALUES (?,?,?,?,?,NULL,?,?)",
+                       "message, evidence, serial) VALUES (?,?,?,?,?,NULL,?,?,?)",
                        (b.code, b.layer, b.backend, b.device, ts, _tail(redact_text(b.message)),
-                        json.dumps(evidence, default=str)))
+                        json.dumps(evidence, default=str), serial))
 
     def record_clear(self, *, uid: int, gpu: str | None, reason: str, released: int,
-                     now: float | None = None) -> int:
-        """Store an applied `gpudiag clear`; returns its id once durable."""
+                     now: float | None = None, no_repair: bool = False,
+                     codes: Sequence[str] = ()) -> int:
+        """Store an applied `gpudiag clear`; returns its id once durable. ``no_repair``: the
+        operator said nothing was repaired, so ``codes`` (what it cleared) were false."""
         ts = self._clock() if now is None else now
         with self._lock:
             with self._transaction("record the clear in") as db:
                 db.execute(_CLEARS_DDL)
-                cur = db.execute("INSERT INTO clears (ts, uid, gpu, reason, released) "
-                                 "VALUES (?,?,?,?,?)", (ts, uid, gpu, reason, released))
+                cur = db.execute("INSERT INTO clears (ts, uid, gpu, reason, released, serial, "
+                                 "no_repair, codes) VALUES (?,?,?,?,?,?,?,?)",
+                                 (ts, uid, gpu, reason, released, self._serial_of(gpu),
+                                  int(no_repair), ",".join(sorted(set(codes)))))
             return int(cur.lastrowid or 0)
 
     def record_xids(self, events: Sequence[XidEvent]) -> None:
         """Store XIDs the watcher saw (so that a restart holds them again), in one commit."""
         with self._lock:
             with self._transaction("record XIDs in") as db:
-                db.executemany("INSERT INTO xids (ts, xid, gpu, uuid) VALUES (?,?,?,?)",
-                               [(e.timestamp, e.xid, e.device_index, e.uuid) for e in events])
+                db.executemany("INSERT INTO xids (ts, xid, gpu, uuid, serial) VALUES (?,?,?,?,?)",
+                               [(e.timestamp, e.xid, e.device_index, e.uuid,
+                                 self._serial_of(e.uuid)) for e in events])
 
     def held_xids(self, since: float) -> list[XidEvent]:
         """XIDs seen at or after ``since`` that no later `gpudiag clear` released, oldest first.
@@ -478,6 +593,7 @@ class HistoryStore:
             db.execute("DELETE FROM verdicts WHERE ts < ? AND id < "
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
             db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
+            db.execute("DELETE FROM gpu_identities WHERE last_seen < ?", (cutoff,))
             for table in ("clears", "xids", "jobs"):  # made on first use
                 if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
                               (table,)).fetchone():
@@ -516,36 +632,93 @@ class HistoryStore:
         return [HistoryEntry(int(r[0]), float(r[1]), str(r[2]), str(r[3]), str(r[4]),
                              bool(r[5]), _split(r[6]), _split(r[7])) for r in rows]
 
-    def episodes(self, *, since: float | None = None, limit: int = 50) -> list[Episode]:
-        """Blocker episodes that were open at any time since ``since``, newest first."""
+    def episodes(self, *, since: float | None = None, limit: int = 50,
+                 serial: str | None = None) -> list[Episode]:
+        """Blocker episodes that were open at any time since ``since`` (of the GPU with
+        ``serial``), newest first."""
         rows = self._newest(
-            "SELECT id, code, layer, backend, device, started, ended, message, evidence "
-            "FROM episodes", {"(ended IS NULL OR ended >= ?)": since}, limit)
+            f"SELECT id, code, layer, backend, device, started, ended, message, evidence, "
+            f"{self._col('episodes', 'serial')} FROM episodes",
+            {"(ended IS NULL OR ended >= ?)": since, "serial = ?": serial}, limit)
         return [Episode(int(r[0]), str(r[1]), str(r[2]), r[3], r[4], float(r[5]),
-                        None if r[6] is None else float(r[6]), str(r[7]), json.loads(r[8]))
+                        None if r[6] is None else float(r[6]), str(r[7]), json.loads(r[8]),
+                        r[9])
                 for r in rows]
 
-    def clears(self, *, since: float | None = None, limit: int = 50) -> list[ClearEntry]:
+    def clears(self, *, since: float | None = None, limit: int = 50,
+               serial: str | None = None) -> list[ClearEntry]:
         """Applied clears, newest first (none in a history written before clears existed)."""
         if not self._has("clears"):
             return []
-        rows = self._newest("SELECT id, ts, uid, gpu, reason, released FROM clears",
-                            {"ts >= ?": since}, limit)
-        return [ClearEntry(int(r[0]), float(r[1]), int(r[2]), r[3], str(r[4]), int(r[5]))
+        rows = self._newest(
+            f"SELECT id, ts, uid, gpu, reason, released, {self._col('clears', 'serial')}, "
+            f"{self._col('clears', 'no_repair')}, {self._col('clears', 'codes')} FROM clears",
+            {"ts >= ?": since, "serial = ?": serial}, limit)
+        return [ClearEntry(int(r[0]), float(r[1]), int(r[2]), r[3], str(r[4]), int(r[5]),
+                           r[6], None if r[7] is None else bool(r[7]), _split(r[8] or ""))
                 for r in rows]
+
+    def _col(self, table: str, column: str) -> str:
+        """``column`` when ``table`` has it, else NULL: a read-only reader of a history from
+        before schema 2 (not migrated until its daemon opens it) reads NULLs."""
+        have = {str(r[1]) for r in self._query(f"PRAGMA table_info({table})", [])}
+        return column if column in have else "NULL"
+
+    def identities(self, *, serial: str | None = None) -> list[GpuIdentity]:
+        """Which serial carried which UUID in which slot, most recently seen first."""
+        if not self._has("gpu_identities"):
+            return []
+        sql = ("SELECT serial, uuid, gpu, pci_bus_id, first_seen, last_seen FROM "
+               "gpu_identities")
+        args: list[Any] = []
+        if serial is not None:
+            sql += " WHERE serial = ?"
+            args.append(serial)
+        return [GpuIdentity(str(r[0]), str(r[1]), int(r[2]), r[3], float(r[4]), float(r[5]))
+                for r in self._query(sql + " ORDER BY last_seen DESC", args)]
+
+    def worst(self, n: int, *, since: float | None = None) -> list[Offender]:
+        """The ``n`` GPUs (by serial) with the most incidents since ``since``, most first.
+
+        An incident is a moment blocker episodes opened on the GPU: one fault opens several
+        (an XID and NVML's reset-required in the same verdict) and counts once."""
+        if self._col("episodes", "serial") == "NULL":
+            return []
+        rows = self._query(
+            "SELECT serial, COUNT(DISTINCT started), MIN(started), MAX(started), "
+            "GROUP_CONCAT(DISTINCT code), GROUP_CONCAT(DISTINCT device) FROM episodes "
+            "WHERE serial IS NOT NULL AND started >= ? GROUP BY serial "
+            "ORDER BY COUNT(DISTINCT started) DESC, MAX(started) DESC, serial LIMIT ?",
+            [-1.0 if since is None else since, n])
+        return [Offender(str(r[0]), int(r[1]), float(r[2]), float(r[3]),
+                         tuple(sorted(_split(r[4] or ""))), tuple(sorted(_split(r[5] or ""))))
+                for r in rows]
+
+    def incident_times(self) -> dict[str, list[float]]:
+        """Each serial's incident times, oldest first (the daemon seeds its interval
+        histogram's last incidents from it at start)."""
+        if self._col("episodes", "serial") == "NULL":
+            return {}
+        out: dict[str, list[float]] = {}
+        for serial, started in self._query(
+                "SELECT DISTINCT serial, started FROM episodes WHERE serial IS NOT NULL "
+                "ORDER BY started", []):
+            out.setdefault(str(serial), []).append(float(started))
+        return out
 
     def _has(self, table: str) -> bool:
         return bool(self._query("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
                                 [table]))
 
     def xids(self, *, since: float | None = None, until: float | None = None,
-             limit: int = 50) -> list[StoredXid]:
+             limit: int = 50, serial: str | None = None) -> list[StoredXid]:
         """XIDs the watcher saw in [since, until], newest first."""
         if not self._has("xids"):
             return []
-        rows = self._newest("SELECT id, ts, xid, gpu, uuid FROM xids",
-                            {"ts >= ?": since, "ts <= ?": until}, limit)
-        return [StoredXid(int(r[0]), float(r[1]), int(r[2]), r[3], r[4]) for r in rows]
+        rows = self._newest(f"SELECT id, ts, xid, gpu, uuid, {self._col('xids', 'serial')} "
+                            "FROM xids",
+                            {"ts >= ?": since, "ts <= ?": until, "serial = ?": serial}, limit)
+        return [StoredXid(int(r[0]), float(r[1]), int(r[2]), r[3], r[4], r[5]) for r in rows]
 
     def jobs(self, *, pid: int | None = None, slurm_job_id: str | None = None,
              since: float | None = None, limit: int = 50) -> list[StoredJob]:

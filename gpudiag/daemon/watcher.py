@@ -254,7 +254,7 @@ class XidWatcher:
             return
         xid, gpu, uuid = msg.xid, msg.device_index, msg.uuid
         ts = self._wall()
-        event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts)
+        event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts, fault_ts=msg.ts)
         log.warning("XID %d on GPU %s (%s)", xid, gpu, uuid,
                     extra={"xid": xid, "gpu": gpu, "uuid": uuid})
         if xid_entry(xid) is None and xid not in self._unknown_logged:
@@ -273,8 +273,10 @@ class XidWatcher:
                                   xid_counts=tuple(sorted(
                                       self._counts.values(),
                                       key=lambda c: (c.gpu or -1, c.xid))))
-        self._on_change()
+        # Handed over before the scheduler is woken: what waits for the XID's verdict (the
+        # time-to-detect histogram) is waiting before that verdict can be made.
         try:
             self._on_xid(event)
         except Exception:  # keeping it is best effort; watching must go on
             log.exception("could not hand XID %d over to the history", xid)
+        self._on_change()

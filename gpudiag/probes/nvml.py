@@ -202,9 +202,14 @@ def _remapped(pynvml: Any, handle: Any) -> dict[str, int | bool]:
             "failure": bool(failure)}
 
 
+def throttle_reasons(mask: int) -> list[str]:
+    """The names of the clocks event (throttle) reasons set in ``mask``."""
+    return [n for bit, n in _THROTTLE_BITS.items() if mask & bit]
+
+
 def _throttle(pynvml: Any, handle: Any) -> dict[str, Any]:
     mask = int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
-    return {"mask": mask, "reasons": [n for bit, n in _THROTTLE_BITS.items() if mask & bit]}
+    return {"mask": mask, "reasons": throttle_reasons(mask)}
 
 
 def _mig(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, Any] | None:
@@ -250,6 +255,9 @@ def _device(pynvml: Any, index: int) -> dict[str, Any]:
         dev["name"] = fields.read("name", lambda: _decode(pynvml.nvmlDeviceGetName(handle)))
         dev["pci_bus_id"] = fields.read(
             "pci_bus_id", lambda: _decode(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+        # The board's serial: the GPU's own identity across slots, reboots and RMAs.
+        dev["serial"] = fields.read("serial",
+                                    lambda: _decode(pynvml.nvmlDeviceGetSerial(handle)))
         dev.update(readings(pynvml, handle, fields.read))
         dev["ecc"] = _ecc(pynvml, handle, fields)
         dev["remapped_rows"] = fields.read("remapped_rows", lambda: _remapped(pynvml, handle))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpudiag.core.attribution import (
+    AFTER_END_S,
     APPLICATION_KIND,
     JOB_INBOX,
     SOFTWARE_CODES,
@@ -46,6 +47,7 @@ from gpudiag.core.environment import probe_environment
 from gpudiag.core.observations import parse_watcher_line
 from gpudiag.core.probe_run import bounded_tail
 from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.usage import GpuUsage, merge_xids
 from gpudiag.engine.client import DaemonUrlError, daemon_get
 from gpudiag.engine.route import daemon_else_inline
 from gpudiag.engine.statedir import default_state_dir
@@ -280,6 +282,7 @@ class GpuEvents:
         self._daemon_url = daemon_url
         self._watcher: RunWatcher | None = None
         self.started = time.time()
+        self.events: list[JobEvent] = []  # the events the last attribution looked at
 
     @classmethod
     def begin(cls, gpus: Sequence[str], env: Mapping[str, str], daemon_url: str | None
@@ -310,6 +313,7 @@ class GpuEvents:
                                             window.end)
         else:
             return attribute(exit_code, window, [], [])
+        self.events = events
         return attribute(exit_code, window, events, [source])
 
     def finish(self, exit_code: int) -> tuple[Attribution, Window]:
@@ -386,15 +390,25 @@ def report_job(job: JobRecord, env: Mapping[str, str]) -> dict[str, Any]:
     return {"path": str(final), "error": None}
 
 
+def window_xids(events: Sequence[JobEvent], window: Window) -> list[tuple[str | None, int]]:
+    """The XIDs (GPU UUID, XID) on the job's GPUs within its window, oldest first."""
+    return [(e.gpu, e.xid) for e in sorted(events, key=lambda e: e.ts)
+            if e.xid is not None and e.gpu in window.gpus
+            and window.start <= e.ts <= window.end + AFTER_END_S]
+
+
 def close_attribution(gpu_events: GpuEvents, closeout: Closeout, argv: Sequence[str],
-                      child_pid: int, exit_code: int, env: Mapping[str, str]) -> Closeout:
-    """The closeout with the run attributed, once reported to the node's daemon."""
+                      child_pid: int, exit_code: int, env: Mapping[str, str],
+                      usage: Sequence[GpuUsage] = ()) -> Closeout:
+    """The closeout with the run attributed and its GPUs' usage (with the XIDs of its
+    window), once reported to the node's daemon."""
     attribution, window = gpu_events.finish(exit_code)
+    used = merge_xids(usage, window_xids(gpu_events.events, window))
     job = JobRecord(os.getpid(), child_pid, tuple(argv), env.get("SLURM_JOB_ID") or None,
                     socket.gethostname(), window.start, window.end, exit_code,
                     tuple(sorted(window.gpus)), attribution,
-                    closeout.artifacts.get("closeout_json"))
+                    closeout.artifacts.get("closeout_json"), used)
     # The window too, so that `gpudiag explain --run` can ask the history about it later.
     return replace(closeout, attribution={**attribution.record(), "window": {
         "start": window.start, "end": window.end, "gpus": sorted(window.gpus)}},
-        job_record=report_job(job, env))
+        job_record=report_job(job, env), gpu_usage=used)

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpudiag.core.attribution import Attribution
 from gpudiag.core.recordtext import kv_value
+from gpudiag.core.usage import GpuUsage
 
 CLOSEOUT_SCHEMA = "gpudiag.closeout/1"
 ROUTE = "gpudiag-run"
@@ -66,15 +67,17 @@ class Closeout:
     # A launched run only (runner.attribution): who failed it, and where the job was reported.
     attribution: Mapping[str, Any] | None = None
     job_record: Mapping[str, Any] | None = None
+    # A launched run only: per GPU, its energy, peak memory, throttle reasons and XIDs.
+    gpu_usage: tuple[GpuUsage, ...] | None = None
 
     def record(self) -> dict[str, Any]:
         """closeout.json, in the schema's key order (attribution keys only once launched)."""
         out: dict[str, Any] = {}
         for name in _ORDER:
             value = getattr(self, name)
-            if name in ("attribution", "job_record") and value is None:
+            if name in ("attribution", "job_record", "gpu_usage") and value is None:
                 continue
-            out[name] = ([g.record() for g in value] if name == "gpus"
+            out[name] = ([g.record() for g in value] if name in ("gpus", "gpu_usage")
                          else [dict(b) for b in value] if name == "blockers"
                          else dict(value) if isinstance(value, Mapping) else value)
         return out
@@ -84,7 +87,7 @@ _ORDER = ("schema", "gpu_execution_route", "gpu_validation_blocker", "ready", "l
           "status", "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
           "preallocation_source", "container_image", "gpu_injection", "started_at", "ended_at",
           "duration_s", "host", "gpudiag_version", "verdict_source", "gpus", "artifacts",
-          "blockers", "evidence", "error", "attribution", "job_record")
+          "blockers", "evidence", "error", "attribution", "job_record", "gpu_usage")
 
 
 def closeout_kv(closeout: Mapping[str, Any]) -> str:
@@ -104,6 +107,10 @@ def closeout_kv(closeout: Mapping[str, Any]) -> str:
         for k in ("uuid", "kind", "parent_uuid", "name", "memory_total_bytes",
                   "memory_free_bytes"):
             lines.append(f"gpus.{i}.{k}={kv_value(g.get(k), lenient=True)}")
+    for i, u in enumerate(closeout.get("gpu_usage") or []):
+        for k in ("uuid", "energy_joules", "peak_memory_used_bytes", "throttle_reasons",
+                  "xids", "why_missing"):
+            lines.append(f"gpu_usage.{i}.{k}={kv_value(u.get(k), lenient=True)}")
     for k, v in (closeout.get("artifacts") or {}).items():
         lines.append(f"artifacts.{k}={v}")
     blockers: Sequence[Mapping[str, Any]] = closeout.get("blockers") or []

@@ -51,6 +51,7 @@ from gpudiag.runner.artifacts import (
 )
 from gpudiag.runner.attribution import GpuEvents, close_attribution, gpus_of
 from gpudiag.runner.closeout import Closeout, GpuSlot, closeout_kv
+from gpudiag.runner.usage import Allocation, JobMeter, report_block
 
 PLAN_SCHEMA = "gpudiag.plan/1"
 PR_SET_CHILD_SUBREAPER = 36
@@ -403,6 +404,12 @@ def preallocation_verdict(env: Mapping[str, str], reports: Sequence[Mapping[str,
     return ok, "child", seen
 
 
+def physical_gpus(slots: Sequence[GpuSlot]) -> list[str]:
+    """The physical GPUs of the job's leaves (a MIG leaf's parent): what NVML meters."""
+    found = (s.parent_uuid or s.uuid for s in slots)
+    return list(dict.fromkeys(u for u in found if u))
+
+
 def _gpu_slots(admission: Admission) -> tuple[GpuSlot, ...]:
     return tuple(GpuSlot(lf.uuid, lf.kind, lf.parent_uuid, lf.name, lf.index,
                          lf.memory_total_bytes, lf.memory_free_bytes)
@@ -417,7 +424,8 @@ def _base_closeout(options: RunOptions, paths: Mapping[str, str], started: str) 
 
 
 def _refused(options: RunOptions, paths: Mapping[str, str], closeout: Closeout,
-             verdict: Verdict, t0: float, err: BinaryIO | None) -> RunOutcome:
+             verdict: Verdict, t0: float, err: BinaryIO | None,
+             base: Mapping[str, str]) -> RunOutcome:
     record = verdict.record()
     closeout = replace(
         closeout, gpu_validation_blocker=verdict.gpu_validation_blocker, ready=False,
@@ -425,6 +433,9 @@ def _refused(options: RunOptions, paths: Mapping[str, str], closeout: Closeout,
         duration_s=round(time.monotonic() - t0, 3),
         evidence=record["evidence"].get("admission") or _blocker_evidence(record))
     primary = verdict.primary
+    # Counted by the node's daemon (gpudiag_preflight_blocks_total{code}): the catch rate.
+    report_block(verdict.gpu_validation_blocker, sorted({b.code for b in verdict.blockers}),
+                 base)
     _say(err, f"gpudiag run: refused: {verdict.gpu_validation_blocker}: "
               f"{primary.message if primary else ''}\n")
     if primary is not None:
@@ -490,7 +501,7 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
         admission = admitter.admit(
             _with_requirement(verdict, options.requirement), first)
     except AdmissionError as e:
-        return _refused(options, paths, closeout, e.verdict, t0, err)
+        return _refused(options, paths, closeout, e.verdict, t0, err, base)
     for uuid, why in admission.unusable_locks:
         _say(err, f"gpudiag run: passed over {uuid}: {why}\n")
     try:
@@ -513,7 +524,15 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     asked = closeout.verdict_source in ("daemon", "hybrid")  # a daemon answered (a part)
     gpu_events = GpuEvents.begin(gpus_of([g.record() for g in closeout.gpus]), base,
                                  options.daemon_url if asked else None)
-    ran = _run_child(options, written["launch_argv"], env, admission, paths, out, err)
+    meter = JobMeter(physical_gpus(closeout.gpus), base)
+    meter.start()
+    allocation = Allocation([g.uuid or "" for g in closeout.gpus], base)
+    allocation.begin()
+    try:
+        ran = _run_child(options, written["launch_argv"], env, admission, paths, out, err)
+    finally:
+        usage = meter.stop()
+        allocation.end()
     if isinstance(ran, OSError):
         gpu_events.close()
         return _launch_failed(written["launch_argv"][0], ran, paths, closeout, t0, err)
@@ -531,7 +550,7 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
         ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
         evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
     closeout = close_attribution(gpu_events, closeout, written["launch_argv"], ran.pid, code,
-                                 base)
+                                 base, usage)
     broken = [t.error for t in ran.tees if t.error]
     if broken:
         closeout = replace(closeout, error="artifacts incomplete: " + "; ".join(broken))

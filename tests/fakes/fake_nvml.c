@@ -21,7 +21,7 @@
  *   FAKE_NVML_UNSUPPORTED=f1,f2       listed query families return NOT_SUPPORTED:
  *       power, temperature, utilization, ecc, remapped_rows, retired_pages,
  *       clocks_event_reasons, persistence, compute_mode, mig, field_values,
- *       processes, events, memory, pcie, nvlink, fabric
+ *       processes, events, memory, pcie, nvlink, fabric, serial, energy
  *   FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MEMORY_USED_MIB=IDX[.J]:MIB
  *   FAKE_NVML_UTILIZATION=IDX:PCT, FAKE_NVML_MEMORY_UTILIZATION=IDX:PCT
  *   FAKE_NVML_TEMPERATURE_C=IDX:C (35), FAKE_NVML_POWER_MW=IDX:MW (75000),
@@ -42,6 +42,11 @@
  *       2 in progress, 3 completed) and status (an nvmlReturn_t); unset: NOT_SUPPORTED
  *   FAKE_NVML_RETIRED_PAGES_PENDING=IDX:0|1  pages waiting for a reset to retire
  *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, each delivered once per process
+ *   FAKE_NVML_SERIAL=IDX:SERIAL       the board serial of GPU IDX (default 16500000000NN,
+ *       NN the index); a GPU moved to another slot keeps its serial: give it to the new index
+ *   FAKE_NVML_ENERGY_MJ=IDX:MJ        total energy counter in millijoules; unset, it is the
+ *       GPU's power (FAKE_NVML_POWER_MW) times the wall clock's seconds, so that it grows at
+ *       the board's power and agrees across processes
  *   FAKE_NVML_DRIVER_VERSION (570.124.06), FAKE_CUDA_DRIVER_VERSION (12080)
  * FAKE_NVML_COMPUTE_MODE, FAKE_NVML_PROCESSES and FAKE_NVML_MEMORY_USED_MIB also
  * decide whether the fake libcuda creates a context on a GPU (see fake_cuda.c).
@@ -440,6 +445,14 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsi
     return copy_string(uuid, length, buf);
 }
 
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length) {
+    CHECK_DEVICE(device, "serial", 0);
+    char buf[64];
+    if (!fake_list_str("FAKE_NVML_SERIAL", device->gpu, -1, buf, sizeof buf))
+        snprintf(buf, sizeof buf, "16500000000%02d", device->gpu);
+    return copy_string(serial, length, buf);
+}
+
 FAKE_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
     CHECK_DEVICE(device, NULL, 1);
     char buf[128];
@@ -528,6 +541,21 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned i
     CHECK_DEVICE(device, "power", 0);
     if (!power) return NVML_ERROR_INVALID_ARGUMENT;
     *power = (unsigned int)fake_list_ll("FAKE_NVML_POWER_MW", device->gpu, -1, 75000);
+    return NVML_SUCCESS;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device,
+                                                              unsigned long long *energy) {
+    CHECK_DEVICE(device, "energy", 0);
+    if (!energy) return NVML_ERROR_INVALID_ARGUMENT;
+    long long fixed = fake_list_ll("FAKE_NVML_ENERGY_MJ", device->gpu, -1, -1);
+    if (fixed >= 0) {
+        *energy = (unsigned long long)fixed;
+        return NVML_SUCCESS;
+    }
+    long long mw = fake_list_ll("FAKE_NVML_POWER_MW", device->gpu, -1, 75000);
+    /* mW x s = mJ: the counter grows at the board's power, the same in every process. */
+    *energy = (unsigned long long)((double)mw * ((double)fake_now_us() / 1e6));
     return NVML_SUCCESS;
 }
 
