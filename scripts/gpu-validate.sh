@@ -17,7 +17,7 @@
 # On a GPU-less host it still runs and every check is a blocker record (never a pass).
 #
 # Knobs (environment): GPUDIAG_VALIDATE_ONLY=probe,jaxmem,timings,faults,daemon,run,iree,
-# occupancy,together,nvml,qualify,attribution,image,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
+# occupancy,together,nvml,qualify,attribution,image,runtimes,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
 # GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
 # tests/fakes tree for the texts' fake side; default: built here when gcc is present);
 # GPUDIAG_VALIDATE_HOLDER (a command that holds GPU 0 and prints a "holding" line; default
@@ -542,6 +542,47 @@ if want image; then
         pass_if image-probe $? "gpudiag probe inside the image: $(blocker_of "$OUT/image-probe.json")"
     else
         result image-probe blocked "podman or the image localhost/gpudiag:0.1.0 is not on this machine (scripts/build-image.sh builds it)"
+    fi
+fi
+
+# 15. Runtimes (issue 37): the daemon proves a second job environment (a venv made here from
+# what this machine has: no registry is reached) beside its own; a job pinned to the CPU that
+# asks the daemon gets its own code (jax_cpu_fallback), never the daemon's ready; a job of the
+# runtime's venv is answered from that runtime's proof.
+if want runtimes; then
+    section "runtimes: the job's environment"
+    rt=$OUT/runtime-venv
+    site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PY" -m venv --without-pip "$rt" >"$OUT/runtime-venv.log" 2>&1 \
+        && printf '%s\n%s\n' "$REPO" "$site" >"$(ls -d "$rt"/lib/python3*/site-packages)/gpudiag-validate.pth"
+    "$rt/bin/python" -m gpudiag fingerprint >"$OUT/runtime-fingerprint.txt" 2>&1
+    "$PY" -m pip list 2>/dev/null >"$OUT/runtime-available.txt"
+    printf '[backends.jax]\ninterval_s = 600\n[runtimes.validate]\npython = "%s"\nrequire = "jax"\n' \
+        "$rt/bin/python" >"$OUT/runtime-daemon.toml"
+    if daemon_start runtime-daemon $((PORT + 2)) "$OUT/runtime-daemon.toml"; then
+        for ((i = 0; i < 90; i++)); do  # the runtime's first proof (a JAX start on the card)
+            curl -s "$daemon_url/metrics" >"$OUT/runtime-metrics.txt" 2>/dev/null
+            grep -q '^gpudiag_runtime_backend_up{backend="jax",runtime="validate"}' \
+                "$OUT/runtime-metrics.txt" && break
+            sleep 1
+        done
+        up=$(grep '^gpudiag_runtime_backend_up{backend="jax",runtime="validate"}' "$OUT/runtime-metrics.txt" | awk '{print $2}')
+        ok=1; [[ $up == 1.0 ]] && ok=0
+        pass_if runtime-proven "$ok" "gpudiag_runtime_backend_up{runtime=validate,backend=jax} = ${up:-absent}"
+        timeout 180 "$rt/bin/python" -m gpudiag preflight --require jax --daemon-url "$daemon_url" \
+            --format json >"$OUT/runtime-job.json" 2>"$OUT/runtime-job.stderr"
+        rc=$? src=$(field "$OUT/runtime-job.json" source) got=$(blocker_of "$OUT/runtime-job.json")
+        ok=1; [[ $rc -eq 0 && $src == daemon && $got == none ]] && ok=0
+        pass_if runtime-job-answered "$ok" "a job of the runtime's venv: exit $rc source=$src blocker=$got"
+        JAX_PLATFORMS=cpu timeout 180 "$PY" -m gpudiag preflight --require jax \
+            --daemon-url "$daemon_url" --format json >"$OUT/runtime-cpu-job.json" 2>>"$OUT/runtime-job.stderr"
+        rc=$? src=$(field "$OUT/runtime-cpu-job.json" source) got=$(blocker_of "$OUT/runtime-cpu-job.json")
+        ok=1; [[ $rc -eq 1 && $src == hybrid && $got == jax_cpu_fallback ]] && ok=0
+        pass_if runtime-cpu-job-refused "$ok" "JAX_PLATFORMS=cpu asking the daemon: exit $rc source=$src blocker=$got"
+        daemon_stop
+    else
+        result runtime-proven fail "the daemon with a runtime did not become ready (runtime-daemon.log)"
+        daemon_stop
     fi
 fi
 
