@@ -444,7 +444,7 @@ class Scheduler:
         with self._guard:
             nvml_run = self._call("nvml", self._env, None)
             nvml = nvml_run.nvml if nvml_run.ok else None
-            occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
+            occupancy = occupancy_from_nvml(nvml, not_foreign(nvml, lock_dir=self._lock_dir))
             with self._lock:
                 round_index = self._rounds.get(backend, 0)
                 self._rounds[backend] = round_index + 1

@@ -126,7 +126,7 @@ def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mappin
                 forker: ForkServer | None = None) -> tuple[dict[str, ProbeRun], ProbeScope]:
     """cuda, jax and iree on the FREE GPUs of NVML's reading, under their locks."""
     nvml = nvml_run.nvml if nvml_run.ok else None
-    occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
+    occupancy = occupancy_from_nvml(nvml, not_foreign(nvml, lock_dir=lock_dir))
     candidates = visible_uuids(nvml, child_env)
     with claim_free(occupancy, candidates, lock_dir=lock_dir, exclusive=exclusive_gpus(nvml),
                     sibling_wait_s=SIBLING_WAIT_S, held=held) as claim:

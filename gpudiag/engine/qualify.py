@@ -200,7 +200,7 @@ def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
             left[uuid] = "mig"  # a MIG GPU's instances are others' to use: not qualified
             continue
         # One GPU at a time, its lock held only while it is measured.
-        with claim_free(occupancy, [uuid], lock_dir=lock_dir) as claim:
+        with claim_free(occupancy, [uuid], lock_dir=lock_dir, purpose="qualify") as claim:
             if uuid not in claim.claimed:
                 left[uuid] = claim.left_alone.get(uuid, "unknown")
                 continue

@@ -1,0 +1,280 @@
+"""Issue 38: facts no other user can forge. A second local user (uid 65534 through setpriv)
+writes lock records, names processes like probes, holds shared locks, plants FIFOs and
+escape sequences; root's gpudiag decides on what the kernel attests (flock holders from
+/proc/locks, uids, pids and their start times), never on what that user wrote.
+
+Every test acts as uid 65534 and runs gpudiag as root, through the real CLI or daemon.
+Skipped only where the test cannot switch users (not root).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpudiag.core.readiness import BUSY, FREE, GpuOccupancy
+from gpudiag.daemon.joblocks import JobLocks
+from tests.support.host import EnvFactory, run_gpudiag, verdict_of
+
+NOBODY = 65534
+NO_DAEMON = "http://127.0.0.1:9"
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                reason="needs root and setpriv to act as a second user")
+
+
+def gpu_uuid(i: int) -> str:
+    return f"GPU-f00d{i:04x}-0000-4000-8000-{i:012x}"
+
+
+def nobody_argv(*argv: str) -> list[str]:
+    return ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+            "--", *argv]
+
+
+def as_nobody(script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a shell script as uid/gid 65534 with no supplementary groups."""
+    proc = subprocess.run(nobody_argv("sh", "-c", script), capture_output=True, text=True,
+                          timeout=30)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[str] | None = None,
+                  timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc is None or proc.poll() is None, "the helper ended early"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """End a helper this test started (its whole session: setpriv's command and children)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    proc.wait(10)
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A 1777 folder both users reach (under /tmp, like /tmp itself or /run/gpudiag/locks)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpudiag-identity-", dir="/tmp"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def locks(shared: Path) -> Path:
+    folder = shared / "locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    return folder
+
+
+def host(gpu_env: EnvFactory, locks: Path, gpus: int, **knobs: str | int) -> dict[str, str]:
+    return gpu_env(FAKE_NVML_DEVICE_COUNT=gpus, GPUDIAG_LOCK_DIR=str(locks),
+                   GPUDIAG_DAEMON_URL=NO_DAEMON, **knobs)
+
+
+# A root job's lock, held as `gpudiag run` holds it (exclusive, purpose job), until killed.
+_HOLD_AS_JOB = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from gpudiag.engine.locks import try_lock
+    lock = try_lock(Path(sys.argv[1]), sys.argv[2], purpose="job")
+    assert lock is not None
+    Path(sys.argv[3]).touch()
+    time.sleep(60)
+""")
+
+# As nobody: make the lock file first and keep a read-write descriptor, then, once root's
+# job holds it, rewrite its holder record to say "probe" through that descriptor (the
+# file's mode checked at open time only: root's chown and chmod come too late).
+_FORGE_RECORD = textwrap.dedent("""
+    import json, os, sys, time
+    path, started, done = sys.argv[1:4]
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+    os.fchmod(fd, 0o666)
+    open(done + ".opened", "w").close()
+    while not os.path.exists(started):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    record["purpose"] = "probe"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode() + b"\\n", 0)
+    open(done, "w").close()
+    time.sleep(60)
+""")
+
+
+# --- class 1: lock holder records ---------------------------------------------------------
+
+
+def test_a_forged_probe_record_on_a_root_jobs_lock_leaves_the_gpu_busy(
+        gpu_env: EnvFactory, locks: Path, shared: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    uuid = gpu_uuid(0)
+    lock_file = locks / f"{uuid}.lock"
+    started, forged = shared / "job-started", shared / "forged"
+    forger = subprocess.Popen(nobody_argv(sys.executable, "-c", _FORGE_RECORD, str(lock_file),
+                                          str(started), str(forged)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    job: subprocess.Popen[str] | None = None
+    try:
+        wait_for_file(Path(str(forged) + ".opened"), forger)
+        job = subprocess.Popen([sys.executable, "-c", _HOLD_AS_JOB, str(locks), uuid,
+                                str(started)], env=env, start_new_session=True, text=True)
+        wait_for_file(forged, forger)
+        assert json.loads(lock_file.read_text())["purpose"] == "probe"  # the forgery held
+        # The daemon's lock view: the job's GPU is busy, whatever the record says.
+        seen = JobLocks(locks).mark({uuid: GpuOccupancy(uuid, FREE)})
+        assert seen[uuid].state == BUSY, seen
+        # Root's inline preflight: the GPU a job holds is busy, not "a sibling probing".
+        start = time.monotonic()
+        rc, rec = verdict_of(["preflight", "--gpus", "1", "--no-daemon", "--format", "json"],
+                             env)
+        assert rc == 1 and rec["gpu_validation_blocker"] == "devices_busy", rec["blockers"]
+        assert time.monotonic() - start < 15, "it waited for a 'sibling' the record made up"
+    finally:
+        stop(forger)
+        if job is not None:
+            stop(job)
+
+
+_HOLD_AND_LEAVE = textwrap.dedent("""
+    import fcntl, json, os, sys, time
+    path, ready = sys.argv[1:3]
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "purpose": "job"}).encode(), 0)
+    if os.fork() == 0:  # the child keeps the lock, the locker exits
+        open(ready, "w").write(str(os.getppid()))
+        time.sleep(60)
+        os._exit(0)
+    time.sleep(0.5)
+""")
+
+
+def test_a_refusal_never_names_a_dead_locker_as_the_holder(
+        gpu_env: EnvFactory, locks: Path, shared: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    uuid = gpu_uuid(0)
+    ready = shared / "ready"
+    holder = subprocess.Popen(nobody_argv(sys.executable, "-c", _HOLD_AND_LEAVE,
+                                          str(locks / f"{uuid}.lock"), str(ready)),
+                              stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        wait_for_file(ready)
+        time.sleep(0.2)
+        dead = int(ready.read_text())
+        holder.wait(10)  # the locker has exited; its child holds the lock
+        assert not psutil.pid_exists(dead) or psutil.Process(dead).status() == "zombie"
+        proc = run_gpudiag(["run", "--artifacts", str(tmp_path / "run"), "--gpus", "1",
+                            "--lock-timeout", "1", "--", "true"], env)
+        assert proc.returncode == 125, proc.stderr
+        close = json.loads((tmp_path / "run" / "closeout.json").read_text())
+        assert close["gpu_validation_blocker"] in ("lock_timeout", "devices_busy"), close
+        text = json.dumps(close) + proc.stderr
+        assert f'"pid": {dead},' not in text and f"pid {dead} " not in text, text
+    finally:
+        stop(holder)
+
+
+# --- class 2: sibling probes recognised by argv --------------------------------------------
+
+
+def test_another_users_process_named_like_a_probe_is_a_user_of_the_gpu(
+        gpu_env: EnvFactory, locks: Path, tmp_path: Path) -> None:
+    # argv: python3 -c CODE -m gpudiag.probes cuda (what a probe child's argv reads)
+    impostor = subprocess.Popen(nobody_argv(sys.executable, "-c", "import time; "
+                                            "time.sleep(60)", "-m", "gpudiag.probes", "cuda"),
+                                start_new_session=True, text=True)
+    try:
+        contexts = tmp_path / "contexts.jsonl"
+        env = host(gpu_env, locks, 2, FAKE_NVML_PROCESSES=f"0:{impostor.pid}:300",
+                   FAKE_CUDA_CONTEXT_LOG=str(contexts))
+        rc, rec = verdict_of(["preflight", "--gpus", "2", "--no-daemon", "--format", "json"],
+                             env)
+        assert rc == 1 and rec["gpu_validation_blocker"] == "devices_busy", rec["blockers"]
+        gpu0 = [d for d in rec["devices"] if d["uuid"] == gpu_uuid(0)]
+        assert gpu0 and gpu0[0]["occupancy"] == "busy"
+        from tests.fakes.jobs import read_context_log
+
+        touched = {e.uuid for e in read_context_log(contexts)} if contexts.exists() else set()
+        assert gpu_uuid(0) not in touched, "a CUDA context was made beside another user"
+    finally:
+        stop(impostor)
+
+
+# --- class 5: waiting on a shared lock ------------------------------------------------------
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds of ``proc`` and of its children, ended (reaped) and alive."""
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + (t.children_user + t.children_system if p is proc
+                                      else 0.0)
+    return total
+
+
+def test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_names_it(
+        gpu_env: EnvFactory, locks: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    lock_file = locks / f"{gpu_uuid(0)}.lock"
+    holder = subprocess.Popen(nobody_argv("flock", "-s", str(lock_file), "sleep", "60"),
+                              start_new_session=True, text=True)
+    job: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 10
+        while str(holder.pid) not in Path("/proc/locks").read_text():
+            assert time.monotonic() < deadline, "flock -s never held the lock"
+            time.sleep(0.05)
+        # The daemon's lock view does not publish it free.
+        seen = JobLocks(locks).mark({gpu_uuid(0): GpuOccupancy(gpu_uuid(0), FREE)})
+        assert seen[gpu_uuid(0)].state == BUSY, seen
+        job = subprocess.Popen([sys.executable, "-m", "gpudiag", "run", "--artifacts",
+                                str(tmp_path / "run"), "--gpus", "1", "--lock-timeout", "12",
+                                "--", "true"], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        ps = psutil.Process(job.pid)
+        time.sleep(4.0)  # past the preflight: it now waits for the lock
+        assert job.poll() is None, job.communicate()
+        cpu0, t0 = _cpu_s(ps), time.monotonic()
+        time.sleep(5.0)
+        cpu1, t1 = _cpu_s(ps), time.monotonic()
+        share = (cpu1 - cpu0) / (t1 - t0)
+        print(f"waiting: {share:.1%} of a core")
+        assert share <= 0.05, f"the wait burns {share:.0%} of a core"
+        _, err = job.communicate(timeout=60)
+        assert job.returncode == 125, err
+        close = json.loads((tmp_path / "run" / "closeout.json").read_text())
+        assert close["gpu_validation_blocker"] == "lock_timeout", close
+        assert f"pid {holder.pid} (uid {NOBODY}, shared" in json.dumps(close) + err, err
+    finally:
+        stop(holder)
+        if job is not None and job.poll() is None:
+            job.kill()
+            job.wait(10)
