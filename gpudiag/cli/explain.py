@@ -16,8 +16,10 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.attribution import Attribution
+from gpudiag.core.termsafe import terminal_safe, terminal_safe_record
 
 EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
 EXIT_FAILED = 3
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
 
@@ -28,6 +30,12 @@ class _NotFound(click.ClickException):
 
 class _Failed(click.ClickException):
     exit_code = EXIT_FAILED
+
+
+class _Refused(click.ClickException):
+    """A run's file that is not read (a FIFO, a device, a link, too large): exit 2."""
+
+    exit_code = EXIT_USAGE
 
 
 def _time(text: str, name: str) -> float:
@@ -74,7 +82,7 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     comes from the daemon's history in the state dir, with the rules the run's closeout used;
     without a history, from what the run recorded itself.
     """
-    from gpudiag.daemon.explain import ExplainError, explain_in, window_of
+    from gpudiag.daemon.explain import ExplainError, ExplainRefused, explain_in, window_of
     from gpudiag.daemon.store import HistoryError
 
     named = [x for x in (run_path, pid, slurm_job, since_text) if x is not None]
@@ -98,6 +106,8 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
         answer = explain_in(None if state_dir is None else Path(state_dir),
                             run=None if run_path is None else Path(run_path), pid=pid,
                             slurm_job_id=slurm_job, window=window)
+    except ExplainRefused as e:
+        raise _Refused(str(e)) from e
     except ExplainError as e:
         raise _NotFound(str(e)) from e
     except HistoryError as e:
@@ -107,7 +117,9 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     elif fmt == "kv":
         click.echo(_kv(answer.attribution, answer.record()), nl=False)
     else:
-        _text(answer.record())
+        # A record's argv, messages and GPU names may be another user's: no control
+        # character reaches the terminal (core/termsafe).
+        _text(terminal_safe_record(answer.record()))
 
 
 def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
@@ -122,7 +134,7 @@ def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
              "owner_uid": rec.get("owner_uid"),
              "missing": "; ".join(attribution.missing),
              "gpu_failure_attribution": attribution.kv()}
-    return "".join(f"{k}={' '.join(str(v if v is not None else '').split())}\n"
+    return "".join(f"{k}={terminal_safe(' '.join(str(v if v is not None else '').split()))}\n"
                    for k, v in pairs.items())
 
 

@@ -28,6 +28,7 @@ from gpudiag.core.attribution import (
     history_events,
 )
 from gpudiag.core.clock import rfc3339
+from gpudiag.core.fileio import RefusedFile, read_regular
 from gpudiag.daemon.jobs import JobRecordError, read_job
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.engine.statedir import default_state_dir
@@ -38,6 +39,10 @@ BEFORE_S = 60.0  # the timeline starts this long before the run: what led up to 
 
 class ExplainError(Exception):
     """The run asked about cannot be found; the message says where gpudiag looked."""
+
+
+class ExplainRefused(ExplainError):
+    """A run's file that gpudiag will not read (not a regular file, a link, too large)."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,7 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
     try:
         job, code, owner = None, None, None
         if run is not None:
-            job, code = job_from_closeout(run)
-            owner = (run / "closeout.json" if run.is_dir() else run).stat().st_uid
+            job, code, owner = _job_of_run(run)
         elif pid is not None or slurm_job_id is not None:
             job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id)
             code = job.exit_code
@@ -114,13 +118,40 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
             store.close()
 
 
+# A closeout is a few KiB (its evidence is bounded); result.json less. Larger is not ours.
+MAX_CLOSEOUT_BYTES = 4 << 20
+MAX_RESULT_BYTES = 1 << 20
+
+
+def _read_json(file: Path, limit: int) -> tuple[Any, int]:
+    """A JSON file of a run folder (anyone's: regular, not followed, non-blocking, within
+    ``limit``) and its owner uid; ExplainError in one line otherwise."""
+    try:
+        raw, st = read_regular(file, limit)
+        return json.loads(raw.decode("utf-8")), st.st_uid
+    except RefusedFile as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            raise ExplainError(f"cannot read {file}: {e}") from e
+        raise ExplainRefused(f"cannot read {file}: {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise ExplainError(f"cannot read {file}: not JSON ({type(e).__name__})") from e
+
+
+def _job_of_run(path: Path) -> tuple[JobRecord, int | None, int]:
+    job, code = job_from_closeout(path)
+    file = path / "closeout.json" if path.is_dir() else path
+    return job, code, os.lstat(file).st_uid
+
+
 def job_from_closeout(path: Path) -> tuple[JobRecord, int | None]:
     """The run of a closeout.json (or of the artifacts folder holding it)."""
     file = path / "closeout.json" if path.is_dir() else path
     try:
-        closeout = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ExplainError(f"cannot read the closeout {file}: {e}") from e
+        closeout, _ = _read_json(file, MAX_CLOSEOUT_BYTES)
+    except ExplainRefused as e:
+        raise ExplainRefused(f"the closeout is not read: {e}") from e
+    except ExplainError as e:
+        raise ExplainError(f"cannot read the closeout: {e}") from e
     rec = closeout.get("attribution") if isinstance(closeout, dict) else None
     attribution = Attribution.from_record(rec)
     window = rec.get("window") if isinstance(rec, dict) else None
@@ -129,8 +160,8 @@ def job_from_closeout(path: Path) -> tuple[JobRecord, int | None]:
                            "gpudiag older than failure attribution)")
     code = closeout.get("exit_code")
     try:
-        result = json.loads((file.parent / "result.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        result, _ = _read_json(file.parent / "result.json", MAX_RESULT_BYTES)
+    except ExplainError:
         result = {}
     child = result.get("pid") if isinstance(result, dict) else None
     argv = result.get("argv") if isinstance(result, dict) else None

@@ -197,6 +197,27 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
     except OSError as e:
         raise LockFailed(f"cannot make lock folder {lock_dir}: {e.strerror or e}") from e
     _check_lock_dir(lock_dir)
+    # A probe holds its mark before the lock itself: whoever sees it hold the lock sees the
+    # mark too, never a moment where a sibling probe looks like a job.
+    mark = _take_mark(lock_dir, uuid) if purpose == "probe" else None
+    try:
+        lock = _try_lock_file(path, uuid, purpose, shared, mark)
+    except BaseException:
+        _drop_mark(mark)
+        raise
+    if lock is None:
+        _drop_mark(mark)
+    return lock
+
+
+def _drop_mark(mark: tuple[int, int, int] | None) -> None:
+    if mark is not None:
+        with contextlib.suppress(OSError):
+            os.close(mark[0])
+
+
+def _try_lock_file(path: Path, uuid: str, purpose: str, shared: bool,
+                   mark: tuple[int, int, int] | None) -> LockInfo | None:
     for _ in range(_OPEN_TRIES):
         fd = _locked_fd(path, shared)
         if fd is None:
@@ -211,7 +232,6 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
                 if not shared:  # several shared holders at once: the record is exclusive's
                     _write_holder(fd, uuid, purpose)
                 st = os.fstat(fd)
-                mark = _take_mark(lock_dir, uuid) if purpose == "probe" else None
                 return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd, mark)
         os.close(fd)
     raise LockFailed(f"lock file {path} kept being replaced while it was locked (someone is "
@@ -446,7 +466,15 @@ def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
     mark = _file_key(_mark_path(lock_dir, uuid))
     markers = {lk.pid for lk in flocks_on(table, *mark)} if mark is not None else set()
     device = os.makedev(key[0], key[1])
-    return [_holder(lk, device, key[2], markers) for lk in found]
+    out = [_holder(lk, device, key[2], markers) for lk in found]
+    if any(h.pid is None for h in out):
+        # A holder not named may only have let go between the table's reading and the look
+        # at its process (a sibling probe done): the table read again says whether its lock
+        # is still there, held by whoever the locker handed it to.
+        again = kernel_locks()
+        still = flocks_on(again, *key) if again is not None else found
+        out = [h for h, lk in zip(out, found, strict=True) if h.pid is not None or lk in still]
+    return out
 
 
 def probe_markers(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
