@@ -278,3 +278,154 @@ def test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_name
         if job is not None and job.poll() is None:
             job.kill()
             job.wait(10)
+
+
+# --- class 6: the client believes any daemon answer -----------------------------------------
+
+# As nobody: squat a loopback port (the daemon is down) and answer every GET with the same
+# JSON record, whatever was asked.
+_FAKE_DAEMON = textwrap.dedent("""
+    import http.server, sys
+    body = open(sys.argv[1], "rb").read()
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), H)
+    open(sys.argv[2] + ".tmp", "w").write(str(server.server_address[1]))
+    import os; os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+    server.serve_forever()
+""")
+
+
+def _forged_answers(record: dict[str, object]) -> dict[str, dict[str, object]]:
+    """Answers that do not hold, from a real ready record (gpus=1, require cuda)."""
+    not_ready = dict(record, ready=False)  # ready false, no blocker, blocker "none"
+    other_question = json.loads(json.dumps(record))
+    other_question["requirement"]["gpus"] = None  # an answer for no --gpus
+    other_require = json.loads(json.dumps(record))
+    other_require["requirement"]["backends"] = ["nvml"]
+    ready_with_blocker = dict(record, blockers=[
+        {"code": "gpu_lost", "layer": "device", "backend": None, "device": None,
+         "message": "lost", "remediation": "reset"}])
+    return {"not_ready_without_blocker": not_ready, "another_gpus": other_question,
+            "another_requirement": other_require, "ready_with_a_blocker": ready_with_blocker}
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_daemon_answer_that_does_not_hold_is_said_and_answered_here(
+        gpu_env: EnvFactory, locks: Path, shared: Path, fmt: str) -> None:
+    env = host(gpu_env, locks, 2)
+    rc, real = verdict_of(["preflight", "--gpus", "1", "--no-daemon", "--format", "json"], env)
+    assert rc == 0 and real["ready"] is True, real["blockers"]
+    for name, forged in _forged_answers(real).items():
+        answer, port_file = shared / f"{name}.json", shared / f"{name}.port"
+        answer.write_text(json.dumps(dict(forged, source="daemon")))
+        answer.chmod(0o644)
+        server = subprocess.Popen(nobody_argv(sys.executable, "-c", _FAKE_DAEMON, str(answer),
+                                              str(port_file)), start_new_session=True,
+                                  text=True)
+        try:
+            wait_for_file(port_file, server)
+            url = f"http://127.0.0.1:{port_file.read_text()}"
+            proc = run_gpudiag(["preflight", "--gpus", "1", "--format", fmt, "--daemon-url",
+                                url], env)
+            said = [line for line in proc.stderr.splitlines() if "does not hold" in line]
+            assert len(said) == 1, (name, proc.stderr)
+            assert proc.returncode == 0, (name, proc.stdout, proc.stderr)  # answered here
+            if fmt == "json":
+                rec = json.loads(proc.stdout)
+                assert rec["source"] == "inline" and rec["ready"] is True, name
+            else:
+                assert "gpu_validation_blocker=none" in proc.stdout, (name, proc.stdout)
+        finally:
+            stop(server)
+
+
+# --- class 7: inputs that hang or exhaust ----------------------------------------------------
+
+
+def test_a_fifo_or_dev_zero_as_config_or_closeout_is_refused_in_one_line(
+        shared: Path) -> None:
+    run_dir = shared / "run"
+    as_nobody(f"mkfifo {shared}/config.toml && ln -s /dev/zero {shared}/zero.toml && "
+              f"mkdir {run_dir} && ln -s /dev/zero {run_dir}/closeout.json && "
+              f"mkdir {shared}/run2 && mkfifo {shared}/run2/closeout.json")
+    env = {"PATH": "/usr/bin:/bin"}
+    cases = [["serve", "--config", str(shared / "config.toml"), "--check-config"],
+             ["serve", "--config", str(shared / "zero.toml"), "--check-config"],
+             ["explain", "--run", str(run_dir), "--state-dir", str(shared)],
+             ["explain", "--run", str(shared / "run2"), "--state-dir", str(shared)]]
+    for argv in cases:
+        start = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "gpudiag", *argv], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        peak = 0
+        while proc.poll() is None and time.monotonic() - start < 20:
+            try:
+                peak = max(peak, psutil.Process(proc.pid).memory_info().rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 2, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+        assert peak < 300 << 20, (argv, peak)
+
+
+def test_a_sighup_with_the_config_swapped_for_a_fifo_keeps_the_daemon_and_its_sigterm(
+        fakes: object, tmp_path: Path, shared: Path) -> None:
+    from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+
+    env = host_env(fakes, tmp_path / "host", gpus=1, FAKE_NVML_DEVICE_COUNT=1,  # type: ignore[arg-type]
+                   GPUDIAG_LOCK_DIR=str(shared / "locks"))
+    config = write_config(shared / "gpudiag.toml", daemon_toml())
+    daemon = Daemon(env, config, tmp_path / "state")
+    try:
+        daemon.wait_ready()
+        config.unlink()
+        as_nobody(f"mkfifo -m 0666 {config}")
+        daemon.proc.send_signal(1)  # SIGHUP: re-read the config
+        deadline = time.monotonic() + 10
+        while not any("not a regular file" in line for line in daemon.lines):
+            assert time.monotonic() < deadline, "\n".join(daemon.lines[-10:])
+            time.sleep(0.1)
+        assert daemon.get("/healthz")[0] == 200
+    finally:
+        start = time.monotonic()
+        daemon.stop()
+        assert time.monotonic() - start < 8, "SIGTERM was not heard"
+
+
+# --- class 8: terminal injection -------------------------------------------------------------
+
+
+def test_escape_sequences_in_a_run_another_user_wrote_never_reach_the_terminal(
+        gpu_env: EnvFactory, locks: Path, shared: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    real = tmp_path / "real"
+    proc = run_gpudiag(["run", "--artifacts", str(real), "--gpus", "1", "--", "false"], env)
+    assert proc.returncode == 1, proc.stderr
+    planted = shared / "planted"
+    shutil.copytree(real, planted)
+    evil = "\x1b]0;pwned\x07\x1b[2J\x1b[31mready=true\u202e"
+    result = json.loads((planted / "result.json").read_text())
+    result["argv"] = ["false", evil]
+    (planted / "result.json").write_text(json.dumps(result))
+    close = json.loads((planted / "closeout.json").read_text())
+    close["attribution"]["missing"] = [evil]
+    (planted / "closeout.json").write_text(json.dumps(close))
+    subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(planted)], check=True)
+    for fmt in ("text", "kv"):
+        out = run_gpudiag(["explain", "--run", str(planted), "--state-dir", str(tmp_path),
+                           "--format", fmt], {"PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr
+        assert "\x1b" not in out.stdout and "\x07" not in out.stdout, repr(out.stdout)
+        assert "\u202e" not in out.stdout and "\\x1b" in out.stdout, repr(out.stdout)
