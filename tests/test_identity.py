@@ -429,3 +429,53 @@ def test_escape_sequences_in_a_run_another_user_wrote_never_reach_the_terminal(
         assert out.returncode == 0, out.stderr
         assert "\x1b" not in out.stdout and "\x07" not in out.stdout, repr(out.stdout)
         assert "\u202e" not in out.stdout and "\\x1b" in out.stdout, repr(out.stdout)
+
+
+# --- class 9: shared defaults -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plant", ["mkdir -m 0755 {dest}", "mkdir -m 0777 {dest}",
+                                   "mkdir -m 0700 {dest}.real && ln -s {dest}.real {dest}"])
+def test_the_fake_host_refuses_a_dest_another_user_made_or_may_write(
+        shared: Path, plant: str) -> None:
+    dest = shared / "gpudiag-try"
+    as_nobody(plant.format(dest=dest))
+    proc = subprocess.run([sys.executable, "-m", "tests.fakes", str(dest), "--gpus", "1"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 2, proc.stderr
+    assert "refused" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (dest / "driver").exists() and not (Path(f"{dest}.real") / "driver").exists()
+
+
+def test_the_fake_host_builds_in_a_folder_of_ones_own(shared: Path) -> None:
+    dest = shared / "mine"
+    proc = subprocess.run([sys.executable, "-m", "tests.fakes", str(dest), "--gpus", "1"],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest.stat().st_mode & 0o777) == 0o700 and (dest / "env.sh").is_file()
+
+
+SLURM = Path(__file__).resolve().parent.parent / "deploy" / "slurm"
+
+
+@pytest.mark.parametrize("script", ["gpudiag-prolog.sh", "gpudiag-healthcheck.sh",
+                                    "gpudiag-epilog.sh"])
+def test_slurm_scripts_run_nothing_another_user_named_in_their_environment(
+        shared: Path, script: str) -> None:
+    marker = shared / "ran-as-root"
+    bin_dir = shared / "bin"
+    evil = "#!/bin/sh\\ntouch " + str(marker) + "\\nexit 0\\n"
+    as_nobody(f"mkdir {bin_dir} && for n in gpudiag scontrol nvidia-smi logger timeout; do "
+              f"printf '{evil}' > {bin_dir}/$n && chmod 755 {bin_dir}/$n; done && "
+              f"printf 'GPUDIAG={bin_dir}/gpudiag\\nSCONTROL={bin_dir}/scontrol\\n' > "
+              f"{shared}/defaults && chmod 644 {shared}/defaults")
+    env = {"GPUDIAG": f"{bin_dir}/gpudiag", "SCONTROL": f"{bin_dir}/scontrol",
+           "GPUDIAG_DEFAULTS": f"{shared}/defaults", "PATH": str(bin_dir),
+           "GPUDIAG_DAEMON_URL": "http://127.0.0.1:9", "SLURMD_NODENAME": "node1",
+           "SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "0", "GPUDIAG_TIMEOUT_S": "5"}
+    proc = subprocess.run([str(SLURM / script)], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert not marker.exists(), (proc.returncode, proc.stderr)
+    assert f"not sourcing {shared}/defaults" in proc.stderr, proc.stderr
