@@ -479,3 +479,13 @@ def test_slurm_scripts_run_nothing_another_user_named_in_their_environment(
                           timeout=60, check=False)
     assert not marker.exists(), (proc.returncode, proc.stderr)
     assert f"not sourcing {shared}/defaults" in proc.stderr, proc.stderr
+
+
+def test_the_security_doc_names_only_tests_that_exist() -> None:
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    section = doc[doc.index("## Issue 38"):doc.index("## Crash safety")]
+    named = set(re.findall(r"`(test_\w+)", section))
+    defined = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M))
+    assert len(named) >= 10 and named <= defined, named - defined
