@@ -489,3 +489,39 @@ def test_the_security_doc_names_only_tests_that_exist() -> None:
     named = set(re.findall(r"`(test_\w+)", section))
     defined = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M))
     assert len(named) >= 10 and named <= defined, named - defined
+
+
+# --- class 4 (part): qualification yields to a waiting job -----------------------------------
+
+
+def _holds(pid: int, path: Path) -> bool:
+    st = path.stat()
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
+    return any(f" {pid} {key}" in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_job_waiting_for_a_gpu_under_qualification_gets_it_within_seconds(
+        gpu_env: EnvFactory, locks: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    qual = subprocess.Popen([sys.executable, "-m", "gpudiag", "qualify", "--tier", "full",
+                             "--no-history", "--format", "json"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock_file = locks / f"{gpu_uuid(0)}.lock"
+        deadline = time.monotonic() + 60
+        while not (lock_file.exists() and _holds(qual.pid, lock_file)):
+            assert qual.poll() is None and time.monotonic() < deadline, qual.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)  # measuring now
+        start = time.monotonic()
+        run = run_gpudiag(["run", "--artifacts", str(tmp_path / "run"), "--gpus", "1",
+                           "--lock-timeout", "30", "--", "true"], env)
+        took = time.monotonic() - start
+        assert run.returncode == 0, run.stderr
+        assert took < 20, f"the job waited {took:.1f} s for a qualification"
+        out, err = qual.communicate(timeout=60)
+        assert "a job is waiting for the GPU" in out + err, (out, err)
+    finally:
+        if qual.poll() is None:
+            qual.kill()
+            qual.wait(10)

@@ -119,6 +119,35 @@ def _mark_path(lock_dir: Path, uuid: str) -> Path:
     return _lock_path(lock_dir, uuid).with_suffix(".probing")
 
 
+def waiting_path(lock_dir: Path, uuid: str) -> Path:
+    """The waiting mark of ``uuid``: a job waiting for the GPU holds its flock (shared), so
+    that a qualification measuring the GPU sees it (in /proc/locks) and yields."""
+    return _lock_path(lock_dir, uuid).with_suffix(".waiting")
+
+
+def hold_waiting(lock_dir: Path, uuids: Sequence[str]) -> list[int]:
+    """Hold the waiting marks of ``uuids`` (shared; unusable ones skipped): the descriptors,
+    for ``let_go``."""
+    fds: list[int] = []
+    for uuid in uuids:
+        try:
+            fd = _locked_fd(waiting_path(lock_dir, uuid), shared=True)
+        except (LockFailed, ValueError):
+            continue
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                _claim(fd)
+            fds.append(fd)
+    return fds
+
+
+def let_go(fds: Sequence[int]) -> None:
+    """Close descriptors ``hold_waiting`` returned."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 LOCK_FILE_MODE = 0o644
 MAX_HOLDER_BYTES = 4096      # a holder record is ~150 bytes; anyone may write the file
 _OPEN_TRIES = 5              # re-opens when the path was replaced under us

@@ -49,7 +49,9 @@ from gpudiag.engine.locks import (
     check_lock_file,
     default_lock_dir,
     describe_holders,
+    hold_waiting,
     holders,
+    let_go,
     lock_holder,
     release,
     try_lock,
@@ -525,6 +527,16 @@ class Admitter:
         ``flock -s``) lets a shared look through at once, which made every look a fresh
         observation and a waiting job spin. The polls back off to LOCK_POLL_MAX_S.
         """
+        # While it waits, the job holds each GPU's waiting mark: a qualification measuring
+        # one of them sees it and stops within a second (probes/qualify.py).
+        waiting = hold_waiting(lock_dir, uuids)
+        try:
+            self._wait_for_holders(lock_dir, uuids, deadline, reobserve_s)
+        finally:
+            let_go(waiting)
+
+    def _wait_for_holders(self, lock_dir: Path, uuids: Sequence[str], deadline: float,
+                          reobserve_s: float) -> None:
         until = min(deadline, self.clock() + reobserve_s)
         pause = LOCK_POLL_S
         while self.clock() < until:
