@@ -525,3 +525,62 @@ def test_a_job_waiting_for_a_gpu_under_qualification_gets_it_within_seconds(
         if qual.poll() is None:
             qual.kill()
             qual.wait(10)
+
+
+# --- class 3 (part): job records another user wrote ------------------------------------------
+
+GPU0 = gpu_uuid(0)
+
+
+def _planted_job(job: str, started: float, ended: float) -> str:
+    """A job record claiming Slurm job ``job`` with a hardware XID inside its window."""
+    from gpudiag.core.attribution import JobRecord, Source, Window, attribute, xid_event
+
+    window = Window(started, ended, frozenset({GPU0}))
+    got = attribute(1, window, [xid_event(started + 5, 79, GPU0, "watcher")],
+                    [Source("run watcher", True)])
+    return json.dumps(JobRecord(10, 11, ("train",), job, "node1", started, ended, 1, (GPU0,),
+                                got, None).record())
+
+
+def test_the_epilog_never_drains_on_another_users_record_for_the_job(
+        shared: Path, tmp_path: Path) -> None:
+    from gpudiag.core.attribution import JOB_INBOX
+    from gpudiag.core.findings import XidEvent
+    from gpudiag.daemon.jobs import JobInbox, record_job
+    from gpudiag.daemon.store import HistoryStore, default_path
+
+    state = shared / "state"
+    state.mkdir()
+    store = HistoryStore(default_path(state))
+    store.record_xids([XidEvent(79, 0, GPU0, 105.0)])  # a past XID, repaired since
+    inbox = JobInbox(state, record=lambda job, uid: record_job(store, job, uid))
+    inbox.prepare()
+    # uid 65534 claims job 77 (uid 1000's) with the XID's window, and a job of its own
+    # that ends tomorrow.
+    (shared / "a.json").write_text(_planted_job("77", 100.0, 110.0))
+    (shared / "b.json").write_text(_planted_job("78", time.time(), time.time() + 86400))
+    as_nobody(f"cp {shared}/a.json {state}/{JOB_INBOX}/1-77.json && "
+              f"cp {shared}/b.json {state}/{JOB_INBOX}/2-78.json")
+    taken = inbox.poll()  # what the daemon's loop does
+    assert [j.slurm_job_id for j in taken] == ["77"]  # the future-dated one refused
+    assert not (state / JOB_INBOX / "2-78.json").exists()
+    store.close()
+    scontrol, calls = tmp_path / "scontrol", tmp_path / "calls"
+    scontrol.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    scontrol.chmod(0o755)
+    defaults = tmp_path / "defaults"
+    defaults.write_text(f"GPUDIAG={Path(sys.executable).with_name('gpudiag')}\n"
+                        f"SCONTROL={scontrol}\nGPUDIAG_STATE_DIR={state}\n")
+    env = {"GPUDIAG_DEFAULTS": str(defaults), "SLURMD_NODENAME": "node1",
+           "SLURM_JOB_ID": "77", "SLURM_JOB_GPUS": "0", "SLURM_JOB_UID": "1000"}
+    proc = subprocess.run([str(SLURM / "gpudiag-epilog.sh")], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    drains = [c for c in (calls.read_text().splitlines() if calls.exists() else [])
+              if "State=DRAIN" in c]
+    assert drains == [], (drains, proc.stderr)
+    # The job owner's own explain finds no record of theirs; root's view still lists it.
+    mine = run_gpudiag(["explain", "--slurm-job", "77", "--job-uid", "1000", "--state-dir",
+                        str(state), "--format", "kv"], {"PATH": "/usr/bin:/bin"})
+    assert mine.returncode == 1, mine.stdout + mine.stderr

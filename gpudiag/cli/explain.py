@@ -63,6 +63,9 @@ def _time(text: str, name: str) -> float:
 @click.option("--pid", type=click.IntRange(1), metavar="PID",
               help="The `gpudiag run` process's pid or its job's.")
 @click.option("--slurm-job", "slurm_job", metavar="ID", help="The Slurm job id of the run.")
+@click.option("--job-uid", "job_uid", type=click.IntRange(0, 2**32 - 1), metavar="UID",
+              help="With --pid or --slurm-job: only a record that uid (the job's owner, "
+              "$SLURM_JOB_UID in an Epilog) or root wrote counts.")
 @click.option("--since", "since_text", metavar="T", help="Window start (RFC 3339 or epoch s).")
 @click.option("--until", "until_text", metavar="T", help="Window end (RFC 3339 or epoch s).")
 @click.option("--gpus", "gpus_text", metavar="UUIDS",
@@ -73,8 +76,8 @@ def _time(text: str, name: str) -> float:
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
               show_default=True, help="kv: key=value lines for scripts (the Slurm Epilog).")
 def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
-            since_text: str | None, until_text: str | None, gpus_text: str | None,
-            state_dir: str | None, fmt: str) -> None:
+            job_uid: int | None, since_text: str | None, until_text: str | None,
+            gpus_text: str | None, state_dir: str | None, fmt: str) -> None:
     """Say who failed a run, hardware, software, application or unknown, with the events
     that decided it and the timeline of its GPUs (verdict changes, XIDs, who held them).
 
@@ -91,6 +94,8 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
                                "--slurm-job ID, or --since T --until T")
     if gpus_text is not None and since_text is None:
         raise click.UsageError("--gpus goes with --since/--until")
+    if job_uid is not None and pid is None and slurm_job is None:
+        raise click.UsageError("--job-uid goes with --pid or --slurm-job")
     gpus = [g.strip() for g in (gpus_text or "").split(",") if g.strip()]
     bad = [g for g in gpus if not _UUID.match(g)]
     if bad:
@@ -105,7 +110,7 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     try:
         answer = explain_in(None if state_dir is None else Path(state_dir),
                             run=None if run_path is None else Path(run_path), pid=pid,
-                            slurm_job_id=slurm_job, window=window)
+                            slurm_job_id=slurm_job, window=window, job_uid=job_uid)
     except ExplainRefused as e:
         raise _Refused(str(e)) from e
     except ExplainError as e:

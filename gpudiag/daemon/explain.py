@@ -29,7 +29,7 @@ from gpudiag.core.attribution import (
 )
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.fileio import RefusedFile, read_regular
-from gpudiag.daemon.jobs import JobRecordError, read_job
+from gpudiag.daemon.jobs import JobRecordError, future_dated, read_job
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.engine.statedir import default_state_dir
 
@@ -68,12 +68,23 @@ class Explanation:
 
 
 def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = None,
-             slurm_job_id: str | None = None) -> tuple[JobRecord, int]:
+             slurm_job_id: str | None = None, job_uid: int | None = None
+             ) -> tuple[JobRecord, int]:
     """The newest run with that pid or Slurm job id, and the uid that reported it: in the
-    history, else still in the inbox."""
+    history, else still in the inbox.
+
+    ``job_uid`` (the job's owner as Slurm says, ``$SLURM_JOB_UID`` in an Epilog): only a
+    record whose file that uid or root owned counts (the kernel recorded the owner); another
+    user's record for the same job id is ignored. Future-dated records never count.
+    """
+    def ours(job: JobRecord, uid: int) -> bool:
+        return (job_uid is None or uid in (job_uid, 0)) and not future_dated(job)
+
     if store is not None:
-        for entry in store.jobs(pid=pid, slurm_job_id=slurm_job_id, limit=1):
-            return JobRecord.from_record(entry.record), entry.uid
+        for entry in store.jobs(pid=pid, slurm_job_id=slurm_job_id, limit=50):
+            found = JobRecord.from_record(entry.record)
+            if ours(found, entry.uid):
+                return found, entry.uid
     inbox = state_dir / JOB_INBOX
     try:
         names = sorted(os.listdir(inbox), reverse=True)
@@ -86,8 +97,9 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
             job, uid = read_job(inbox / name)
         except JobRecordError:
             continue
-        if (pid is not None and pid in (job.pid, job.child_pid)) or (
-                slurm_job_id is not None and job.slurm_job_id == slurm_job_id):
+        if ((pid is not None and pid in (job.pid, job.child_pid)) or (
+                slurm_job_id is not None and job.slurm_job_id == slurm_job_id)) and ours(
+                    job, uid):
             return job, uid
     what = f"pid {pid}" if pid is not None else f"Slurm job {slurm_job_id}"
     raise ExplainError(f"no run with {what} in the history or the inbox of {state_dir} "
@@ -96,7 +108,8 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
 
 
 def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | None = None,
-               slurm_job_id: str | None = None, window: Window | None = None) -> Explanation:
+               slurm_job_id: str | None = None, window: Window | None = None,
+               job_uid: int | None = None) -> Explanation:
     """Find the run (or take the window) and explain it from the state dir's history."""
     folder = default_state_dir() if state_dir is None else state_dir
     path = default_path(folder)
@@ -107,7 +120,8 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
         if run is not None:
             job, code, owner = _job_of_run(run)
         elif pid is not None or slurm_job_id is not None:
-            job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id)
+            job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id,
+                                  job_uid=job_uid)
             code = job.exit_code
         if job is not None:
             window = job.window
