@@ -152,8 +152,6 @@ def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = Fal
     try:
         fd = os.open(path, flags)
     except OSError as e:
-        if e.errno == errno.ELOOP and not follow:
-            raise RefusedFile("it is a symlink (not followed)") from e
         raise RefusedFile(f"cannot open it: {e.strerror or e}") from e
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
