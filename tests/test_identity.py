@@ -256,14 +256,19 @@ def test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_name
         seen = JobLocks(locks).mark({gpu_uuid(0): GpuOccupancy(gpu_uuid(0), FREE)})
         assert seen[gpu_uuid(0)].state == BUSY, seen
         job = subprocess.Popen([sys.executable, "-m", "gpudiag", "run", "--artifacts",
-                                str(tmp_path / "run"), "--gpus", "1", "--lock-timeout", "12",
+                                str(tmp_path / "run"), "--gpus", "1", "--lock-timeout", "20",
                                 "--", "true"], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
         ps = psutil.Process(job.pid)
-        time.sleep(4.0)  # past the preflight: it now waits for the lock
-        assert job.poll() is None, job.communicate()
+        # Past the preflight (its children reaped): the job waits, holding the waiting mark.
+        deadline = time.monotonic() + 30
+        while not ((locks / f"{gpu_uuid(0)}.waiting").exists()
+                   and _holds(job.pid, locks / f"{gpu_uuid(0)}.waiting")):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)
         cpu0, t0 = _cpu_s(ps), time.monotonic()
-        time.sleep(5.0)
+        time.sleep(10.0)
         cpu1, t1 = _cpu_s(ps), time.monotonic()
         share = (cpu1 - cpu0) / (t1 - t0)
         print(f"waiting: {share:.1%} of a core")

@@ -62,8 +62,11 @@ DEFAULT_LOCK_TIMEOUT_S = 60.0
 OBSERVE_TIMEOUT_S = 10.0
 LOCK_POLL_S = 0.05
 LOCK_POLL_MAX_S = 0.5  # the wait for others' locks backs off to this (a few reads a second)
-REOBSERVE_S = 2.0
-REOBSERVE_MAX_S = 16.0  # each fresh look while waiting doubles the next one's delay
+# While others hold the locks it waits for, a job looks afresh (an nvml child, ~0.15 CPU-s)
+# only this often, doubling to REOBSERVE_MAX_S: a freed lock ends the wait at once anyway
+# (the kernel's holders are polled), so these looks only find GPUs freed without a lock.
+REOBSERVE_S = 5.0
+REOBSERVE_MAX_S = 30.0
 
 
 class AdmissionError(Exception):
