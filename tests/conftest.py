@@ -82,6 +82,12 @@ SLOW_MODULES = {
     "test_soak": "a daemon under flapping faults for 45 s",
 }
 SLOW_TESTS = {
+    # Each waits out a lock timeout, a qualification or a daemon (15-40 s on 2 cores).
+    "test_identity": (
+        "test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_names_it",
+        "test_a_job_waiting_for_a_gpu_under_qualification_gets_it_within_seconds",
+        "test_a_daemon_answer_that_does_not_hold_is_said_and_answered_here",
+        "test_a_sighup_with_the_config_swapped_for_a_fifo_keeps_the_daemon_and_its_sigterm"),
     "test_store": ("test_sigkill_while_the_daemon_writes_200_times_loses_no_acknowledged_verdict",
                    "test_retention_by_size_bounds_the_file"),
     "test_properties": ("test_classify_never_raises_on_mutated_real_observations",

@@ -132,3 +132,26 @@ def test_admission_proves_again_under_its_lock_when_the_runtimes_proof_is_old() 
     assert proven_on(verdict(now - 10), [uuid], now_wall=now)
     # An hour-old proof of the job's runtime stands for nothing under the lock.
     assert not proven_on(verdict(now - 3000), [uuid], now_wall=now)
+
+
+def test_a_daemon_answer_proven_in_another_environment_does_not_hold() -> None:
+    from gpudiag.core.requirement import parse_requirement
+    from gpudiag.core.verdict import BackendStatus, Verdict
+    from gpudiag.engine.client import question_of
+
+    def record(proof: dict[str, Any]) -> dict[str, Any]:
+        return Verdict(
+            requirement=parse_requirement("jax:cpu"), blockers=(), warnings=(), devices=(),
+            backends={"jax": BackendStatus("ok", 1.0)}, evidence={"proof": proof},
+            preallocation_disabled=True, host="n1", checked_at="2026-12-02T00:00:00.000Z",
+            source="daemon").record()
+
+    from gpudiag.engine.answercheck import check_answer
+
+    asked = question_of(parse_requirement("jax:cpu"), "jax:" + "a" * 16)
+    mine = {"jax": {"where": "daemon", "runtime": "train", "fingerprint": "a" * 16}}
+    other = {"jax": {"where": "daemon", "runtime": "train", "fingerprint": "b" * 16}}
+    assert check_answer(record(mine), asked) is None
+    problem = check_answer(record(other), asked)
+    assert problem is not None and "another environment" in problem
+    assert "says nothing of where jax" in str(check_answer(record({}), asked))

@@ -121,15 +121,27 @@ def test_another_version_s_record_is_read_by_the_typed_model(
         canned: tuple[Path, list[bytes]], fmt: str) -> None:
     path, bodies = canned
     older = {**_daemon_body(verdict(("cuda_init_failed", ""))), "gpudiag_version": "0.0.1"}
-    # Says ready while listing a blocker: the typed model goes by the blockers.
+    env = {**os.environ, "GPUDIAG_DAEMON_USER": str(os.getuid())}
+    bodies.append(json.dumps(older).encode())
+    proc = run_gpudiag(["preflight", "--format", fmt, "--daemon-url", f"unix:{path}"],
+                       env, timeout=60)
+    assert proc.stderr == ""
+    assert (proc.stdout, proc.returncode) == (_typed(older, fmt)[0], 1)
+
+
+@pytest.mark.parametrize("fmt", ["json", "kv"])
+def test_a_record_that_does_not_hold_together_is_said_and_answered_here(
+        canned: tuple[Path, list[bytes]], fmt: str) -> None:
+    """Says ready while listing a blocker: not believed (engine/answercheck, issue 38)."""
+    path, bodies = canned
     lying = {**_daemon_body(verdict(("cuda_init_failed", ""))), "ready": True}
     env = {**os.environ, "GPUDIAG_DAEMON_USER": str(os.getuid())}
-    for data in (older, lying):
-        bodies.append(json.dumps(data).encode())
-        proc = run_gpudiag(["preflight", "--format", fmt, "--daemon-url", f"unix:{path}"],
-                           env, timeout=60)
-        assert proc.stderr == ""
-        assert (proc.stdout, proc.returncode) == (_typed(data, fmt)[0], 1)
+    bodies.extend([json.dumps(lying).encode()] * 2)  # the fast path asks, then click's path
+    proc = run_gpudiag(["preflight", "--format", fmt, "--daemon-url", f"unix:{path}"],
+                       env, timeout=120)
+    said = [line for line in proc.stderr.splitlines() if "does not hold" in line]
+    assert len(said) == 1 and "ready with blockers" in said[0], proc.stderr
+    assert ("source=inline" if fmt == "kv" else '"source": "inline"') in proc.stdout
 
 
 def test_this_version_s_record_is_printed_as_the_typed_model_would(

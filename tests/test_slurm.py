@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -94,6 +95,10 @@ class Outcome:
         return [c for c in self.calls if c[:1] == ["update"]]
 
 
+# Settings the scripts take from the site's defaults file only (gpudiag-common.sh).
+SITE_ONLY = ("GPUDIAG", "SCONTROL", "GPUDIAG_DAEMON_URL", "PATH")
+
+
 @dataclass
 class SlurmNode:
     """The stand-in scontrol's files and a runner for the two scripts."""
@@ -114,12 +119,18 @@ class SlurmNode:
             "SCONTROL_STATE": str(self.folder / "state.json"),
             "SCONTROL_LOG": str(self.folder / "calls.jsonl"),
             "GPUDIAG": str(Path(sys.executable).with_name("gpudiag")),
-            "GPUDIAG_DEFAULTS": "/dev/null",
             # No daemon listens here: preflight falls back to probing inline.
             "GPUDIAG_DAEMON_URL": f"http://127.0.0.1:{closed_port()}",
             "SLURMD_NODENAME": NODE,
         })
         env.update(extra or {})
+        # What runs as root (the binaries, PATH, the daemon to believe) comes only from the
+        # site's root-owned defaults file, never from the environment (issue 38).
+        site = {k: env.pop(k) for k in SITE_ONLY if k in env}
+        defaults = self.folder / "defaults"
+        defaults.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in site.items() if v))
+        defaults.chmod(0o644)
+        env["GPUDIAG_DEFAULTS"] = str(defaults)
         (self.folder / "calls.jsonl").write_text("")
         start = time.monotonic()
         proc = subprocess.run([str(script)], env=env, capture_output=True, text=True,

@@ -6,14 +6,50 @@
 # no SLURM_CONF), so everything has a default here and site settings come from a KEY=VALUE
 # file, /etc/default/gpudiag unless GPUDIAG_DEFAULTS names another one.
 
-# PATH is set by the scripts before they source this file.
-# Every assignment there is exported (set -a): gpudiag itself may need some (LD_LIBRARY_PATH,
-# SLURM_CONF for scontrol, CUDA_* for the probes).
-if [[ -r ${GPUDIAG_DEFAULTS:-/etc/default/gpudiag} ]]; then
-    set -a
-    # shellcheck disable=SC1090
-    . "${GPUDIAG_DEFAULTS:-/etc/default/gpudiag}"
-    set +a
+# PATH is set by the scripts before they source this file (a fixed one: never the caller's).
+#
+# What runs as root comes only from the site's config, never from the environment (anyone
+# who can set a variable for a Prolog, a health check or `sudo`-run copy would choose the
+# binary root runs): GPUDIAG, SCONTROL and GPUDIAG_DAEMON_URL from the environment are
+# dropped, and the defaults file is sourced only when it is a regular file owned by root
+# (or by the user running this), writable by nobody else, in folders nobody else may write
+# (a sticky /tmp-like folder owned by root is fine). GPUDIAG_DEFAULTS may name another file
+# that passes the same test; one that does not is skipped with a log line.
+unset GPUDIAG SCONTROL GPUDIAG_DAEMON_URL
+
+# gpudiag_trusted_file PATH: the test above, for one file and every folder above it.
+gpudiag_trusted_file() {
+    local path=$1 uid mode me
+    me=$(id -u)
+    [[ $path == /* && -f $path && ! -L $path ]] || return 1
+    read -r uid mode < <(stat -c '%u %a' -- "$path") || return 1
+    [[ $uid == 0 || $uid == "$me" ]] || return 1
+    (( (8#$mode & 8#022) == 0 )) || return 1
+    path=$(dirname -- "$path")
+    while :; do
+        [[ ! -L $path ]] || return 1
+        read -r uid mode < <(stat -c '%u %a' -- "$path") || return 1
+        [[ $uid == 0 || $uid == "$me" ]] || return 1
+        # Others may write it only when it is sticky (they cannot replace root's files).
+        (( (8#$mode & 8#022) == 0 || (8#$mode & 8#1000) != 0 )) || return 1
+        [[ $path != / ]] || return 0
+        path=$(dirname -- "$path")
+    done
+}
+
+gpudiag_defaults=${GPUDIAG_DEFAULTS:-/etc/default/gpudiag}
+if [[ $gpudiag_defaults != /dev/null && -e $gpudiag_defaults ]]; then
+    if gpudiag_trusted_file "$gpudiag_defaults"; then
+        # Every assignment there is exported (set -a): gpudiag itself may need some
+        # (LD_LIBRARY_PATH, SLURM_CONF for scontrol, CUDA_* for the probes).
+        set -a
+        # shellcheck disable=SC1090
+        . "$gpudiag_defaults"
+        set +a
+    else
+        logger -t gpudiag-slurm -- "not sourcing $gpudiag_defaults: not a root-owned file closed to others" 2>/dev/null || true
+        echo "gpudiag-slurm: not sourcing $gpudiag_defaults: not a root-owned file closed to others (nor in such folders)" >&2
+    fi
 fi
 
 GPUDIAG=${GPUDIAG:-/opt/gpudiag/bin/gpudiag}

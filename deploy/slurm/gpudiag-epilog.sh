@@ -24,8 +24,10 @@
 # job, so `sinfo -R` leads to the record.
 # An Epilog always exits 0: Slurm drains a node whose Epilog fails ("Epilog error").
 set -u
-# slurmd gives no PATH: set one before anything else runs.
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
+# slurmd gives no PATH: set one before anything else runs, never the caller's (a
+# PATH another user set would choose what root runs); the site's defaults file may
+# set another (gpudiag-common.sh).
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 # shellcheck source-path=SCRIPTDIR source=gpudiag-common.sh
 . "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
 
@@ -34,8 +36,12 @@ export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+
 job=${SLURM_JOB_ID:-0}
 node=$(gpudiag_node_name)
 
+# Only a record the job's owner (or root) wrote counts: another user's record for this job
+# id, naming a window and GPUs of their choosing, is ignored (the kernel recorded its owner).
+owner=()
+[[ ${SLURM_JOB_UID:-} =~ ^[0-9]+$ ]] && owner=(--job-uid "$SLURM_JOB_UID")
 answer=$(timeout --kill-after=5 "$GPUDIAG_TIMEOUT_S" \
-    "$GPUDIAG" explain --slurm-job "$job" --format kv 2>&1)
+    "$GPUDIAG" explain --slurm-job "$job" "${owner[@]}" --format kv 2>&1)
 rc=$?
 if [[ $rc -ne 0 ]]; then
     # 1: no `gpudiag run` of this job reported (a job that did not use it); else a failure.
@@ -52,7 +58,7 @@ line=$(value gpu_failure_attribution)
 case $kind in
     hardware | software | unknown)
         if [[ -n ${GPUDIAG_RECORD_DIR:-} ]]; then
-            "$GPUDIAG" explain --slurm-job "$job" --format json \
+            "$GPUDIAG" explain --slurm-job "$job" "${owner[@]}" --format json \
                 >"$GPUDIAG_RECORD_DIR/job-$job-explain.json" 2>/dev/null \
                 || gpudiag_log "job $job: could not write $GPUDIAG_RECORD_DIR/job-$job-explain.json"
         fi

@@ -13,8 +13,10 @@
 # Nodes without GPU GRES are skipped, so one slurm.conf line serves a mixed cluster.
 # gpudiag's own failure (exit 2, 3, timeout) changes nothing: unknown is not broken.
 set -u
-# slurmd gives no PATH: set one before anything else runs.
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
+# slurmd gives no PATH: set one before anything else runs, never the caller's (a
+# PATH another user set would choose what root runs); the site's defaults file may
+# set another (gpudiag-common.sh).
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 # shellcheck source-path=SCRIPTDIR source=gpudiag-common.sh
 . "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
 

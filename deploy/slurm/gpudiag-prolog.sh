@@ -17,8 +17,10 @@
 #   2, 3, timeout  gpudiag itself could not answer: logged and recorded; the job runs
 #              unless GPUDIAG_ON_ERROR=refuse (a broken gpudiag must not stop a fleet).
 set -u
-# slurmd gives no PATH: set one before anything else runs.
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
+# slurmd gives no PATH: set one before anything else runs, never the caller's (a
+# PATH another user set would choose what root runs); the site's defaults file may
+# set another (gpudiag-common.sh).
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 # shellcheck source-path=SCRIPTDIR source=gpudiag-common.sh
 . "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/gpudiag-common.sh"
 

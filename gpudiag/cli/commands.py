@@ -341,9 +341,11 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
                          else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
     if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
         from gpudiag.core.redact import redact_text
+        from gpudiag.core.termsafe import terminal_safe
 
-        click.echo(f"gpudiag: {redact_text(routed.daemon_reason or '')}; ran the probes here",
-                   err=True)
+        # The reason may quote the daemon's answer: no control character reaches the terminal.
+        reason = terminal_safe(redact_text(routed.daemon_reason or ""), one_line=True)
+        click.echo(f"gpudiag: {reason}; ran the probes here", err=True)
     verdict = routed.verdict
     _emit(verdict, fmt, wide)  # shown even when writing the record then fails
     _record(verdict, record_path)

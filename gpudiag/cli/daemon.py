@@ -24,6 +24,7 @@ import click
 from gpudiag.cli.commands import examples
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.core.redact import redact_text
+from gpudiag.core.termsafe import terminal_safe
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
 from gpudiag.daemon.effective import default_socket_path, effective_config
 
@@ -99,7 +100,8 @@ def _config(path: str | None, listen: str | None, socket_path: str | None) -> Da
     try:
         return _load(path, listen, socket_path)
     except ConfigError as e:
-        raise click.UsageError(str(e)) from e
+        # One line and exit 2 (a config refused: a FIFO, /dev/zero, bad TOML), no usage text.
+        raise _Unusable(str(e)) from e
 
 
 @click.command(short_help="Run the daemon: probes, XID watcher, /metrics, preflight API.",
@@ -318,16 +320,21 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         click.echo("no verdict changes" + (" in that time" if since_text else ""))
     for entry in entries:
         extra = f"  warnings: {','.join(entry.warnings)}" if entry.warnings else ""
-        click.echo(f"{_when(entry.ts)}  {entry.gpu_validation_blocker:<26} "
-                   f"blockers: {','.join(entry.blockers) or '-'}{extra}")
+        click.echo(terminal_safe(f"{_when(entry.ts)}  {entry.gpu_validation_blocker:<26} "
+                                 f"blockers: {','.join(entry.blockers) or '-'}{extra}",
+                                 one_line=True))
     if episodes:
         click.echo("\nblocker episodes:")
     for ep in episodes:
         end = "ongoing" if ep.ended is None else _when(ep.ended)
         where = "/".join(x for x in (ep.backend, ep.device) if x) or "-"
-        click.echo(f"{_when(ep.started)} .. {end}  {ep.code}  {where}: {ep.message}")
+        # Messages come from probes (their stderr) and records: no control character
+        # reaches the terminal (core/termsafe).
+        click.echo(terminal_safe(f"{_when(ep.started)} .. {end}  {ep.code}  {where}: "
+                                 f"{ep.message}", one_line=True))
     if clears:
         click.echo("\nclears (gpudiag clear):")
     for c in clears:
-        click.echo(f"{_when(c.ts)}  {c.gpu or 'all GPUs'}  by uid {c.uid}: "
-                   f"{c.reason or '(no reason)'}; {c.released} held XID(s) released")
+        click.echo(terminal_safe(f"{_when(c.ts)}  {c.gpu or 'all GPUs'}  by uid {c.uid}: "
+                                 f"{c.reason or '(no reason)'}; {c.released} held XID(s) "
+                                 "released", one_line=True))

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpudiag.core.verdict import Verdict
+    from gpudiag.engine.answercheck import Question
 
 # The options the fast path understands, per command: every one also exists on the click
 # command with the same meaning. Literals, not read off click at import (that would import click
@@ -155,6 +156,11 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
         return None
     if _leaves_proof_here(data):
         return None  # a backend to prove in this environment: click's path does (hybrid)
+
+    from gpudiag.engine.answercheck import check_answer
+
+    if check_answer(data, _raw_question(command, options, query)) is not None:
+        return None  # the typed path asks again, says what is wrong and answers here
     fmt = options["--format"]
     own = own_record_text(data, fmt, __version__)
     if own is None:  # another version's record, or an odd one: the typed model checks it
@@ -162,6 +168,29 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     text, ready = own
     _echo(text)
     return EXIT_READY if ready else EXIT_BLOCKED
+
+
+def _raw_question(command: str, options: dict[str, str], query: Mapping[str, str]
+                  ) -> Question:
+    """The question ``_raw_query`` asks, as engine/answercheck compares it with the answer.
+
+    Spelled without the requirement parser (not imported here): a spelling that differs
+    from the record's only sends the call to the typed path, which parses and checks it.
+    """
+    from gpudiag.engine.answercheck import Question, fingerprint_of, raw_backends
+
+    devices = options.get("--devices")
+    gpus, low = options.get("--gpus"), options.get("--min-devices")
+    memory = options.get("--min-free-memory", "")
+    return Question(raw_backends(options.get("--require", "cuda")),
+                    devices=None if devices is None else tuple(
+                        d.strip() for d in devices.split(",")),
+                    gpus=None if gpus is None else int(gpus),
+                    min_devices=None if low is None else int(low),
+                    min_free_memory_bytes=int(memory) if memory.isascii() and memory.isdigit()
+                    else None,
+                    question="node_health" if command == "health" else "job",
+                    extra={"fingerprint": fingerprint_of(query.get("fingerprint"))})
 
 
 def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str] | None:
@@ -240,7 +269,8 @@ def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_
             min_devices=None if min_devices is None else int(min_devices),
             min_free_memory=options.get("--min-free-memory"),
             gpus=None if gpus is None else int(gpus), node_health=command == "health")
-        answer = ask_daemon(url, requirement, read_timeout_s=read_timeout_s)
+        # Not said here: the click path asks again, says what is wrong and answers here.
+        answer = ask_daemon(url, requirement, read_timeout_s=read_timeout_s, say=False)
     except (RequirementError, DaemonUrlError):
         return None  # click's path words the usage error
     verdict = answer.verdict

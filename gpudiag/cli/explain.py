@@ -16,8 +16,10 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.attribution import Attribution
+from gpudiag.core.termsafe import terminal_safe, terminal_safe_record
 
 EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
 EXIT_FAILED = 3
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
 
@@ -28,6 +30,12 @@ class _NotFound(click.ClickException):
 
 class _Failed(click.ClickException):
     exit_code = EXIT_FAILED
+
+
+class _Refused(click.ClickException):
+    """A run's file that is not read (a FIFO, a device, a link, too large): exit 2."""
+
+    exit_code = EXIT_USAGE
 
 
 def _time(text: str, name: str) -> float:
@@ -55,6 +63,9 @@ def _time(text: str, name: str) -> float:
 @click.option("--pid", type=click.IntRange(1), metavar="PID",
               help="The `gpudiag run` process's pid or its job's.")
 @click.option("--slurm-job", "slurm_job", metavar="ID", help="The Slurm job id of the run.")
+@click.option("--job-uid", "job_uid", type=click.IntRange(0, 2**32 - 1), metavar="UID",
+              help="With --pid or --slurm-job: only a record that uid (the job's owner, "
+              "$SLURM_JOB_UID in an Epilog) or root wrote counts.")
 @click.option("--since", "since_text", metavar="T", help="Window start (RFC 3339 or epoch s).")
 @click.option("--until", "until_text", metavar="T", help="Window end (RFC 3339 or epoch s).")
 @click.option("--gpus", "gpus_text", metavar="UUIDS",
@@ -65,8 +76,8 @@ def _time(text: str, name: str) -> float:
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
               show_default=True, help="kv: key=value lines for scripts (the Slurm Epilog).")
 def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
-            since_text: str | None, until_text: str | None, gpus_text: str | None,
-            state_dir: str | None, fmt: str) -> None:
+            job_uid: int | None, since_text: str | None, until_text: str | None,
+            gpus_text: str | None, state_dir: str | None, fmt: str) -> None:
     """Say who failed a run, hardware, software, application or unknown, with the events
     that decided it and the timeline of its GPUs (verdict changes, XIDs, who held them).
 
@@ -74,7 +85,7 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     comes from the daemon's history in the state dir, with the rules the run's closeout used;
     without a history, from what the run recorded itself.
     """
-    from gpudiag.daemon.explain import ExplainError, explain_in, window_of
+    from gpudiag.daemon.explain import ExplainError, ExplainRefused, explain_in, window_of
     from gpudiag.daemon.store import HistoryError
 
     named = [x for x in (run_path, pid, slurm_job, since_text) if x is not None]
@@ -83,6 +94,8 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
                                "--slurm-job ID, or --since T --until T")
     if gpus_text is not None and since_text is None:
         raise click.UsageError("--gpus goes with --since/--until")
+    if job_uid is not None and pid is None and slurm_job is None:
+        raise click.UsageError("--job-uid goes with --pid or --slurm-job")
     gpus = [g.strip() for g in (gpus_text or "").split(",") if g.strip()]
     bad = [g for g in gpus if not _UUID.match(g)]
     if bad:
@@ -97,7 +110,9 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     try:
         answer = explain_in(None if state_dir is None else Path(state_dir),
                             run=None if run_path is None else Path(run_path), pid=pid,
-                            slurm_job_id=slurm_job, window=window)
+                            slurm_job_id=slurm_job, window=window, job_uid=job_uid)
+    except ExplainRefused as e:
+        raise _Refused(str(e)) from e
     except ExplainError as e:
         raise _NotFound(str(e)) from e
     except HistoryError as e:
@@ -107,7 +122,9 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     elif fmt == "kv":
         click.echo(_kv(answer.attribution, answer.record()), nl=False)
     else:
-        _text(answer.record())
+        # A record's argv, messages and GPU names may be another user's: no control
+        # character reaches the terminal (core/termsafe).
+        _text(terminal_safe_record(answer.record()))
 
 
 def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
@@ -122,7 +139,7 @@ def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
              "owner_uid": rec.get("owner_uid"),
              "missing": "; ".join(attribution.missing),
              "gpu_failure_attribution": attribution.kv()}
-    return "".join(f"{k}={' '.join(str(v if v is not None else '').split())}\n"
+    return "".join(f"{k}={terminal_safe(' '.join(str(v if v is not None else '').split()))}\n"
                    for k, v in pairs.items())
 
 

@@ -20,7 +20,8 @@ from rich.text import Text
 from gpudiag.core import registry
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import format_size
-from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, Verdict
+from gpudiag.core.termsafe import terminal_safe_record
+from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, RecordError, Verdict
 
 _STATUS_STYLE = {"ok": "green", "blocked": "red", "not_installed": "yellow", "unproven": "yellow"}
 # Width of piped output when COLUMNS does not say: wide enough that nothing wraps needlessly.
@@ -309,6 +310,15 @@ def _indented(console: Console, text: str, style: str) -> None:
 WIDE_WIDTH = 160
 
 
+def terminal_verdict(verdict: Verdict) -> Verdict:
+    """The verdict with every control character in its text written out (core/termsafe):
+    messages, stderr tails, names and argv may come from another user or a forged record."""
+    try:
+        return Verdict.from_record(terminal_safe_record(verdict.record(), one_line=False))
+    except RecordError:
+        return verdict  # not a record from_record reads back: shown as it is (JSON escapes)
+
+
 def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
                 wide: bool = False, width: int | None = None) -> None:
     """Print source, backends, devices, blockers with remediation and the final blocker line.
@@ -316,14 +326,16 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
     ``wide``: full UUIDs; ``width``: the terminal's width when ``stream`` is not the terminal
     itself (a frame of ``--watch`` drawn into a buffer).
     """
+    verdict = terminal_verdict(verdict)
     # Plain text (a pipe, a file) without the spaces rich pads lines with.
     buffer = None if color else io.StringIO()
     out: IO[str] = stream if buffer is None else buffer
     width = width or _width(stream, color)
     if wide:
         width = max(width or Console().width, WIDE_WIDTH)
+    # markup=False: no text from a record is read as rich markup ("[link=...]" is text).
     console = Console(file=out, force_terminal=color, no_color=color is False,
-                      width=width, soft_wrap=False, highlight=False)
+                      width=width, soft_wrap=False, highlight=False, markup=False)
     console.print(Text(source_line(verdict), style="dim"))
     console.print(_backends(verdict))
     if verdict.devices:

@@ -137,21 +137,31 @@ class RefusedFile(ValueError):
     """A file not read: the message says why, without the path (the caller names it)."""
 
 
-def read_regular(path: str | os.PathLike[str], limit: int) -> tuple[bytes, os.stat_result]:
+def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = False
+                 ) -> tuple[bytes, os.stat_result]:
     """A regular file's bytes (at most ``limit``) and its stat, never through a symlink.
 
     For folders other users write (inboxes): O_NOFOLLOW refuses a planted symlink,
     O_NONBLOCK a FIFO that would hang the reader, and fstat before reading refuses a folder
-    or device (io would raise IsADirectoryError as a traceback on every poll).
+    or device (io would raise IsADirectoryError as a traceback on every poll; /dev/zero
+    would be read until memory runs out). ``follow`` lets a symlink lead to the file (an
+    admin's config that Kubernetes or a config manager links in): what it leads to must
+    still be a regular file, read without blocking and within ``limit``.
     """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except OSError as e:
         raise RefusedFile(f"cannot open it: {e.strerror or e}") from e
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise RefusedFile("not a regular file")
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a folder"
+                if stat.S_ISDIR(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
+        raise RefusedFile(f"not a regular file ({kind})" if kind != "not a regular file"
+                          else kind)
     with os.fdopen(fd, "rb") as fh:
         try:
             raw = fh.read(limit + 1)

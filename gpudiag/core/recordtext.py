@@ -21,8 +21,19 @@ if TYPE_CHECKING:
 
 SCHEMA = "gpudiag.verdict/1"
 
-_KV_UNSAFE = re.compile(r"[\\\n\r]")
+# Backslash, newline and carriage return as before; every other control character (ESC,
+# C1, bidirectional overrides: gpudiag.core.termsafe's set) as \xHH or \uHHHH, so that a
+# record read on a terminal cannot drive it (docs/security.md, "Terminal injection").
+_KV_UNSAFE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _KV_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r"}
+
+
+def _kv_escape(m: re.Match[str]) -> str:
+    char = m.group()
+    if char in _KV_ESCAPES:
+        return _KV_ESCAPES[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def kv_value(value: Any, *, lenient: bool = False) -> str:
@@ -40,26 +51,26 @@ def kv_value(value: Any, *, lenient: bool = False) -> str:
                           default=str if lenient else None)
     # One record line per key: newlines inside values are escaped, never emitted raw; the
     # backslash is escaped too, so a reader can undo it (a literal "\\n" stays itself).
-    return _KV_UNSAFE.sub(lambda m: _KV_ESCAPES[m.group()], str(value))
+    return _KV_UNSAFE.sub(_kv_escape, str(value))
 
 
 def render_kv(record: Mapping[str, JSONValue]) -> str:
     """Flatten a verdict record into ``key=value`` lines (stable order, one per key)."""
     lines = [
-        f"gpu_validation_blocker={record['gpu_validation_blocker']}",
+        f"gpu_validation_blocker={kv_value(record['gpu_validation_blocker'])}",
         f"ready={kv_value(record['ready'])}",
-        f"preallocation_disabled={record['preallocation_disabled']}",
+        f"preallocation_disabled={kv_value(record['preallocation_disabled'])}",
     ]
     for key in ("schema", "host", "checked_at", "age_s", "source", "gpudiag_version"):
         lines.append(f"{key}={kv_value(record[key])}")
     req = record["requirement"]
-    lines.append(f"requirement.backends={','.join(req['backends'])}")
-    lines.append(f"requirement.devices={','.join(req['devices'] or [])}")
+    lines.append(f"requirement.backends={kv_value(','.join(req['backends']))}")
+    lines.append(f"requirement.devices={kv_value(','.join(req['devices'] or []))}")
     lines.append(f"requirement.min_devices={kv_value(req['min_devices'])}")
     lines.append(f"requirement.min_free_memory_bytes={kv_value(req['min_free_memory_bytes'])}")
     lines.append(f"requirement.gpus={kv_value(req.get('gpus'))}")
     lines.append(f"requirement.question={kv_value(req.get('question', 'job'))}")
-    lines.append(f"blockers={','.join(b['code'] for b in record['blockers'])}")
+    lines.append(f"blockers={kv_value(','.join(b['code'] for b in record['blockers']))}")
     for kind in ("blockers", "warnings"):
         for i, item in enumerate(record[kind]):
             for k in ("code", "layer", "backend", "device", "message", "remediation"):
@@ -68,15 +79,16 @@ def render_kv(record: Mapping[str, JSONValue]) -> str:
     for dev in record["devices"]:
         for k, v in dev.items():
             if k != "index":
-                lines.append(f"devices.{dev['index']}.{k}={kv_value(v)}")
+                lines.append(f"devices.{kv_value(dev['index'])}.{kv_value(k)}={kv_value(v)}")
     for name, backend in record["backends"].items():
-        lines.append(f"backends.{name}.status={backend['status']}")
+        name = kv_value(name)
+        lines.append(f"backends.{name}.status={kv_value(backend['status'])}")
         lines.append(f"backends.{name}.duration_s={kv_value(backend['duration_s'])}")
         for k, v in backend["versions"].items():
-            lines.append(f"backends.{name}.versions.{k}={kv_value(v)}")
+            lines.append(f"backends.{name}.versions.{kv_value(k)}={kv_value(v)}")
     driver = record["evidence"].get("driver") or {}
     for k, v in driver.items():
-        lines.append(f"evidence.driver.{k}={kv_value(v)}")
+        lines.append(f"evidence.driver.{kv_value(k)}={kv_value(v)}")
     return "\n".join(lines) + "\n"
 
 

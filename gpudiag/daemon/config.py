@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core import registry
+from gpudiag.core.fileio import RefusedFile, read_regular
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.nvml_health import NvmlHealthPolicy
@@ -31,6 +32,10 @@ DEFAULT_HOST = "127.0.0.1"
 LOG_FORMATS = ("text", "json")
 # sockaddr_un.sun_path is 108 bytes with the terminating NUL.
 MAX_SOCKET_PATH = 107
+# A config is a few KiB; a reference table a few hundred KiB. Anything larger (a /dev/zero,
+# a runaway file) is refused before it is read into memory.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_REFERENCE_BYTES = 8 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -326,11 +331,11 @@ def _reference(t: _Table) -> dict[str, Any]:
         raise ConfigError(f"{t._key('reference_file')} = {path!r}: expected an absolute path "
                           "to a JSON reference table")
     try:
-        table = parse_reference_table(json.loads(Path(path).read_text(encoding="utf-8")))
-    except OSError as e:
-        raise ConfigError(f"{t._key('reference_file')}: cannot read {path}: "
-                          f"{e.strerror or e}") from e
-    except (ValueError, ReferenceError) as e:
+        raw, _ = read_regular(path, MAX_REFERENCE_BYTES, follow=True)
+        table = parse_reference_table(json.loads(raw.decode("utf-8")))
+    except RefusedFile as e:
+        raise ConfigError(f"{t._key('reference_file')}: cannot read {path}: {e}") from e
+    except (ValueError, ReferenceError, RecursionError) as e:
         raise ConfigError(f"{t._key('reference_file')}: {path}: {e}") from e
     return {"reference_file": path, "table": table}
 
@@ -511,10 +516,12 @@ def load_config(path: str | Path | None) -> DaemonConfig:
     else:  # pragma: no cover - exercised on 3.10 only
         import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
     try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from e
+        # A regular file, opened without blocking (a FIFO would hang --check-config and
+        # SIGHUP) and read within MAX_CONFIG_BYTES (/dev/zero would exhaust memory).
+        data, _ = read_regular(path, MAX_CONFIG_BYTES, follow=True)
+        raw = tomllib.loads(data.decode("utf-8"))
+    except RefusedFile as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from e
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config {path} is not valid TOML: {e}") from e
     except RecursionError as e:  # arrays or tables nested thousands deep

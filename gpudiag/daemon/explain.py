@@ -28,7 +28,8 @@ from gpudiag.core.attribution import (
     history_events,
 )
 from gpudiag.core.clock import rfc3339
-from gpudiag.daemon.jobs import JobRecordError, read_job
+from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.daemon.jobs import JobRecordError, future_dated, read_job
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.engine.statedir import default_state_dir
 
@@ -38,6 +39,10 @@ BEFORE_S = 60.0  # the timeline starts this long before the run: what led up to 
 
 class ExplainError(Exception):
     """The run asked about cannot be found; the message says where gpudiag looked."""
+
+
+class ExplainRefused(ExplainError):
+    """A run's file that gpudiag will not read (not a regular file, a link, too large)."""
 
 
 @dataclass(frozen=True)
@@ -63,12 +68,23 @@ class Explanation:
 
 
 def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = None,
-             slurm_job_id: str | None = None) -> tuple[JobRecord, int]:
+             slurm_job_id: str | None = None, job_uid: int | None = None
+             ) -> tuple[JobRecord, int]:
     """The newest run with that pid or Slurm job id, and the uid that reported it: in the
-    history, else still in the inbox."""
+    history, else still in the inbox.
+
+    ``job_uid`` (the job's owner as Slurm says, ``$SLURM_JOB_UID`` in an Epilog): only a
+    record whose file that uid or root owned counts (the kernel recorded the owner); another
+    user's record for the same job id is ignored. Future-dated records never count.
+    """
+    def ours(job: JobRecord, uid: int) -> bool:
+        return (job_uid is None or uid in (job_uid, 0)) and not future_dated(job)
+
     if store is not None:
-        for entry in store.jobs(pid=pid, slurm_job_id=slurm_job_id, limit=1):
-            return JobRecord.from_record(entry.record), entry.uid
+        for entry in store.jobs(pid=pid, slurm_job_id=slurm_job_id, limit=50):
+            found = JobRecord.from_record(entry.record)
+            if ours(found, entry.uid):
+                return found, entry.uid
     inbox = state_dir / JOB_INBOX
     try:
         names = sorted(os.listdir(inbox), reverse=True)
@@ -81,8 +97,9 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
             job, uid = read_job(inbox / name)
         except JobRecordError:
             continue
-        if (pid is not None and pid in (job.pid, job.child_pid)) or (
-                slurm_job_id is not None and job.slurm_job_id == slurm_job_id):
+        if ((pid is not None and pid in (job.pid, job.child_pid)) or (
+                slurm_job_id is not None and job.slurm_job_id == slurm_job_id)) and ours(
+                    job, uid):
             return job, uid
     what = f"pid {pid}" if pid is not None else f"Slurm job {slurm_job_id}"
     raise ExplainError(f"no run with {what} in the history or the inbox of {state_dir} "
@@ -91,7 +108,8 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
 
 
 def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | None = None,
-               slurm_job_id: str | None = None, window: Window | None = None) -> Explanation:
+               slurm_job_id: str | None = None, window: Window | None = None,
+               job_uid: int | None = None) -> Explanation:
     """Find the run (or take the window) and explain it from the state dir's history."""
     folder = default_state_dir() if state_dir is None else state_dir
     path = default_path(folder)
@@ -100,10 +118,10 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
     try:
         job, code, owner = None, None, None
         if run is not None:
-            job, code = job_from_closeout(run)
-            owner = (run / "closeout.json" if run.is_dir() else run).stat().st_uid
+            job, code, owner = _job_of_run(run)
         elif pid is not None or slurm_job_id is not None:
-            job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id)
+            job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id,
+                                  job_uid=job_uid)
             code = job.exit_code
         if job is not None:
             window = job.window
@@ -114,13 +132,40 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
             store.close()
 
 
+# A closeout is a few KiB (its evidence is bounded); result.json less. Larger is not ours.
+MAX_CLOSEOUT_BYTES = 4 << 20
+MAX_RESULT_BYTES = 1 << 20
+
+
+def _read_json(file: Path, limit: int) -> tuple[Any, int]:
+    """A JSON file of a run folder (anyone's: regular, not followed, non-blocking, within
+    ``limit``) and its owner uid; ExplainError in one line otherwise."""
+    try:
+        raw, st = read_regular(file, limit)
+        return json.loads(raw.decode("utf-8")), st.st_uid
+    except RefusedFile as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            raise ExplainError(f"cannot read {file}: {e}") from e
+        raise ExplainRefused(f"cannot read {file}: {e}") from e
+    except (ValueError, RecursionError) as e:
+        raise ExplainError(f"cannot read {file}: not JSON ({type(e).__name__})") from e
+
+
+def _job_of_run(path: Path) -> tuple[JobRecord, int | None, int]:
+    job, code = job_from_closeout(path)
+    file = path / "closeout.json" if path.is_dir() else path
+    return job, code, os.lstat(file).st_uid
+
+
 def job_from_closeout(path: Path) -> tuple[JobRecord, int | None]:
     """The run of a closeout.json (or of the artifacts folder holding it)."""
     file = path / "closeout.json" if path.is_dir() else path
     try:
-        closeout = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ExplainError(f"cannot read the closeout {file}: {e}") from e
+        closeout, _ = _read_json(file, MAX_CLOSEOUT_BYTES)
+    except ExplainRefused as e:
+        raise ExplainRefused(f"the closeout is not read: {e}") from e
+    except ExplainError as e:
+        raise ExplainError(f"cannot read the closeout: {e}") from e
     rec = closeout.get("attribution") if isinstance(closeout, dict) else None
     attribution = Attribution.from_record(rec)
     window = rec.get("window") if isinstance(rec, dict) else None
@@ -129,8 +174,8 @@ def job_from_closeout(path: Path) -> tuple[JobRecord, int | None]:
                            "gpudiag older than failure attribution)")
     code = closeout.get("exit_code")
     try:
-        result = json.loads((file.parent / "result.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        result, _ = _read_json(file.parent / "result.json", MAX_RESULT_BYTES)
+    except ExplainError:
         result = {}
     child = result.get("pid") if isinstance(result, dict) else None
     argv = result.get("argv") if isinstance(result, dict) else None

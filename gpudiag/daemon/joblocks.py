@@ -2,9 +2,12 @@
 
 NVML shows a job on a GPU only once the job has made a context there; a job admitted under
 gpudiag's lock may not have one yet (or only between its steps). So after every NVML reading
-the daemon tries each FREE GPU's lock without waiting and lets go at once: it takes no GPU
-context and holds nothing. A lock another gpudiag probe holds (holder purpose ``probe``) is a
-GPU being proven for a moment, not a GPU in use: it stays FREE.
+the daemon asks the kernel (``/proc/locks``) who holds each FREE GPU's lock: it takes no lock
+and no GPU context. Only a sibling probe, a process of the daemon's own uid that the kernel
+says holds the GPU's probe mark too, leaves the GPU FREE (being proven for a moment); any
+other holder, exclusive or shared (a job, a qualification, another user's ``flock -s``, a
+holder whose locker has exited), makes it BUSY. What a lock file says decides nothing: any
+user who can open it could have written it.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from pathlib import Path
 
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
+from gpudiag.engine.guard import sibling_holder
 from gpudiag.engine.locks import JOB_LOCKED as JOB_LOCKED
-from gpudiag.engine.locks import LockFailed, lock_holder, release, try_lock
+from gpudiag.engine.locks import LockFailed, check_lock_file, holders, kernel_locks
 
 log = logging.getLogger("gpudiag.daemon.joblocks")
+
+SHARED_LOCKED = "under a shared lock that is not a probe's (a qualification or another user)"
 
 
 class JobLocks:
@@ -36,21 +42,27 @@ class JobLocks:
         known, and UNKNOWN is never FREE.
         """
         out = dict(occupancy)
+        table = None
         for uuid, found in occupancy.items():
             if found.state != FREE or not is_full_uuid(uuid):
                 continue
             try:
-                lock = try_lock(self.lock_dir, uuid, purpose="probe", shared=True)
+                check_lock_file(self.lock_dir, uuid)
             except LockFailed as e:
                 self._say(uuid, str(e))
                 out[uuid] = GpuOccupancy(uuid, UNKNOWN, why=f"its lock cannot be checked: {e}")
                 continue
-            if lock is not None:
-                release([lock])  # free: nobody holds it, and the daemon must not either
+            table = kernel_locks() if table is None else table
+            held = holders(self.lock_dir, uuid, table) if table is not None else None
+            if held is None:
+                out[uuid] = GpuOccupancy(uuid, UNKNOWN, why="who holds its lock cannot be "
+                                         "read (the kernel's lock table)")
                 continue
-            holder = lock_holder(self.lock_dir, uuid) or {}
-            if holder.get("purpose") != "probe":
-                out[uuid] = GpuOccupancy(uuid, BUSY, why=JOB_LOCKED)
+            users = [h for h in held if not sibling_holder(h)]
+            if users:
+                exclusive = any(not h.shared for h in users)
+                out[uuid] = GpuOccupancy(uuid, BUSY, why=JOB_LOCKED if exclusive
+                                         else SHARED_LOCKED)
         return out
 
     def _say(self, uuid: str, error: str) -> None:

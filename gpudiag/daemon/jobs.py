@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +32,17 @@ from gpudiag.daemon.store import HistoryError, HistoryStore
 
 log = logging.getLogger("gpudiag.daemon.jobs")
 MAX_RECORD_BYTES = 64 * 1024
+# Records taken in per loop: a flood of planted records costs loops, never a stalled one.
+MAX_RECORDS_PER_POLL = 64
+# A run's window ends now at the latest: a record that ends later (beyond clock skew) is
+# planted (it would claim XIDs still to come), and refused.
+FUTURE_SLACK_S = 300.0
+
+
+def future_dated(job: JobRecord, now: float | None = None) -> bool:
+    """Whether a record's window is impossible: it ends in the future or before it began."""
+    now = time.time() if now is None else now
+    return job.ended > now + FUTURE_SLACK_S or job.started > job.ended
 INBOX_MODE = 0o1733
 COUNTED_KINDS = tuple(k for k in KINDS if k != NONE)
 
@@ -92,12 +104,17 @@ class JobInbox:
             return dict(self._counts)
 
     def poll(self) -> list[JobRecord]:
-        """Take in every record present, oldest first; returns them."""
+        """Take in the records present, oldest first, at most MAX_RECORDS_PER_POLL of them
+        (the rest on the next loops); returns them."""
         taken: list[JobRecord] = []
-        for name in inbox_names(self.folder, self._refused):
+        for name in inbox_names(self.folder, self._refused)[:MAX_RECORDS_PER_POLL]:
             path = self.folder / name
             try:
                 found, uid = read_inbox_file(path)
+                if isinstance(found, JobRecord) and future_dated(found):
+                    raise JobRecordError(f"its window ({found.started:.0f} .. "
+                                         f"{found.ended:.0f}) ends in the future or before "
+                                         "it began")
             except JobRecordError as e:
                 log.warning("job record %s refused: %s; deleted", path, e,
                             extra={"record": str(path), "error": str(e)})

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 from gpudiag.engine import wire
+from gpudiag.engine.answercheck import Question, check_answer, fingerprint_of, untrusted
 from gpudiag.engine.fingerprint import fingerprints, query_value
 from gpudiag.engine.wire import CONNECT_TIMEOUT_S
 from gpudiag.engine.wire import DEFAULT_SOCKET as DEFAULT_SOCKET
@@ -42,6 +43,9 @@ class DaemonAnswer:
     reason: str
     url: str = ""
     refused: bool = False  # something answered, but not as the daemon's user
+    # It answered, but not the question asked or not consistently (engine/answercheck.py):
+    # the reason is said on stderr and the answer made here.
+    untrusted: bool = False
 
     def fallback(self, verdict: Verdict) -> Verdict:
         """The inline verdict with why the daemon was not used in its evidence."""
@@ -133,16 +137,46 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
 
 def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | None = None,
                connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0,
-               max_age_s: float | None = None) -> DaemonAnswer:
-    """The daemon's verdict, or None with the reason (not listening, not ready, bad answer)."""
+               max_age_s: float | None = None, say: bool = True) -> DaemonAnswer:
+    """The daemon's verdict, or None with the reason (not listening, not ready, bad answer).
+
+    An answer that is not a consistent answer to this question (engine/answercheck.py) is
+    not used: said on stderr (unless ``say`` is false: the caller asks again and says it).
+    """
     environ = os.environ if env is None else env
     # The node-health question has its own endpoint; job readiness is /v1/preflight.
     endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
-    reply = daemon_get(url, endpoint, query_for(requirement, environ, max_age_s), env=environ,
+    query = query_for(requirement, environ, max_age_s)
+    reply = daemon_get(url, endpoint, query, env=environ,
                        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
     if reply.status != 200:
         return DaemonAnswer(None, reply.why, url, reply.refused)
+    problem = check_answer(reply.data, question_of(requirement, query.get("fingerprint")))
+    if problem is not None:
+        if say:
+            say_untrusted(url, problem)
+        return DaemonAnswer(None, f"daemon at {url} gave an answer that does not hold: "
+                            f"{problem}", url, untrusted=True)
     try:
         return DaemonAnswer(Verdict.from_record(reply.data), "daemon", url)
     except RecordError as e:
         return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url)
+
+
+def question_of(requirement: Requirement, fingerprint: str | None = None) -> Question:
+    """What ``query_for`` asks, as engine/answercheck compares it with the answer
+    (``fingerprint``: the parameter sent, whose proofs the answer must be about)."""
+    health = requirement.node_health
+    return Question(tuple(b.spec() for b in requirement.backends), devices=requirement.devices,
+                    gpus=requirement.gpus,
+                    min_devices=None if health else requirement.min_devices,
+                    min_free_memory_bytes=None if health else requirement.min_free_memory_bytes,
+                    question=requirement.question,
+                    extra={"fingerprint": fingerprint_of(fingerprint)})
+
+
+def say_untrusted(url: str, problem: str) -> None:
+    """One stderr line: the daemon's answer is not used (fail closed: probes run here)."""
+    import sys
+
+    print(untrusted(url, problem), file=sys.stderr)

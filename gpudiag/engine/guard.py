@@ -10,11 +10,14 @@ active result stands.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from gpudiag.core import registry
 from gpudiag.core.environment import (
@@ -27,7 +30,17 @@ from gpudiag.core.environment import (
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
-from gpudiag.engine.locks import LockFailed, LockInfo, lock_holder, release, try_lock
+from gpudiag.engine.locks import (
+    Holder,
+    LockFailed,
+    LockInfo,
+    default_lock_dir,
+    holders,
+    kernel_locks,
+    probe_markers,
+    release,
+    try_lock,
+)
 from gpudiag.engine.processes import cmdline, is_probe_child, own_process_tree
 
 
@@ -120,17 +133,63 @@ class GpuClaim:
 SIBLING_WAIT_S = 20.0
 
 
-def not_foreign(nvml: NvmlObservation | None) -> frozenset[int]:
-    """The PIDs that do not make a GPU busy: this process tree, and other gpudiag probe
+def not_foreign(nvml: NvmlObservation | None, *, lock_dir: Path | None = None,
+                uids: Collection[int] | None = None) -> frozenset[int]:
+    """The PIDs that do not make a GPU busy: this process tree, and sibling gpudiag probe
     children (a sibling's probe is proving the GPU, not using it: docs/design-notes.md
-    "Siblings are not users"). Only PIDs NVML lists are looked at: a few /proc reads."""
+    "Siblings are not users"). Only PIDs NVML lists are looked at: a few /proc reads.
+
+    A sibling is what the kernel ties to gpudiag, never what an argv says (anyone can name
+    a process ``python -m gpudiag.probes cuda``): a process of one of ``uids`` (default:
+    this process's own uid) below a process that holds the probe mark of the GPU NVML lists
+    it on (``lock_dir``, default the shared lock folder). Another uid's process is never a
+    sibling; when anything cannot be read, the process counts as a user (the GPU is busy).
+    """
     ours = own_process_tree()
-    listed: set[int] = set()
+    own_uids = frozenset({os.geteuid()} if uids is None else uids)
+    folder = default_lock_dir() if lock_dir is None else lock_dir
+    by_gpu: dict[str, set[int]] = {}
     for d in nvml.devices if nvml is not None and nvml.ok else ():
-        lists = [d.processes, *(i.processes for i in (d.mig.instances if d.mig else ()))]
-        listed.update(p.pid for procs in lists for p in (procs or ()) if p.pid is not None)
-    listed -= ours
-    return ours | frozenset(pid for pid in listed if is_probe_child(cmdline(pid)))
+        lists = [(d.uuid, d.processes),
+                 *((d.uuid, i.processes) for i in (d.mig.instances if d.mig else ()))]
+        for uuid, procs in lists:
+            for p in procs or ():
+                if p.pid is not None and p.pid not in ours and uuid and is_full_uuid(uuid):
+                    by_gpu.setdefault(uuid, set()).add(p.pid)
+    if not by_gpu:
+        return ours
+    table = kernel_locks()
+    siblings: set[int] = set()
+    for uuid, pids in by_gpu.items():
+        markers = probe_markers(folder, uuid, table) if table is not None else frozenset()
+        siblings.update(pid for pid in pids if markers and _sibling_probe(pid, markers,
+                                                                          own_uids))
+    return ours | frozenset(siblings)
+
+
+# How far up a probe child's parents the probing gpudiag may be (child, fork server, daemon).
+_SIBLING_DEPTH = 3
+
+
+def _sibling_probe(pid: int, markers: Collection[int], uids: Collection[int]) -> bool:
+    """Whether ``pid`` is a gpudiag probe child of one of ``uids`` below a probe marker."""
+    try:
+        proc = psutil.Process(pid)
+        if not all(u in uids for u in proc.uids()) or not is_probe_child(cmdline(pid)):
+            return False
+        for parent in proc.parents()[:_SIBLING_DEPTH]:
+            if parent.pid in markers and all(u in uids for u in parent.uids()):
+                return True
+    except (psutil.Error, OSError):
+        return False
+    return False
+
+
+def sibling_holder(holder: Holder, uids: Collection[int] | None = None) -> bool:
+    """Whether a lock holder is a gpudiag probe of our own (or the given) uids, proving the
+    GPU right now (the kernel says it holds the probe mark), not a user of it."""
+    own = frozenset({os.geteuid()} if uids is None else uids)
+    return holder.pid is not None and holder.probing and holder.of_uid(own)
 
 
 def why_unclaimed(claim: GpuClaim) -> str:
@@ -165,7 +224,8 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
                limit: int | None = None, exclusive: Collection[str] = (),
                sibling_wait_s: float = 0.0, held: Collection[str] = (),
                clock: Callable[[], float] = time.monotonic,
-               sleep: Callable[[float], None] = time.sleep) -> GpuClaim:
+               sleep: Callable[[float], None] = time.sleep,
+               purpose: str = "probe") -> GpuClaim:
     """Lock FREE GPUs among ``candidates`` (full UUIDs, in order), at most ``limit`` of them
     (JAX and IREE need one: a monitor holds no more locks than it uses, since a `gpudiag run`
     job waits for a locked GPU).
@@ -179,6 +239,12 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
     GPUs too; UNKNOWN is never probed. A lock file that cannot be opened at all leaves the
     GPU alone: the monitor must not be the one to break a job. ``held`` are GPUs the caller
     itself holds under a job's lock (admission proving what it admits): claimed as they are.
+    ``purpose`` ``qualify`` (minutes of work, engine/qualify.py) holds no probe mark, so that
+    the daemon and jobs see the GPU in use rather than being proven for a moment.
+
+    Who else holds a lock is the kernel's word (engine/locks.holders): a shared lock held
+    beside ours by anyone but a sibling probe (a qualification, another user's ``flock -s``)
+    leaves the GPU alone, as ``locked``.
     """
     claimed: list[str] = []
     locks: list[LockInfo] = []
@@ -199,7 +265,7 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
             left[uuid] = state
             continue
         outcome = _lock_probe(lock_dir, uuid, shared=uuid not in exclusive, deadline=deadline,
-                              clock=clock, sleep=sleep)
+                              clock=clock, sleep=sleep, purpose=purpose)
         if isinstance(outcome, LockInfo):
             locks.append(outcome)
             claimed.append(uuid)
@@ -209,21 +275,27 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
 
 
 def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
-                clock: Callable[[], float], sleep: Callable[[float], None]
-                ) -> LockInfo | str:
-    """A probe's lock on ``uuid``, or why not: ``locked`` (a job holds it), ``probing``
-    (a sibling probe held it past the wait) or ``unknown`` (the lock file is unusable)."""
+                clock: Callable[[], float], sleep: Callable[[float], None],
+                purpose: str = "probe") -> LockInfo | str:
+    """A probe's lock on ``uuid``, or why not: ``locked`` (a job, a qualification or another
+    user holds it), ``probing`` (a sibling probe held it past the wait) or ``unknown`` (the
+    lock file is unusable)."""
     while True:
         try:
-            lock = try_lock(lock_dir, uuid, purpose="probe", shared=shared)
+            lock = try_lock(lock_dir, uuid, purpose=purpose, shared=shared)
         except LockFailed:
             return UNKNOWN
+        found = holders(lock_dir, uuid)
         if lock is not None:
-            return lock
-        # Held exclusively: by another gpudiag's probe (exclusive compute mode) it stays FREE
-        # and is waited for; anyone else (a `gpudiag run` job, a bare flock) makes it busy.
-        holder = lock_holder(lock_dir, uuid) or {}
-        if holder.get("purpose") != "probe":
+            others = [h for h in found or () if h.pid != os.getpid()]
+            if found is not None and all(sibling_holder(h) for h in others):
+                return lock
+            release([lock])  # a shared lock beside someone's use of the GPU
+            return "locked"
+        # Held exclusively: by a sibling gpudiag probe (exclusive compute mode, the kernel
+        # says it holds the probe mark) it stays FREE and is waited for; anyone else (a
+        # `gpudiag run` job, another user, a bare flock, a holder not known) makes it busy.
+        if not found or not all(sibling_holder(h) for h in found):
             return "locked"
         if clock() >= deadline:
             return "probing"

@@ -14,12 +14,15 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from gpudiag.core.environment import is_full_uuid
+from gpudiag.core.proclocks import KernelLock, flocks_on, parse_proc_locks
 
 SYSTEM_LOCK_DIR = Path("/run/gpudiag/locks")
 # Why a GPU whose full-UUID lock a job holds is BUSY (its process may not be up yet).
@@ -94,6 +97,9 @@ class LockInfo:
     device: int
     inode: int
     fd: int = field(compare=False)
+    # A probe also holds the GPU's probe mark (``UUID.probing``, shared): what tells others,
+    # through the kernel's lock table, that this process is proving the GPU, not using it.
+    mark: tuple[int, int, int] | None = field(default=None, compare=False)  # fd, dev, inode
 
     def record(self) -> dict[str, Any]:
         return {"uuid": self.uuid, "path": self.path, "device": self.device,
@@ -110,8 +116,41 @@ def _lock_path(lock_dir: Path, uuid: str) -> Path:
     return lock_dir / f"{uuid}.lock"
 
 
+def _mark_path(lock_dir: Path, uuid: str) -> Path:
+    """The probe mark of ``uuid``: a probe holds its flock beside the GPU's lock."""
+    return _lock_path(lock_dir, uuid).with_suffix(".probing")
 
 
+def waiting_path(lock_dir: Path, uuid: str) -> Path:
+    """The waiting mark of ``uuid``: a job waiting for the GPU holds its flock (shared), so
+    that a qualification measuring the GPU sees it (in /proc/locks) and yields."""
+    return _lock_path(lock_dir, uuid).with_suffix(".waiting")
+
+
+def hold_waiting(lock_dir: Path, uuids: Sequence[str]) -> list[int]:
+    """Hold the waiting marks of ``uuids`` (shared; unusable ones skipped): the descriptors,
+    for ``let_go``."""
+    fds: list[int] = []
+    for uuid in uuids:
+        try:
+            fd = _locked_fd(waiting_path(lock_dir, uuid), shared=True)
+        except (LockFailed, ValueError):
+            continue
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                _claim(fd)
+            fds.append(fd)
+    return fds
+
+
+def let_go(fds: Sequence[int]) -> None:
+    """Close descriptors ``hold_waiting`` returned."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+LOCK_FILE_MODE = 0o644
 MAX_HOLDER_BYTES = 4096      # a holder record is ~150 bytes; anyone may write the file
 _OPEN_TRIES = 5              # re-opens when the path was replaced under us
 
@@ -135,9 +174,11 @@ def _open_lock_file(path: Path) -> int:
     """
     flags = os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return os.open(path, flags | os.O_RDWR, 0o666)
+        # 0644: others lock it through a read-only descriptor (flock needs no write access)
+        # and cannot write the holder record, which is for display only anyway.
+        return os.open(path, flags | os.O_RDWR, LOCK_FILE_MODE)
     except PermissionError:
-        return os.open(path, flags | os.O_RDONLY, 0o666)
+        return os.open(path, flags | os.O_RDONLY, LOCK_FILE_MODE)
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -161,7 +202,8 @@ def _claim(fd: int) -> None:
     if os.geteuid() == 0 and st.st_uid != 0:
         os.fchown(fd, 0, -1)
     if os.fstat(fd).st_uid == os.geteuid():
-        os.fchmod(fd, 0o666)  # other users' jobs must be able to open it too
+        # Other users' jobs open it read-only (enough to flock it); none may write it.
+        os.fchmod(fd, LOCK_FILE_MODE)
 
 
 def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
@@ -186,6 +228,27 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
     except OSError as e:
         raise LockFailed(f"cannot make lock folder {lock_dir}: {e.strerror or e}") from e
     _check_lock_dir(lock_dir)
+    # A probe holds its mark before the lock itself: whoever sees it hold the lock sees the
+    # mark too, never a moment where a sibling probe looks like a job.
+    mark = _take_mark(lock_dir, uuid) if purpose == "probe" else None
+    try:
+        lock = _try_lock_file(path, uuid, purpose, shared, mark)
+    except BaseException:
+        _drop_mark(mark)
+        raise
+    if lock is None:
+        _drop_mark(mark)
+    return lock
+
+
+def _drop_mark(mark: tuple[int, int, int] | None) -> None:
+    if mark is not None:
+        with contextlib.suppress(OSError):
+            os.close(mark[0])
+
+
+def _try_lock_file(path: Path, uuid: str, purpose: str, shared: bool,
+                   mark: tuple[int, int, int] | None) -> LockInfo | None:
     for _ in range(_OPEN_TRIES):
         fd = _locked_fd(path, shared)
         if fd is None:
@@ -200,10 +263,28 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
                 if not shared:  # several shared holders at once: the record is exclusive's
                     _write_holder(fd, uuid, purpose)
                 st = os.fstat(fd)
-                return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd)
+                return LockInfo(uuid, str(path), st.st_dev, st.st_ino, fd, mark)
         os.close(fd)
     raise LockFailed(f"lock file {path} kept being replaced while it was locked (someone is "
                      "removing or renaming it); that GPU is left alone")
+
+
+def check_lock_file(lock_dir: Path, uuid: str) -> None:
+    """LockFailed when ``uuid``'s lock file exists but is not a plain regular file (a FIFO,
+    a symlink, a hard link someone planted): its GPU cannot be locked. Opens nothing."""
+    path = _lock_path(lock_dir, uuid)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise LockFailed(f"cannot look at lock file {path}: {e.strerror or e}") from e
+    if stat.S_ISLNK(st.st_mode):
+        raise LockFailed(f"cannot open lock file {path}: it is a symlink (a lock file must "
+                         "be a regular file, not a symlink)")
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        raise LockFailed(f"lock file {path} is not a plain regular file (a FIFO, device or "
+                         "hard link someone planted?); remove it")
 
 
 def _locked_fd(path: Path, shared: bool = False) -> int | None:
@@ -230,6 +311,23 @@ def _locked_fd(path: Path, shared: bool = False) -> int | None:
         os.close(fd)
         raise LockFailed(f"cannot lock {path}: {e.strerror or e}") from e
     return fd
+
+
+def _take_mark(lock_dir: Path, uuid: str) -> tuple[int, int, int] | None:
+    """Hold the probe mark of ``uuid`` (shared: several probes at once); None if unusable.
+
+    Without a mark this probe looks like a job to the others (a GPU in use): the safe side.
+    """
+    try:
+        fd = _locked_fd(_mark_path(lock_dir, uuid), shared=True)
+    except LockFailed:
+        return None
+    if fd is None:
+        return None
+    with contextlib.suppress(OSError):
+        _claim(fd)
+    st = os.fstat(fd)
+    return fd, st.st_dev, st.st_ino
 
 
 def _write_holder(fd: int, uuid: str, purpose: str) -> None:
@@ -261,7 +359,8 @@ def read_shared_file(path: Path, limit: int = MAX_HOLDER_BYTES) -> bytes | None:
 
 
 def lock_holder(lock_dir: Path, uuid: str) -> dict[str, Any] | None:
-    """What the last holder wrote into the lock file (evidence only; may be stale)."""
+    """What the last holder wrote into the lock file (display only: may be stale, and it
+    decides nothing; who holds the lock is ``holders``, from the kernel)."""
     raw = read_shared_file(_lock_path(lock_dir, uuid))
     if raw is None:
         return None
@@ -276,9 +375,151 @@ def lock_holder(lock_dir: Path, uuid: str) -> dict[str, Any] | None:
 def release(locks: Sequence[LockInfo]) -> None:
     """Close the lock files (the kernel drops the flock once no process holds the file)."""
     for lk in locks:
+        for fd, device, inode in ((lk.fd, lk.device, lk.inode), lk.mark or (-1, 0, 0)):
+            with contextlib.suppress(OSError):
+                st = os.fstat(fd)
+                # Idempotent: a second release must not close an unrelated file that reused
+                # the descriptor number.
+                if (st.st_dev, st.st_ino) == (device, inode):
+                    os.close(fd)
+
+
+# --- who holds a lock: the kernel's word ----------------------------------------------------
+
+PROC_LOCKS = Path("/proc/locks")
+_MAX_PROC_LOCKS_BYTES = 64 << 20  # a host with a million locks; the table is the kernel's
+
+
+def kernel_locks(path: Path = PROC_LOCKS) -> list[KernelLock] | None:
+    """Every lock the kernel holds now (``/proc/locks``); None when it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            return parse_proc_locks(fh.read(_MAX_PROC_LOCKS_BYTES).decode("ascii", "replace"))
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process the kernel says holds a GPU's lock: its pid, uids and start time.
+
+    ``pid`` is None when the kernel's locker no longer holds the file (it exited, or handed
+    its descriptor to a process it started): the holder is then not named, never a dead pid.
+    """
+
+    pid: int | None
+    uids: tuple[int, ...]  # real, effective, saved: () when not known
+    shared: bool
+    started_at: float | None  # the process's start (epoch seconds): a reused pid differs
+    probing: bool  # it holds the GPU's probe mark too: a gpudiag probe proving the GPU now
+
+    def of_uid(self, uids: Collection[int]) -> bool:
+        """Whether every uid of the holder is one of ``uids`` (unknown: no)."""
+        return bool(self.uids) and all(u in uids for u in self.uids)
+
+    def describe(self) -> str:
+        """``pid 42 (uid 0, exclusive)``: for refusals and logs."""
+        mode = "shared" if self.shared else "exclusive"
+        if self.pid is None:
+            return f"a process that inherited the lock from its exited locker ({mode})"
+        uid = self.uids[1] if len(self.uids) > 1 else "unknown"
+        return f"pid {self.pid} (uid {uid}, {mode}{', probing' if self.probing else ''})"
+
+    def record(self) -> dict[str, Any]:
+        return {"pid": self.pid, "uid": self.uids[1] if len(self.uids) > 1 else None,
+                "shared": self.shared, "started_at": self.started_at,
+                "probing": self.probing}
+
+
+def _file_key(path: Path) -> tuple[int, int, int] | None:
+    """(major, minor, inode) of a regular file at ``path`` (not followed); None if none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
+
+
+def _holds_file(pid: int, device: int, inode: int) -> bool | None:
+    """Whether ``pid`` has the file open now; None when its descriptors cannot be listed."""
+    folder = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None  # another user's process, to a non-root reader
+    for name in names:
         with contextlib.suppress(OSError):
-            st = os.fstat(lk.fd)
-            # Idempotent: a second release must not close an unrelated file that reused
-            # the descriptor number.
-            if (st.st_dev, st.st_ino) == (lk.device, lk.inode):
-                os.close(lk.fd)
+            st = os.stat(f"{folder}/{name}")
+            if (st.st_dev, st.st_ino) == (device, inode):
+                return True
+    return False
+
+
+def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int]) -> Holder:
+    """The Holder behind one kernel lock entry: the locker, if it still holds the file."""
+    unnamed = Holder(None, (), lk.shared, None, False)
+    if lk.pid <= 0:
+        return unnamed  # outside this pid namespace
+    try:
+        proc = psutil.Process(lk.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return unnamed
+        uids = tuple(proc.uids())
+        started = proc.create_time()
+    except (psutil.Error, OSError):
+        return unnamed  # the locker has exited: its heirs hold the lock
+    if _holds_file(lk.pid, device, inode) is False:
+        return unnamed  # a reused pid, or a locker that handed the file on and closed it
+    return Holder(lk.pid, uids, lk.shared, started, lk.pid in markers)
+
+
+def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
+            ) -> list[Holder] | None:
+    """Who holds ``uuid``'s lock now, as the kernel says; None when that is not known.
+
+    ``table`` is a ``kernel_locks()`` reading to share between GPUs. A lock file that does
+    not exist has no holder.
+    """
+    path = _lock_path(lock_dir, uuid)
+    key = _file_key(path)
+    if key is None:
+        return [] if not os.path.lexists(path) else None
+    table = kernel_locks() if table is None else table
+    if table is None:
+        return None
+    found = flocks_on(table, *key)
+    if not found:
+        return []
+    mark = _file_key(_mark_path(lock_dir, uuid))
+    markers = {lk.pid for lk in flocks_on(table, *mark)} if mark is not None else set()
+    device = os.makedev(key[0], key[1])
+    out = [_holder(lk, device, key[2], markers) for lk in found]
+    if any(h.pid is None for h in out):
+        # A holder not named may only have let go between the table's reading and the look
+        # at its process (a sibling probe done): the table read again says whether its lock
+        # is still there, held by whoever the locker handed it to.
+        again = kernel_locks()
+        still = flocks_on(again, *key) if again is not None else found
+        out = [h for h, lk in zip(out, found, strict=True) if h.pid is not None or lk in still]
+    return out
+
+
+def probe_markers(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
+                  ) -> frozenset[int]:
+    """The pids the kernel says hold ``uuid``'s probe mark (gpudiag proving it now)."""
+    mark = _file_key(_mark_path(lock_dir, uuid))
+    table = kernel_locks() if table is None and mark is not None else table
+    if mark is None or table is None:
+        return frozenset()
+    return frozenset(lk.pid for lk in flocks_on(table, *mark) if lk.pid > 0)
+
+
+def describe_holders(found: Sequence[Holder] | None) -> str:
+    """``pid 42 (uid 0, exclusive); ...`` or why the holders are not known."""
+    if found is None:
+        return "holders unknown (the kernel's lock table could not be read)"
+    return "; ".join(h.describe() for h in found) or "no holder now"

@@ -33,7 +33,7 @@ from gpudiag.core.qualify_score import (
 )
 from gpudiag.engine.guard import claim_free, occupancy_from_nvml, visible_uuids
 from gpudiag.engine.isolation import run_probe
-from gpudiag.engine.locks import default_lock_dir
+from gpudiag.engine.locks import default_lock_dir, waiting_path
 from gpudiag.engine.processes import own_process_tree
 from gpudiag.engine.qualify_history import HistoryUnavailable, QualificationHistory
 
@@ -200,13 +200,15 @@ def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
             left[uuid] = "mig"  # a MIG GPU's instances are others' to use: not qualified
             continue
         # One GPU at a time, its lock held only while it is measured.
-        with claim_free(occupancy, [uuid], lock_dir=lock_dir) as claim:
+        with claim_free(occupancy, [uuid], lock_dir=lock_dir, purpose="qualify") as claim:
             if uuid not in claim.claimed:
                 left[uuid] = claim.left_alone.get(uuid, "unknown")
                 continue
             child_env = {**env, "CUDA_VISIBLE_DEVICES": uuid, "NVIDIA_VISIBLE_DEVICES": uuid,
                          "JAX_PLATFORMS": "cuda"}
-            results += _run_child(options, [target], child_env, "cuda")
+            # A job waiting for this GPU (its waiting mark held) stops the measurement.
+            results += _run_child(options, [target], child_env, "cuda",
+                                  yield_to=str(waiting_path(lock_dir, uuid)))
     return results, left
 
 
@@ -224,11 +226,12 @@ def _run_cpu(options: QualifyOptions, env: Mapping[str, str]) -> list[GpuResult]
 
 
 def _run_child(options: QualifyOptions, targets: list[dict[str, Any]],
-               env: Mapping[str, str], platform: str) -> list[GpuResult]:
+               env: Mapping[str, str], platform: str, yield_to: str | None = None
+               ) -> list[GpuResult]:
     spec = TIERS[options.tier]
     run = run_probe("qualify", env=env, options={
         "tier": options.tier, "platform": platform, "targets": targets,
-        "deadline_s": spec.deadline_s},
+        "deadline_s": spec.deadline_s, "yield_to": yield_to},
         timeout_s=spec.deadline_s * len(targets) + CHILD_MARGIN_S)
     parsed = child_results(run, len(targets))
     if isinstance(parsed, list):

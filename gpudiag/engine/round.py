@@ -111,7 +111,9 @@ def prove_round(nvml_run: ProbeRun, active: Sequence[Request], *,
     probes run together on the first claimed GPU in rotation order.
     """
     nvml = nvml_run.nvml if nvml_run.ok else None
-    occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
+    # Siblings are what the kernel ties to gpudiag (engine/guard.not_foreign: our uid, under
+    # a holder of the GPU's probe mark), never what an argv says.
+    occupancy = occupancy_from_nvml(nvml, not_foreign(nvml, lock_dir=lock_dir))
     candidates = rotated(visible_uuids(nvml, visibility_env), policy.rotation)
     every = [r for r in active if _proves_on_every(r[0])]
     one = [r for r in active if not _proves_on_every(r[0])]

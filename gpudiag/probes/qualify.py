@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import stat
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpudiag.core.proclocks import flocks_on, parse_proc_locks
 from gpudiag.core.qualify import TIERS, TierSpec, memory_budget_bytes, sized_copy_bytes
 from gpudiag.probes.cuda import _foreign_pids, _load, _uuid_string
 
@@ -70,16 +72,36 @@ class Guard:
         self.stopped.set()
 
 
-def watch(guard: Guard, uuid: str, read: Callable[[str], list[int] | None] = _foreign_pids
-          ) -> threading.Thread:
-    """Start the NVML watcher of ``uuid``: stop the run when anyone else shows up on it."""
+def job_waiting(path: str | None) -> bool:
+    """Whether anyone holds the flock of ``path`` (a GPU's waiting mark), as the kernel's
+    lock table says: a job waits for the GPU, and qualification yields to it."""
+    if not path:
+        return False
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        with open("/proc/locks", "rb") as fh:
+            table = parse_proc_locks(fh.read(64 << 20).decode("ascii", "replace"))
+    except OSError:
+        return False
+    return bool(flocks_on(table, os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
+
+
+def watch(guard: Guard, uuid: str, read: Callable[[str], list[int] | None] = _foreign_pids,
+          waiting: Callable[[], bool] = lambda: False) -> threading.Thread:
+    """Start the NVML watcher of ``uuid``: stop the run when anyone else shows up on it, or
+    a job is waiting for it (``waiting``)."""
 
     def loop() -> None:
         while not guard.done.is_set():
             pids = read(uuid)
-            if pids is None or pids:
+            job = not pids and pids is not None and waiting()
+            if pids is None or pids or job:
                 why = ("NVML could not list the GPU's processes (UNKNOWN is never FREE)"
                        if pids is None else
+                       "a job is waiting for the GPU (gpudiag run): qualification yields"
+                       if job else
                        f"process(es) {', '.join(map(str, pids))} appeared on the GPU")
                 guard.stop(why)
                 if not guard.done.wait(ABORT_GRACE_S):
@@ -287,14 +309,16 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
             result = qualify_jax.cpu_target(target, _base(target, spec, "cpu"), spec, guard.check,
                                             seed)
         else:
-            result = _guarded_cuda_target(target, spec, guard, seed)
+            result = _guarded_cuda_target(target, spec, guard, seed,
+                                          str(options["yield_to"]) if options.get("yield_to")
+                                          else None)
         result["duration_s"] = round(time.monotonic() - started, 4)
         results.append(result)
     return {"ok": True, "results": results}
 
 
 def _guarded_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard,
-                         seed: int) -> dict[str, Any]:
+                         seed: int, yield_to: str | None = None) -> dict[str, Any]:
     """One GPU under the watcher; first one more NVML reading, before any context exists."""
     uuid = str(target["uuid"])
     pids = _foreign_pids(uuid)
@@ -304,7 +328,7 @@ def _guarded_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
                           if pids is None else
                           f"process(es) {', '.join(map(str, pids))} on the GPU before it began")
         return out
-    watcher = watch(guard, uuid)
+    watcher = watch(guard, uuid, waiting=lambda: job_waiting(yield_to))
     try:
         return _cuda_target(target, spec, guard, seed)
     finally:

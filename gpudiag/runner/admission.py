@@ -43,9 +43,15 @@ from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.inline import run_inline
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import (
+    Holder,
     LockFailed,
     LockInfo,
+    check_lock_file,
     default_lock_dir,
+    describe_holders,
+    hold_waiting,
+    holders,
+    let_go,
     lock_holder,
     release,
     try_lock,
@@ -55,7 +61,12 @@ from gpudiag.engine.route import daemon_else_inline
 DEFAULT_LOCK_TIMEOUT_S = 60.0
 OBSERVE_TIMEOUT_S = 10.0
 LOCK_POLL_S = 0.05
-REOBSERVE_S = 2.0
+LOCK_POLL_MAX_S = 0.5  # the wait for others' locks backs off to this (a few reads a second)
+# While others hold the locks it waits for, a job looks afresh (an nvml child, ~0.15 CPU-s)
+# only this often, doubling to REOBSERVE_MAX_S: a freed lock ends the wait at once anyway
+# (the kernel's holders are polled), so these looks only find GPUs freed without a lock.
+REOBSERVE_S = 5.0
+REOBSERVE_MAX_S = 30.0
 
 
 class AdmissionError(Exception):
@@ -393,7 +404,7 @@ class Admitter:
             attempts += 1
             if obs is None:
                 obs = self.observer(self.env)
-            outcome = self._attempt(verdict, obs, deadline, faulty)
+            outcome = self._attempt(verdict, obs, deadline, faulty, attempts)
             if isinstance(outcome, Admission):
                 return self._proven(replace(outcome, attempts=attempts,
                                             waited_s=self.clock() - started))
@@ -428,7 +439,7 @@ class Admitter:
         return AdmissionError(replace(verdict, blockers=blockers, evidence=ev))
 
     def _attempt(self, verdict: Verdict, obs: Observation, deadline: float,
-                 faulty: frozenset[str] = frozenset()) -> Admission | None:
+                 faulty: frozenset[str] = frozenset(), attempt: int = 1) -> Admission | None:
         lock_dir = self.lock_dir
         evidence: dict[str, Any] = {"gpus": self.gpus, "lock_dir": str(lock_dir),
                                     "min_free_memory_bytes": self.min_free_memory_bytes,
@@ -459,17 +470,24 @@ class Admitter:
                                f"asked for {self.gpus}; {len(unusable)} GPU(s) cannot be locked: "
                                + "; ".join(unusable.values()), evidence)
         evidence["candidates"] = [lf.record() for lf in candidates]
+        # Who holds them is the kernel's word; the record in the file is display only.
+        held_by = {str(lf.uuid): holders(lock_dir, str(lf.uuid)) for lf in others}
         evidence["held_by_others"] = [
-            {"uuid": lf.uuid, "holder": lock_holder(lock_dir, str(lf.uuid))} for lf in others]
+            {"uuid": uuid, "holder": found[0].record() if found else None,
+             "holders": None if found is None else [h.record() for h in found],
+             "record": _attested_record(lock_dir, uuid, found)}
+            for uuid, found in held_by.items()]
         if len(held) + len(others) < self.gpus:
             raise self._shortage(verdict, candidates, evidence)
         if self.clock() >= deadline:
+            named = "; ".join(f"{uuid}: {describe_holders(found)}"
+                              for uuid, found in held_by.items())
             raise self._refuse(
                 verdict, "lock_timeout",
-                f"{len(others)} GPU(s) that could serve this job stayed locked by other jobs "
-                f"for {self.lock_timeout_s:g} s ({', '.join(str(lf.uuid) for lf in others)})",
-                evidence)
-        self._wait_for_release(lock_dir, [str(lf.uuid) for lf in others], deadline)
+                f"{len(others)} GPU(s) that could serve this job stayed locked by others "
+                f"for {self.lock_timeout_s:g} s ({named})", evidence)
+        self._wait_for_release(lock_dir, list(held_by), deadline,
+                               min(REOBSERVE_MAX_S, REOBSERVE_S * 2 ** (attempt - 1)))
         return None
 
     def _eligible(self, verdict: Verdict, candidates: Sequence[Leaf],
@@ -498,32 +516,52 @@ class Admitter:
                 others.append(lf)
             else:
                 held.append(lk)
-        # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it.
+        # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it. The
+        # kernel says whether anyone holds its lock: nothing is taken to look.
         for lf in candidates:
             if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
-                # A shared look writes no holder record (the daemon would read a momentary
-                # "job" there) and leaves other lookers alone.
-                probe = _try_lock_leaf(lock_dir, lf.uuid, unusable, shared=True)
-                if probe is None:
+                try:
+                    check_lock_file(lock_dir, lf.uuid)
+                except LockFailed as e:
+                    unusable[lf.uuid] = str(e)
+                    continue
+                if holders(lock_dir, lf.uuid):
                     others.append(lf)
-                elif probe is not False:
-                    release([probe])
         return held, others
 
-    def _wait_for_release(self, lock_dir: Path, uuids: Sequence[str], deadline: float) -> None:
-        """Poll others' locks until one frees, a fresh look is due, or the deadline passes."""
-        until = min(deadline, self.clock() + REOBSERVE_S)
+    def _wait_for_release(self, lock_dir: Path, uuids: Sequence[str], deadline: float,
+                          reobserve_s: float = REOBSERVE_S) -> None:
+        """Wait until one of others' locks has no holder left (the kernel's lock table), a
+        fresh look is due, or the deadline passes.
+
+        Nothing is locked to look: a shared lock (a probe, a qualification, anyone's
+        ``flock -s``) lets a shared look through at once, which made every look a fresh
+        observation and a waiting job spin. The polls back off to LOCK_POLL_MAX_S.
+        """
+        # While it waits, the job holds each GPU's waiting mark: a qualification measuring
+        # one of them sees it and stops within a second (probes/qualify.py).
+        waiting = hold_waiting(lock_dir, uuids)
+        try:
+            self._wait_for_holders(lock_dir, uuids, deadline, reobserve_s)
+        finally:
+            let_go(waiting)
+
+    def _wait_for_holders(self, lock_dir: Path, uuids: Sequence[str], deadline: float,
+                          reobserve_s: float) -> None:
+        until = min(deadline, self.clock() + reobserve_s)
+        pause = LOCK_POLL_S
         while self.clock() < until:
             for uuid in uuids:
-                lk = _try_lock_leaf(lock_dir, uuid, {}, shared=True)
-                if lk is False:  # replaced by a planted file: the next attempt says so
+                try:
+                    check_lock_file(lock_dir, uuid)
+                except LockFailed:  # replaced by a planted file: the next attempt says so
                     return
-                if lk is not None:
-                    release([lk])
+                if holders(lock_dir, uuid) == []:
                     # Jitter so that waiters freed together do not race in lockstep.
                     self.sleep(random.uniform(0.0, LOCK_POLL_S))
                     return
-            self.sleep(LOCK_POLL_S)
+            self.sleep(min(pause, max(0.0, until - self.clock())))
+            pause = min(LOCK_POLL_MAX_S, pause * 2)
 
     def _shortage(self, verdict: Verdict, candidates: Sequence[Leaf],
                   evidence: Mapping[str, Any]) -> AdmissionError:
@@ -570,6 +608,15 @@ class Admitter:
                        if (lf := locked.leaf(uuid)) is not None)
         return Admission(verdict.requirement, verdict, self.gpus, leaves, tuple(candidates),
                          first, locked, tuple(held), narrowing, str(self.lock_dir))
+
+
+def _attested_record(lock_dir: Path, uuid: str, found: Sequence[Holder] | None
+                     ) -> dict[str, Any] | None:
+    """The lock file's holder record, for display, only when the kernel says its pid holds
+    the lock now: a stale record (or a forged one) never names a holder."""
+    record = lock_holder(lock_dir, uuid)
+    pids = {h.pid for h in found or () if h.pid is not None}
+    return record if record is not None and record.get("pid") in pids else None
 
 
 def _try_lock_leaf(lock_dir: Path, uuid: str, unusable: dict[str, str], *,

@@ -30,6 +30,7 @@ from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, si
 from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.fileio import atomic_write, write_error
 from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
+from gpudiag.core.termsafe import terminal_safe
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
 from gpudiag.engine.locks import LockFailed, default_lock_dir, try_lock
@@ -458,9 +459,12 @@ def _blocker_evidence(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _say(err: BinaryIO | None, text: str) -> None:
+    """One stderr line: its data (probe messages, lock paths) with control characters
+    written out (core/termsafe), the line's own newline kept."""
     if err is not None:
+        body, nl = (text[:-1], "\n") if text.endswith("\n") else (text, "")
         with contextlib.suppress(OSError, ValueError):
-            err.write(text.encode("utf-8", "replace"))
+            err.write((terminal_safe(body, one_line=True) + nl).encode("utf-8", "replace"))
             err.flush()
 
 

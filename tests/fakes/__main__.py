@@ -15,7 +15,9 @@ recipes; the knobs are listed in tests/fakes/fake_common.h, fake_nvml.c and fake
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +65,34 @@ def make_host(dest: Path, gpus: int) -> dict[str, str]:
     }
 
 
+class UnsafeDest(Exception):
+    """A DEST another user could write: what is built there would run (nvidia-smi, as root)."""
+
+
+def check_dest(dest: Path) -> None:
+    """Refuse a DEST (or a link there) that is not the caller's own folder, closed to others.
+
+    DEST holds a fake nvidia-smi and libraries that gpudiag then runs, maybe as root: in a
+    folder another user owns or may write (a fixed name in a shared /tmp made first by
+    someone else), they could be swapped. A DEST that does not exist yet is made 0700.
+    """
+    try:
+        os.mkdir(dest, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise UnsafeDest(f"cannot make {dest}: {e.strerror or e}") from e
+    st = os.lstat(dest)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDest(f"{dest} is not a folder (a symlink?): give a folder of your own")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDest(f"{dest} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}):"
+                         " another user made it; give a folder of your own")
+    if st.st_mode & 0o022:
+        raise UnsafeDest(f"{dest} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                         "chmod go-w it or give another folder")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Build the fake host and print its environment as export lines."""
     parser = argparse.ArgumentParser(
@@ -73,7 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=8, choices=range(1, 17), metavar="N",
                         help="fake GPUs, 1 to 16 (default: 8)")
     args = parser.parse_args(argv)
-    dest = Path(args.dest).resolve()
+    dest = Path(os.path.abspath(args.dest))  # not resolved: a planted link is refused below
+    try:
+        check_dest(dest)
+    except UnsafeDest as e:
+        print(f"python -m tests.fakes: refused: {e}", file=sys.stderr)
+        return 2
     article = "an" if args.gpus in (8, 11) else "a"  # as the number is said: an 8, an 11
     print(f"building the fake driver and {article} {args.gpus}-GPU host in {dest} ...",
           file=sys.stderr)

@@ -1,0 +1,591 @@
+"""Issue 38: facts no other user can forge. A second local user (uid 65534 through setpriv)
+writes lock records, names processes like probes, holds shared locks, plants FIFOs and
+escape sequences; root's gpudiag decides on what the kernel attests (flock holders from
+/proc/locks, uids, pids and their start times), never on what that user wrote.
+
+Every test acts as uid 65534 and runs gpudiag as root, through the real CLI or daemon.
+Skipped only where the test cannot switch users (not root).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpudiag.core.readiness import BUSY, FREE, GpuOccupancy
+from gpudiag.daemon.joblocks import JobLocks
+from tests.support.host import EnvFactory, run_gpudiag, verdict_of
+
+NOBODY = 65534
+NO_DAEMON = "http://127.0.0.1:9"
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                reason="needs root and setpriv to act as a second user")
+
+
+def gpu_uuid(i: int) -> str:
+    return f"GPU-f00d{i:04x}-0000-4000-8000-{i:012x}"
+
+
+def nobody_argv(*argv: str) -> list[str]:
+    return ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+            "--", *argv]
+
+
+def as_nobody(script: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a shell script as uid/gid 65534 with no supplementary groups."""
+    proc = subprocess.run(nobody_argv("sh", "-c", script), capture_output=True, text=True,
+                          timeout=30)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[str] | None = None,
+                  timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc is None or proc.poll() is None, "the helper ended early"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    """End a helper this test started (its whole session: setpriv's command and children)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    proc.wait(10)
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A 1777 folder both users reach (under /tmp, like /tmp itself or /run/gpudiag/locks)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpudiag-identity-", dir="/tmp"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def locks(shared: Path) -> Path:
+    folder = shared / "locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    return folder
+
+
+def host(gpu_env: EnvFactory, locks: Path, gpus: int, **knobs: str | int) -> dict[str, str]:
+    return gpu_env(FAKE_NVML_DEVICE_COUNT=gpus, GPUDIAG_LOCK_DIR=str(locks),
+                   GPUDIAG_DAEMON_URL=NO_DAEMON, **knobs)
+
+
+# A root job's lock, held as `gpudiag run` holds it (exclusive, purpose job), until killed.
+_HOLD_AS_JOB = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from gpudiag.engine.locks import try_lock
+    lock = try_lock(Path(sys.argv[1]), sys.argv[2], purpose="job")
+    assert lock is not None
+    Path(sys.argv[3]).touch()
+    time.sleep(60)
+""")
+
+# As nobody: make the lock file first and keep a read-write descriptor, then, once root's
+# job holds it, rewrite its holder record to say "probe" through that descriptor (the
+# file's mode checked at open time only: root's chown and chmod come too late).
+_FORGE_RECORD = textwrap.dedent("""
+    import json, os, sys, time
+    path, started, done = sys.argv[1:4]
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+    os.fchmod(fd, 0o666)
+    open(done + ".opened", "w").close()
+    while not os.path.exists(started):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    record["purpose"] = "probe"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode() + b"\\n", 0)
+    open(done, "w").close()
+    time.sleep(60)
+""")
+
+
+# --- class 1: lock holder records ---------------------------------------------------------
+
+
+def test_a_forged_probe_record_on_a_root_jobs_lock_leaves_the_gpu_busy(
+        gpu_env: EnvFactory, locks: Path, shared: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    uuid = gpu_uuid(0)
+    lock_file = locks / f"{uuid}.lock"
+    started, forged = shared / "job-started", shared / "forged"
+    forger = subprocess.Popen(nobody_argv(sys.executable, "-c", _FORGE_RECORD, str(lock_file),
+                                          str(started), str(forged)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    job: subprocess.Popen[str] | None = None
+    try:
+        wait_for_file(Path(str(forged) + ".opened"), forger)
+        job = subprocess.Popen([sys.executable, "-c", _HOLD_AS_JOB, str(locks), uuid,
+                                str(started)], env=env, start_new_session=True, text=True)
+        wait_for_file(forged, forger)
+        assert json.loads(lock_file.read_text())["purpose"] == "probe"  # the forgery held
+        # The daemon's lock view: the job's GPU is busy, whatever the record says.
+        seen = JobLocks(locks).mark({uuid: GpuOccupancy(uuid, FREE)})
+        assert seen[uuid].state == BUSY, seen
+        # Root's inline preflight: the GPU a job holds is busy, not "a sibling probing".
+        start = time.monotonic()
+        rc, rec = verdict_of(["preflight", "--gpus", "1", "--no-daemon", "--format", "json"],
+                             env)
+        assert rc == 1 and rec["gpu_validation_blocker"] == "devices_busy", rec["blockers"]
+        assert time.monotonic() - start < 15, "it waited for a 'sibling' the record made up"
+    finally:
+        stop(forger)
+        if job is not None:
+            stop(job)
+
+
+_HOLD_AND_LEAVE = textwrap.dedent("""
+    import fcntl, json, os, sys, time
+    path, ready = sys.argv[1:3]
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "purpose": "job"}).encode(), 0)
+    if os.fork() == 0:  # the child keeps the lock, the locker exits
+        open(ready, "w").write(str(os.getppid()))
+        time.sleep(60)
+        os._exit(0)
+    time.sleep(0.5)
+""")
+
+
+def test_a_refusal_never_names_a_dead_locker_as_the_holder(
+        gpu_env: EnvFactory, locks: Path, shared: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    uuid = gpu_uuid(0)
+    ready = shared / "ready"
+    holder = subprocess.Popen(nobody_argv(sys.executable, "-c", _HOLD_AND_LEAVE,
+                                          str(locks / f"{uuid}.lock"), str(ready)),
+                              stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        wait_for_file(ready)
+        time.sleep(0.2)
+        dead = int(ready.read_text())
+        holder.wait(10)  # the locker has exited; its child holds the lock
+        assert not psutil.pid_exists(dead) or psutil.Process(dead).status() == "zombie"
+        proc = run_gpudiag(["run", "--artifacts", str(tmp_path / "run"), "--gpus", "1",
+                            "--lock-timeout", "1", "--", "true"], env)
+        assert proc.returncode == 125, proc.stderr
+        close = json.loads((tmp_path / "run" / "closeout.json").read_text())
+        assert close["gpu_validation_blocker"] in ("lock_timeout", "devices_busy"), close
+        text = json.dumps(close) + proc.stderr
+        assert f'"pid": {dead},' not in text and f"pid {dead} " not in text, text
+    finally:
+        stop(holder)
+
+
+# --- class 2: sibling probes recognised by argv --------------------------------------------
+
+
+def test_another_users_process_named_like_a_probe_is_a_user_of_the_gpu(
+        gpu_env: EnvFactory, locks: Path, tmp_path: Path) -> None:
+    # argv: python3 -c CODE -m gpudiag.probes cuda (what a probe child's argv reads)
+    impostor = subprocess.Popen(nobody_argv(sys.executable, "-c", "import time; "
+                                            "time.sleep(60)", "-m", "gpudiag.probes", "cuda"),
+                                start_new_session=True, text=True)
+    try:
+        contexts = tmp_path / "contexts.jsonl"
+        env = host(gpu_env, locks, 2, FAKE_NVML_PROCESSES=f"0:{impostor.pid}:300",
+                   FAKE_CUDA_CONTEXT_LOG=str(contexts))
+        rc, rec = verdict_of(["preflight", "--gpus", "2", "--no-daemon", "--format", "json"],
+                             env)
+        assert rc == 1 and rec["gpu_validation_blocker"] == "devices_busy", rec["blockers"]
+        gpu0 = [d for d in rec["devices"] if d["uuid"] == gpu_uuid(0)]
+        assert gpu0 and gpu0[0]["occupancy"] == "busy"
+        from tests.fakes.jobs import read_context_log
+
+        touched = {e.uuid for e in read_context_log(contexts)} if contexts.exists() else set()
+        assert gpu_uuid(0) not in touched, "a CUDA context was made beside another user"
+    finally:
+        stop(impostor)
+
+
+# --- class 5: waiting on a shared lock ------------------------------------------------------
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds of ``proc`` and of its children, ended (reaped) and alive."""
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system + (t.children_user + t.children_system if p is proc
+                                      else 0.0)
+    return total
+
+
+def test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_names_it(
+        gpu_env: EnvFactory, locks: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    lock_file = locks / f"{gpu_uuid(0)}.lock"
+    holder = subprocess.Popen(nobody_argv("flock", "-s", str(lock_file), "sleep", "60"),
+                              start_new_session=True, text=True)
+    job: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 10
+        while str(holder.pid) not in Path("/proc/locks").read_text():
+            assert time.monotonic() < deadline, "flock -s never held the lock"
+            time.sleep(0.05)
+        # The daemon's lock view does not publish it free.
+        seen = JobLocks(locks).mark({gpu_uuid(0): GpuOccupancy(gpu_uuid(0), FREE)})
+        assert seen[gpu_uuid(0)].state == BUSY, seen
+        job = subprocess.Popen([sys.executable, "-m", "gpudiag", "run", "--artifacts",
+                                str(tmp_path / "run"), "--gpus", "1", "--lock-timeout", "20",
+                                "--", "true"], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        ps = psutil.Process(job.pid)
+        # Past the preflight (its children reaped): the job waits, holding the waiting mark.
+        deadline = time.monotonic() + 30
+        while not ((locks / f"{gpu_uuid(0)}.waiting").exists()
+                   and _holds(job.pid, locks / f"{gpu_uuid(0)}.waiting")):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        cpu0, t0 = _cpu_s(ps), time.monotonic()
+        time.sleep(10.0)
+        cpu1, t1 = _cpu_s(ps), time.monotonic()
+        share = (cpu1 - cpu0) / (t1 - t0)
+        print(f"waiting: {share:.1%} of a core")
+        assert share <= 0.05, f"the wait burns {share:.0%} of a core"
+        _, err = job.communicate(timeout=60)
+        assert job.returncode == 125, err
+        close = json.loads((tmp_path / "run" / "closeout.json").read_text())
+        assert close["gpu_validation_blocker"] == "lock_timeout", close
+        assert f"pid {holder.pid} (uid {NOBODY}, shared" in json.dumps(close) + err, err
+    finally:
+        stop(holder)
+        if job is not None and job.poll() is None:
+            job.kill()
+            job.wait(10)
+
+
+# --- class 6: the client believes any daemon answer -----------------------------------------
+
+# As nobody: squat a loopback port (the daemon is down) and answer every GET with the same
+# JSON record, whatever was asked.
+_FAKE_DAEMON = textwrap.dedent("""
+    import http.server, sys
+    body = open(sys.argv[1], "rb").read()
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), H)
+    open(sys.argv[2] + ".tmp", "w").write(str(server.server_address[1]))
+    import os; os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+    server.serve_forever()
+""")
+
+
+def _forged_answers(record: dict[str, object]) -> dict[str, dict[str, object]]:
+    """Answers that do not hold, from a real ready record (gpus=1, require cuda)."""
+    not_ready = dict(record, ready=False)  # ready false, no blocker, blocker "none"
+    other_question = json.loads(json.dumps(record))
+    other_question["requirement"]["gpus"] = None  # an answer for no --gpus
+    other_require = json.loads(json.dumps(record))
+    other_require["requirement"]["backends"] = ["nvml"]
+    ready_with_blocker = dict(record, blockers=[
+        {"code": "gpu_lost", "layer": "device", "backend": None, "device": None,
+         "message": "lost", "remediation": "reset"}])
+    return {"not_ready_without_blocker": not_ready, "another_gpus": other_question,
+            "another_requirement": other_require, "ready_with_a_blocker": ready_with_blocker}
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_daemon_answer_that_does_not_hold_is_said_and_answered_here(
+        gpu_env: EnvFactory, locks: Path, shared: Path, fmt: str) -> None:
+    env = host(gpu_env, locks, 2)
+    rc, real = verdict_of(["preflight", "--gpus", "1", "--no-daemon", "--format", "json"], env)
+    assert rc == 0 and real["ready"] is True, real["blockers"]
+    for name, forged in _forged_answers(real).items():
+        answer, port_file = shared / f"{name}.json", shared / f"{name}.port"
+        answer.write_text(json.dumps(dict(forged, source="daemon")))
+        answer.chmod(0o644)
+        server = subprocess.Popen(nobody_argv(sys.executable, "-c", _FAKE_DAEMON, str(answer),
+                                              str(port_file)), start_new_session=True,
+                                  text=True)
+        try:
+            wait_for_file(port_file, server)
+            url = f"http://127.0.0.1:{port_file.read_text()}"
+            proc = run_gpudiag(["preflight", "--gpus", "1", "--format", fmt, "--daemon-url",
+                                url], env)
+            said = [line for line in proc.stderr.splitlines() if "does not hold" in line]
+            assert len(said) == 1, (name, proc.stderr)
+            assert proc.returncode == 0, (name, proc.stdout, proc.stderr)  # answered here
+            if fmt == "json":
+                rec = json.loads(proc.stdout)
+                assert rec["source"] == "inline" and rec["ready"] is True, name
+            else:
+                assert "gpu_validation_blocker=none" in proc.stdout, (name, proc.stdout)
+        finally:
+            stop(server)
+
+
+# --- class 7: inputs that hang or exhaust ----------------------------------------------------
+
+
+def test_a_fifo_or_dev_zero_as_config_or_closeout_is_refused_in_one_line(
+        shared: Path) -> None:
+    run_dir = shared / "run"
+    as_nobody(f"mkfifo {shared}/config.toml && ln -s /dev/zero {shared}/zero.toml && "
+              f"mkdir {run_dir} && ln -s /dev/zero {run_dir}/closeout.json && "
+              f"mkdir {shared}/run2 && mkfifo {shared}/run2/closeout.json")
+    env = {"PATH": "/usr/bin:/bin"}
+    cases = [["serve", "--config", str(shared / "config.toml"), "--check-config"],
+             ["serve", "--config", str(shared / "zero.toml"), "--check-config"],
+             ["explain", "--run", str(run_dir), "--state-dir", str(shared)],
+             ["explain", "--run", str(shared / "run2"), "--state-dir", str(shared)]]
+    for argv in cases:
+        start = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "gpudiag", *argv], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        peak = 0
+        while proc.poll() is None and time.monotonic() - start < 20:
+            try:
+                peak = max(peak, psutil.Process(proc.pid).memory_info().rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 2, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (argv, err)
+        assert peak < 300 << 20, (argv, peak)
+
+
+def test_a_sighup_with_the_config_swapped_for_a_fifo_keeps_the_daemon_and_its_sigterm(
+        fakes: object, tmp_path: Path, shared: Path) -> None:
+    from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+
+    env = host_env(fakes, tmp_path / "host", gpus=1, FAKE_NVML_DEVICE_COUNT=1,  # type: ignore[arg-type]
+                   GPUDIAG_LOCK_DIR=str(shared / "locks"))
+    config = write_config(shared / "gpudiag.toml", daemon_toml())
+    daemon = Daemon(env, config, tmp_path / "state")
+    try:
+        daemon.wait_ready()
+        config.unlink()
+        as_nobody(f"mkfifo -m 0666 {config}")
+        daemon.proc.send_signal(1)  # SIGHUP: re-read the config
+        deadline = time.monotonic() + 10
+        while not any("not a regular file" in line for line in daemon.lines):
+            assert time.monotonic() < deadline, "\n".join(daemon.lines[-10:])
+            time.sleep(0.1)
+        assert daemon.get("/healthz")[0] == 200
+    finally:
+        start = time.monotonic()
+        daemon.stop()
+        assert time.monotonic() - start < 8, "SIGTERM was not heard"
+
+
+# --- class 8: terminal injection -------------------------------------------------------------
+
+
+def test_escape_sequences_in_a_run_another_user_wrote_never_reach_the_terminal(
+        gpu_env: EnvFactory, locks: Path, shared: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    real = tmp_path / "real"
+    proc = run_gpudiag(["run", "--artifacts", str(real), "--gpus", "1", "--", "false"], env)
+    assert proc.returncode == 1, proc.stderr
+    planted = shared / "planted"
+    shutil.copytree(real, planted)
+    evil = "\x1b]0;pwned\x07\x1b[2J\x1b[31mready=true\u202e"
+    result = json.loads((planted / "result.json").read_text())
+    result["argv"] = ["false", evil]
+    (planted / "result.json").write_text(json.dumps(result))
+    close = json.loads((planted / "closeout.json").read_text())
+    close["attribution"]["missing"] = [evil]
+    (planted / "closeout.json").write_text(json.dumps(close))
+    subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(planted)], check=True)
+    for fmt in ("text", "kv"):
+        out = run_gpudiag(["explain", "--run", str(planted), "--state-dir", str(tmp_path),
+                           "--format", fmt], {"PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr
+        assert "\x1b" not in out.stdout and "\x07" not in out.stdout, repr(out.stdout)
+        assert "\u202e" not in out.stdout and "\\x1b" in out.stdout, repr(out.stdout)
+
+
+# --- class 9: shared defaults -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plant", ["mkdir -m 0755 {dest}", "mkdir -m 0777 {dest}",
+                                   "mkdir -m 0700 {dest}.real && ln -s {dest}.real {dest}"])
+def test_the_fake_host_refuses_a_dest_another_user_made_or_may_write(
+        shared: Path, plant: str) -> None:
+    dest = shared / "gpudiag-try"
+    as_nobody(plant.format(dest=dest))
+    proc = subprocess.run([sys.executable, "-m", "tests.fakes", str(dest), "--gpus", "1"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 2, proc.stderr
+    assert "refused" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (dest / "driver").exists() and not (Path(f"{dest}.real") / "driver").exists()
+
+
+def test_the_fake_host_builds_in_a_folder_of_ones_own(shared: Path) -> None:
+    dest = shared / "mine"
+    proc = subprocess.run([sys.executable, "-m", "tests.fakes", str(dest), "--gpus", "1"],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest.stat().st_mode & 0o777) == 0o700 and (dest / "env.sh").is_file()
+
+
+SLURM = Path(__file__).resolve().parent.parent / "deploy" / "slurm"
+
+
+@pytest.mark.parametrize("script", ["gpudiag-prolog.sh", "gpudiag-healthcheck.sh",
+                                    "gpudiag-epilog.sh"])
+def test_slurm_scripts_run_nothing_another_user_named_in_their_environment(
+        shared: Path, script: str) -> None:
+    marker = shared / "ran-as-root"
+    bin_dir = shared / "bin"
+    evil = "#!/bin/sh\\ntouch " + str(marker) + "\\nexit 0\\n"
+    as_nobody(f"mkdir {bin_dir} && for n in gpudiag scontrol nvidia-smi logger timeout; do "
+              f"printf '{evil}' > {bin_dir}/$n && chmod 755 {bin_dir}/$n; done && "
+              f"printf 'GPUDIAG={bin_dir}/gpudiag\\nSCONTROL={bin_dir}/scontrol\\n' > "
+              f"{shared}/defaults && chmod 644 {shared}/defaults")
+    env = {"GPUDIAG": f"{bin_dir}/gpudiag", "SCONTROL": f"{bin_dir}/scontrol",
+           "GPUDIAG_DEFAULTS": f"{shared}/defaults", "PATH": str(bin_dir),
+           "GPUDIAG_DAEMON_URL": "http://127.0.0.1:9", "SLURMD_NODENAME": "node1",
+           "SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "0", "GPUDIAG_TIMEOUT_S": "5"}
+    proc = subprocess.run([str(SLURM / script)], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert not marker.exists(), (proc.returncode, proc.stderr)
+    assert f"not sourcing {shared}/defaults" in proc.stderr, proc.stderr
+
+
+def test_the_security_doc_names_only_tests_that_exist() -> None:
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    section = doc[doc.index("## Issue 38"):doc.index("## Crash safety")]
+    named = set(re.findall(r"`(test_\w+)", section))
+    defined = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M))
+    assert len(named) >= 10 and named <= defined, named - defined
+
+
+# --- class 4 (part): qualification yields to a waiting job -----------------------------------
+
+
+def _holds(pid: int, path: Path) -> bool:
+    st = path.stat()
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
+    return any(f" {pid} {key}" in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_job_waiting_for_a_gpu_under_qualification_gets_it_within_seconds(
+        gpu_env: EnvFactory, locks: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    qual = subprocess.Popen([sys.executable, "-m", "gpudiag", "qualify", "--tier", "full",
+                             "--no-history", "--format", "json"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock_file = locks / f"{gpu_uuid(0)}.lock"
+        deadline = time.monotonic() + 60
+        while not (lock_file.exists() and _holds(qual.pid, lock_file)):
+            assert qual.poll() is None and time.monotonic() < deadline, qual.communicate()
+            time.sleep(0.1)
+        time.sleep(1.0)  # measuring now
+        start = time.monotonic()
+        run = run_gpudiag(["run", "--artifacts", str(tmp_path / "run"), "--gpus", "1",
+                           "--lock-timeout", "30", "--", "true"], env)
+        took = time.monotonic() - start
+        assert run.returncode == 0, run.stderr
+        assert took < 20, f"the job waited {took:.1f} s for a qualification"
+        out, err = qual.communicate(timeout=60)
+        assert "a job is waiting for the GPU" in out + err, (out, err)
+    finally:
+        if qual.poll() is None:
+            qual.kill()
+            qual.wait(10)
+
+
+# --- class 3 (part): job records another user wrote ------------------------------------------
+
+GPU0 = gpu_uuid(0)
+
+
+def _planted_job(job: str, started: float, ended: float) -> str:
+    """A job record claiming Slurm job ``job`` with a hardware XID inside its window."""
+    from gpudiag.core.attribution import JobRecord, Source, Window, attribute, xid_event
+
+    window = Window(started, ended, frozenset({GPU0}))
+    got = attribute(1, window, [xid_event(started + 5, 79, GPU0, "watcher")],
+                    [Source("run watcher", True)])
+    return json.dumps(JobRecord(10, 11, ("train",), job, "node1", started, ended, 1, (GPU0,),
+                                got, None).record())
+
+
+def test_the_epilog_never_drains_on_another_users_record_for_the_job(
+        shared: Path, tmp_path: Path) -> None:
+    from gpudiag.core.attribution import JOB_INBOX
+    from gpudiag.core.findings import XidEvent
+    from gpudiag.daemon.jobs import JobInbox, record_job
+    from gpudiag.daemon.store import HistoryStore, default_path
+
+    state = shared / "state"
+    state.mkdir()
+    store = HistoryStore(default_path(state))
+    store.record_xids([XidEvent(79, 0, GPU0, 105.0)])  # a past XID, repaired since
+    inbox = JobInbox(state, record=lambda job, uid: record_job(store, job, uid))
+    inbox.prepare()
+    # uid 65534 claims job 77 (uid 1000's) with the XID's window, and a job of its own
+    # that ends tomorrow.
+    (shared / "a.json").write_text(_planted_job("77", 100.0, 110.0))
+    (shared / "b.json").write_text(_planted_job("78", time.time(), time.time() + 86400))
+    as_nobody(f"cp {shared}/a.json {state}/{JOB_INBOX}/1-77.json && "
+              f"cp {shared}/b.json {state}/{JOB_INBOX}/2-78.json")
+    taken = inbox.poll()  # what the daemon's loop does
+    assert [j.slurm_job_id for j in taken] == ["77"]  # the future-dated one refused
+    assert not (state / JOB_INBOX / "2-78.json").exists()
+    store.close()
+    scontrol, calls = tmp_path / "scontrol", tmp_path / "calls"
+    scontrol.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    scontrol.chmod(0o755)
+    defaults = tmp_path / "defaults"
+    defaults.write_text(f"GPUDIAG={Path(sys.executable).with_name('gpudiag')}\n"
+                        f"SCONTROL={scontrol}\nGPUDIAG_STATE_DIR={state}\n")
+    env = {"GPUDIAG_DEFAULTS": str(defaults), "SLURMD_NODENAME": "node1",
+           "SLURM_JOB_ID": "77", "SLURM_JOB_GPUS": "0", "SLURM_JOB_UID": "1000"}
+    proc = subprocess.run([str(SLURM / "gpudiag-epilog.sh")], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    drains = [c for c in (calls.read_text().splitlines() if calls.exists() else [])
+              if "State=DRAIN" in c]
+    assert drains == [], (drains, proc.stderr)
+    # The job owner's own explain finds no record of theirs; root's view still lists it.
+    mine = run_gpudiag(["explain", "--slurm-job", "77", "--job-uid", "1000", "--state-dir",
+                        str(state), "--format", "kv"], {"PATH": "/usr/bin:/bin"})
+    assert mine.returncode == 1, mine.stdout + mine.stderr
