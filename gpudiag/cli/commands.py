@@ -318,9 +318,13 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
     """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
     timeout_s = _timeout(timeout_text)
     check_record_path(record_path)  # before the probes: a typo must not cost a probe round
-    from gpudiag.engine.client import DaemonUrlError, DaemonUserError
+    from gpudiag.engine.client import DaemonAnswer, DaemonUrlError, DaemonUserError
     from gpudiag.engine.route import daemon_else_inline
 
+    # What the console entry's fast path already got from the daemon for this very call (it
+    # parsed the same argv): one deadline per call, the daemon is not asked twice.
+    asked = click.get_current_context().obj
+    asked = asked if isinstance(asked, DaemonAnswer) else None
     if watch_text is not None:
         if record_path is not None:
             raise _usage("--record writes one verdict; --watch shows many: give one of them")
@@ -334,7 +338,8 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
     with _progress(what):
         try:
             routed = daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
-                                        timeout_s=timeout_s, expected_gpus=expected_gpus)
+                                        timeout_s=timeout_s, expected_gpus=expected_gpus,
+                                        asked=asked)
         except DaemonUrlError as e:
             raise _usage(str(e) if isinstance(e, DaemonUserError)
                          else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
@@ -343,16 +348,27 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
 
         click.echo(f"gpudiag: {redact_text(routed.daemon_reason or '')}; ran the probes here",
                    err=True)
+    elif daemon_url is not None and routed.daemon_reason is not None:
+        # An explicit --daemon-url that did not answer: say so, not only in the evidence
+        # (the default URL's silence is the normal no-daemon case and stays quiet).
+        from gpudiag.core.redact import redact_text
+
+        click.echo(f"gpudiag: {redact_text(routed.daemon_reason)}; ran the probes here",
+                   err=True)
     verdict = routed.verdict
     _emit(verdict, fmt)  # the verdict is shown even when writing the record then fails
     _record(verdict, record_path)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 
 
-def main(argv: list[str] | None = None) -> Any:
-    """Console entry point: click's own exits for usage errors; 3 when gpudiag itself fails."""
+def main(argv: list[str] | None = None, *, asked: object = None) -> Any:
+    """Console entry point: click's own exits for usage errors; 3 when gpudiag itself fails.
+
+    ``asked``: the daemon's failed answer the console entry's fast path already got for this
+    argv (an ``engine.client.DaemonAnswer``), so that the command does not ask again.
+    """
     try:
-        return cli.main(args=argv, prog_name="gpudiag", standalone_mode=True)
+        return cli.main(args=argv, prog_name="gpudiag", standalone_mode=True, obj=asked)
     except SystemExit:
         raise
     except KeyboardInterrupt:

@@ -21,7 +21,6 @@ from gpudiag.core.limits import (
     EXIT_BLOCKED,
     EXIT_FAILED,
     EXIT_READY,
-    MAX_DAEMON_WAIT_S,
     MAX_DEVICES,
 )
 
@@ -30,6 +29,11 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from gpudiag.core.verdict import Verdict
+    from gpudiag.engine.client import DaemonAnswer
+
+    # An exit code; the daemon's failed answer for the click path (one ask per call); or
+    # None: click answers from scratch (usage errors, a URL it must word).
+    Fast = int | DaemonAnswer | None
 
 # The options the fast path understands, per command: every one also exists on the click
 # command with the same meaning (tests/test_cli_entry.py checks both lists against click's).
@@ -82,8 +86,9 @@ def parse_fast(argv: list[str]) -> tuple[str, dict[str, str]] | None:
     return argv[0], options
 
 
-def answer_fast(command: str, options: dict[str, str]) -> int | None:
-    """Print the verdict and return the exit code; None when click must answer."""
+def answer_fast(command: str, options: dict[str, str]) -> Fast:
+    """Print the verdict and return the exit code; else what the click path needs to answer
+    (the daemon's failed answer, so that it never asks again, or None)."""
     if command == "probe":
         return answer_probe(options)
     return answer_daemon(command, options)
@@ -114,9 +119,12 @@ def answer_probe(options: dict[str, str]) -> int | None:
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
 
-def answer_daemon(command: str, options: dict[str, str]) -> int | None:
-    """Print the daemon's verdict and return the exit code; None when click must answer."""
-    from gpudiag.core.deadlines import RequirementError, parse_timeout
+def answer_daemon(command: str, options: dict[str, str]) -> Fast:
+    """Print the daemon's verdict and return the exit code; else the failed answer (or None)
+    for the click path, which then runs the probes here without asking the daemon again."""
+    import time
+
+    from gpudiag.core.deadlines import RequirementError, daemon_wait_s, parse_timeout
     from gpudiag.engine import wire
 
     try:
@@ -125,20 +133,26 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
         url = options.get("--daemon-url") or wire.default_url()
     except RequirementError:
         return None  # click's path words the usage error
-    read_timeout_s = min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S)
+    read_timeout_s = daemon_wait_s(timeout_s)
     if not url.startswith("unix:"):
         return _answer_typed(command, options, url, read_timeout_s)
     # On the unix socket, only the daemon's user answers (wire.get checks the peer), and
     # the daemon parses the requirement with the same parser as click's path: a value it
     # refuses (400) goes to click, which words it.
     endpoint = "/v1/health" if command == "health" else "/v1/preflight"
+    started = time.monotonic()
     try:
-        status, body, _, _ = wire.get(url, endpoint, _raw_query(options, os.environ),
-                                      env=os.environ, read_timeout_s=read_timeout_s)
+        status, body, why, refused = wire.get(url, endpoint, _raw_query(options, os.environ),
+                                              env=os.environ, read_timeout_s=read_timeout_s)
     except wire.DaemonUrlError:
         return None
     if status != 200:
-        return None  # no daemon, refused, or an error: click's path says why
+        # No daemon, refused, or an error: click's path says why and runs the probes here,
+        # with this answer and the time it took (a 400 is a value click words first).
+        from gpudiag.engine.client import answer_of, reply_of
+
+        return answer_of(url, reply_of(url, status, body, why, refused),
+                         time.monotonic() - started)
     import json
 
     from gpudiag.core.recordtext import own_record_text
@@ -147,11 +161,11 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return None
+        data = None
     fmt = options["--format"]
-    own = own_record_text(data, fmt, __version__)
+    own = own_record_text(data, fmt, __version__) if data is not None else None
     if own is None:  # another version's record, or an odd one: the typed model checks it
-        return _print_record(data, fmt)
+        return _print_record(url, status, body, fmt, time.monotonic() - started)
     text, ready = own
     _echo(text)
     return EXIT_READY if ready else EXIT_BLOCKED
@@ -169,22 +183,21 @@ def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str
     return query
 
 
-def _print_record(data: object, fmt: str) -> int | None:
-    """A daemon's record read with the typed model, printed; None when it is not one."""
-    from gpudiag.core.verdict import RecordError, Verdict
+def _print_record(url: str, status: int, body: bytes, fmt: str, waited_s: float) -> Fast:
+    """A daemon's record read with the typed model, printed; else the unusable answer, which
+    click's path explains in the evidence of the probes it runs instead."""
+    from gpudiag.engine.client import answer_of, reply_of
 
-    if not isinstance(data, dict):
-        return None
-    try:
-        verdict = Verdict.from_record(data)
-    except RecordError:
-        return None  # click's path asks again and says why it is unusable
+    answer = answer_of(url, reply_of(url, status, body, "", False), waited_s)
+    verdict = answer.verdict
+    if verdict is None:
+        return answer
     _print(verdict, fmt)
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
 
 def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_s: float
-                  ) -> int | None:
+                  ) -> Fast:
     """Over TCP (no peer check): the requirement parsed here, the answer read typed."""
     from gpudiag.core.requirement import RequirementError, parse_requirement
     from gpudiag.engine.client import DaemonUrlError, ask_daemon
@@ -202,7 +215,7 @@ def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_
         return None  # click's path words the usage error
     verdict = answer.verdict
     if verdict is None:
-        return None  # no daemon, or refused: click's path says why and runs the probes here
+        return answer  # no daemon, or refused: click's path says why and runs the probes here
     _print(verdict, options["--format"])
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
@@ -248,8 +261,13 @@ def main() -> int:
         except Exception as e:
             print(f"gpudiag: internal error: {type(e).__name__}: {e}", file=sys.stderr)
             return EXIT_FAILED
-        if code is not None:
+        if isinstance(code, int):
             return code
+        if code is not None:  # the daemon was asked and did not do: click's path never re-asks
+            from gpudiag.cli.commands import main as click_main
+
+            click_main(asked=code)
+            return 0
     from gpudiag.cli.commands import main as click_main
 
     click_main()

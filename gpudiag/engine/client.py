@@ -41,6 +41,7 @@ class DaemonAnswer:
     reason: str
     url: str = ""
     refused: bool = False  # something answered, but not as the daemon's user
+    waited_s: float = 0.0  # how long the asking took: the fallback gets the rest of the call
 
     def fallback(self, verdict: Verdict) -> Verdict:
         """The inline verdict with why the daemon was not used in its evidence."""
@@ -88,6 +89,12 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
     status, body, why, refused = wire.get(
         url, endpoint, params, env=os.environ if env is None else env,
         connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    return reply_of(url, status, body, why, refused)
+
+
+def reply_of(url: str, status: int | None, body: bytes, why: str, refused: bool
+             ) -> DaemonReply:
+    """``wire.get``'s raw reply read as JSON, with why it is unusable when it is."""
     if status is None:
         return DaemonReply(None, None, why, refused)
     try:
@@ -106,14 +113,24 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
                connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0,
                max_age_s: float | None = None) -> DaemonAnswer:
     """The daemon's verdict, or None with the reason (not listening, not ready, bad answer)."""
+    import time
+
     environ = os.environ if env is None else env
     # The node-health question has its own endpoint; job readiness is /v1/preflight.
     endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
+    started = time.monotonic()
     reply = daemon_get(url, endpoint, query_for(requirement, environ, max_age_s), env=environ,
                        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    return answer_of(url, reply, time.monotonic() - started)
+
+
+def answer_of(url: str, reply: DaemonReply, waited_s: float) -> DaemonAnswer:
+    """The daemon's verdict in a reply, or None with why (the CLI's fast path reads its own
+    reply and hands this to the click path, which then never asks again)."""
     if reply.status != 200:
-        return DaemonAnswer(None, reply.why, url, reply.refused)
+        return DaemonAnswer(None, reply.why, url, reply.refused, waited_s)
     try:
-        return DaemonAnswer(Verdict.from_record(reply.data), "daemon", url)
+        return DaemonAnswer(Verdict.from_record(reply.data), "daemon", url, waited_s=waited_s)
     except RecordError as e:
-        return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url)
+        return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url,
+                            waited_s=waited_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpudiag.core.limits import MAX_DAEMON_WAIT_S
+from gpudiag.core.deadlines import daemon_wait_s, fallback_timeouts
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url
 
@@ -32,7 +32,8 @@ class Routed:
 def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
                        use_daemon: bool = True, env: Mapping[str, str] | None = None,
                        timeout_s: float | None = None,
-                       expected_gpus: int | None = None) -> Routed:
+                       expected_gpus: int | None = None,
+                       asked: DaemonAnswer | None = None) -> Routed:
     """The daemon's verdict when one answers, else one from probes run here and now.
 
     ``url`` defaults to $GPUDIAG_DAEMON_URL (in ``env``), else the loopback default; a URL
@@ -41,21 +42,27 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
     its visibility variables travel to the daemon and reach the probe children.
     ``expected_gpus`` is checked by probes run here (the daemon checks its own config key),
     so a count given here skips the daemon.
+    ``asked``: the daemon's answer (or why there is none, and the time spent) that this call
+    already got (the CLI's fast path): one deadline per call, so the daemon is not asked again.
     """
     answer = DaemonAnswer(None, "not asked")
-    if use_daemon and expected_gpus is None:
+    if asked is not None:
+        answer = asked
+    elif use_daemon and expected_gpus is None:
         answer = ask_daemon(url or default_url(env), requirement, env=env,
-                            read_timeout_s=min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S))
-        if answer.verdict is not None:
-            return Routed(answer.verdict)
+                            read_timeout_s=daemon_wait_s(timeout_s))
+    if answer.verdict is not None:
+        return Routed(answer.verdict)
     # Only a fallback pays for the classifier and the probe engine (tens of ms to import):
     # a daemon-answered CLI call is mostly Python's start (docs/benchmarks.md).
     import socket
 
     from gpudiag.core.classify import classify
+    from gpudiag.core import registry
     from gpudiag.engine.inline import run_inline
 
-    done = run_inline(requirement, env=env, timeout_s=timeout_s)
+    done = run_inline(requirement, env=env, timeout_s=timeout_s, timeouts=fallback_timeouts(
+        registry.timeouts_s(), timeout_s, answer.waited_s))
     verdict = classify(done.runs, requirement, host=socket.gethostname(),
                        checked_at=done.checked_at, scope=done.scope,
                        expected_gpus=expected_gpus)
