@@ -57,8 +57,8 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
     # a daemon-answered CLI call is mostly Python's start (docs/benchmarks.md).
     import socket
 
-    from gpudiag.core.classify import classify
     from gpudiag.core import registry
+    from gpudiag.core.classify import classify
     from gpudiag.engine.inline import run_inline
 
     done = run_inline(requirement, env=env, timeout_s=timeout_s, timeouts=fallback_timeouts(
