@@ -175,6 +175,9 @@ class DeviceInfo:
     # Where ``uuid`` comes from: "nvml" (read now), "last_seen" (NVML cannot read it now, a
     # lost GPU: the daemon names it by the UUID its index last had), None (no UUID).
     uuid_source: str | None = None
+    # With ``gpus=N``: why this GPU was chosen, or passed over ("no warning, 79.0 GiB free,
+    # 1st of 2"); None without ``gpus``.
+    selection: str | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -187,7 +190,7 @@ class DeviceInfo:
                 "pids": None if self.pids is None else list(self.pids),
                 "processes": None if self.processes is None
                 else [p.record() for p in self.processes],
-                "uuid_source": self.uuid_source}
+                "uuid_source": self.uuid_source, "selection": self.selection}
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
