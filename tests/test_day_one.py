@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 import pytest
 
 from tests.support.host import EnvFactory, run_gpudiag, verdict_of
+from tests.support.tty import run_on_tty, strip_ansi
 
 
 def test_preflight_gpus_n_chooses_the_healthiest_free_gpus_and_says_why(
@@ -38,3 +42,60 @@ def test_cuda_init_failed_tells_the_operator_what_to_do_next(gpu_env: EnvFactory
     fix = record["blockers"][0]["remediation"]
     assert "nvidia-uvm" in fix and "dmesg" in fix and "nvidia-smi -r" in fix
     assert "nvidia-uvm" in proc.stdout + proc.stderr  # the terminal shows the fix too
+
+
+GPUDIAG = [sys.executable, "-m", "gpudiag"]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_a_cuda_only_answer_on_a_terminal_has_no_jax_line_and_no_doubled_tags(
+        gpu_env: EnvFactory, columns: int) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, FAKE_CUDA_CTX_ERROR=999)
+    rc, text = run_on_tty([*GPUDIAG, "preflight", "--no-daemon"], env, columns=columns)
+    assert rc == 1, text
+    assert "preallocation_disabled" not in text  # JAX's setting: not for a cuda question
+    assert "[cuda, cuda" not in text and "[cuda, GPU" in text, text
+    too_wide = [line for line in text.splitlines()
+                if len(line) > columns and "⠋" not in line]  # the spinner redraws in place
+    assert too_wide == [], text
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_a_host_without_a_driver_shows_the_root_cause_and_folds_its_consequences(
+        bare_env: dict[str, str], columns: int) -> None:
+    rc, text = run_on_tty([*GPUDIAG, "probe"], bare_env, columns=columns)
+    assert rc == 1, text
+    blockers = text.split("Blockers (", 1)[1]
+    total = int(blockers.split(")", 1)[0])
+    assert total > 1
+    # The root cause in full (message and fix), each consequence on one line under it.
+    assert blockers.count("fix: ") < total
+    assert "then, because of it" in blockers
+    rc, wide = run_on_tty([*GPUDIAG, "probe", "--wide"], bare_env, columns=columns)
+    assert wide.split("Blockers (", 1)[1].count("fix: ") == total  # --wide: each in full
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_watch_header_keeps_its_clock_at_any_width(gpu_env: EnvFactory,
+                                                       columns: int) -> None:
+    from tests.test_watch import watch_on_tty
+
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1)
+    argv = ["health", "--require", "cuda,nvml", "--no-daemon", "--watch", "0.5"]
+    rc, raw = watch_on_tty(argv, env, columns, [
+        (lambda s: "gpu_validation_blocker=" in s, lambda: None)])
+    screen = strip_ansi(raw.decode(errors="replace"))
+    heads = [line for line in screen.splitlines() if "every 0.5 s" in line]
+    assert heads, screen
+    for head in heads:
+        assert len(head) <= columns and re.search(r"\d\d:\d\d:\d\dZ$", head.rstrip()), head
+
+
+@pytest.mark.parametrize("columns", [40, 80, 120])
+def test_a_watch_frame_cuts_a_long_title_never_the_clock(columns: int) -> None:
+    from gpudiag.cli.watch import frame
+    from tests.support.verdicts import verdict
+
+    title = "every 0.5 s: gpudiag health " + ",".join(["cuda", "nvml"] * 20) + "  (Ctrl-C ends)"
+    head = strip_ansi(frame(verdict(), title, columns, 50, False)).splitlines()[0]
+    assert len(head) <= columns and re.search(r"\d\d:\d\d:\d\dZ$", head), head

@@ -149,12 +149,12 @@ def source_line(verdict: Verdict) -> str:
             f"(checked {verdict.checked_at})")
 
 
-def preallocation_line(verdict: Verdict) -> str:
-    """What JAX's memory preallocation means for this requirement, in one line."""
+def preallocation_line(verdict: Verdict) -> str | None:
+    """What JAX's memory preallocation means for this requirement, in one line; None when
+    the requirement has no JAX (the field stays in the JSON and kv records)."""
     value = "yes" if verdict.preallocation_disabled else "no"
     if not any(b.name == "jax" for b in verdict.requirement.backends):
-        return (f"preallocation_disabled={value} (applies to JAX only; this requirement has "
-                "no JAX)")
+        return None
     if verdict.preallocation_disabled:
         return (f"preallocation_disabled={value} (JAX allocates GPU memory as it needs it, "
                 "so the GPU can be shared)")
@@ -256,7 +256,7 @@ def _processes(verdict: Verdict) -> Table | None:
 
 def _where(f: Finding, verdict: Verdict, short: Mapping[str, str]) -> str:
     bits = [f.layer]
-    if f.backend:
+    if f.backend and f.backend != f.layer:  # [cuda], not [cuda, cuda]
         bits.append(f.backend)
     if f.device:
         by_uuid = {d.uuid: d.index for d in verdict.devices if d.uuid}
@@ -270,16 +270,29 @@ def _where(f: Finding, verdict: Verdict, short: Mapping[str, str]) -> str:
 
 
 def _findings(console: Console, title: str, items: Sequence[Finding], style: str,
-              verdict: Verdict, wide: bool = False) -> None:
+              verdict: Verdict, wide: bool = False, fold: bool = False) -> None:
+    """Each finding with its message and fix. ``fold``: the blockers of layers above the
+    root cause's are its consequences: one line under it each (``--wide``: in full)."""
     short = _uuid_labels(verdict, wide)
     console.print(Text(f"{title} ({len(items)})", style="italic"))
-    for f in items:
+    root = items[0].layer if fold and items and not wide else None
+    full = [f for f in items if root is None or f.layer == root]
+    for f in full:
         head = Text("  ")
         head.append(f.code, style=style)
         head.append(f"  [{_where(f, verdict, short)}]")
         console.print(head)
         _indented(console, f.message, "")
         _indented(console, f"fix: {f.remediation}", "dim")
+    consequences = [f for f in items if f not in full]
+    if consequences:
+        _indented(console, f"then, because of it ({len(consequences)}; --wide shows each "
+                  "in full):", "italic")
+        for f in consequences:
+            line = Text("      ")
+            line.append(f.code, style=style)
+            line.append(f"  [{_where(f, verdict, short)}]")
+            console.print(line)
 
 
 def _indented(console: Console, text: str, style: str) -> None:
@@ -314,10 +327,13 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
         if processes is not None:
             console.print(processes)
     if verdict.blockers:
-        _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict, wide)
+        _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict, wide,
+                  fold=True)
     if verdict.warnings:
         _findings(console, "Warnings", verdict.warnings, "yellow", verdict, wide)
-    console.print(preallocation_line(verdict), markup=False)
+    prealloc = preallocation_line(verdict)
+    if prealloc is not None:
+        console.print(prealloc, markup=False)
     console.print(f"gpu_validation_blocker={verdict.gpu_validation_blocker}", markup=False,
                   style="bold green" if verdict.ready else "bold red")
     if buffer is not None:
