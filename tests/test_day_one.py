@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +102,47 @@ def test_a_watch_frame_cuts_a_long_title_never_the_clock(columns: int) -> None:
     title = "every 0.5 s: gpudiag health " + ",".join(["cuda", "nvml"] * 20) + "  (Ctrl-C ends)"
     head = strip_ansi(frame(verdict(), title, columns, 50, False)).splitlines()[0]
     assert len(head) <= columns and re.search(r"\d\d:\d\d:\d\dZ$", head), head
+
+
+GPU_A = "GPU-f00d0000-0000-4000-8000-000000000000"
+GPU_B = "GPU-f00d0001-0000-4000-8000-000000000001"
+
+
+def _a_run_and_a_history(tmp_path: Path) -> tuple[Path, Path]:
+    """A failed run's folder on GPU A (its closeout and result), and a history in which GPU B
+    had an XID during the run and GPU A one too."""
+    from gpudiag.core.attribution import Attribution
+    from gpudiag.core.findings import XidEvent
+    from gpudiag.daemon.store import HistoryStore, default_path
+
+    run = tmp_path / "run"
+    run.mkdir()
+    attribution = {**Attribution("unknown", "evidence_missing", (), ()).record(),
+                   "window": {"start": 1000.0, "end": 1010.0, "gpus": [GPU_A]}}
+    (run / "closeout.json").write_text(json.dumps(
+        {"exit_code": 1, "host": "node1", "attribution": attribution}))
+    (run / "result.json").write_text(json.dumps({"pid": 4242, "argv": ["python", "t.py"]}))
+    state = tmp_path / "state"
+    state.mkdir()
+    store = HistoryStore(default_path(state))
+    store.record_xids([XidEvent(79, 0, GPU_A, 1005.0), XidEvent(31, 1, GPU_B, 1006.0)])
+    store.close()
+    return run, state
+
+
+def test_explain_of_a_run_reads_cleanly_and_shows_only_the_run_s_gpus(tmp_path: Path) -> None:
+    run, state = _a_run_and_a_history(tmp_path)
+    env = dict(os.environ)
+    proc = run_gpudiag(["explain", "--run", str(run), "--state-dir", str(state)], env)
+    assert proc.returncode == 0, proc.stderr
+    assert "pid -1" not in proc.stdout and "the the" not in proc.stdout
+    assert "run: job pid 4242, exit 1: python t.py" in proc.stdout, proc.stdout
+    assert GPU_A in proc.stdout and GPU_B not in proc.stdout, proc.stdout
+    every = run_gpudiag(["explain", "--run", str(run), "--state-dir", str(state),
+                         "--all-gpus"], env)
+    assert GPU_B in every.stdout, every.stdout
+    # Without a history: from the run's own record, in plain words.
+    alone = run_gpudiag(["explain", "--run", str(run), "--state-dir", str(tmp_path / "none")],
+                        env)
+    assert alone.returncode == 0, alone.stderr
+    assert "from the run's own record" in alone.stdout and "the the" not in alone.stdout

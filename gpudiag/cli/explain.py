@@ -60,13 +60,16 @@ def _time(text: str, name: str) -> float:
 @click.option("--gpus", "gpus_text", metavar="UUIDS",
               help="With --since/--until: the GPUs, comma-separated full UUIDs.  "
               "[default: every GPU]")
+@click.option("--all-gpus", is_flag=True,
+              help="The timeline shows every GPU's events.  [default: the run's GPUs (or "
+              "--gpus) and the node's own]")
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="The daemon's state dir.  [default: as for `gpudiag serve`]")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
               show_default=True, help="kv: key=value lines for scripts (the Slurm Epilog).")
 def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
             since_text: str | None, until_text: str | None, gpus_text: str | None,
-            state_dir: str | None, fmt: str) -> None:
+            all_gpus: bool, state_dir: str | None, fmt: str) -> None:
     """Say who failed a run, hardware, software, application or unknown, with the events
     that decided it and the timeline of its GPUs (verdict changes, XIDs, who held them).
 
@@ -97,7 +100,7 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     try:
         answer = explain_in(None if state_dir is None else Path(state_dir),
                             run=None if run_path is None else Path(run_path), pid=pid,
-                            slurm_job_id=slurm_job, window=window)
+                            slurm_job_id=slurm_job, window=window, all_gpus=all_gpus)
     except ExplainError as e:
         raise _NotFound(str(e)) from e
     except HistoryError as e:
@@ -126,18 +129,33 @@ def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
                    for k, v in pairs.items())
 
 
+def _run_ids(job: dict[str, Any]) -> list[str]:
+    """The pids known of a run: a closeout names only the job's (gpudiag's own is not kept
+    there, and is never printed as -1)."""
+    ids = []
+    pid, child = job.get("pid"), job.get("child_pid")
+    if isinstance(pid, int) and pid > 0:
+        ids.append(f"pid {pid}")
+    if isinstance(child, int) and child > 0:
+        ids.append(f"job pid {child}")
+    if job.get("slurm_job_id"):
+        ids.append(f"Slurm job {job['slurm_job_id']}")
+    return ids or ["pid unknown"]
+
+
 def _text(rec: dict[str, object]) -> None:
     attribution = rec["attribution"]
     assert isinstance(attribution, dict)
     window = rec["window"]
     assert isinstance(window, dict)
-    click.echo(f"attribution: {attribution['kind']}  (rule {attribution['rule']}; from the "
-               f"{rec['source']})")
+    source = str(rec["source"])
+    source = source if source.startswith("the ") else f"the {source}"  # never "the the"
+    click.echo(f"attribution: {attribution['kind']}  (rule {attribution['rule']}; from "
+               f"{source})")
     job = rec.get("job")
     if isinstance(job, dict):
-        click.echo(f"run: pid {job['pid']} (job pid {job['child_pid']})"
-                   + (f", Slurm job {job['slurm_job_id']}" if job.get("slurm_job_id") else "")
-                   + f", exit {job['exit_code']}: {' '.join(job['argv'])}")
+        click.echo("run: " + ", ".join(_run_ids(job)) + f", exit {job['exit_code']}: "
+                   f"{' '.join(job['argv'])}")
     click.echo(f"window: {window['start']} .. {window['end']} on "
                f"{', '.join(window['gpus']) or 'every GPU'}")
     for e in attribution["events"]:
