@@ -146,3 +146,34 @@ def test_explain_of_a_run_reads_cleanly_and_shows_only_the_run_s_gpus(tmp_path: 
                         env)
     assert alone.returncode == 0, alone.stderr
     assert "from the run's own record" in alone.stdout and "the the" not in alone.stdout
+
+
+RFC3339_MS = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+
+
+def test_history_logs_and_records_share_one_time_format(tmp_path: Path) -> None:
+    import io
+    import logging
+
+    from gpudiag.cli.daemon import setup_logging
+    from gpudiag.daemon.store import HistoryStore, default_path
+    from tests.support.verdicts import verdict
+
+    state = tmp_path / "state"
+    state.mkdir()
+    store = HistoryStore(default_path(state))
+    store.record(verdict(("gpu_lost", "GPU-1")), now=1_700_000_000.25)
+    store.close()
+    proc = run_gpudiag(["history", "--state-dir", str(state)], dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "gpu_lost" in line]
+    assert lines and all(re.match(RFC3339_MS, line) for line in lines), proc.stdout
+    assert "2023-11-14T22:13:20.250Z" in proc.stdout
+    # The daemon's logs, text and JSON, write the same format.
+    for fmt in ("text", "json"):
+        setup_logging(fmt, "info")
+        handler = logging.getLogger("gpudiag").handlers[0]
+        handler.setStream(buffer := io.StringIO())  # type: ignore[attr-defined]
+        logging.getLogger("gpudiag.test").info("hello")
+        line = buffer.getvalue()
+        assert re.search(rf"^{RFC3339_MS} INFO|\"ts\": \"{RFC3339_MS}\"", line), line

@@ -14,7 +14,6 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import click
 
 from gpudiag.cli.commands import examples
+from gpudiag.core.clock import rfc3339
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.core.redact import redact_text
 from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
@@ -46,8 +46,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created).astimezone().isoformat(
-                timespec="milliseconds"),
+            "ts": rfc3339(record.created),  # one time format: RFC 3339 UTC, milliseconds
             "level": record.levelname.lower(), "logger": record.name,
             "msg": record.getMessage()}
         for k, v in vars(record).items():
@@ -56,6 +55,16 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """``TIME LEVEL LOGGER: MESSAGE`` with TIME as every record writes it (RFC 3339 UTC, ms)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return rfc3339(record.created)
 
 
 class _Redacting(logging.Formatter):
@@ -72,8 +81,7 @@ class _Redacting(logging.Formatter):
 def setup_logging(fmt: str, level: str) -> None:
     """Structured logs to stderr; JSON for journald collectors, text for people."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Redacting(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s")))
+    handler.setFormatter(_Redacting(JsonFormatter() if fmt == "json" else TextFormatter()))
     root = logging.getLogger("gpudiag")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -180,7 +188,7 @@ def parse_since(text: str) -> float:
 
 
 def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+    return rfc3339(ts)
 
 
 @click.command(short_help="Show the daemon's verdict changes and blocker episodes.",
