@@ -177,3 +177,68 @@ def test_history_logs_and_records_share_one_time_format(tmp_path: Path) -> None:
         logging.getLogger("gpudiag.test").info("hello")
         line = buffer.getvalue()
         assert re.search(rf"^{RFC3339_MS} INFO|\"ts\": \"{RFC3339_MS}\"", line), line
+
+
+@pytest.mark.parametrize("name", ["1", "GPU-f00d0001-0000-4000-8000-000000000001",
+                                  "GPU-f00d0001", "00000000:19:00.0", "19:00.0"])
+def test_preflight_devices_takes_every_name_of_a_gpu(gpu_env: EnvFactory, name: str) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2)
+    rc, record = verdict_of(["preflight", "--no-daemon", "--devices", name, "--format",
+                             "json"], env)
+    assert rc == 0, record["blockers"]
+    assert [d["uuid"] for d in record["devices"]] == [GPU_B]
+
+
+def test_a_gpu_name_that_matches_nothing_says_which_gpus_are_here(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=2)
+    rc, record = verdict_of(["preflight", "--no-daemon", "--devices", "GPU-beef", "--format",
+                             "json"], env)
+    assert rc == 1
+    (blocker,) = record["blockers"]  # once, not again as "ask for fewer devices"
+    assert blocker["message"].startswith("no GPU named 'GPU-beef'; GPUs here (index, UUID, "
+                                         "PCI bus id): 0 GPU-f00d0000"), blocker["message"]
+    assert "19:00.0" in blocker["message"]
+    proc = run_gpudiag(["preflight", "--no-daemon", "--devices", "GPU-f00d000"], env)
+    assert proc.returncode == 1 and "names 2 GPUs" in proc.stdout, proc.stdout
+
+
+def _history_with_devices(state: Path) -> None:
+    """A history whose last verdict saw GPU A (index 0) and GPU B (index 1)."""
+    from dataclasses import replace
+
+    from gpudiag.core.verdict import DeviceInfo
+    from gpudiag.daemon.store import HistoryStore, default_path
+    from tests.support.verdicts import verdict
+
+    devices = (DeviceInfo(0, GPU_A, "NVIDIA H200", "00000000:18:00.0", None, None),
+               DeviceInfo(1, GPU_B, "NVIDIA H200", "00000000:19:00.0", None, None))
+    store = HistoryStore(default_path(state))
+    store.record(replace(verdict(), devices=devices), now=900.0)
+    store.close()
+
+
+@pytest.mark.parametrize("name", ["1", "GPU-f00d0001", "19:00.0", GPU_B])
+def test_explain_gpus_takes_every_name_of_a_gpu(tmp_path: Path, name: str) -> None:
+    _, state = _a_run_and_a_history(tmp_path)
+    _history_with_devices(state)
+    proc = run_gpudiag(["explain", "--since", "990", "--until", "1020", "--gpus", name,
+                        "--state-dir", str(state), "--format", "json"], dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert answer["window"]["gpus"] == [GPU_B]
+    assert {r["gpu"] for r in answer["timeline"]} <= {GPU_B, None}
+
+
+def test_clear_qualify_and_explain_word_an_unknown_gpu_name_alike(tmp_path: Path,
+                                                                  gpu_env: EnvFactory) -> None:
+    _, state = _a_run_and_a_history(tmp_path)
+    _history_with_devices(state)
+    explain = run_gpudiag(["explain", "--since", "990", "--until", "1020", "--gpus", "7",
+                           "--state-dir", str(state)], dict(os.environ))
+    clear = run_gpudiag(["clear", "--gpu", "7", "--state-dir", str(state)], dict(os.environ))
+    qualify = run_gpudiag(["qualify", "--gpus", "7", "--no-history"],
+                          gpu_env(FAKE_NVML_DEVICE_COUNT=2))
+    for proc in (explain, clear, qualify):
+        assert proc.returncode == 2, proc.stderr
+        assert "no GPU named '7'; GPUs here (index, UUID, PCI bus id): 0 GPU-f00d0000" in (
+            " ".join(proc.stderr.split())), proc.stderr

@@ -253,7 +253,8 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
                  "gpudiag preflight --no-daemon --devices 0,1 --min-free-memory 8GiB"))
 @options.require
 @click.option("--devices", "devices_text", metavar="LIST",
-              help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
+              help="Devices the job will use: indices among the visible GPUs, full UUIDs, "
+              "unique UUID prefixes (as the table shows them) or PCI bus ids.")
 @click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
               help="At least N usable GPUs among --devices (else the visible ones), each "
               "of them usable: for GPUs a scheduler already gave the job (the Slurm Prolog "

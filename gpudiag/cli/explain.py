@@ -7,7 +7,6 @@ asked about was not found, 2 usage, 3 the history could not be read.
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,10 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.attribution import Attribution
+from gpudiag.core.gpunames import is_gpu_name
 
 EXIT_NOT_FOUND = 1
 EXIT_FAILED = 3
-_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
 
 
 class _NotFound(click.ClickException):
@@ -87,10 +86,12 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     if gpus_text is not None and since_text is None:
         raise click.UsageError("--gpus goes with --since/--until")
     gpus = [g.strip() for g in (gpus_text or "").split(",") if g.strip()]
-    bad = [g for g in gpus if not _UUID.match(g)]
+    bad = [g for g in gpus if not is_gpu_name(g)]
     if bad:
-        raise click.UsageError(f"--gpus {', '.join(bad)}: not full GPU-/MIG- UUIDs "
-                               "(`nvidia-smi -L` lists them)")
+        raise click.UsageError(f"--gpus {', '.join(bad)}: not GPU names (an index, a UUID or "
+                               "a unique prefix of one, a PCI bus id; `gpudiag probe` lists "
+                               "them)")
+    gpus = _full_uuids(gpus, state_dir)
     window = None
     if since_text is not None and until_text is not None:
         since, until = _time(since_text, "--since"), _time(until_text, "--until")
@@ -111,6 +112,27 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
         click.echo(_kv(answer.attribution, answer.record()), nl=False)
     else:
         _text(answer.record())
+
+
+def _full_uuids(names: list[str], state_dir: str | None) -> list[str]:
+    """Each GPU name as the full UUID the daemon's history knows it by (full UUIDs as given:
+    a GPU since removed is still a GPU of the history)."""
+    from gpudiag.core.environment import is_full_uuid
+    from gpudiag.core.gpunames import GpuNameError, resolve
+    from gpudiag.daemon.clears import known_in_history
+    from gpudiag.daemon.store import HistoryError
+    from gpudiag.engine.statedir import default_state_dir
+
+    if all(is_full_uuid(n) for n in names):
+        return names
+    try:
+        known = known_in_history(default_state_dir() if state_dir is None else Path(state_dir))
+    except HistoryError as e:
+        raise _Failed(str(e)) from e
+    try:
+        return [n if is_full_uuid(n) else resolve(n, known or []).uuid for n in names]
+    except GpuNameError as e:
+        raise click.UsageError(f"--gpus: {e}") from e
 
 
 def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:

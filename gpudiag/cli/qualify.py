@@ -65,7 +65,8 @@ def _history_dir(state_dir: str | None, no_history: bool) -> tuple[Path | None, 
                    "Busy GPUs are never touched. docs/qualify.md: tiers, references, "
                    "thresholds."))
 @click.option("--gpus", "gpus_text", metavar="LIST",
-              help="GPU indices or full UUIDs, comma-separated.  [default: every visible GPU]")
+              help="GPUs by index, full UUID, unique UUID prefix or PCI bus id, "
+              "comma-separated.  [default: every visible GPU]")
 @click.option("--tier", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
               help="quick: at most a few seconds per GPU; full: up to 60 s per GPU, fp32 too.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
@@ -98,7 +99,7 @@ def qualify(gpus_text: str | None, tier: str, fmt: str, platform: str, cpu_devic
 
     gpus = tuple(g.strip() for g in gpus_text.split(",") if g.strip()) if gpus_text else None
     if gpus_text is not None and not gpus:
-        raise click.UsageError("--gpus names no GPU; give indices or full UUIDs")
+        raise click.UsageError("--gpus names no GPU; give indices, UUIDs or PCI bus ids")
     folder, note = _history_dir(state_dir, no_history)
     options = QualifyOptions(tier=tier, gpus=gpus, platform=platform, cpu_devices=cpu_devices,
                              table=_table(reference),

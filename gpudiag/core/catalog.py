@@ -232,7 +232,9 @@ BLOCKERS: dict[str, CatalogEntry] = {
         *_rows(
             "requirement",
             ("insufficient_devices", "Fewer usable GPUs than the requirement asks for.",
-             "Ask for fewer devices or run where more GPUs are healthy and visible."),
+             "Name GPUs that are here (gpudiag probe lists each one's index, UUID and PCI "
+             "bus id), ask for fewer devices, or run where more GPUs are healthy and "
+             "visible."),
             ("insufficient_free_memory", "A selected GPU has less free memory than required.",
              "Wait for other processes to release memory or pick another GPU."),
         ),

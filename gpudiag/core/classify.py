@@ -24,6 +24,7 @@ from gpudiag.core.environment import (
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.gpu_processes import device_processes
+from gpudiag.core.gpunames import NamedGpu, matches, no_gpu_named
 from gpudiag.core.identity import GpuIdentity
 from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
 from gpudiag.core.nvml_health import (
@@ -250,13 +251,22 @@ def _select(candidates: Sequence[NvmlDevice], requirement: Requirement,
     positions = [KnownDevice(pos, d.uuid or "", d.mig_uuids)
                  for pos, d in enumerate(candidates)]
     chosen: list[NvmlDevice] = []
+    named = [NamedGpu(pos, d.uuid or "", d.pci_bus_id) for pos, d in enumerate(candidates)]
     for sel in requirement.devices:
         match = [candidates[p.index] for p in
                  match_entry(entry_of(sel), positions, FULL_UUID)]
         if not match:
-            f.block("insufficient_devices",
-                    f"requested device {sel} is not among the {len(candidates)} visible GPU(s)",
-                    device=sel)
+            # One way to name a GPU everywhere (core.gpunames): a unique UUID prefix (as the
+            # table shows it) or a PCI bus id select it too; the verdict names its full UUID.
+            kind, found = matches(sel, named)
+            if len(found) == 1 and kind in ("UUID prefix", "PCI bus id"):
+                match = [candidates[found[0].index]]
+            elif len(found) > 1:
+                f.block("insufficient_devices", f"{kind} {sel!r} names {len(found)} GPUs "
+                        f"({', '.join(g.uuid for g in found)}): give more of the UUID",
+                        device=sel)
+            else:
+                f.block("insufficient_devices", no_gpu_named(sel, named), device=sel)
         chosen.extend(m for m in match if m not in chosen)
     return chosen
 
@@ -307,7 +317,8 @@ def _requirement_findings(selected: Sequence[NvmlDevice], requirement: Requireme
     blocked = {b.device for b in f.blockers if b.device}
     healthy = [d for d in selected if d.ok and d.label not in blocked]
     need = requirement.effective_min_devices
-    if len(healthy) < need:
+    named_nothing = any(b.code == "insufficient_devices" for b in f.blockers)
+    if len(healthy) < need and not named_nothing:  # a name that matched nothing said it
         f.block("insufficient_devices",
                 f"{len(healthy)} usable GPU(s) of {len(selected)} selected; "
                 f"the requirement asks for {need}")
