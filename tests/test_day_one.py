@@ -242,3 +242,58 @@ def test_clear_qualify_and_explain_word_an_unknown_gpu_name_alike(tmp_path: Path
         assert proc.returncode == 2, proc.stderr
         assert "no GPU named '7'; GPUs here (index, UUID, PCI bus id): 0 GPU-f00d0000" in (
             " ".join(proc.stderr.split())), proc.stderr
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli_commands() -> dict[str, str]:
+    import click
+
+    from gpudiag.cli.commands import cli
+
+    ctx = click.Context(cli)
+    return {n: cli.get_command(ctx, n).get_short_help_str(200)  # type: ignore[union-attr]
+            for n in cli.list_commands(ctx)}
+
+
+def _table(text: str, heading: str) -> list[list[str]]:
+    """The rows of the first Markdown table after ``heading``, as cells."""
+    section = text.split(heading, 1)[1]
+    rows = []
+    for line in section.splitlines()[1:]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+            if not set(cells[0]) <= set("-: "):
+                rows.append(cells)
+        elif rows:
+            break
+    return rows[1:]  # less the header row
+
+
+def _named(cell: str) -> list[str]:
+    """`gpudiag probe`, `preflight` -> ["probe", "preflight"]."""
+    return [w.removeprefix("gpudiag ").split()[0] for w in re.findall(r"`([^`]+)`", cell)]
+
+
+def test_the_readme_and_reference_command_tables_are_the_cli_s() -> None:
+    commands = _cli_commands()
+    readme = (ROOT / "README.md").read_text()
+    listed = [_named(row[0])[0] for row in _table(readme, "## Commands")]
+    assert sorted(listed) == sorted(commands), listed  # each command once, none missing
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    rows = {row[0]: row[1] for row in _table(reference, "## Commands")}
+    assert rows == {f"`gpudiag {n}`": help for n, help in commands.items()}
+    exits = [n for row in _table(reference, "## Exit codes") for n in _named(row[0])]
+    # `gpudiag run` exits with its child's code: its own paragraph under the table.
+    assert sorted(exits) == sorted(set(commands) - {"run"}), exits
+    assert "`gpudiag run`: the child's own exit code" in reference
+
+
+def test_the_docs_say_one_thing_about_history_and_sighup() -> None:
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    assert reference.count("| `GET /v1/history") == 1
+    daemon = (ROOT / "docs" / "daemon.md").read_text()
+    assert "no live reload" not in daemon and "**Live reload**: SIGHUP" in daemon
+    readme = (ROOT / "README.md").read_text()
+    assert "slurm-wlm and munge" in readme and "fleet" in readme.split("## How it is built")[1]
