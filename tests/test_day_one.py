@@ -297,3 +297,43 @@ def test_the_docs_say_one_thing_about_history_and_sighup() -> None:
     assert "no live reload" not in daemon and "**Live reload**: SIGHUP" in daemon
     readme = (ROOT / "README.md").read_text()
     assert "slurm-wlm and munge" in readme and "fleet" in readme.split("## How it is built")[1]
+
+
+def test_operations_md_names_the_slurm_scripts_where_install_node_puts_them() -> None:
+    ops = (ROOT / "docs" / "operations.md").read_text().split("## Slurm", 1)[1]
+    install = (ROOT / "scripts" / "install-node.sh").read_text()
+    prefix = re.search(r"\bprefix=(\S+)", install).group(1)  # type: ignore[union-attr]
+    assert '"$here/deploy/slurm" "$prefix/share/gpudiag/"' in install
+    conf = dict(re.findall(r"^(Prolog|Epilog|HealthCheckProgram)=(\S+)$", ops, re.M))
+    assert set(conf) == {"Prolog", "Epilog", "HealthCheckProgram"}, conf
+    for key, path in conf.items():
+        assert path.startswith(f"{prefix}/share/gpudiag/slurm/"), (key, path)
+        script = ROOT / "deploy" / "slurm" / Path(path).name
+        assert script.is_file(), script
+        assert f"{key}={path}" in script.read_text(), f"{script.name}'s header names {path}"
+    assert "**Epilog**" in ops
+
+
+def test_serve_on_every_interface_without_read_only_warns_at_check_and_at_start(
+        fakes: object, tmp_path: Path) -> None:
+    from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
+
+    check = run_gpudiag(["serve", "--listen", "0.0.0.0:0", "--check-config"], dict(os.environ))
+    assert check.returncode == 0, check.stderr
+    assert "without tcp_read_only" in check.stderr and "config OK" in check.stdout
+    quiet = run_gpudiag(["serve", "--listen", "127.0.0.1:0", "--check-config"],
+                        dict(os.environ))
+    assert "warning" not in quiet.stderr
+    cfg = tmp_path / "ro.toml"
+    cfg.write_text("tcp_read_only = true\n")
+    read_only = run_gpudiag(["serve", "--listen", "0.0.0.0:0", "--config", str(cfg),
+                             "--check-config"], dict(os.environ))
+    assert "warning" not in read_only.stderr, read_only.stderr
+    env = host_env(fakes, tmp_path / "host", gpus=1)  # type: ignore[arg-type]
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", daemon_toml({})),
+                    tmp_path / "state", extra_args=("--listen", "0.0.0.0:0"))
+    try:
+        warned = [json.loads(line) for line in daemon.lines if "tcp_read_only" in line]
+    finally:
+        daemon.stop()
+    assert warned and warned[0]["level"] == "warning", daemon.lines[:5]

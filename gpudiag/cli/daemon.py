@@ -24,7 +24,7 @@ from gpudiag.cli.commands import examples
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.core.redact import redact_text
-from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
+from gpudiag.daemon.config import ConfigError, DaemonConfig, exposure_warning, load_config
 from gpudiag.daemon.effective import default_socket_path, effective_config
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
@@ -135,7 +135,10 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
           state_dir: str | None, check_config: bool, log_format: str | None) -> None:
     """Run the daemon: periodic probes, XID watcher, /metrics and the preflight API."""
     cfg = _config(config_path, listen, socket_path)
+    exposed = exposure_warning(cfg)
     if check_config:
+        if exposed is not None:
+            click.echo(f"gpudiag serve: warning: {exposed}", err=True)
         click.echo(f"config OK: listen {cfg.listen_host}:{cfg.listen_port}"
                    f"{' (read-only)' if cfg.tcp_read_only else ''}, socket "
                    f"{default_socket_path(cfg) or 'none'}, backends "
@@ -147,6 +150,8 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
             click.echo(line)
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
+    if exposed is not None:
+        logging.getLogger("gpudiag.daemon").warning(exposed)
     _run(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path,
          reload=partial(_load, config_path, listen, socket_path))
     # Everything is stopped and closed. Leave now rather than at interpreter exit, which
