@@ -41,7 +41,9 @@
  *   FAKE_NVML_FABRIC=IDX:STATE/STATUS fabric state (0 not supported, 1 not started,
  *       2 in progress, 3 completed) and status (an nvmlReturn_t); unset: NOT_SUPPORTED
  *   FAKE_NVML_RETIRED_PAGES_PENDING=IDX:0|1  pages waiting for a reset to retire
- *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, each delivered once per process
+ *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, a multiset: what it lists beyond what this
+ *       process delivered is delivered (a new XID written into the state file arrives; one
+ *       already delivered arrives again only when listed once more: 3:79,3:79)
  *   FAKE_NVML_DRIVER_VERSION (570.124.06), FAKE_CUDA_DRIVER_VERSION (12080)
  * FAKE_NVML_COMPUTE_MODE, FAKE_NVML_PROCESSES and FAKE_NVML_MEMORY_USED_MIB also
  * decide whether the fake libcuda creates a context on a GPU (see fake_cuda.c).
@@ -914,8 +916,22 @@ typedef struct {
 typedef fake_event_set *nvmlEventSet_t;
 
 static pthread_mutex_t g_event_lock = PTHREAD_MUTEX_INITIALIZER;
-/* Entry k of FAKE_NVML_XIDS has been delivered (to some set) in this process. */
-static unsigned char g_xid_delivered[FAKE_MAX_XIDS];
+/* What this process delivered so far, by content (GPU, MIG instance, XID) with a count:
+ * FAKE_NVML_XIDS is a multiset, and what it holds beyond what was delivered is pending.
+ * Rewriting the state file with a new XID delivers it; one already delivered is delivered
+ * again only when listed once more (3:79,3:79 after 3:79). */
+typedef struct { int gpu, mig; long long xid; int count; } fake_xid_seen;
+static fake_xid_seen g_xid_seen[FAKE_MAX_XIDS];
+static int g_xid_seen_n;
+
+static fake_xid_seen *xid_seen(int gpu, int mig, long long xid, int add) {
+    for (int i = 0; i < g_xid_seen_n; i++)
+        if (g_xid_seen[i].gpu == gpu && g_xid_seen[i].mig == mig && g_xid_seen[i].xid == xid)
+            return &g_xid_seen[i];
+    if (!add || g_xid_seen_n >= FAKE_MAX_XIDS) return NULL;
+    g_xid_seen[g_xid_seen_n] = (fake_xid_seen){gpu, mig, xid, 0};
+    return &g_xid_seen[g_xid_seen_n++];
+}
 
 FAKE_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
     CHECK_INIT();
@@ -951,18 +967,28 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned 
     return NVML_SUCCESS;
 }
 
-/* Delivers the first undelivered XID this set listens for; 1 if one was found. */
+/* Delivers the first pending XID this set listens for; 1 if one was found. The k-th listing
+ * of an entry is pending while fewer than k of that entry were delivered. */
 static int take_pending_xid(nvmlEventSet_t set, nvmlEventData_t *data) {
     char *list = fake_get_dup("FAKE_NVML_XIDS");
     char *cur = list, *rest;
     int gpu, mig, k = 0, found = 0;
+    static int gpus[FAKE_MAX_XIDS], migs[FAKE_MAX_XIDS];
+    static long long xids[FAKE_MAX_XIDS];
     pthread_mutex_lock(&g_event_lock);
     while (!found && k < FAKE_MAX_XIDS && fake_list_next(&cur, &gpu, &mig, &rest)) {
         long long xid;
-        int idx = k++;
-        if (g_xid_delivered[idx] || !fake_parse_ll(rest, &xid)) continue;
+        if (!fake_parse_ll(rest, &xid)) continue;
+        int listed = 1; /* this entry's listing number */
+        for (int i = 0; i < k; i++)
+            if (gpus[i] == gpu && migs[i] == mig && xids[i] == xid) listed++;
+        gpus[k] = gpu; migs[k] = mig; xids[k] = xid; k++;
+        fake_xid_seen *seen = xid_seen(gpu, mig, xid, 0);
+        if (seen && seen->count >= listed) continue;
         if (gpu >= FAKE_MAX_GPUS || !(set->types[gpu] & nvmlEventTypeXidCriticalError)) continue;
-        g_xid_delivered[idx] = 1;
+        seen = xid_seen(gpu, mig, xid, 1);
+        if (!seen) continue;
+        seen->count++;
         data->device = &g_gpus[gpu];
         data->eventType = nvmlEventTypeXidCriticalError;
         data->eventData = (unsigned long long)xid;
