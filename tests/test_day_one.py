@@ -337,3 +337,39 @@ def test_serve_on_every_interface_without_read_only_warns_at_check_and_at_start(
     finally:
         daemon.stop()
     assert warned and warned[0]["level"] == "warning", daemon.lines[:5]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_gpu_table_shows_what_nvidia_smi_users_scan_for(gpu_env: EnvFactory,
+                                                           columns: int) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=3, FAKE_NVML_PCIE="1:5/5/8/16",
+                  FAKE_NVML_PERSISTENCE="2:0", FAKE_NVML_POWER_MW="0:123000",
+                  FAKE_NVML_CLOCKS_MHZ="0:1755/2619", FAKE_NVML_PSTATE="2:8",
+                  FAKE_NVML_FAN_PCT="0:40")
+    probe = [*GPUDIAG, "probe", "--backend", "host,nvml,cuda"]
+    rc, text = run_on_tty(probe, env, columns=columns)
+    rows = {int(m.group(1)): m.group(0) for m in
+            re.finditer(r"^\s+(\d)\s+(ready|selected)\b.*$", text, re.M)}
+    assert set(rows) == {0, 1, 2}, text
+    # The status column says what is off, in words.
+    assert "ready, PCIe narrowed" in rows[1], rows[1]
+    table = text.split("Devices:", 1)[1].split("Warnings", 1)[0]
+    # At 80 columns the status may wrap onto a second line, words whole.
+    assert re.search(r"ready, persistence off|ready, persistence .*\n\s+off\b", table), table
+    assert all(len(line) <= columns for line in text.splitlines() if "⠋" not in line)
+    # --wide: power draw/cap, SM/memory clocks, P-state, fan and ECC counts per GPU.
+    rc, wide = run_on_tty([*probe, "--wide"], env, columns=columns)
+    header = next(line for line in wide.splitlines() if "gpu" in line and "status" in line)
+    for col in ("power", "clocks", "pstate", "fan", "ECC c/u"):
+        assert col in header, header
+    row0 = next(line for line in wide.splitlines() if re.match(r"^\s+0\s+ready", line))
+    assert "123/700W" in row0 and "1755/2619MHz" in row0 and "P0" in row0, row0
+    assert "40%" in row0 and "0/0" in row0, row0
+    row2 = next(line for line in wide.splitlines() if re.match(r"^\s+2\s+ready", line))
+    assert "P8" in row2 and " - " in row2 + " ", row2  # no fan on a chassis-cooled GPU
+    record = json.loads(run_gpudiag(["probe", "--backend", "host,nvml,cuda", "--format",
+                                     "json"], env).stdout)
+    first = record["devices"][0]
+    assert (first["power_w"], first["power_limit_w"], first["sm_clock_mhz"],
+            first["memory_clock_mhz"], first["pstate"], first["fan_ratio"]) == (
+        123.0, 700.0, 1755, 2619, 0, 0.4)

@@ -34,6 +34,7 @@ STATUS_WORDS: Mapping[str, str] = {
     "cuda_context_failed": "no context", "insufficient_free_memory": "low memory",
     "gpu_thermal_throttling": "hot", "gpu_power_throttling": "power capped",
     "gpu_ecc_correctable": "ECC corrected", "gpu_xid_application": "XID",
+    "gpu_pcie_link_degraded": "PCIe narrowed", "gpu_persistence_off": "persistence off",
 }
 _STATUS_WORD_STYLE = {"ready": "green", "selected": "bold green", "busy": "yellow",
                       "unknown": "dim"}
@@ -207,6 +208,9 @@ def _devices(verdict: Verdict, wide: bool = False) -> Table:
                        ("util", True), ("temp", True), ("memory used", True)):
         table.add_column(col, justify="right" if right else "left",
                          no_wrap=col != "status", overflow="fold")
+    if wide:  # what nvidia-smi users scan for; 80 columns cannot hold it
+        for col in ("power", "clocks", "pstate", "fan", "ECC c/u"):
+            table.add_column(col, justify="right", no_wrap=True)
     if not uniform:
         table.add_column("name", overflow="fold")
     short = _uuid_labels(verdict, wide)
@@ -221,6 +225,8 @@ def _devices(verdict: Verdict, wide: bool = False) -> Table:
         row: list[str | Text] = [str(d.index), Text(status, style=style),
                                  short.get(d.uuid or "", "-"), short_pci(d.pci_bus_id), util,
                                  temp, used]
+        if wide:
+            row.extend(_smi_cells(d))
         if not uniform:
             row.append(d.name or "-")
         table.add_row(*row)
@@ -230,6 +236,21 @@ def _devices(verdict: Verdict, wide: bool = False) -> Table:
                          "read it now)")
         table.caption_justify = "left"
     return table
+
+
+def _smi_cells(d: DeviceInfo) -> list[str | Text]:
+    """power draw/cap, SM/memory clocks, P-state, fan, volatile ECC corrected/uncorrected."""
+    def num(value: float | int | None, fmt: str = "{:.0f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    power = ("-" if d.power_w is None and d.power_limit_w is None
+             else f"{num(d.power_w)}/{num(d.power_limit_w)}W")
+    clocks = ("-" if d.sm_clock_mhz is None and d.memory_clock_mhz is None
+              else f"{num(d.sm_clock_mhz)}/{num(d.memory_clock_mhz)}MHz")
+    ecc = ("-" if d.ecc_volatile_corrected is None and d.ecc_volatile_uncorrected is None
+           else f"{num(d.ecc_volatile_corrected)}/{num(d.ecc_volatile_uncorrected)}")
+    fan = "-" if d.fan_ratio is None else f"{d.fan_ratio * 100:.0f}%"
+    return [power, clocks, "-" if d.pstate is None else f"P{d.pstate}", fan, ecc]
 
 
 def _processes(verdict: Verdict) -> Table | None:

@@ -297,7 +297,7 @@ def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None,
     pids = (tuple(sorted({p.pid for p in procs if p.pid is not None}))
             if d.processes is not None or procs else None)
     util, temp = d.readings.utilization_gpu_ratio, d.readings.temperature_c
-    return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name,
+    return _smi_columns(d, DeviceInfo(index=d.index, uuid=d.uuid, name=d.name,
                       pci_bus_id=(sysfs_bus_id or d.pci_bus_id) if remembered
                       else d.pci_bus_id or sysfs_bus_id,
                       uuid_source=("last_seen" if remembered else "nvml" if d.uuid else None),
@@ -305,7 +305,25 @@ def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None,
                       memory_used_bytes=mem.used_bytes,
                       utilization_ratio=None if util is None else float(util),
                       temperature_c=None if temp is None else float(temp), pids=pids,
-                      processes=None if pids is None else device_processes(procs))
+                      processes=None if pids is None else device_processes(procs)))
+
+
+def _smi_columns(d: NvmlDevice, info: DeviceInfo) -> DeviceInfo:
+    """What nvidia-smi shows beside memory and utilization, for the table's --wide columns."""
+    ecc = d.ecc
+    power, limit = d.readings.power_w, d.power_limit_w
+
+    def count(value: object) -> int | None:
+        return int(value) if isinstance(value, (int, float)) and not isinstance(
+            value, bool) else None
+
+    return replace(
+        info, power_w=None if power is None else float(power),
+        power_limit_w=None if limit is None else float(limit),
+        sm_clock_mhz=d.sm_clock_mhz, memory_clock_mhz=d.memory_clock_mhz, pstate=d.pstate,
+        fan_ratio=None if d.fan_ratio is None else float(d.fan_ratio),
+        ecc_volatile_corrected=count(ecc.volatile_corrected) if ecc else None,
+        ecc_volatile_uncorrected=count(ecc.volatile_uncorrected) if ecc else None)
 
 
 def _free(d: NvmlDevice) -> int | None:

@@ -26,6 +26,8 @@
  *   FAKE_NVML_UTILIZATION=IDX:PCT, FAKE_NVML_MEMORY_UTILIZATION=IDX:PCT
  *   FAKE_NVML_TEMPERATURE_C=IDX:C (35), FAKE_NVML_POWER_MW=IDX:MW (75000),
  *   FAKE_NVML_POWER_LIMIT_MW=IDX:MW (700000)
+ *   FAKE_NVML_CLOCKS_MHZ=IDX:SM/MEM (1980/3201), FAKE_NVML_PSTATE=IDX:N (0),
+ *   FAKE_NVML_FAN_PCT=IDX:PCT (unset: NOT_SUPPORTED, a chassis-cooled GPU)
  *   FAKE_NVML_ECC_{VOLATILE,AGGREGATE}_{CORRECTED,UNCORRECTED}=IDX:N
  *   FAKE_NVML_REMAPPED_ROWS=IDX:CORR/UNCORR/PENDING/FAILURE
  *   FAKE_NVML_RETIRED_PAGES=IDX:N     (otherwise retired pages: NOT_SUPPORTED)
@@ -537,6 +539,39 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, un
     CHECK_DEVICE(device, "power", 0);
     if (!limit) return NVML_ERROR_INVALID_ARGUMENT;
     *limit = (unsigned int)fake_list_ll("FAKE_NVML_POWER_LIMIT_MW", device->gpu, -1, 700000);
+    return NVML_SUCCESS;
+}
+
+/* What nvidia-smi users scan for: clocks, performance state, fan. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type,
+                                                unsigned int *clock) {
+    CHECK_DEVICE(device, "clocks", 0);
+    if (!clock) return NVML_ERROR_INVALID_ARGUMENT;
+    char buf[64];
+    long long sm = 1980, mem = 3201; /* an H200 at its boost and memory clocks */
+    if (fake_list_str("FAKE_NVML_CLOCKS_MHZ", device->gpu, -1, buf, sizeof buf))
+        sscanf(buf, "%lld/%lld", &sm, &mem);
+    if (type == 1) *clock = (unsigned int)sm;         /* NVML_CLOCK_SM */
+    else if (type == 2) *clock = (unsigned int)mem;   /* NVML_CLOCK_MEM */
+    else if (type == 0) *clock = (unsigned int)sm;    /* NVML_CLOCK_GRAPHICS */
+    else return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, int *pstate) {
+    CHECK_DEVICE(device, "clocks", 0);
+    if (!pstate) return NVML_ERROR_INVALID_ARGUMENT;
+    *pstate = (int)fake_list_ll("FAKE_NVML_PSTATE", device->gpu, -1, 0);
+    return NVML_SUCCESS;
+}
+
+/* Data-center GPUs are cooled by the chassis: NOT_SUPPORTED unless FAKE_NVML_FAN_PCT says. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t device, unsigned int *speed) {
+    CHECK_DEVICE(device, "fan", 0);
+    if (!speed) return NVML_ERROR_INVALID_ARGUMENT;
+    long long pct = fake_list_ll("FAKE_NVML_FAN_PCT", device->gpu, -1, -1);
+    if (pct < 0) return NVML_ERROR_NOT_SUPPORTED;
+    *speed = (unsigned int)pct;
     return NVML_SUCCESS;
 }
 
