@@ -373,3 +373,22 @@ def test_the_gpu_table_shows_what_nvidia_smi_users_scan_for(gpu_env: EnvFactory,
     assert (first["power_w"], first["power_limit_w"], first["sm_clock_mhz"],
             first["memory_clock_mhz"], first["pstate"], first["fan_ratio"]) == (
         123.0, 700.0, 1755, 2619, 0, 0.4)
+
+
+@pytest.mark.parametrize("name", [None, "NVIDIA Z100 Prototype"])
+def test_qualify_prints_each_reason_once_and_says_what_it_compared_with(
+        gpu_env: EnvFactory, name: str | None) -> None:
+    knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 2}
+    if name is not None:
+        knobs["FAKE_GPU_NAME"] = name
+    env = gpu_env(**knobs)
+    text = run_gpudiag(["qualify", "--tier", "quick", "--no-history"], env).stdout
+    record = json.loads(run_gpudiag(["qualify", "--tier", "quick", "--no-history",
+                                     "--format", "json"], env).stdout)
+    for q in record["gpus"]:
+        low = [s["measure"] for s in q["scores"] if any(r["below"] for r in s["references"])]
+        if low:
+            assert q["message"] not in text  # the measures' lines say it, once
+            assert f"low: {', '.join(low)}" in text
+    compared = "no data-sheet row for 'NVIDIA Z100 Prototype': compared with its node peers"
+    assert (compared in text) == (name is not None), text

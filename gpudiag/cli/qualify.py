@@ -136,7 +136,18 @@ def render(record: dict[str, object], out: IO[str]) -> None:
               f"{len(gpus)} GPU(s) measured\n")
     for q in gpus:
         out.write(f"\nGPU {q['index']} {q['uuid']} {q['name'] or ''}: {q['code']} "
-                  f"({q['severity']})\n  {q['message']}\n")
+                  f"({q['severity']})\n")
+        low = [s["measure"] for s in q["scores"]
+               if any(r["below"] for r in s["references"])]
+        # Each reason once: the measures' lines below say what is low against what, so the
+        # message (the same reasons in one line) is shown only when they do not.
+        if low:
+            out.write(f"  low: {', '.join(low)} (LOW below: the ratio under its threshold)\n")
+        elif q["message"]:
+            out.write(f"  {q['message']}\n")
+        if not q.get("reference_model") and q["scores"]:
+            out.write(f"  no data-sheet row for {q['name'] or 'this model'!r}: compared with "
+                      "its node peers and its own history only\n")
         for s in q["scores"]:
             ratios = "  ".join(f"{r['reference']} {r['ratio']:.2f}" + (" LOW" if r["below"]
                                                                         else "")
