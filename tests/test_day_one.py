@@ -392,3 +392,19 @@ def test_qualify_prints_each_reason_once_and_says_what_it_compared_with(
             assert f"low: {', '.join(low)}" in text
     compared = "no data-sheet row for 'NVIDIA Z100 Prototype': compared with its node peers"
     assert (compared in text) == (name is not None), text
+
+
+def test_a_one_shot_probe_flags_an_nvlink_down_since_boot_against_its_peers(
+        gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=4, FAKE_NVML_NVLINKS="0:18,1:18,2:18,3:18",
+                  FAKE_NVML_NVLINK_DOWN="2:16/17")
+    rc, record = verdict_of(["probe", "--backend", "host,nvml,cuda", "--format", "json"], env)
+    down = [b for b in record["blockers"] if b["code"] == "gpu_nvlink_down"]
+    assert [b["device"] for b in down] == ["GPU-f00d0002-0000-4000-8000-000000000002"], (
+        record["blockers"])
+    assert "16 NVLink link(s) active, 18 on its 3 peers of the same model" in down[0]["message"]
+    assert rc == 1
+    # All alike (a PCIe-bridged model with fewer links, say): nothing to compare against.
+    same = gpu_env(FAKE_NVML_DEVICE_COUNT=4, FAKE_NVML_NVLINKS="0:12,1:12,2:12,3:12")
+    rc, record = verdict_of(["probe", "--backend", "host,nvml,cuda", "--format", "json"], same)
+    assert not [b for b in record["blockers"] if b["code"] == "gpu_nvlink_down"]

@@ -178,7 +178,8 @@ def _nvml_findings(nvml: NvmlObservation | None, host: HostObservation | None,
 
 def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
                      f: Findings, history: NvmlHistory | None = None,
-                     policy: NvmlHealthPolicy | None = None) -> None:
+                     policy: NvmlHealthPolicy | None = None,
+                     peers: Sequence[NvmlDevice] = ()) -> None:
     for d in devs:
         label = d.label
         if not d.ok:
@@ -187,7 +188,7 @@ def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
             f.block(blocker or "nvml_error", f"GPU {d.index}: {name} ({code}): {text}",
                     backend="nvml", device=label)
             continue
-        device_health(d, f, history=history, policy=policy)
+        device_health(d, f, history=history, policy=policy, peers=peers)
         if d.persistence_mode is False:
             f.warn("gpu_persistence_off", f"GPU {d.index}: persistence mode is off",
                    backend="nvml", device=label)
@@ -472,7 +473,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     if requirement.needs_gpu:
         candidates, selected, remembered = _select_gpus(runs, layer, requirement, visibility,
                                                         last_seen, f)
-        _device_findings(selected, xids, f, nvml_history, nvml_policy)
+        _device_findings(selected, xids, f, nvml_history, nvml_policy,
+                         peers=layer.nvml.devices if layer.nvml is not None else ())
         labels = {d.label for d in selected}
         f.blockers.extend(b for b in device_blockers if b.device in labels)
         f.warnings.extend(w for w in device_warnings if w.device in labels)
