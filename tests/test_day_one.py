@@ -408,3 +408,14 @@ def test_a_one_shot_probe_flags_an_nvlink_down_since_boot_against_its_peers(
     same = gpu_env(FAKE_NVML_DEVICE_COUNT=4, FAKE_NVML_NVLINKS="0:12,1:12,2:12,3:12")
     rc, record = verdict_of(["probe", "--backend", "host,nvml,cuda", "--format", "json"], same)
     assert not [b for b in record["blockers"] if b["code"] == "gpu_nvlink_down"]
+
+
+def test_an_explicit_daemon_url_that_does_not_answer_says_so_and_the_default_stays_quiet(
+        gpu_env: EnvFactory, tmp_path: Path) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1)
+    url = f"unix:{tmp_path}/none.sock"
+    loud = run_gpudiag(["preflight", "--format", "kv", "--daemon-url", url], env)
+    assert "source=inline" in loud.stdout
+    assert f"gpudiag: no daemon at {url}" in loud.stderr and "ran the probes here" in loud.stderr
+    quiet = run_gpudiag(["preflight", "--format", "kv"], {**env, "GPUDIAG_DAEMON_URL": url})
+    assert "source=inline" in quiet.stdout and quiet.stderr == "", quiet.stderr
