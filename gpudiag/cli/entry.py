@@ -8,7 +8,9 @@ do not use (docs/benchmarks.md, "CLI start"). ``gpudiag probe --format kv|json``
 command calls too). Everything else, and every case the fast path does not recognize exactly
 (other flags, ``--help``, a bad value, a terminal on stderr, no daemon answer), goes to the
 click commands in ``gpudiag.cli.commands`` unchanged, which then say what is wrong or run the
-probes here. The fast path only asks the daemon the same way
+probes here. When the daemon was asked and gave no usable answer, that answer (its reason and
+the time it took) goes to the click path with the call, which never asks again: one deadline
+per call (docs/reference.md). The fast path only asks the daemon the same way
 (``gpudiag.engine.client.ask_daemon``) and prints the same bytes with the same exit code.
 """
 
