@@ -526,7 +526,7 @@ if want attribution; then
     section "failure attribution"
     timeout 120 "$PY" -m gpudiag run --gpus 1 --artifacts "$OUT/attribution-run" -- \
         "$PY" -c 'raise SystemExit(1)' >"$OUT/attribution.out" 2>&1
-    got=$(sed -n 's/^gpu_failure_attribution=\([a-z]*\).*/\1/p' "$OUT/attribution-run/closeout.txt" 2>/dev/null | head -1)
+    got=$(sed -n 's/^gpu_failure_attribution=\([a-z]*\).*/\1/p' "$(find "$OUT/attribution-run" -name closeout.txt 2>/dev/null | head -1)" 2>/dev/null | head -1)
     ok=1; [[ $got == application ]] && ok=0
     pass_if attribution-application "$ok" "exit 1, no GPU event: attribution=${got:-missing} (expected application)"
     result attribution-xid blocked "a kernel fault's XID (13/31/43) is not provoked on a shared card by this script"

@@ -131,7 +131,8 @@ def test_explain_from_the_history_applies_the_closeouts_rules(tmp_path: Path) ->
     (["--since", "yesterday", "--until", "now"], "neither epoch seconds nor an RFC 3339"),
     (["--since", "200", "--until", "100"], "--until is before --since"),
     (["--pid", "1", "--gpus", GPU], "--gpus goes with --since/--until"),
-    (["--since", "1", "--until", "2", "--gpus", "3"], "not full GPU-/MIG- UUIDs"),
+    (["--since", "1", "--until", "2", "--gpus", "3"], "no GPU named '3'"),
+    (["--since", "1", "--until", "2", "--gpus", "banana"], "not GPU names"),
 ])
 def test_explain_usage_errors_say_what_to_do(args: list[str], message: str,
                                             tmp_path: Path) -> None:

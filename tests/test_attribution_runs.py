@@ -20,6 +20,7 @@ import pytest
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 from tests.support.host import processes_with_env, run_gpudiag
+from tests.support.run import run_folder
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 
@@ -47,7 +48,7 @@ class Rig:
     def _inject(self, artifacts: Path, delay_s: float, knobs: dict[str, str | int]) -> None:
         # stdout.log is opened right after the job started: the fault is surely mid-run.
         deadline = time.monotonic() + 60
-        while not (artifacts / "stdout.log").exists() and time.monotonic() < deadline:
+        while not any(artifacts.glob("*/stdout.log")) and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(delay_s)
         write_state_file(self.state_file, {**self.knobs, **knobs})
@@ -67,9 +68,9 @@ class Rig:
                             "--", *argv], self.env)
         if injector is not None:
             injector.join()
-        closeout = json.loads((artifacts / "closeout.json").read_text())
-        self.last = artifacts
-        return proc, closeout, (artifacts / "closeout.txt").read_text()
+        closeout = json.loads((run_folder(artifacts) / "closeout.json").read_text())
+        self.last = run_folder(artifacts)
+        return proc, closeout, (run_folder(artifacts) / "closeout.txt").read_text()
 
     def explain_agrees(self, closeout: Mapping[str, Any], source: str) -> dict[str, Any]:
         """`gpudiag explain --pid` (the job's pid) and `--run` say what the closeout said."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,23 @@ def test_unknown_codes_are_refused() -> None:
 def test_docs_match_the_catalog() -> None:
     docs = Path(__file__).resolve().parent.parent / "docs" / "blockers.md"
     assert docs.read_text() == render(), "run: .venv/bin/python scripts/gen_blocker_docs.py"
+
+
+# Words of a fix that only sends the reader back to what they already have.
+_POINTS_BACK = re.compile(r"\b(read|see|look at|is in|are in|in the message|in evidence|"
+                          r"names? the cause|says? why)\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("code", sorted(BLOCKERS) + sorted(WARNINGS))
+def test_no_fix_only_points_back_at_the_message(code: str) -> None:
+    fix = entry(code).remediation
+    steps = [s.strip() for s in re.split(r"[.;:]\s+|\.$", fix) if s.strip()]
+    assert any(not _POINTS_BACK.search(s) for s in steps), (
+        f"{code}'s remediation names no next step, only where to read: {fix!r}")
+
+
+def test_cuda_init_failed_names_the_next_steps() -> None:
+    fix = entry("cuda_init_failed").remediation
+    for step in ("dmesg", "NVRM", "nvidia-uvm", "nvidia-persistenced", "nvidia-smi -r",
+                 "reboot"):
+        assert step in fix, step

@@ -22,6 +22,7 @@ READERS = ("gpudiag", "tests", "scripts", "benchmarks")
 CALLED_FROM_OUTSIDE = {
     "collect": "prometheus_client's Collector protocol calls it on every scrape",
     "install_hook": "the generated sitecustomize.py of a job's child calls it (core/child.py)",
+    "formatTime": "logging.Formatter.format calls it for %(asctime)s (cli/daemon.py)",
 }
 # pytest calls its hooks by name (the pytest11 entry point loads gpudiag.pytest_plugin).
 HOOK = re.compile(r"pytest_[a-z_]+")

@@ -1266,3 +1266,49 @@ def test_smi_lost_gpu_hang_exit_and_bare_env(fake_driver: FakeDriver, tmp_path: 
                                        "FAKE_GPU_STATE_FILE": str(state)})
     assert bare.returncode == 0, bare.stdout + bare.stderr
     assert bare.stdout == f"GPU 0: NVIDIA B200 (UUID: {GPU0_UUID})\n"
+
+
+def test_nvml_xids_are_delivered_by_content_when_the_state_file_is_rewritten(
+        fake_driver: FakeDriver, tmp_path: Path) -> None:
+    """A rewritten list delivers what it holds beyond what was delivered (issue 41)."""
+    state = tmp_path / "state"
+    write_state_file(state, {"FAKE_NVML_XIDS": "0:79"})
+    watcher = textwrap.dedent("""
+        import json, sys, pynvml as N
+        N.nvmlInit()
+        s = N.nvmlEventSetCreate()
+        for i in range(4):
+            N.nvmlDeviceRegisterEvents(N.nvmlDeviceGetHandleByIndex(i),
+                                       N.nvmlEventTypeXidCriticalError, s)
+        for _ in sys.stdin:  # one line: take everything pending now
+            got = []
+            while True:
+                try:
+                    d = N.nvmlEventSetWait_v2(s, 300)
+                except N.NVMLError:
+                    break
+                got.append([N.nvmlDeviceGetIndex(d.device), d.eventData])
+            print(json.dumps(got), flush=True)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", watcher], env=_env(fake_driver, FAKE_GPU_STATE_FILE=str(state)),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def take(xids: str | None) -> list[list[int]]:
+        if xids is not None:
+            write_state_file(state, {"FAKE_NVML_XIDS": xids})
+        proc.stdin.write("\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        taken: list[list[int]] = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        return taken
+
+    try:
+        assert take(None) == [[0, 79]]
+        assert take("2:13") == [[2, 13]]           # replaced, not appended: still delivered
+        assert take("2:13") == []                  # the same content: nothing new
+        assert take("0:79,2:13,0:79") == [[0, 79]]  # listed once more: delivered once more
+        assert take("") == []
+    finally:
+        proc.kill()
+        proc.wait()

@@ -145,3 +145,27 @@ def test_non_finite_or_missing_values_make_a_node_unknown_never_ready(
     node = data["nodes"][0]
     assert node["state"] == "unknown" and node["ready"] is False, node
     assert "internal error" not in err
+
+
+def test_a_blocked_node_s_reason_is_its_blocker_s_not_an_unproven_backend(
+        servers: list[_Server], tmp_path: Path) -> None:
+    healthy = healthy_node()
+
+    def lost(expr: str) -> bytes:
+        if expr.startswith("gpudiag_blocker"):
+            return _vector([({**NODE, "code": "gpu_lost", "layer": "device"}, "1")])
+        if expr.startswith("gpudiag_backend_ready"):
+            return _vector([({**NODE, "backend": "cuda"}, "1"),
+                            ({**NODE, "backend": "jax"}, "0")])
+        return healthy(expr)
+
+    prom = _Server(_prometheus(lost))
+    servers.append(prom)
+    code, data, err = _fleet(prom.url, tmp_path, "--require", "jax")
+    assert code == 1, err
+    node = data["nodes"][0]
+    assert node["gpu_validation_blocker"] == "gpu_lost"
+    assert node["reason"].startswith("gpu_lost: "), node["reason"]
+    assert "jax not proven on this node now" in node["reason"]
+    text = run_gpudiag(["fleet", "--prometheus", prom.url, "--require", "jax"], clean_env())
+    assert "gpu_lost: " in text.stdout, text.stdout

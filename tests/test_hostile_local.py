@@ -23,6 +23,7 @@ import pytest
 from gpudiag.engine.locks import lock_holder, try_lock
 from gpudiag.engine.locks import release as release_locks
 from tests.support.host import EnvFactory, run_gpudiag
+from tests.support.run import run_folder
 
 NOBODY = 65534
 NO_DAEMON = "http://127.0.0.1:9"
@@ -140,7 +141,7 @@ def test_a_lock_file_another_user_created_cannot_be_removed_while_root_holds_it(
         second = _run(["--artifacts", str(tmp_path / "b"), "--gpus", "1", "--lock-timeout",
                        "1", "--", "true"], host)
         assert second.returncode == 125, second.stderr
-        close = json.loads((tmp_path / "b" / "closeout.json").read_text())
+        close = json.loads((run_folder(tmp_path / "b") / "closeout.json").read_text())
         assert close["gpu_validation_blocker"] == "lock_timeout", close
     finally:
         first.kill()
@@ -158,7 +159,7 @@ def test_a_planted_fifo_or_symlink_costs_only_its_own_gpu_and_says_so(
     proc = _run(["--artifacts", str(tmp_path / "one"), "--gpus", "2", "--", "true"], host)
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - start < 30
-    plan = json.loads((tmp_path / "one" / "plan.json").read_text())
+    plan = json.loads((run_folder(tmp_path / "one") / "plan.json").read_text())
     assert plan["admission"]["selected"] == [gpu_uuid(2), gpu_uuid(3)]
     passed = {u["uuid"]: u["reason"] for u in plan["admission"]["unusable_locks"]}
     assert set(passed) == {gpu_uuid(0), gpu_uuid(1)}
@@ -166,7 +167,7 @@ def test_a_planted_fifo_or_symlink_costs_only_its_own_gpu_and_says_so(
     # Asking for all four: refused with 125 and a closeout naming the planted files.
     proc = _run(["--artifacts", str(tmp_path / "all"), "--gpus", "4", "--", "true"], host)
     assert proc.returncode == 125, proc.stderr
-    close = json.loads((tmp_path / "all" / "closeout.json").read_text())
+    close = json.loads((run_folder(tmp_path / "all") / "closeout.json").read_text())
     assert close["gpu_validation_blocker"] == "device_state_unknown"
     assert gpu_uuid(0) in json.dumps(close) or gpu_uuid(0) in proc.stderr
 
@@ -205,5 +206,5 @@ def test_a_fifo_renamed_over_a_held_lock_while_waiting_gives_125_and_a_closeout(
         release_locks(held)
     assert waiting.returncode == 125, err
     assert "internal error" not in err
-    close = json.loads((tmp_path / "w" / "closeout.json").read_text())
+    close = json.loads((run_folder(tmp_path / "w") / "closeout.json").read_text())
     assert close["gpu_validation_blocker"] in ("lock_timeout", "device_state_unknown"), close

@@ -270,3 +270,31 @@ def test_the_daemon_writes_its_nfd_feature_file_into_the_node_s_features_d(
     (init,) = pod["initContainers"]
     assert folder in {m["mountPath"] for m in init["volumeMounts"]}
     assert f"d = '{folder}'; os.chown(d, -1, 65532)" in " ".join(init["command"])
+
+
+def test_the_daemonset_keeps_its_history_and_held_xids_in_the_node_s_state_folder(
+        tmp_path: Path) -> None:
+    """A rollout must not forget held XIDs (issue 41): the state is the node's, not the pod's."""
+    import os
+
+    spec = the("DaemonSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["state"] == {"name": "state", "hostPath": {
+        "path": "/var/lib/gpudiag", "type": "DirectoryOrCreate"}}
+    assert {"name": "state", "mountPath": "/var/lib/gpudiag"} in container()["volumeMounts"]
+    (init,) = spec["initContainers"]
+    assert {"name": "state", "mountPath": "/var/lib/gpudiag"} in init["volumeMounts"]
+    if os.geteuid() != 0:
+        pytest.skip("the init script's chown needs root")
+    # Its script, run twice on stand-ins for the node's folders: a fresh (root's) state
+    # folder becomes the daemon's UID's, 0700; the second run (a restarted pod) still works.
+    script = init["command"][-1]
+    for path in ("/run/gpudiag/daemon", "/run/gpudiag/locks", "/var/lib/gpudiag",
+                 "/etc/kubernetes/node-feature-discovery/features.d"):
+        stand_in = tmp_path / path.strip("/").replace("/", "-")
+        stand_in.mkdir(mode=0o755)
+        script = script.replace(path, str(stand_in))
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script], check=True)
+        st = (tmp_path / "var-lib-gpudiag").stat()
+        assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (65532, 65532, "0o700")

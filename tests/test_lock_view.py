@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,22 +24,45 @@ from tests.support.deploy import ROOT, UNIT, require_root_tools, unit_settings
 from tests.support.host import clean_env, make_host_dirs
 
 TMPFILES = ROOT / "systemd" / "gpudiag-tmpfiles.conf"
-# Run as `sh -c SANDBOX sh RW_PATHS ARGV...` in `unshare -m --propagation private`.
+# Run as `sh -c SANDBOX sh RW_PATHS KEEP_PATHS ARGV...` in `unshare -m --propagation private`.
+# KEEP_PATHS: folders under /tmp that the daemon needs (a checkout cloned there: its venv and
+# fakes), bound back over the private /tmp, so that the tests pass wherever the clone is.
 SANDBOX = r"""
 set -eu
-rw=$1; shift
+rw=$1; keep=$2; shift 2
+mkdir -p /dev/shm/.lockview-keep.$$ 2>/dev/null || true
+n=0
+for p in $keep; do
+    n=$((n + 1)); mkdir -p "/dev/shm/.lockview-keep.$$/$n"
+    mount --bind "$p" "/dev/shm/.lockview-keep.$$/$n"
+done
 mount -t tmpfs -o mode=0755 tmpfs /run
 systemd-tmpfiles --create "$TMPFILES_CONF" >/dev/null
 for p in $rw; do mkdir -p "$p"; mount --bind "$p" "$p"; done
 mount -o remount,bind,ro /run
 mount -t tmpfs -o mode=1777 tmpfs /tmp
+n=0
+for p in $keep; do
+    n=$((n + 1)); mkdir -p "$p"; mount --bind "/dev/shm/.lockview-keep.$$/$n" "$p"
+done
 exec "$@"
 """
+
+
+def kept_under_tmp(*paths: Path) -> list[str]:
+    """The paths the emulated PrivateTmp would hide (those under /tmp), as real paths."""
+    out = []
+    for p in paths:
+        real = os.path.realpath(p)
+        if real == "/tmp" or real.startswith("/tmp/"):
+            out.append(real)
+    return out
 
 
 @pytest.fixture(scope="module")
 def outside_tmp() -> Iterator[tuple[FakeDriver, Path]]:
     """The fakes and a work folder outside /tmp, which the emulated PrivateTmp hides."""
+    (ROOT / ".cache").mkdir(exist_ok=True)  # a fresh clone has none yet
     work = Path(tempfile.mkdtemp(prefix="lockview-", dir=ROOT / ".cache"))
     try:
         yield build_fakes(work / "fakes"), work
@@ -62,8 +86,9 @@ def sandboxed_daemon(fakes: FakeDriver, work: Path, rw: list[str]) -> Daemon:
     env = fakes.env(base=env, FAKE_NVML_DEVICE_COUNT=2)
     cfg = write_config(work / "gpudiag.toml", daemon_toml({"xid": {"enabled": False}}))
     state = work / f"state-{len(rw)}"
+    keep = kept_under_tmp(ROOT, work, Path(sys.executable).parent)
     prefix = ("unshare", "-m", "--propagation", "private", "--", "sh", "-c", SANDBOX, "sh",
-              " ".join(rw))
+              " ".join(rw), " ".join(keep))
     return Daemon(env, cfg, state, prefix=prefix)
 
 

@@ -181,7 +181,7 @@ def test_full_tier_measures_fp32_with_a_known_answer_on_cpu(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--gpus", "banana"], "neither a GPU index nor a full GPU- UUID"),
+    (["--gpus", "banana"], "is not a GPU name: an index, a full UUID"),
     (["--gpus", ","], "names no GPU"),
     (["--platform", "cpu", "--cpu-devices", "2", "--gpus", "5"], "devices 0 to 1"),
 ])

@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from gpudiag.engine.processes import ended
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, host_env, write_config
 from tests.support.host import EnvFactory, run_gpudiag
-from tests.support.run import NO_DAEMON, gpudiag_run
+from tests.support.run import NO_DAEMON, gpudiag_run, run_folder
 
 PRINT_ENV = ("import json, os; from gpudiag.core.child import env_sha256; "
              "print(json.dumps({'env': dict(os.environ), 'sha256': env_sha256(os.environ)}))")
@@ -63,7 +64,7 @@ def test_a_python_child_sees_exactly_the_admitted_gpu_and_the_closeout_says_read
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     child = seen["env"]
-    close = kv(art / "closeout.txt")
+    close = kv(run_folder(art) / "closeout.txt")
     uuid = close["gpus.0.uuid"]
     assert uuid == gpu_uuid(0)
     assert child["CUDA_VISIBLE_DEVICES"] == child["NVIDIA_VISIBLE_DEVICES"] == uuid
@@ -80,24 +81,24 @@ def test_a_python_child_sees_exactly_the_admitted_gpu_and_the_closeout_says_read
     for name in ("plan", "environment", "result", "stdout", "stderr", "closeout_json"):
         assert Path(close[f"artifacts.{name}"]).is_file(), name
     # The output was streamed and stored, with its hash.
-    assert (art / "stdout.log").read_text() == proc.stdout
-    result = load(art / "result.json")
+    assert (run_folder(art) / "stdout.log").read_text() == proc.stdout
+    result = load(run_folder(art) / "result.json")
     assert result["outputs"]["stdout"]["sha256"] == hashlib.sha256(
-        (art / "stdout.log").read_bytes()).hexdigest()
+        (run_folder(art) / "stdout.log").read_bytes()).hexdigest()
     assert result["locks"]["free_after_release"] == {uuid: True}
     # environment.json: every name and the hash of the whole, the same the child computed.
-    envrec = load(art / "environment.json")
+    envrec = load(run_folder(art) / "environment.json")
     assert envrec["sha256"] == seen["sha256"] == env_sha256(child)
     assert "SECRET_TOKEN" in envrec["keys"]
     assert envrec["set_by_gpudiag"]["CUDA_VISIBLE_DEVICES"] == uuid
-    plan = load(art / "plan.json")
+    plan = load(run_folder(art) / "plan.json")
     assert plan["argv"] == [sys.executable, "-c", PRINT_ENV]
     assert plan["admission"]["selected"] == [uuid]
     assert plan["admission"]["locks"][0]["uuid"] == uuid
     assert plan["admission"]["first_observation"]["leaves"]
     assert plan["admission"]["locked_observation"]["leaves"]
     assert len(plan["fingerprint"]) == 64 and plan["environment"]["set"]["NVIDIA_VISIBLE_DEVICES"]
-    for artifact in art.glob("*.json"):  # stdout.log is the child's own output
+    for artifact in run_folder(art).glob("*.json"):  # stdout.log is the child's own output
         assert "hunter2" not in artifact.read_text(), artifact.name
 
 
@@ -109,15 +110,16 @@ def test_a_blocked_host_never_starts_argv(gpu_env: EnvFactory, tmp_path: Path) -
     assert proc.returncode == 125, proc.stderr
     assert not marker.exists()
     assert "driver_not_loaded" in proc.stderr
-    close = kv(art / "closeout.txt")
+    close = kv(run_folder(art) / "closeout.txt")
     assert close["gpu_validation_blocker"] == "driver_not_loaded"
     assert close["launched"] == "false" and close["exit_code"] == "125"
     assert close["blockers.0.layer"] == "driver" and "nvmlInit" in close["blockers.0.message"]
     assert close["preallocation_disabled"] == "no"
-    evidence = load(art / "closeout.json")["evidence"]
+    evidence = load(run_folder(art) / "closeout.json")["evidence"]
     assert evidence["driver"] is not None and "environment" in evidence
-    assert load(art / "verdict.json")["gpu_validation_blocker"] == "driver_not_loaded"
-    assert not (art / "plan.json").exists() and not (art / "stdout.log").exists()
+    assert load(run_folder(art) / "verdict.json")["gpu_validation_blocker"] == "driver_not_loaded"
+    run = run_folder(art)
+    assert not (run / "plan.json").exists() and not (run / "stdout.log").exists()
 
 
 def test_jax_on_a_host_without_a_jax_gpu_backend_is_refused_not_run_on_the_cpu(
@@ -126,7 +128,7 @@ def test_jax_on_a_host_without_a_jax_gpu_backend_is_refused_not_run_on_the_cpu(
     proc = gpudiag_run(["--require", "jax", "--", "touch", str(marker)], host, tmp_path / "a")
     assert proc.returncode == 125, proc.stderr
     assert not marker.exists()
-    close = kv(tmp_path / "a" / "closeout.txt")
+    close = kv(run_folder(tmp_path / "a") / "closeout.txt")
     assert close["gpu_validation_blocker"] == "jax_gpu_backend_absent"
 
 
@@ -140,7 +142,7 @@ def test_exit_code_is_the_childs_own_or_128_plus_its_signal(host: dict[str, str]
                                                              expected: int) -> None:
     proc = gpudiag_run(["--", sys.executable, "-c", code], host, tmp_path / "a")
     assert proc.returncode == expected, proc.stderr
-    close = kv(tmp_path / "a" / "closeout.txt")
+    close = kv(run_folder(tmp_path / "a") / "closeout.txt")
     assert close["exit_code"] == str(expected)
     if expected > 128:
         assert close["exit_signal"] == str(signal.SIGUSR1) and close["status"] == "signaled"
@@ -150,7 +152,7 @@ def test_argv_that_cannot_start_exits_127_and_closes_out(host: dict[str, str],
                                                           tmp_path: Path) -> None:
     proc = gpudiag_run(["--", str(tmp_path / "no-such-program")], host, tmp_path / "a")
     assert proc.returncode == 127
-    close = kv(tmp_path / "a" / "closeout.txt")
+    close = kv(run_folder(tmp_path / "a") / "closeout.txt")
     assert close["status"] == "launch_failed" and "no-such-program" in close["error"]
 
 
@@ -247,7 +249,7 @@ def test_a_gpu_stays_locked_until_the_last_grandchild_ends(host: dict[str, str],
     while not (tmp_path / "child_exited").exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.02)
-    lock_path = load(art / "plan.json")["admission"]["locks"][0]["path"]
+    lock_path = load(run_folder(art) / "plan.json")["admission"]["locks"][0]["path"]
     time.sleep(0.3)  # the child has exited by now; its orphaned grandchild still runs
     assert not (tmp_path / "grandchild_end").exists()
     assert _locked(lock_path), "the GPU was released while a grandchild still ran"
@@ -255,7 +257,7 @@ def test_a_gpu_stays_locked_until_the_last_grandchild_ends(host: dict[str, str],
     assert proc.returncode == 0, err
     assert not _locked(lock_path)
     ended = float((tmp_path / "grandchild_end").read_text())
-    result = load(art / "result.json")
+    result = load(run_folder(art) / "result.json")
     gc_pid = int((tmp_path / "grandchild_pid").read_text())
     tracked = {d["pid"]: d for d in result["descendants"]}
     assert gc_pid in tracked and tracked[gc_pid]["reaped"], result["descendants"]
@@ -291,9 +293,9 @@ def test_timeout_ends_the_whole_tree(host: dict[str, str], tmp_path: Path) -> No
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    close = kv(tmp_path / "a" / "closeout.txt")
+    close = kv(run_folder(tmp_path / "a") / "closeout.txt")
     assert close["timed_out"] == "true" and close["status"] == "timed_out"
-    result = load(tmp_path / "a" / "result.json")
+    result = load(run_folder(tmp_path / "a") / "result.json")
     assert result["kill"]["term_sent"] and result["kill"]["kill_sent"]  # one ignored TERM
     assert set(pids) <= {d["pid"] for d in result["descendants"]}
 
@@ -314,7 +316,7 @@ def test_sigterm_is_forwarded_to_the_child(host: dict[str, str], tmp_path: Path)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 42, err
-    forwarded = load(tmp_path / "a" / "result.json")["forwarded_signals"]
+    forwarded = load(run_folder(tmp_path / "a") / "result.json")["forwarded_signals"]
     assert [f["signal"] for f in forwarded] == [signal.SIGTERM]
 
 
@@ -326,10 +328,10 @@ def test_a_jax_child_on_the_cpu_closes_out_preallocation_disabled_as_seen_inside
                        art, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "cpu 4.0"
-    close = kv(art / "closeout.txt")
+    close = kv(run_folder(art) / "closeout.txt")
     assert close["preallocation_disabled"] == "yes" and close["preallocation_source"] == "child"
     assert close["gpu_validation_blocker"] == "none" and close["gpus.count"] == "0"
-    reports = load(art / "closeout.json")["evidence"]["child_reports"]
+    reports = load(run_folder(art) / "closeout.json")["evidence"]["child_reports"]
     assert len(reports) == 1
     assert reports[0]["startup"] is True and reports[0]["at_report"] is True
     assert reports[0]["jax"]["default_backend"] == "cpu"
@@ -344,7 +346,7 @@ def test_a_child_that_turns_preallocation_back_on_is_caught(bare_env: dict[str, 
     proc = gpudiag_run(["--require", "jax:cpu", "--", sys.executable, "-c", code], bare_env,
                        art, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    close = kv(art / "closeout.txt")
+    close = kv(run_folder(art) / "closeout.txt")
     assert close["preallocation_disabled"] == "no" and close["preallocation_source"] == "child"
 
 
@@ -391,10 +393,10 @@ def test_image_runs_one_docker_run_with_cdi_or_gpus_all_and_the_exact_env(
     assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in envs
     assert "XLA_PYTHON_CLIENT_ALLOCATOR=platform" in envs
     assert "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR=false" in envs
-    close = kv(art / "closeout.txt")
+    close = kv(run_folder(art) / "closeout.txt")
     assert close["container_image"] == "img:1"
     assert close["gpu_injection"] == ("cdi" if cdi else "gpus-all")
-    assert load(art / "plan.json")["docker"]["argv"] == ["docker", *argv]
+    assert load(run_folder(art) / "plan.json")["docker"]["argv"] == ["docker", *argv]
 
 
 def test_the_verdict_comes_from_a_running_daemon_and_admission_still_observes(
@@ -411,10 +413,10 @@ def test_the_verdict_comes_from_a_running_daemon_and_admission_still_observes(
                             "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"], env)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == gpu_uuid(0)
-        close = kv(art / "closeout.txt")
+        close = kv(run_folder(art) / "closeout.txt")
         assert close["verdict_source"] == "daemon" and close["gpu_validation_blocker"] == "none"
         # The daemon's verdict says the host is fine; occupancy is still observed here, now.
-        plan = load(art / "plan.json")
+        plan = load(run_folder(art) / "plan.json")
         assert plan["admission"]["first_observation"]["leaves"]
         assert plan["admission"]["locked_observation"]["leaves"]
     finally:
@@ -426,7 +428,7 @@ def test_a_non_python_child_is_verified_from_the_plan_environment(host: dict[str
     proc = gpudiag_run(["--", "sh", "-c", 'echo "$XLA_PYTHON_CLIENT_PREALLOCATE"; exit 5'],
                        host, tmp_path / "a")
     assert proc.returncode == 5 and proc.stdout == "false\n"
-    close = kv(tmp_path / "a" / "closeout.txt")
+    close = kv(run_folder(tmp_path / "a") / "closeout.txt")
     assert close["preallocation_disabled"] == "yes" and close["preallocation_source"] == "plan"
 
 
@@ -445,7 +447,7 @@ def test_sigkill_of_gpudiag_itself_leaves_the_gpu_locked_while_argv_lives(
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.02)
     child = int(ready.read_text())
-    lock_path = load(art / "plan.json")["admission"]["locks"][0]["path"]
+    lock_path = load(run_folder(art) / "plan.json")["admission"]["locks"][0]["path"]
     proc.kill()
     proc.wait()
     try:
@@ -493,5 +495,54 @@ def test_the_child_hook_chains_to_the_sitecustomize_it_shadows(host: dict[str, s
     assert proc.returncode == 0, proc.stderr
     assert marker.read_text() == "yes"  # the job's own sitecustomize still ran
     # The hook first, the job's PYTHONPATH kept after it.
-    assert proc.stdout.strip() == repr([str(art / "python-hook"), str(theirs)])
-    assert kv(art / "closeout.txt")["preallocation_source"] == "child"
+    assert proc.stdout.strip() == repr([str(run_folder(art) / "python-hook"), str(theirs)])
+    assert kv(run_folder(art) / "closeout.txt")["preallocation_source"] == "child"
+
+
+def test_two_runs_with_one_artifacts_folder_get_two_fresh_private_run_folders(
+        host: dict[str, str], tmp_path: Path) -> None:
+    art = tmp_path / "art"
+    for word in ("first", "second"):
+        proc = gpudiag_run(["--gpus", "0", "--require", "nvml", "--", "echo", word], host, art)
+        assert proc.returncode == 0, proc.stderr
+    runs = sorted(p for p in art.iterdir() if p.is_dir())
+    assert len(runs) == 2 and all(oct(p.stat().st_mode & 0o777) == "0o700" for p in runs)
+    assert all(re.fullmatch(r"\d{8}T\d{6}Z-[A-Za-z0-9_]{8}", p.name) for p in runs)
+    # Neither run replaced the other's output.
+    assert sorted((p / "stdout.log").read_text() for p in runs) == ["first\n", "second\n"]
+    assert {kv(p / "closeout.txt")["status"] for p in runs} == {"exited"}
+
+
+@pytest.mark.parametrize("how", [["--xla-allocator", "keep"], "GPUDIAG_XLA_ALLOCATOR"])
+def test_xla_allocator_keep_leaves_the_job_s_allocator_and_the_closeout_records_it(
+        host: dict[str, str], tmp_path: Path, how: list[str] | str) -> None:
+    env = dict(host, XLA_PYTHON_CLIENT_ALLOCATOR="cuda_async")
+    env.pop("XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR", None)
+    flags = how if isinstance(how, list) else []
+    if isinstance(how, str):
+        env[how] = "keep"
+    art = tmp_path / "art"
+    proc = gpudiag_run([*flags, "--gpus", "1", "--", sys.executable, "-c", PRINT_ENV], env, art)
+    assert proc.returncode == 0, proc.stderr
+    child = json.loads(proc.stdout.strip().splitlines()[-1])["env"]
+    assert child["XLA_PYTHON_CLIENT_ALLOCATOR"] == "cuda_async"
+    assert "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR" not in child
+    assert child["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # preallocation stays off
+    close = kv(run_folder(art) / "closeout.txt")
+    assert close["xla_allocator"] == "cuda_async" and close["preallocation_disabled"] == "yes"
+    assert load(run_folder(art) / "closeout.json")["xla_allocator"] == "cuda_async"
+
+
+def test_the_default_allocator_is_platform_and_recorded(host: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    env = dict(host, XLA_PYTHON_CLIENT_ALLOCATOR="bfc")
+    proc = gpudiag_run(["--gpus", "1", "--", sys.executable, "-c", PRINT_ENV], env,
+                       tmp_path / "art")
+    assert proc.returncode == 0, proc.stderr
+    assert kv(run_folder(tmp_path / "art") / "closeout.txt")["xla_allocator"] == "platform"
+
+
+def test_a_bad_xla_allocator_is_refused_before_anything_runs(host: dict[str, str],
+                                                             tmp_path: Path) -> None:
+    proc = gpudiag_run(["--xla-allocator", "fast", "--", "true"], host, tmp_path / "art")
+    assert proc.returncode == 125 and "fast" in proc.stderr

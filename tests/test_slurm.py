@@ -27,6 +27,7 @@ from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.host import clean_env, make_host_dirs
 from tests.support.prometheus import start_daemon
+from tests.support.run import run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "deploy" / "slurm"
@@ -721,7 +722,7 @@ def test_real_slurm_epilog_drains_on_a_hardware_failure_only(real_slurm: RealSlu
         failed = _gpu_run(s, "sh", "-c", "'exit 1'")
         s.wait("the application failure to end", lambda: _done(s, failed))
         assert _job_field(s, failed, "JobState") == "FAILED"
-        closeout = (s.folder / "runs" / failed / "closeout.txt").read_text()
+        closeout = (run_folder(s.folder / "runs" / failed) / "closeout.txt").read_text()
         assert "gpu_failure_attribution=application rule=exit_without_gpu_event" in closeout
         assert s.reason() == "" and "DRAIN" not in s.node_field("State")
         assert not (s.folder / "jobs" / f"job-{failed}-explain.json").exists()

@@ -32,6 +32,7 @@ from gpudiag.engine.client import (
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 from tests.support.host import run_gpudiag, verdict_of
+from tests.support.run import run_folder
 
 NOBODY = 65534
 # The impostor runs as uid 65534, which cannot read root's pyenv: the system interpreter.
@@ -253,7 +254,7 @@ def test_gpudiag_run_asks_the_daemon_on_the_socket(serve: Any, run_dir: Path,
     proc = run_gpudiag(["run", "--require", "cuda", "--artifacts", str(art), "--", "true"], env)
     assert proc.returncode == 0, proc.stderr
     closeout = dict(line.split("=", 1) for line in
-                    (art / "closeout.txt").read_text().splitlines() if "=" in line)
+                    (run_folder(art) / "closeout.txt").read_text().splitlines() if "=" in line)
     assert closeout["verdict_source"] == "daemon", closeout
 
 

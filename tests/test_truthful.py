@@ -23,6 +23,7 @@ import pytest
 from gpudiag.engine.locks import LockInfo, release, try_lock
 from tests.fakes.jobs import read_context_log
 from tests.support.host import EnvFactory, verdict_of
+from tests.support.run import run_folder
 
 UUIDS = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(8)]
 FAKE_PLUGIN_PATH = Path(__file__).resolve().parent / "fakes" / "jax_plugin"
@@ -193,7 +194,7 @@ def _run_after_jobs_release(env: dict[str, str], art: Path, require: str,
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(2.0)
     _, stderr = proc.communicate(timeout=180)
-    closeout = json.loads((art / "closeout.json").read_text())
+    closeout = json.loads((run_folder(art) / "closeout.json").read_text())
     assert isinstance(closeout, dict), stderr
     return proc.returncode, closeout
 
@@ -218,5 +219,6 @@ def test_admission_proves_cuda_on_the_gpu_it_locked(host: dict[str, str],
     rc, closeout = _run_after_jobs_release(host, tmp_path / "a", "cuda", ["true"])
     assert rc == 0, closeout
     assert closeout["gpu_validation_blocker"] == "none"
-    proof = json.loads((tmp_path / "a" / "verdict.json").read_text())["evidence"]["proof"]
+    verdict = json.loads((run_folder(tmp_path / "a") / "verdict.json").read_text())
+    proof = verdict["evidence"]["proof"]
     assert proof["under_lock"] is True and proof["backends"]["cuda"] == "ok"

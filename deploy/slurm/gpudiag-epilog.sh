@@ -1,7 +1,7 @@
 #!/bin/bash
 # Slurm Epilog: after a GPU job, say whether the GPU failed it; drain the node on hardware only.
 #
-#   slurm.conf:  Epilog=/usr/local/lib/gpudiag/slurm/gpudiag-epilog.sh
+#   slurm.conf:  Epilog=/opt/gpudiag/share/gpudiag/slurm/gpudiag-epilog.sh
 #                (gpudiag-common.sh next to it)
 #
 # The answer is `gpudiag explain --slurm-job $SLURM_JOB_ID`: every `gpudiag run` inside the

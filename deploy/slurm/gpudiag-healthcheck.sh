@@ -7,7 +7,7 @@
 # jobs use are healthy in use, so a busy node is never drained, and gpudiag's probes never
 # touch a GPU that a job is using.
 #
-#   slurm.conf:  HealthCheckProgram=/usr/local/lib/gpudiag/slurm/gpudiag-healthcheck.sh
+#   slurm.conf:  HealthCheckProgram=/opt/gpudiag/share/gpudiag/slurm/gpudiag-healthcheck.sh
 #                HealthCheckInterval=60   HealthCheckNodeState=ANY
 #
 # Nodes without GPU GRES are skipped, so one slurm.conf line serves a mixed cluster.

@@ -2,7 +2,7 @@
 # Slurm Prolog: refuse a job on a node whose GPUs are blocked for it, and write the verdict
 # into the job's record.
 #
-#   slurm.conf:  Prolog=/usr/local/lib/gpudiag/slurm/gpudiag-prolog.sh
+#   slurm.conf:  Prolog=/opt/gpudiag/share/gpudiag/slurm/gpudiag-prolog.sh
 #                (gpudiag-common.sh next to it; gres.conf with AutoDetect=nvml so that
 #                SLURM_JOB_GPUS indices are NVML's)
 #

@@ -82,24 +82,17 @@ def clear(gpu: str | None, all_gpus: bool, reason: str, no_repair: bool,
 
 def _full_uuid(selector: str, folder: Path) -> str:
     """The full UUID an index, UUID prefix or PCI bus id names, by the daemon's history."""
-    from gpudiag.daemon.clears import ClearRequestError, known_gpus, resolve_gpu
-    from gpudiag.daemon.store import HistoryError, HistoryStore, default_path
+    from gpudiag.daemon.clears import ClearRequestError, known_in_history, resolve_gpu
+    from gpudiag.daemon.store import HistoryError, default_path
 
-    path = default_path(folder)
-    if not path.is_file():
-        raise click.UsageError(f"--gpu {selector!r} is not a full GPU UUID and there is no "
-                               f"daemon history at {path} to look it up in; pass the full "
-                               "UUID (`nvidia-smi -L` lists them)")
     try:
-        store = HistoryStore(path, readonly=True)
-        try:
-            ids = store.ids()[-_KNOWN_FROM:]
-            records = (store.verdict_record(i) for i in reversed(ids))
-            known = known_gpus(r for r in records if r is not None)
-        finally:
-            store.close()
+        known = known_in_history(folder, _KNOWN_FROM)
     except HistoryError as e:
         raise _Failed(str(e)) from e
+    if known is None:
+        raise click.UsageError(f"--gpu {selector!r} is not a full GPU UUID and there is no "
+                               f"daemon history at {default_path(folder)} to look it up in; "
+                               "pass the full UUID (`nvidia-smi -L` lists them)")
     try:
         return resolve_gpu(selector, known).uuid
     except ClearRequestError as e:

@@ -254,7 +254,8 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
                  "gpudiag preflight --no-daemon --devices 0,1 --min-free-memory 8GiB"))
 @options.require
 @click.option("--devices", "devices_text", metavar="LIST",
-              help="Devices the job will use: indices among the visible GPUs, or full UUIDs.")
+              help="Devices the job will use: indices among the visible GPUs, full UUIDs, "
+              "unique UUID prefixes (as the table shows them) or PCI bus ids.")
 @click.option("--min-devices", type=click.IntRange(0, MAX_DEVICES), metavar="N",
               help="At least N usable GPUs among --devices (else the visible ones), each "
               "of them usable: for GPUs a scheduler already gave the job (the Slurm Prolog "
@@ -319,9 +320,13 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
     """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
     timeout_s = _timeout(timeout_text)
     check_record_path(record_path)  # before the probes: a typo must not cost a probe round
-    from gpudiag.engine.client import DaemonUrlError, DaemonUserError
+    from gpudiag.engine.client import DaemonAnswer, DaemonUrlError, DaemonUserError
     from gpudiag.engine.route import daemon_else_inline
 
+    # What the console entry's fast path already got from the daemon for this very call (it
+    # parsed the same argv): one deadline per call, the daemon is not asked twice.
+    asked = click.get_current_context().obj
+    asked = asked if isinstance(asked, DaemonAnswer) else None
     if watch_text is not None:
         if record_path is not None:
             raise _usage("--record writes one verdict; --watch shows many: give one of them")
@@ -335,16 +340,22 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
     with _progress(what):
         try:
             routed = daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
-                                        timeout_s=timeout_s, expected_gpus=expected_gpus)
+                                        timeout_s=timeout_s, expected_gpus=expected_gpus,
+                                        asked=asked)
         except DaemonUrlError as e:
             raise _usage(str(e) if isinstance(e, DaemonUserError)
                          else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e
-    if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
-        from gpudiag.core.redact import redact_text
-        from gpudiag.core.termsafe import terminal_safe
+    from gpudiag.core.redact import redact_text
+    from gpudiag.core.termsafe import terminal_safe
 
+    if routed.daemon_refused:  # an impostor, or a misconfiguration: say so, not only in evidence
         # The reason may quote the daemon's answer: no control character reaches the terminal.
         reason = terminal_safe(redact_text(routed.daemon_reason or ""), one_line=True)
+        click.echo(f"gpudiag: {reason}; ran the probes here", err=True)
+    elif daemon_url is not None and routed.daemon_reason is not None:
+        # An explicit --daemon-url that did not answer: say so, not only in the evidence
+        # (the default URL's silence is the normal no-daemon case and stays quiet).
+        reason = terminal_safe(redact_text(routed.daemon_reason), one_line=True)
         click.echo(f"gpudiag: {reason}; ran the probes here", err=True)
     verdict = routed.verdict
     _emit(verdict, fmt, wide)  # shown even when writing the record then fails
@@ -352,10 +363,14 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 
 
-def main(argv: list[str] | None = None) -> Any:
-    """Console entry point: click's own exits for usage errors; 3 when gpudiag itself fails."""
+def main(argv: list[str] | None = None, *, asked: object = None) -> Any:
+    """Console entry point: click's own exits for usage errors; 3 when gpudiag itself fails.
+
+    ``asked``: the daemon's failed answer the console entry's fast path already got for this
+    argv (an ``engine.client.DaemonAnswer``), so that the command does not ask again.
+    """
     try:
-        return cli.main(args=argv, prog_name="gpudiag", standalone_mode=True)
+        return cli.main(args=argv, prog_name="gpudiag", standalone_mode=True, obj=asked)
     except SystemExit:
         raise
     except KeyboardInterrupt:

@@ -14,7 +14,6 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,11 @@ from typing import Any
 import click
 
 from gpudiag.cli.commands import examples
+from gpudiag.core.clock import rfc3339
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
 from gpudiag.core.redact import redact_text
 from gpudiag.core.termsafe import terminal_safe
-from gpudiag.daemon.config import ConfigError, DaemonConfig, load_config
+from gpudiag.daemon.config import ConfigError, DaemonConfig, exposure_warning, load_config
 from gpudiag.daemon.effective import default_socket_path, effective_config
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
@@ -47,8 +47,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created).astimezone().isoformat(
-                timespec="milliseconds"),
+            "ts": rfc3339(record.created),  # one time format: RFC 3339 UTC, milliseconds
             "level": record.levelname.lower(), "logger": record.name,
             "msg": record.getMessage()}
         for k, v in vars(record).items():
@@ -57,6 +56,16 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """``TIME LEVEL LOGGER: MESSAGE`` with TIME as every record writes it (RFC 3339 UTC, ms)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return rfc3339(record.created)
 
 
 class _Redacting(logging.Formatter):
@@ -73,8 +82,7 @@ class _Redacting(logging.Formatter):
 def setup_logging(fmt: str, level: str) -> None:
     """Structured logs to stderr; JSON for journald collectors, text for people."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Redacting(JsonFormatter() if fmt == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s")))
+    handler.setFormatter(_Redacting(JsonFormatter() if fmt == "json" else TextFormatter()))
     root = logging.getLogger("gpudiag")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -129,7 +137,10 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
           state_dir: str | None, check_config: bool, log_format: str | None) -> None:
     """Run the daemon: periodic probes, XID watcher, /metrics and the preflight API."""
     cfg = _config(config_path, listen, socket_path)
+    exposed = exposure_warning(cfg)
     if check_config:
+        if exposed is not None:
+            click.echo(f"gpudiag serve: warning: {exposed}", err=True)
         click.echo(f"config OK: listen {cfg.listen_host}:{cfg.listen_port}"
                    f"{' (read-only)' if cfg.tcp_read_only else ''}, socket "
                    f"{default_socket_path(cfg) or 'none'}, backends "
@@ -141,6 +152,8 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
             click.echo(line)
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
+    if exposed is not None:
+        logging.getLogger("gpudiag.daemon").warning(exposed)
     _run(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path,
          reload=partial(_load, config_path, listen, socket_path))
     # Everything is stopped and closed. Leave now rather than at interpreter exit, which
@@ -244,7 +257,7 @@ def _say_serial(data: dict[str, Any]) -> None:
 
 
 def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="seconds")
+    return rfc3339(ts)
 
 
 @click.command(short_help="Show the daemon's verdict changes and blocker episodes.",

@@ -8,7 +8,9 @@ do not use (docs/benchmarks.md, "CLI start"). ``gpudiag probe --format kv|json``
 command calls too). Everything else, and every case the fast path does not recognize exactly
 (other flags, ``--help``, a bad value, a terminal on stderr, no daemon answer), goes to the
 click commands in ``gpudiag.cli.commands`` unchanged, which then say what is wrong or run the
-probes here. The fast path only asks the daemon the same way
+probes here. When the daemon was asked and gave no usable answer, that answer (its reason and
+the time it took) goes to the click path with the call, which never asks again: one deadline
+per call (docs/reference.md). The fast path only asks the daemon the same way
 (``gpudiag.engine.client.ask_daemon``) and prints the same bytes with the same exit code.
 """
 
@@ -21,7 +23,6 @@ from gpudiag.core.limits import (
     EXIT_BLOCKED,
     EXIT_FAILED,
     EXIT_READY,
-    MAX_DAEMON_WAIT_S,
     MAX_DEVICES,
 )
 
@@ -31,11 +32,14 @@ if TYPE_CHECKING:
 
     from gpudiag.core.verdict import Verdict
     from gpudiag.engine.answercheck import Question
+    from gpudiag.engine.client import DaemonAnswer
+
+    # An exit code; the daemon's failed answer for the click path (one ask per call); or
+    # None: click answers from scratch (usage errors, a URL it must word).
+    Fast = int | DaemonAnswer | None
 
 # The options the fast path understands, per command: every one also exists on the click
-# command with the same meaning. Literals, not read off click at import (that would import click
-# and the commands on every call: docs/design-notes.md); tests/test_cli_entry.py regenerates
-# these tables from the click commands and fails when they differ.
+# command with the same meaning (tests/test_cli_entry.py checks both lists against click's).
 FAST_OPTIONS = {
     "preflight": frozenset({"--require", "--devices", "--min-devices", "--min-free-memory",
                             "--gpus", "--timeout", "--format", "--daemon-url"}),
@@ -85,8 +89,9 @@ def parse_fast(argv: list[str]) -> tuple[str, dict[str, str]] | None:
     return argv[0], options
 
 
-def answer_fast(command: str, options: dict[str, str]) -> int | None:
-    """Print the verdict and return the exit code; None when click must answer."""
+def answer_fast(command: str, options: dict[str, str]) -> Fast:
+    """Print the verdict and return the exit code; else what the click path needs to answer
+    (the daemon's failed answer, so that it never asks again, or None)."""
     if command == "probe":
         return answer_probe(options)
     return answer_daemon(command, options)
@@ -117,9 +122,12 @@ def answer_probe(options: dict[str, str]) -> int | None:
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
 
-def answer_daemon(command: str, options: dict[str, str]) -> int | None:
-    """Print the daemon's verdict and return the exit code; None when click must answer."""
-    from gpudiag.core.deadlines import RequirementError, parse_timeout
+def answer_daemon(command: str, options: dict[str, str]) -> Fast:
+    """Print the daemon's verdict and return the exit code; else the failed answer (or None)
+    for the click path, which then runs the probes here without asking the daemon again."""
+    import time
+
+    from gpudiag.core.deadlines import RequirementError, daemon_wait_s, parse_timeout
     from gpudiag.engine import wire
 
     try:
@@ -128,7 +136,7 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
         url = options.get("--daemon-url") or wire.default_url()
     except RequirementError:
         return None  # click's path words the usage error
-    read_timeout_s = min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S)
+    read_timeout_s = daemon_wait_s(timeout_s)
     if not url.startswith("unix:"):
         return _answer_typed(command, options, url, read_timeout_s)
     # On the unix socket, only the daemon's user answers (wire.get checks the peer), and
@@ -138,13 +146,19 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     query = _raw_query(options, os.environ)
     if query is None:
         return None  # a backend registered from outside: click's path reads the registry
+    started = time.monotonic()
     try:
-        status, body, _, _ = wire.get(url, endpoint, query,
-                                      env=os.environ, read_timeout_s=read_timeout_s)
+        status, body, why, refused = wire.get(url, endpoint, query,
+                                              env=os.environ, read_timeout_s=read_timeout_s)
     except wire.DaemonUrlError:
         return None
     if status != 200:
-        return None  # no daemon, refused, or an error: click's path says why
+        # No daemon, refused, or an error: click's path says why and runs the probes here,
+        # with this answer and the time it took (a 400 is a value click words first).
+        from gpudiag.engine.client import answer_of, reply_of
+
+        return answer_of(url, reply_of(url, status, body, why, refused),
+                         time.monotonic() - started, None)
     import json
 
     from gpudiag.core.recordtext import own_record_text
@@ -153,18 +167,20 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):
-        return None
-    if _leaves_proof_here(data):
-        return None  # a backend to prove in this environment: click's path does (hybrid)
+        data = None
+    if data is not None and (_leaves_proof_here(data) or _does_not_hold(
+            data, _raw_question(command, options, query))):
+        # A backend to prove in this environment (the click path makes the hybrid answer
+        # from this one), or an answer that does not hold (said once, answered here): the
+        # typed answer goes to the click path, which never asks again.
+        from gpudiag.engine.client import answer_of, reply_of
 
-    from gpudiag.engine.answercheck import check_answer
-
-    if check_answer(data, _raw_question(command, options, query)) is not None:
-        return None  # the typed path asks again, says what is wrong and answers here
+        return answer_of(url, reply_of(url, status, body, why, refused),
+                         time.monotonic() - started, _raw_question(command, options, query))
     fmt = options["--format"]
-    own = own_record_text(data, fmt, __version__)
+    own = own_record_text(data, fmt, __version__) if data is not None else None
     if own is None:  # another version's record, or an odd one: the typed model checks it
-        return _print_record(data, fmt)
+        return _print_record(url, status, body, fmt, time.monotonic() - started)
     text, ready = own
     _echo(text)
     return EXIT_READY if ready else EXIT_BLOCKED
@@ -241,22 +257,28 @@ def _leaves_proof_here(data: object) -> bool:
         isinstance(e, dict) and e.get("where") == "prove_here" for e in proof.values())
 
 
-def _print_record(data: object, fmt: str) -> int | None:
-    """A daemon's record read with the typed model, printed; None when it is not one."""
-    from gpudiag.core.verdict import RecordError, Verdict
+def _does_not_hold(data: object, question: Question) -> bool:
+    """Whether a daemon's record fails engine/answercheck for the question asked."""
+    from gpudiag.engine.answercheck import check_answer
 
-    if not isinstance(data, dict):
-        return None
-    try:
-        verdict = Verdict.from_record(data)
-    except RecordError:
-        return None  # click's path asks again and says why it is unusable
+    return check_answer(data, question) is not None
+
+
+def _print_record(url: str, status: int, body: bytes, fmt: str, waited_s: float) -> Fast:
+    """A daemon's record read with the typed model, printed; else the unusable answer, which
+    click's path explains in the evidence of the probes it runs instead."""
+    from gpudiag.engine.client import answer_of, reply_of
+
+    answer = answer_of(url, reply_of(url, status, body, "", False), waited_s, None)
+    verdict = answer.verdict
+    if verdict is None:
+        return answer
     _print(verdict, fmt)
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
 
 def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_s: float
-                  ) -> int | None:
+                  ) -> Fast:
     """Over TCP (no peer check): the requirement parsed here, the answer read typed."""
     from gpudiag.core.requirement import RequirementError, parse_requirement
     from gpudiag.engine.client import DaemonUrlError, ask_daemon
@@ -269,17 +291,16 @@ def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_
             min_devices=None if min_devices is None else int(min_devices),
             min_free_memory=options.get("--min-free-memory"),
             gpus=None if gpus is None else int(gpus), node_health=command == "health")
-        # Not said here: the click path asks again, says what is wrong and answers here.
-        answer = ask_daemon(url, requirement, read_timeout_s=read_timeout_s, say=False)
+        answer = ask_daemon(url, requirement, read_timeout_s=read_timeout_s)
     except (RequirementError, DaemonUrlError):
         return None  # click's path words the usage error
     verdict = answer.verdict
     if verdict is None:
-        return None  # no daemon, or refused: click's path says why and runs the probes here
+        return answer  # no daemon, or refused: click's path says why and runs the probes here
     from gpudiag.engine.client import prove_here
 
     if prove_here(verdict):
-        return None  # a backend to prove in this environment: click's path does (hybrid)
+        return answer  # a backend to prove in this environment: click's path (hybrid)
     _print(verdict, options["--format"])
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
@@ -325,8 +346,13 @@ def main() -> int:
         except Exception as e:
             print(f"gpudiag: internal error: {type(e).__name__}: {e}", file=sys.stderr)
             return EXIT_FAILED
-        if code is not None:
+        if isinstance(code, int):
             return code
+        if code is not None:  # the daemon was asked and did not do: click's path never re-asks
+            from gpudiag.cli.commands import main as click_main
+
+            click_main(asked=code)
+            return 0
     from gpudiag.cli.commands import main as click_main
 
     click_main()

@@ -7,7 +7,6 @@ asked about was not found, 2 usage, 3 the history could not be read.
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,12 @@ import click
 
 from gpudiag.cli.commands import examples
 from gpudiag.core.attribution import Attribution
+from gpudiag.core.gpunames import is_gpu_name
 from gpudiag.core.termsafe import terminal_safe, terminal_safe_record
 
 EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_FAILED = 3
-_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Fa-f-]{8,}$")
 
 
 class _NotFound(click.ClickException):
@@ -71,13 +70,16 @@ def _time(text: str, name: str) -> float:
 @click.option("--gpus", "gpus_text", metavar="UUIDS",
               help="With --since/--until: the GPUs, comma-separated full UUIDs.  "
               "[default: every GPU]")
+@click.option("--all-gpus", is_flag=True,
+              help="The timeline shows every GPU's events.  [default: the run's GPUs (or "
+              "--gpus) and the node's own]")
 @click.option("--state-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="The daemon's state dir.  [default: as for `gpudiag serve`]")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "kv"]), default="text",
               show_default=True, help="kv: key=value lines for scripts (the Slurm Epilog).")
 def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
             job_uid: int | None, since_text: str | None, until_text: str | None,
-            gpus_text: str | None, state_dir: str | None, fmt: str) -> None:
+            gpus_text: str | None, all_gpus: bool, state_dir: str | None, fmt: str) -> None:
     """Say who failed a run, hardware, software, application or unknown, with the events
     that decided it and the timeline of its GPUs (verdict changes, XIDs, who held them).
 
@@ -97,10 +99,12 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     if job_uid is not None and pid is None and slurm_job is None:
         raise click.UsageError("--job-uid goes with --pid or --slurm-job")
     gpus = [g.strip() for g in (gpus_text or "").split(",") if g.strip()]
-    bad = [g for g in gpus if not _UUID.match(g)]
+    bad = [g for g in gpus if not is_gpu_name(g)]
     if bad:
-        raise click.UsageError(f"--gpus {', '.join(bad)}: not full GPU-/MIG- UUIDs "
-                               "(`nvidia-smi -L` lists them)")
+        raise click.UsageError(f"--gpus {', '.join(bad)}: not GPU names (an index, a UUID or "
+                               "a unique prefix of one, a PCI bus id; `gpudiag probe` lists "
+                               "them)")
+    gpus = _full_uuids(gpus, state_dir)
     window = None
     if since_text is not None and until_text is not None:
         since, until = _time(since_text, "--since"), _time(until_text, "--until")
@@ -110,7 +114,8 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
     try:
         answer = explain_in(None if state_dir is None else Path(state_dir),
                             run=None if run_path is None else Path(run_path), pid=pid,
-                            slurm_job_id=slurm_job, window=window, job_uid=job_uid)
+                            slurm_job_id=slurm_job, window=window, job_uid=job_uid,
+                            all_gpus=all_gpus)
     except ExplainRefused as e:
         raise _Refused(str(e)) from e
     except ExplainError as e:
@@ -125,6 +130,27 @@ def explain(run_path: str | None, pid: int | None, slurm_job: str | None,
         # A record's argv, messages and GPU names may be another user's: no control
         # character reaches the terminal (core/termsafe).
         _text(terminal_safe_record(answer.record()))
+
+
+def _full_uuids(names: list[str], state_dir: str | None) -> list[str]:
+    """Each GPU name as the full UUID the daemon's history knows it by (full UUIDs as given:
+    a GPU since removed is still a GPU of the history)."""
+    from gpudiag.core.environment import is_full_uuid
+    from gpudiag.core.gpunames import GpuNameError, resolve
+    from gpudiag.daemon.clears import known_in_history
+    from gpudiag.daemon.store import HistoryError
+    from gpudiag.engine.statedir import default_state_dir
+
+    if all(is_full_uuid(n) for n in names):
+        return names
+    try:
+        known = known_in_history(default_state_dir() if state_dir is None else Path(state_dir))
+    except HistoryError as e:
+        raise _Failed(str(e)) from e
+    try:
+        return [n if is_full_uuid(n) else resolve(n, known or []).uuid for n in names]
+    except GpuNameError as e:
+        raise click.UsageError(f"--gpus: {e}") from e
 
 
 def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
@@ -143,18 +169,33 @@ def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
                    for k, v in pairs.items())
 
 
+def _run_ids(job: dict[str, Any]) -> list[str]:
+    """The pids known of a run: a closeout names only the job's (gpudiag's own is not kept
+    there, and is never printed as -1)."""
+    ids = []
+    pid, child = job.get("pid"), job.get("child_pid")
+    if isinstance(pid, int) and pid > 0:
+        ids.append(f"pid {pid}")
+    if isinstance(child, int) and child > 0:
+        ids.append(f"job pid {child}")
+    if job.get("slurm_job_id"):
+        ids.append(f"Slurm job {job['slurm_job_id']}")
+    return ids or ["pid unknown"]
+
+
 def _text(rec: dict[str, object]) -> None:
     attribution = rec["attribution"]
     assert isinstance(attribution, dict)
     window = rec["window"]
     assert isinstance(window, dict)
-    click.echo(f"attribution: {attribution['kind']}  (rule {attribution['rule']}; from the "
-               f"{rec['source']})")
+    source = str(rec["source"])
+    source = source if source.startswith("the ") else f"the {source}"  # never "the the"
+    click.echo(f"attribution: {attribution['kind']}  (rule {attribution['rule']}; from "
+               f"{source})")
     job = rec.get("job")
     if isinstance(job, dict):
-        click.echo(f"run: pid {job['pid']} (job pid {job['child_pid']})"
-                   + (f", Slurm job {job['slurm_job_id']}" if job.get("slurm_job_id") else "")
-                   + f", exit {job['exit_code']}: {' '.join(job['argv'])}")
+        click.echo("run: " + ", ".join(_run_ids(job)) + f", exit {job['exit_code']}: "
+                   f"{' '.join(job['argv'])}")
     click.echo(f"window: {window['start']} .. {window['end']} on "
                f"{', '.join(window['gpus']) or 'every GPU'}")
     for e in attribution["events"]:

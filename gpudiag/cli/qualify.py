@@ -65,7 +65,8 @@ def _history_dir(state_dir: str | None, no_history: bool) -> tuple[Path | None, 
                    "Busy GPUs are never touched. docs/qualify.md: tiers, references, "
                    "thresholds."))
 @click.option("--gpus", "gpus_text", metavar="LIST",
-              help="GPU indices or full UUIDs, comma-separated.  [default: every visible GPU]")
+              help="GPUs by index, full UUID, unique UUID prefix or PCI bus id, "
+              "comma-separated.  [default: every visible GPU]")
 @click.option("--tier", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
               help="quick: at most a few seconds per GPU; full: up to 60 s per GPU, fp32 too.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
@@ -98,7 +99,7 @@ def qualify(gpus_text: str | None, tier: str, fmt: str, platform: str, cpu_devic
 
     gpus = tuple(g.strip() for g in gpus_text.split(",") if g.strip()) if gpus_text else None
     if gpus_text is not None and not gpus:
-        raise click.UsageError("--gpus names no GPU; give indices or full UUIDs")
+        raise click.UsageError("--gpus names no GPU; give indices, UUIDs or PCI bus ids")
     folder, note = _history_dir(state_dir, no_history)
     options = QualifyOptions(tier=tier, gpus=gpus, platform=platform, cpu_devices=cpu_devices,
                              table=_table(reference),
@@ -135,7 +136,18 @@ def render(record: dict[str, object], out: IO[str]) -> None:
               f"{len(gpus)} GPU(s) measured\n")
     for q in gpus:
         out.write(f"\nGPU {q['index']} {q['uuid']} {q['name'] or ''}: {q['code']} "
-                  f"({q['severity']})\n  {q['message']}\n")
+                  f"({q['severity']})\n")
+        low = [s["measure"] for s in q["scores"]
+               if any(r["below"] for r in s["references"])]
+        # Each reason once: the measures' lines below say what is low against what, so the
+        # message (the same reasons in one line) is shown only when they do not.
+        if low:
+            out.write(f"  low: {', '.join(low)} (LOW below: the ratio under its threshold)\n")
+        elif q["message"]:
+            out.write(f"  {q['message']}\n")
+        if not q.get("reference_model") and q["scores"]:
+            out.write(f"  no data-sheet row for {q['name'] or 'this model'!r}: compared with "
+                      "its node peers and its own history only\n")
         for s in q["scores"]:
             ratios = "  ".join(f"{r['reference']} {r['ratio']:.2f}" + (" LOW" if r["below"]
                                                                         else "")

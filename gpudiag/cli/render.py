@@ -35,6 +35,7 @@ STATUS_WORDS: Mapping[str, str] = {
     "cuda_context_failed": "no context", "insufficient_free_memory": "low memory",
     "gpu_thermal_throttling": "hot", "gpu_power_throttling": "power capped",
     "gpu_ecc_correctable": "ECC corrected", "gpu_xid_application": "XID",
+    "gpu_pcie_link_degraded": "PCIe narrowed", "gpu_persistence_off": "persistence off",
 }
 _STATUS_WORD_STYLE = {"ready": "green", "selected": "bold green", "busy": "yellow",
                       "unknown": "dim"}
@@ -168,12 +169,12 @@ def _proof_phrase(verdict: Verdict) -> str:
     return f"; {'; '.join(said)}" if said else ""
 
 
-def preallocation_line(verdict: Verdict) -> str:
-    """What JAX's memory preallocation means for this requirement, in one line."""
+def preallocation_line(verdict: Verdict) -> str | None:
+    """What JAX's memory preallocation means for this requirement, in one line; None when
+    the requirement has no JAX (the field stays in the JSON and kv records)."""
     value = "yes" if verdict.preallocation_disabled else "no"
     if not any(b.name == "jax" for b in verdict.requirement.backends):
-        return (f"preallocation_disabled={value} (applies to JAX only; this requirement has "
-                "no JAX)")
+        return None
     if verdict.preallocation_disabled:
         return (f"preallocation_disabled={value} (JAX allocates GPU memory as it needs it, "
                 "so the GPU can be shared)")
@@ -226,6 +227,9 @@ def _devices(verdict: Verdict, wide: bool = False) -> Table:
                        ("util", True), ("temp", True), ("memory used", True)):
         table.add_column(col, justify="right" if right else "left",
                          no_wrap=col != "status", overflow="fold")
+    if wide:  # what nvidia-smi users scan for; 80 columns cannot hold it
+        for col in ("power", "clocks", "pstate", "fan", "ECC c/u"):
+            table.add_column(col, justify="right", no_wrap=True)
     if not uniform:
         table.add_column("name", overflow="fold")
     short = _uuid_labels(verdict, wide)
@@ -240,6 +244,8 @@ def _devices(verdict: Verdict, wide: bool = False) -> Table:
         row: list[str | Text] = [str(d.index), Text(status, style=style),
                                  short.get(d.uuid or "", "-"), short_pci(d.pci_bus_id), util,
                                  temp, used]
+        if wide:
+            row.extend(_smi_cells(d))
         if not uniform:
             row.append(d.name or "-")
         table.add_row(*row)
@@ -249,6 +255,21 @@ def _devices(verdict: Verdict, wide: bool = False) -> Table:
                          "read it now)")
         table.caption_justify = "left"
     return table
+
+
+def _smi_cells(d: DeviceInfo) -> list[str | Text]:
+    """power draw/cap, SM/memory clocks, P-state, fan, volatile ECC corrected/uncorrected."""
+    def num(value: float | int | None, fmt: str = "{:.0f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    power = ("-" if d.power_w is None and d.power_limit_w is None
+             else f"{num(d.power_w)}/{num(d.power_limit_w)}W")
+    clocks = ("-" if d.sm_clock_mhz is None and d.memory_clock_mhz is None
+              else f"{num(d.sm_clock_mhz)}/{num(d.memory_clock_mhz)}MHz")
+    ecc = ("-" if d.ecc_volatile_corrected is None and d.ecc_volatile_uncorrected is None
+           else f"{num(d.ecc_volatile_corrected)}/{num(d.ecc_volatile_uncorrected)}")
+    fan = "-" if d.fan_ratio is None else f"{d.fan_ratio * 100:.0f}%"
+    return [power, clocks, "-" if d.pstate is None else f"P{d.pstate}", fan, ecc]
 
 
 def _processes(verdict: Verdict) -> Table | None:
@@ -275,7 +296,7 @@ def _processes(verdict: Verdict) -> Table | None:
 
 def _where(f: Finding, verdict: Verdict, short: Mapping[str, str]) -> str:
     bits = [f.layer]
-    if f.backend:
+    if f.backend and f.backend != f.layer:  # [cuda], not [cuda, cuda]
         bits.append(f.backend)
     if f.device:
         by_uuid = {d.uuid: d.index for d in verdict.devices if d.uuid}
@@ -289,16 +310,29 @@ def _where(f: Finding, verdict: Verdict, short: Mapping[str, str]) -> str:
 
 
 def _findings(console: Console, title: str, items: Sequence[Finding], style: str,
-              verdict: Verdict, wide: bool = False) -> None:
+              verdict: Verdict, wide: bool = False, fold: bool = False) -> None:
+    """Each finding with its message and fix. ``fold``: the blockers of layers above the
+    root cause's are its consequences: one line under it each (``--wide``: in full)."""
     short = _uuid_labels(verdict, wide)
     console.print(Text(f"{title} ({len(items)})", style="italic"))
-    for f in items:
+    root = items[0].layer if fold and items and not wide else None
+    full = [f for f in items if root is None or f.layer == root]
+    for f in full:
         head = Text("  ")
         head.append(f.code, style=style)
         head.append(f"  [{_where(f, verdict, short)}]")
         console.print(head)
         _indented(console, f.message, "")
         _indented(console, f"fix: {f.remediation}", "dim")
+    consequences = [f for f in items if f not in full]
+    if consequences:
+        _indented(console, f"then, because of it ({len(consequences)}; --wide shows each "
+                  "in full):", "italic")
+        for f in consequences:
+            line = Text("      ")
+            line.append(f.code, style=style)
+            line.append(f"  [{_where(f, verdict, short)}]")
+            console.print(line)
 
 
 def _indented(console: Console, text: str, style: str) -> None:
@@ -344,10 +378,13 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
         if processes is not None:
             console.print(processes)
     if verdict.blockers:
-        _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict, wide)
+        _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict, wide,
+                  fold=True)
     if verdict.warnings:
         _findings(console, "Warnings", verdict.warnings, "yellow", verdict, wide)
-    console.print(preallocation_line(verdict), markup=False)
+    prealloc = preallocation_line(verdict)
+    if prealloc is not None:
+        console.print(prealloc, markup=False)
     console.print(f"gpu_validation_blocker={verdict.gpu_validation_blocker}", markup=False,
                   style="bold green" if verdict.ready else "bold red")
     if buffer is not None:

@@ -16,6 +16,7 @@ import click
 
 from gpudiag.cli import options
 from gpudiag.cli.commands import examples
+from gpudiag.core.environment import XLA_ALLOCATOR_CHOICES, XLA_ALLOCATOR_ENV
 from gpudiag.core.limits import EXIT_REFUSED, MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement, parse_size, parse_timeout
 
@@ -67,11 +68,11 @@ def default_artifacts_root() -> Path:
     return Path(base) / "gpudiag" / "runs"
 
 
-def _default_artifacts() -> Path:
-    """A fresh private run folder (``STAMP-xxxxxxxx``, 0700) under the artifacts root."""
+def _run_folder(root: Path) -> Path:
+    """A fresh private run folder (``STAMP-xxxxxxxx``, 0700) under the artifacts root
+    (``--artifacts DIR``, else the default): one run never replaces another's files."""
     from gpudiag.runner.artifacts import UntrustedFolder, new_run_folder
 
-    root = default_artifacts_root()
     try:
         return new_run_folder(root)
     except UntrustedFolder as e:
@@ -102,8 +103,9 @@ def _default_artifacts() -> Path:
 @click.option("--lock-timeout", "lock_timeout_text", default="60", show_default=True,
               metavar="S", help="How long to wait for GPUs that other jobs hold (0: do not wait).")
 @click.option("--artifacts", "artifacts_text", metavar="DIR",
-              help="Where plan.json, logs, result.json and the closeout go, one folder per "
-              "run.  [default: $GPUDIAG_ARTIFACTS_DIR, else "
+              help="The folder under which each run gets a fresh private folder "
+              "(STAMP-xxxxxxxx) for plan.json, logs, result.json and the closeout.  "
+              "[default: $GPUDIAG_ARTIFACTS_DIR, else "
               "$XDG_STATE_HOME/gpudiag/runs, i.e. ~/.local/state/gpudiag/runs]")
 @click.option("--image", metavar="IMAGE",
               help="Run ARGV in this container image with one `docker run`.")
@@ -114,11 +116,18 @@ def _default_artifacts() -> Path:
               "first; inline probes when none answers.  [default: $GPUDIAG_DAEMON_URL or "
               "unix:/run/gpudiag/daemon/gpudiag.sock]")
 @click.option("--no-daemon", is_flag=True, help="Run the probes here; do not ask a daemon.")
+@click.option("--xla-allocator", type=click.Choice(XLA_ALLOCATOR_CHOICES),
+              envvar=XLA_ALLOCATOR_ENV, default="platform", show_default=True,
+              help="platform: XLA_PYTHON_CLIENT_ALLOCATOR=platform and no CUDA host allocator "
+              "(memory given back, slower; the default for shared GPUs); keep: leave both to "
+              "the job (XLA's BFC allocator unless it sets one). Preallocation stays off "
+              "either way (docs/runner.md).  [env: GPUDIAG_XLA_ALLOCATOR]")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- ARGV...")
 def run(require_text: str, gpus: int | None, min_free_text: str | None,
         timeout_text: str | None, grace_text: str, lock_timeout_text: str,
         artifacts_text: str | None, image: str | None, lock_dir_text: str | None,
-        daemon_url: str | None, no_daemon: bool, argv: tuple[str, ...]) -> None:
+        daemon_url: str | None, no_daemon: bool, xla_allocator: str,
+        argv: tuple[str, ...]) -> None:
     """Admit GPUs and run ARGV with the exact child environment, then write the closeout.
 
     ARGV never starts when the host is blocked or no GPU can be admitted (exit 125; the
@@ -145,10 +154,12 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
     n = gpus if gpus is not None else (1 if requirement.needs_gpu else 0)
     options = RunOptions(
         argv=tuple(argv), requirement=requirement,
-        artifacts=Path(artifacts_text) if artifacts_text else _default_artifacts(),
+        artifacts=_run_folder(Path(artifacts_text) if artifacts_text
+                              else default_artifacts_root()),
         lock_dir=Path(lock_dir_text) if lock_dir_text else None,
         gpus=n, min_free_memory_bytes=floor, timeout_s=_seconds(timeout_text, "--timeout"),
-        kill_grace_s=grace, lock_timeout_s=lock_timeout, image=image, daemon_url=url)
+        kill_grace_s=grace, lock_timeout_s=lock_timeout, image=image, daemon_url=url,
+        xla_allocator=xla_allocator)
     try:
         outcome = execute(options, out=sys.stdout.buffer, err=sys.stderr.buffer)
     except DaemonUrlError as e:

@@ -77,10 +77,11 @@ def frame(verdict: Verdict, title: str, columns: int, rows: int, wide: bool) -> 
 
     buffer = io.StringIO()
     render_text(verdict, buffer, color=True, wide=wide, width=columns)
-    stamp = time.strftime("%H:%M:%S")
-    head = f"{title}    {stamp}"
-    if len(head) > columns:
-        head = head[:columns]
+    stamp = time.strftime("%H:%M:%SZ", time.gmtime())
+    # The clock is what a watcher reads: a narrow screen cuts the title, never the clock.
+    room = max(columns - len(stamp) - 4, 0)
+    shown = title if len(title) <= room else title[:max(room - 1, 0)] + "…"
+    head = f"{shown}    {stamp}"[-columns:] if room else stamp[:columns]
     lines = [head, *buffer.getvalue().splitlines()][:max(rows - 1, 1)]
     return _HOME + "".join(line + _CLEAR_LINE + "\n" for line in lines) + _CLEAR_BELOW
 

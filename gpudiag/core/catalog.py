@@ -56,8 +56,9 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "Read the child's stderr in evidence.probe_stderr; a crash inside the driver "
              "library usually means a broken driver install: reinstall it."),
             ("probe_error", "A probe failed unexpectedly; the traceback is in evidence.",
-             "Read evidence.probe_stderr and report it as a gpudiag bug if it is not a "
-             "host problem."),
+             "Rerun that probe alone (gpudiag probe --backend NAME --format json) to see "
+             "whether it repeats; if the traceback (evidence.probe_stderr) is not a host "
+             "problem, report it as a gpudiag bug with that record."),
         ),
         *_rows(
             "visibility",
@@ -92,7 +93,9 @@ BLOCKERS: dict[str, CatalogEntry] = {
             ("nvml_no_permission", "NVML was refused access to the GPUs.",
              "Check device-node permissions and cgroup device rules for this user."),
             ("nvml_error", "NVML failed in an unexpected way; its code is in evidence.",
-             "Read the NVML error in the blocker message and in nvidia-smi's output."),
+             "Run nvidia-smi -q and dmesg | grep -i NVRM for the driver's side; an NVML "
+             "error after a driver update or an XID usually clears with a reload of the "
+             "nvidia modules or a reboot (the NVML code in the message names the call)."),
         ),
         *_rows(
             "device",
@@ -173,7 +176,10 @@ BLOCKERS: dict[str, CatalogEntry] = {
             ("cuda_out_of_memory", "CUDA ran out of memory (CUDA_ERROR_OUT_OF_MEMORY, 2).",
              "Other processes hold the GPU memory: see nvidia-smi and pick a free GPU."),
             ("cuda_init_failed", "cuInit failed with another CUDA error.",
-             "Read the CUDA error name and string in the blocker message."),
+             "Check dmesg | grep -i -e NVRM -e Xid for the driver's reason; make sure the "
+             "nvidia-uvm module is loaded (modprobe nvidia-uvm; /dev/nvidia-uvm exists) and "
+             "nvidia-persistenced runs; if cuInit still fails (999 after an XID, 3, 101), "
+             "reset the GPU with nvidia-smi -r or reboot."),
             ("cuda_context_failed",
              "cuInit worked but creating a context or allocating memory failed.",
              "Read the CUDA error in the message; check compute mode and other processes."),
@@ -189,7 +195,9 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "Set JAX_PLATFORMS=cuda so a missing GPU fails loudly; the backend errors in "
              "evidence say why the GPU platform did not start."),
             ("jax_backend_init_failed", "JAX's GPU backend failed to initialize.",
-             "The inner cause (often a cuInit error) is in the message and probe stderr."),
+             "Fix the inner cause first (often a cuInit error: gpudiag probe --backend "
+             "cuda shows it alone); then check that jax, jaxlib and the CUDA plugin are one "
+             "version (pip list | grep jax)."),
             ("jax_plugin_version_mismatch",
              "The JAX CUDA plugin does not match jax/jaxlib (PJRT API version mismatch).",
              "Install jax, jaxlib and jax-cuda12-plugin/pjrt of the same version."),
@@ -213,16 +221,20 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "runtime built with it (the backend's compiled_in_drivers lists what this one "
              "has), or require one it has, e.g. iree:local-task."),
             ("iree_no_device", "IREE's driver found no device.",
-             "The inner CUDA error in the message names the cause."),
+             "Run gpudiag probe --backend cuda for the driver's side and fix that first; "
+             "then check that the GPU is visible to the job (CUDA_VISIBLE_DEVICES)."),
             ("iree_device_create_failed", "IREE could not create the device.",
-             "The inner error in the message names the cause (busy GPU, memory)."),
+             "Pick a free GPU or wait for the process holding it (nvidia-smi); with memory "
+             "free and no other process on it, reset the GPU (nvidia-smi -r)."),
             ("iree_execute_failed", "IREE failed to compile or run a tiny kernel.",
              "Read the message; check that the compiler supports the GPU's target."),
         ),
         *_rows(
             "requirement",
             ("insufficient_devices", "Fewer usable GPUs than the requirement asks for.",
-             "Ask for fewer devices or run where more GPUs are healthy and visible."),
+             "Name GPUs that are here (gpudiag probe lists each one's index, UUID and PCI "
+             "bus id), ask for fewer devices, or run where more GPUs are healthy and "
+             "visible."),
             ("insufficient_free_memory", "A selected GPU has less free memory than required.",
              "Wait for other processes to release memory or pick another GPU."),
         ),
@@ -297,7 +309,9 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "qualification.block = true).", _SLOW_FIX),
         CatalogEntry("xid_watcher_gap", "device",
                      "The XID watcher is not running; critical XIDs could be missed.",
-                     "Read the daemon's log for why the watcher keeps dying."),
+                     "Check the daemon's log (journalctl -u gpudiag) for why the watcher keeps "
+                     "dying and restart the daemon; XIDs in the gap are unknown: check "
+                     "dmesg | grep Xid for them."),
         CatalogEntry("backend_not_checked", "requirement",
                      "No job environment this daemon proves needs this backend, so the node's "
                      "health says nothing about it (not a fault: nobody configured it).",

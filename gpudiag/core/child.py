@@ -36,11 +36,19 @@ def env_sha256(env: Mapping[str, str]) -> str:
 
 
 def preallocation_off(env: Mapping[str, str]) -> bool:
-    """Whether ``env`` disables XLA preallocation (gpudiag.core.environment uses this rule too)."""
-    return (env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").strip().lower() in _FALSE
-            and env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower() == "platform"
-            and env.get("XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR", "").strip().lower()
-            in _FALSE)
+    """Whether ``env`` disables XLA preallocation (gpudiag.core.environment uses this rule too).
+
+    XLA_PYTHON_CLIENT_PREALLOCATE decides it. The allocator (platform, or XLA's own BFC
+    allocator, which grows and keeps what it took) is another choice, recorded apart
+    (``xla_allocator`` in a closeout): ``gpudiag run --xla-allocator keep`` leaves it to the job.
+    """
+    return env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").strip().lower() in _FALSE
+
+
+def xla_allocator(env: Mapping[str, str]) -> str:
+    """The XLA GPU allocator a child with ``env`` uses: the variable's value, else "default"
+    (XLA's BFC allocator)."""
+    return env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").strip().lower() or "default"
 
 
 def snapshot(env: Mapping[str, str]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from gpudiag.core.environment import (
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.gpu_processes import device_processes
+from gpudiag.core.gpunames import NamedGpu, matches, no_gpu_named
 from gpudiag.core.identity import GpuIdentity
 from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
 from gpudiag.core.nvml_health import (
@@ -177,7 +178,8 @@ def _nvml_findings(nvml: NvmlObservation | None, host: HostObservation | None,
 
 def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
                      f: Findings, history: NvmlHistory | None = None,
-                     policy: NvmlHealthPolicy | None = None) -> None:
+                     policy: NvmlHealthPolicy | None = None,
+                     peers: Sequence[NvmlDevice] = ()) -> None:
     for d in devs:
         label = d.label
         if not d.ok:
@@ -186,7 +188,7 @@ def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
             f.block(blocker or "nvml_error", f"GPU {d.index}: {name} ({code}): {text}",
                     backend="nvml", device=label)
             continue
-        device_health(d, f, history=history, policy=policy)
+        device_health(d, f, history=history, policy=policy, peers=peers)
         if d.persistence_mode is False:
             f.warn("gpu_persistence_off", f"GPU {d.index}: persistence mode is off",
                    backend="nvml", device=label)
@@ -250,13 +252,22 @@ def _select(candidates: Sequence[NvmlDevice], requirement: Requirement,
     positions = [KnownDevice(pos, d.uuid or "", d.mig_uuids)
                  for pos, d in enumerate(candidates)]
     chosen: list[NvmlDevice] = []
+    named = [NamedGpu(pos, d.uuid or "", d.pci_bus_id) for pos, d in enumerate(candidates)]
     for sel in requirement.devices:
         match = [candidates[p.index] for p in
                  match_entry(entry_of(sel), positions, FULL_UUID)]
         if not match:
-            f.block("insufficient_devices",
-                    f"requested device {sel} is not among the {len(candidates)} visible GPU(s)",
-                    device=sel)
+            # One way to name a GPU everywhere (core.gpunames): a unique UUID prefix (as the
+            # table shows it) or a PCI bus id select it too; the verdict names its full UUID.
+            kind, found = matches(sel, named)
+            if len(found) == 1 and kind in ("UUID prefix", "PCI bus id"):
+                match = [candidates[found[0].index]]
+            elif len(found) > 1:
+                f.block("insufficient_devices", f"{kind} {sel!r} names {len(found)} GPUs "
+                        f"({', '.join(g.uuid for g in found)}): give more of the UUID",
+                        device=sel)
+            else:
+                f.block("insufficient_devices", no_gpu_named(sel, named), device=sel)
         chosen.extend(m for m in match if m not in chosen)
     return chosen
 
@@ -287,7 +298,7 @@ def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None,
     pids = (tuple(sorted({p.pid for p in procs if p.pid is not None}))
             if d.processes is not None or procs else None)
     util, temp = d.readings.utilization_gpu_ratio, d.readings.temperature_c
-    return DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, serial=d.serial,
+    return _smi_columns(d, DeviceInfo(index=d.index, uuid=d.uuid, name=d.name, serial=d.serial,
                       pci_bus_id=(sysfs_bus_id or d.pci_bus_id) if remembered
                       else d.pci_bus_id or sysfs_bus_id,
                       uuid_source=("last_seen" if remembered else "nvml" if d.uuid else None),
@@ -295,7 +306,25 @@ def _device_info(d: NvmlDevice, sysfs_bus_id: str | None = None,
                       memory_used_bytes=mem.used_bytes,
                       utilization_ratio=None if util is None else float(util),
                       temperature_c=None if temp is None else float(temp), pids=pids,
-                      processes=None if pids is None else device_processes(procs))
+                      processes=None if pids is None else device_processes(procs)))
+
+
+def _smi_columns(d: NvmlDevice, info: DeviceInfo) -> DeviceInfo:
+    """What nvidia-smi shows beside memory and utilization, for the table's --wide columns."""
+    ecc = d.ecc
+    power, limit = d.readings.power_w, d.power_limit_w
+
+    def count(value: object) -> int | None:
+        return int(value) if isinstance(value, (int, float)) and not isinstance(
+            value, bool) else None
+
+    return replace(
+        info, power_w=None if power is None else float(power),
+        power_limit_w=None if limit is None else float(limit),
+        sm_clock_mhz=d.sm_clock_mhz, memory_clock_mhz=d.memory_clock_mhz, pstate=d.pstate,
+        fan_ratio=None if d.fan_ratio is None else float(d.fan_ratio),
+        ecc_volatile_corrected=count(ecc.volatile_corrected) if ecc else None,
+        ecc_volatile_uncorrected=count(ecc.volatile_uncorrected) if ecc else None)
 
 
 def _free(d: NvmlDevice) -> int | None:
@@ -307,7 +336,8 @@ def _requirement_findings(selected: Sequence[NvmlDevice], requirement: Requireme
     blocked = {b.device for b in f.blockers if b.device}
     healthy = [d for d in selected if d.ok and d.label not in blocked]
     need = requirement.effective_min_devices
-    if len(healthy) < need:
+    named_nothing = any(b.code == "insufficient_devices" for b in f.blockers)
+    if len(healthy) < need and not named_nothing:  # a name that matched nothing said it
         f.block("insufficient_devices",
                 f"{len(healthy)} usable GPU(s) of {len(selected)} selected; "
                 f"the requirement asks for {need}")
@@ -443,7 +473,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     if requirement.needs_gpu:
         candidates, selected, remembered = _select_gpus(runs, layer, requirement, visibility,
                                                         last_seen, f)
-        _device_findings(selected, xids, f, nvml_history, nvml_policy)
+        _device_findings(selected, xids, f, nvml_history, nvml_policy,
+                         peers=layer.nvml.devices if layer.nvml is not None else ())
         labels = {d.label for d in selected}
         f.blockers.extend(b for b in device_blockers if b.device in labels)
         f.warnings.extend(w for w in device_warnings if w.device in labels)

@@ -25,3 +25,24 @@ def parse_timeout(text: str | float, *, name: str = "timeout") -> float:
     if not math.isfinite(value) or value <= 0 or value > 86400:
         raise RequirementError(f"{name} {text!r} must be more than 0 and at most 86400 seconds")
     return value
+
+
+def daemon_wait_s(timeout_s: float | None) -> float:
+    """How long one call waits for the daemon's answer: ``--timeout`` when given (at most
+    MAX_DAEMON_WAIT_S), else DEFAULT_DAEMON_WAIT_S; asked once per call, by whichever path."""
+    from gpudiag.core.limits import DEFAULT_DAEMON_WAIT_S, MAX_DAEMON_WAIT_S
+
+    return DEFAULT_DAEMON_WAIT_S if timeout_s is None else min(MAX_DAEMON_WAIT_S, timeout_s)
+
+
+def fallback_timeouts(defaults: dict[str, float], timeout_s: float | None,
+                      waited_s: float) -> dict[str, float] | None:
+    """The fallback probes' deadlines after a daemon wait of ``waited_s``: None (the probes'
+    own) when ``--timeout`` was given or nothing was waited; else each default cut to what is
+    left of CALL_BUDGET_S, so that the default whole call fits a Slurm prolog's 60 s."""
+    from gpudiag.core.limits import CALL_BUDGET_S, MIN_PROBE_DEADLINE_S
+
+    if timeout_s is not None or waited_s <= 0:
+        return None
+    left = max(MIN_PROBE_DEADLINE_S, CALL_BUDGET_S - waited_s)
+    return {name: min(limit, left) for name, limit in defaults.items()}

@@ -24,6 +24,13 @@ EVIDENCE_ALLOW_PATTERNS: tuple[str, ...] = (
     "SLURM_JOB_ID", "LD_LIBRARY_PATH", "PATH",
 )
 
+# What a job's XLA allocator may be (`gpudiag run --xla-allocator`, the pytest plugin's
+# gpu_xla_allocator): "platform" (the sharing default: memory is taken as needed and given
+# back, slower) or "keep" (gpudiag sets only XLA_PYTHON_CLIENT_PREALLOCATE=false and leaves
+# the allocator variables as the job has them: XLA's BFC allocator unless the job set one).
+XLA_ALLOCATOR_CHOICES = ("platform", "keep")
+XLA_ALLOCATOR_ENV = "GPUDIAG_XLA_ALLOCATOR"
+_ALLOCATOR_ONLY = ("XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR")
 
 
 def allow_listed(env: Mapping[str, str]) -> dict[str, str]:
@@ -61,8 +68,12 @@ def probe_environment(base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None) -> dict[str, str]:
-    """The variables gpudiag sets in a job's child (docs/runner.md's exact child environment)."""
+def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None,
+                      xla_allocator: str = "platform") -> dict[str, str]:
+    """The variables gpudiag sets in a job's child (docs/runner.md's exact child environment);
+    ``xla_allocator="keep"`` leaves the two allocator variables out (preallocation stays off)."""
+    if xla_allocator not in XLA_ALLOCATOR_CHOICES:
+        raise ValueError(f"xla_allocator {xla_allocator!r}: one of {XLA_ALLOCATOR_CHOICES}")
     for u in uuids:
         if not is_full_uuid(u):
             raise ValueError(f"{u!r} is not a full GPU-/MIG- UUID")
@@ -70,7 +81,8 @@ def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None) -> dict[s
     out = {"CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
     if jax_platforms is not None:
         out["JAX_PLATFORMS"] = jax_platforms
-    out.update(PREALLOCATION_OFF)
+    out.update({k: v for k, v in PREALLOCATION_OFF.items()
+                if xla_allocator == "platform" or k not in _ALLOCATOR_ONLY})
     return out
 
 

@@ -21,6 +21,14 @@ MAX_DEVICES = 64
 # The longest a caller waits for the daemon's answer: a Slurm prolog has 60 s in all. Here,
 # not in engine/route.py, so that the CLI's fast path need not import the router for it.
 MAX_DAEMON_WAIT_S = 60.0
+# One deadline per call (docs/reference.md "Deadlines"): a call without --timeout waits this
+# long for the daemon (its own preflight_wait_s, 20 s by default, plus a margin), once, and its
+# fallback probes get what is left of CALL_BUDGET_S, so that the whole call fits a prolog's
+# 60 s with room for the interpreter's start and the printing.
+DEFAULT_DAEMON_WAIT_S = 25.0
+CALL_BUDGET_S = 55.0
+# The least deadline a fallback probe gets, however long the daemon wait was.
+MIN_PROBE_DEADLINE_S = 1.0
 
 # Exit codes of `gpudiag probe` and `gpudiag preflight` (docs/reference.md: a contract).
 EXIT_READY, EXIT_BLOCKED, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3

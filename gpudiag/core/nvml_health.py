@@ -21,7 +21,7 @@ remembers between rounds, :class:`NvmlHistory`) into blockers and warnings. The 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpudiag.core.findings import Findings
@@ -141,14 +141,16 @@ def _next_hold(old: ClockHold | None, held: tuple[str, ...], busy: bool, now_wal
 
 
 def device_health(d: NvmlDevice, f: Findings, *, history: NvmlHistory | None = None,
-                  policy: NvmlHealthPolicy | None = None) -> None:
-    """Blockers and warnings for one readable NVML device."""
+                  policy: NvmlHealthPolicy | None = None,
+                  peers: Sequence[NvmlDevice] = ()) -> None:
+    """Blockers and warnings for one readable NVML device; ``peers``: the node's GPUs read
+    in the same round (an NVLink link down since boot shows against those of its model)."""
     history = history or NvmlHistory()
     policy = policy or NvmlHealthPolicy()
     _recovery_action(d, f)
     _memory_errors(d, f)
     _pcie(d, policy, f)
-    _nvlinks(d, history, policy, f)
+    _nvlinks(d, history, policy, f, peers)
     _fabric(d, f)
     _held_memory(d, policy, f)
     _clock_events(d, history, policy, f)
@@ -213,16 +215,25 @@ def _pcie(d: NvmlDevice, policy: NvmlHealthPolicy, f: Findings) -> None:
 
 
 def _nvlinks(d: NvmlDevice, history: NvmlHistory, policy: NvmlHealthPolicy,
-             f: Findings) -> None:
+             f: Findings, peers: Sequence[NvmlDevice] = ()) -> None:
     links = d.nvlinks
     if links is None or not d.uuid:
         return
     seen = history.nvlinks_active.get(d.uuid, 0)
     expected = policy.expected_nvlinks if policy.expected_nvlinks is not None else seen
-    if len(links.active) >= expected or not links.inactive:
-        return
     source = ("expected_nvlinks" if policy.expected_nvlinks is not None
               else "active before")
+    # A link down since boot was never seen active: the node's other GPUs of the same model
+    # say how many it should have (their median, from two peers on), in a one-shot probe too.
+    same = sorted(len(p.nvlinks.active) for p in peers
+                  if p is not d and p.ok and p.uuid != d.uuid and p.name == d.name
+                  and p.nvlinks is not None)
+    if policy.expected_nvlinks is None and len(same) >= 2:
+        typical = same[len(same) // 2]
+        if typical > expected:
+            expected, source = typical, f"on its {len(same)} peers of the same model (median)"
+    if len(links.active) >= expected or not links.inactive:
+        return
     down = ", ".join(str(n) for n in links.inactive)
     f.block("gpu_nvlink_down",
             f"GPU {d.index}: {len(links.active)} NVLink link(s) active, {expected} "

@@ -280,6 +280,16 @@ class NvmlDevice:
     clocks_event_reasons: tuple[str, ...] = field(default=(), metadata=from_json(
         as_type=ClockEvents, then=lambda c: c.reasons))
     persistence_mode: bool | None = field(default=None, metadata=_LENIENT)
+    # nvidia-smi's columns: the enforced power cap (W), SM and memory clocks (MHz), the
+    # performance state (0 for P0) and the fan (0..1); None where the GPU cannot say.
+    power_limit_w: Number | None = field(default=None, metadata=_LENIENT)
+    sm_clock_mhz: int | None = field(default=None, metadata=from_json(
+        as_type=Number | None, then=_int, lenient=True))
+    memory_clock_mhz: int | None = field(default=None, metadata=from_json(
+        as_type=Number | None, then=_int, lenient=True))
+    pstate: int | None = field(default=None, metadata=from_json(
+        as_type=Number | None, then=_int, lenient=True))
+    fan_ratio: Number | None = field(default=None, metadata=_LENIENT)
     compute_mode: int | None = field(default=None, metadata=from_json(
         as_type=Number | None, then=_int, lenient=True))
     mig: MigState | None = None

@@ -111,9 +111,18 @@ def _choose(f: Findings, devices: list[DeviceInfo], n: int, scope: ProbeScope
             ) -> list[DeviceInfo]:
     """Job readiness on N GPUs: pick N healthy FREE ones; faults elsewhere become warnings."""
     ready = [d for d in devices if d.healthy and d.occupancy == FREE]
-    # The GPUs the backends were proven on first: the verdict names what was proven.
+    # The healthiest first: a GPU without a warning (a narrowed PCIe link, throttling, ECC)
+    # before one with; then the GPUs the backends were proven on (the verdict names what was
+    # proven); then the most free memory; then the device order.
     proven = {g for g in scope.backend_gpu.values() if g}
-    ready.sort(key=lambda d: d.uuid not in proven)
+    warned: dict[str, list[str]] = {}
+    for w in f.warnings:
+        if w.device:
+            warned.setdefault(w.device, []).append(w.code)
+    ready.sort(key=lambda d: (label_of(d) in warned, d.uuid not in proven,
+                              -(d.memory_free_bytes or 0), d.index))
+    why = {label_of(d): _why(d, warned, proven, rank, n) for rank, d in enumerate(ready)}
+    devices = [replace(d, selection=why.get(label_of(d), _passed_over(d))) for d in devices]
     if len(ready) >= n:
         chosen = {label_of(d) for d in ready[:n]}
         kept: list[Finding] = []
@@ -140,6 +149,26 @@ def _choose(f: Findings, devices: list[DeviceInfo], n: int, scope: ProbeScope
                 f"{len(healthy)} healthy GPU(s) of {len(devices)} visible "
                 f"({len(ready)} free); the job asks for {n}")
     return [replace(d, selected=False) for d in devices]
+
+
+def _why(d: DeviceInfo, warned: Mapping[str, list[str]], proven: set[str], rank: int,
+         n: int) -> str:
+    """Why a healthy FREE GPU ranks where it does among them (``devices[].selection``)."""
+    codes = warned.get(label_of(d))
+    parts = [f"warnings: {', '.join(dict.fromkeys(codes))}" if codes else "no warning"]
+    if d.uuid in proven:
+        parts.append("backends proven on it")
+    if d.memory_free_bytes is not None:
+        parts.append(f"{d.memory_free_bytes / 2**30:.1f} GiB free")
+    verb = "chosen" if rank < n else "not chosen"
+    return f"{verb}: healthy and free, {', '.join(parts)}; #{rank + 1} by health, then memory"
+
+
+def _passed_over(d: DeviceInfo) -> str:
+    """Why a GPU was not among the candidates at all."""
+    if not d.healthy:
+        return "not chosen: a fault on it (see blockers or warnings)"
+    return f"not chosen: {d.occupancy or 'unknown'}, not free"
 
 
 def _every_visible_gpu(f: Findings, devices: Sequence[DeviceInfo], scope: ProbeScope) -> None:

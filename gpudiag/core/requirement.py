@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from gpudiag.core import registry
 from gpudiag.core.deadlines import RequirementError as RequirementError
 from gpudiag.core.deadlines import parse_timeout as parse_timeout
+from gpudiag.core.gpunames import is_gpu_name
 from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.verdict import BackendRequirement, Requirement
 
@@ -103,9 +104,10 @@ def parse_devices(text: str) -> tuple[str, ...]:
             f"device list {text!r} is empty or has an empty item; accepted: comma-separated "
             "indices (0,1) or full GPU-/MIG- UUIDs")
     for item in items:
-        if not _DEVICE_RE.match(item):
+        if not _DEVICE_RE.match(item) and not is_gpu_name(item):
             raise RequirementError(
-                f"device {item!r} in {text!r} is neither an index (0-999) nor a GPU-/MIG- UUID")
+                f"device {item!r} in {text!r} is not a GPU name: an index (0-999), a GPU-/MIG- "
+                "UUID or a unique prefix of one, or a PCI bus id (0000:1b:00.0)")
     if len(items) > MAX_DEVICES:
         raise RequirementError(f"device list {text!r} names more than {MAX_DEVICES} devices")
     if len(set(items)) != len(items):

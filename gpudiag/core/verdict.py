@@ -178,6 +178,18 @@ class DeviceInfo:
     # The board serial NVML reports (nvmlDeviceGetSerial): the GPU's identity across slots,
     # reboots and RMAs, which history keys on beside the UUID; None where NVML has none.
     serial: str | None = None
+    # With ``gpus=N``: why this GPU was chosen, or passed over ("no warning, 79.0 GiB free,
+    # 1st of 2"); None without ``gpus``.
+    selection: str | None = None
+    # What nvidia-smi shows beside them (the table's --wide columns); None where unread.
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    pstate: int | None = None
+    fan_ratio: float | None = None
+    ecc_volatile_corrected: int | None = None
+    ecc_volatile_uncorrected: int | None = None
 
     def record(self) -> dict[str, JSONValue]:
         return {"index": self.index, "uuid": self.uuid, "name": self.name,
@@ -190,7 +202,13 @@ class DeviceInfo:
                 "pids": None if self.pids is None else list(self.pids),
                 "processes": None if self.processes is None
                 else [p.record() for p in self.processes],
-                "uuid_source": self.uuid_source, "serial": self.serial}
+                "uuid_source": self.uuid_source, "serial": self.serial,
+                "selection": self.selection,
+                "power_w": self.power_w, "power_limit_w": self.power_limit_w,
+                "sm_clock_mhz": self.sm_clock_mhz, "memory_clock_mhz": self.memory_clock_mhz,
+                "pstate": self.pstate, "fan_ratio": self.fan_ratio,
+                "ecc_volatile_corrected": self.ecc_volatile_corrected,
+                "ecc_volatile_uncorrected": self.ecc_volatile_uncorrected}
 
     @classmethod
     def from_record(cls, d: Mapping[str, JSONValue]) -> DeviceInfo:
@@ -205,7 +223,8 @@ class DeviceInfo:
         if pids is not None and not (isinstance(pids, list) and all(
                 isinstance(p, int) and not isinstance(p, bool) for p in pids)):
             raise TypeError(f"devices[].pids holds {pids!r}, not a list of process ids")
-        for key in ("utilization_ratio", "temperature_c"):
+        for key in ("utilization_ratio", "temperature_c", "power_w", "power_limit_w",
+                    "fan_ratio"):
             value = fields.get(key)
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, float))):

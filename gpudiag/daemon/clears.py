@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.fileio import RefusedFile, inbox_names, read_regular
+from gpudiag.core.gpunames import GpuNameError, NamedGpu, resolve
 from gpudiag.daemon.snapshot import ProbeKey
 
 log = logging.getLogger("gpudiag.daemon.clears")
@@ -145,13 +145,8 @@ class ClearPoller:
         return applied
 
 
-@dataclass(frozen=True)
-class KnownGpu:
-    """A GPU as the daemon's history last knew it: what ``gpudiag clear --gpu`` may name."""
-
-    index: int
-    uuid: str
-    pci_bus_id: str | None
+# A GPU as the daemon's history last knew it: what ``gpudiag clear --gpu`` may name.
+KnownGpu = NamedGpu
 
 
 def known_gpus(records: Iterable[Mapping[str, Any]]) -> list[KnownGpu]:
@@ -171,47 +166,31 @@ def known_gpus(records: Iterable[Mapping[str, Any]]) -> list[KnownGpu]:
     return [found[i] for i in sorted(found)]
 
 
-_INDEX = re.compile(r"[0-9]+")
-_PCI = re.compile(r"(?:([0-9a-f]{1,8}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])", re.I)
+def known_in_history(folder: Path, last: int = 200) -> list[KnownGpu] | None:
+    """The GPUs the daemon's history in ``folder`` knows (its last ``last`` verdicts), or None
+    when there is no history; HistoryError when it cannot be read."""
+    from gpudiag.daemon.store import HistoryStore, default_path
 
-
-def _pci_key(text: str) -> tuple[int, int, int, int] | None:
-    """``0000:1b:00.0``, ``00000000:1B:00.0`` and ``1B:00.0`` name one PCI address."""
-    m = _PCI.fullmatch(text.strip())
-    if not m:
+    path = default_path(folder)
+    if not path.is_file():
         return None
-    return (int(m.group(1) or "0", 16), int(m.group(2), 16), int(m.group(3), 16),
-            int(m.group(4)))
+    store = HistoryStore(path, readonly=True)
+    try:
+        ids = store.ids()[-last:]
+        records = (store.verdict_record(i) for i in reversed(ids))
+        return known_gpus(r for r in records if r is not None)
+    finally:
+        store.close()
 
 
 def resolve_gpu(selector: str, known: Sequence[KnownGpu]) -> KnownGpu:
-    """The GPU an index, a unique UUID prefix (or ``head…tail``, as `gpudiag probe` prints
-    UUIDs that share a long prefix) or a PCI bus id names (as ``nvidia-smi -i``).
-
-    Raises ClearRequestError saying what matched (nothing, or several GPUs) and what is known.
-    """
-    text = selector.strip()
-    if _INDEX.fullmatch(text):
-        matches = [g for g in known if g.index == int(text)]
-        what = "index"
-    elif (key := _pci_key(text)) is not None:
-        matches = [g for g in known if g.pci_bus_id and _pci_key(g.pci_bus_id) == key]
-        what = "PCI bus id"
-    else:
-        # `gpudiag probe` shows UUIDs that share a long prefix as head…tail: take that too.
-        head, _, tail = text.lower().replace("...", "…").partition("…")
-        matches = [g for g in known
-                   if g.uuid.lower().startswith(head) and g.uuid.lower().endswith(tail)]
-        what = "UUID prefix"
-    if len(matches) == 1:
-        return matches[0]
-    listing = "; ".join(f"{g.index} {g.uuid} {g.pci_bus_id or '-'}" for g in known) or "none"
-    if matches:
-        raise ClearRequestError(
-            f"{what} {selector!r} names {len(matches)} GPUs "
-            f"({', '.join(g.uuid for g in matches)}): give more of the UUID")
-    raise ClearRequestError(f"no GPU the daemon has seen has {what} {selector!r}; "
-                            f"GPUs it knows (index, UUID, PCI bus id): {listing}")
+    """The GPU an index, a UUID or unique prefix (or ``head…tail``) or a PCI bus id names
+    (``gpudiag.core.gpunames``, the one resolver of GPU names); ClearRequestError when it
+    names none or several, saying which GPUs the daemon has seen."""
+    try:
+        return resolve(selector, known)
+    except GpuNameError as e:
+        raise ClearRequestError(str(e)) from None
 
 
 def recheck_keys(scheduled: Sequence[ProbeKey]) -> list[ProbeKey]:

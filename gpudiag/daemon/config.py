@@ -173,6 +173,24 @@ def parse_nfd_file(path: object, key: str = "nfd_features_file") -> str | None:
     return path
 
 
+def exposure_warning(cfg: DaemonConfig) -> str | None:
+    """What to say when the TCP listener is reachable from other hosts and not read-only:
+    anyone who reaches it may then start probes and qualifications (POST)."""
+    import ipaddress
+
+    host = cfg.listen_host.strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: it may resolve to any interface
+    if loopback or cfg.tcp_read_only:
+        return None
+    return (f"listening on {cfg.listen_host}:{cfg.listen_port}, not loopback, without "
+            "tcp_read_only: anyone who can reach this port can start probes and "
+            "qualifications (POST /v1/probe, /v1/qualify); set tcp_read_only = true for a "
+            "scrape-only listener, or listen on 127.0.0.1 (docs/daemon.md)")
+
+
 def parse_listen(text: str, key: str = "listen") -> tuple[str, int]:
     """``127.0.0.1:9477``, ``[::1]:9477`` or ``:9477`` -> (host, port)."""
     forms = "accepted: HOST:PORT, e.g. 127.0.0.1:9477 or [::1]:9477 (port 0 picks a free one)"

@@ -109,8 +109,9 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
 
 def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | None = None,
                slurm_job_id: str | None = None, window: Window | None = None,
-               job_uid: int | None = None) -> Explanation:
-    """Find the run (or take the window) and explain it from the state dir's history."""
+               job_uid: int | None = None, all_gpus: bool = False) -> Explanation:
+    """Find the run (or take the window) and explain it from the state dir's history;
+    ``all_gpus``: the timeline shows every GPU's events, not only the window's GPUs."""
     folder = default_state_dir() if state_dir is None else state_dir
     path = default_path(folder)
     store = HistoryStore(path, readonly=True) if path.is_file() else None
@@ -126,7 +127,8 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
         if job is not None:
             window = job.window
         assert window is not None
-        return replace(explain(store, window, code, job, why), owner_uid=owner)
+        return replace(explain(store, window, code, job, why, all_gpus=all_gpus),
+                       owner_uid=owner)
     finally:
         if store is not None:
             store.close()
@@ -192,8 +194,10 @@ def job_from_closeout(path: Path) -> tuple[JobRecord, int | None]:
 
 
 def explain(store: HistoryStore | None, window: Window, exit_code: int | None,
-            job: JobRecord | None = None, store_why: str | None = None) -> Explanation:
-    """Attribute ``window`` from the history (else from the job's own record)."""
+            job: JobRecord | None = None, store_why: str | None = None, *,
+            all_gpus: bool = False) -> Explanation:
+    """Attribute ``window`` from the history (else from the job's own record). The timeline
+    holds the node's rows and those of the window's GPUs (``all_gpus``: every GPU's)."""
     if store is None:
         if job is not None:
             return Explanation(job, window, exit_code, job.attribution, "the run's own record",
@@ -209,8 +213,10 @@ def explain(store: HistoryStore | None, window: Window, exit_code: int | None,
     if job is None and not window.gpus:  # a window without --gpus: every GPU
         window = Window(window.start, window.end, frozenset(e.gpu for e in events if e.gpu))
     got = attribute(exit_code, window, events, [Source("daemon history", True)])
-    return Explanation(job, window, exit_code, got, "daemon history",
-                       tuple(timeline(store, since, until)))
+    rows = timeline(store, since, until)
+    if window.gpus and not all_gpus:  # another GPU's XID is not this run's story
+        rows = [r for r in rows if r["gpu"] is None or r["gpu"] in window.gpus]
+    return Explanation(job, window, exit_code, got, "daemon history", tuple(rows))
 
 
 def timeline(store: HistoryStore, since: float, until: float) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ class DaemonAnswer:
     # It answered, but not the question asked or not consistently (engine/answercheck.py):
     # the reason is said on stderr and the answer made here.
     untrusted: bool = False
+    waited_s: float = 0.0  # how long the asking took: the fallback gets the rest of the call
 
     def fallback(self, verdict: Verdict) -> Verdict:
         """The inline verdict with why the daemon was not used in its evidence."""
@@ -121,6 +122,12 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
     status, body, why, refused = wire.get(
         url, endpoint, params, env=os.environ if env is None else env,
         connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    return reply_of(url, status, body, why, refused)
+
+
+def reply_of(url: str, status: int | None, body: bytes, why: str, refused: bool
+             ) -> DaemonReply:
+    """``wire.get``'s raw reply read as JSON, with why it is unusable when it is."""
     if status is None:
         return DaemonReply(None, None, why, refused)
     try:
@@ -143,24 +150,37 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
     An answer that is not a consistent answer to this question (engine/answercheck.py) is
     not used: said on stderr (unless ``say`` is false: the caller asks again and says it).
     """
+    import time
+
     environ = os.environ if env is None else env
     # The node-health question has its own endpoint; job readiness is /v1/preflight.
     endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
     query = query_for(requirement, environ, max_age_s)
+    started = time.monotonic()
     reply = daemon_get(url, endpoint, query, env=environ,
                        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    return answer_of(url, reply, time.monotonic() - started,
+                     question_of(requirement, query.get("fingerprint")), say=say)
+
+
+def answer_of(url: str, reply: DaemonReply, waited_s: float, question: Question | None,
+              *, say: bool = True) -> DaemonAnswer:
+    """The daemon's verdict in a reply, or None with why (the CLI's fast path reads its own
+    reply and hands this to the click path, which then never asks again). An answer that
+    does not hold for ``question`` is not used (engine/answercheck.py), and said."""
     if reply.status != 200:
-        return DaemonAnswer(None, reply.why, url, reply.refused)
-    problem = check_answer(reply.data, question_of(requirement, query.get("fingerprint")))
+        return DaemonAnswer(None, reply.why, url, reply.refused, waited_s=waited_s)
+    problem = check_answer(reply.data, question) if question is not None else None
     if problem is not None:
         if say:
             say_untrusted(url, problem)
         return DaemonAnswer(None, f"daemon at {url} gave an answer that does not hold: "
-                            f"{problem}", url, untrusted=True)
+                            f"{problem}", url, untrusted=True, waited_s=waited_s)
     try:
-        return DaemonAnswer(Verdict.from_record(reply.data), "daemon", url)
+        return DaemonAnswer(Verdict.from_record(reply.data), "daemon", url, waited_s=waited_s)
     except RecordError as e:
-        return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url)
+        return DaemonAnswer(None, f"daemon at {url} sent an unusable verdict: {e}", url,
+                            waited_s=waited_s)
 
 
 def question_of(requirement: Requirement, fingerprint: str | None = None) -> Question:

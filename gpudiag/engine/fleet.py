@@ -369,8 +369,12 @@ def _judge(q: FleetQuery, instance: str, now: float, up: float | None, scraped: 
     primary = min(blockers, key=lambda cl: layer_rank(cl[1]))[0] if blockers else None
     not_proven = [b for b in q.backends if backend_ready.get(b) != 1.0]
     if not_proven:
+        unproven = f"{', '.join(not_proven)} not proven on this node now"
+        # The reason is the code's when there is one (gpu_lost, not "jax not proven"): the
+        # unproven backend is its consequence.
         return NodeAnswer(instance, "blocked", 0, primary, age,
-                          f"{', '.join(not_proven)} not proven on this node now")
+                          f"{primary}: {_summary(primary)} ({unproven})" if primary
+                          else unproven)
     if free >= q.gpus:
         return NodeAnswer(instance, "ready", free, "none", age,
                           f"{free} healthy free GPU(s), {q.gpus} needed")
@@ -380,6 +384,14 @@ def _judge(q: FleetQuery, instance: str, now: float, up: float | None, scraped: 
         code = "devices_busy" if busy else "insufficient_devices"
     return NodeAnswer(instance, "blocked", free, code, age,
                       f"{free} healthy free GPU(s), {q.gpus} needed ({busy} busy)")
+
+
+def _summary(code: str) -> str:
+    """The catalog's one line for a code; the code itself for one this version lacks."""
+    from gpudiag.core.catalog import BLOCKERS
+
+    found = BLOCKERS.get(code)
+    return found.summary.rstrip(".") if found is not None else "a blocker of this node"
 
 
 def _qualified(q: FleetQuery, node: NodeAnswer, qualified: int) -> NodeAnswer:

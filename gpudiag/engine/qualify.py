@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.clock import now_rfc3339
-from gpudiag.core.environment import is_full_uuid, probe_environment
+from gpudiag.core.environment import probe_environment
+from gpudiag.core.gpunames import GpuNameError, NamedGpu, is_gpu_name, resolve
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify import ABORTED, TIERS, ReferenceModel
@@ -92,9 +93,10 @@ def _check(options: QualifyOptions) -> None:
     if options.platform not in PLATFORMS:
         raise QualifyError(f"unknown platform {options.platform!r}; use cuda or cpu")
     for g in options.gpus or ():
-        if not (g.isascii() and g.isdigit()) and not is_full_uuid(g):
-            raise QualifyError(f"--gpus: {g!r} is neither a GPU index nor a full GPU- UUID "
-                               "(nvidia-smi -L lists them)")
+        if not is_gpu_name(g):
+            raise QualifyError(f"--gpus: {g!r} is not a GPU name: an index, a full UUID or a "
+                               "unique prefix of one, or a PCI bus id (gpudiag probe lists "
+                               "them)")
 
 
 def qualify(options: QualifyOptions, *, env: Mapping[str, str] | None = None) -> QualifyReport:
@@ -168,22 +170,23 @@ def _nvml(env: Mapping[str, str]) -> NvmlObservation:
 def _targets(nvml: NvmlObservation | None, env: Mapping[str, str],
              wanted: tuple[str, ...] | None) -> list[dict[str, Any]]:
     visible = visible_uuids(nvml, env)
+    here = [dev for dev in (nvml.devices if nvml else ()) if dev.uuid in visible]
+    if wanted is not None:
+        # One way to name a GPU everywhere (core.gpunames): index, UUID, prefix, PCI bus id.
+        named = [NamedGpu(d.index, d.uuid or "", d.pci_bus_id) for d in here]
+        try:
+            picked = {resolve(g, named).uuid for g in wanted}
+        except GpuNameError as e:
+            raise QualifyError(f"--gpus: {e}") from None
+        wanted = tuple(picked)
     out = []
-    for dev in nvml.devices if nvml else ():
-        if dev.uuid not in visible:
-            continue
-        if wanted is not None and dev.uuid not in wanted and str(dev.index) not in wanted:
+    for dev in here:
+        if wanted is not None and dev.uuid not in wanted:
             continue
         memory = dev.readings.memory
         out.append({"uuid": dev.uuid, "index": dev.index, "name": dev.name,
                     "memory_total_bytes": memory.total_bytes if memory else None,
                     "mig": bool(dev.mig is not None and dev.mig.enabled)})
-    if wanted is not None:
-        known = {str(t["index"]) for t in out} | {str(t["uuid"]) for t in out}
-        missing = [g for g in wanted if g not in known]
-        if missing:
-            raise QualifyError(f"--gpus: {', '.join(missing)} not among this host's visible "
-                               f"GPUs ({', '.join(sorted(known)) or 'none'})")
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpudiag.core.limits import MAX_DAEMON_WAIT_S
+from gpudiag.core.deadlines import daemon_wait_s, fallback_timeouts
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url, prove_here
 
@@ -32,7 +32,8 @@ class Routed:
 def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
                        use_daemon: bool = True, env: Mapping[str, str] | None = None,
                        timeout_s: float | None = None,
-                       expected_gpus: int | None = None) -> Routed:
+                       expected_gpus: int | None = None,
+                       asked: DaemonAnswer | None = None) -> Routed:
     """The daemon's verdict when one answers, else one from probes run here and now.
 
     ``url`` defaults to $GPUDIAG_DAEMON_URL (in ``env``), else the loopback default; a URL
@@ -41,24 +42,34 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
     its visibility variables travel to the daemon and reach the probe children.
     ``expected_gpus`` is checked by probes run here (the daemon checks its own config key),
     so a count given here skips the daemon.
+    ``asked``: the daemon's answer (or why there is none, and the time spent) that this call
+    already got (the CLI's fast path): one deadline per call, so the daemon is not asked again.
     """
     answer = DaemonAnswer(None, "not asked")
-    if use_daemon and expected_gpus is None:
+    if asked is not None:
+        answer = asked
+    elif use_daemon and expected_gpus is None:
         answer = ask_daemon(url or default_url(env), requirement, env=env,
-                            read_timeout_s=min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S))
-        if answer.verdict is not None:
-            here = prove_here(answer.verdict)
-            if not here:
-                return Routed(answer.verdict)
-            return hybrid(answer.verdict, here, requirement, env=env, timeout_s=timeout_s)
+                            read_timeout_s=daemon_wait_s(timeout_s))
+    if answer.verdict is not None:
+        here = prove_here(answer.verdict)
+        if not here:
+            return Routed(answer.verdict)
+        from gpudiag.core import registry
+
+        return hybrid(answer.verdict, here, requirement, env=env, timeout_s=timeout_s,
+                      timeouts=fallback_timeouts(registry.timeouts_s(), timeout_s,
+                                                 answer.waited_s))
     # Only a fallback pays for the classifier and the probe engine (tens of ms to import):
     # a daemon-answered CLI call is mostly Python's start (docs/benchmarks.md).
     import socket
 
+    from gpudiag.core import registry
     from gpudiag.core.classify import classify
     from gpudiag.engine.inline import run_inline
 
-    done = run_inline(requirement, env=env, timeout_s=timeout_s)
+    done = run_inline(requirement, env=env, timeout_s=timeout_s, timeouts=fallback_timeouts(
+        registry.timeouts_s(), timeout_s, answer.waited_s))
     verdict = classify(done.runs, requirement, host=socket.gethostname(),
                        checked_at=done.checked_at, scope=done.scope,
                        expected_gpus=expected_gpus)
@@ -68,7 +79,8 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
 
 
 def hybrid(answer: Verdict, names: tuple[str, ...], requirement: Requirement, *,
-           env: Mapping[str, str] | None, timeout_s: float | None) -> Routed:
+           env: Mapping[str, str] | None, timeout_s: float | None,
+           timeouts: Mapping[str, float] | None = None) -> Routed:
     """The daemon's answer for the device layer, with ``names`` proven here, in the asker's
     environment, as the job will see them (docs/design-notes.md, "Whose environment is
     proven"): nvml and those backends' children only, under the busy-GPU round."""
@@ -85,7 +97,8 @@ def hybrid(answer: Verdict, names: tuple[str, ...], requirement: Requirement, *,
     base = os.environ if env is None else env
     wanted = replace(requirement, backends=tuple(
         b for b in requirement.backends if b.name in names))
-    done = run_inline(wanted, env=base, timeout_s=timeout_s, only={"nvml", *names})
+    done = run_inline(wanted, env=base, timeout_s=timeout_s, timeouts=timeouts,
+                      only={"nvml", *names})
     here = classify(done.runs, wanted, host=socket.gethostname(), checked_at=done.checked_at,
                     scope=done.scope)
     ids = environment_ids(wanted, base)

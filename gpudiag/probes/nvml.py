@@ -271,6 +271,20 @@ def _device(pynvml: Any, index: int) -> dict[str, Any]:
         dev["fabric"] = fields.read("fabric", lambda: _fabric(pynvml, handle))
         dev["clocks_event_reasons"] = fields.read(
             "clocks_event_reasons", lambda: _throttle(pynvml, handle))
+        # What nvidia-smi users scan for (the table's --wide columns): the power cap, SM and
+        # memory clocks, performance state and fan; each None with a reason where unsupported.
+        limit_mw = fields.read("power_limit",
+                               lambda: int(pynvml.nvmlDeviceGetEnforcedPowerLimit(handle)))
+        dev["power_limit_w"] = None if limit_mw is None else limit_mw / 1000.0
+        dev["sm_clock_mhz"] = fields.read(
+            "sm_clock", lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)))
+        dev["memory_clock_mhz"] = fields.read(
+            "memory_clock",
+            lambda: int(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)))
+        dev["pstate"] = fields.read(
+            "pstate", lambda: int(pynvml.nvmlDeviceGetPerformanceState(handle)))
+        fan = fields.read("fan", lambda: int(pynvml.nvmlDeviceGetFanSpeed(handle)))
+        dev["fan_ratio"] = None if fan is None else fan / 100.0
         dev["persistence_mode"] = fields.read(
             "persistence", lambda: int(pynvml.nvmlDeviceGetPersistenceMode(handle)) == 1)
         dev["compute_mode"] = fields.read(

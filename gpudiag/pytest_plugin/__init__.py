@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from gpudiag.core.environment import XLA_ALLOCATOR_CHOICES
+
 if TYPE_CHECKING:
     from gpudiag.core.occupancy import Leaf
     from gpudiag.core.verdict import Verdict
@@ -48,11 +50,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          f"{DEFAULT_TIMEOUT_S:g})")
     parser.addini("gpu_timeout", help="default of --gpu-timeout (seconds)",
                   default=str(DEFAULT_TIMEOUT_S))
+    group.addoption("--gpu-xla-allocator", choices=XLA_ALLOCATOR_CHOICES, default=None,
+                    help="platform (default): XLA_PYTHON_CLIENT_ALLOCATOR=platform for GPU "
+                         "tests, memory given back (slower); keep: the session's own "
+                         "allocator variables (preallocation stays off); ini "
+                         "gpu_xla_allocator")
+    parser.addini("gpu_xla_allocator", help="default of --gpu-xla-allocator",
+                  default="platform")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register the marker and check the timeout (no probe, no import of gpudiag's engine)."""
     _timeout(config)  # a wrong value is a usage error at once, not when GPU tests show up
+    _xla_allocator(config)
     config.addinivalue_line(
         "markers", "gpu(n=1, require='cuda'): a GPU test: runs on n GPUs admitted by gpudiag "
         "for the requirement (CLI syntax, e.g. 'jax', 'cuda,jax', 'jax:cpu'), skips (or, "
@@ -63,6 +73,14 @@ def _required(config: pytest.Config) -> bool:
     if config.getoption("gpu_required"):
         return True
     return os.environ.get(REQUIRED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _xla_allocator(config: pytest.Config) -> str:
+    value = config.getoption("gpu_xla_allocator") or config.getini("gpu_xla_allocator")
+    if value not in XLA_ALLOCATOR_CHOICES:
+        raise pytest.UsageError(f"gpu_xla_allocator = {value!r}: one of "
+                                f"{', '.join(XLA_ALLOCATOR_CHOICES)}")
+    return str(value)
 
 
 def _timeout(config: pytest.Config) -> float:
@@ -90,7 +108,8 @@ def _session(config: pytest.Config) -> GpuSession:
     if gs is None:
         from gpudiag.pytest_plugin.session import GpuSession
 
-        gs = GpuSession(required=_required(config), timeout_s=_timeout(config))
+        gs = GpuSession(required=_required(config), timeout_s=_timeout(config),
+                        xla_allocator=_xla_allocator(config))
         config.stash[SESSION] = gs
     return gs
 

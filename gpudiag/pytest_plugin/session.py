@@ -73,6 +73,7 @@ class GpuSession:
 
     required: bool
     timeout_s: float
+    xla_allocator: str = "platform"  # "keep": the session's own allocator variables
     wanted: dict[str, int] = field(default_factory=dict)  # requirement -> most GPUs asked
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     admission: Admission | None = None
@@ -335,7 +336,7 @@ def _apply_environment(gs: GpuSession) -> None:
     # JAX on the GPU comes first and fails loudly; CPU-only tests of a mixed session keep CPU.
     jax_platforms = ",".join(p for p in ("cuda", "cpu") if p in platforms) or None
     uuids = gs.admission.uuids if gs.admission is not None else ()
-    gs.environment = gpudiag_variables(uuids, jax_platforms)
+    gs.environment = gpudiag_variables(uuids, jax_platforms, gs.xla_allocator)
     for key, value in gs.environment.items():
         gs.saved_env.setdefault(key, os.environ.get(key))
         os.environ[key] = value

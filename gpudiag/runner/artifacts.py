@@ -93,9 +93,12 @@ def prepare_folder(folder: Path) -> Path:
 
 
 def new_run_folder(root: Path, now: float | None = None) -> Path:
-    """A fresh private run folder under ``root``: ``STAMP-xxxxxxxx``, unpredictable, 0700."""
-    check_ancestors(root / "x")
-    root.mkdir(parents=True, exist_ok=True)
+    """A fresh private run folder under ``root``: ``STAMP-xxxxxxxx``, unpredictable, 0700.
+
+    ``root`` itself must be the caller's (``prepare_folder``): whoever can write it could
+    move a run folder aside and put their own in its place.
+    """
+    prepare_folder(root)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     return Path(tempfile.mkdtemp(prefix=f"{stamp}-", dir=root))
 

@@ -56,6 +56,7 @@ class Closeout:
     timed_out: bool = False
     preallocation_disabled: str = "no"        # yes | no
     preallocation_source: str = "none"        # child | plan | none
+    xla_allocator: str | None = None          # a launched run: the job's XLA allocator
     gpu_injection: str | None = None          # --image: how the GPUs reach the container
     ended_at: str | None = None
     duration_s: float | None = None
@@ -85,8 +86,9 @@ class Closeout:
 
 _ORDER = ("schema", "gpu_execution_route", "gpu_validation_blocker", "ready", "launched",
           "status", "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
-          "preallocation_source", "container_image", "gpu_injection", "started_at", "ended_at",
-          "duration_s", "host", "gpudiag_version", "verdict_source", "gpus", "artifacts",
+          "preallocation_source", "xla_allocator", "container_image", "gpu_injection",
+          "started_at", "ended_at", "duration_s", "host", "gpudiag_version", "verdict_source",
+          "gpus", "artifacts",
           "blockers", "evidence", "error", "attribution", "job_record", "gpu_usage")
 
 
@@ -95,7 +97,7 @@ def closeout_kv(closeout: Mapping[str, Any]) -> str:
     lines = [f"{k}={kv_value(closeout.get(k), lenient=True)}" for k in (
         "gpu_execution_route", "gpu_validation_blocker", "ready", "launched", "status",
         "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
-        "preallocation_source", "container_image", "gpu_injection", "started_at",
+        "preallocation_source", "xla_allocator", "container_image", "gpu_injection", "started_at",
         "ended_at", "duration_s", "verdict_source", "host", "gpudiag_version")]
     attribution = Attribution.from_record(closeout.get("attribution"))
     if attribution is not None:

@@ -26,7 +26,13 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, BinaryIO
 
-from gpudiag.core.child import REPORT_DIR_VAR, env_sha256, preallocation_off, sitecustomize_source
+from gpudiag.core.child import (
+    REPORT_DIR_VAR,
+    env_sha256,
+    preallocation_off,
+    sitecustomize_source,
+    xla_allocator,
+)
 from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.fileio import atomic_write, write_error
 from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
@@ -105,6 +111,7 @@ class RunOptions:
     docker: str = "docker"
     cwd: Path = field(default_factory=Path.cwd)
     daemon_url: str | None = None  # ask this daemon for the verdict first; None: inline
+    xla_allocator: str = "platform"  # "keep": the job's own allocator (core.environment)
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,8 @@ def _json(data: Any) -> str:
 def build_plan(options: RunOptions, admission: Admission, base_env: Mapping[str, str],
                hook_dir: Path | None) -> dict[str, Any]:
     """The plan record: what will run, where, on which leaves, with which variables."""
-    variables = gpudiag_variables(admission.uuids, admission.jax_platforms)
+    variables = gpudiag_variables(admission.uuids, admission.jax_platforms,
+                                  options.xla_allocator)
     python_path: str | None = None
     report_dir: str | None = None
     if hook_dir is not None:
@@ -551,7 +559,8 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
             "signaled" if sig is not None else "exited"),
         exit_code=code, exit_signal=sig, timed_out=timed_out,
         preallocation_disabled="yes" if prealloc else "no", preallocation_source=source,
-        ended_at=_now(), duration_s=round(time.monotonic() - t0, 3),
+        xla_allocator=xla_allocator(env), ended_at=_now(),
+        duration_s=round(time.monotonic() - t0, 3),
         evidence={"child_reports": seen, "plan_fingerprint": written["fingerprint"]})
     closeout = close_attribution(gpu_events, closeout, written["launch_argv"], ran.pid, code,
                                  base, usage)

@@ -26,6 +26,8 @@
  *   FAKE_NVML_UTILIZATION=IDX:PCT, FAKE_NVML_MEMORY_UTILIZATION=IDX:PCT
  *   FAKE_NVML_TEMPERATURE_C=IDX:C (35), FAKE_NVML_POWER_MW=IDX:MW (75000),
  *   FAKE_NVML_POWER_LIMIT_MW=IDX:MW (700000)
+ *   FAKE_NVML_CLOCKS_MHZ=IDX:SM/MEM (1980/3201), FAKE_NVML_PSTATE=IDX:N (0),
+ *   FAKE_NVML_FAN_PCT=IDX:PCT (unset: NOT_SUPPORTED, a chassis-cooled GPU)
  *   FAKE_NVML_ECC_{VOLATILE,AGGREGATE}_{CORRECTED,UNCORRECTED}=IDX:N
  *   FAKE_NVML_REMAPPED_ROWS=IDX:CORR/UNCORR/PENDING/FAILURE
  *   FAKE_NVML_RETIRED_PAGES=IDX:N     (otherwise retired pages: NOT_SUPPORTED)
@@ -41,7 +43,9 @@
  *   FAKE_NVML_FABRIC=IDX:STATE/STATUS fabric state (0 not supported, 1 not started,
  *       2 in progress, 3 completed) and status (an nvmlReturn_t); unset: NOT_SUPPORTED
  *   FAKE_NVML_RETIRED_PAGES_PENDING=IDX:0|1  pages waiting for a reset to retire
- *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, each delivered once per process
+ *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, a multiset: what it lists beyond what this
+ *       process delivered is delivered (a new XID written into the state file arrives; one
+ *       already delivered arrives again only when listed once more: 3:79,3:79)
  *   FAKE_NVML_SERIAL=IDX:SERIAL       the board serial of GPU IDX (default 16500000000NN,
  *       NN the index); a GPU moved to another slot keeps its serial: give it to the new index
  *   FAKE_NVML_ENERGY_MJ=IDX:MJ        total energy counter in millijoules; unset, it is the
@@ -566,6 +570,39 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, un
     return NVML_SUCCESS;
 }
 
+/* What nvidia-smi users scan for: clocks, performance state, fan. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type,
+                                                unsigned int *clock) {
+    CHECK_DEVICE(device, "clocks", 0);
+    if (!clock) return NVML_ERROR_INVALID_ARGUMENT;
+    char buf[64];
+    long long sm = 1980, mem = 3201; /* an H200 at its boost and memory clocks */
+    if (fake_list_str("FAKE_NVML_CLOCKS_MHZ", device->gpu, -1, buf, sizeof buf))
+        sscanf(buf, "%lld/%lld", &sm, &mem);
+    if (type == 1) *clock = (unsigned int)sm;         /* NVML_CLOCK_SM */
+    else if (type == 2) *clock = (unsigned int)mem;   /* NVML_CLOCK_MEM */
+    else if (type == 0) *clock = (unsigned int)sm;    /* NVML_CLOCK_GRAPHICS */
+    else return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, int *pstate) {
+    CHECK_DEVICE(device, "clocks", 0);
+    if (!pstate) return NVML_ERROR_INVALID_ARGUMENT;
+    *pstate = (int)fake_list_ll("FAKE_NVML_PSTATE", device->gpu, -1, 0);
+    return NVML_SUCCESS;
+}
+
+/* Data-center GPUs are cooled by the chassis: NOT_SUPPORTED unless FAKE_NVML_FAN_PCT says. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t device, unsigned int *speed) {
+    CHECK_DEVICE(device, "fan", 0);
+    if (!speed) return NVML_ERROR_INVALID_ARGUMENT;
+    long long pct = fake_list_ll("FAKE_NVML_FAN_PCT", device->gpu, -1, -1);
+    if (pct < 0) return NVML_ERROR_NOT_SUPPORTED;
+    *speed = (unsigned int)pct;
+    return NVML_SUCCESS;
+}
+
 /* ------------------------------------------------------------------------- */
 /* Health: ECC, remapped rows, retired pages, clocks event reasons           */
 /* ------------------------------------------------------------------------- */
@@ -942,8 +979,22 @@ typedef struct {
 typedef fake_event_set *nvmlEventSet_t;
 
 static pthread_mutex_t g_event_lock = PTHREAD_MUTEX_INITIALIZER;
-/* Entry k of FAKE_NVML_XIDS has been delivered (to some set) in this process. */
-static unsigned char g_xid_delivered[FAKE_MAX_XIDS];
+/* What this process delivered so far, by content (GPU, MIG instance, XID) with a count:
+ * FAKE_NVML_XIDS is a multiset, and what it holds beyond what was delivered is pending.
+ * Rewriting the state file with a new XID delivers it; one already delivered is delivered
+ * again only when listed once more (3:79,3:79 after 3:79). */
+typedef struct { int gpu, mig; long long xid; int count; } fake_xid_seen;
+static fake_xid_seen g_xid_seen[FAKE_MAX_XIDS];
+static int g_xid_seen_n;
+
+static fake_xid_seen *xid_seen(int gpu, int mig, long long xid, int add) {
+    for (int i = 0; i < g_xid_seen_n; i++)
+        if (g_xid_seen[i].gpu == gpu && g_xid_seen[i].mig == mig && g_xid_seen[i].xid == xid)
+            return &g_xid_seen[i];
+    if (!add || g_xid_seen_n >= FAKE_MAX_XIDS) return NULL;
+    g_xid_seen[g_xid_seen_n] = (fake_xid_seen){gpu, mig, xid, 0};
+    return &g_xid_seen[g_xid_seen_n++];
+}
 
 FAKE_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
     CHECK_INIT();
@@ -979,18 +1030,28 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned 
     return NVML_SUCCESS;
 }
 
-/* Delivers the first undelivered XID this set listens for; 1 if one was found. */
+/* Delivers the first pending XID this set listens for; 1 if one was found. The k-th listing
+ * of an entry is pending while fewer than k of that entry were delivered. */
 static int take_pending_xid(nvmlEventSet_t set, nvmlEventData_t *data) {
     char *list = fake_get_dup("FAKE_NVML_XIDS");
     char *cur = list, *rest;
     int gpu, mig, k = 0, found = 0;
+    static int gpus[FAKE_MAX_XIDS], migs[FAKE_MAX_XIDS];
+    static long long xids[FAKE_MAX_XIDS];
     pthread_mutex_lock(&g_event_lock);
     while (!found && k < FAKE_MAX_XIDS && fake_list_next(&cur, &gpu, &mig, &rest)) {
         long long xid;
-        int idx = k++;
-        if (g_xid_delivered[idx] || !fake_parse_ll(rest, &xid)) continue;
+        if (!fake_parse_ll(rest, &xid)) continue;
+        int listed = 1; /* this entry's listing number */
+        for (int i = 0; i < k; i++)
+            if (gpus[i] == gpu && migs[i] == mig && xids[i] == xid) listed++;
+        gpus[k] = gpu; migs[k] = mig; xids[k] = xid; k++;
+        fake_xid_seen *seen = xid_seen(gpu, mig, xid, 0);
+        if (seen && seen->count >= listed) continue;
         if (gpu >= FAKE_MAX_GPUS || !(set->types[gpu] & nvmlEventTypeXidCriticalError)) continue;
-        g_xid_delivered[idx] = 1;
+        seen = xid_seen(gpu, mig, xid, 1);
+        if (!seen) continue;
+        seen->count++;
         data->device = &g_gpus[gpu];
         data->eventType = nvmlEventTypeXidCriticalError;
         data->eventData = (unsigned long long)xid;

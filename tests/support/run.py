@@ -16,3 +16,10 @@ def gpudiag_run(args: list[str], env: dict[str, str], artifacts: Path, timeout: 
     env = dict(env)
     env.setdefault("GPUDIAG_DAEMON_URL", NO_DAEMON)
     return run_gpudiag(["run", "--artifacts", str(artifacts), *args], env, timeout)
+
+
+def run_folder(artifacts: Path) -> Path:
+    """The one run folder (``STAMP-xxxxxxxx``) that a `gpudiag run --artifacts DIR` made in DIR."""
+    runs = [p for p in artifacts.iterdir() if p.is_dir()]
+    assert len(runs) == 1, f"{artifacts} holds {len(runs)} run folders: {runs}"
+    return runs[0]
