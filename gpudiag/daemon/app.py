@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -33,6 +33,7 @@ from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one li
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.qualifier import Qualifier
+from gpudiag.daemon.remediation import RemediationReport
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, verdict_for
 from gpudiag.daemon.store import HistoryError, HistoryStore
@@ -182,6 +183,9 @@ class DaemonApp:
         self.scheduler = scheduler
         self.store = store
         self.qualifier: Qualifier | None = None  # set by the daemon when it qualifies GPUs
+        # What remediation did and how Slurm answers it ([remediation]; None: off): in the
+        # evidence of every node-health answer (/v1/health).
+        self.remediation: Callable[[], RemediationReport] | None = None
         # Why the daemon's history is not open (e.g. the disk was full at start); None: it
         # keeps none at all. /v1/history says which, and why.
         self.history_error = history_error
@@ -189,7 +193,7 @@ class DaemonApp:
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Answers per (snapshot, requirement, visibility), classified and encoded once: a
         # snapshot never changes.
-        self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None],
+        self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None, int],
                           EncodedAnswer] = {}
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -400,7 +404,9 @@ class DaemonApp:
                 fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
-        cache_key = (snap.seq, requirement, visibility)
+        extra = self.remediation() if (self.remediation is not None
+                                       and requirement.node_health) else None
+        cache_key = (snap.seq, requirement, visibility, extra.version if extra else 0)
         answer = self._cache.get(cache_key)
         if answer is None:
             if inline:  # classifying and encoding takes milliseconds: the pool does it
@@ -413,6 +419,9 @@ class DaemonApp:
                 raise ApiError(503, "not_ready",
                                f"no result yet for {', '.join(missing)}; probes still running "
                                f"after {wait:g} s (retry, or raise wait_s)")
+            if extra is not None:
+                verdict = replace(verdict, evidence={**verdict.evidence,
+                                                     "remediation": extra.evidence()})
             answer = EncodedAnswer.of(verdict, "daemon")
             if len(self._cache) >= 256:
                 self._cache.clear()

@@ -53,8 +53,10 @@ from gpudiag.daemon.qualifier import Qualifier, QualifierState
 from gpudiag.daemon.qualify_exporter import QualificationCollector
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
+from gpudiag.daemon.remediation import RemediationCollector, Remediator
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
+from gpudiag.daemon.slurmctl import SlurmError
 from gpudiag.daemon.snapshot import Snapshot
 from gpudiag.daemon.statedir import (
     StateDirError,
@@ -113,6 +115,7 @@ class _Parts:
     reloader: Reloader
     qualifier: Qualifier
     servers: tuple[HttpServer, ...]  # TCP first, then the unix socket if one is configured
+    remediator: Remediator | None = None  # [remediation] mode observe or act
 
 
 class DaemonService:
@@ -136,6 +139,7 @@ class DaemonService:
         # Built by start(); the three callbacks that point back at them check for None.
         self._scheduler: Scheduler | None = None
         self._app: DaemonApp | None = None
+        self._remediator: Remediator | None = None
         self._parts: _Parts | None = None
         self.url = ""  # http://HOST:PORT once listening
 
@@ -167,6 +171,8 @@ class DaemonService:
         parts.writer.start()
         parts.watcher.start()
         parts.scheduler.start()
+        if parts.remediator is not None:
+            parts.remediator.start()
         self._say_ready(parts)
 
     def request_stop(self) -> None:
@@ -188,6 +194,8 @@ class DaemonService:
         for server in parts.servers:
             server.shutdown()
         parts.qualifier.stop()
+        if parts.remediator is not None:
+            parts.remediator.stop()
         parts.scheduler.stop()
         parts.watcher.stop()
         # A probe child still running (even hung in the driver) must not hold the exit up to
@@ -251,19 +259,47 @@ class DaemonService:
         app.registry.register(ReloadCollector(reloader.state))
         qualifier = self._start_qualifier(scheduler, app)
         app.registry.register(JobFailuresCollector(jobs.counts))
+        remediator = self._start_remediation(scheduler, app, qualifier)
         try:
             servers = self._listen(app)
         except BaseException:
             qualifier.stop()
             raise
         return _Parts(lock, notifier, recorder, writer, watcher, scheduler, reloader,
-                      qualifier, servers)
+                      qualifier, servers, remediator)
+
+    def _start_remediation(self, scheduler: Scheduler, app: DaemonApp, qualifier: Qualifier
+                           ) -> Remediator | None:
+        """[remediation]: the actor on the scheduler's snapshots, its metrics and evidence;
+        the node name is checked against Slurm first (docs/operations.md)."""
+        cfg = self.cfg.remediation
+        if cfg.mode == "off":
+            return None
+        self._remediator = remediator = Remediator(cfg, self.state_dir)
+        try:
+            info = remediator.check_node()
+            log.info("remediation %s: node %s is %s in Slurm", cfg.mode, remediator.slurm.node,
+                     info.view.state, extra={"node": remediator.slurm.node,
+                                             "remediation_mode": cfg.mode})
+        except SlurmError as e:
+            if e.kind == "unknown_node":
+                qualifier.stop()
+                raise StartError(f"[remediation] node_name {remediator.slurm.node!r}: {e}; "
+                                 "set node_name to this node's Slurm NodeName") from e
+            # Slurm may be down now: the actor asks again before any action.
+            log.warning("remediation %s: cannot check node %s in Slurm yet (%s); retrying "
+                        "before any action", cfg.mode, remediator.slurm.node, e,
+                        extra={"error": str(e)})
+        scheduler.on_snapshot(remediator.offer)
+        app.registry.register(RemediationCollector(remediator.report))
+        app.remediation = remediator.report
+        return remediator
 
     def _inboxes(self, recorder: HistoryRecorder, watcher: XidWatcher
                  ) -> tuple[ClearPoller, JobInbox]:
         """The `gpudiag clear` requests and the jobs' records the loop takes in each tick."""
         clears = ClearPoller(self.state_dir, release=watcher.clear,
-                             record=partial(record_clear, recorder), recheck=self._recheck)
+                             record=partial(self._cleared, recorder), recheck=self._recheck)
         jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder))
         try:
             clears.prepare()
@@ -361,6 +397,12 @@ class DaemonService:
         """A clear re-runs the probes (it comes from the scheduler's own tick, so it exists)."""
         if self._scheduler is not None:
             self._scheduler.trigger(recheck_keys(self._scheduler.scheduled))
+
+    def _cleared(self, recorder: HistoryRecorder, request: ClearRequest, released: int) -> None:
+        """A clear is kept in the history and moves remediation's recovery boundary."""
+        record_clear(recorder, request, released)
+        if self._remediator is not None:
+            self._remediator.cleared(request.gpu, min(request.requested_wall, time.time()))
 
     def _written(self, recorder: HistoryRecorder, verdict: Verdict | None,
                  changes: list[Written]) -> None:
