@@ -10,6 +10,8 @@ probes cannot see XIDs and would resume every drain at once).
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -350,3 +352,15 @@ def test_an_unknown_node_name_fails_the_start(real_slurm: RealSlurm, tmp_path: P
     node = Node(real_slurm, tmp_path, node_name="no-such-node")
     with pytest.raises(AssertionError, match="node_name 'no-such-node'"):
         node.__enter__()
+
+
+@pytest.mark.parametrize(("name", "rc", "said"), [
+    (None, 0, "is IDLE in Slurm"), ("no-such-node", 2, "is not a node Slurm knows")])
+def test_check_config_checks_the_node_name_against_slurm(
+        real_slurm: RealSlurm, tmp_path: Path, name: str | None, rc: int, said: str) -> None:
+    node = Node(real_slurm, tmp_path, node_name=name or real_slurm.host)
+    proc = subprocess.run([sys.executable, "-m", "gpudiag", "serve", "--config",
+                           str(node.config), "--check-config"], env=node.env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == rc, proc.stdout + proc.stderr
+    assert said in proc.stdout

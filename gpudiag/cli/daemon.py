@@ -102,6 +102,16 @@ def _config(path: str | None, listen: str | None, socket_path: str | None) -> Da
         raise click.UsageError(str(e)) from e
 
 
+def _check_remediation_node(cfg: DaemonConfig) -> None:
+    """--check-config with [remediation] on: the node name must be a node Slurm knows."""
+    from gpudiag.daemon.remediation import check_node_once
+
+    ok, text = check_node_once(cfg.remediation)
+    click.echo(f"# remediation: {text}")
+    if not ok:
+        raise click.exceptions.Exit(EXIT_USAGE)
+
+
 @click.command(short_help="Run the daemon: probes, XID watcher, /metrics, preflight API.",
                epilog=examples(
                    "gpudiag serve                                 # 127.0.0.1:9477",
@@ -137,6 +147,8 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
                    "after --listen/--socket), as TOML:")
         for line in effective_config(cfg, state_dir or str(default_state_dir())):
             click.echo(line)
+        if cfg.remediation.mode != "off":
+            _check_remediation_node(cfg)
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
     _run(cfg, Path(state_dir) if state_dir else default_state_dir(), config_path,

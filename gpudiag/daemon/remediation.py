@@ -71,6 +71,21 @@ def slurm_control(cfg: RemediationConfig) -> SlurmControl:
                         slurm_conf=cfg.slurm_conf, timeout_s=cfg.command_timeout_s)
 
 
+def check_node_once(cfg: RemediationConfig) -> tuple[bool, str]:
+    """``serve --check-config``: (False, why) only when Slurm says the node is unknown; a
+    Slurm that does not answer now is said, not an error (the daemon asks again)."""
+    slurm = slurm_control(cfg)
+    try:
+        info = slurm.show_node()
+    except SlurmError as e:
+        if e.kind == "unknown_node":
+            return False, (f"node_name {slurm.node!r} is not a node Slurm knows ({e}); set "
+                           "node_name to this node's NodeName")
+        return True, f"cannot ask Slurm about node {slurm.node!r} now ({e.kind}: {e})"
+    return True, (f"node {slurm.node!r} is {info.view.state} in Slurm (partitions "
+                  f"{','.join(info.partitions) or 'none'}), mode {cfg.mode}")
+
+
 def snapshot_faults(snap: Snapshot) -> tuple[tuple[Fault, ...] | None, float | None]:
     """The node-health verdict's draining faults with their evidence times, and the oldest
     start of the GPU probes behind it; (None, None) before there is a verdict."""
