@@ -364,3 +364,19 @@ def test_check_config_checks_the_node_name_against_slurm(
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == rc, proc.stdout + proc.stderr
     assert said in proc.stdout
+
+
+node = test_slurm.node  # the stand-in scontrol's node (tests/test_slurm.py)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"FAKE_CUDA_INIT_ERROR": "999"}],
+                         ids=["ready", "blocked"])
+def test_the_slurm_scripts_leave_the_daemons_drain_to_the_daemon(
+        node: test_slurm.SlurmNode, knobs: dict[str, str]) -> None:
+    """The health check neither resumes nor rewrites `gpudiag:node:...`: a rewrite would read
+    as an operator undoing it, and resuming an `inspect` drain would defeat the attempt cap."""
+    for reason in (OWN_LOST, "gpudiag:inspect:gpu_lost:GPU-f00d0000"):
+        node.set(state="IDLE+DRAIN", reason=reason)
+        out = node.run(test_slurm.HEALTHCHECK, knobs)
+        assert out.returncode == 0, out.stderr
+        assert out.updates == [] and out.state["reason"] == reason

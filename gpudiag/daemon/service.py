@@ -53,7 +53,8 @@ from gpudiag.daemon.qualifier import Qualifier, QualifierState
 from gpudiag.daemon.qualify_exporter import QualificationCollector
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
-from gpudiag.daemon.remediation import RemediationCollector, Remediator
+from gpudiag.daemon.remediation import Remediator
+from gpudiag.daemon.remediation_exporter import RemediationCollector
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.slurmctl import SlurmError
