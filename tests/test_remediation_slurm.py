@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from gpudiag.daemon.clears import write_request
 from gpudiag.engine.locks import release, try_lock
 from tests import test_slurm
 from tests.support.daemon import Daemon, daemon_toml, metric_samples
@@ -117,9 +116,14 @@ class Node:
             time.sleep(0.05)
 
     def clear(self, gpu: str | None = GPU0) -> float:
-        """What `gpudiag clear --gpu 0` writes (the CLI resolves the index to the UUID)."""
+        """`gpudiag clear --gpu GPU` (or `--all` for None), as an operator runs it."""
         wall = time.time()
-        write_request(self.state, gpu, "repaired in test")
+        which = ["--all"] if gpu is None else ["--gpu", gpu]
+        proc = subprocess.run([sys.executable, "-m", "gpudiag", "clear", *which, "--reason",
+                               "repaired in test", "--state-dir", str(self.state)],
+                              env=self.env, capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
         return wall
 
     def evidence(self) -> dict[str, Any]:
