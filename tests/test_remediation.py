@@ -359,3 +359,17 @@ def test_an_unreadable_killswitch_fails_safe_into_observe(tmp_path: Path,
     r.offer(object())  # type: ignore[arg-type]
     d = r.cycle()
     assert d is not None and d.outcome == "killswitch" and slurm.updates() == []
+
+
+def test_an_executable_others_can_write_is_refused(tmp_path: Path) -> None:
+    from gpudiag.daemon.slurmctl import check_executable
+
+    exe = tmp_path / "scontrol"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert check_executable(str(exe)) is None
+    exe.chmod(0o775)
+    assert "writable by its group" in (check_executable(str(exe)) or "")
+    exe.chmod(0o644)
+    assert "not an executable" in (check_executable(str(exe)) or "")
+    assert check_executable(str(tmp_path / "none")) is not None

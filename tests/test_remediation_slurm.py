@@ -421,3 +421,34 @@ def test_every_fault_to_drain_is_within_5_s(real_slurm: RealSlurm, tmp_path: Pat
     if out:
         Path(out).write_text(json.dumps(got))
     assert all(r["seen_s"] <= DRAIN_LIMIT_S for r in got), got
+
+
+def test_a_gpu_lost_in_nvml_readings_drains_and_resumes_once_repaired_and_cleared(
+        real_slurm: RealSlurm, tmp_path: Path) -> None:
+    s = real_slurm
+    with Node(s, tmp_path) as n:
+        s.set_gpus(FAKE_NVML_DEVICE_ERRORS="0:15")  # NVML_ERROR_GPU_IS_LOST
+        n.wait("the drain", lambda: drained(s))
+        s.set_gpus()  # repaired (reset, reseated)
+        time.sleep(1.0)
+        assert drained(s)  # not without a clear
+        n.clear()
+        n.wait("the resume", lambda: resumed(s))
+
+
+def test_past_the_attempt_cap_a_person_is_needed_and_gpudiag_stops(
+        real_slurm: RealSlurm, tmp_path: Path) -> None:
+    s = real_slurm
+    inspect = "gpudiag:inspect:gpu_lost:GPU-f00d0000"
+    with Node(s, tmp_path, max_attempts_per_gpu=1) as n:
+        s.set_gpus(FAKE_NVML_XIDS="0:79")
+        n.wait("the first drain", lambda: drained(s))
+        n.clear()
+        n.wait("the resume", lambda: resumed(s))
+        s.set_gpus(FAKE_NVML_XIDS="0:79,0:79")  # it fails again
+        n.wait("the drain that asks for a person", lambda: drained(s, inspect))
+        assert n.metric("gpudiag_remediation_needs_person") == 1
+        assert n.evidence()["needs_person"] is True
+        n.clear()
+        time.sleep(1.5)
+        assert drained(s, inspect)  # gpudiag stops: a person resumes it

@@ -57,7 +57,7 @@ from gpudiag.daemon.remediation import Remediator
 from gpudiag.daemon.remediation_exporter import RemediationCollector
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
-from gpudiag.daemon.slurmctl import SlurmError
+from gpudiag.daemon.slurmctl import SlurmError, check_executable
 from gpudiag.daemon.snapshot import Snapshot
 from gpudiag.daemon.statedir import (
     StateDirError,
@@ -276,6 +276,11 @@ class DaemonService:
         cfg = self.cfg.remediation
         if cfg.mode == "off":
             return None
+        for path in (cfg.scontrol, cfg.sinfo):
+            unsafe = check_executable(path)
+            if unsafe is not None and os.path.exists(path):
+                qualifier.stop()
+                raise StartError(f"[remediation]: {unsafe}; refusing to run it as the daemon")
         self._remediator = remediator = Remediator(cfg, self.state_dir)
         try:
             info = remediator.check_node()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -100,6 +101,20 @@ def run_bounded(argv: Sequence[str], env: dict[str, str], timeout_s: float
                          f"answer within {timeout_s:g} s") from None
     return (proc.returncode, out[:OUTPUT_LIMIT].decode(errors="replace"),
             err[-4096:].decode(errors="replace"))
+
+
+def check_executable(path: str) -> str | None:
+    """Why ``path`` must not be run by a root daemon (None: it may): not a regular file, not
+    executable, or writable by someone other than its owner (who could swap the code)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+        return f"{path} is not an executable file"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by its group or by everyone (mode {st.st_mode & 0o777:o})"
+    return None
 
 
 class SlurmControl:
