@@ -452,3 +452,29 @@ def test_past_the_attempt_cap_a_person_is_needed_and_gpudiag_stops(
         n.clear()
         time.sleep(1.5)
         assert drained(s, inspect)  # gpudiag stops: a person resumes it
+
+
+def test_a_running_job_finishes_on_the_drained_node_and_sinfo_dates_the_drain(
+        real_slurm: RealSlurm, tmp_path: Path) -> None:
+    """Drain, not down: the job on the node runs to its end. And the real sinfo's %H is the
+    time format the fleet guard reads (an unreadable one would count every drain as recent)."""
+    s = real_slurm
+    started = tmp_path / "job-started"
+    with Node(s, tmp_path) as n:
+        job = subprocess.run(
+            ["sbatch", "--parsable", "--gres=gpu:1", "-o", "/dev/null", "--wrap",
+             f"touch {started}; sleep 4"], env=s.env, capture_output=True, text=True,
+            timeout=30, check=True, cwd=s.folder).stdout.strip().split(";")[0]
+        n.wait("the job to run", started.exists, 60)
+        s.set_gpus(FAKE_NVML_XIDS="0:79")
+        n.wait("the drain", lambda: drained(s))
+        assert "DRAIN" in s.node_field("State") and "DOWN" not in s.node_field("State")
+        n.wait("the job to complete", lambda: test_slurm._job_field(
+            s, job, "JobState") == "COMPLETED", 60)
+        line = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N|%H|%E"],
+                              env=s.env, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip().splitlines()[0]
+        name, when, reason = line.split("|", 2)
+        assert (name, reason) == (s.host, OWN_LOST)
+        set_wall = time.mktime(time.strptime(when, "%Y-%m-%dT%H:%M:%S"))
+        assert abs(time.time() - set_wall) < 120
