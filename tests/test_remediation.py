@@ -373,3 +373,12 @@ def test_an_executable_others_can_write_is_refused(tmp_path: Path) -> None:
     exe.chmod(0o644)
     assert "not an executable" in (check_executable(str(exe)) or "")
     assert check_executable(str(tmp_path / "none")) is not None
+
+
+def test_a_clear_that_did_not_repair_is_taken_back_by_newer_evidence() -> None:
+    mem, reason = _drained()
+    mem = cleared(mem, GPU, 1000.0)
+    node = NodeView("IDLE+DRAIN", reason)
+    still = released(mem, facts(lost(1005.0), node=node, now=1006.0, since=1001.0))
+    assert still.released_wall is None
+    assert decide(facts(node=node, now=1010.0, since=1008.0), still, ACT).outcome == "held"

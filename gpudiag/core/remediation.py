@@ -332,11 +332,23 @@ def remember(memory: Memory, decision: Decision, facts: Facts) -> Memory:
 
 def released(memory: Memory, facts: Facts) -> Memory:
     """A standing incident whose faults are gone (the hold expired) counts as released now;
-    the resume still waits for a fresh pass after this moment."""
-    if (memory.drain is None or memory.released_wall is not None or facts.faults is None
-            or live_faults(facts.faults, memory)):
+    the resume still waits for a fresh pass after this moment. Evidence newer than the
+    release (a clear that did not repair it) takes the release back."""
+    if memory.drain is None or facts.faults is None:
         return memory
-    return replace(memory, released_wall=facts.now_wall)
+    live = live_faults(facts.faults, memory)
+    if memory.released_wall is not None:
+        if any(f.evidence_wall > memory.released_wall for f in live):
+            return replace(memory, released_wall=None)
+        return memory
+    return memory if live else replace(memory, released_wall=facts.now_wall)
+
+
+def resume_due(facts: Facts, memory: Memory) -> bool:
+    """Whether a standing incident may resume now (released, no live fault, a fresh pass):
+    only then does the actor ask Slurm at once rather than on its slow poll."""
+    return (memory.drain is not None and facts.faults is not None
+            and not live_faults(facts.faults, memory) and _fresh_pass(facts, memory))
 
 
 def cleared(memory: Memory, uuid: str | None, wall: float) -> Memory:

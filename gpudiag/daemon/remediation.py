@@ -39,6 +39,7 @@ from gpudiag.core.remediation import (
     parse_killswitch,
     released,
     remember,
+    resume_due,
 )
 from gpudiag.core.xids import xid_code
 from gpudiag.daemon.config import RemediationConfig
@@ -240,7 +241,7 @@ class Remediator:
         # Slurm is asked at once for a new incident or a resume that may be due; otherwise
         # (gpudiag's drain stands, or a refused or left-alone incident) every NODE_POLL_S.
         standing = memory.drain is not None and not memory.drain.observed
-        due = (memory.released_wall is not None) if standing else not self._waiting
+        due = resume_due(facts, memory) if standing else not self._waiting
         if not due and self._mono() - self._node_read_at < NODE_POLL_S:
             return first
         try:
