@@ -382,3 +382,31 @@ def test_a_clear_that_did_not_repair_is_taken_back_by_newer_evidence() -> None:
     still = released(mem, facts(lost(1005.0), node=node, now=1006.0, since=1001.0))
     assert still.released_wall is None
     assert decide(facts(node=node, now=1010.0, since=1008.0), still, ACT).outcome == "held"
+
+
+def test_the_metrics_render_every_family_and_pass_promtool(tmp_path: Path,
+                                                           one_fault: None) -> None:
+    import shutil
+    import subprocess
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpudiag.daemon.remediation_exporter import RemediationCollector
+
+    slurm = StandinSlurm()
+    r = actor(tmp_path, slurm)
+    r.offer(object())  # type: ignore[arg-type]
+    r.cycle()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RemediationCollector(r.report))
+    text = generate_latest(registry).decode()
+    assert ('gpudiag_remediation_actions_total{action="drain",code="gpu_lost",mode="act",'
+            'outcome="ok"} 1.0') in text
+    assert "gpudiag_remediation_latency_seconds_count 1.0" in text
+    assert "gpudiag_remediation_drained 1.0" in text
+    assert 'gpudiag_remediation_mode{mode="act"} 1.0' in text
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        proc = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
+                              capture_output=True, timeout=30, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
