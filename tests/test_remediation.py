@@ -410,3 +410,16 @@ def test_the_metrics_render_every_family_and_pass_promtool(tmp_path: Path,
         proc = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
                               capture_output=True, timeout=30, check=False)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("rails", "outcome"), [
+    (Rails(mode="observe"), "observed"),
+    (Rails(mode="act", killswitch=frozenset({"gpu_lost"})), "killswitch")])
+def test_observe_and_the_killswitch_hold_a_resume_of_gpudiags_drain_back(
+        rails: Rails, outcome: str) -> None:
+    mem, reason = _drained()
+    mem = cleared(mem, GPU, 1000.0)
+    f = facts(node=NodeView("IDLE+DRAIN", reason), since=1001.0, now=1002.0)
+    d = decide(f, mem, rails)
+    assert (d.action, d.outcome, d.acts) == ("resume", outcome, False)
+    assert remember(mem, d, f).drain == mem.drain  # still gpudiag's, resumed later

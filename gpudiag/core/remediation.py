@@ -239,7 +239,7 @@ def decide(facts: Facts, memory: Memory, rails: Rails) -> Decision:
         else:
             return _standing_observed(facts, memory, live)
     if drain is not None:
-        return _standing(facts, memory, drain, live)
+        return _standing(facts, memory, rails, drain, live)
     if not live:
         return _none("healthy", "no fault that drains")
     return _new_incident(facts, memory, rails, live[0])
@@ -254,7 +254,8 @@ def _standing_observed(facts: Facts, memory: Memory, live: list[Fault]) -> Decis
                     f"would resume: {drain.reason} was cleared and the checks pass again")
 
 
-def _standing(facts: Facts, memory: Memory, drain: Drain, live: list[Fault]) -> Decision:
+def _standing(facts: Facts, memory: Memory, rails: Rails, drain: Drain, live: list[Fault]
+              ) -> Decision:
     node = facts.node
     if node is None:
         return _none("node_unknown", "scontrol could not be asked", drain.code)
@@ -267,6 +268,11 @@ def _standing(facts: Facts, memory: Memory, drain: Drain, live: list[Fault]) -> 
     if drain.needs_person:
         return _none("needs_person", f"{drain.reason}: gpudiag's attempts for this GPU are "
                      "used up; a person resumes it after inspection", drain.code)
+    mode = rails.mode_for(drain.code)
+    if mode != "act":  # observe, or the killswitch: gpudiag's drain stays as it is
+        return Decision("resume", mode, drain.code,
+                        "killswitch" if rails.mode == "act" else "observed",
+                        f"would resume: {drain.reason} was cleared and the checks pass again")
     return Decision("resume", "act", drain.code, "ok",
                     f"resuming: {drain.reason} was cleared and the checks pass again")
 
@@ -325,7 +331,8 @@ def remember(memory: Memory, decision: Decision, facts: Facts) -> Memory:
             key = fault.uuid or "*"
             attempts[key] = (*attempts.get(key, ()), now)[-16:]
         return replace(memory, drain=drain, attempts=attempts, released_wall=None)
-    if decision.action == "resume" and decision.outcome in ("ok", "observed"):
+    if decision.action == "resume" and (decision.outcome == "ok" or (
+            memory.drain is not None and memory.drain.observed)):
         return replace(memory, drain=None, released_wall=None)
     return memory
 

@@ -241,7 +241,7 @@ class Remediator:
         # Slurm is asked at once for a new incident or a resume that may be due; otherwise
         # (gpudiag's drain stands, or a refused or left-alone incident) every NODE_POLL_S.
         standing = memory.drain is not None and not memory.drain.observed
-        due = resume_due(facts, memory) if standing else not self._waiting
+        due = not self._waiting and (resume_due(facts, memory) if standing else True)
         if not due and self._mono() - self._node_read_at < NODE_POLL_S:
             return first
         try:
@@ -279,7 +279,11 @@ class Remediator:
         kept = remember(memory, decision, replace(facts, now_wall=self._wall()))
         self._keep(kept)
         outcome = decision.outcome
-        self._waiting = outcome in ("refused", "operator", "already")
+        # Looked at again only every NODE_POLL_S: an incident refused or left alone, or a
+        # resume of gpudiag's drain that observe or the killswitch holds back.
+        self._waiting = outcome in ("refused", "operator", "already") or (
+            decision.action == "resume" and outcome in ("observed", "killswitch")
+            and kept.drain is not None)
         if outcome in ("held", "node_unknown", "healthy", "waiting"):
             return
         key = (outcome, decision.code, decision.fault.uuid if decision.fault else None)
@@ -288,7 +292,7 @@ class Remediator:
                 self._said.add(key)
                 log.warning("remediation: %s", decision.why, extra=self._extra(decision))
             return
-        if outcome in ("refused", "operator", "already") and key in self._said:
+        if self._waiting and key in self._said:
             return  # said once per incident; tried again every cycle
         self._said.add(key)
         action = "drain" if outcome == "undone" else decision.action
