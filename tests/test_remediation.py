@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -304,7 +305,7 @@ class StandinSlurm:
         return [c for c in self.calls if c[0] == "update"]
 
 
-def actor(tmp_path: Path, slurm: StandinSlurm, **cfg: object) -> Remediator:
+def actor(tmp_path: Path, slurm: StandinSlurm, **cfg: Any) -> Remediator:
     config = replace(RemediationConfig(mode="act", node_name="n1",
                                        killswitch_file=str(tmp_path / "kill")), **cfg)
     control = SlurmControl(scontrol="/usr/bin/scontrol", sinfo="/usr/bin/sinfo", node="n1",

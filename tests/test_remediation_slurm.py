@@ -402,7 +402,10 @@ def fault_to_drain_rounds(s: RealSlurm, tmp_path: Path, rounds: int) -> list[dic
             start = time.monotonic()
             s.set_gpus(FAKE_NVML_XIDS=",".join(xids))  # one more XID: delivered once
             reason = f"gpudiag:node:gpu_lost:GPU-f00d{gpu:04x}"
-            n.wait(f"drain {i}", lambda reason=reason: s.reason() == reason, 30)
+            def seen_drained(reason: str = reason) -> bool:
+                return s.reason() == reason
+
+            n.wait(f"drain {i}", seen_drained, 30)
             seen = time.monotonic() - start
             n.wait(f"drain {i} in the evidence", lambda: n.evidence()["drain"] is not None)
             drain = n.evidence()["drain"]
