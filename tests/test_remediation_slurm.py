@@ -358,6 +358,12 @@ def test_an_unknown_node_name_fails_the_start(real_slurm: RealSlurm, tmp_path: P
     node = Node(real_slurm, tmp_path, node_name="no-such-node")
     with pytest.raises(AssertionError, match="node_name 'no-such-node'"):
         node.__enter__()
+    assert node.daemon is None
+    proc = subprocess.run([sys.executable, "-m", "gpudiag", "serve", "--config",
+                           str(node.config), "--state-dir", str(tmp_path / "s2")],
+                          env=node.env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2, proc.stderr  # a configuration error, as --check-config
 
 
 @pytest.mark.parametrize(("name", "rc", "said"), [

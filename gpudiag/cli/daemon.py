@@ -36,7 +36,8 @@ class _Failed(click.ClickException):
 
 
 class _Unusable(click.ClickException):
-    """The state directory cannot be used, or another daemon holds it: exit 2."""
+    """The state directory cannot be used, another daemon holds it, or the config names what
+    cannot be used ([remediation]): exit 2."""
 
     exit_code = EXIT_USAGE
 
@@ -173,6 +174,8 @@ def _run(cfg: DaemonConfig, state_dir: Path, config_path: str | None,
     except StateDirUnusable as e:
         raise _Unusable(str(e)) from e
     except StartError as e:
+        if e.exit_code == EXIT_USAGE:  # e.g. [remediation] names a node Slurm lacks
+            raise _Unusable(str(e)) from e
         raise _Failed(str(e)) from e
     if failed:
         raise _Failed(failed)

@@ -97,6 +97,12 @@ class StateDirUnusable(StartError):
     exit_code = EXIT_USAGE
 
 
+class RemediationUnusable(StartError):
+    """[remediation] names a node Slurm does not know, or an unsafe executable."""
+
+    exit_code = EXIT_USAGE
+
+
 class CannotListen(StartError):
     """The address or the socket cannot be served on (the CLI says it as a usage error)."""
 
@@ -281,7 +287,8 @@ class DaemonService:
             unsafe = check_executable(path)
             if unsafe is not None and os.path.exists(path):
                 qualifier.stop()
-                raise StartError(f"[remediation]: {unsafe}; refusing to run it as the daemon")
+                raise RemediationUnusable(f"[remediation]: {unsafe}; refusing to run it as the "
+                                          "daemon")
         self._remediator = remediator = Remediator(cfg, self.state_dir)
         try:
             info = remediator.check_node()
@@ -291,8 +298,9 @@ class DaemonService:
         except SlurmError as e:
             if e.kind == "unknown_node":
                 qualifier.stop()
-                raise StartError(f"[remediation] node_name {remediator.slurm.node!r}: {e}; "
-                                 "set node_name to this node's Slurm NodeName") from e
+                raise RemediationUnusable(
+                    f"[remediation] node_name {remediator.slurm.node!r}: {e}; set node_name "
+                    "to this node's Slurm NodeName") from e
             # Slurm may be down now: the actor asks again before any action.
             log.warning("remediation %s: cannot check node %s in Slurm yet (%s); retrying "
                         "before any action", cfg.mode, remediator.slurm.node, e,
