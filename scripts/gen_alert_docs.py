@@ -26,6 +26,13 @@ FIRES_WHEN = {
     "GpudiagFalseBlockerBudgetExceeded": "the fleet cleared more than 1 false blocker "
                                          "(`gpudiag clear --no-repair`) per 100 nodes in a "
                                          "day (docs/numbers.md)",
+    "GpudiagRemediationRefused": "a hardware fault stands but the fleet guard refused the "
+                                 "drain (`gpudiag_remediation_refused`)",
+    "GpudiagRemediationNeedsPerson": "gpudiag's attempts for a GPU are used up; its drain "
+                                     "says `gpudiag:inspect:...` and is not resumed by "
+                                     "gpudiag (`gpudiag_remediation_needs_person`)",
+    "GpudiagRemediationSlurmFailing": "scontrol or sinfo keeps failing, hanging or is absent "
+                                      "(`gpudiag_remediation_scontrol_failing`)",
     "GpudiagGpuLinkDown": "a GPU has NVLink links down or its NVSwitch fabric is not ready "
                           "(`gpudiag_gpu_condition`)",
     "GpudiagGpuDegraded": "a GPU shows a degraded PCIe link, held clock events, memory no "

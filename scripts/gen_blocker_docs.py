@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, QUALIFICATION, WARNINGS
+from gpudiag.core.catalog import BLOCKERS, DRAINS, LAYER_ORDER, QUALIFICATION, WARNINGS
 
 # Where a code's meaning follows NVIDIA's own word, the page that says it.
 SOURCES: tuple[str, ...] = (
@@ -47,6 +47,12 @@ def render() -> str:
             "| code | layer | meaning | what to do |", "|---|---|---|---|"]
     out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
             for e in WARNINGS.values()]
+    out += ["", "## Codes the daemon's remediation drains on", "",
+            "With `[remediation] mode = \"act\"` (docs/operations.md) the daemon drains its "
+            "node on these blockers only: hardware faults of a GPU or of the node. Every other "
+            "code (busy, unproven, software, configuration, a runtime's backend) and every "
+            "warning never drains.", "",
+            ", ".join(f"`{c}`" for c in BLOCKERS if c in DRAINS)]
     out += ["", "## Sources", ""]
     out += [f"- {line}" for line in SOURCES]
     out += ["", "## Qualification outcomes (gpudiag qualify; docs/qualify.md)", "",

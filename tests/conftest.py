@@ -79,6 +79,7 @@ SLOW_MODULES = {
     "test_real_jax": "the real JAX CUDA stack (a 3.2 GB install on first use)",
     "test_run": "`gpudiag run` end to end with probes and launches",
     "test_slurm": "a real Slurm cluster (munged, slurmctld, slurmd)",
+    "test_remediation_slurm": "a real Slurm cluster and real daemons draining it",
     "test_soak": "a daemon under flapping faults for 45 s",
 }
 SLOW_TESTS = {

@@ -96,7 +96,8 @@ def test_every_field_is_printed_or_said_why_not() -> None:
     keys = {place.rpartition(".")[2] for place in PLACES.values()}
     shown = {line.lstrip("# ").split(" ")[0] for line in text.splitlines()}
     for name in _names(DaemonConfig()) - {"backends", "xid", "history", "nvml",
-                                          "qualification", "thresholds", "runtimes"}:
+                                          "qualification", "thresholds", "runtimes",
+                                          "remediation"}:
         qual = [q for q in (*PLACES, *NOT_IN_FILE) if q.endswith(f".{name}")]
         assert name in shown or qual, f"{name} is missing from serve --check-config"
     assert {"nfd_features_file", "nfd_expiry_s", "clock_event_dwell_s"} <= shown

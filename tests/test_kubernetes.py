@@ -298,3 +298,25 @@ def test_the_daemonset_keeps_its_history_and_held_xids_in_the_node_s_state_folde
         subprocess.run([sys.executable, "-c", script], check=True)
         st = (tmp_path / "var-lib-gpudiag").stat()
         assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (65532, 65532, "0o700")
+
+
+def _design_examples() -> list[dict[str, Any]]:
+    """The remediation manifests docs/design-notes.md designs (```yaml blocks marked
+    ``# k8s-example``)."""
+    text = (ROOT / "docs" / "design-notes.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```yaml\n")[1:]]
+    return [yaml.safe_load(b) for b in blocks if b.startswith("# k8s-example")]
+
+
+def test_the_remediation_design_s_manifests_validate_against_the_api_schema() -> None:
+    kv = _kubernetes_validate()
+    docs = _design_examples()
+    assert {d["kind"] for d in docs} == {"DeviceTaintRule", "Node"}
+    for doc in docs:
+        try:
+            kv.validate(doc, kv.latest_version(), strict=True)
+        except kv.ValidationError as e:
+            pytest.fail(f"{doc['kind']} in docs/design-notes.md: {e.message} at "
+                        f"{'.'.join(str(p) for p in e.path)}")
+    rule = next(d for d in docs if d["kind"] == "DeviceTaintRule")
+    assert rule["spec"]["taint"]["effect"] == "None"  # reports only, by default

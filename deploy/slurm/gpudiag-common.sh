@@ -130,6 +130,13 @@ gpudiag_is_own_reason() {
     [[ $1 == "$GPUDIAG_REASON_PREFIX"* ]]
 }
 
+# gpudiag_is_daemon_reason REASON: a drain the daemon's remediation made
+# ("gpudiag:node:CODE:GPU-...", no space after the colon): the daemon's to resume, after
+# `gpudiag clear` and a fresh pass; these scripts neither rewrite nor resume it.
+gpudiag_is_daemon_reason() {
+    [[ $1 == "$GPUDIAG_REASON_PREFIX"[a-z]* ]]
+}
+
 # gpudiag_drain NODE CODE: drain with "gpudiag: CODE" unless someone else drained it first
 # (their reason is kept: it is theirs to clear).
 gpudiag_drain() {
@@ -139,7 +146,7 @@ gpudiag_drain() {
         gpudiag_log "node $node blocked ($code) but already drained for '$reason': left alone"
         return 0
     fi
-    if [[ $reason == "$GPUDIAG_REASON_PREFIX $code" ]]; then
+    if [[ $reason == "$GPUDIAG_REASON_PREFIX $code" ]] || gpudiag_is_daemon_reason "$reason"; then
         return 0
     fi
     gpudiag_log "draining $node: $GPUDIAG_REASON_PREFIX $code"
@@ -151,6 +158,7 @@ gpudiag_undrain() {
     local node=$1 reason state
     reason=$(gpudiag_node_reason "$node") || return 0
     gpudiag_is_own_reason "$reason" || return 0
+    gpudiag_is_daemon_reason "$reason" && return 0
     state=$(gpudiag_node_state "$node")
     [[ $state == *DRAIN* || $state == *DOWN* || $state == *FAIL* ]] || return 0
     gpudiag_log "resuming $node: gpudiag reports ready (was '$reason')"

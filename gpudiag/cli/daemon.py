@@ -37,7 +37,8 @@ class _Failed(click.ClickException):
 
 
 class _Unusable(click.ClickException):
-    """The state directory cannot be used, or another daemon holds it: exit 2."""
+    """The state directory cannot be used, another daemon holds it, or the config names what
+    cannot be used ([remediation]): exit 2."""
 
     exit_code = EXIT_USAGE
 
@@ -112,6 +113,16 @@ def _config(path: str | None, listen: str | None, socket_path: str | None) -> Da
         raise _Unusable(str(e)) from e
 
 
+def _check_remediation_node(cfg: DaemonConfig) -> None:
+    """--check-config with [remediation] on: the node name must be a node Slurm knows."""
+    from gpudiag.daemon.remediation import check_node_once
+
+    ok, text = check_node_once(cfg.remediation)
+    click.echo(f"# remediation: {text}")
+    if not ok:
+        raise click.exceptions.Exit(EXIT_USAGE)
+
+
 @click.command(short_help="Run the daemon: probes, XID watcher, /metrics, preflight API.",
                epilog=examples(
                    "gpudiag serve                                 # 127.0.0.1:9477",
@@ -150,6 +161,8 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
                    "after --listen/--socket), as TOML:")
         for line in effective_config(cfg, state_dir or str(default_state_dir())):
             click.echo(line)
+        if cfg.remediation.mode != "off":
+            _check_remediation_node(cfg)
         return
     setup_logging(log_format or cfg.log_format, cfg.log_level)
     if exposed is not None:
@@ -176,6 +189,8 @@ def _run(cfg: DaemonConfig, state_dir: Path, config_path: str | None,
     except StateDirUnusable as e:
         raise _Unusable(str(e)) from e
     except StartError as e:
+        if e.exit_code == EXIT_USAGE:  # e.g. [remediation] names a node Slurm lacks
+            raise _Unusable(str(e)) from e
         raise _Failed(str(e)) from e
     if failed:
         raise _Failed(failed)

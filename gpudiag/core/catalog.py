@@ -7,7 +7,7 @@ the lowest layer in ``LAYER_ORDER``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LAYER_ORDER: tuple[str, ...] = (
     "probe",
@@ -33,6 +33,20 @@ class CatalogEntry:
     layer: str
     summary: str
     remediation: str
+    # Whether the daemon's remediation ([remediation], docs/operations.md) may drain the node
+    # on this code: hardware faults of a GPU or the node only (DRAINS below).
+    drains: bool = False
+
+
+# The remediation column: a hardware fault of a GPU or of the node, that a reset, a reboot or
+# a repair fixes. Never a busy GPU, an unproven backend, a software, configuration or driver
+# install code, a job's visibility, nor a runtime's backend codes (jax, iree): those are the
+# job's environment, and draining a node for them takes healthy GPUs away from everyone.
+DRAINS: frozenset[str] = frozenset({
+    "gpu_lost", "gpu_reset_required", "gpu_ecc_uncorrectable", "gpu_inforom_corrupted",
+    "gpu_missing", "gpu_fabric_not_ready", "gpu_nvlink_down", "node_reboot_required",
+    "gpu_compute_mismatch",
+})
 
 
 def _rows(layer: str, *rows: tuple[str, str, str]) -> list[CatalogEntry]:
@@ -45,7 +59,7 @@ _SLOW_FIX = ("Compare the figures in the message (gpudiag qualify --format json)
              "passing qualification clears it.")
 
 BLOCKERS: dict[str, CatalogEntry] = {
-    e.code: e
+    e.code: replace(e, drains=e.code in DRAINS)
     for e in [
         *_rows(
             "probe",
@@ -342,6 +356,12 @@ def entry(code: str) -> CatalogEntry:
     if found is None:
         raise KeyError(f"unknown blocker or warning code: {code!r}")
     return found
+
+
+def drains(code: str) -> bool:
+    """Whether remediation may drain a node on blocker ``code`` (False for unknown codes)."""
+    row = BLOCKERS.get(code)
+    return row is not None and row.drains
 
 
 def layer_rank(layer: str) -> int:

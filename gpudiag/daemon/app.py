@@ -33,6 +33,7 @@ from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one li
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.qualifier import Qualifier
+from gpudiag.daemon.remediation import RemediationReport
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, proofs_for, verdict_for
 from gpudiag.daemon.store import HistoryError, HistoryStore
@@ -204,6 +205,9 @@ class DaemonApp:
         self.scheduler = scheduler
         self.store = store
         self.qualifier: Qualifier | None = None  # set by the daemon when it qualifies GPUs
+        # What remediation did and how Slurm answers it ([remediation]; None: off): in the
+        # evidence of every node-health answer (/v1/health).
+        self.remediation: Callable[[], RemediationReport] | None = None
         # Why the daemon's history is not open (e.g. the disk was full at start); None: it
         # keeps none at all. /v1/history says which, and why.
         self.history_error = history_error
@@ -211,8 +215,9 @@ class DaemonApp:
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Answers per (snapshot, requirement, visibility), classified and encoded once: a
         # snapshot never changes.
+        # The last element: remediation's report version (node health only; 0 otherwise).
         self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None,
-                                tuple[tuple[str, str], ...] | None], EncodedAnswer] = {}
+                                tuple[tuple[str, str], ...] | None, int], EncodedAnswer] = {}
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
@@ -427,7 +432,10 @@ class DaemonApp:
                 fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
-        cache_key = (snap.seq, requirement, visibility, question.fingerprint)
+        extra = self.remediation() if (self.remediation is not None
+                                       and requirement.node_health) else None
+        cache_key = (snap.seq, requirement, visibility, question.fingerprint,
+                     extra.version if extra else 0)
         answer = self._cache.get(cache_key)
         if answer is None:
             if at_hand:  # classifying and encoding takes milliseconds: the pool does it
@@ -446,6 +454,9 @@ class DaemonApp:
                 unchecked = [w for w in snap.full.warnings if w.code == "backend_not_checked"
                              and w not in verdict.warnings]
                 verdict = replace(verdict, warnings=(*verdict.warnings, *unchecked))
+            if extra is not None:
+                verdict = replace(verdict, evidence={**verdict.evidence,
+                                                     "remediation": extra.evidence()})
             answer = EncodedAnswer.of(verdict, "daemon")
             if len(self._cache) >= 256:
                 self._cache.clear()

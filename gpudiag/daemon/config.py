@@ -88,6 +88,31 @@ class QualificationConfig:
 
 
 @dataclass(frozen=True)
+class RemediationConfig:
+    """``[remediation]``: the daemon drains a node on a hardware fault (docs/operations.md).
+
+    Executables and the node come from this root-owned file, never from the environment.
+    """
+
+    mode: str = "off"             # off | observe | act
+    scheduler: str = "slurm"
+    scontrol: str = "/usr/bin/scontrol"
+    sinfo: str = "/usr/bin/sinfo"
+    slurm_conf: str | None = None  # SLURM_CONF for scontrol and sinfo; None: Slurm's default
+    node_name: str | None = None   # None: the short host name
+    partition: str | None = None   # the fleet guard's partition(s); None: the node's own
+    killswitch_file: str = "/etc/gpudiag/remediation-killswitch"
+    tick_s: float = 1.0            # the killswitch is re-read, and the node looked at, each
+    command_timeout_s: float = 5.0
+    retry_max_s: float = 30.0
+    fleet_window_s: float = 600.0
+    fleet_min_nodes: int = 2
+    fleet_ratio: float = 0.10
+    max_attempts_per_gpu: int = 2
+    attempt_window_s: float = 7 * 86400.0
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     """Everything ``gpudiag serve`` can be told."""
 
@@ -125,6 +150,7 @@ class DaemonConfig:
     # [runtimes.NAME]: the job environments this node serves (core.runtime); the daemon's own
     # (``gpudiag``) is always there, first.
     runtimes: tuple[Runtime, ...] = (Runtime(OWN_RUNTIME),)
+    remediation: RemediationConfig = field(default_factory=RemediationConfig)
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -486,6 +512,56 @@ def _runtimes(t: _Table) -> tuple[Runtime, ...]:
     return tuple(runtimes.values())
 
 
+def _executable(t: _Table, key: str, default: str) -> str:
+    value = t.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise ConfigError(f"{t._key(key)} = {value!r}: expected the absolute path of the "
+                          "executable (never looked up in PATH)")
+    return value
+
+
+def _remediation(t: _Table) -> RemediationConfig:
+    d = RemediationConfig()
+    name, part, conf = t.get("node_name"), t.get("partition"), t.get("slurm_conf")
+    for key, value in (("node_name", name), ("partition", part)):
+        if value is not None and (not isinstance(value, str)
+                                  or not re.fullmatch(r"[A-Za-z0-9._,-]{1,255}", value)):
+            raise ConfigError(f"{t._key(key)} = {value!r}: expected a Slurm name (letters, "
+                              "digits, '.', '_', '-'; partitions comma-separated)")
+    if conf is not None and (not isinstance(conf, str) or not conf.startswith("/")):
+        raise ConfigError(f"{t._key('slurm_conf')} = {conf!r}: expected an absolute path")
+    kill = t.get("killswitch_file")
+    if kill is not None and (not isinstance(kill, str) or not kill.startswith("/")):
+        raise ConfigError(f"{t._key('killswitch_file')} = {kill!r}: expected an absolute path")
+    ratio = t.get("fleet_ratio")
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                              or not 0 <= ratio <= 1):
+        raise ConfigError(f"{t._key('fleet_ratio')} = {ratio!r}: expected a share from 0 to 1")
+    min_nodes = t.count("fleet_min_nodes", 0, 100000, "a node count from 0 to 100000")
+    attempts = t.count("max_attempts_per_gpu", 1, 100, "a number of drains from 1 to 100")
+    cfg = RemediationConfig(
+        mode=t.choice("mode", d.mode, ("off", "observe", "act")),
+        scheduler=t.choice("scheduler", d.scheduler, ("slurm",)),
+        scontrol=_executable(t, "scontrol", d.scontrol), sinfo=_executable(t, "sinfo", d.sinfo),
+        slurm_conf=conf, node_name=name, partition=part,
+        killswitch_file=kill if kill is not None else d.killswitch_file,
+        tick_s=t.seconds("tick_s", d.tick_s, minimum=0.05, maximum=60.0),
+        command_timeout_s=t.seconds("command_timeout_s", d.command_timeout_s, minimum=0.1,
+                                    maximum=60.0),
+        retry_max_s=t.seconds("retry_max_s", d.retry_max_s, minimum=0.1, maximum=3600.0),
+        fleet_window_s=t.seconds("fleet_window_s", d.fleet_window_s, minimum=1.0,
+                                 maximum=86400.0),
+        fleet_min_nodes=d.fleet_min_nodes if min_nodes is None else min_nodes,
+        fleet_ratio=d.fleet_ratio if ratio is None else float(ratio),
+        max_attempts_per_gpu=d.max_attempts_per_gpu if attempts is None else attempts,
+        attempt_window_s=t.seconds("attempt_window_s", d.attempt_window_s, minimum=1.0,
+                                   maximum=366 * 86400.0))
+    t.finish()
+    return cfg
+
+
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
     top = _Table(raw, "")
@@ -519,7 +595,8 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
         probe_busy_gpus=sched.flag("probe_busy_gpus", base.probe_busy_gpus),
         backends=backends, xid=xid, history=history, log_format=log_format,
         log_level=log_level, qualification=_qualification(top.table("qualification")),
-        runtimes=_runtimes(top.table("runtimes")))
+        runtimes=_runtimes(top.table("runtimes")),
+        remediation=_remediation(top.table("remediation")))
     sched.finish()
     top.finish()
     return cfg

@@ -57,8 +57,11 @@ from gpudiag.daemon.qualifier import Qualifier, QualifierState
 from gpudiag.daemon.qualify_exporter import QualificationCollector
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
+from gpudiag.daemon.remediation import Remediator
+from gpudiag.daemon.remediation_exporter import RemediationCollector
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
+from gpudiag.daemon.slurmctl import SlurmError, check_executable
 from gpudiag.daemon.snapshot import Snapshot
 from gpudiag.daemon.statedir import (
     StateDirError,
@@ -98,6 +101,12 @@ class StateDirUnusable(StartError):
     exit_code = EXIT_USAGE
 
 
+class RemediationUnusable(StartError):
+    """[remediation] names a node Slurm does not know, or an unsafe executable."""
+
+    exit_code = EXIT_USAGE
+
+
 class CannotListen(StartError):
     """The address or the socket cannot be served on (the CLI says it as a usage error)."""
 
@@ -117,6 +126,7 @@ class _Parts:
     reloader: Reloader
     qualifier: Qualifier
     servers: tuple[HttpServer, ...]  # TCP first, then the unix socket if one is configured
+    remediator: Remediator | None = None  # [remediation] mode observe or act
 
 
 class DaemonService:
@@ -141,6 +151,7 @@ class DaemonService:
         # Built by start(); the three callbacks that point back at them check for None.
         self._scheduler: Scheduler | None = None
         self._app: DaemonApp | None = None
+        self._remediator: Remediator | None = None
         self._parts: _Parts | None = None
         self.url = ""  # http://HOST:PORT once listening
 
@@ -172,6 +183,8 @@ class DaemonService:
         parts.writer.start()
         parts.watcher.start()
         parts.scheduler.start()
+        if parts.remediator is not None:
+            parts.remediator.start()
         self._say_ready(parts)
 
     def request_stop(self) -> None:
@@ -193,6 +206,8 @@ class DaemonService:
         for server in parts.servers:
             server.shutdown()
         parts.qualifier.stop()
+        if parts.remediator is not None:
+            parts.remediator.stop()
         parts.scheduler.stop()
         parts.watcher.stop()
         # A probe child still running (even hung in the driver) must not hold the exit up to
@@ -271,20 +286,54 @@ class DaemonService:
         app.registry.register(JobFailuresCollector(jobs.counts))
         app.registry.register(NumbersCollector(numbers.state))
         app.registry.register(AllocationCollector(allocations.current))
+        remediator = self._start_remediation(scheduler, app, qualifier)
         try:
             servers = self._listen(app)
         except BaseException:
             qualifier.stop()
             raise
         return _Parts(lock, notifier, recorder, writer, watcher, scheduler, reloader,
-                      qualifier, servers)
+                      qualifier, servers, remediator)
+
+    def _start_remediation(self, scheduler: Scheduler, app: DaemonApp, qualifier: Qualifier
+                           ) -> Remediator | None:
+        """[remediation]: the actor on the scheduler's snapshots, its metrics and evidence;
+        the node name is checked against Slurm first (docs/operations.md)."""
+        cfg = self.cfg.remediation
+        if cfg.mode == "off":
+            return None
+        for path in (cfg.scontrol, cfg.sinfo):
+            unsafe = check_executable(path)
+            if unsafe is not None and os.path.exists(path):
+                qualifier.stop()
+                raise RemediationUnusable(f"[remediation]: {unsafe}; refusing to run it as the "
+                                          "daemon")
+        self._remediator = remediator = Remediator(cfg, self.state_dir)
+        try:
+            info = remediator.check_node()
+            log.info("remediation %s: node %s is %s in Slurm", cfg.mode, remediator.slurm.node,
+                     info.view.state, extra={"node": remediator.slurm.node,
+                                             "remediation_mode": cfg.mode})
+        except SlurmError as e:
+            if e.kind == "unknown_node":
+                qualifier.stop()
+                raise RemediationUnusable(
+                    f"[remediation] node_name {remediator.slurm.node!r}: {e}; set node_name "
+                    "to this node's Slurm NodeName") from e
+            # Slurm may be down now: the actor asks again before any action.
+            log.warning("remediation %s: cannot check node %s in Slurm yet (%s); retrying "
+                        "before any action", cfg.mode, remediator.slurm.node, e,
+                        extra={"error": str(e)})
+        scheduler.on_snapshot(remediator.offer)
+        app.registry.register(RemediationCollector(remediator.report))
+        app.remediation = remediator.report
+        return remediator
 
     def _inboxes(self, recorder: HistoryRecorder, watcher: XidWatcher
                  ) -> tuple[ClearPoller, JobInbox]:
         """The `gpudiag clear` requests and the jobs' records the loop takes in each tick."""
         clears = ClearPoller(self.state_dir, release=watcher.clear,
-                             record=partial(_cleared, recorder, self._numbers),
-                             recheck=self._recheck)
+                             record=partial(self._cleared, recorder), recheck=self._recheck)
         jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder),
                         on_job=self._numbers.job, on_block=self._numbers.blocked)
         try:
@@ -390,6 +439,14 @@ class DaemonService:
             self._scheduler.trigger(recheck_keys(self._scheduler.scheduled))
             self._scheduler.prove_again()  # a repair: every runtime's backends again too
 
+    def _cleared(self, recorder: HistoryRecorder, request: ClearRequest, released: int) -> None:
+        """An applied clear: counted (false blockers when nothing was repaired), kept in the
+        history, and remediation's recovery boundary moves."""
+        codes = self._numbers.cleared(request.gpu, request.no_repair)
+        record_clear(recorder, request, released, codes)
+        if self._remediator is not None:
+            self._remediator.cleared(request.gpu, min(request.requested_wall, time.time()))
+
     def _written(self, recorder: HistoryRecorder, verdict: Verdict | None,
                  changes: list[Written]) -> None:
         """The history writer's report: a history opened late reaches the app; each kept
@@ -422,13 +479,6 @@ class VerdictLog:
                             "blockers": sorted({b.code for b in verdict.blockers}),
                             "warnings": sorted({w.code for w in verdict.warnings})})
             self._logged = verdict
-
-
-def _cleared(recorder: HistoryRecorder, numbers: Numbers, request: ClearRequest,
-             released: int) -> None:
-    """An applied clear: counted (false blockers when nothing was repaired) and kept."""
-    codes = numbers.cleared(request.gpu, request.no_repair)
-    record_clear(recorder, request, released, codes)
 
 
 def _each_xid(callbacks: tuple[Callable[[XidEvent], object], ...], event: XidEvent) -> None:
