@@ -66,8 +66,11 @@ def _history_dir(state_dir: str | None, no_history: bool) -> tuple[Path | None, 
                    "thresholds."))
 @click.option("--gpus", "gpus_text", metavar="LIST",
               help="GPU indices or full UUIDs, comma-separated.  [default: every visible GPU]")
-@click.option("--tier", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
-              help="quick: at most a few seconds per GPU; full: up to 60 s per GPU, fp32 too.")
+@click.option("--tier", type=click.Choice(["quick", "full", "sdc"]), default="quick",
+              show_default=True,
+              help="quick: at most a few seconds per GPU; full: up to 60 s per GPU, fp32 too; "
+                   "sdc: the silent-data-corruption screen (repeated GEMM, cross-GPU golden, "
+                   "memory test), at most 10 s per GPU.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="Output format.")
 @click.option("--platform", type=click.Choice(["cuda", "cpu"]), default="cuda",

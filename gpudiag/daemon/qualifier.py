@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.core.qualify_score import Qualification, parse_qualification
+from gpudiag.core.qualify_verdict import replaces
 from gpudiag.core.readiness import FREE, GpuOccupancy
 from gpudiag.daemon.config import QualificationConfig
 from gpudiag.daemon.loop import LoopThread
@@ -84,7 +85,7 @@ class Qualifier:
                 q = parse_qualification(rec)
             except ValueError:
                 continue  # a damaged line is not evidence
-            if q.result.aborted is None or q.result.uuid not in latest:
+            if replaces(q, latest.get(q.result.uuid)):
                 latest[q.result.uuid] = q
         self._publish(QualifierState(latest=latest))
 
@@ -157,7 +158,7 @@ class Qualifier:
         runs = dict(self._state.runs)
         cost = self._state.gpu_seconds_total
         for q in report.qualifications if report else ():
-            if q.result.aborted is None or q.result.uuid not in latest:
+            if replaces(q, latest.get(q.result.uuid)):
                 latest[q.result.uuid] = q  # an aborted run changes no verdict
             runs[q.code] = runs.get(q.code, 0) + 1
             cost += q.result.gpu_seconds or 0.0
