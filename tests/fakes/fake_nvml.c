@@ -531,6 +531,19 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned i
     return NVML_SUCCESS;
 }
 
+/* FAKE_NVML_CLOCKS_MHZ=IDX:SM/MEM (default 1980/3201): current SM (type 1) and memory
+ * (type 2) clocks; graphics (0) reads as SM. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
+    CHECK_DEVICE(device, "clocks", 0);
+    if (!clock || type < 0 || type > 3) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int sm = 1980, mem = 3201;
+    char buf[64];
+    if (fake_list_str("FAKE_NVML_CLOCKS_MHZ", device->gpu, -1, buf, sizeof buf))
+        (void)sscanf(buf, "%u/%u", &sm, &mem);
+    *clock = type == 2 ? mem : sm;
+    return NVML_SUCCESS;
+}
+
 FAKE_EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit) {
     CHECK_DEVICE(device, "power", 0);
     if (!limit) return NVML_ERROR_INVALID_ARGUMENT;
