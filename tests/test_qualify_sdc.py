@@ -98,7 +98,7 @@ def test_every_injected_memory_fault_is_a_memory_test_failure_with_its_evidence(
     code, report, err = _sdc(["--no-history"], env)
     assert code == 1, err
     gpus = _by_index(report)
-    for i, (offset, bit, mode) in faults.items():
+    for i, (offset, bit, _mode) in faults.items():
         q = gpus[i]
         assert q["code"] == "gpu_memory_test_failed" and q["severity"] == "blocker", (i, q)
         failed = [c for c in q["checks"] if c["status"] == "fail"]
@@ -225,3 +225,35 @@ def test_the_budget_is_kept_and_what_it_cut_short_is_unknown(gpu_env: EnvFactory
     assert checks["memory_random"]["status"] == "unknown"
     assert "budget" in checks["memory_random"]["detail"]
     assert checks["gemm_repeat"]["status"] == "pass"
+
+
+def _clean_runs(gpu_env: EnvFactory, runs: int) -> dict[str, Any]:
+    # A 24 MiB GPU (a 2.4 MiB memory test) and one BLAS thread: the same screen, cheaper.
+    env = gpu_env(**{**SMALL, "FAKE_GPU_MEMORY_TOTAL_MIB": 24, "OPENBLAS_NUM_THREADS": 1})
+    proc = subprocess.run([sys.executable, "-m", "tests.support.sdc_runs", str(runs)], env=env,
+                          capture_output=True, text=True, timeout=900, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return out
+
+
+def _no_false_blocker(summary: Mapping[str, Any], runs: int) -> None:
+    assert summary["codes"] == {"none": runs}, summary
+    assert len(summary["hashes"]) == 1  # the same program gives the same bits every run
+    for check in ("gemm_repeat", *MEMORY):
+        assert summary["statuses"][check] == {"pass": runs}, summary
+    assert summary["statuses"]["golden"] == {"pass": runs}  # against the first run's golden
+
+
+def test_clean_runs_give_no_false_blocker(gpu_env: EnvFactory) -> None:
+    _no_false_blocker(_clean_runs(gpu_env, 25), 25)
+
+
+# 1000 runs of the whole child-side screen on the fake driver: 75 ms each on the loaded
+# 2-core dev VM, about 80 s in all.
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_1000_clean_runs_give_no_false_blocker(gpu_env: EnvFactory) -> None:
+    summary = _clean_runs(gpu_env, 1000)
+    _no_false_blocker(summary, 1000)

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpudiag.core.qualify import COMPUTE_MISMATCH, UNDERPERFORMING
-from gpudiag.core.sdc import MEMORY_TEST_FAILED
 from gpudiag.core.qualify_score import Qualification
+from gpudiag.core.sdc import MEMORY_TEST_FAILED
 from gpudiag.core.verdict import Finding
 
 

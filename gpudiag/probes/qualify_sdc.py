@@ -180,8 +180,8 @@ class DriverMemory:
         check("cuMemHostAlloc", lib.cuMemHostAlloc(ctypes.byref(self.host),
                                                    ctypes.c_size_t(chunk), 0))
         assert self.host.value is not None
-        self.view = np.frombuffer((ctypes.c_char * chunk).from_address(self.host.value),
-                                  dtype=np.uint64)
+        staging = memoryview((ctypes.c_char * chunk).from_address(self.host.value)).cast("B")
+        self.view = np.frombuffer(staging, dtype=np.uint64)
 
     def write(self, offset: int, words: Any) -> None:
         n = int(words.nbytes)
@@ -224,9 +224,18 @@ def _address_words(np: Any, offset: int, count: int) -> Any:
     return np.arange(offset // 8, offset // 8 + count, dtype=np.uint64)
 
 
+_WALKING: dict[tuple[int, int], Any] = {}
+
+
 def _walking_words(np: Any, offset: int, count: int) -> Any:
-    return np.left_shift(np.uint64(1), (np.arange(offset // 8, offset // 8 + count,
-                                                  dtype=np.uint64) % np.uint64(64)))
+    # Word i holds 1 << (i mod 64): periodic, so one block serves every chunk at the same phase.
+    key = (offset // 8 % 64, count)
+    if key not in _WALKING:
+        if len(_WALKING) > 4:
+            _WALKING.clear()
+        _WALKING[key] = np.left_shift(np.uint64(1), (np.arange(
+            offset // 8, offset // 8 + count, dtype=np.uint64) % np.uint64(64)))
+    return _WALKING[key]
 
 
 _RANDOM_BLOCK: dict[tuple[int, int], Any] = {}
@@ -240,7 +249,7 @@ def _random_words(np: Any, seed: int, offset: int, count: int) -> Any:
         _RANDOM_BLOCK.clear()
         _RANDOM_BLOCK[key] = np.random.default_rng(seed).integers(
             0, 2 ** 64 - 1, count, dtype=np.uint64, endpoint=True)
-    spread = np.uint64(0x9E3779B97F4A7C15) * np.uint64((offset // (count * 8) + 1) % 2 ** 63)
+    spread = np.uint64(0x9E3779B97F4A7C15 * (offset // 8 + 1) % 2 ** 64)
     return _RANDOM_BLOCK[key] ^ spread
 
 
