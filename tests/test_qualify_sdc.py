@@ -247,7 +247,7 @@ def _no_false_blocker(summary: Mapping[str, Any], runs: int) -> None:
 
 
 def test_clean_runs_give_no_false_blocker(gpu_env: EnvFactory) -> None:
-    _no_false_blocker(_clean_runs(gpu_env, 25), 25)
+    _no_false_blocker(_clean_runs(gpu_env, 10), 10)
 
 
 # 1000 runs of the whole child-side screen on the fake driver: 75 ms each on the loaded
@@ -257,3 +257,36 @@ def test_clean_runs_give_no_false_blocker(gpu_env: EnvFactory) -> None:
 def test_1000_clean_runs_give_no_false_blocker(gpu_env: EnvFactory) -> None:
     summary = _clean_runs(gpu_env, 1000)
     _no_false_blocker(summary, 1000)
+
+
+def test_the_daemon_schedules_the_sdc_tier_and_a_bad_cell_blocks_its_gpu(
+        fakes: Any, tmp_path: Path) -> None:
+    from tests.support.daemon import (
+        Daemon,
+        daemon_toml,
+        host_env,
+        qualification_outcomes,
+        wait_for,
+        write_config,
+    )
+
+    env = host_env(fakes, tmp_path / "host", gpus=3, FAKE_NVML_DEVICE_COUNT=3,
+                   FAKE_CUDA_MEMORY_FAULT="2:4096:3:stuck1", FAKE_GPU_NAME="Fake GPU",
+                   **SMALL)
+    config = write_config(tmp_path / "d.toml", daemon_toml({"qualification": {
+        "tier": "sdc", "idle_s": 0.2, "tick_s": 0.1, "max_age_s": 3600}}))
+    daemon = Daemon(env, config, tmp_path / "state")
+    try:
+        outcomes = wait_for(lambda: (o := qualification_outcomes(daemon)) and len(o) == 3 and o,
+                            120, interval=0.5)
+        assert outcomes == {"0": "none", "1": "none", "2": "gpu_memory_test_failed"}
+        health = wait_for(lambda: (h := daemon.get("/v1/health?max_age_s=600")[1]) and any(
+            b["code"] == "gpu_memory_test_failed" for b in h["blockers"]) and h, 30)
+        (bad,) = [b for b in health["blockers"] if b["code"] == "gpu_memory_test_failed"]
+        assert bad["device"] == uuid(2) and bad["layer"] == "device"
+        assert "sdc tier" in bad["message"] and "byte offset 4096" in bad["message"]
+    finally:
+        assert daemon.stop() == 0
+    lines = [json.loads(x) for x in
+             (tmp_path / "state" / "qualifications.jsonl").read_text().splitlines()]
+    assert {r["tier"] for r in lines} == {"sdc"} and all("coverage" in r for r in lines)

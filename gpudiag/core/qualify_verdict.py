@@ -48,7 +48,8 @@ def qualification_findings(latest: Iterable[Qualification], *, block: bool
             continue
         # The site's setting now decides, not the one the run was scored under; a GPU
         # only past a calibrated warn line (core.qualify.CALIBRATION) never blocks.
-        warn_only = (not any(r.below for s in q.scores for r in s.references)
+        warn_only = (any(s.band == "warn" for s in q.scores)
+                     and not any(r.below for s in q.scores for r in s.references)
                      and not any(s.band == "fail" for s in q.scores))
         warning = q.code == UNDERPERFORMING and (not block or warn_only)
         where = f"GPU {q.result.index}" if q.result.index is not None else q.result.uuid
