@@ -290,3 +290,25 @@ def test_the_daemon_schedules_the_sdc_tier_and_a_bad_cell_blocks_its_gpu(
     lines = [json.loads(x) for x in
              (tmp_path / "state" / "qualifications.jsonl").read_text().splitlines()]
     assert {r["tier"] for r in lines} == {"sdc"} and all("coverage" in r for r in lines)
+
+
+# JAX starts once and compiles the two products per device: about 10-20 s on the dev VM.
+@pytest.mark.slow
+def test_the_sdc_tier_runs_for_real_on_jax_cpu_devices(tmp_path: Path) -> None:
+    from tests.support.host import clean_env
+
+    state = tmp_path / "state"
+    code, report, err = _sdc(["--platform", "cpu", "--cpu-devices", "3", "--state-dir",
+                              str(state)], clean_env())
+    assert code == 0, err
+    gpus = _by_index(report)
+    assert sorted(gpus) == [0, 1, 2]
+    for q in gpus.values():
+        checks = _checks(q)
+        assert q["code"] == "none" and {c["status"] for c in checks.values()} == {"pass"}, q
+        assert checks["gemm_repeat"]["route"] == "jax" and "jax" in q["versions"]
+        assert checks["memory_random"]["bytes_tested"] == 16 * 2 ** 20
+        assert checks["golden"]["conditions"]["reason"].startswith("no GPU")
+        assert q["duration_s"] <= SDC.budget_s
+    ((key, golden),) = json.loads((state / "goldens.json").read_text())["goldens"].items()
+    assert "gemm-bf16-f32acc-n128" in key and len(golden["gpus"]) == 3

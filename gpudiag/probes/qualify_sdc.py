@@ -209,13 +209,16 @@ class JaxMemory:
 
     def write(self, offset: int, words: Any) -> None:
         import jax
+        import numpy as np
 
-        self.blocks[offset] = jax.device_put(words.copy(), self.device).block_until_ready()
+        # As bytes: JAX without x64 would narrow 64-bit words to 32 bits.
+        self.blocks[offset] = jax.device_put(words.view(np.uint8).copy(),
+                                             self.device).block_until_ready()
 
     def read(self, offset: int, count: int) -> Any:
         import numpy as np
 
-        return np.asarray(self.blocks[offset])[:count]
+        return np.asarray(self.blocks[offset]).view(np.uint64)[:count]
 
 
 def _address_words(np: Any, offset: int, count: int) -> Any:
