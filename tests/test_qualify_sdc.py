@@ -285,6 +285,15 @@ def test_the_daemon_schedules_the_sdc_tier_and_a_bad_cell_blocks_its_gpu(
         (bad,) = [b for b in health["blockers"] if b["code"] == "gpu_memory_test_failed"]
         assert bad["device"] == uuid(2) and bad["layer"] == "device"
         assert "sdc tier" in bad["message"] and "byte offset 4096" in bad["message"]
+        from tests.support.daemon import metric_samples
+
+        checks = {(lab["gpu"], lab["check"]): lab["status"] for lab, v in
+                  metric_samples(daemon, "gpudiag_gpu_qualification_check") if v == 1}
+        assert checks[("2", "memory_walking_ones")] == "fail"
+        assert checks[("0", "memory_random")] == "pass"
+        tested = {lab["gpu"]: v for lab, v in
+                  metric_samples(daemon, "gpudiag_gpu_qualification_tested_bytes")}
+        assert tested["0"] > 2 ** 20
     finally:
         assert daemon.stop() == 0
     lines = [json.loads(x) for x in
