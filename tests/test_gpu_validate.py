@@ -64,6 +64,7 @@ def run_script(out: Path, env: Mapping[str, str], timeout: float
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(450)  # the script's own limit is 400 s (run_script below)
 def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
         bare_env: dict[str, str], tmp_path: Path) -> None:
     env = {**bare_env, "GPUDIAG_VALIDATE_DAEMON_S": "10",

@@ -300,6 +300,9 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         else:
             result = _guarded_cuda_target(target, spec, guard, seed)
         result["duration_s"] = round(time.monotonic() - started, 4)
+        if platform == "cpu":  # no GPU clocks to record, and the record says so
+            for m in result.get("measurements") or ():
+                m.setdefault("conditions", read_conditions(None))
         results.append(result)
     return {"ok": True, "results": results}
 
@@ -389,12 +392,13 @@ def _sdc_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
         versions = sdc.library_versions(route if isinstance(route, str) else route.name)
         versions["cuda_driver"] = str(version.value)
         out["versions"] = versions
+        # The golden key: the model, then every version the product's bits depend on.
+        key = f"{target.get('name')}|" + ", ".join(f"{k} {v}" for k, v in sorted(
+            versions.items()))
         if isinstance(route, str):
             gemms = sdc.unknown_gemm(route, conditions)
         else:
             n, golden_n = sdc.gemm_sizes("cuda", cap)
-            key = (f"{target.get('name')}|driver {versions['driver']}|cuda "
-                   f"{versions['cuda_driver']}")
             gemms = sdc.gemm_checks(route, n, golden_n, target.get("index"), guard.check,
                                     budget, conditions, key)
             out["bytes_used"] = max(used, 3 * 4 * n * n)
@@ -436,8 +440,9 @@ def _sdc_cpu_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard, sta
         versions = sdc.library_versions(route.name)
         out["versions"] = versions
         n, golden_n = sdc.gemm_sizes("cpu", n_bytes)
+        key = "cpu|" + ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
         gemms = sdc.gemm_checks(route, n, golden_n, index, guard.check, budget, conditions,
-                                f"cpu|driver {versions['driver']}")
+                                key)
         out["checks"] = [*gemms, *memory]
         out["bytes_used"] = n_bytes
         out["gpu_seconds"] = round(time.monotonic() - started, 4)
