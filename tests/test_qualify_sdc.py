@@ -321,3 +321,19 @@ def test_the_sdc_tier_runs_for_real_on_jax_cpu_devices(tmp_path: Path) -> None:
         assert q["duration_s"] <= SDC.budget_s
     ((key, golden),) = json.loads((state / "goldens.json").read_text())["goldens"].items()
     assert "gemm-bf16-f32acc-n128" in key and len(golden["gpus"]) == 3
+
+
+def test_every_quick_tier_measurement_records_clocks_power_limit_temperature_and_throttle(
+        gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, FAKE_NVML_CLOCKS_MHZ="0:1410/2619",
+                  FAKE_NVML_CLOCKS_EVENT_REASONS="0:0x4", FAKE_NVML_POWER_LIMIT_MW="0:450000",
+                  FAKE_NVML_TEMPERATURE_C="0:71", **SMALL)
+    proc = run_gpudiag(["qualify", "--format", "json", "--no-history"], env)
+    assert proc.returncode == 0, proc.stderr
+    (q,) = json.loads(proc.stdout)["gpus"]
+    assert q["measurements"] and q["coverage"]["checks"]["memory_pattern"] == "pass"
+    for m in q["measurements"]:
+        assert m["conditions"] == {"sm_clock_mhz": 1410, "memory_clock_mhz": 2619,
+                                   "temperature_c": 71, "power_limit_w": 450.0,
+                                   "throttle_mask": 4, "throttle_reasons": ["sw_power_cap"],
+                                   "reason": None}, m
