@@ -54,7 +54,7 @@ class SdcSpec:
 
     budget_s: float = 10.0             # per GPU, enforced in the child; the engine kills later
     memory_share: float = 0.10         # of the GPU's free memory ...
-    memory_max_bytes: int = 2 * GIB    # ... at most this, and within core.qualify's cap
+    memory_max_bytes: int = 1 * GIB    # ... at most this, and within core.qualify's cap
     memory_min_bytes: int = 1 * MIB    # less than this: the memory checks are unknown
     memory_time_share: float = 0.4     # of the budget the memory test may spend
     chunk_bytes: int = 4 * MIB         # one host staging buffer

@@ -399,8 +399,14 @@ def _sdc_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
             gemms = sdc.unknown_gemm(route, conditions)
         else:
             n, golden_n = sdc.gemm_sizes("cuda", cap)
-            gemms = sdc.gemm_checks(route, n, golden_n, target.get("index"), guard.check,
-                                    budget, conditions, key)
+            try:
+                gemms = sdc.gemm_checks(route, n, golden_n, target.get("index"), guard.check,
+                                        budget, conditions, key)
+            except (Aborted, CudaFailed):
+                raise
+            except Exception as e:  # XLA's own errors: the JAX probe classifies them
+                gemms = sdc.unknown_gemm(f"the GEMM route failed: {type(e).__name__}: "
+                                         f"{str(e)[:300]}", conditions)
             out["bytes_used"] = max(used, 3 * 4 * n * n)
         out["checks"] = [*gemms, *memory]
     except Aborted as e:
