@@ -5,8 +5,13 @@
 # folder /run/gpudiag/locks), the example config (kept when one exists) and the docs.
 #
 #   scripts/install-node.sh [--wheel FILE] [--find-links DIR] [--extras jax,iree]
-#                           [--prefix /opt/gpudiag] [--root /] [--no-start]
+#                           [--runtime NAME=PYTHON]... [--prefix /opt/gpudiag] [--root /]
+#                           [--no-start]
 #
+# --runtime: a job environment's interpreter (a venv's, a conda env's bin/python): the daemon
+# proves JAX and IREE there, as jobs will run them (docs/operations.md, "Runtimes"); written
+# as [runtimes.NAME] into a config this script creates, and checked. The daemon itself needs
+# no --extras: jobs' backends are proven in the jobs' environments.
 # --wheel: a gpudiag wheel (default: built from this checkout); --find-links: a folder of
 # dependency wheels for a node without an index (pip --no-index); --root: where the system
 # files go (a staging tree or a machine image's root; the venv always goes to --prefix).
@@ -16,16 +21,19 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 say() { echo "install-node: $*" >&2; }
 die() { say "$*"; exit 1; }
 
-wheel="" links="" extras="" prefix=/opt/gpudiag root=/ start=1
+wheel="" links="" extras="" prefix=/opt/gpudiag root=/ start=1 runtimes=()
 while (($#)); do
     case $1 in
         --wheel) wheel=${2:?}; shift 2 ;;
         --find-links) links=${2:?}; shift 2 ;;
         --extras) extras=${2?}; shift 2 ;;
+        --runtime) [[ ${2:-} =~ ^[a-z0-9][a-z0-9_.-]{0,31}=/.+ ]] \
+                       || die "--runtime ${2:-}: give NAME=/absolute/path/to/python"
+                   runtimes+=("$2"); shift 2 ;;
         --prefix) prefix=${2:?}; shift 2 ;;
         --root) root=${2:?}; shift 2 ;;
         --no-start) start=0; shift ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done
@@ -61,7 +69,16 @@ if [[ -e $root/etc/gpudiag/gpudiag.toml ]]; then
     say "keeping the existing $root/etc/gpudiag/gpudiag.toml"
 else
     install -m 0644 "$here/systemd/gpudiag.toml" "$root/etc/gpudiag/gpudiag.toml"
+    for runtime in "${runtimes[@]}"; do
+        printf '\n[runtimes.%s]\npython = "%s"\n' "${runtime%%=*}" "${runtime#*=}" \
+            >> "$root/etc/gpudiag/gpudiag.toml"
+    done
+    "$prefix/bin/gpudiag" serve --check-config --config "$root/etc/gpudiag/gpudiag.toml" \
+        >/dev/null || die "the config's runtimes were refused (see above)"
 fi
+((${#runtimes[@]})) && [[ -e $root/etc/gpudiag/gpudiag.toml ]] \
+    && ! grep -q '^\[runtimes\.' "$root/etc/gpudiag/gpudiag.toml" \
+    && say "kept the existing config: add [runtimes.NAME] to it yourself"
 install -m 0644 "$here/docs/operations.md" "$root/usr/share/doc/gpudiag/operations.md"
 # The node-problem-detector plugin and the Slurm scripts, for nodes that use them.
 cp -r "$here/deploy/kubernetes/npd" "$here/deploy/slurm" "$prefix/share/gpudiag/"

@@ -66,6 +66,7 @@ def bare_env(tmp_path: Path) -> dict[str, str]:
 SLOW_MODULES = {
     "test_crash_safety": "kills writers and `gpudiag run` at random points, many rounds",
     "test_daemon_integration": "several real daemons through whole probe rounds",
+    "test_runtimes": "real daemons proving real venvs' JAX, and jobs asking them",
     "test_fault_matrix": "every catalog code through a real daemon, the CLI and the history",
     "test_fleet": "a real Prometheus scraping real daemons",
     "test_gpu_validate": "scripts/gpu-validate.sh end to end",

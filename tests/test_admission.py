@@ -23,17 +23,14 @@ import gpudiag
 from gpudiag.core.decode import decode
 from gpudiag.core.environment import PREALLOCATION_OFF, is_full_uuid
 from gpudiag.core.observations import NvmlObservation
+from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, leaves_from_nvml
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.runner.admission import (
-    BUSY,
-    FREE,
-    UNKNOWN,
     Admission,
     AdmissionError,
     Admitter,
     Observation,
-    leaves_from_nvml,
     narrow,
 )
 from tests.fakes.build import write_state_file
@@ -213,7 +210,7 @@ def test_min_free_memory_is_per_leaf(gpu_env: EnvFactory, locks: Path) -> None:
 
 
 @pytest.mark.parametrize(("knob", "value", "says"), [
-    ("FAKE_NVML_PROCESSES", "0:999:10,1:999:10", "occupancy FREE -> BUSY"),
+    ("FAKE_NVML_PROCESSES", "0:999:10,1:999:10", "occupancy free -> busy"),
     ("FAKE_NVML_MEMORY_USED_MIB", "0:1000,1:1000", "memory free"),
     ("FAKE_NVML_DEVICE_COUNT", "1", "topology"),
 ])

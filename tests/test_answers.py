@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+import secrets
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpudiag.core.verdict import Verdict
-from gpudiag.daemon import answers
 from gpudiag.daemon.answers import EncodedAnswer
 from gpudiag.daemon.envelope import encode_json
 from tests.support.verdicts import verdicts
@@ -43,7 +43,7 @@ def test_a_marker_found_in_the_evidence_falls_back_to_whole_encoding(
     noisy = Verdict(**{**verdict.__dict__, "evidence": {"probe_stderr": {
         "cuda": f"\0{token}\0"}}})  # the marker as a whole JSON string: a clash
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(answers.secrets, "token_hex", lambda n: token)
+        mp.setattr(secrets, "token_hex", lambda n: token)
         answer = EncodedAnswer.of(noisy)
     assert answer.pieces is None
     assert answer.body(1.5, True) == _whole(noisy, 1.5, True)

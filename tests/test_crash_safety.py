@@ -27,7 +27,8 @@ from gpudiag.core.fileio import atomic_write
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.daemon.store import HistoryStore
 from gpudiag.engine.locks import lock_holder, release, try_lock
-from gpudiag.runner.execute import _write_closeout, closeout_kv
+from gpudiag.runner.closeout import closeout_kv
+from gpudiag.runner.execute import _write_closeout
 from tests.support.host import EnvFactory, processes_with_env
 
 KILLS = 40
@@ -66,7 +67,7 @@ def _kill_at_random(child: Callable[[], None], rng: random.Random, max_delay_s: 
         f"the writer ended on its own (status {status}): the kill hit nothing"
 
 
-def _forever(step: Callable[[int], None]) -> NoReturn:
+def _forever(step: Callable[[int], object]) -> NoReturn:
     n = 0
     while True:
         step(n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ def test_defaults_match_the_documented_ones() -> None:
     assert (cfg.listen_host, cfg.listen_port) == ("127.0.0.1", DEFAULT_PORT)
     assert DEFAULT_PORT not in (9400, 9835)
     assert {n: b.interval_s for n, b in cfg.backends.items()} == {
-        "host": 60, "nvml": 15, "cuda": 60, "jax": 300, "iree": 300}
+        "host": 60, "nvml": 15, "cuda": 60, "jax": 3600, "iree": 3600}
     assert cfg.default_requirement == "cuda"
     assert cfg.enabled_backends == ("host", "nvml", "cuda", "jax", "iree")
 
@@ -77,7 +78,7 @@ def test_a_full_file_is_read(tmp_path: Path) -> None:
     ({"log": {"format": "xml"}}, "log.format = 'xml': expected one of text, json"),
     ({"prot": 1}, "unknown key(s) prot"),
 ])
-def test_every_bad_key_is_named_with_the_accepted_form(raw: dict, needle: str) -> None:
+def test_every_bad_key_is_named_with_the_accepted_form(raw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         from_mapping(raw)
     assert needle in str(info.value)

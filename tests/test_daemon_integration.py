@@ -70,7 +70,8 @@ def _cmdline(pid: int) -> bytes:
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed")
-def test_prometheus_scrapes_ready_blockers_and_gpus_then_sees_a_new_blocker(rig) -> None:
+def test_prometheus_scrapes_ready_blockers_and_gpus_then_sees_a_new_blocker(rig: dict[str, Any]
+                                                                            ) -> None:
     daemon = rig["start"]()
     daemon.wait_ready()
     tmp: Path = rig["tmp"]
@@ -114,7 +115,7 @@ def test_prometheus_scrapes_ready_blockers_and_gpus_then_sees_a_new_blocker(rig)
         prom.wait(10)
 
 
-def test_a_hung_probe_never_slows_metrics_or_preflight(rig) -> None:
+def test_a_hung_probe_never_slows_metrics_or_preflight(rig: dict[str, Any]) -> None:
     daemon = rig["start"](nvml_deadline=1.5)
     daemon.wait_ready()
     assert daemon.get("/v1/preflight")[1]["gpu_validation_blocker"] == "none"
@@ -159,7 +160,7 @@ def test_a_hung_probe_never_slows_metrics_or_preflight(rig) -> None:
     assert daemon.stop() == 0
 
 
-def test_xid_79_is_gpu_lost_and_xid_13_only_a_warning(rig) -> None:
+def test_xid_79_is_gpu_lost_and_xid_13_only_a_warning(rig: dict[str, Any]) -> None:
     daemon = rig["start"]()
     daemon.wait_ready()
     wait_for(lambda: _metric(daemon.get("/metrics")[1], "gpudiag_xid_watcher_up") == 1, 10)
@@ -198,7 +199,7 @@ def test_xid_79_is_gpu_lost_and_xid_13_only_a_warning(rig) -> None:
     assert any(e["code"] == "gpu_lost" and e["ended"] is None for e in hist["episodes"])
 
 
-def test_a_dying_watcher_is_restarted_and_its_gap_becomes_a_warning(rig) -> None:
+def test_a_dying_watcher_is_restarted_and_its_gap_becomes_a_warning(rig: dict[str, Any]) -> None:
     daemon = rig["start"]()
     daemon.wait_ready()
     # NVML init now fails for every new child: the watcher keeps dying on restart.
@@ -216,7 +217,7 @@ def test_a_dying_watcher_is_restarted_and_its_gap_becomes_a_warning(rig) -> None
     assert any("XID watcher down" in line for line in daemon.lines)
 
 
-def test_gap_past_the_limit_is_the_xid_watcher_gap_warning(rig) -> None:
+def test_gap_past_the_limit_is_the_xid_watcher_gap_warning(rig: dict[str, Any]) -> None:
     daemon = rig["start"]()
     daemon.wait_ready()
     write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_ERROR": 999})
@@ -230,7 +231,7 @@ def test_gap_past_the_limit_is_the_xid_watcher_gap_warning(rig) -> None:
                               if w["code"] == "xid_watcher_gap")["message"]
 
 
-def test_preflight_cli_asks_the_daemon_then_falls_back_inline(rig) -> None:
+def test_preflight_cli_asks_the_daemon_then_falls_back_inline(rig: dict[str, Any]) -> None:
     daemon = rig["start"]()
     daemon.wait_ready()
     env = dict(rig["env"])
@@ -253,7 +254,7 @@ def test_preflight_cli_asks_the_daemon_then_falls_back_inline(rig) -> None:
         proc.stderr)
 
 
-def test_daemon_never_loads_driver_or_framework_libraries(rig) -> None:
+def test_daemon_never_loads_driver_or_framework_libraries(rig: dict[str, Any]) -> None:
     daemon = rig["start"]()
     daemon.wait_ready()
     maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
@@ -268,7 +269,7 @@ def test_daemon_never_loads_driver_or_framework_libraries(rig) -> None:
     assert probe.stdout.strip() == "[]"
 
 
-def test_logs_are_json_and_there_is_no_line_per_scrape(rig) -> None:
+def test_logs_are_json_and_there_is_no_line_per_scrape(rig: dict[str, Any]) -> None:
     daemon = rig["start"]()
     daemon.wait_ready()
     time.sleep(0.3)
@@ -283,7 +284,7 @@ def test_logs_are_json_and_there_is_no_line_per_scrape(rig) -> None:
     assert any(p["msg"].startswith("verdict changed") for p in parsed)
 
 
-def test_sd_notify_ready_and_watchdog_keepalives(rig, tmp_path: Path) -> None:
+def test_sd_notify_ready_and_watchdog_keepalives(rig: dict[str, Any], tmp_path: Path) -> None:
     sock_path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(sock_path)
@@ -299,9 +300,10 @@ def test_sd_notify_ready_and_watchdog_keepalives(rig, tmp_path: Path) -> None:
     sock.close()
 
 
-def test_sigkill_of_the_daemon_keeps_acknowledged_history(rig) -> None:
-    states = [{"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_DEVICE_ERRORS": "1:15"},
-              {"FAKE_NVML_DEVICE_COUNT": 2}]
+def test_sigkill_of_the_daemon_keeps_acknowledged_history(rig: dict[str, Any]) -> None:
+    states: list[dict[str, str | int]] = [
+        {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_DEVICE_ERRORS": "1:15"},
+        {"FAKE_NVML_DEVICE_COUNT": 2}]
     acked: set[int] = set()
     for i in range(3):
         daemon = rig["start"]()
@@ -320,7 +322,7 @@ def test_sigkill_of_the_daemon_keeps_acknowledged_history(rig) -> None:
     # rig's teardown checks that nothing is left.
 
 
-def test_sigterm_while_a_probe_hangs_exits_at_once_and_leaves_nothing(rig) -> None:
+def test_sigterm_while_a_probe_hangs_exits_at_once_and_leaves_nothing(rig: dict[str, Any]) -> None:
     daemon = rig["start"](nvml_deadline=60)
     daemon.wait_ready()
     write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_HANG": 1})

@@ -18,8 +18,9 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.daemon.config import BackendConfig, XidConfig
 from gpudiag.daemon.scheduler import Scheduler, failure_signature
 from gpudiag.daemon.sdnotify import Notifier
-from gpudiag.daemon.snapshot import ProbeKey, WatcherState
+from gpudiag.daemon.snapshot import ProbeKey, Snapshot, WatcherState
 from gpudiag.daemon.watcher import XidWatcher
+from tests.fakes.build import FakeDriver
 from tests.support.daemon import Replay, quick_config, wait_for
 
 NVML = ProbeKey("nvml")
@@ -131,7 +132,7 @@ def test_every_probe_publishes_a_new_immutable_snapshot() -> None:
     sched.on_snapshot(lambda s: seen.append(s.seq))
     try:
         sched.start()
-        first = wait_for(lambda: (s := sched.snapshot()).round_complete and s, 5)
+        first: Snapshot = wait_for(lambda: (s := sched.snapshot()).round_complete and s, 5)
         sched.trigger([NVML])[NVML].done.wait(5)
         later = sched.snapshot()
     finally:
@@ -274,7 +275,7 @@ def test_probe_children_do_not_inherit_the_systemd_channel() -> None:
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
 
 
-def _watch_lines(env: dict, count: int) -> tuple[list[dict], int | None]:
+def _watch_lines(env: Mapping[str, str], count: int) -> tuple[list[dict[str, Any]], int | None]:
     import json
     import subprocess
 
@@ -282,7 +283,7 @@ def _watch_lines(env: dict, count: int) -> tuple[list[dict], int | None]:
                              json.dumps({"heartbeat_s": 0.1, "telemetry_s": 0.3})],
                             env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    lines = []
+    lines: list[dict[str, Any]] = []
     try:
         for _ in range(count):
             line = proc.stdout.readline()
@@ -296,7 +297,8 @@ def _watch_lines(env: dict, count: int) -> tuple[list[dict], int | None]:
     return lines, code
 
 
-def test_the_watcher_child_streams_xids_and_telemetry_from_nvml(fakes, tmp_path: Path) -> None:
+def test_the_watcher_child_streams_xids_and_telemetry_from_nvml(fakes: FakeDriver,
+                                                                tmp_path: Path) -> None:
     from tests.support.daemon import host_env
 
     env = host_env(fakes, tmp_path, gpus=2, FAKE_NVML_DEVICE_COUNT=2,
@@ -310,7 +312,8 @@ def test_the_watcher_child_streams_xids_and_telemetry_from_nvml(fakes, tmp_path:
     assert xids == [(1, 48, "1"), (0, 13, "0")]
 
 
-def test_the_watcher_child_reports_nvml_init_failure_and_exits(fakes, tmp_path: Path) -> None:
+def test_the_watcher_child_reports_nvml_init_failure_and_exits(fakes: FakeDriver,
+                                                               tmp_path: Path) -> None:
     from tests.support.daemon import host_env
 
     env = host_env(fakes, tmp_path, gpus=2, FAKE_NVML_INIT_ERROR=9)

@@ -15,7 +15,7 @@ import pytest
 
 from gpudiag.core import observations, registry
 from gpudiag.core.decode import SchemaError, decode, from_json, problem
-from gpudiag.core.observations import GpuReadings, Malformed, OtherObservation
+from gpudiag.core.observations import GpuReadings, Malformed, NvmlObservation, OtherObservation
 from gpudiag.core.probe_run import ProbeRun
 
 
@@ -196,7 +196,7 @@ def test_fields_filled_best_effort_read_as_absent_when_garbled() -> None:
     nvml = registry.parse_observation("nvml", {"ok": 1, "devices": [
         {"index": 0, "ok": "yes", "compute_mode": "exclusive", "persistence_mode": 1,
          "processes": [{"pid": 7.0, "name": 3, "user": ["root"]}], "uuid": ""}]})
-    assert not isinstance(nvml, Malformed) and nvml.ok is True
+    assert isinstance(nvml, NvmlObservation) and nvml.ok is True
     dev = nvml.devices[0]
     assert (dev.ok, dev.compute_mode, dev.persistence_mode, dev.uuid) == (True, None, None, None)
     assert dev.processes is not None and (dev.processes[0].pid, dev.processes[0].name,

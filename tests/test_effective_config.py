@@ -57,6 +57,14 @@ block = true
 [log]
 format = "json"
 level = "debug"
+
+[runtimes.gpudiag]
+require = "jax"
+
+[runtimes.train]
+python = "/usr/bin/python3"
+env = { LD_LIBRARY_PATH = "/usr/local/cuda/compat", XLA_FLAGS = "--xla_gpu_autotune_level=0" }
+require = ["jax", "iree"]
 """
 
 
@@ -88,8 +96,9 @@ def test_every_field_is_printed_or_said_why_not() -> None:
     keys = {place.rpartition(".")[2] for place in PLACES.values()}
     shown = {line.lstrip("# ").split(" ")[0] for line in text.splitlines()}
     for name in _names(DaemonConfig()) - {"backends", "xid", "history", "nvml",
-                                          "qualification", "thresholds"}:
+                                          "qualification", "thresholds", "runtimes"}:
         qual = [q for q in (*PLACES, *NOT_IN_FILE) if q.endswith(f".{name}")]
         assert name in shown or qual, f"{name} is missing from serve --check-config"
     assert {"nfd_features_file", "nfd_expiry_s", "clock_event_dwell_s"} <= shown
+    assert "[runtimes.gpudiag]" in shown  # a table per runtime, the daemon's own always
     assert keys - {""} <= shown

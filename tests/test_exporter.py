@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,35 +19,39 @@ from gpudiag.core.findings import XidEvent
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.snapshot import Snapshot, WatcherState, XidCount
 from tests.fakes.build import FakeDriver
-from tests.support.daemon import host_env, real_runs, snapshot_of
+from tests.support.daemon import Runs, host_env, real_runs, snapshot_of
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 
 
 @pytest.fixture(scope="module")
-def runs_8(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs_8(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return real_runs(host_env(fakes, tmp_path_factory.mktemp("h8"), FAKE_NVML_DEVICE_COUNT=8,
                               FAKE_NVML_UNSUPPORTED="power"))
 
 
 @pytest.fixture(scope="module")
-def runs_lost(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs_lost(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return real_runs(host_env(fakes, tmp_path_factory.mktemp("hl"), FAKE_NVML_DEVICE_COUNT=2,
                               FAKE_NVML_DEVICE_ERRORS="1:15"))
 
 
-def scrape(snap: Snapshot, now: float = 1_800_000_000.0) -> tuple[str, dict]:
+# Scraped samples by metric name: (labels, value) each.
+Samples: TypeAlias = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def scrape(snap: Snapshot, now: float = 1_800_000_000.0) -> tuple[str, Samples]:
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: snap, wall=lambda: now))
     text = generate_latest(registry).decode()
-    samples: dict = {}
+    samples: Samples = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             samples.setdefault(s.name, []).append((s.labels, s.value))
     return text, samples
 
 
-def one(samples: dict, metric: str, **labels: str) -> float:
+def one(samples: Samples, metric: str, **labels: str) -> float:
     found = [v for lab, v in samples.get(metric, []) if all(lab.get(k) == x
                                                            for k, x in labels.items())]
     assert len(found) == 1, f"{metric}{labels}: {found}"
@@ -61,18 +66,18 @@ XID_STATE = WatcherState(
 
 
 @pytest.mark.parametrize("code", list(BLOCKERS))
-def test_every_blocker_code_is_present_as_0_or_1(runs_lost: dict, code: str) -> None:
+def test_every_blocker_code_is_present_as_0_or_1(runs_lost: Runs, code: str) -> None:
     _, samples = scrape(snapshot_of(runs_lost))
     value = one(samples, "gpudiag_blocker", code=code, layer=BLOCKERS[code].layer)
     assert value == (1.0 if code == "gpu_lost" else 0.0)
 
 
-def test_every_warning_code_is_present(runs_8: dict) -> None:
+def test_every_warning_code_is_present(runs_8: Runs) -> None:
     _, samples = scrape(snapshot_of(runs_8))
     assert {lab["code"] for lab, _ in samples["gpudiag_warning"]} == set(WARNINGS)
 
 
-def test_ready_and_backend_up_follow_the_verdicts(runs_8: dict, runs_lost: dict) -> None:
+def test_ready_and_backend_up_follow_the_verdicts(runs_8: Runs, runs_lost: Runs) -> None:
     _, healthy = scrape(snapshot_of(runs_8))
     assert one(healthy, "gpudiag_ready") == 1.0
     assert {lab["backend"]: v for lab, v in healthy["gpudiag_backend_up"]} == {
@@ -82,7 +87,7 @@ def test_ready_and_backend_up_follow_the_verdicts(runs_8: dict, runs_lost: dict)
     assert one(lost, "gpudiag_backend_up", backend="nvml") == 0.0
 
 
-def test_per_gpu_series_for_8_gpus_and_missing_readings_are_absent(runs_8: dict) -> None:
+def test_per_gpu_series_for_8_gpus_and_missing_readings_are_absent(runs_8: Runs) -> None:
     _, samples = scrape(snapshot_of(runs_8))
     gpus = {lab["gpu"] for lab, _ in samples["gpudiag_gpu_info"]}
     assert gpus == {str(i) for i in range(8)}
@@ -102,7 +107,7 @@ def test_per_gpu_series_for_8_gpus_and_missing_readings_are_absent(runs_8: dict)
     assert build["driver_version"] == "570.124.06" and build["cuda_driver_version"] == "12080"
 
 
-def test_xid_series_and_watcher_health(runs_8: dict) -> None:
+def test_xid_series_and_watcher_health(runs_8: Runs) -> None:
     _, samples = scrape(snapshot_of(runs_8, XID_STATE))
     assert one(samples, "gpudiag_gpu_xid_errors_total", gpu="0", xid="79") == 1
     assert one(samples, "gpudiag_gpu_xid_errors_total", gpu="1", xid="13") == 3
@@ -113,7 +118,7 @@ def test_xid_series_and_watcher_health(runs_8: dict) -> None:
     assert one(samples, "gpudiag_blocker", code="gpu_lost") == 1  # XID 79 within hold
 
 
-def test_watcher_telemetry_overlays_newer_readings(runs_8: dict) -> None:
+def test_watcher_telemetry_overlays_newer_readings(runs_8: Runs) -> None:
     snap = snapshot_of(runs_8)
     from dataclasses import replace
 
@@ -129,7 +134,7 @@ def test_watcher_telemetry_overlays_newer_readings(runs_8: dict) -> None:
     assert one(samples, "gpudiag_gpu_temperature_celsius", gpu="1") == 35
 
 
-def test_collect_reads_a_fresh_snapshot_every_scrape(runs_8: dict, runs_lost: dict) -> None:
+def test_collect_reads_a_fresh_snapshot_every_scrape(runs_8: Runs, runs_lost: Runs) -> None:
     current: list[Snapshot] = [snapshot_of(runs_8)]
     get: Callable[[], Snapshot] = lambda: current[0]  # noqa: E731
     registry = CollectorRegistry()
@@ -141,7 +146,7 @@ def test_collect_reads_a_fresh_snapshot_every_scrape(runs_8: dict, runs_lost: di
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
-def test_promtool_check_metrics_is_clean(runs_8: dict, tmp_path: Path) -> None:
+def test_promtool_check_metrics_is_clean(runs_8: Runs, tmp_path: Path) -> None:
     text, _ = scrape(snapshot_of(runs_8, XID_STATE))
     proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
                           text=True, timeout=30, check=False)
@@ -149,8 +154,8 @@ def test_promtool_check_metrics_is_clean(runs_8: dict, tmp_path: Path) -> None:
         proc.stdout + proc.stderr)
 
 
-def test_backend_ready_is_present_for_every_requirement_backend(runs_8: dict,
-                                                                 runs_lost: dict) -> None:
+def test_backend_ready_is_present_for_every_requirement_backend(runs_8: Runs,
+                                                                 runs_lost: Runs) -> None:
     """cuda is proven on a healthy node; jax and iree, not probed here, read 0 (never ready)."""
     _, healthy = scrape(snapshot_of(runs_8))
     assert {lab["backend"]: v for lab, v in healthy["gpudiag_backend_ready"]} == {
@@ -182,8 +187,8 @@ def test_a_lost_gpu_keeps_its_last_known_identity_labels(fakes: FakeDriver,
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(lambda: current[0]))  # one daemon, scraped twice
 
-    def scraped() -> dict:
-        samples: dict = {}
+    def scraped() -> Samples:
+        samples: Samples = {}
         for fam in text_string_to_metric_families(generate_latest(registry).decode()):
             for sample in fam.samples:
                 samples.setdefault(sample.name, []).append((sample.labels, sample.value))

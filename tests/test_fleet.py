@@ -14,7 +14,7 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,7 +202,7 @@ def test_the_recording_rules_agree_with_the_cli(rig: FleetRig) -> None:
 def test_qualified_counts_only_gpus_that_passed_qualification_lately(rig: FleetRig) -> None:
     # The rig's daemons qualify each idle GPU once, soon after they start (test_grafana's
     # FLEET_CONFIG): node a's two GPUs pass, so a two-GPU job that wants them qualified fits.
-    record = wait_for_answer(rig, lambda n: n.get(rig.healthy.instance, {}).get("ready"),
+    record = wait_for_answer(rig, lambda n: bool(n.get(rig.healthy.instance, {}).get("ready")),
                              "--qualified", "3600")
     assert record["query"]["qualified_within_s"] == 3600
     time.sleep(1.5)
@@ -368,5 +368,6 @@ class _NoNodes(PrometheusClient):
     def __init__(self) -> None:
         pass
 
-    def query(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+    def query(self, expr: str, at: float | None = None
+              ) -> list[tuple[Mapping[str, str], float]]:
         return [({}, 1000.0)] if expr == "vector(time())" else []

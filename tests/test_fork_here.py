@@ -90,6 +90,7 @@ def test_the_cli_probe_verdict_is_the_one_of_spawned_probes(gpu_env: EnvFactory)
             verdict.pop(key, None)
         for run in verdict["backends"].values():
             run.pop("duration_s", None)
+            run["detail"].pop("init_duration_s", None)  # a timing too (0.0 or 0.0001 s)
         for device in verdict["devices"]:
             device.pop("last_proven_at", None)
         verdict["evidence"].pop("probe_stderr", None)

@@ -185,7 +185,8 @@ def _xid_79_on_gpu_1(node: dict[str, Any], daemon: Daemon) -> None:
 
 
 def _lost(rec: dict[str, Any]) -> bool:
-    return rec["gpu_validation_blocker"] == "gpu_lost" and rec["blockers"][0]["device"] == UUID1
+    return bool(rec["gpu_validation_blocker"] == "gpu_lost"
+                and rec["blockers"][0]["device"] == UUID1)
 
 
 def test_an_xid_held_before_a_restart_blocks_until_gpudiag_clear(node: dict[str, Any]) -> None:

@@ -243,7 +243,12 @@ def test_metrics_never_wait_on_a_write_stuck_in_the_disk() -> None:
     writer.start()
     assert entered.wait(5)
     done = threading.Event()
-    threading.Thread(target=lambda: (rec.health(), done.set()), daemon=True).start()
+
+    def ask() -> None:
+        rec.health()
+        done.set()
+
+    threading.Thread(target=ask, daemon=True).start()
     assert done.wait(1.0), "health() waited on the stuck write"
     gate.set()
     writer.join(5)
@@ -295,7 +300,7 @@ def test_on_a_healthy_disk_a_change_is_written_when_submit_returns() -> None:
     from gpudiag.daemon.recorder import RecorderThread
 
     store = FlakyStore()
-    writer = RecorderThread(HistoryRecorder(store), lambda v, c: None)  # type: ignore[arg-type]
+    writer = RecorderThread(HistoryRecorder(store), lambda v, c: None)
     writer.start()
     for i, v in enumerate(CHANGES, 1):
         writer.submit(v)

@@ -64,7 +64,8 @@ def test_ascii_int_takes_ascii_digits_only(digit: str) -> None:
 
 
 def test_a_unicode_digit_content_length_is_a_400_not_an_exception() -> None:
-    from gpudiag.daemon.httpserver import BadRequest
+    from gpudiag.daemon.httpparse import BadRequest
+
     for digit in UNICODE_DIGITS:
         with pytest.raises(BadRequest):
             body_length([("content-length", digit)])

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import pytest
 
@@ -28,6 +28,7 @@ from tests.fakes.build import FakeDriver
 from tests.support.daemon import (
     Daemon,
     Replay,
+    Runs,
     daemon_toml,
     host_env,
     quick_config,
@@ -39,12 +40,16 @@ from tests.support.daemon import (
 
 
 @pytest.fixture(scope="module")
-def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return real_runs(host_env(fakes, tmp_path_factory.mktemp("host"), FAKE_NVML_DEVICE_COUNT=2))
 
 
+# The server fixture: the HTTP server and the replay behind it.
+Served: TypeAlias = tuple[HttpServer, Replay]
+
+
 @pytest.fixture
-def server(healthy_runs: dict) -> Iterator[tuple[HttpServer, Replay]]:
+def server(healthy_runs: Runs) -> Iterator[Served]:
     """A started scheduler replaying real runs, served with short timeouts for the tests."""
     replay = Replay(dict(healthy_runs))
     sched = Scheduler(quick_config(), runner=replay, env={})
@@ -102,7 +107,7 @@ def _rss_bytes() -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_a_plain_request_is_served_with_connection_close(server) -> None:
+def test_a_plain_request_is_served_with_connection_close(server: Served) -> None:
     httpd, _ = server
     status, headers, body = raw(_port(httpd), b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     assert status == 200 and json.loads(body) == {"status": "ok"}
@@ -111,7 +116,7 @@ def test_a_plain_request_is_served_with_connection_close(server) -> None:
     assert status == 200 and body == b"" and int(headers["content-length"]) > 0
 
 
-def test_slow_clients_that_trickle_bytes_time_out_while_others_are_served(server) -> None:
+def test_slow_clients_that_trickle_bytes_time_out_while_others_are_served(server: Served) -> None:
     httpd, _ = server
     port = _port(httpd)
     slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(50)]
@@ -152,7 +157,7 @@ def test_slow_clients_that_trickle_bytes_time_out_while_others_are_served(server
      400, "too_many_parameters"),
     (b"POST /v1/probe HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n", 413, "body_too_large"),
 ])
-def test_oversized_heads_and_queries_get_the_envelope(server, request_bytes: bytes,
+def test_oversized_heads_and_queries_get_the_envelope(server: Served, request_bytes: bytes,
                                                       status: int, code: str) -> None:
     httpd, _ = server
     got, _, body = raw(_port(httpd), request_bytes)
@@ -191,7 +196,7 @@ ODD_BUT_WELL_FORMED = [
 
 
 @pytest.mark.parametrize("request_bytes", MALFORMED)
-def test_malformed_requests_get_400_with_the_envelope(server, request_bytes: bytes) -> None:
+def test_malformed_requests_get_400_with_the_envelope(server: Served, request_bytes: bytes) -> None:
     httpd, _ = server
     status, headers, body = raw(_port(httpd), request_bytes)
     assert status == 400 and headers["content-type"] == "application/json"
@@ -199,7 +204,7 @@ def test_malformed_requests_get_400_with_the_envelope(server, request_bytes: byt
 
 
 @pytest.mark.parametrize("request_bytes, expected", ODD_BUT_WELL_FORMED)
-def test_odd_methods_and_paths_get_a_4xx_never_a_500(server, request_bytes: bytes,
+def test_odd_methods_and_paths_get_a_4xx_never_a_500(server: Served, request_bytes: bytes,
                                                     expected: int) -> None:
     httpd, _ = server
     status, _, body = raw(_port(httpd), request_bytes)
@@ -208,7 +213,8 @@ def test_odd_methods_and_paths_get_a_4xx_never_a_500(server, request_bytes: byte
         assert json.loads(body)["error"]["code"]
 
 
-def test_a_thousand_concurrent_connections_stay_bounded_and_others_are_served(server) -> None:
+def test_a_thousand_concurrent_connections_stay_bounded_and_others_are_served(server: Served
+                                                                              ) -> None:
     httpd, _ = server
     port = _port(httpd)
     threads_before, rss_before = _threads(), _rss_bytes()
@@ -248,7 +254,7 @@ def test_a_thousand_concurrent_connections_stay_bounded_and_others_are_served(se
     assert get(port, "/healthz")[0] == 200
 
 
-def test_clients_that_disconnect_mid_response_do_not_hurt_others(server) -> None:
+def test_clients_that_disconnect_mid_response_do_not_hurt_others(server: Served) -> None:
     httpd, _ = server
     port = _port(httpd)
     threads_before = _threads()
@@ -335,7 +341,7 @@ def test_the_real_daemon_under_abuse_logs_once_and_stays_bounded(fakes: FakeDriv
 
 
 # -- on-demand probe rate limit -------------------------------------------------------------
-def _limited_app(healthy_runs: dict, burst: int = 3, refill_s: float = 60.0
+def _limited_app(healthy_runs: Runs, burst: int = 3, refill_s: float = 60.0
                  ) -> tuple[DaemonApp, Replay, Scheduler]:
     replay = Replay(dict(healthy_runs))
     sched = Scheduler(quick_config(), runner=replay, env={})
@@ -346,7 +352,7 @@ def _limited_app(healthy_runs: dict, burst: int = 3, refill_s: float = 60.0
 
 
 def test_post_probe_is_rate_limited_per_backend_with_429_and_retry_after(
-        healthy_runs: dict) -> None:
+        healthy_runs: Runs) -> None:
     app, replay, sched = _limited_app(healthy_runs)
     try:
         before = len(replay.calls)
@@ -365,7 +371,7 @@ def test_post_probe_is_rate_limited_per_backend_with_429_and_retry_after(
 
 
 def test_preflight_max_age_runs_past_the_budget_answer_from_the_snapshot(
-        healthy_runs: dict) -> None:
+        healthy_runs: Runs) -> None:
     app, replay, sched = _limited_app(healthy_runs, burst=2)
     try:
         for _ in range(2):
@@ -386,7 +392,7 @@ def test_preflight_max_age_runs_past_the_budget_answer_from_the_snapshot(
         sched.stop()
 
 
-def test_requests_joining_a_run_in_flight_cost_nothing(healthy_runs: dict) -> None:
+def test_requests_joining_a_run_in_flight_cost_nothing(healthy_runs: Runs) -> None:
     gate = threading.Event()
     replay = Replay(dict(healthy_runs), gate=gate)
     sched = Scheduler(quick_config(), runner=replay, env={})
@@ -407,7 +413,7 @@ def test_requests_joining_a_run_in_flight_cost_nothing(healthy_runs: dict) -> No
     b"GET /v1/history HTTP/1.1\r\nHost: evil.example:9477\r\n\r\n",
     b"GET /metrics HTTP/1.1\r\nHost: rebind.attacker.test\r\n\r\n",
 ])
-def test_browser_borne_requests_are_refused_with_403(server, request_bytes: bytes) -> None:
+def test_browser_borne_requests_are_refused_with_403(server: Served, request_bytes: bytes) -> None:
     httpd, replay = server
     before = len(replay.calls)
     status, _, body = raw(_port(httpd), request_bytes)
@@ -417,33 +423,42 @@ def test_browser_borne_requests_are_refused_with_403(server, request_bytes: byte
 
 @pytest.mark.parametrize("host", [b"127.0.0.1", b"127.0.0.1:9477", b"localhost:9477",
                                   b"[::1]:9477", b"localhost"])
-def test_programs_naming_a_loopback_address_are_served(server, host: bytes) -> None:
+def test_programs_naming_a_loopback_address_are_served(server: Served, host: bytes) -> None:
     httpd, _ = server
     status, _, _ = raw(_port(httpd), b"GET /healthz HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
     assert status == 200
 
 
 def test_preflight_cannot_invent_probe_keys_or_run_new_ones_past_the_budget(
-        healthy_runs: dict) -> None:
+        healthy_runs: Runs) -> None:
     app, replay, sched = _limited_app(healthy_runs, burst=1)
     try:
         for query in ("require=iree:zzz", "require=iree:metal-x"):
             status, _, body = wsgi(app, f"/v1/preflight?{query}")
             assert status == 400 and json.loads(body)["error"]["code"] == "bad_requirement"
-        # A requirement whose probe never ran starts a run: that is on-demand work too.
-        assert wsgi(app, "/v1/preflight?require=iree:local-task&wait_s=2")[0] == 200
+        # A requirement whose probe never ran starts a run: that is on-demand work too
+        # (asked from the daemon's own environment: its fingerprint, which the client sends).
+        from gpudiag.core.requirement import parse_requirement
+        from gpudiag.engine.client import environment_ids
+        from gpudiag.engine.fingerprint import query_value
+
+        fp = "&fingerprint=" + query_value(environment_ids(parse_requirement("iree"), {}))
+        assert wsgi(app, f"/v1/preflight?require=iree:local-task&wait_s=2{fp}")[0] == 200
         assert replay.calls.count("iree") == 1
-        status, _, body = wsgi(app, "/v1/preflight?require=iree:vulkan&wait_s=2")
+        status, _, body = wsgi(app, f"/v1/preflight?require=iree:vulkan&wait_s=2{fp}")
         assert status == 429 and json.loads(body)["error"]["code"] == "rate_limited"
         assert replay.calls.count("iree") == 1
         # The result it has is answered from the snapshot, as often as asked.
         for _ in range(5):
-            assert wsgi(app, "/v1/preflight?require=iree:local-task")[0] == 200
+            assert wsgi(app, f"/v1/preflight?require=iree:local-task{fp}")[0] == 200
+        # Without a fingerprint no run starts: the asker proves IREE itself.
+        assert wsgi(app, "/v1/preflight?require=iree:local-task")[0] == 200
+        assert replay.calls.count("iree") == 1
     finally:
         sched.stop()
 
 
-def test_open_connections_are_capped_below_the_file_descriptor_limit(healthy_runs: dict
+def test_open_connections_are_capped_below_the_file_descriptor_limit(healthy_runs: Runs
                                                                       ) -> None:
     sched = Scheduler(quick_config(), runner=Replay(dict(healthy_runs)), env={})
     sched.start()

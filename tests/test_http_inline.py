@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import pytest
 
@@ -23,7 +23,7 @@ from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.scheduler import Scheduler
 from tests.fakes.build import FakeDriver
-from tests.support.daemon import Replay, host_env, quick_config, real_runs, wait_for, wsgi
+from tests.support.daemon import Replay, Runs, host_env, quick_config, real_runs, wait_for, wsgi
 
 WALL = 1_800_000_000.0
 
@@ -69,7 +69,7 @@ class Watched(Pooled):
 
 
 @pytest.fixture(scope="module")
-def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return real_runs(host_env(fakes, tmp_path_factory.mktemp("host"), gpus=8))
 
 
@@ -80,9 +80,13 @@ def _serve(app: Any, **options: Any) -> tuple[HttpServer, threading.Thread]:
     return httpd, thread
 
 
+# The sides fixture: the app, its replay and clock, the inline-capable server and its port, the
+# pooled one and its port.
+Sides: TypeAlias = tuple[DaemonApp, Replay, HeldClock, Watched, int, Pooled, int]
+
+
 @pytest.fixture
-def sides(healthy_runs: dict) -> Iterator[tuple[DaemonApp, Replay, HeldClock, Watched, int,
-                                                Pooled, int]]:
+def sides(healthy_runs: Runs) -> Iterator[Sides]:
     """One app (gated replay, held wall clock) behind two servers: inline-capable and pooled."""
     clock = HeldClock()
     replay = Replay(dict(healthy_runs), gate=threading.Event())
@@ -128,7 +132,7 @@ QUESTIONS = [
 ]
 
 
-def test_an_answer_at_hand_is_sent_inline_with_the_pooled_answers_bytes(sides) -> None:
+def test_an_answer_at_hand_is_sent_inline_with_the_pooled_answers_bytes(sides: Sides) -> None:
     app, replay, clock, watched, port, pooled, pooled_port = sides
     for target in QUESTIONS:
         first = fetch(port, target)  # a verdict's first answer is classified on a worker
@@ -145,7 +149,7 @@ def test_an_answer_at_hand_is_sent_inline_with_the_pooled_answers_bytes(sides) -
     assert len(pooled.threads) == len(QUESTIONS)
 
 
-def test_questions_that_need_a_probe_or_a_classification_go_to_the_pool(sides) -> None:
+def test_questions_that_need_a_probe_or_a_classification_go_to_the_pool(sides: Sides) -> None:
     app, replay, clock, watched, port, pooled, pooled_port = sides
     target = "/v1/preflight?require=cuda"
     fetch(port, target)
@@ -174,15 +178,15 @@ def test_questions_that_need_a_probe_or_a_classification_go_to_the_pool(sides) -
     assert watched.threads[-1].startswith("http-wait")
 
 
-def test_an_answer_at_hand_is_sent_while_every_slow_worker_waits(sides) -> None:
+def test_an_answer_at_hand_is_sent_while_every_slow_worker_waits(sides: Sides) -> None:
     app, replay = sides[0], sides[1]
     httpd, thread = _serve(Watched(app), workers=1, max_queued=0)
     port = int(httpd.server_address[1])
     target = "/v1/preflight?require=cuda"
+    assert replay.gate is not None  # the sides fixture gates its replay
     try:
         assert fetch(port, target).startswith(b"HTTP/1.1 200 ")  # classified on the worker
         time.sleep(0.2)  # the worker frees its slot just after its answer is queued
-        assert replay.gate is not None
         replay.gate.clear()
         runs = len(replay.calls)
         waited: list[bytes] = []
@@ -202,7 +206,7 @@ def test_an_answer_at_hand_is_sent_while_every_slow_worker_waits(sides) -> None:
         thread.join(5)
 
 
-def test_answer_now_declines_exactly_what_would_wait(sides) -> None:
+def test_answer_now_declines_exactly_what_would_wait(sides: Sides) -> None:
     app = sides[0]
 
     def ask(call: Any, path: str, query: str) -> list[bytes] | None:
@@ -219,7 +223,7 @@ def test_answer_now_declines_exactly_what_would_wait(sides) -> None:
         assert ask(app.answer_now, path, "") is None
 
 
-def test_a_question_is_parsed_again_under_a_reloaded_config(sides) -> None:
+def test_a_question_is_parsed_again_under_a_reloaded_config(sides: Sides) -> None:
     app = sides[0]
     asked = [json.loads(wsgi(app, q)[2])["requirement"]["backends"]
              for q in ("/v1/preflight", "/v1/health?wait_s=1")]

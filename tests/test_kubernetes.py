@@ -42,7 +42,8 @@ def the(kind: str) -> dict[str, Any]:
 def container() -> dict[str, Any]:
     spec = the("DaemonSet")["spec"]["template"]["spec"]
     (c,) = [c for c in spec["containers"] if c["name"] == "gpudiag"]
-    return c
+    found: dict[str, Any] = c
+    return found
 
 
 def test_every_object_has_api_version_kind_name_and_namespace() -> None:

@@ -45,7 +45,7 @@ def test_nvml_and_sysfs_pci_addresses_compare_alike(bus_id: str, address: str | 
 
 def _pci_env(fakes: FakeDriver, tmp_path: Path, pci_gpus: int, **knobs: str | int
              ) -> dict[str, str]:
-    env = host_env(fakes, tmp_path / "host", **knobs)
+    env = host_env(fakes, tmp_path / "host", gpus=8, **knobs)
     env["GPUDIAG_SYSFS_PCI_DIR"] = str(make_pci_tree(tmp_path / "pci", gpus=pci_gpus))
     return env
 
@@ -104,7 +104,8 @@ def test_the_daemon_config_refuses_a_bad_expected_gpus(value: object) -> None:
     ("expected_gpus = 9\n", 0, {}, "expected_gpus is 9, but only PCI 0"),
 ], ids=["pci_against_nvml", "expected_gpus"])
 def test_the_daemon_reports_gpu_missing(fakes: FakeDriver, tmp_path: Path, extra: str,
-                                        pci: int, knobs: dict, expect: str) -> None:
+                                        pci: int, knobs: dict[str, str | int], expect: str
+                                        ) -> None:
     env = _pci_env(fakes, tmp_path, pci, **knobs)
     cfg = write_config(tmp_path / "gpudiag.toml", extra + daemon_toml())
     daemon = Daemon(env, cfg, tmp_path / "state")

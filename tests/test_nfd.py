@@ -13,7 +13,15 @@ from gpudiag.core import registry
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.nfd import NfdFeatureFile, feature_labels, render
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.support.daemon import Daemon, daemon_toml, real_runs, snapshot_of, wait_for, write_config
+from tests.support.daemon import (
+    Daemon,
+    Runs,
+    daemon_toml,
+    real_runs,
+    snapshot_of,
+    wait_for,
+    write_config,
+)
 from tests.support.prometheus import FLEET_CONFIG, node_env
 
 
@@ -24,17 +32,17 @@ def parse(text: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return real_runs(node_env(fakes, tmp_path_factory.mktemp("nfd-ok")))
 
 
 @pytest.fixture(scope="module")
-def no_driver_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def no_driver_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return real_runs(node_env(fakes, tmp_path_factory.mktemp("nfd-bad"),
                               FAKE_NVML_INIT_ERROR="9"))
 
 
-def test_labels_say_which_backends_are_proven(healthy_runs: dict) -> None:
+def test_labels_say_which_backends_are_proven(healthy_runs: Runs) -> None:
     labels = feature_labels(snapshot_of(healthy_runs))
     assert labels == {"gpudiag.ready": "true", "gpudiag.ready.cuda": "true",
                       "gpudiag.ready.jax": "false", "gpudiag.ready.iree": "false",
@@ -42,7 +50,7 @@ def test_labels_say_which_backends_are_proven(healthy_runs: dict) -> None:
     assert {f"gpudiag.ready.{b}" for b in registry.published()} < set(labels)
 
 
-def test_a_host_wide_blocker_makes_every_backend_false(no_driver_runs: dict) -> None:
+def test_a_host_wide_blocker_makes_every_backend_false(no_driver_runs: Runs) -> None:
     labels = feature_labels(snapshot_of(no_driver_runs))
     assert {k: v for k, v in labels.items() if k.startswith("gpudiag.ready")} == {
         "gpudiag.ready": "false", "gpudiag.ready.cuda": "false",
@@ -50,7 +58,7 @@ def test_a_host_wide_blocker_makes_every_backend_false(no_driver_runs: dict) -> 
 
 
 def test_the_file_is_rewritten_only_when_labels_change_or_expiry_nears(
-        tmp_path: Path, healthy_runs: dict, no_driver_runs: dict) -> None:
+        tmp_path: Path, healthy_runs: Runs, no_driver_runs: Runs) -> None:
     ok, bad = snapshot_of(healthy_runs), snapshot_of(no_driver_runs)
     now = [1_800_000_000.0]
     path = tmp_path / "features.d" / "gpudiag"
@@ -70,7 +78,7 @@ def test_the_file_is_rewritten_only_when_labels_change_or_expiry_nears(
     assert sorted(p.name for p in path.parent.iterdir()) == ["gpudiag"]  # no temp files left
 
 
-def test_an_unwritable_folder_is_logged_and_retried(tmp_path: Path, healthy_runs: dict,
+def test_an_unwritable_folder_is_logged_and_retried(tmp_path: Path, healthy_runs: Runs,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "missing" / "gpudiag"
     nfd = NfdFeatureFile(path)

@@ -182,6 +182,19 @@ def test_wide_prints_full_uuids(gpu_env: EnvFactory) -> None:
     assert [r.split()[2] for r in short] == [f"GPU-f00d{i:04x}" for i in range(8)]
 
 
+@pytest.mark.parametrize("command", [["preflight", "--require", "cuda", "--no-daemon"],
+                                     ["health", "--require", "cuda", "--no-daemon"]])
+def test_wide_prints_full_uuids_in_preflight_and_health_without_watch(
+        gpu_env: EnvFactory, command: list[str]) -> None:
+    env = gpu_env()
+    env["COLUMNS"] = "80"
+    wide = _section(run_gpudiag([*command, "--wide"], env).stdout, "Devices")
+    assert [r.split()[2] for r in wide] == [
+        f"GPU-f00d{i:04x}-0000-4000-8000-{i:012x}" for i in range(8)], wide
+    short = _section(run_gpudiag(command, env).stdout, "Devices")
+    assert [r.split()[2] for r in short] == [f"GPU-f00d{i:04x}" for i in range(8)], short
+
+
 def _render(*devices: DeviceInfo, columns: int = 80) -> str:
     verdict = Verdict(requirement=parse_requirement("nvml", node_health=True), blockers=(),
                       warnings=(), devices=devices, backends={}, evidence={},

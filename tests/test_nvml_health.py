@@ -291,8 +291,9 @@ def test_the_probe_reads_link_fabric_and_pending_state_from_the_driver(
     assert nvml is not None and nvml.ok
     gpu0, gpu1, gpu2 = nvml.devices
     assert gpu0.pcie == PcieLink(4, 5, 8, 16)
-    assert gpu0.nvlinks is None and "nvlinks" in nvml_run.observation["devices"][0][
-        "unsupported"]
+    observed = nvml_run.observation
+    assert observed is not None
+    assert gpu0.nvlinks is None and "nvlinks" in observed["devices"][0]["unsupported"]
     assert gpu1.nvlinks == NvLinks((0, 2), (1, 3))
     assert gpu2.fabric == FabricInfo(2, 0) and gpu0.fabric is None
     assert gpu2.retired_pages_pending is True and gpu0.retired_pages_pending is False
@@ -308,6 +309,7 @@ def test_unsupported_signals_degrade_and_never_fail_the_device(
     assert nvml is not None and nvml.ok and nvml.devices[0].ok
     d = nvml.devices[0]
     assert (d.pcie, d.nvlinks, d.fabric, d.retired_pages_pending) == (None, None, None, None)
+    assert run.observation is not None
     unsupported = run.observation["devices"][0]["unsupported"]
     assert {"pcie", "nvlinks", "fabric", "retired_pages_pending"} <= set(unsupported)
     assert all("NOT_SUPPORTED" in unsupported[k] for k in ("pcie", "fabric"))
@@ -330,6 +332,7 @@ def test_a_driver_without_the_functions_degrades_too(fakes: FakeDriver, tmp_path
     run = run_probe("nvml", env=probe_environment(env), timeout_s=60)
     nvml = run.nvml
     assert nvml is not None and nvml.ok and nvml.devices[0].ok
+    assert run.observation is not None
     unsupported = run.observation["devices"][0]["unsupported"]
     assert all("FUNCTION_NOT_FOUND" in unsupported[k]
                for k in ("fabric", "pcie", "nvlinks", "graphics_processes")), unsupported

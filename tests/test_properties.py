@@ -61,11 +61,12 @@ from gpudiag.core.verdict import (
 from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.config import ConfigError, DaemonConfig, from_mapping, load_config, parse_listen
 from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.snapshot import Snapshot
 from gpudiag.daemon.store import HistoryStore
 from gpudiag.engine.isolation import _parse_observation
 from gpudiag.engine.plan import probes_for
 from tests.fakes.build import FakeDriver
-from tests.support.daemon import Replay, host_env, quick_config, wait_for, wsgi
+from tests.support.daemon import Replay, Runs, host_env, quick_config, wait_for, wsgi
 from tests.support.verdicts import verdicts
 
 # CI runs a fixed, bounded set of examples; GPUDIAG_PROPERTY_EXAMPLES=N explores N random
@@ -440,7 +441,7 @@ def _trimmed(value: Any) -> Any:
     return value[:200] if isinstance(value, str) else value
 
 
-def test_real_observations_have_the_shape_classify_reads(real_observations: dict) -> None:
+def test_real_observations_have_the_shape_classify_reads(real_observations: Runs) -> None:
     for name, run in real_observations.items():
         assert observation_problem(name, run.observation) is None, name
 
@@ -465,7 +466,7 @@ def _classify_all(runs: Mapping[str, ProbeRun], requirements: list[Requirement] 
 
 @SLOW
 @given(st.data())
-def test_classify_never_raises_on_mutated_real_observations(real_observations: dict,
+def test_classify_never_raises_on_mutated_real_observations(real_observations: Runs,
                                                             data: st.DataObject) -> None:
     observations = {n: data.draw(mutated(r.observation), label=n)
                     for n, r in real_observations.items()}
@@ -476,7 +477,7 @@ def test_classify_never_raises_on_mutated_real_observations(real_observations: d
 @SLOW
 @given(st.dictionaries(st.sampled_from(["host", "nvml", "cuda", "jax", "iree"]), JSON,
                        min_size=1))
-def test_classify_never_raises_on_arbitrary_json(real_observations: dict,
+def test_classify_never_raises_on_arbitrary_json(real_observations: Runs,
                                                  junk: dict[str, Any]) -> None:
     observations = {n: junk.get(n, r.observation) for n, r in real_observations.items()}
     runs = _runs_with(real_observations, observations)
@@ -490,9 +491,11 @@ def test_classify_never_raises_on_arbitrary_json(real_observations: dict,
             assert errors and "malformed observation" in errors[0].message
 
 
-def test_a_malformed_observation_is_a_probe_error_not_a_crash(real_observations: dict
+def test_a_malformed_observation_is_a_probe_error_not_a_crash(real_observations: Runs
                                                               ) -> None:
-    nvml = dict(real_observations["nvml"].observation)
+    observed = real_observations["nvml"].observation
+    assert observed is not None
+    nvml = dict(observed)
     nvml["devices"] = [{"index": "zero", "memory": "lots"}]
     runs = _runs_with(real_observations, {**{n: r.observation for n, r in
                                              real_observations.items()}, "nvml": nvml})
@@ -507,12 +510,17 @@ ALLOWED_STATUS = {200, 202, 400, 404, 405, 413, 414, 429, 503}
 
 
 @pytest.fixture(scope="module")
-def app(real_observations: dict, tmp_path_factory: pytest.TempPathFactory
+def app(real_observations: Runs, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[DaemonApp]:
     runs = {n: real_observations[n] for n in ("host", "nvml", "cuda")}
     sched = Scheduler(quick_config(preflight_wait_s=2.0), runner=Replay(runs), env={})
     store = HistoryStore(tmp_path_factory.mktemp("http") / "h.sqlite3")
-    sched.on_snapshot(lambda s: s.full and store.record(s.full))
+
+    def record(snap: Snapshot) -> None:
+        if snap.full is not None:
+            store.record(snap.full)
+
+    sched.on_snapshot(record)
     sched.start()
     wait_for(lambda: sched.snapshot().round_complete, 10)
     yield DaemonApp(sched, store)

@@ -20,9 +20,10 @@ from tests.support.daemon import (
     write_config,
 )
 
-SMALL_GPU = {"FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,
-             # No row in the data-sheet table: the node's peers and history judge.
-             "FAKE_GPU_NAME": "Fake GPU"}
+SMALL_GPU: dict[str, str | int] = {
+    "FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,
+    # No row in the data-sheet table: the node's peers and history judge.
+    "FAKE_GPU_NAME": "Fake GPU"}
 
 
 def _post(daemon: Daemon, path: str) -> tuple[int, Any]:
@@ -37,7 +38,7 @@ def _post(daemon: Daemon, path: str) -> tuple[int, Any]:
 def test_the_daemon_qualifies_idle_gpus_and_exports_what_it_found(
         fakes: FakeDriver, tmp_path: Path) -> None:
     speeds = ",".join(f"{i}:{0.1 if i == 3 else 0.4}" for i in range(8))
-    env = host_env(fakes, tmp_path / "host", FAKE_CUDA_COPY_GBPS=speeds,
+    env = host_env(fakes, tmp_path / "host", gpus=8, FAKE_CUDA_COPY_GBPS=speeds,
                    FAKE_CUDA_CORRUPT_COPY="5:7", **SMALL_GPU)
     config = write_config(tmp_path / "d.toml", daemon_toml({"qualification": {
         "idle_s": 0.2, "tick_s": 0.1, "max_age_s": 3600}}))
@@ -76,7 +77,7 @@ def test_the_daemon_qualifies_idle_gpus_and_exports_what_it_found(
 
 
 def test_the_off_switch_and_read_only_tcp(fakes: FakeDriver, tmp_path: Path) -> None:
-    env = host_env(fakes, tmp_path / "host", **SMALL_GPU)
+    env = host_env(fakes, tmp_path / "host", gpus=8, **SMALL_GPU)
     config = write_config(tmp_path / "d.toml", daemon_toml({
         "": {"tcp_read_only": True},
         "qualification": {"enabled": False, "idle_s": 0.1, "tick_s": 0.1}}))

@@ -200,3 +200,36 @@ def test_real_jax_stack_is_cached_outside_git(real_jax: RealJax) -> None:
                               capture_output=True, check=False)
         assert proc.returncode == 0, f"{real_jax.venv} is not ignored by git"
     assert ensure_real_jax(real_jax.version).install_s is None  # the second call is cached
+
+
+def test_the_real_jax_stack_as_a_runtime_is_classified_right_through_the_daemon(
+        real_jax: RealJax, rig: dict[str, str], tmp_path: Path) -> None:
+    """The real plugin's venv configured as a runtime (issue 37): the daemon proves JAX under
+    that interpreter (in a private /dev with one NVIDIA node), and a job of that venv asking
+    the daemon gets that proof, classified as the same job's inline verdict is."""
+    from tests.support.daemon import Daemon, daemon_toml, metric_samples, wait_for, write_config
+
+    env = {**rig, "FAKE_CUDA_INIT_ERROR": "100"}
+    rc_here, here = _preflight(real_jax, env)
+    config = write_config(tmp_path / "d.toml", daemon_toml({
+        "backends.jax": {"enabled": True, "interval_s": 600}})
+        + f'[runtimes.real]\npython = "{real_jax.python}"\nrequire = "jax"\n')
+    daemon = Daemon(env, config, tmp_path / "state",
+                    prefix=tuple(in_private_dev([], gpus=1)))
+    try:
+        wait_for(lambda: [v for labels, v in metric_samples(daemon, "gpudiag_runtime_blocker")
+                          if labels["runtime"] == "real" and v == 1], 600, 1.0)
+        argv = [str(real_jax.python), "-m", "gpudiag", "preflight", "--require", "jax",
+                "--daemon-url", daemon.url, "--format", "json"]
+        proc = subprocess.run(in_private_dev(argv, gpus=1), env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        record = json.loads(proc.stdout)
+        assert record["evidence"]["proof"]["jax"]["runtime"] == "real", record["evidence"]
+        assert record["source"] == "daemon"
+        assert (proc.returncode, record["gpu_validation_blocker"]) == (
+            rc_here, here["gpu_validation_blocker"]) == (1, "cuda_no_device")
+        jax_codes = {b["code"] for b in record["blockers"] if b["backend"] == "jax"}
+        assert jax_codes == {b["code"] for b in here["blockers"] if b["backend"] == "jax"}
+        assert CUINIT + "CUDA_ERROR_NO_DEVICE" in record["evidence"]["probe_stderr"]["jax"]
+    finally:
+        daemon.stop()

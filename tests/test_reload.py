@@ -42,8 +42,8 @@ def served(fakes: FakeDriver, tmp_path: Path) -> Iterator[dict[str, Any]]:
     env = host_env(fakes, tmp_path / "host")
     sock_dir = Path(tempfile.mkdtemp(prefix="gdrl"))  # sun_path is 108 bytes at most
     config = tmp_path / "gpudiag.toml"
-    base = {"": {"socket": str(sock_dir / "gpudiag.sock")},
-            "backends.host": {"interval_s": 30}}
+    base: dict[str, dict[str, Any]] = {"": {"socket": str(sock_dir / "gpudiag.sock")},
+                                       "backends.host": {"interval_s": 30}}
     write_config(config, daemon_toml(base))
     daemon = Daemon(env, config, tmp_path / "state")
     try:

@@ -7,27 +7,38 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import pytest
 
 from gpudiag.daemon.app import MAX_BODY_BYTES, MAX_PARAMS, MAX_URL_BYTES, DaemonApp, serve
 from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.snapshot import Snapshot
 from gpudiag.daemon.store import HistoryStore
 from tests.fakes.build import FakeDriver
-from tests.support.daemon import Replay, host_env, quick_config, real_runs, wait_for, wsgi
+from tests.support.daemon import Replay, Runs, host_env, quick_config, real_runs, wait_for, wsgi
 
 
 @pytest.fixture(scope="module")
-def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def healthy_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return real_runs(host_env(fakes, tmp_path_factory.mktemp("host"), FAKE_NVML_DEVICE_COUNT=2))
 
 
+# The started fixture: the app and the replay behind it.
+Started: TypeAlias = tuple[DaemonApp, Replay]
+
+
 @pytest.fixture
-def started(healthy_runs: dict, tmp_path: Path) -> Iterator[tuple[DaemonApp, Replay]]:
+def started(healthy_runs: Runs, tmp_path: Path) -> Iterator[Started]:
     replay = Replay(dict(healthy_runs))
     sched = Scheduler(quick_config(), runner=replay, env={})
     store = HistoryStore(tmp_path / "h.sqlite3")
-    sched.on_snapshot(lambda s: s.full and store.record(s.full))
+
+    def record(snap: Snapshot) -> None:
+        if snap.full is not None:
+            store.record(snap.full)
+
+    sched.on_snapshot(record)
     sched.start()
     app = DaemonApp(sched, store)
     wait_for(lambda: sched.snapshot().round_complete, 5)
@@ -36,11 +47,12 @@ def started(healthy_runs: dict, tmp_path: Path) -> Iterator[tuple[DaemonApp, Rep
     store.close()
 
 
-def _json(body: bytes) -> dict:
-    return json.loads(body)
+def _json(body: bytes) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(body)
+    return data
 
 
-def test_preflight_answers_from_the_snapshot_with_source_daemon(started) -> None:
+def test_preflight_answers_from_the_snapshot_with_source_daemon(started: Started) -> None:
     app, replay = started
     calls = len(replay.calls)
     status, headers, body = wsgi(app, "/v1/preflight?require=cuda")
@@ -52,7 +64,7 @@ def test_preflight_answers_from_the_snapshot_with_source_daemon(started) -> None
     assert len(replay.calls) == calls  # nothing was re-probed
 
 
-def test_preflight_uses_the_cli_requirement_syntax(started) -> None:
+def test_preflight_uses_the_cli_requirement_syntax(started: Started) -> None:
     app, _ = started
     status, _, body = wsgi(app, "/v1/preflight?require=cuda&devices=0,1&min_devices=2"
                                 "&min_free_memory=8GiB")
@@ -64,7 +76,7 @@ def test_preflight_uses_the_cli_requirement_syntax(started) -> None:
     assert status == 200 and rec["gpu_validation_blocker"] == "insufficient_devices"
 
 
-def test_preflight_past_max_age_runs_the_probes_first(started) -> None:
+def test_preflight_past_max_age_runs_the_probes_first(started: Started) -> None:
     app, replay = started
     before = len(replay.calls)
     time.sleep(0.05)
@@ -75,7 +87,7 @@ def test_preflight_past_max_age_runs_the_probes_first(started) -> None:
     assert sorted(replay.calls[before:]) == ["cuda", "host", "nvml", "nvml"]
 
 
-def test_callers_visibility_is_classified_not_the_daemons(started) -> None:
+def test_callers_visibility_is_classified_not_the_daemons(started: Started) -> None:
     app, _ = started
     status, _, body = wsgi(app, "/v1/preflight?require=cuda&visibility=1"
                                 "&cuda_visible_devices=7")
@@ -101,7 +113,7 @@ def test_callers_visibility_is_classified_not_the_daemons(started) -> None:
     ("color=blue", "unknown_parameter"),
     ("require=cuda&require=jax", "bad_parameter"),
 ])
-def test_bad_preflight_parameters_get_400_with_the_envelope(started, query: str,
+def test_bad_preflight_parameters_get_400_with_the_envelope(started: Started, query: str,
                                                              code: str) -> None:
     app, _ = started
     status, _, body = wsgi(app, f"/v1/preflight?{query}")
@@ -109,7 +121,7 @@ def test_bad_preflight_parameters_get_400_with_the_envelope(started, query: str,
     assert status == 400 and err["code"] == code and err["message"]
 
 
-def test_request_limits_answer_414_400_and_413(started) -> None:
+def test_request_limits_answer_414_400_and_413(started: Started) -> None:
     app, _ = started
     status, _, body = wsgi(app, "/v1/preflight?require=" + "c" * (MAX_URL_BYTES + 1))
     assert status == 414 and _json(body)["error"]["code"] == "uri_too_long"
@@ -120,7 +132,7 @@ def test_request_limits_answer_414_400_and_413(started) -> None:
     assert status == 413 and _json(body)["error"]["code"] == "body_too_large"
 
 
-def test_unknown_paths_and_methods_get_the_envelope(started) -> None:
+def test_unknown_paths_and_methods_get_the_envelope(started: Started) -> None:
     app, _ = started
     status, _, body = wsgi(app, "/v2/nothing")
     assert status == 404 and _json(body)["error"]["code"] == "not_found"
@@ -130,7 +142,7 @@ def test_unknown_paths_and_methods_get_the_envelope(started) -> None:
     assert status == 405
 
 
-def test_post_probe_runs_now_and_answers_202(started) -> None:
+def test_post_probe_runs_now_and_answers_202(started: Started) -> None:
     app, replay = started
     before = len(replay.calls)
     status, _, body = wsgi(app, "/v1/probe?backend=nvml", method="POST")
@@ -140,7 +152,7 @@ def test_post_probe_runs_now_and_answers_202(started) -> None:
     assert status == 400 and _json(body)["error"]["code"] == "bad_backend"
 
 
-def test_probes_are_single_flight(healthy_runs: dict) -> None:
+def test_probes_are_single_flight(healthy_runs: Runs) -> None:
     gate = threading.Event()
     replay = Replay(dict(healthy_runs), gate=gate)
     sched = Scheduler(quick_config(), runner=replay, env={})
@@ -157,7 +169,7 @@ def test_probes_are_single_flight(healthy_runs: dict) -> None:
         sched.stop()
 
 
-def test_no_snapshot_and_probes_still_running_answers_503(healthy_runs: dict) -> None:
+def test_no_snapshot_and_probes_still_running_answers_503(healthy_runs: Runs) -> None:
     gate = threading.Event()
     sched = Scheduler(quick_config(), runner=Replay(dict(healthy_runs), gate=gate), env={})
     app = DaemonApp(sched)
@@ -176,13 +188,13 @@ def test_no_snapshot_and_probes_still_running_answers_503(healthy_runs: dict) ->
         sched.stop()
 
 
-def test_healthz_fails_when_the_loop_is_not_running(healthy_runs: dict) -> None:
+def test_healthz_fails_when_the_loop_is_not_running(healthy_runs: Runs) -> None:
     sched = Scheduler(quick_config(), runner=Replay(dict(healthy_runs)), env={})
     status, _, body = wsgi(DaemonApp(sched), "/healthz")
     assert status == 503 and _json(body)["error"]["code"] == "loop_stalled"
 
 
-def test_history_endpoint_lists_verdict_changes(started) -> None:
+def test_history_endpoint_lists_verdict_changes(started: Started) -> None:
     app, _ = started
     wait_for(lambda: _json(wsgi(app, "/v1/history")[2])["verdicts"], 5)
     status, _, body = wsgi(app, "/v1/history?limit=5")
@@ -194,7 +206,7 @@ def test_history_endpoint_lists_verdict_changes(started) -> None:
     assert status == 400
 
 
-def test_metrics_render_prometheus_text(started) -> None:
+def test_metrics_render_prometheus_text(started: Started) -> None:
     app, _ = started
     status, headers, body = wsgi(app, "/metrics")
     text = body.decode()
@@ -204,7 +216,7 @@ def test_metrics_render_prometheus_text(started) -> None:
 
 
 def test_threaded_server_answers_over_loopback_while_a_preflight_waits(
-        healthy_runs: dict) -> None:
+        healthy_runs: Runs) -> None:
     import urllib.request
 
     gate = threading.Event()
@@ -230,7 +242,7 @@ def test_threaded_server_answers_over_loopback_while_a_preflight_waits(
         sched.stop()
 
 
-def test_default_requirement_drives_ready_and_a_bare_preflight(healthy_runs: dict) -> None:
+def test_default_requirement_drives_ready_and_a_bare_preflight(healthy_runs: Runs) -> None:
     runs = dict(healthy_runs)
     sched = Scheduler(quick_config(default_requirement="nvml"), runner=Replay(runs), env={})
     try:
@@ -244,7 +256,7 @@ def test_default_requirement_drives_ready_and_a_bare_preflight(healthy_runs: dic
         sched.stop()
 
 
-def test_a_probe_variant_nobody_schedules_runs_on_demand_once(healthy_runs: dict) -> None:
+def test_a_probe_variant_nobody_schedules_runs_on_demand_once(healthy_runs: Runs) -> None:
     from gpudiag.core.probe_run import ProbeRun
 
     runs = dict(healthy_runs)
@@ -256,8 +268,14 @@ def test_a_probe_variant_nobody_schedules_runs_on_demand_once(healthy_runs: dict
         app = DaemonApp(sched)
         wait_for(lambda: sched.snapshot().round_complete, 5)
         assert "jax" not in replay.calls
-        assert wsgi(app, "/v1/preflight?require=jax:cpu")[0] == 200
-        assert wsgi(app, "/v1/preflight?require=jax:cpu")[0] == 200
+        # Asked from the daemon's own environment (its fingerprint): proven by the daemon.
+        from gpudiag.core.requirement import parse_requirement
+        from gpudiag.engine.client import environment_ids
+        from gpudiag.engine.fingerprint import query_value
+
+        fp = query_value(environment_ids(parse_requirement("jax:cpu"), {}))
+        assert wsgi(app, f"/v1/preflight?require=jax:cpu&fingerprint={fp}")[0] == 200
+        assert wsgi(app, f"/v1/preflight?require=jax:cpu&fingerprint={fp}")[0] == 200
         assert replay.calls.count("jax") == 1  # then served from the snapshot
     finally:
         sched.stop()

@@ -606,7 +606,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                        "SLURM_CONF": str(d / "slurm.conf")}, capture_output=True, check=False)
         # slurmctld and slurmd end on `scontrol shutdown`; munged needs a signal.
         for proc in reversed(procs):
-            if proc.args[0] == "munged":
+            if isinstance(proc.args, list) and proc.args[0] == "munged":
                 proc.terminate()
             try:
                 proc.wait(10)

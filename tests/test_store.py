@@ -17,7 +17,7 @@ from gpudiag.daemon.config import BackendConfig
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.store import HistoryError, HistoryStore
 from tests.fakes.build import FakeDriver
-from tests.support.daemon import host_env, quick_config, real_runs
+from tests.support.daemon import Runs, host_env, quick_config, real_runs
 from tests.support.host import run_gpudiag
 from tests.support.verdicts import verdict
 
@@ -36,7 +36,8 @@ def test_only_changes_are_recorded_and_survive_a_reopen(tmp_path: Path) -> None:
     entries = reopened.verdicts()
     assert [e.gpu_validation_blocker for e in entries] == ["gpu_lost", "none"]
     assert entries[0].blockers == ("gpu_lost",) and entries[0].ready is False
-    assert reopened.verdict_record(second)["blockers"][0]["device"] == "GPU-1"
+    record = reopened.verdict_record(second)
+    assert record is not None and record["blockers"][0]["device"] == "GPU-1"
 
 
 def test_blocker_episodes_open_and_close_with_evidence(tmp_path: Path) -> None:
@@ -101,7 +102,7 @@ def test_a_missing_history_is_a_clear_error(tmp_path: Path) -> None:
 class Flipping:
     """A runner replaying real runs; every nvml run flips GPU 1 between healthy and lost."""
 
-    def __init__(self, healthy: dict, lost: dict) -> None:
+    def __init__(self, healthy: Runs, lost: Runs) -> None:
         self.healthy, self.lost, self.n = healthy, lost, 0
 
     def __call__(self, backend: str, env: Any, timeout_s: float, options: Any) -> Any:
@@ -111,7 +112,7 @@ class Flipping:
         return (self.lost if self.n % 2 else self.healthy)["nvml"]
 
 
-def _daemon_writer(path: Path, fd: int, runs: tuple[dict, dict]) -> None:
+def _daemon_writer(path: Path, fd: int, runs: tuple[Runs, Runs]) -> None:
     """Child after fork: the daemon's write path (scheduler -> snapshot -> history)."""
     try:
         backends = dict(quick_config().backends)
@@ -134,7 +135,7 @@ def _daemon_writer(path: Path, fd: int, runs: tuple[dict, dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def flip_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def flip_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> tuple[Runs, Runs]:
     healthy = real_runs(host_env(fakes, tmp_path_factory.mktemp("ok"), FAKE_NVML_DEVICE_COUNT=2))
     lost = real_runs(host_env(fakes, tmp_path_factory.mktemp("lost"), FAKE_NVML_DEVICE_COUNT=2,
                               FAKE_NVML_DEVICE_ERRORS="1:15"), names=("nvml",))
@@ -143,7 +144,7 @@ def flip_runs(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> tu
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork to kill writers quickly")
 def test_sigkill_while_the_daemon_writes_200_times_loses_no_acknowledged_verdict(
-        tmp_path: Path, flip_runs: tuple[dict, dict]) -> None:
+        tmp_path: Path, flip_runs: tuple[Runs, Runs]) -> None:
     path = tmp_path / "h.sqlite3"
     rng = random.Random(4)
     acked: list[int] = []

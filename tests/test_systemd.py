@@ -19,6 +19,7 @@ import pytest
 
 from gpudiag.daemon.config import DaemonConfig, load_config
 from tests.support.deploy import UNIT, unit_settings
+from tests.support.host import EnvFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CONFIG = ROOT / "systemd" / "gpudiag.toml"
@@ -185,7 +186,7 @@ class GateWatcher:
 
 
 def test_wedged_scheduler_loop_stops_the_watchdog_keepalive(
-        notify_socket: tuple[socket.socket, str], gpu_env) -> None:  # type: ignore[no-untyped-def]
+        notify_socket: tuple[socket.socket, str], gpu_env: EnvFactory) -> None:
     from gpudiag.daemon.config import from_mapping
     from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.sdnotify import Notifier
@@ -219,7 +220,8 @@ def test_wedged_scheduler_loop_stops_the_watchdog_keepalive(
 
 
 def test_gpudiag_serve_notifies_ready_then_keepalives_that_stop_when_frozen(
-        notify_socket: tuple[socket.socket, str], gpu_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+        notify_socket: tuple[socket.socket, str], gpu_env: EnvFactory,
+        tmp_path: Path) -> None:
     """The real daemon: READY=1 once serving, WATCHDOG=1 while the loop runs, none while the
     process is frozen (what systemd's watchdog sees of a hung daemon), STOPPING=1 on TERM."""
     sock, path = notify_socket
@@ -253,7 +255,8 @@ def test_gpudiag_serve_notifies_ready_then_keepalives_that_stop_when_frozen(
 
 
 def test_gpudiag_serve_under_systemd_serves_its_runtime_directory_socket(
-        notify_socket: tuple[socket.socket, str], gpu_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+        notify_socket: tuple[socket.socket, str], gpu_env: EnvFactory,
+        tmp_path: Path) -> None:
     """$RUNTIME_DIRECTORY/gpudiag.sock, 0666 despite UMask=0077, bound before READY=1."""
     import os
     import stat

@@ -13,7 +13,7 @@ from tests.conftest import SLOW_MODULES, SLOW_TESTS
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 gets tomli from the project's dependencies
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]  # not on 3.11+
 
 TESTS = Path(__file__).parent
 

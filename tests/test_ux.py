@@ -303,7 +303,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _metric_names() -> set[str]:
     """Every metric family the daemon exports, as exposed (counters end in _total)."""
     family = re.compile(r"(Counter|Gauge|Info)MetricFamily\(\s*f?\"(gpudiag_[a-z_{}]+)\"")
-    names = set()
+    names: set[str] = set()
     for path in (ROOT / "gpudiag" / "daemon").glob("*.py"):
         for kind, name in family.findall(path.read_text()):
             suffix = {"Counter": "_total", "Info": "_info"}.get(kind, "")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TypeAlias
 
 import pytest
 
@@ -12,12 +14,14 @@ from gpudiag.core.catalog import BLOCKERS, WARNINGS
 from gpudiag.core.classify import classify
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.verdict import Finding
 from gpudiag.core.xids import BUCKET_CODES, XID_CODES, XIDS, xid_code, xid_entry
 from gpudiag.daemon.config import XidConfig
 from gpudiag.daemon.snapshot import WatcherState
 from gpudiag.daemon.watcher import XidWatcher
 from scripts.gen_xid_docs import render
-from tests.support.daemon import host_env, real_runs, wait_for
+from tests.fakes.build import FakeDriver
+from tests.support.daemon import Runs, host_env, real_runs, wait_for
 
 UNKNOWN_XID = 999  # not in NVIDIA's catalog: counted and held, never classified
 
@@ -54,9 +58,12 @@ def test_docs_xids_match_the_table() -> None:
 
 
 # -- every catalog XID through one real watcher child on the fake NVML --------------------------
+# The watched fixture: the watcher's state, the host's probe runs, the watcher's log records.
+Watched: TypeAlias = tuple[WatcherState, Runs, list[logging.LogRecord]]
+
+
 @pytest.fixture(scope="module")
-def watched(fakes, tmp_path_factory: pytest.TempPathFactory
-            ) -> tuple[WatcherState, dict, list[logging.LogRecord]]:
+def watched(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Watched:
     """One watcher child delivering every catalog XID (and an unknown one, twice) on GPU 0."""
     root = tmp_path_factory.mktemp("xids")
     stream = [*XIDS, UNKNOWN_XID, UNKNOWN_XID]
@@ -64,7 +71,7 @@ def watched(fakes, tmp_path_factory: pytest.TempPathFactory
                    FAKE_NVML_XIDS=",".join(f"0:{x}" for x in stream))
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler.emit = records.append  # type: ignore[method-assign,assignment]  # append stands in
     logger = logging.getLogger("gpudiag.daemon.watcher")
     logger.addHandler(handler)
     watcher = XidWatcher(XidConfig(heartbeat_s=0.2, telemetry_s=5.0, hold_s=3600.0), env)
@@ -79,7 +86,7 @@ def watched(fakes, tmp_path_factory: pytest.TempPathFactory
     return state, runs, records
 
 
-def test_the_watcher_counts_and_logs_an_unknown_xid_once(watched) -> None:
+def test_the_watcher_counts_and_logs_an_unknown_xid_once(watched: Watched) -> None:
     state, _, records = watched
     counts = {c.xid: c.count for c in state.xid_counts}
     assert counts[UNKNOWN_XID] == 2 and all(counts[x] == 1 for x in XIDS)
@@ -88,13 +95,14 @@ def test_the_watcher_counts_and_logs_an_unknown_xid_once(watched) -> None:
 
 
 @pytest.mark.parametrize("xid", [*sorted(XIDS), UNKNOWN_XID])
-def test_every_catalog_xid_produces_its_code_through_the_watcher(xid: int, watched) -> None:
+def test_every_catalog_xid_produces_its_code_through_the_watcher(xid: int, watched: Watched
+                                                                 ) -> None:
     state, runs, _ = watched
     events = [x for x in state.recent if x.xid == xid]
     assert events and events[0].device_index == 0 and events[0].uuid
     verdict = classify(runs, parse_requirement("cuda"), host="h", checked_at="t",
                        source="daemon", xids=[_fresh(events[0])])
-    def about(findings) -> list[str]:
+    def about(findings: Iterable[Finding]) -> list[str]:
         return [f.code for f in findings if f"XID {xid} " in f.message]
 
     code = xid_code(xid)

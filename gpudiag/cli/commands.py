@@ -128,7 +128,8 @@ class LazyGroup(click.Group):
                             "clear": "gpudiag.cli.clear:clear",
                             "fleet": "gpudiag.cli.fleet:fleet",
                             "qualify": "gpudiag.cli.qualify:qualify",
-                            "explain": "gpudiag.cli.explain:explain"}
+                            "explain": "gpudiag.cli.explain:explain",
+                            "fingerprint": "gpudiag.cli.fingerprint:fingerprint"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})
@@ -344,7 +345,7 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
         click.echo(f"gpudiag: {redact_text(routed.daemon_reason or '')}; ran the probes here",
                    err=True)
     verdict = routed.verdict
-    _emit(verdict, fmt)  # the verdict is shown even when writing the record then fails
+    _emit(verdict, fmt, wide)  # shown even when writing the record then fails
     _record(verdict, record_path)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
 

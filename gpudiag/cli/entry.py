@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from gpudiag.core.verdict import Verdict
 
 # The options the fast path understands, per command: every one also exists on the click
-# command with the same meaning (tests/test_cli_entry.py checks both lists against click's).
+# command with the same meaning. Literals, not read off click at import (that would import click
+# and the commands on every call: docs/design-notes.md); tests/test_cli_entry.py regenerates
+# these tables from the click commands and fails when they differ.
 FAST_OPTIONS = {
     "preflight": frozenset({"--require", "--devices", "--min-devices", "--min-free-memory",
                             "--gpus", "--timeout", "--format", "--daemon-url"}),
@@ -132,8 +134,11 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     # the daemon parses the requirement with the same parser as click's path: a value it
     # refuses (400) goes to click, which words it.
     endpoint = "/v1/health" if command == "health" else "/v1/preflight"
+    query = _raw_query(options, os.environ)
+    if query is None:
+        return None  # a backend registered from outside: click's path reads the registry
     try:
-        status, body, _, _ = wire.get(url, endpoint, _raw_query(options, os.environ),
+        status, body, _, _ = wire.get(url, endpoint, query,
                                       env=os.environ, read_timeout_s=read_timeout_s)
     except wire.DaemonUrlError:
         return None
@@ -148,6 +153,8 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
         data = json.loads(body)
     except (ValueError, RecursionError):
         return None
+    if _leaves_proof_here(data):
+        return None  # a backend to prove in this environment: click's path does (hybrid)
     fmt = options["--format"]
     own = own_record_text(data, fmt, __version__)
     if own is None:  # another version's record, or an odd one: the typed model checks it
@@ -157,8 +164,9 @@ def answer_daemon(command: str, options: dict[str, str]) -> int | None:
     return EXIT_READY if ready else EXIT_BLOCKED
 
 
-def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str]:
-    """The daemon's parameters as given: what ``engine.client.query_for`` sends, unparsed."""
+def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str] | None:
+    """The daemon's parameters as given: what ``engine.client.query_for`` sends, unparsed;
+    None when a required backend's environment declaration is not a built-in one."""
     query = {"require": options.get("--require", "cuda"), "visibility": "1"}
     for option in ("--devices", "--min-devices", "--min-free-memory", "--gpus"):
         if option in options:
@@ -166,7 +174,42 @@ def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str
     from gpudiag.engine.wire import visibility_params
 
     query.update(visibility_params(env))
+    ids = _fingerprint_ids(query["require"], env)
+    if ids is None:
+        return None
+    if ids:
+        from gpudiag.engine.fingerprint import query_value
+
+        query["fingerprint"] = query_value(ids)
     return query
+
+
+# The device layer's probes: the node's facts, never proven in a job's environment.
+_DEVICE_LAYER = frozenset({"host", "nvml", "cuda"})
+
+
+def _fingerprint_ids(require: str, env: Mapping[str, str]) -> dict[str, str] | None:
+    """The job's fingerprint ids of the backends ``require`` names (the built-in
+    declarations, gpudiag.core.environments); None for a name this path does not know."""
+    from gpudiag.core.environments import BUILT_IN
+
+    names = {part.split(":", 1)[0].strip().lower() for part in require.split(",")} - {""}
+    if not names - _DEVICE_LAYER:
+        return {}
+    if not names - _DEVICE_LAYER <= set(BUILT_IN):
+        return None
+    from gpudiag.engine.fingerprint import fingerprints
+
+    found = fingerprints({n: BUILT_IN[n] for n in names - _DEVICE_LAYER}, env)["backends"]
+    return {name: str(entry["id"]) for name, entry in found.items()}
+
+
+def _leaves_proof_here(data: object) -> bool:
+    """Whether a daemon's record leaves a backend to prove here (evidence.proof)."""
+    evidence = data.get("evidence") if isinstance(data, dict) else None
+    proof = evidence.get("proof") if isinstance(evidence, dict) else None
+    return isinstance(proof, dict) and any(
+        isinstance(e, dict) and e.get("where") == "prove_here" for e in proof.values())
 
 
 def _print_record(data: object, fmt: str) -> int | None:
@@ -203,6 +246,10 @@ def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_
     verdict = answer.verdict
     if verdict is None:
         return None  # no daemon, or refused: click's path says why and runs the probes here
+    from gpudiag.engine.client import prove_here
+
+    if prove_here(verdict):
+        return None  # a backend to prove in this environment: click's path does (hybrid)
     _print(verdict, options["--format"])
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 

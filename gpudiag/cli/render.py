@@ -145,8 +145,26 @@ def _age(seconds: float) -> str:
 
 def source_line(verdict: Verdict) -> str:
     """Where the verdict came from and how old it is: ``host n1, inline, just now (...)``."""
-    return (f"host {verdict.host}, source {verdict.source}, {_age(verdict.age_s)} "
+    line = (f"host {verdict.host}, source {verdict.source}, {_age(verdict.age_s)} "
             f"(checked {verdict.checked_at})")
+    return line + _proof_phrase(verdict)
+
+
+def _proof_phrase(verdict: Verdict) -> str:
+    """Where the environment-dependent backends were proven (evidence.proof), in words."""
+    proof = verdict.evidence.get("proof")
+    if not isinstance(proof, dict):
+        return ""
+    said = []
+    for name, entry in proof.items():
+        where = entry.get("where") if isinstance(entry, dict) else None
+        if where == "daemon":
+            said.append(f"{name} proven by the daemon in runtime {entry.get('runtime')}")
+        elif where == "here":
+            said.append(f"{name} proven here (no runtime of the daemon has this environment)")
+        elif where == "prove_here":
+            said.append(f"{name} left to this environment to prove")
+    return f"; {'; '.join(said)}" if said else ""
 
 
 def preallocation_line(verdict: Verdict) -> str:

@@ -25,6 +25,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Protocol
 
+    from gpudiag.core.environments import EnvironmentDecl
     from gpudiag.core.findings import Findings, GpuContext
     from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
@@ -54,6 +55,14 @@ if TYPE_CHECKING:
     OptionsFor = Callable[[Sequence[BackendRequirement]], "dict[str, Any] | None"]
     # Whether a child run with these options makes a GPU context (the busy-GPU rule applies).
     TouchesGpu = Callable[[Mapping[str, Any]], bool]
+
+
+# The GPUs an active run proves a backend on (``BackendSpec.proves_on``): every GPU the round
+# claimed (cuda's contexts), or one free healthy GPU per round (JAX, IREE).
+EVERY_GPU, ONE_GPU = "every", "one"
+# How its child is pointed at them (``BackendSpec.pointed_by``): the ``contexts_on`` option
+# (a list of full UUIDs), or both visibility variables set to them.
+POINT_BY_OPTION, POINT_BY_VISIBILITY = "contexts_on", "visibility"
 
 
 def _never(options: Mapping[str, Any]) -> bool:
@@ -93,8 +102,13 @@ class BackendSpec:
     # The options the daemon's scheduled run uses (a plain requirement of the backend).
     scheduled_options: Mapping[str, Any] | None = None
     touches_gpu: TouchesGpu = _never
-    # Whether it is proven on one GPU per round (a backend classifier's run, not cuda's).
-    proves_on_one_gpu: bool = False
+    # The GPUs an active run proves it on (EVERY_GPU or ONE_GPU) and how its child is pointed
+    # at them (POINT_BY_OPTION or POINT_BY_VISIBILITY): engine/round.py reads both.
+    proves_on: str = ONE_GPU
+    pointed_by: str = POINT_BY_VISIBILITY
+    # What of the job's environment decides how it comes up (None: a device-layer probe,
+    # the node's fact, shared by every job).
+    environment: EnvironmentDecl | None = None  # gpudiag.core.environments
     # gpudiag_build_info labels: label -> the version keys it reads, first found wins.
     version_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether its node-health proof is published (snapshot.backends_proven, NFD, fleet).

@@ -307,6 +307,12 @@ WARNINGS: dict[str, CatalogEntry] = {
         CatalogEntry("xid_watcher_gap", "device",
                      "The XID watcher is not running; critical XIDs could be missed.",
                      "Read the daemon's log for why the watcher keeps dying."),
+        CatalogEntry("backend_not_checked", "requirement",
+                     "No job environment this daemon proves needs this backend, so the node's "
+                     "health says nothing about it (not a fault: nobody configured it).",
+                     "Point the daemon at the jobs' environment: [runtimes.NAME] with python = "
+                     "\"/path/to/venv/bin/python\" in its config (docs/operations.md, "
+                     "\"Runtimes\"); a job still proves it in its own environment."),
     ]
 }
 

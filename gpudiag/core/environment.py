@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gpudiag.core.child import preallocation_off
+from gpudiag.core.environments import PREALLOCATION_OFF as PREALLOCATION_OFF
 from gpudiag.core.redact import redact_environment
 
 # Evidence never holds a variable outside this allow-list: no secrets in records.
@@ -23,12 +24,6 @@ EVIDENCE_ALLOW_PATTERNS: tuple[str, ...] = (
     "SLURM_JOB_ID", "LD_LIBRARY_PATH", "PATH",
 )
 
-# The child environment that disables JAX/XLA preallocation (docs/runner.md).
-PREALLOCATION_OFF: dict[str, str] = {
-    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-    "XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
-    "XLA_PYTHON_CLIENT_USE_CUDA_HOST_ALLOCATOR": "false",
-}
 
 
 def allow_listed(env: Mapping[str, str]) -> dict[str, str]:

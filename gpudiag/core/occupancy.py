@@ -24,10 +24,13 @@ from gpudiag.core.observations import (
     NvmlObservation,
 )
 
-State: TypeAlias = Literal["FREE", "BUSY", "UNKNOWN"]
-FREE: State = "FREE"
-BUSY: State = "BUSY"
-UNKNOWN: State = "UNKNOWN"
+# The one spelling of a leaf's occupancy in gpudiag: the verdict record's (devices[].occupancy),
+# the metrics' (gpudiag_gpu_occupancy{state}), admission's evidence and the guard's readings
+# (core/readiness.py uses these too). FREE, BUSY and UNKNOWN in prose are these states.
+State: TypeAlias = Literal["free", "busy", "unknown"]
+FREE: State = "free"
+BUSY: State = "busy"
+UNKNOWN: State = "unknown"
 
 
 @dataclass(frozen=True)

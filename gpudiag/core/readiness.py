@@ -22,6 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpudiag.core.findings import Findings
+from gpudiag.core.occupancy import BUSY as BUSY  # re-exported: one spelling package-wide
+from gpudiag.core.occupancy import FREE as FREE
+from gpudiag.core.occupancy import UNKNOWN as UNKNOWN
 from gpudiag.core.verdict import (
     UNPROVEN,
     BackendRequirement,
@@ -31,7 +34,6 @@ from gpudiag.core.verdict import (
     Requirement,
 )
 
-FREE, BUSY, UNKNOWN = "free", "busy", "unknown"
 # What a context creation answers on a GPU that someone else holds or has filled.
 IN_USE_CODES = frozenset({"cuda_devices_unavailable", "cuda_out_of_memory"})
 # Blockers about one GPU that mean it is broken (not the host's stack, not occupancy).

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -34,7 +34,7 @@ from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.qualifier import Qualifier
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
-from gpudiag.daemon.snapshot import ProbeKey, keys_for, verdict_for
+from gpudiag.daemon.snapshot import ProbeKey, keys_for, proofs_for, verdict_for
 from gpudiag.daemon.store import HistoryError, HistoryStore
 
 log = logging.getLogger("gpudiag.daemon.app")
@@ -44,10 +44,13 @@ MAX_PARAMS = 16
 HISTORY_MAX_LIMIT = 1000
 PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max_age_s",
                     "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility",
-                    "gpus")
+                    "gpus", "fingerprint")
 # The node-health question takes no GPU count and no memory floor: is anything broken?
 HEALTH_PARAMS = ("require", "devices", "max_age_s", "wait_s", "cuda_visible_devices",
-                 "nvidia_visible_devices", "visibility")
+                 "nvidia_visible_devices", "visibility", "fingerprint")
+# fingerprint=BACKEND:ID,...: the asker's environment per backend (engine/fingerprint.py).
+_FINGERPRINT = re.compile(r"[a-z][a-z0-9_]{0,31}:[0-9a-f]{16}")
+MAX_FINGERPRINT_BYTES = 512
 StartResponse = Callable[..., Any]
 # The endpoints whose answer may be at hand (a snapshot's cached, encoded verdict): the
 # transport asks ``answer_now`` on its selector thread first, and runs on its pool only what
@@ -68,6 +71,8 @@ class _Question:
     max_age: float | None
     wait: float
     visibility: tuple[str | None, str | None] | None
+    # The asker's fingerprint ids per backend (None: it sent none, e.g. curl).
+    fingerprint: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,23 @@ def _int(params: Mapping[str, str], name: str, lo: int, hi: int) -> int | None:
         raise ApiError(400, "bad_parameter", f"{name}={raw!r} is not an integer from {lo} "
                        f"to {hi} (ASCII digits)")
     return value
+
+
+def _fingerprint(params: Mapping[str, str]) -> tuple[tuple[str, str], ...] | None:
+    """``fingerprint=jax:ID,iree:ID`` as sorted (backend, id) pairs; 400 when malformed."""
+    raw = params.get("fingerprint")
+    if raw is None:
+        return None
+    parts = raw.split(",") if raw else []
+    if len(raw) > MAX_FINGERPRINT_BYTES or not all(_FINGERPRINT.fullmatch(p) for p in parts):
+        raise ApiError(400, "bad_fingerprint",
+                       f"fingerprint={raw[:80]!r}: expected BACKEND:ID pairs, comma-separated "
+                       f"(ID 16 hex digits; at most {MAX_FINGERPRINT_BYTES} bytes), as "
+                       "`gpudiag fingerprint --query` prints them")
+    pairs = dict(p.split(":", 1) for p in parts)
+    if len(pairs) != len(parts):
+        raise ApiError(400, "bad_fingerprint", f"fingerprint={raw[:80]!r} names a backend twice")
+    return tuple(sorted(pairs.items()))
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:
@@ -189,8 +211,8 @@ class DaemonApp:
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Answers per (snapshot, requirement, visibility), classified and encoded once: a
         # snapshot never changes.
-        self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None],
-                          EncodedAnswer] = {}
+        self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None,
+                                tuple[tuple[str, str], ...] | None], EncodedAnswer] = {}
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
@@ -214,7 +236,7 @@ class DaemonApp:
 
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse
                  ) -> Iterable[bytes]:
-        answer = self._respond(environ, start_response, inline=False)
+        answer = self._respond(environ, start_response, at_hand=False)
         assert answer is not None  # only answer_now may decline
         return answer
 
@@ -227,13 +249,13 @@ class DaemonApp:
         """
         if environ.get("PATH_INFO") not in NOW_PATHS:
             return None
-        return self._respond(environ, start_response, inline=True)
+        return self._respond(environ, start_response, at_hand=True)
 
     def _respond(self, environ: Mapping[str, Any], start_response: StartResponse,
-                 inline: bool) -> Iterable[bytes] | None:
+                 at_hand: bool) -> Iterable[bytes] | None:
         started = time.perf_counter()
         try:
-            status, headers, body = self._dispatch(environ, inline)
+            status, headers, body = self._dispatch(environ, at_hand)
         except _NotNow:
             return None
         except ApiError as e:
@@ -250,7 +272,7 @@ class DaemonApp:
         start_response(status, headers)
         return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]
 
-    def _dispatch(self, environ: Mapping[str, Any], inline: bool = False
+    def _dispatch(self, environ: Mapping[str, Any], at_hand: bool = False
                   ) -> tuple[str, list[tuple[str, str]], bytes]:
         path = str(environ.get("PATH_INFO") or "/")
         query = str(environ.get("QUERY_STRING") or "")
@@ -276,7 +298,7 @@ class DaemonApp:
             raise ApiError(405, "method_not_allowed",
                            f"{method} {path}: accepted {', '.join(methods)}")
         if handler is None:
-            status, payload = self._answer(self._question(path, query), inline)
+            status, payload = self._answer(self._question(path, query), at_hand)
         else:
             status, payload = handler(self._params(query))
         if path == "/metrics":
@@ -371,19 +393,24 @@ class DaemonApp:
                           params.get("nvidia_visible_devices"))
         keys = keys_for(requirement)
         _check_http_keys(keys)
-        return _Question(requirement, keys, max_age, wait, visibility)
+        return _Question(requirement, keys, max_age, wait, visibility, _fingerprint(params))
 
-    def _answer(self, question: _Question, inline: bool = False) -> tuple[int, Any]:
-        """The verdict's answer; ``inline``: _NotNow unless it is at hand without any wait."""
-        requirement, keys, max_age = question.requirement, question.keys, question.max_age
+    def _answer(self, question: _Question, at_hand: bool = False) -> tuple[int, Any]:
+        """The verdict's answer; ``at_hand``: _NotNow unless it is at hand without any wait."""
+        requirement, max_age = question.requirement, question.max_age
         wait, visibility = question.wait, question.visibility
+        fingerprint = None if question.fingerprint is None else dict(question.fingerprint)
+        # Which runtime's results answer the environment-dependent backends (or none: the
+        # asker proves them itself), as the snapshot's runtimes say.
+        proofs = proofs_for(self.scheduler.snapshot(), requirement, fingerprint, question.keys)
+        keys = proofs.keys
         results = self.scheduler.snapshot().results
         now_wall = self.scheduler.clock.time()
         # A run this request would start (result missing, or older than max_age_s) is
         # on-demand work: rate-limited per backend.
         stale = [k for k in keys if k not in results or (
             max_age is not None and now_wall - results[k].started_wall > max_age)]
-        if inline:
+        if at_hand:
             if stale:
                 raise _NotNow
             fresh = True  # what ensure_fresh answers when nothing is stale
@@ -400,25 +427,32 @@ class DaemonApp:
                 fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
-        cache_key = (snap.seq, requirement, visibility)
+        cache_key = (snap.seq, requirement, visibility, question.fingerprint)
         answer = self._cache.get(cache_key)
         if answer is None:
-            if inline:  # classifying and encoding takes milliseconds: the pool does it
+            if at_hand:  # classifying and encoding takes milliseconds: the pool does it
                 raise _NotNow
             verdict = verdict_for(snap, requirement, now_wall=now,
-                                  policy=self.scheduler.policy, keys=keys,
-                                  visibility=visibility)
+                                  policy=self.scheduler.policy, visibility=visibility,
+                                  proofs=proofs_for(snap, requirement, fingerprint,
+                                                    question.keys))
             if verdict is None:
                 missing = [k.backend for k in keys if k not in snap.results]
                 raise ApiError(503, "not_ready",
                                f"no result yet for {', '.join(missing)}; probes still running "
                                f"after {wait:g} s (retry, or raise wait_s)")
+            if requirement.node_health and snap.full is not None:
+                # What nobody configured is said on every node-health answer, with how.
+                unchecked = [w for w in snap.full.warnings if w.code == "backend_not_checked"
+                             and w not in verdict.warnings]
+                verdict = replace(verdict, warnings=(*verdict.warnings, *unchecked))
             answer = EncodedAnswer.of(verdict, "daemon")
             if len(self._cache) >= 256:
                 self._cache.clear()
             self._cache[cache_key] = answer
         # Classified and encoded once per snapshot; only the age and freshness move on.
-        oldest = min(snap.results[k].started_wall for k in keys)
+        oldest = min((snap.results[k].started_wall for k in keys if k in snap.results),
+                     default=now)
         return 200, answer.body(max(0.0, now - oldest), fresh)
 
     def _probe(self, params: Mapping[str, str]) -> tuple[int, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,9 @@ from gpudiag.core.nvml_health import NvmlHealthPolicy
 from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
 from gpudiag.core.qualify_score import Thresholds
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
+from gpudiag.core.runtime import OWN_RUNTIME, RUNTIME_NAME, Runtime
+from gpudiag.core.visibility import VISIBILITY_VARIABLES
+from gpudiag.engine.runtimes import python_problem
 
 DEFAULT_HOST = "127.0.0.1"
 # Unassigned in Prometheus's default-port registry (9400 is dcgm-exporter, 9835 nvidia_gpu).
@@ -113,6 +117,9 @@ class DaemonConfig:
     nfd_features_file: str | None = None
     nfd_expiry_s: float = 600.0
     qualification: QualificationConfig = field(default_factory=QualificationConfig)
+    # [runtimes.NAME]: the job environments this node serves (core.runtime); the daemon's own
+    # (``gpudiag``) is always there, first.
+    runtimes: tuple[Runtime, ...] = (Runtime(OWN_RUNTIME),)
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -376,6 +383,87 @@ def _history(h: _Table) -> HistoryConfig:
     return history
 
 
+MAX_RUNTIMES = 16
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def _environment_backends() -> tuple[str, ...]:
+    """The backends proven in a job's environment (their spec declares one)."""
+    return tuple(s.name for s in registry.specs() if s.environment is not None and s.requirable)
+
+
+def _runtime_require(r: _Table) -> tuple[str, ...] | None:
+    value = r.get("require")
+    if value is None:
+        return None
+    allowed = _environment_backends()
+    names: list[str] | None = None
+    if isinstance(value, str):
+        names = [n.strip().lower() for n in value.split(",")]
+    elif isinstance(value, list) and all(isinstance(n, str) for n in value):
+        names = [n.strip().lower() for n in value]
+    if names is None or any(n not in allowed for n in names if n):
+        raise ConfigError(f"{r._key('require')} = {value!r}: expected a comma list of "
+                          f"{', '.join(allowed)} (\"\" for none), or an array of them")
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def _runtime_env(r: _Table) -> dict[str, str]:
+    value = r.get("env")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{r._key('env')} must be a table of strings, e.g. "
+                          "env = { LD_LIBRARY_PATH = \"/usr/local/cuda/compat\" }")
+    out: dict[str, str] = {}
+    for key, text in value.items():
+        if not _ENV_NAME.fullmatch(key) or not isinstance(text, str) or "\0" in text:
+            raise ConfigError(f"{r._key('env')}.{key} = {text!r}: expected a variable name "
+                              "and a string value")
+        if key in VISIBILITY_VARIABLES:
+            raise ConfigError(f"{r._key('env')}.{key}: the visibility variables are set by "
+                              "the probe round itself (each probe is pointed at the GPUs it "
+                              "may touch); leave them out")
+        out[key] = text
+    return out
+
+
+def _runtime(name: str, r: _Table) -> Runtime:
+    require = _runtime_require(r)
+    if name == OWN_RUNTIME:
+        for key in ("python", "env"):
+            if r.get(key) not in (None, {}):
+                raise ConfigError(f"{r._key(key)}: [runtimes.{OWN_RUNTIME}] is the daemon's "
+                                  "own environment (its interpreter and the unit's variables)"
+                                  "; only its require may be set")
+        r.finish()
+        return Runtime(OWN_RUNTIME, require=require)
+    python = r.get("python")
+    if not isinstance(python, str) or not python:
+        raise ConfigError(f"{r._key('python')} = {python!r}: expected the absolute path of the "
+                          "job environment's interpreter, e.g. \"/opt/venvs/train/bin/python\"")
+    problem = python_problem(python)
+    if problem is not None:
+        raise ConfigError(f"{r._key('python')}: {problem}")
+    env = _runtime_env(r)
+    r.finish()
+    return Runtime(name, python=python, env=env, require=require)
+
+
+def _runtimes(t: _Table) -> tuple[Runtime, ...]:
+    names = sorted(t.raw)
+    if len(names) > MAX_RUNTIMES:
+        raise ConfigError(f"runtimes: {len(names)} runtimes; at most {MAX_RUNTIMES}")
+    runtimes: dict[str, Runtime] = {OWN_RUNTIME: Runtime(OWN_RUNTIME)}
+    for name in names:
+        if not RUNTIME_NAME.fullmatch(name):
+            raise ConfigError(f"runtimes.{name}: a runtime's name is 1-32 of a-z, 0-9, "
+                              "'_', '.', '-' (starting with a letter or digit)")
+        runtimes[name] = _runtime(name, t.table(name))
+    t.finish()
+    return tuple(runtimes.values())
+
+
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
     top = _Table(raw, "")
@@ -408,7 +496,8 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
         tick_s=sched.seconds("tick_s", base.tick_s, maximum=5.0),
         probe_busy_gpus=sched.flag("probe_busy_gpus", base.probe_busy_gpus),
         backends=backends, xid=xid, history=history, log_format=log_format,
-        log_level=log_level, qualification=_qualification(top.table("qualification")))
+        log_level=log_level, qualification=_qualification(top.table("qualification")),
+        runtimes=_runtimes(top.table("runtimes")))
     sched.finish()
     top.finish()
     return cfg

@@ -36,6 +36,7 @@ PLACES: Mapping[str, str] = {
 NOT_IN_FILE: Mapping[str, str] = {
     "DaemonConfig.listen_host": "",   # both are the one key `listen`, printed first
     "DaemonConfig.listen_port": "",
+    "Runtime.name": "",               # the table's own name
     "QualificationConfig.table": "read from reference_file",
     "NvmlHealthPolicy.held_memory_floor_bytes": "fixed",
     "NvmlHealthPolicy.held_memory_share": "fixed",
@@ -58,9 +59,15 @@ def default_socket_path(cfg: DaemonConfig, env: Mapping[str, str] | None = None)
 
 
 def toml_value(v: Any) -> str:
-    """One TOML value: booleans in TOML's spelling, numbers and strings as JSON writes them."""
+    """One TOML value: booleans in TOML's spelling, numbers and strings as JSON writes them,
+    a table of strings inline (``{ A = "b" }``), a tuple as an array."""
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, Mapping):
+        return "{ " + ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) + " }" \
+            if v else "{}"
+    if isinstance(v, tuple):
+        return json.dumps(list(v))
     return json.dumps(v)
 
 
@@ -80,6 +87,11 @@ def _walk(obj: Any, table: str, tables: dict[str, list[str]]) -> None:
         if isinstance(value, Mapping) and value and all(is_dataclass(v) for v in value.values()):
             for name, sub in value.items():
                 _walk(sub, _join(table, place, str(name)), tables)
+            continue
+        if isinstance(value, tuple) and value and all(
+                is_dataclass(v) and hasattr(v, "name") for v in value):
+            for sub in value:  # named records (runtimes): a table each, by name
+                _walk(sub, _join(table, place, str(sub.name)), tables)
             continue
         where, _, key = _join(table, place).rpartition(".")
         lines = tables.setdefault(where, [])

@@ -60,6 +60,7 @@ class SnapshotCollector(Collector):
         yield from self._gpus(snap)
         yield from self._occupancy(snap)
         yield from self._backend_readiness(snap)
+        yield from self._runtimes(snap)
         yield from self._xids(snap, now)
         yield from nvml_health_metrics(snap, self._known)
 
@@ -150,6 +151,47 @@ class SnapshotCollector(Collector):
             if walls:
                 proven.add_metric([backend], max(walls))
         yield from (ready, proven)
+
+    def _runtimes(self, snap: Snapshot) -> Iterator[Metric]:
+        """Per runtime (the job environments this node serves; docs/design-notes.md, "Whose
+        environment is proven"): each backend it serves, up and proven, its blockers, and
+        its probe children."""
+        up = GaugeMetricFamily(
+            "gpudiag_runtime_backend_up",
+            "1 when the runtime's backend initialized without a blocker, else 0.",
+            labels=["runtime", "backend"])
+        ready = GaugeMetricFamily(
+            "gpudiag_runtime_backend_ready",
+            "1 when the runtime's backend is proven on this node now, with no host-wide "
+            "blocker, else 0.", labels=["runtime", "backend"])
+        blocker = GaugeMetricFamily(
+            "gpudiag_runtime_blocker",
+            "1 when this blocker code is present in the runtime's node-health verdict.",
+            labels=["runtime", "code", "layer"])
+        runs = CounterMetricFamily(
+            "gpudiag_runtime_probe_runs", "Probe children run in the runtime, by outcome.",
+            labels=["runtime", "backend", "outcome"])
+        for (runtime, backend), ok in sorted(snap.runtime_backends_proven().items()):
+            verdict = snap.runtime_health[runtime]
+            status = verdict.backends.get(backend)
+            up.add_metric([runtime, backend], 1.0 if status is not None
+                          and status.status == "ok" else 0.0)
+            ready.add_metric([runtime, backend], 1.0 if ok else 0.0)
+        layers = _runtime_layers()
+        for runtime, verdict in sorted(snap.runtime_health.items()):
+            present = {b.code for b in verdict.blockers}
+            for code, row in BLOCKERS.items():
+                if row.layer in layers or code in present:
+                    blocker.add_metric([runtime, code, row.layer],
+                                       1.0 if code in present else 0.0)
+        for key in snap.scheduled:
+            if key.backend not in _environment_backends():
+                continue
+            stats = snap.stats.get(key)
+            for outcome in OUTCOMES:
+                n = stats.runs_by_outcome.get(outcome, 0) if stats is not None else 0
+                runs.add_metric([key.runtime_name, key.backend, outcome], float(n))
+        yield from (up, ready, blocker, runs)
 
     def _probes(self, snap: Snapshot) -> Iterator[Metric]:
         duration = GaugeMetricFamily("gpudiag_probe_duration_seconds",
@@ -279,6 +321,16 @@ class HistoryCollector(StateCollector[HistoryHealth]):
                 "(history.sqlite3.damaged-*).",
                 value=float(len(state.damaged))),
         )
+
+
+def _environment_backends() -> frozenset[str]:
+    return frozenset(s.name for s in registry.specs() if s.environment is not None)
+
+
+def _runtime_layers() -> frozenset[str]:
+    """The layers of a runtime's own blockers: its probe children and the backends it
+    serves (each always present as 0 or 1, so alerts need no absent())."""
+    return frozenset({"probe", *(s.layer for s in registry.specs() if s.environment)})
 
 
 def _codes(name: str, kind: str, table: Mapping[str, CatalogEntry],

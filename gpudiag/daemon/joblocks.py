@@ -15,11 +15,10 @@ from pathlib import Path
 
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
+from gpudiag.engine.locks import JOB_LOCKED as JOB_LOCKED
 from gpudiag.engine.locks import LockFailed, lock_holder, release, try_lock
 
 log = logging.getLogger("gpudiag.daemon.joblocks")
-
-JOB_LOCKED = "locked by a gpudiag run job"
 
 
 class JobLocks:

@@ -33,6 +33,9 @@ def feature_labels(snap: Snapshot) -> dict[str, str]:
               else "false"}
     for backend, ok in snap.backends_proven().items():
         labels[f"{PREFIX}.ready.{backend}"] = "true" if ok else "false"
+    # Per runtime: a pod that runs in one job environment selects on its proof.
+    for (runtime, backend), ok in snap.runtime_backends_proven().items():
+        labels[f"{PREFIX}.ready.{backend}.{runtime}"] = "true" if ok else "false"
     healthy = sum(1 for d in full.devices if d.healthy) if full is not None else 0
     labels[f"{PREFIX}.gpus-healthy"] = str(healthy)
     return labels

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpudiag.core import registry
+from gpudiag.core.backend import ONE_GPU
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.identity import LastIdentities
@@ -27,11 +28,24 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
+from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import DaemonConfig
-from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
+from gpudiag.daemon.joblocks import JobLocks
 from gpudiag.daemon.loop import LoopThread
+from gpudiag.daemon.runtime_health import (
+    node_health,
+    not_checked,
+    required_by,
+    runtime_verdicts,
+)
+from gpudiag.daemon.runtime_proofs import (
+    RuntimeProofs,
+    device_epoch,
+    environment_backends,
+    run_in_runtime,
+)
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.snapshot import (
     OUTCOMES,
@@ -47,20 +61,11 @@ from gpudiag.daemon.snapshot import (
     verdict_for,
 )
 from gpudiag.engine.forkserver import shared_fork_server
-from gpudiag.engine.guard import (
-    claim_free,
-    driver_absent,
-    exclusive_gpus,
-    not_foreign,
-    occupancy_from_nvml,
-    rotated,
-    touches_gpu,
-    visible_uuids,
-    why_unclaimed,
-)
+from gpudiag.engine.guard import occupancy_from_nvml
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.engine.processes import own_process_tree
+from gpudiag.engine.round import RoundPolicy, is_active, prove_round
 
 log = logging.getLogger("gpudiag.daemon.scheduler")
 
@@ -91,6 +96,9 @@ class SystemClock:
 
 
 ProbeRunner = Callable[[str, Mapping[str, str], float, Mapping[str, Any] | None], ProbeRun]
+# A runtime's probe: (runtime, probe archive, backend, env, deadline, options) -> its run.
+RuntimeRunner = Callable[[Runtime, Path, str, Mapping[str, str], float,
+                          Mapping[str, Any] | None], ProbeRun]
 
 
 def isolated_runner(backend: str, env: Mapping[str, str], timeout_s: float,
@@ -114,10 +122,26 @@ class Flight:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def scheduled_keys(config: DaemonConfig, ready: Requirement) -> tuple[ProbeKey, ...]:
+    """Every enabled backend in the daemon's own environment, what the default requirement
+    needs (gpudiag_ready must always be computable, even with its backend switched off), and
+    each configured runtime's environment-dependent backends."""
+    scheduled = [ProbeKey.of(n, scheduled_options(n)) for n in config.enabled_backends]
+    scheduled += [k for k in keys_for(ready) if k not in scheduled]
+    in_runtimes = [k for k in scheduled if k.backend in environment_backends()]
+    for runtime in config.runtimes:
+        if not runtime.own:
+            scheduled += [k.in_runtime(runtime.name) for k in in_runtimes]
+    return tuple(scheduled)
+
+
 def full_requirement(config: DaemonConfig) -> Requirement:
     """Every enabled backend, as the node-health question (drives gpudiag_blocker): a busy
     GPU is healthy in use, so no blocker series and no alert fires because a node is busy."""
-    names = [n for n in config.enabled_backends if n != "host"]
+    # The device layer: the node's own facts. The backends proven in a job's environment
+    # count per runtime (Scheduler._runtime_health), never from the daemon's own Python alone.
+    names = [n for n in config.enabled_backends
+             if n != "host" and n not in environment_backends()]
     if not names:
         return Requirement(backends=(), min_devices=0, node_health=True)
     return Requirement(backends=tuple(BackendRequirement(n) for n in names), node_health=True)
@@ -169,7 +193,8 @@ class Scheduler:
                  watcher: WatcherSource | None = None, max_workers: int = 8,
                  on_tick: Callable[[], object] | None = None,
                  lock_dir: Path | None = None, history: HistoryState | None = None,
-                 nvlinks_file: Path | None = None) -> None:
+                 nvlinks_file: Path | None = None, runtimes_dir: Path | None = None,
+                 runtime_runner: RuntimeRunner = run_in_runtime) -> None:
         self.config = config
         self.clock: Clock = clock or SystemClock()
         self._runner = runner
@@ -180,14 +205,19 @@ class Scheduler:
         self._env = probe_environment(os.environ if env is None else env)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
         self._job_locks = JobLocks(self._lock_dir)
+        # The job environments this node serves (docs/design-notes.md, "Whose environment is
+        # proven"): their interpreters, fingerprints and proof on change.
+        self._runtimes = RuntimeProofs(config.runtimes, self._env, runtimes_dir)
+        self._runtime_runner = runtime_runner
+        self._runtimes.refresh(OWN_RUNTIME)  # in this process: a few folder reads
         # Busy GPUs (docs/design-notes.md): the latest occupancy, where each backend last
         # proved itself, and a round counter per backend so that JAX and IREE rotate over the
         # free GPUs.
         self._occupancy: dict[str, GpuOccupancy] = {}
         self._last_seen = LastIdentities()  # a lost GPU's verdict row keeps its last UUID
         self._last_proven: dict[tuple[str, str], float] = {}
-        self._backend_gpu: dict[str, str | None] = {}
-        self._rounds: dict[str, int] = {}
+        self._backend_gpu: dict[tuple[str, str], str | None] = {}  # (backend, runtime)
+        self._rounds: dict[ProbeKey, int] = {}
         # NVLink counts seen survive a restart in the state directory (daemon.nvlinks).
         self._nvlinks_file = nvlinks_file
         self._nvml_history = NvmlHistory(
@@ -205,11 +235,7 @@ class Scheduler:
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
                                                    node_health=True)
-        scheduled = [ProbeKey.of(n, scheduled_options(n)) for n in config.enabled_backends]
-        # gpudiag_ready must always be computable: what the default requirement needs runs
-        # on its backend's interval even when that backend is switched off.
-        scheduled += [k for k in keys_for(self.ready_requirement) if k not in scheduled]
-        self.scheduled: tuple[ProbeKey, ...] = tuple(scheduled)
+        self.scheduled: tuple[ProbeKey, ...] = scheduled_keys(config, self.ready_requirement)
         self._interval = {k: config.backends[k.backend].interval_s for k in self.scheduled}
         self._due: dict[ProbeKey, float] = {}
         self._inflight: dict[ProbeKey, Flight] = {}
@@ -317,9 +343,17 @@ class Scheduler:
             flight.done.set()
         return flight
 
-    def _call(self, backend: str, env: Mapping[str, str], options: Mapping[str, Any] | None
-              ) -> ProbeRun:
+    def _env_of(self, runtime: str) -> Mapping[str, str]:
+        """The child environment of a runtime's probes ("": the daemon's own)."""
+        return self._runtimes.env_of(runtime) if runtime else self._env
+
+    def _call(self, backend: str, env: Mapping[str, str], options: Mapping[str, Any] | None,
+              runtime: str = "") -> ProbeRun:
         try:
+            if runtime:
+                return self._runtime_runner(self._runtimes.runtimes[runtime],
+                                            self._runtimes.archive(), backend, env,
+                                            self.deadline_of(backend), options)
             return self._runner(backend, env, self.deadline_of(backend), options)
         except Exception as e:  # the runner itself failed: a probe_error, not a dead worker
             log.exception("probe %s could not run", backend)
@@ -328,8 +362,10 @@ class Scheduler:
 
     def _run(self, key: ProbeKey, flight: Flight) -> None:
         options = key.options_dict()
-        if touches_gpu(key.backend, options):
-            run = self._run_guarded(key.backend, options)
+        if key.runtime:
+            self._runtimes.ensure(key.runtime)  # its fingerprint, before its first proof
+        if is_active(key.backend, options):
+            run = self._run_guarded(key, options)
             if _installation_only(run) and not self._static_news(key, run):
                 # No free GPU for jax/iree and the installation reads as before: the last
                 # proof stands (with its time); nothing new to publish.
@@ -339,7 +375,7 @@ class Scheduler:
                 flight.done.set()
                 return
         else:
-            run = self._call(key.backend, self._env, options)
+            run = self._call(key.backend, self._env_of(key.runtime), options, key.runtime)
         if self._stop.is_set():
             # Stopping: the daemon kills running children on its way out, and that kill is
             # not the host's doing; published, it would be recorded as a probe_crashed
@@ -357,7 +393,7 @@ class Scheduler:
                 self._remember_nvml(run, finished)
             self._record_stats(key, result)
             self._schedule_next(key, run)
-            self._learn(key.backend, run, finished)
+            self._learn(key, run, finished)
             self._inflight.pop(key, None)
             snapshot = self._publish_locked()
         if previous is None or previous.outcome != result.outcome:
@@ -368,6 +404,8 @@ class Scheduler:
             log.debug("probe %s %s", key.backend, result.outcome)
         flight.done.set()
         self._notify(snapshot)
+        if key.backend == "nvml":  # after the answer: a runtime's re-read may take seconds
+            self._proof_on_change(run)
 
     def _remember_nvml(self, run: ProbeRun, finished: float) -> None:
         before = self._nvml_history.nvlinks_active
@@ -414,11 +452,51 @@ class Scheduler:
                         full=None, ready=None, scope=self._scope(),
                         last_proven=dict(self._last_proven),
                         nvml_history=self._nvml_history, qualification=self._qualification,
-                        last_seen=self._last_seen.current())
-        full = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
+                        last_seen=self._last_seen.current(),
+                        runtimes=tuple(self._runtimes.runtimes.values()),
+                        fingerprints=self._runtimes.fingerprints(),
+                        runtime_gpu=dict(self._backend_gpu))
+        device = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
+        enabled = [n for n in self.config.enabled_backends if n in environment_backends()]
+        required = {name: required_by(r, self._runtimes.installed(name), enabled)
+                    for name, r in self._runtimes.runtimes.items()}
+        health = runtime_verdicts(base, self.full_requirement, required, now_wall=now,
+                                  policy=self.policy)
+        full = None if device is None else node_health(
+            device, health, required, not_checked(enabled, required),
+            own=lambda name: name == OWN_RUNTIME)
         ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
-        self._snapshot = replace(base, full=full, ready=ready)
+        self._snapshot = replace(base, full=full, ready=ready, runtime_health=health)
         return self._snapshot
+
+    # -- proof on change ---------------------------------------------------------------
+    def _proof_on_change(self, nvml_run: ProbeRun) -> None:
+        """After an NVML round: a runtime whose packages changed, or a changed device layer
+        (a GPU appeared or was lost, the driver, an XID), makes its proofs due now."""
+        xids = sum(c.count for c in self._watcher_state().xid_counts)
+        due: set[ProbeKey] = set()
+        if self._runtimes.device_changed(device_epoch(nvml_run.nvml, xids)):
+            due.update(k for k in self.scheduled if k.backend in environment_backends())
+        for name in self._runtimes.changed_runtimes():
+            changed = self._runtimes.refresh(name)
+            runtime = "" if name == OWN_RUNTIME else name
+            due.update(k for k in self.scheduled
+                       if k.runtime == runtime and k.backend in changed)
+        if due:
+            self.prove_again(due)
+
+    def prove_again(self, keys: set[ProbeKey] | None = None) -> None:
+        """Make these proofs (default: every runtime's) due now: a clear, a device change."""
+        wanted = keys if keys is not None else {
+            k for k in self.scheduled if k.backend in environment_backends()}
+        now = self.clock.monotonic()
+        with self._lock:
+            for key in wanted:
+                if key in self._due:
+                    self._due[key] = now
+        log.info("proving again: %s", ", ".join(sorted(
+            f"{k.backend}@{k.runtime_name}" for k in wanted)))
+        self._wake.set()
 
     # -- busy GPUs ---------------------------------------------------------------------
     def _static_news(self, key: ProbeKey, run: ProbeRun) -> bool:
@@ -431,56 +509,43 @@ class Scheduler:
             return True
         return _installation(previous.run) != _installation(run)
 
-    def _run_guarded(self, backend: str, options: Mapping[str, Any] | None
+    def _run_guarded(self, key: ProbeKey, options: Mapping[str, Any] | None
                      ) -> ProbeRun:
-        """Run an active probe (cuda, jax, iree on a GPU) on FREE GPUs only, under their
-        locks: NVML is read first (no context), then the probe touches what was claimed.
+        """Run an active probe (cuda, jax, iree on a GPU) through the one busy-GPU round
+        (engine/round.py): NVML is read first (no context), then the probe touches only the
+        FREE GPUs it claimed, under their locks.
 
         The daemon's own active probes run one at a time (``self._guard``), so a GPU lock
         that is taken is always someone else's (a `gpudiag run` job, another preflight).
-        cuda locks every free GPU for its short round; JAX and IREE lock only the one GPU
-        they prove the backend on, trying the free GPUs in turn from round to round.
+        The one-GPU backends (JAX, IREE) try the free GPUs in turn from round to round.
         """
+        backend, runtime = key.backend, key.runtime
+        base = self._env_of(runtime)
         with self._guard:
             nvml_run = self._call("nvml", self._env, None)
-            nvml = nvml_run.nvml if nvml_run.ok else None
-            occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
             with self._lock:
-                round_index = self._rounds.get(backend, 0)
-                self._rounds[backend] = round_index + 1
-            candidates = visible_uuids(nvml, self._env)
-            if backend != "cuda":
-                candidates = rotated(candidates, round_index)
-            with claim_free(occupancy, candidates, lock_dir=self._lock_dir,
-                            probe_busy=self.config.probe_busy_gpus,
-                            limit=None if backend == "cuda" else 1,
-                            exclusive=exclusive_gpus(nvml),
-                            sibling_wait_s=DAEMON_SIBLING_WAIT_S) as claim:
-                for uuid, why in claim.left_alone.items():
-                    if why == "locked":  # a gpudiag run job holds it
-                        occupancy[uuid] = GpuOccupancy(uuid, "busy",
-                                                       why=JOB_LOCKED)
-                with self._lock:
-                    self._occupancy = occupancy
-                if backend == "cuda":
-                    return self._call(backend, self._env,
-                                      {**(options or {}), "contexts_on": list(claim.claimed)})
-                gpu = claim.claimed[0] if claim.claimed else None
-                if gpu is None and driver_absent(nvml):
-                    # No driver, so no GPU anyone uses: the probe names what else is missing.
-                    return self._call(backend, self._env, options)
-                with self._lock:
-                    self._backend_gpu[backend] = gpu
-                if gpu is None:
-                    # Nothing is touched; what needs no GPU (plugin, versions) is still read.
-                    log.debug("probe %s: no free GPU this round", backend)
-                    return self._call(backend, self._env,
-                                      {**(options or {}), "static": why_unclaimed(claim)})
-                env = {**self._env, "CUDA_VISIBLE_DEVICES": gpu, "NVIDIA_VISIBLE_DEVICES": gpu}
-                return self._call(backend, env, options)
+                round_index = self._rounds.get(key, 0)
+                self._rounds[key] = round_index + 1
 
-    def _learn(self, backend: str, run: ProbeRun, finished_wall: float) -> None:
+            def run(requests: Sequence[tuple[str, Mapping[str, Any] | None]],
+                    pinned: Mapping[str, Mapping[str, str]]) -> dict[str, ProbeRun]:
+                return {name: self._call(name, {**base, **pinned.get(name, {})}, opts, runtime)
+                        for name, opts in requests}
+
+            done = prove_round(nvml_run, [(backend, options)], visibility_env=self._env,
+                               lock_dir=self._lock_dir, run=run, policy=RoundPolicy(
+                                   rotation=round_index,
+                                   probe_busy=self.config.probe_busy_gpus,
+                                   sibling_wait_s=DAEMON_SIBLING_WAIT_S))
+            with self._lock:
+                self._occupancy = done.occupancy
+                if backend in done.backend_gpu:
+                    self._backend_gpu[(backend, runtime)] = done.backend_gpu[backend]
+            return done.runs[backend]
+
+    def _learn(self, key: ProbeKey, run: ProbeRun, finished_wall: float) -> None:
         """Remember occupancy (every nvml run) and where active probes proved a GPU."""
+        backend = key.backend
         if backend == "nvml" and run.ok and run.nvml is not None:
             self._last_seen.learn(run.nvml)
             # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
@@ -493,14 +558,15 @@ class Scheduler:
                         and dev.alloc.ok and dev.uuid is not None:
                     self._last_proven[(dev.uuid, "cuda")] = finished_wall
         elif _proves_on_one_gpu(backend) and failure_signature(run) is None:
-            gpu = self._backend_gpu.get(backend)
+            gpu = self._backend_gpu.get((backend, key.runtime))
             if gpu is not None:
                 self._last_proven[(gpu, backend)] = finished_wall
 
     def _scope(self) -> ProbeScope:
         proven = {uuid: rfc3339(wall) for (uuid, b), wall in self._last_proven.items()
                   if b == "cuda"}
-        return ProbeScope(occupancy=dict(self._occupancy), backend_gpu=dict(self._backend_gpu),
+        own = {b: gpu for (b, runtime), gpu in self._backend_gpu.items() if not runtime}
+        return ProbeScope(occupancy=dict(self._occupancy), backend_gpu=own,
                           last_proven=proven)
 
     def reconfigure(self, config: DaemonConfig) -> Snapshot:
@@ -513,8 +579,7 @@ class Scheduler:
                                gap_warning_s=config.xid.gap_warning_s,
                                expected_gpus=config.expected_gpus)
         ready = parse_requirement(config.default_requirement, node_health=True)
-        scheduled = [ProbeKey.of(n, scheduled_options(n)) for n in config.enabled_backends]
-        scheduled += [k for k in keys_for(ready) if k not in scheduled]
+        scheduled = scheduled_keys(config, ready)
         now = self.clock.monotonic()
         with self._lock:
             self.config, self.policy = config, policy
@@ -586,4 +651,4 @@ class Scheduler:
 def _proves_on_one_gpu(backend: str) -> bool:
     """Whether a backend's round proves it on one claimed GPU (jax, iree: their spec says)."""
     spec = registry.spec(backend)
-    return spec is not None and spec.proves_on_one_gpu
+    return spec is not None and spec.proves_on == ONE_GPU and not spec.device_layer

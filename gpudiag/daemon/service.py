@@ -236,7 +236,8 @@ class DaemonService:
             cfg, env=probe_cache_environment(self._env, self.state_dir), notifier=notifier,
             watcher=watcher,
             on_tick=partial(_poll_inboxes, (clears.poll, jobs.poll)), history=history_state,
-            lock_dir=locks.path, nvlinks_file=self.state_dir / nvlinks.FILE_NAME)
+            lock_dir=locks.path, nvlinks_file=self.state_dir / nvlinks.FILE_NAME,
+            runtimes_dir=self.state_dir / "runtimes")
         scheduler.on_snapshot(partial(_record, writer))
         if cfg.nfd_features_file is not None:
             scheduler.on_snapshot(partial(_label, NfdFeatureFile(cfg.nfd_features_file,
@@ -361,6 +362,7 @@ class DaemonService:
         """A clear re-runs the probes (it comes from the scheduler's own tick, so it exists)."""
         if self._scheduler is not None:
             self._scheduler.trigger(recheck_keys(self._scheduler.scheduled))
+            self._scheduler.prove_again()  # a repair: every runtime's backends again too
 
     def _written(self, recorder: HistoryRecorder, verdict: Verdict | None,
                  changes: list[Written]) -> None:

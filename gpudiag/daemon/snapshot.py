@@ -21,8 +21,10 @@ from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import ProbeScope
+from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.plan import probes_for
+from gpudiag.engine.runtimes import RuntimeFingerprint
 
 OUTCOMES = ("ok", "error", "timeout", "crashed")
 # The backends a requirement names (``--require``): fleet readiness is told per backend.
@@ -30,14 +32,27 @@ OUTCOMES = ("ok", "error", "timeout", "crashed")
 
 @dataclass(frozen=True, order=True)
 class ProbeKey:
-    """One probe child as the scheduler runs it: backend plus canonical options JSON."""
+    """One probe child as the scheduler runs it: backend, canonical options JSON, and the
+    runtime whose interpreter runs it ("": the daemon's own, core.runtime.OWN_RUNTIME)."""
 
     backend: str
     options: str = ""
+    runtime: str = ""
 
     @classmethod
-    def of(cls, backend: str, options: Mapping[str, Any] | None = None) -> ProbeKey:
-        return cls(backend, json.dumps(dict(options), sort_keys=True) if options else "")
+    def of(cls, backend: str, options: Mapping[str, Any] | None = None,
+           runtime: str = "") -> ProbeKey:
+        return cls(backend, json.dumps(dict(options), sort_keys=True) if options else "",
+                   "" if runtime == OWN_RUNTIME else runtime)
+
+    def in_runtime(self, runtime: str) -> ProbeKey:
+        """The same probe run by ``runtime``'s interpreter."""
+        return replace(self, runtime="" if runtime == OWN_RUNTIME else runtime)
+
+    @property
+    def runtime_name(self) -> str:
+        """The runtime's name as records and metrics write it (``gpudiag`` for the own)."""
+        return self.runtime or OWN_RUNTIME
 
     def options_dict(self) -> dict[str, Any] | None:
         return json.loads(self.options) if self.options else None
@@ -141,6 +156,12 @@ class Snapshot:
     # Each GPU index's last identity NVML gave (core.identity): a lost GPU's verdict row and
     # blockers name its last UUID.
     last_seen: Mapping[int, GpuIdentity] = field(default_factory=dict)
+    # The runtimes this node serves (the daemon's own first), each one's fingerprint as last
+    # read, where each (backend, runtime) last proved itself, and each runtime's node health.
+    runtimes: tuple[Runtime, ...] = ()
+    fingerprints: Mapping[str, RuntimeFingerprint] = field(default_factory=dict)
+    runtime_gpu: Mapping[tuple[str, str], str | None] = field(default_factory=dict)
+    runtime_health: Mapping[str, Verdict] = field(default_factory=dict)
 
     @property
     def round_complete(self) -> bool:
@@ -154,12 +175,34 @@ class Snapshot:
         full = self.full
         scheduled = {key.backend for key in self.scheduled}
         host_wide = [] if full is None else [b for b in full.blockers if b.device is None]
+        by_runtime = self.runtime_backends_proven()
         out = {}
         for backend in registry.published():
+            spec = registry.spec(backend)
+            if spec is not None and spec.environment is not None:
+                # Proven in a job environment: some runtime serving it proved it.
+                out[backend] = any(ok for (_, b), ok in by_runtime.items() if b == backend)
+                continue
             status = full.backends.get(backend) if full is not None else None
             out[backend] = (backend in scheduled and status is not None
                             and status.status == "ok"
                             and not any(b.backend in (None, backend) for b in host_wide))
+        return out
+
+    def runtime_backends_proven(self) -> dict[tuple[str, str], bool]:
+        """Per (runtime, backend) a runtime must serve: ok in its node-health verdict with no
+        host-wide blocker there (the same rule as ``backends_proven``, per runtime)."""
+        out: dict[tuple[str, str], bool] = {}
+        for runtime, verdict in self.runtime_health.items():
+            host_wide = [b for b in verdict.blockers if b.device is None]
+            for req in verdict.requirement.backends:
+                spec = registry.spec(req.name)
+                if spec is None or spec.environment is None:
+                    continue
+                status = verdict.backends.get(req.name)
+                out[(runtime, req.name)] = (
+                    status is not None and status.status == "ok"
+                    and not any(b.backend in (None, req.name) for b in host_wide))
         return out
 
     def result(self, backend: str) -> ProbeResult | None:
@@ -201,21 +244,112 @@ class VerdictPolicy:
     nvml: NvmlHealthPolicy = field(default_factory=NvmlHealthPolicy)
 
 
+@dataclass(frozen=True)
+class Proofs:
+    """Where a question's environment-dependent backends are answered from (docs/design-notes.md,
+    "Whose environment is proven"): a runtime whose fingerprint matches the asker's, or
+    nowhere here, and then the asker proves the backend itself (``prove_here``)."""
+
+    keys: tuple[ProbeKey, ...]          # the results the answer reads
+    prove_here: Mapping[str, str] = field(default_factory=dict)  # backend -> why not here
+    runtime_of: Mapping[str, str] = field(default_factory=dict)  # backend -> runtime name
+    fingerprint: Mapping[str, str] = field(default_factory=dict)  # what the asker sent
+
+
+NO_FINGERPRINT = ("the question carries no fingerprint of the asker's environment, so no proof "
+                  "made here can stand for it (the gpudiag client sends one: `gpudiag "
+                  "fingerprint` prints it for the fingerprint= parameter)")
+
+
+def proofs_for(snapshot: Snapshot, requirement: Requirement,
+               fingerprint: Mapping[str, str] | None,
+               keys: Sequence[ProbeKey] | None = None) -> Proofs:
+    """Which runtime's results answer each backend of ``requirement`` for an asker whose
+    environment has these fingerprint ids (backend -> id; None: it sent none)."""
+    out: list[ProbeKey] = []
+    here: dict[str, str] = {}
+    runtime_of: dict[str, str] = {}
+    for key in keys if keys is not None else keys_for(requirement):
+        spec = registry.spec(key.backend)
+        if spec is None or spec.environment is None:
+            out.append(key)  # the device layer: the node's fact, shared by every job
+            continue
+        wanted = None if fingerprint is None else fingerprint.get(key.backend)
+        runtime = _matching_runtime(snapshot, key.backend, wanted)
+        if runtime is None:
+            here[key.backend] = NO_FINGERPRINT if wanted is None else (
+                f"no runtime this daemon proves has the asker's {key.backend} environment "
+                f"(fingerprint {wanted}); it is proven where the job runs")
+            continue
+        out.append(key.in_runtime(runtime))
+        runtime_of[key.backend] = runtime
+    return Proofs(tuple(out), here, runtime_of, dict(fingerprint or {}))
+
+
+def _matching_runtime(snapshot: Snapshot, backend: str, wanted: str | None) -> str | None:
+    """The first runtime whose fingerprint for ``backend`` is ``wanted`` (one proof for two
+    runtimes with the same fingerprint: the first configured answers)."""
+    if wanted is None:
+        return None
+    for runtime in snapshot.runtimes:
+        found = snapshot.fingerprints.get(runtime.name)
+        if found is not None and found.error is None and found.ids.get(backend) == wanted:
+            return runtime.name
+    return None
+
+
+def _proof_evidence(snapshot: Snapshot, proofs: Proofs, runs_at: Mapping[str, ProbeResult]
+                    ) -> dict[str, Any]:
+    """evidence.proof: per environment-dependent backend, where it was proven."""
+    out: dict[str, Any] = {}
+    for backend, runtime in proofs.runtime_of.items():
+        found = snapshot.fingerprints.get(runtime)
+        result = runs_at.get(backend)
+        out[backend] = {
+            "where": "daemon", "runtime": runtime,
+            "fingerprint": proofs.fingerprint.get(backend),
+            "interpreter": found.interpreter.get("executable") if found is not None else None,
+            "proven_at": rfc3339(result.finished_wall) if result is not None else None}
+    for backend, why in proofs.prove_here.items():
+        out[backend] = {"where": "prove_here", "fingerprint": proofs.fingerprint.get(backend),
+                        "reason": why}
+    return out
+
+
+def _runtime_scope(snapshot: Snapshot, proofs: Proofs | None) -> ProbeScope | None:
+    """The snapshot's scope with each backend's proof GPU taken from its answering runtime."""
+    scope = snapshot.scope
+    if scope is None or proofs is None or not proofs.runtime_of:
+        return scope
+    gpus = dict(scope.backend_gpu)
+    for backend, runtime in proofs.runtime_of.items():
+        name = "" if runtime == OWN_RUNTIME else runtime
+        if (backend, name) in snapshot.runtime_gpu:
+            gpus[backend] = snapshot.runtime_gpu[(backend, name)]
+    return replace(scope, backend_gpu=gpus)
+
+
 def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float,
                 policy: VerdictPolicy, keys: Sequence[ProbeKey] | None = None,
-                visibility: tuple[str | None, str | None] | None = None) -> Verdict | None:
+                visibility: tuple[str | None, str | None] | None = None,
+                proofs: Proofs | None = None) -> Verdict | None:
     """The verdict for ``requirement`` from the snapshot; None while a needed probe never ran.
 
     ``visibility`` substitutes the caller's CUDA_/NVIDIA_VISIBLE_DEVICES for the daemon's:
     visibility is classified purely from the host observation, so the daemon can answer for
-    a job that sees a subset of the GPUs.
+    a job that sees a subset of the GPUs. ``proofs`` (proofs_for) says which runtime's
+    results answer the environment-dependent backends; a backend it leaves to the asker
+    reads as unproven here, and ``evidence.proof`` says so.
     """
-    needed = keys if keys is not None else keys_for(requirement)
+    needed = proofs.keys if proofs is not None else (
+        keys if keys is not None else keys_for(requirement))
     found = [snapshot.results.get(k) for k in needed]
     results = [r for r in found if r is not None]
     if len(results) != len(found):
         return None
     runs = {r.key.backend: r.run for r in results}
+    for backend, why in (proofs.prove_here.items() if proofs is not None else ()):
+        runs[backend] = ProbeRun(backend, None, 0.0, skipped=why)
     host_run = runs.get("host")
     host_obs = host_run.host if host_run is not None else None
     overridden = (visibility is not None and host_obs is not None
@@ -236,7 +370,7 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                        source="daemon", xids=xids, extra_warnings=extra,
                        device_blockers=snapshot.qualification.blockers,
                        device_warnings=snapshot.qualification.warnings,
-                       visibility=visibility, scope=snapshot.scope,
+                       visibility=visibility, scope=_runtime_scope(snapshot, proofs),
                        expected_gpus=policy.expected_gpus,
                        nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml,
                        last_seen=snapshot.last_seen)
@@ -244,6 +378,10 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(
             w for w in verdict.warnings if w.code != "device_count_mismatch"))
+    if proofs is not None and (proofs.runtime_of or proofs.prove_here):
+        by_backend = {r.key.backend: r for r in results}
+        verdict = replace(verdict, evidence={
+            **verdict.evidence, "proof": _proof_evidence(snapshot, proofs, by_backend)})
     if policy.history is not None:
         # Whether holds from before this start are known: "none" after a restart that lost
         # its history is not the same claim as after one that re-armed every hold.

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 from gpudiag.engine import wire
+from gpudiag.engine.fingerprint import fingerprints, query_value
 from gpudiag.engine.wire import CONNECT_TIMEOUT_S
 from gpudiag.engine.wire import DEFAULT_SOCKET as DEFAULT_SOCKET
 from gpudiag.engine.wire import DEFAULT_URL as DEFAULT_URL
@@ -66,7 +67,35 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
     if max_age_s is not None:
         q["max_age_s"] = f"{max_age_s:g}"
     q.update(wire.visibility_params(env))
+    ids = environment_ids(requirement, env)
+    if ids:
+        q["fingerprint"] = query_value(ids)
     return q
+
+
+def environment_ids(requirement: Requirement, env: Mapping[str, str]) -> dict[str, str]:
+    """The asker's fingerprint id per environment-dependent backend it requires (the daemon
+    answers those only from a proof made in an environment with the same id)."""
+    from gpudiag.core import registry
+
+    decls = {}
+    for b in requirement.backends:
+        spec = registry.spec(b.name)
+        if spec is not None and spec.environment is not None:
+            decls[b.name] = spec.environment
+    if not decls:
+        return {}
+    found = fingerprints(decls, env)["backends"]
+    return {name: str(entry["id"]) for name, entry in found.items()}
+
+
+def prove_here(verdict: Verdict) -> tuple[str, ...]:
+    """The backends a daemon's answer leaves to the asker to prove in its own environment."""
+    proof = verdict.evidence.get("proof")
+    if not isinstance(proof, dict):
+        return ()
+    return tuple(name for name, entry in proof.items()
+                 if isinstance(entry, dict) and entry.get("where") == "prove_here")
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,6 @@ def touches_gpu(name: str, options: Mapping[str, Any] | None) -> bool:
     return spec is not None and spec.touches_gpu(options or {})
 
 
-# core.occupancy's states, as the verdict and the metrics write them.
-_STATE = {"FREE": FREE, "BUSY": BUSY, "UNKNOWN": UNKNOWN}
-
-
 def occupancy_from_nvml(nvml: NvmlObservation | None, own: frozenset[int]
                         ) -> dict[str, GpuOccupancy]:
     """Each GPU leaf's occupancy from an nvml observation (core.occupancy's rule; MIG
@@ -53,12 +49,12 @@ def occupancy_from_nvml(nvml: NvmlObservation | None, own: frozenset[int]
         gpu: GpuOccupancy | None = None
         if dev.uuid is not None and is_full_uuid(dev.uuid):
             occ = leaf_occupancy(dev, own)
-            gpu = GpuOccupancy(dev.uuid, _STATE[occ.state], occ.pids, occ.reason or "")
+            gpu = GpuOccupancy(dev.uuid, occ.state, occ.pids, occ.reason or "")
         for inst in dev.mig.instances if dev.mig is not None and dev.mig.enabled else ():
             if inst.uuid is None or not is_full_uuid(inst.uuid):
                 continue
             occ = leaf_occupancy(inst, own, parent=dev)
-            leaf = GpuOccupancy(inst.uuid, _STATE[occ.state], occ.pids, occ.reason or "")
+            leaf = GpuOccupancy(inst.uuid, occ.state, occ.pids, occ.reason or "")
             out[leaf.uuid] = leaf
             if gpu is not None and leaf.state != FREE and gpu.state == FREE:
                 gpu = GpuOccupancy(gpu.uuid, leaf.state, leaf.pids,

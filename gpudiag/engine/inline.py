@@ -7,31 +7,18 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gpudiag.core import registry
 from gpudiag.core.clock import now_rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
-from gpudiag.core.readiness import BUSY, GpuOccupancy, ProbeScope
+from gpudiag.core.readiness import ProbeScope
 from gpudiag.core.verdict import Requirement
 from gpudiag.engine.forkserver import ForkServer
-from gpudiag.engine.guard import (
-    SIBLING_WAIT_S,
-    claim_free,
-    driver_absent,
-    exclusive_gpus,
-    not_foreign,
-    occupancy_from_nvml,
-    touches_gpu,
-    visible_uuids,
-    why_unclaimed,
-)
 from gpudiag.engine.isolation import run_probes
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.engine.plan import probes_for
-
-Request = tuple[str, Mapping[str, Any] | None]
+from gpudiag.engine.round import Request, RoundPolicy, is_active, prove_round
 
 
 @dataclass(frozen=True)
@@ -85,7 +72,7 @@ def _run_all(requests: Sequence[Request], child_env: Mapping[str, str],
              limits: Mapping[str, float], lock_dir: Path, held: Collection[str],
              checked_at: str, forker: ForkServer | None) -> InlineRun:
     """The passive probes beside the nvml -> active chain (or all at once without one)."""
-    active = [r for r in requests if touches_gpu(*r)]
+    active = [r for r in requests if is_active(*r)]
     if not active:
         return InlineRun(run_probes(requests, env=child_env, timeouts=limits, forker=forker),
                          checked_at)
@@ -124,43 +111,14 @@ def _chain(active: Sequence[Request], child_env: Mapping[str, str],
 def _run_active(active: Sequence[Request], nvml_run: ProbeRun, child_env: Mapping[str, str],
                 limits: Mapping[str, float], lock_dir: Path, held: Collection[str] = (),
                 forker: ForkServer | None = None) -> tuple[dict[str, ProbeRun], ProbeScope]:
-    """cuda, jax and iree on the FREE GPUs of NVML's reading, under their locks."""
-    nvml = nvml_run.nvml if nvml_run.ok else None
-    occupancy = occupancy_from_nvml(nvml, not_foreign(nvml))
-    candidates = visible_uuids(nvml, child_env)
-    with claim_free(occupancy, candidates, lock_dir=lock_dir, exclusive=exclusive_gpus(nvml),
-                    sibling_wait_s=SIBLING_WAIT_S, held=held) as claim:
-        for uuid, why in claim.left_alone.items():
-            if why == "locked":  # a gpudiag run job holds it (its process may not be up yet)
-                occupancy[uuid] = GpuOccupancy(uuid, BUSY, why="locked by a gpudiag run job")
-        runs: dict[str, ProbeRun] = {}
-        cuda = [(n, o) for n, o in active if n == "cuda"]
-        if cuda:
-            name, opts = cuda[0]
-            runs.update(run_probes([(name, {**(opts or {}), "contexts_on": list(claim.claimed)})],
-                                   env=child_env, timeouts=limits, forker=forker))
-        # JAX and IREE prove their backend on one free GPU: the other locks go first, so
-        # that no `gpudiag run` job waits for GPUs this preflight does not use.
-        one_gpu = claim.claimed[0] if claim.claimed else None
-        claim.keep_only(one_gpu)
-        planned: list[Request] = []
-        envs: dict[str, Mapping[str, str]] = {}
-        backend_gpu: dict[str, str | None] = {}
-        for name, opts in active:
-            if name == "cuda":
-                continue
-            if one_gpu is None and driver_absent(nvml):
-                planned.append((name, opts))  # no driver, no GPU in use: name what is missing
-                continue
-            backend_gpu[name] = one_gpu
-            if one_gpu is None:
-                # No free GPU: nothing is touched, but what needs no GPU is still read.
-                planned.append((name, {**(opts or {}), "static": why_unclaimed(claim)}))
-                continue
-            envs[name] = {**child_env, "CUDA_VISIBLE_DEVICES": one_gpu,
-                          "NVIDIA_VISIBLE_DEVICES": one_gpu}
-            planned.append((name, opts))
-        runs.update(run_probes(planned, env=child_env, timeouts=limits, envs=envs,
-                               forker=forker))
-    probed = frozenset(claim.claimed) if "cuda" in runs else frozenset()
-    return runs, ProbeScope(occupancy=occupancy, probed=probed, backend_gpu=backend_gpu)
+    """The active probes on the FREE GPUs of NVML's reading, under their locks: the one
+    busy-GPU round (engine/round.py), every active probe at once, from the first free GPU."""
+
+    def run(requests: Sequence[Request], pinned: Mapping[str, Mapping[str, str]]
+            ) -> dict[str, ProbeRun]:
+        envs = {name: {**child_env, **variables} for name, variables in pinned.items()}
+        return run_probes(requests, env=child_env, timeouts=limits, envs=envs, forker=forker)
+
+    done = prove_round(nvml_run, active, visibility_env=child_env, lock_dir=lock_dir, run=run,
+                       policy=RoundPolicy(held=held))
+    return done.runs, done.scope()

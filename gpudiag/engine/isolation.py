@@ -22,9 +22,12 @@ from gpudiag.engine.forkserver import AFTER_KILL_WAIT_S, ForkServer, collect
 STDOUT_LIMIT_BYTES = 16 * 1024 * 1024
 
 
-def probe_argv(backend: str, options: Mapping[str, Any] | None = None) -> list[str]:
-    """The argv of a probe child: ``python -m gpudiag.probes NAME [OPTIONS-JSON]``."""
-    argv = [sys.executable, "-m", "gpudiag.probes", backend]
+def probe_argv(backend: str, options: Mapping[str, Any] | None = None,
+               interpreter: Sequence[str] | None = None) -> list[str]:
+    """The argv of a probe child: ``python -m gpudiag.probes NAME [OPTIONS-JSON]``, or with
+    ``interpreter`` (a runtime's Python and the probe archive) ``PYTHON -s ARCHIVE NAME ...``."""
+    start = list(interpreter) if interpreter else [sys.executable, "-m", "gpudiag.probes"]
+    argv = [*start, backend]
     if options:
         argv.append(json.dumps(dict(options), sort_keys=True))
     return argv
@@ -39,13 +42,15 @@ def _kill_group(pgid: int) -> None:
 
 def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
               options: Mapping[str, Any] | None = None,
-              forker: ForkServer | None = None) -> ProbeRun:
+              forker: ForkServer | None = None,
+              interpreter: Sequence[str] | None = None) -> ProbeRun:
     """Run one probe child to completion or to its deadline; never raises for the probe's sake.
 
     With ``forker`` the child is forked by the probe fork server when it can (the same child,
-    without a fresh interpreter); otherwise, or when the server is gone, it is spawned."""
-    argv = probe_argv(backend, options)
-    if forker is not None:
+    without a fresh interpreter); otherwise, or when the server is gone, it is spawned.
+    ``interpreter``: another Python runs it (a runtime's, engine/runtimes.py): spawned."""
+    argv = probe_argv(backend, options, interpreter)
+    if forker is not None and interpreter is None:
         forked = _run_forked(forker, backend, env, timeout_s, options)
         if forked is not None:
             return _result(backend, argv, timeout_s, forked)

@@ -22,6 +22,8 @@ from typing import Any
 from gpudiag.core.environment import is_full_uuid
 
 SYSTEM_LOCK_DIR = Path("/run/gpudiag/locks")
+# Why a GPU whose full-UUID lock a job holds is BUSY (its process may not be up yet).
+JOB_LOCKED = "locked by a gpudiag run job"
 
 
 @dataclass(frozen=True)

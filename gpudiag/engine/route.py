@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from gpudiag.core.limits import MAX_DAEMON_WAIT_S
 from gpudiag.core.verdict import Requirement, Verdict
-from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url
+from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url, prove_here
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
 if TYPE_CHECKING:
@@ -47,7 +47,10 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
         answer = ask_daemon(url or default_url(env), requirement, env=env,
                             read_timeout_s=min(MAX_DAEMON_WAIT_S, timeout_s or MAX_DAEMON_WAIT_S))
         if answer.verdict is not None:
-            return Routed(answer.verdict)
+            here = prove_here(answer.verdict)
+            if not here:
+                return Routed(answer.verdict)
+            return hybrid(answer.verdict, here, requirement, env=env, timeout_s=timeout_s)
     # Only a fallback pays for the classifier and the probe engine (tens of ms to import):
     # a daemon-answered CLI call is mostly Python's start (docs/benchmarks.md).
     import socket
@@ -62,3 +65,32 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
     # Why no daemon verdict was used (not listening, refused peer) goes into the evidence.
     return Routed(answer.fallback(verdict), done.runs,
                   answer.reason if answer.reason != "not asked" else None, answer.refused)
+
+
+def hybrid(answer: Verdict, names: tuple[str, ...], requirement: Requirement, *,
+           env: Mapping[str, str] | None, timeout_s: float | None) -> Routed:
+    """The daemon's answer for the device layer, with ``names`` proven here, in the asker's
+    environment, as the job will see them (docs/design-notes.md, "Whose environment is
+    proven"): nvml and those backends' children only, under the busy-GPU round."""
+    import os
+    import socket
+    from dataclasses import replace
+
+    from gpudiag.core.classify import classify
+    from gpudiag.core.hybrid import with_backends_of
+    from gpudiag.engine.client import environment_ids
+    from gpudiag.engine.fingerprint import interpreter
+    from gpudiag.engine.inline import run_inline
+
+    base = os.environ if env is None else env
+    wanted = replace(requirement, backends=tuple(
+        b for b in requirement.backends if b.name in names))
+    done = run_inline(wanted, env=base, timeout_s=timeout_s, only={"nvml", *names})
+    here = classify(done.runs, wanted, host=socket.gethostname(), checked_at=done.checked_at,
+                    scope=done.scope)
+    ids = environment_ids(wanted, base)
+    where = interpreter()["executable"]
+    proof = {n: {"where": "here", "fingerprint": ids.get(n), "interpreter": where,
+                 "proven_at": done.checked_at} for n in names}
+    verdict = with_backends_of(answer, here, names, proof=proof)
+    return Routed(verdict.with_source("hybrid", answer.age_s), done.runs)

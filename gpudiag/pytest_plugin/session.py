@@ -123,7 +123,7 @@ class GpuSession:
         if self.admission is None:
             return
         daemon = None
-        if any(oc.verdict.source == "daemon" for oc in self.outcomes.values()):
+        if any(oc.verdict.source in ("daemon", "hybrid") for oc in self.outcomes.values()):
             try:
                 daemon = default_url(env)
             except DaemonUrlError:

@@ -510,9 +510,9 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
     written, env, injection = _write_plan(options, base, admission, paths)
     closeout = replace(closeout, gpu_injection=injection, gpus=_gpu_slots(admission),
                        ready=True)
+    asked = closeout.verdict_source in ("daemon", "hybrid")  # a daemon answered (a part)
     gpu_events = GpuEvents.begin(gpus_of([g.record() for g in closeout.gpus]), base,
-                                 options.daemon_url if closeout.verdict_source == "daemon"
-                                 else None)
+                                 options.daemon_url if asked else None)
     ran = _run_child(options, written["launch_argv"], env, admission, paths, out, err)
     if isinstance(ran, OSError):
         gpu_events.close()

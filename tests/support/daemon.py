@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,6 +29,9 @@ from gpudiag.daemon.snapshot import Snapshot, WatcherState
 from gpudiag.engine.isolation import run_probe
 from tests.fakes.build import FakeDriver
 from tests.support.host import clean_env, make_host_dirs
+
+# Recorded probe runs by backend name, as real_runs returns them and Replay answers with.
+Runs: TypeAlias = dict[str, ProbeRun]
 
 
 def host_env(fakes: FakeDriver, root: Path, gpus: int = 8, **knobs: str | int) -> dict[str, str]:
@@ -235,12 +238,13 @@ class FixedWatcher:
         return self._state
 
 
-def snapshot_of(runs: dict, watcher: WatcherState | None = None) -> Snapshot:
+def snapshot_of(runs: Runs, watcher: WatcherState | None = None) -> Snapshot:
     sched = Scheduler(quick_config(), runner=Replay(dict(runs)), env={},
                       watcher=FixedWatcher(watcher) if watcher else None)
     try:
         sched.start()
-        return wait_for(lambda: (s := sched.snapshot()).round_complete and s, 5)
+        snapshot: Snapshot = wait_for(lambda: (s := sched.snapshot()).round_complete and s, 5)
+        return snapshot
     finally:
         sched.stop()
 

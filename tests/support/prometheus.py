@@ -39,7 +39,7 @@ def http_json(url: str, timeout: float = 5.0) -> Any:
 
 
 # The shared test daemon config at a scrape-friendly pace (scheduler and watcher defaults).
-FLEET_CONFIG = {
+FLEET_CONFIG: dict[str, dict[str, Any]] = {
     "scheduler": {"tick_s": 0.2, "jitter_ratio": None, "backoff_max_s": None},
     "backends.nvml": {"interval_s": 1.0, "deadline_s": None},
     "xid": {"heartbeat_s": None, "gap_warning_s": None},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from gpudiag.core import environments
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.limits import IREE_DRIVERS
 
@@ -24,13 +25,14 @@ def _touches_gpu(options: Mapping[str, Any]) -> bool:
 
 SPEC = BackendSpec(
     name="iree", layer="iree",
-    classify="gpudiag.core.classify_iree:classify_iree", proves_on_one_gpu=True, published=True,
+    classify="gpudiag.core.classify_iree:classify_iree", published=True,
     summary="IREE's HAL driver creates a device, compiles and runs a tiny kernel.",
     probe_module="gpudiag.probes.iree_probe",
     observation="gpudiag.core.observations:IreeObservation",
-    interval_s=300.0, timeout_s=90.0,
+    interval_s=3600.0, timeout_s=90.0,
     platforms=IREE_DRIVERS, platform_word="IREE driver",
     platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
     options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,
     version_labels={"iree": ("iree-base-runtime", "iree")},
+    environment=environments.IREE,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from gpudiag.core import environments
 from gpudiag.core.backend import BackendSpec
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
@@ -23,13 +24,14 @@ def _touches_gpu(options: Mapping[str, Any]) -> bool:
 
 SPEC = BackendSpec(
     name="jax", layer="jax",
-    classify="gpudiag.core.classify_jax:classify_jax", proves_on_one_gpu=True, published=True,
+    classify="gpudiag.core.classify_jax:classify_jax", published=True,
     summary="JAX initializes on the GPU (no CPU fallback) and a tiny computation is right.",
     probe_module="gpudiag.probes.jax_probe",
     observation="gpudiag.core.observations:JaxObservation",
-    interval_s=300.0, timeout_s=60.0,
+    interval_s=3600.0, timeout_s=60.0,
     platforms=("gpu", "cuda", "cpu"), platform_aliases={"cuda": "gpu"},
     platform_word="JAX platform",
     options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,
     version_labels={"jax": ("jax",), "jaxlib": ("jaxlib",)},
+    environment=environments.JAX,
 )

@@ -43,7 +43,7 @@ def _xla_log(text: str) -> None:
 
 
 def _cuinit_factory() -> Any:
-    from jax._src.lib import xla_client
+    from jax._src.lib import xla_client  # type: ignore[attr-defined]  # as real plugins do
 
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -73,7 +73,7 @@ def initialize() -> None:
 
         xb.register_backend_factory("cuda", _cuinit_factory, priority=500, fail_quietly=False)
     elif mode == "pjrt_mismatch":
-        from jax._src.lib import xla_client
+        from jax._src.lib import xla_client  # type: ignore[attr-defined]  # as real plugins do
 
         raise xla_client.XlaRuntimeError(
             "INTERNAL: Mismatched PJRT plugin PJRT API version (0.54) and framework PJRT API "

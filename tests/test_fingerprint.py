@@ -1,0 +1,109 @@
+"""Fingerprints of a job's environment and the [runtimes.NAME] config (issue 37), in-process.
+
+The end-to-end side (real daemons, venvs, hybrid answers, proof on change) is
+tests/test_runtimes.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpudiag.core import registry
+from gpudiag.core.environments import BUILT_IN
+from gpudiag.daemon.config import ConfigError, from_mapping
+from gpudiag.engine.fingerprint import fingerprints
+from tests.support.daemon import write_config
+from tests.support.host import EnvFactory, run_gpudiag
+
+
+def _ids(env: dict[str, str]) -> dict[str, str]:
+    found = fingerprints(BUILT_IN, env)["backends"]
+    return {name: entry["id"] for name, entry in found.items()}
+
+
+# --- fingerprints -------------------------------------------------------------------------
+
+
+def test_a_backends_variable_changes_its_fingerprint_and_no_other() -> None:
+    base = {"PATH": "/usr/bin"}
+    plain, cpu = _ids(base), _ids({**base, "JAX_PLATFORMS": "cpu"})
+    assert plain["jax"] != cpu["jax"]
+    assert plain["iree"] == cpu["iree"]
+    assert _ids(dict(base)) == plain  # the same environment, the same ids
+    # The visibility variables travel on their own: they change no fingerprint.
+    assert _ids({**base, "CUDA_VISIBLE_DEVICES": "0"}) == plain
+
+
+def test_a_secret_looking_variable_counts_as_set_never_by_its_value() -> None:
+    one = fingerprints(BUILT_IN, {"XLA_TOKEN": "s3cr3t-one"})
+    two = fingerprints(BUILT_IN, {"XLA_TOKEN": "s3cr3t-two"})
+    assert one["backends"]["jax"]["id"] == two["backends"]["jax"]["id"]
+    assert "s3cr3t" not in json.dumps(one)
+
+
+def test_the_fast_paths_declarations_are_the_specs_own() -> None:
+    for name, decl in BUILT_IN.items():
+        spec = registry.spec(name)
+        assert spec is not None and spec.environment is decl, name
+    declared = {s.name for s in registry.specs() if s.environment is not None}
+    assert declared == set(BUILT_IN)
+
+
+def test_installed_backends_are_read_from_the_folders_without_importing(tmp_path: Path
+                                                                       ) -> None:
+    site = tmp_path / "site"
+    (site / "jax-0.10.2.dist-info").mkdir(parents=True)
+    (site / "jax-0.10.2.dist-info" / "METADATA").write_text("Name: jax\n")
+    found = fingerprints(BUILT_IN, {}, paths=[str(site)])
+    assert found["backends"]["jax"]["installed"] is True
+    assert found["backends"]["jax"]["distributions"] == {"jax": "0.10.2"}
+    assert found["backends"]["iree"]["installed"] is False
+    before = found["backends"]["jax"]["id"]
+    (site / "jax_cuda12_plugin-0.10.2.dist-info").mkdir()
+    after = fingerprints(BUILT_IN, {}, paths=[str(site)])["backends"]["jax"]["id"]
+    assert after != before, "a plugin installed beside JAX must change its fingerprint"
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("table", "key"), [
+    ({"python": "/nonexistent/bin/python"}, "runtimes.venv.python"),
+    ({"python": "bin/python"}, "runtimes.venv.python"),
+    ({"python": sys.executable, "env": {"CUDA_VISIBLE_DEVICES": "0"}}, "runtimes.venv.env"),
+    ({"python": sys.executable, "require": "cuda"}, "runtimes.venv.require"),
+    ({"python": sys.executable, "colour": "red"}, "runtimes.venv.colour"),
+])
+def test_a_bad_runtime_is_refused_naming_its_key(table: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        from_mapping({"runtimes": {"venv": table}})
+
+
+def test_an_interpreter_in_a_folder_others_can_write_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o777)
+    python = folder / "python"
+    python.symlink_to(sys.executable)
+    with pytest.raises(ConfigError, match="may be written by another user"):
+        from_mapping({"runtimes": {"venv": {"python": str(python)}}})
+
+
+def test_the_daemons_own_runtime_takes_only_require() -> None:
+    cfg = from_mapping({"runtimes": {"gpudiag": {"require": "jax"}}})
+    assert [(r.name, r.require) for r in cfg.runtimes] == [("gpudiag", ("jax",))]
+    with pytest.raises(ConfigError, match="only its require"):
+        from_mapping({"runtimes": {"gpudiag": {"python": sys.executable}}})
+
+
+def test_check_config_refuses_a_missing_interpreter_with_exit_2(tmp_path: Path,
+                                                               gpu_env: EnvFactory) -> None:
+    config = write_config(tmp_path / "d.toml", '[runtimes.train]\npython = "/no/such/python"\n')
+    done = run_gpudiag(["serve", "--check-config", "--config", str(config)], gpu_env())
+    assert done.returncode == 2, done.stderr
+    assert "runtimes.train.python" in done.stderr and "Traceback" not in done.stderr
