@@ -24,8 +24,8 @@ from gpudiag.core.sdc import SDC
 from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.host import EnvFactory, run_gpudiag
 
-SMALL = {"FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,
-         "GPUDIAG_TEST_SDC_GEMM": "host"}
+SMALL: dict[str, str | int] = {"FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1,
+                               "GPUDIAG_TEST_SDC_GEMM": "host"}
 MEMORY = ("memory_address", "memory_walking_ones", "memory_random")
 
 
