@@ -337,3 +337,44 @@ def test_every_quick_tier_measurement_records_clocks_power_limit_temperature_and
                                    "temperature_c": 71, "power_limit_w": 450.0,
                                    "throttle_mask": 4, "throttle_reasons": ["sw_power_cap"],
                                    "reason": None}, m
+
+
+def test_an_sdc_pass_keeps_a_quick_finding_and_the_gpu_is_not_due_again_at_once(
+        tmp_path: Path) -> None:
+    from gpudiag.core.qualify_score import GpuResult, KnownAnswer, score
+    from gpudiag.core.readiness import FREE, GpuOccupancy
+    from gpudiag.core.sdc import CheckResult
+    from gpudiag.daemon.config import QualificationConfig
+    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.engine.qualify import QualifyReport
+    from gpudiag.engine.qualify_history import QualificationHistory
+    from tests.support.daemon import wait_for
+
+    gpu = uuid(0)
+    wrong = score(GpuResult(gpu, "Fake GPU", 0, "quick", "cuda", known_answers=(
+        KnownAnswer("memory_pattern", False, "byte 7"),), started_at=100.0))
+    QualificationHistory.in_state_dir(tmp_path).append([wrong.record()])
+    passed = score(GpuResult(gpu, "Fake GPU", 0, "sdc", "cuda", checks=(
+        CheckResult("memory_address", "pass", "ok"),), started_at=1000.0))
+    runs: list[Any] = []
+
+    def runner(options: Any) -> Any:
+        runs.append(options)
+        return QualifyReport("sdc", "cuda", "t", (passed,))
+
+    cfg = QualificationConfig(tier="sdc", idle_s=0.0, max_age_s=100.0, tick_s=0.02)
+    q = Qualifier(cfg, tmp_path, lambda: {gpu: GpuOccupancy(gpu, FREE)}, runner=runner,
+                  clock=lambda: 1010.0)
+    q.load()
+    assert q.state().latest[gpu].code == "gpu_compute_mismatch"
+    q.start()  # due at once: its last qualification (at 100) is older than max_age_s
+    try:
+        wait_for(lambda: runs and not q.state().running, 10)
+        time.sleep(0.5)  # 25 ticks: a GPU due again at every tick would run again
+    finally:
+        q.stop()
+    assert len(runs) == 1 and runs[0].tier == "sdc"
+    # The quick tier's wrong answer stands (only a quick pass overturns it) ...
+    assert q.state().latest[gpu].code == "gpu_compute_mismatch"
+    # ... and the GPU, qualified at 1000, is not due again before max_age_s.
+    assert q.due(1050.0) == [] and q.due(1101.0) == [gpu]
