@@ -533,6 +533,8 @@ if want sdc; then
             >"$OUT/qualify-sdc-$run.json" 2>"$OUT/qualify-sdc-$run.stderr"
         rc_run=$?
         [[ $run == 1 ]] && rc=$rc_run && cp "$OUT/qualify-sdc-1.json" "$OUT/qualify-sdc.json" 2>/dev/null
+        # No report the first time (no GPU, NVML unreadable): a second run says nothing more.
+        [[ $run == 1 && $rc_run -gt 1 ]] && break
     done
     sdc_summary=$("$PY" - "$OUT/qualify-sdc-1.json" <<'PYEOF' 2>&1
 import json, sys
