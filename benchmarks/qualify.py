@@ -9,7 +9,12 @@ Cases, each a fresh process, interleaved run by run, medians printed:
   JAX's CPU devices (every measurement and known answer through JAX);
 - ``bare jax matmul``: one child that imports JAX, runs the tier's matmul (same n, dtypes and
   repeats) on the CPU and exits: the floor any JAX-based measurement pays. The ratio of
-  jax-cpu to it is what the qualification adds (bandwidths, known answers, scoring, CLI).
+  jax-cpu to it is what the qualification adds (bandwidths, known answers, scoring, CLI);
+- ``fakes sdc`` / ``fakes sdc 8 GPUs``: `--tier sdc` on one GPU / every GPU of 8 fakes of
+  80 MiB (a 8 MiB memory test; the GEMMs through the test suite's host route,
+  GPUDIAG_TEST_SDC_GEMM=host, since the fakes compute no kernels), and ``jax-cpu sdc``: on
+  one of JAX's CPU devices (a 16 MiB region, the GEMMs through JAX). For these the table
+  also gives the median of each GPU's own ``duration_s`` (the time its 10 s budget counts).
 CPU is the children's user + system time (getrusage), so a 2-core box's load shows as wall
 time but not as CPU.
 """
@@ -17,6 +22,7 @@ time but not as CPU.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import subprocess
@@ -44,8 +50,11 @@ for dtype in dtypes:
 """
 
 
+PER_GPU: dict[str, list[float]] = {}
+
+
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall s, CPU s) of one child run to its end."""
+    """(wall s, CPU s) of one child run to its end (and each GPU's duration_s, kept)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False,
@@ -55,6 +64,10 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     if proc.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(argv)}: exit {proc.returncode}: {proc.stderr[-800:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if "sdc" in argv:
+        report = json.loads(proc.stdout)
+        PER_GPU.setdefault(" ".join(argv), []).extend(
+            q["duration_s"] for q in report["gpus"] if q["duration_s"] is not None)
     return wall, cpu
 
 
@@ -72,6 +85,12 @@ def cases(fake_env: dict[str, str]) -> dict[str, tuple[list[str], dict[str, str]
         bare = BARE.format(n=spec.cpu_matmul_n, repeats=spec.matmul_repeats, dtypes=dtypes)
         out[f"bare jax matmul {tier}"] = ([sys.executable, "-c", bare],
                                           {**cpu_env, "JAX_PLATFORMS": "cpu"})
+    small = {**fake_env, "FAKE_GPU_MEMORY_TOTAL_MIB": "80", "FAKE_CUDA_CONTEXT_MIB": "1",
+             "GPUDIAG_TEST_SDC_GEMM": "host"}
+    out["fakes sdc"] = ([*py, "--gpus", "0", "--tier", "sdc"], small)
+    out["fakes sdc 8 GPUs"] = ([*py, "--tier", "sdc"], small)
+    out["jax-cpu sdc"] = ([*py, "--platform", "cpu", "--cpu-devices", "1", "--tier", "sdc"],
+                          cpu_env)
     return out
 
 
@@ -97,6 +116,11 @@ def main() -> None:
     print("|---|---|---|")
     for name, (wall, cpu) in med.items():
         print(f"| {name} | {wall:.2f} s | {cpu:.2f} s |")
+    for name, (argv, _env) in table.items():
+        per = PER_GPU.get(" ".join(argv))
+        if per:
+            print(f"| {name}: each GPU's own duration_s (median, max of {len(per)}) | "
+                  f"{statistics.median(per):.2f} s, {max(per):.2f} s | |")
     for tier in ("quick", "full"):
         q, b = med[f"jax-cpu {tier}"], med[f"bare jax matmul {tier}"]
         print(f"| **{tier}: jax-cpu / bare matmul** | **{q[0] / b[0]:.2f}x** | "

@@ -17,7 +17,7 @@
 # On a GPU-less host it still runs and every check is a blocker record (never a pass).
 #
 # Knobs (environment): GPUDIAG_VALIDATE_ONLY=probe,jaxmem,timings,faults,daemon,run,iree,
-# occupancy,together,nvml,qualify,attribution,image,runtimes,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
+# occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
 # GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
 # tests/fakes tree for the texts' fake side; default: built here when gcc is present);
 # GPUDIAG_VALIDATE_HOLDER (a command that holds GPU 0 and prints a "holding" line; default
@@ -519,6 +519,52 @@ if want qualify; then
     unset helper_pid
     ok=1; grep -q qualification_aborted "$OUT/qualify-abort.json" 2>/dev/null && ok=0
     pass_if qualify-abort "$ok" "a helper started a context 3 s into the full tier: $(grep -o '"qualification_aborted[^}]*' "$OUT/qualify-abort.json" | head -c 200)"
+fi
+
+# 12b. The SDC screen (issue 42): the sdc tier on every idle GPU within its 10 s budget per
+# GPU, every check run (none unknown: JAX's CUDA plugin must be here for the GEMMs), no check
+# failed; then once more, and the golden program's hash must be bit for bit the same (the
+# cross-GPU golden rests on that). qualify-sdc.json keeps every check's cost and conditions.
+if want sdc; then
+    section "SDC screen (sdc tier)"
+    for run in 1 2; do
+        t0=$SECONDS
+        timeout 200 "$PY" -m gpudiag qualify --tier sdc --format json --state-dir "$OUT/sdc-state" \
+            >"$OUT/qualify-sdc-$run.json" 2>"$OUT/qualify-sdc-$run.stderr"
+        rc_run=$?
+        [[ $run == 1 ]] && rc=$rc_run && cp "$OUT/qualify-sdc-1.json" "$OUT/qualify-sdc.json" 2>/dev/null
+        # No report the first time (no GPU, NVML unreadable): a second run says nothing more.
+        [[ $run == 1 && $rc_run -gt 1 ]] && break
+    done
+    sdc_summary=$("$PY" - "$OUT/qualify-sdc-1.json" <<'PYEOF' 2>&1
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    print(f"no sdc report ({e}); stderr: {open(sys.argv[1][:-4] + 'stderr').read()[-300:]}")
+    sys.exit(1)
+bad = []
+for q in r["gpus"]:
+    checks = {c["check"]: c for c in q.get("checks") or ()}
+    costs = " ".join(f"{k}={c['status']}:{c['duration_s']}s" for k, c in checks.items())
+    cond = (checks.get("gemm_repeat") or {}).get("conditions") or {}
+    print(f"GPU {q['index']} {q['code']} {q['duration_s']} s of {q['budget_s']} s; {costs}; "
+          f"bytes tested {q['coverage']['bytes_tested']}; sm {cond.get('sm_clock_mhz')} MHz, "
+          f"{cond.get('temperature_c')} C, limit {cond.get('power_limit_w')} W, throttle "
+          f"{cond.get('throttle_mask')}")
+    if q["code"] != "none" or (q["duration_s"] or 99) > q["budget_s"] or any(
+            c["status"] in ("fail", "unknown") and k != "golden" for k, c in checks.items()):
+        bad.append(str(q["index"]))
+sys.exit(1 if bad or not r["gpus"] else 0)
+PYEOF
+)
+    ok=$?
+    printf '%s\n' "$sdc_summary" >"$OUT/qualify-sdc.txt"
+    pass_if qualify-sdc "$ok" "exit $rc; $(head -c 600 "$OUT/qualify-sdc.txt")"
+    h1=$(grep -o '"output_hash": "[0-9a-f]*"' "$OUT/qualify-sdc-1.json" 2>/dev/null | head -1)
+    h2=$(grep -o '"output_hash": "[0-9a-f]*"' "$OUT/qualify-sdc-2.json" 2>/dev/null | head -1)
+    ok=1; [[ -n $h1 && $h1 == "$h2" ]] && ok=0
+    pass_if qualify-sdc-determinism "$ok" "the golden program's hash in two runs: ${h1:-none} / ${h2:-none}"
 fi
 
 # 13. Attribution (issue 28): a job that exits 1 with no GPU event is the application's.

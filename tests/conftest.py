@@ -177,6 +177,14 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
     "test_probe_engine": (
         "test_each_fault_gives_its_code_end_to_end",
     ),
+    "test_qualify_sdc": (  # 3-22 s each: several GPUs through children, a real daemon
+        "test_three_gpus_one_busy_the_busy_one_untouched_a_record_per_idle_gpu_within_budget",
+        "test_every_injected_memory_fault_is_a_memory_test_failure_with_its_evidence",
+        "test_every_injected_gemm_bit_flip_is_a_compute_mismatch_with_its_element",
+        "test_the_gpu_whose_golden_differs_from_its_7_peers_is_the_one_blocked_then_a_"
+        "library_change_records_a_new_golden",
+        "test_the_daemon_schedules_the_sdc_tier_and_a_bad_cell_blocks_its_gpu",
+    ),
     "test_idle_wakeups": (  # they count wakeups over windows of 2-2.5 s
         "test_an_idle_http_listener_sleeps_instead_of_polling",
         "test_the_xid_supervisor_wakes_per_line_not_five_times_a_second",

@@ -167,6 +167,7 @@ class Case:
     variant: str = ""
     admit: Callable[[Rig, Path], Verdict] | None = None
     qualify: bool = False  # a qualification of every GPU (POST /v1/qualify) finds it
+    qualify_tier: str = "quick"  # the tier that finds it (and that clears it again)
 
     @property
     def id(self) -> str:
@@ -459,6 +460,9 @@ CASES: tuple[Case, ...] = (
     _j("backend_unproven", require="jax", env=_every_gpu_locked_by_jobs, primary=False),
     # A GPU whose copies return a wrong byte computes wrong answers: blocked, whatever speed.
     _q("gpu_compute_mismatch", {**QUALIFY_BASE, "FAKE_CUDA_CORRUPT_COPY": "1:7"}),
+    # A bad memory cell (bit 1 of byte 100 stuck at 1) on GPU 2: the sdc tier's memory test.
+    _q("gpu_memory_test_failed", {**QUALIFY_BASE, "FAKE_CUDA_MEMORY_FAULT": "2:100:1:stuck1"},
+       qualify_tier="sdc"),
     # A slow GPU with qualification.block = true: a daemon of its own (the shared one warns).
     Case("gpu_underperforming", "qualify", QUALIFY_SLOW_4, variant="block"),
     # registered backends' own faults (the toy's among them)
@@ -688,7 +692,7 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
     if case.mutate is not None:
         case.mutate(rig)
     if case.qualify:
-        _qualify_every_gpu(running)
+        _qualify_every_gpu(running, case.qualify_tier)
     with ThreadPoolExecutor(1) as pool:
         inline = None if case.via_daemon or case.rounds else pool.submit(
             _cli, ["preflight", "--no-daemon", "--require", "cuda", "--format", "json",
@@ -726,7 +730,7 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
     if case.qualify:
         # The outcome stands until the GPU qualifies again: right answers at the base speed.
         write_state_file(rig.state, QUALIFY_BASE)
-        _qualify_every_gpu(running)
+        _qualify_every_gpu(running, case.qualify_tier)
         rec_of = running.preflight
         wait_for(lambda: not any(f["code"] == case.code for f in
                                  (*rec_of()["blockers"], *rec_of()["warnings"])),
@@ -738,8 +742,8 @@ def test_daemon_metrics_history_and_cli_agree(case: Case, running: RunningDaemon
                                  for b in running.preflight()["blockers"]), 10, interval=0.1)
 
 
-def _qualify_every_gpu(running: RunningDaemon) -> None:
-    req = urllib.request.Request(running.daemon.url + "/v1/qualify?tier=quick",
+def _qualify_every_gpu(running: RunningDaemon, tier: str = "quick") -> None:
+    req = urllib.request.Request(running.daemon.url + f"/v1/qualify?tier={tier}",
                                  method="POST", data=b"")
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 202
@@ -757,7 +761,7 @@ def test_qualification_blockers_with_block_true(case: Case, fakes: FakeDriver,
     try:
         own.daemon.wait_ready()
         write_state_file(rig.state, dict(case.knobs))
-        _qualify_every_gpu(own)
+        _qualify_every_gpu(own, case.qualify_tier)
         rec = _wait_record(own, case, fresh=False, timeout=90)
         metrics = own.metrics()
         cli = _cli(["preflight", "--daemon-url", own.daemon.url, "--require", "cuda",

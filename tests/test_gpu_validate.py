@@ -64,6 +64,7 @@ def run_script(out: Path, env: Mapping[str, str], timeout: float
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(450)  # the script's own limit is 400 s (run_script below)
 def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
         bare_env: dict[str, str], tmp_path: Path) -> None:
     env = {**bare_env, "GPUDIAG_VALIDATE_DAEMON_S": "10",
@@ -80,7 +81,8 @@ def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
                  "fault-cvd-bogus-uuid", "daemon-gpu-memory", "daemon-samples", "run-jax",
                  "iree-module", "occupancy-helper", "texts", "together-idle", "together-busy",
                  "together-xid-restart", "nvml-signals", "qualify-quick", "qualify-full",
-                 "qualify-abort", "attribution-application", "attribution-xid", "image-probe"):
+                 "qualify-abort", "qualify-sdc", "qualify-sdc-determinism",
+                 "attribution-application", "attribution-xid", "image-probe"):
         assert name in checks, f"{name} missing from checks.tsv:\n{summary}"
     assert {status for status, _ in checks.values()} == {"blocked"}, summary
     # Blocked for a reason of their own (a helper that needs a GPU, a real XID, an image).

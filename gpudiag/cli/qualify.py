@@ -1,8 +1,9 @@
 """``gpudiag qualify``: measure each idle GPU and catch the one that runs slow or wrong.
 
 Thin: flags -> engine.qualify.QualifyOptions -> engine.qualify.qualify -> text or JSON.
-Exit codes: 0 no GPU failed (a warning, an aborted run or a GPU left alone is not a failure),
-1 a GPU failed (gpu_compute_mismatch, or gpu_underperforming with --block), 2 usage,
+Exit codes: 0 no GPU failed (a warning, an aborted run, an unknown check or a GPU left alone
+is not a failure), 1 a GPU failed (gpu_compute_mismatch, gpu_memory_test_failed, or
+gpu_underperforming with --block), 2 usage,
 3 gpudiag could not qualify at all (NVML unreadable).
 """
 
@@ -59,6 +60,7 @@ def _history_dir(state_dir: str | None, no_history: bool) -> tuple[Path | None, 
                epilog=examples(
                    "gpudiag qualify                          # every idle GPU, quick tier",
                    "gpudiag qualify --gpus 0,3 --tier full   # two GPUs, up to 60 s each",
+                   "gpudiag qualify --tier sdc               # SDC screen, 10 s per GPU",
                    "gpudiag qualify --format json | jq '.gpus[] | {uuid, code}'",
                    "gpudiag qualify --platform cpu --reference table.json   # no GPU here",
                    "",
@@ -67,8 +69,11 @@ def _history_dir(state_dir: str | None, no_history: bool) -> tuple[Path | None, 
 @click.option("--gpus", "gpus_text", metavar="LIST",
               help="GPUs by index, full UUID, unique UUID prefix or PCI bus id, "
               "comma-separated.  [default: every visible GPU]")
-@click.option("--tier", type=click.Choice(["quick", "full"]), default="quick", show_default=True,
-              help="quick: at most a few seconds per GPU; full: up to 60 s per GPU, fp32 too.")
+@click.option("--tier", type=click.Choice(["quick", "full", "sdc"]), default="quick",
+              show_default=True,
+              help="quick: at most a few seconds per GPU; full: up to 60 s per GPU, fp32 too; "
+                   "sdc: the silent-data-corruption screen (repeated GEMM, cross-GPU golden, "
+                   "memory test), at most 10 s per GPU.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="Output format.")
 @click.option("--platform", type=click.Choice(["cuda", "cpu"]), default="cuda",
@@ -88,6 +93,10 @@ def qualify(gpus_text: str | None, tier: str, fmt: str, platform: str, cpu_devic
             no_history: bool) -> None:
     """Measure each idle GPU (memory and PCIe bandwidth, matmul throughput) and check known
     answers; score each against its model's data sheet, its node peers and its own history.
+
+    --tier sdc screens for silent data corruption instead: a GEMM repeated and compared bit
+    for bit, a golden hash compared across GPUs, a memory test; a check that could not run
+    at its minimum size is unknown, never a pass.
 
     Only GPUs that are FREE are measured, one at a time under their lock; a run stops within
     1 s when another process appears on the GPU. Exits 0 when no GPU failed, 1 when one did
@@ -156,6 +165,13 @@ def render(record: dict[str, object], out: IO[str]) -> None:
         for k in q["known_answers"]:
             out.write(f"  known answer {k['check']}: {'ok' if k['ok'] else 'WRONG'}: "
                       f"{k['detail']}\n")
+        for c in q.get("checks") or ():
+            where = (f" at {c['where']}: expected {c['expected']}, got {c['got']}"
+                     if c.get("where") else "")
+            out.write(f"  check {c['check']}: {c['status'].upper()}: {c['detail']}{where}\n")
+        cov = q.get("coverage") or {}
+        if cov.get("unknown"):
+            out.write(f"  not covered (unknown, never a pass): {', '.join(cov['unknown'])}\n")
         if q["duration_s"] is not None:
             out.write(f"  took {q['duration_s']:.2f} s, GPU held {q['gpu_seconds'] or 0:.2f} s, "
                       f"{(q['bytes_used'] or 0) / 2**20:.0f} MiB\n")

@@ -158,10 +158,19 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "--all) so that the daemon releases the held XID at once."),
             ("gpu_compute_mismatch",
              "A GPU returned a wrong answer in its qualification: the known-answer matmul or "
-             "the memory pattern read back differed from the trusted result.",
+             "the memory pattern read back differed from the trusted result, a repeated "
+             "GEMM differed bit for bit from its first product, or its golden hash differed "
+             "from the node's majority or the stored golden.",
              "Drain the GPU and run the vendor's diagnostics (dcgmi diag -r 3); a GPU that "
              "computes wrong answers must not run jobs. A later passing qualification "
              "(POST /v1/qualify?gpus=N) clears it."),
+            ("gpu_memory_test_failed",
+             "A GPU's memory test (sdc tier: address-in-address, walking ones, seeded random "
+             "pattern) read back a word different from the one written.",
+             "Drain the GPU; read the offset and bits in the evidence, check NVML's ECC and "
+             "remapped-row counters (nvidia-smi -q -d ECC,ROW_REMAPPER) and run the vendor's "
+             "memory test (dcgmi diag -r 4); replace the GPU if it fails again. A later "
+             "passing sdc qualification (POST /v1/qualify?gpus=N&tier=sdc) clears it."),
             ("gpu_underperforming",
              "A GPU measured below its model's reference, its node peers' median or its own "
              "history, and qualification.block = true makes that a blocker.",
@@ -342,6 +351,7 @@ WARNINGS: dict[str, CatalogEntry] = {
 QUALIFICATION: dict[str, CatalogEntry] = {
     "gpu_underperforming": WARNINGS["gpu_underperforming"],
     "gpu_compute_mismatch": BLOCKERS["gpu_compute_mismatch"],
+    "gpu_memory_test_failed": BLOCKERS["gpu_memory_test_failed"],
     "qualification_aborted": CatalogEntry(
         "qualification_aborted", "device",
         "A qualification stopped early (another process appeared on the GPU, or its "

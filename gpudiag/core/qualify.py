@@ -66,6 +66,9 @@ TIERS: Mapping[str, TierSpec] = {
                       ("memory_bandwidth", "host_to_device_bandwidth",
                        "device_to_host_bandwidth", "matmul_bf16")),
     "full": TierSpec("full", 60.0, 512 * 1024 ** 2, 10, 8192, 512, 10, MEASURES),
+    # The silent-data-corruption screen (core.sdc): checks, no throughput figures; its
+    # sizes and its 10 s budget per GPU are core.sdc.SDC's.
+    "sdc": TierSpec("sdc", 10.0, 0, 0, 0, 0, 0, ()),
 }
 
 
@@ -206,3 +209,65 @@ def _measure_map(value: Any, where: str) -> dict[str, float]:
             raise ReferenceError(f"{where}.{key} must be a positive number")
         out[key] = float(v)
     return out
+
+
+# -- calibration: warn and fail lines per model (docs/qualify.md "Calibration") ---------------
+
+@dataclass(frozen=True)
+class Band:
+    """Warn and fail lines of one measure on one model: relative to the node's median of
+    its peers (the one slow GPU) and absolute (a whole node misconfigured). An absolute line
+    applies only to a measurement at least ``min_bytes`` in size (per copy; for a matmul its
+    operands), the size its anchor was measured at: smaller copies pay fixed overheads."""
+
+    warn_peer: float | None
+    fail_peer: float | None
+    warn_abs: float | None
+    fail_abs: float | None
+    min_bytes: int
+    basis: str
+
+
+# H200 SXM (700 W, full clocks), proposed lines from shared anchors: HBM 4.8 TB/s data sheet,
+# a device copy reaching about 87% counting read and written bytes; BF16 989 TFLOPS dense,
+# a best-shape GEMM about 80%; PCIe Gen5 x16 about 63 GB/s per direction, pinned copy-engine
+# copies about 55 GB/s. To be confirmed on the first real H200 run (scripts/gpu-validate.sh).
+CALIBRATION: Mapping[str, Mapping[str, Band]] = {
+    "H200": {
+        "memory_bandwidth": Band(0.90, 0.80, 4.0e12, 3.6e12, 512 * 1024 ** 2,
+                                 "H200 HBM3e 4.8 TB/s; device copy about 87% of peak "
+                                 "(2x bytes); warn < 4.0 TB/s (83%), fail < 3.6 TB/s (75%)"),
+        "matmul_bf16": Band(0.92, 0.85, None, 0.5 * 989e12, 8192 * 8192 * 8,
+                            "H200 BF16 989 TFLOPS dense; best-shape GEMM about 80%; fail < "
+                            "0.50 x 989 TFLOPS at n >= 8192"),
+        "host_to_device_bandwidth": Band(None, None, 50e9, 40e9, 256 * 1024 ** 2,
+                                         "PCIe Gen5 x16 about 63 GB/s per direction; pinned CE "
+                                         "copies about 55 GB/s; warn < 50, fail < 40 GB/s"),
+        "device_to_host_bandwidth": Band(None, None, 50e9, 40e9, 256 * 1024 ** 2,
+                                         "PCIe Gen5 x16 about 63 GB/s per direction; pinned CE "
+                                         "copies about 55 GB/s; warn < 50, fail < 40 GB/s"),
+    },
+}
+
+
+def band_of(model: str | None, measure: str, value: float | None, peer_median: float | None,
+            size_bytes: int | None) -> tuple[str | None, str]:
+    """(ok | warn | fail, why) of one measurement against its model's calibration row;
+    (None, why) when the model has no row for the measure or nothing was measured."""
+    band = CALIBRATION.get(model or "", {}).get(measure)
+    if band is None or value is None:
+        return None, "no calibration row"
+    hits: list[tuple[str, str]] = []
+    if peer_median is not None and peer_median > 0:
+        ratio = value / peer_median
+        for level, line in (("fail", band.fail_peer), ("warn", band.warn_peer)):
+            if line is not None and ratio < line:
+                hits.append((level, f"{ratio:.2f} of the node's median (< {line})"))
+    if (size_bytes or 0) >= band.min_bytes:
+        for level, line in (("fail", band.fail_abs), ("warn", band.warn_abs)):
+            if line is not None and value < line:
+                hits.append((level, f"{value:.4g} below the absolute line {line:.4g}"))
+    if not hits:
+        return "ok", band.basis
+    level = "fail" if any(h[0] == "fail" for h in hits) else "warn"
+    return level, "; ".join(h[1] for h in hits if h[0] == level) + f" ({band.basis})"

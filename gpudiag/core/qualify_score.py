@@ -24,8 +24,20 @@ from gpudiag.core.qualify import (
     UNDERPERFORMING,
     UNITS,
     ReferenceModel,
+    band_of,
     expected,
     reference_for,
+)
+from gpudiag.core.sdc import (
+    FAIL,
+    MEMORY_TEST_FAILED,
+    PASS,
+    UNKNOWN,
+    CheckError,
+    CheckResult,
+    Conditions,
+    parse_check,
+    parse_conditions,
 )
 
 
@@ -39,6 +51,13 @@ class Measurement:
     route: str | None = None        # cuMemcpyDtoD, jax, iree, ...
     bytes: int | None = None        # per timed operation
     repeats: int | None = None
+    conditions: Conditions | None = None  # clocks, temperature, power limit, throttle mask
+
+    def record(self) -> dict[str, Any]:
+        """The JSON form (a record's ``measurements[]``)."""
+        return {"measure": self.measure, "value": self.value, "reason": self.reason,
+                "route": self.route, "bytes": self.bytes, "repeats": self.repeats,
+                "conditions": self.conditions.record() if self.conditions else None}
 
 
 @dataclass(frozen=True)
@@ -66,6 +85,9 @@ class GpuResult:
     duration_s: float | None = None
     gpu_seconds: float | None = None  # time the GPU was held for measurements
     bytes_used: int | None = None     # the most GPU memory held at once
+    checks: tuple[CheckResult, ...] = ()  # the sdc tier's checks (core.sdc)
+    versions: Mapping[str, str] = field(default_factory=dict)  # driver and libraries
+    budget_s: float | None = None     # the per-GPU budget the run was held to
 
     def value(self, measure: str) -> float | None:
         """The measured value of ``measure``, None when it was not measured."""
@@ -106,6 +128,7 @@ class MeasureScore:
     unit: str
     value: float | None
     references: tuple[ReferenceScore, ...]
+    band: str | None = None         # ok, warn, fail against a calibration row (core.qualify)
 
     @property
     def below(self) -> bool:
@@ -128,10 +151,48 @@ class Qualification:
         return {"schema": SCHEMA, **result_record(self.result), "code": self.code,
                 "severity": self.severity, "message": self.message,
                 "reference_model": self.reference_model,
+                "coverage": coverage(self.result).record(),
                 "scores": [{"measure": s.measure, "unit": s.unit, "value": s.value,
-                            "below": s.below,
+                            "below": s.below, "band": s.band,
                             "references": [vars(r) for r in s.references]}
                            for s in self.scores]}
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What a qualification really covered: every check and measure with its status, the
+    bytes of GPU memory tested and the time taken. ``unknown``: it could not run at its
+    minimum size, never a pass."""
+
+    checks: Mapping[str, str]      # check or measure -> pass | fail | unknown | measured
+    bytes_tested: int
+    duration_s: float | None
+
+    @property
+    def unknown(self) -> tuple[str, ...]:
+        return tuple(c for c, s in self.checks.items() if s == UNKNOWN)
+
+    def record(self) -> dict[str, Any]:
+        return {"checks": dict(self.checks), "bytes_tested": self.bytes_tested,
+                "duration_s": self.duration_s, "unknown": list(self.unknown)}
+
+
+def coverage(r: GpuResult) -> Coverage:
+    """The coverage of one result, whatever its tier (an aborted run covers nothing)."""
+    checks: dict[str, str] = {}
+    tested = 0
+    if r.aborted is None:
+        for m in r.measurements:
+            checks[m.measure] = "measured" if m.value is not None else UNKNOWN
+        for k in r.known_answers:
+            checks[k.check] = PASS if k.ok else FAIL
+            if k.check == "memory_pattern":
+                tested += next((m.bytes or 0 for m in r.measurements
+                                if m.measure == "memory_bandwidth"), 0)
+        for c in r.checks:
+            checks[c.check] = c.status
+            tested += c.bytes_tested if c.check.startswith("memory_") else 0
+    return Coverage(checks, tested, r.duration_s)
 
 
 def result_record(r: GpuResult) -> dict[str, Any]:
@@ -139,8 +200,13 @@ def result_record(r: GpuResult) -> dict[str, Any]:
     return {"uuid": r.uuid, "name": r.name, "index": r.index, "tier": r.tier,
             "platform": r.platform, "aborted": r.aborted, "started_at": r.started_at,
             "duration_s": r.duration_s, "gpu_seconds": r.gpu_seconds, "bytes_used": r.bytes_used,
-            "measurements": [vars(m) for m in r.measurements],
-            "known_answers": [vars(k) for k in r.known_answers]}
+            "budget_s": r.budget_s, "versions": dict(r.versions),
+            "measurements": [m.record() for m in r.measurements],
+            "known_answers": [vars(k) for k in r.known_answers],
+            "checks": [c.record() for c in r.checks]}
+
+
+OUTCOMES = (PASSED, UNDERPERFORMING, COMPUTE_MISMATCH, MEMORY_TEST_FAILED, ABORTED)
 
 
 # -- parsing: once, at the boundary ---------------------------------------------------------
@@ -179,17 +245,26 @@ def parse_result(data: Any) -> GpuResult:
             raise ResultError(f"measurements: unknown entry {m!r:.80}")
         measurements.append(Measurement(m["measure"], _num(m.get("value")),
                                         _opt_str(m.get("reason")), _opt_str(m.get("route")),
-                                        _opt_int(m.get("bytes")), _opt_int(m.get("repeats"))))
+                                        _opt_int(m.get("bytes")), _opt_int(m.get("repeats")),
+                                        parse_conditions(m.get("conditions"))))
     answers = []
     for k in data.get("known_answers") or ():
         if not isinstance(k, Mapping) or not isinstance(k.get("ok"), bool):
             raise ResultError(f"known_answers: entry without a boolean ok: {k!r:.80}")
         answers.append(KnownAnswer(str(k.get("check")), k["ok"], str(k.get("detail") or "")))
+    try:
+        checks = tuple(parse_check(c) for c in data.get("checks") or ())
+    except CheckError as e:
+        raise ResultError(str(e)) from e
+    raw_versions = data.get("versions")
+    versions = ({str(k): str(v) for k, v in raw_versions.items() if isinstance(v, str)}
+                if isinstance(raw_versions, Mapping) else {})
     return GpuResult(uuid, _opt_str(data.get("name")), _opt_int(data.get("index")), tier,
                      platform, tuple(measurements), tuple(answers),
                      _opt_str(data.get("aborted")), _num(data.get("started_at")),
                      _num(data.get("duration_s")), _num(data.get("gpu_seconds")),
-                     _opt_int(data.get("bytes_used")))
+                     _opt_int(data.get("bytes_used")), checks, versions,
+                     _num(data.get("budget_s")))
 
 
 def parse_qualification(data: Any) -> Qualification:
@@ -204,9 +279,9 @@ def parse_qualification(data: Any) -> Qualification:
                                     r.get("below") is True, str(r.get("basis") or ""))
                      for r in s.get("references") or () if isinstance(r, Mapping))
         scores.append(MeasureScore(s["measure"], UNITS[s["measure"]], _num(s.get("value")),
-                                   refs))
+                                   refs, _opt_str(s.get("band"))))
     code, severity = data.get("code"), data.get("severity")
-    if code not in (PASSED, UNDERPERFORMING, COMPUTE_MISMATCH, ABORTED) or not isinstance(
+    if code not in OUTCOMES or not isinstance(
             severity, str):
         raise ResultError(f"code {code!r} or severity {severity!r} is not a qualification's")
     return Qualification(result, code, severity, str(data.get("message") or ""),
@@ -252,7 +327,22 @@ def _score_measure(result: GpuResult, measure: str, model: ReferenceModel | None
     hist = _ratio_score("history", value, hist_ref, th.history_ratio + margin,
                         f"median of this GPU's last {len(own)} result(s)"
                         + ("" if hist_ref is not None else f" (fewer than {th.min_history})"))
-    return MeasureScore(measure, UNITS[measure], value, (table, peer, hist))
+    size = next((m.bytes for m in result.measurements if m.measure == measure), None)
+    band, _why = band_of(model.model if model else None, measure, value, peer_ref, size)
+    return MeasureScore(measure, UNITS[measure], value, (table, peer, hist), band)
+
+
+def _check_text(c: CheckResult) -> str:
+    where = (f" at {c.where}: expected {c.expected}, got {c.got}" if c.where is not None
+             else "")
+    return f"{c.check}: {c.detail}{where}"
+
+
+def _band_text(model: ReferenceModel | None, result: GpuResult, s: MeasureScore) -> str:
+    peers = next((r.value for r in s.references if r.reference == "peers"), None)
+    size = next((m.bytes for m in result.measurements if m.measure == s.measure), None)
+    _band, why = band_of(model.model if model else None, s.measure, s.value, peers, size)
+    return f"{s.measure} {s.band}: {why}"
 
 
 def score(result: GpuResult, *, peers: Sequence[GpuResult] = (),
@@ -267,24 +357,40 @@ def score(result: GpuResult, *, peers: Sequence[GpuResult] = (),
         return Qualification(result, ABORTED, "aborted",
                              f"qualification stopped: {result.aborted}; no verdict changed")
     wrong = [k for k in result.known_answers if not k.ok]
+    failed = [c for c in result.checks if c.status == FAIL]
     model = reference_for(result.name, REFERENCE_TABLE if table is None else table)
     margin = thresholds.hysteresis if previous_code == UNDERPERFORMING else 0.0
     scores = tuple(_score_measure(result, m, model, peers, history, thresholds, margin)
                    for m in MEASURES if any(x.measure == m for x in result.measurements))
     model_name = model.model if model else None
-    if wrong:
-        return Qualification(result, COMPUTE_MISMATCH, "blocker",
-                             "wrong answer: " + "; ".join(f"{k.check}: {k.detail}"
-                                                          for k in wrong), scores, model_name)
+    if failed or wrong:
+        # A bad memory cell explains a wrong product, not the other way round.
+        code = (MEMORY_TEST_FAILED if any(c.code == MEMORY_TEST_FAILED for c in failed)
+                else COMPUTE_MISMATCH)
+        text = "; ".join([*(_check_text(c) for c in failed),
+                          *(f"{k.check}: {k.detail}" for k in wrong)])
+        prefix = "memory test failed: " if code == MEMORY_TEST_FAILED else "wrong answer: "
+        return Qualification(result, code, "blocker", prefix + text, scores, model_name)
     slow = [(s, r) for s in scores for r in s.references if r.below]
-    if slow:
-        severity = "blocker" if thresholds.block else "warning"
-        text = "; ".join(f"{s.measure} {s.value:.4g} {s.unit} is {r.ratio:.2f} of {r.reference}"
-                         f" ({r.value:.4g}, threshold {r.threshold:.2f})" for s, r in slow
-                         if s.value is not None and r.ratio is not None and r.value is not None)
-        return Qualification(result, UNDERPERFORMING, severity, text, scores, model_name)
-    return Qualification(result, PASSED, "ok", "every measurement within its thresholds",
-                         scores, model_name)
+    banded = [s for s in scores if s.band in ("warn", "fail")]
+    if slow or banded:
+        # A warn line alone never blocks; a threshold or a fail line blocks with block = true.
+        severity = ("blocker" if thresholds.block and (slow or any(s.band == "fail"
+                                                                   for s in banded))
+                    else "warning")
+        parts = [f"{s.measure} {s.value:.4g} {s.unit} is {r.ratio:.2f} of {r.reference}"
+                 f" ({r.value:.4g}, threshold {r.threshold:.2f})" for s, r in slow
+                 if s.value is not None and r.ratio is not None and r.value is not None]
+        parts += [_band_text(model, result, s) for s in banded]
+        return Qualification(result, UNDERPERFORMING, severity, "; ".join(parts), scores,
+                             model_name)
+    unknown = [c for c in result.checks if c.status == UNKNOWN]
+    text = ("every check passed" if result.checks and not result.measurements
+            else "every measurement within its thresholds")
+    if unknown:
+        text += "; not covered (unknown, not a pass): " + "; ".join(
+            f"{c.check} ({c.detail})" for c in unknown)
+    return Qualification(result, PASSED, "ok", text, scores, model_name)
 
 
 def child_results(run: ProbeRun, expected: int) -> list[GpuResult] | str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from gpudiag.core.qualify import COMPUTE_MISMATCH, UNDERPERFORMING
 from gpudiag.core.qualify_score import Qualification
+from gpudiag.core.sdc import MEMORY_TEST_FAILED
 from gpudiag.core.verdict import Finding
 
 
@@ -24,16 +25,33 @@ class QualificationFindings:
     warnings: tuple[Finding, ...] = ()
 
 
+def replaces(new: Qualification, old: Qualification | None) -> bool:
+    """Whether ``new`` becomes its GPU's latest outcome in place of ``old``: an aborted run
+    measured nothing; a finding is overturned only by a run of the same tier (a quick pass
+    says nothing of the sdc tier's memory test, nor an sdc pass of the quick tier's speed)."""
+    if old is None:
+        return True
+    if new.result.aborted is not None:
+        return False
+    return old.code == "none" or old.result.aborted is not None or (
+        new.result.tier == old.result.tier)
+
+
 def qualification_findings(latest: Iterable[Qualification], *, block: bool
                            ) -> QualificationFindings:
     """The findings of each GPU's latest outcome, labelled by UUID as device findings are."""
     blockers: list[Finding] = []
     warnings: list[Finding] = []
     for q in sorted(latest, key=lambda q: q.result.uuid):
-        if q.result.aborted is not None or q.code not in (COMPUTE_MISMATCH, UNDERPERFORMING):
+        if q.result.aborted is not None or q.code not in (COMPUTE_MISMATCH, MEMORY_TEST_FAILED,
+                                                           UNDERPERFORMING):
             continue
-        # The site's setting now decides, not the one the run was scored under.
-        warning = q.code == UNDERPERFORMING and not block
+        # The site's setting now decides, not the one the run was scored under; a GPU
+        # only past a calibrated warn line (core.qualify.CALIBRATION) never blocks.
+        warn_only = (any(s.band == "warn" for s in q.scores)
+                     and not any(r.below for s in q.scores for r in s.references)
+                     and not any(s.band == "fail" for s in q.scores))
+        warning = q.code == UNDERPERFORMING and (not block or warn_only)
         where = f"GPU {q.result.index}" if q.result.index is not None else q.result.uuid
         (warnings if warning else blockers).append(Finding.of(
             q.code, f"{where}: qualification ({q.result.tier} tier): {q.message}",

@@ -487,8 +487,8 @@ class DaemonApp:
         if self.qualifier is None:
             raise ApiError(503, "no_qualification", "this daemon runs no qualification")
         tier = params.get("tier", "quick")
-        if tier not in ("quick", "full"):
-            raise ApiError(400, "bad_parameter", f"tier={tier!r}: accepted quick, full")
+        if tier not in ("quick", "full", "sdc"):
+            raise ApiError(400, "bad_parameter", f"tier={tier!r}: accepted quick, full, sdc")
         gpus = [g.strip() for g in params["gpus"].split(",")] if "gpus" in params else []
         bad = [g for g in gpus if not re.fullmatch(r"[0-9]{1,3}|GPU-[0-9a-fA-F-]{36}", g)]
         if bad or ("gpus" in params and not gpus):

@@ -358,7 +358,8 @@ def _qualification(t: _Table) -> QualificationConfig:
                     hysteresis=t.ratio("hysteresis", dt.hysteresis),
                     block=t.flag("block", dt.block))
     cfg = QualificationConfig(
-        enabled=t.flag("enabled", d.enabled), tier=t.choice("tier", d.tier, ("quick", "full")),
+        enabled=t.flag("enabled", d.enabled),
+        tier=t.choice("tier", d.tier, ("quick", "full", "sdc")),
         idle_s=t.seconds("idle_s", d.idle_s, maximum=7 * 86400.0),
         max_age_s=t.seconds("max_age_s", d.max_age_s, minimum=1.0, maximum=366 * 86400.0),
         tick_s=t.seconds("tick_s", d.tick_s, maximum=60.0), thresholds=th,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpudiag.core.qualify_score import Qualification, parse_qualification
+from gpudiag.core.qualify_verdict import replaces
 from gpudiag.core.readiness import FREE, GpuOccupancy
 from gpudiag.daemon.config import QualificationConfig
 from gpudiag.daemon.loop import LoopThread
@@ -66,6 +67,9 @@ class Qualifier:
         self._wake, self._stop = self._thread.woken, self._thread.stopping
         self._queue: list[QualifyRequest] = []
         self._free_since: dict[str, float] = {}
+        # When each GPU was last qualified at all: a finding of another tier that a run
+        # did not overturn (core.qualify_verdict.replaces) must not make the GPU due again.
+        self._last_run: dict[str, float] = {}
         self._state = QualifierState()
 
     def state(self) -> QualifierState:
@@ -84,7 +88,7 @@ class Qualifier:
                 q = parse_qualification(rec)
             except ValueError:
                 continue  # a damaged line is not evidence
-            if q.result.aborted is None or q.result.uuid not in latest:
+            if replaces(q, latest.get(q.result.uuid)):
                 latest[q.result.uuid] = q
         self._publish(QualifierState(latest=latest))
 
@@ -118,7 +122,9 @@ class Qualifier:
         out = []
         for uuid, since in sorted(self._free_since.items()):
             last = latest.get(uuid)
-            age = now - (last.result.started_at or 0.0) if last is not None else float("inf")
+            began = max((last.result.started_at or 0.0) if last is not None else 0.0,
+                        self._last_run.get(uuid, 0.0))
+            age = now - began if last is not None or uuid in self._last_run else float("inf")
             if now - since >= self.config.idle_s and age >= self.config.max_age_s:
                 out.append(uuid)
         return out
@@ -157,7 +163,9 @@ class Qualifier:
         runs = dict(self._state.runs)
         cost = self._state.gpu_seconds_total
         for q in report.qualifications if report else ():
-            if q.result.aborted is None or q.result.uuid not in latest:
+            if q.result.aborted is None and q.result.started_at is not None:
+                self._last_run[q.result.uuid] = q.result.started_at
+            if replaces(q, latest.get(q.result.uuid)):
                 latest[q.result.uuid] = q  # an aborted run changes no verdict
             runs[q.code] = runs.get(q.code, 0) + 1
             cost += q.result.gpu_seconds or 0.0

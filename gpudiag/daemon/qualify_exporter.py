@@ -15,11 +15,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gpudiag.core.catalog import QUALIFICATION
 from gpudiag.core.qualify import PASSED
+from gpudiag.core.qualify_score import coverage
+from gpudiag.core.sdc import CHECKS, FAIL, PASS, UNKNOWN
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.qualifier import QualifierState
 
 GPU = ["gpu", "uuid"]
 OUTCOME_CODES = (PASSED, *QUALIFICATION)
+CHECK_STATUSES = (PASS, FAIL, UNKNOWN)
 
 
 class QualificationCollector(StateCollector[QualifierState]):
@@ -47,6 +50,11 @@ class QualificationCollector(StateCollector[QualifierState]):
                                  "the GPU.", labels=GPU)
         used = GaugeMetricFamily(prefix + "bytes", "The most GPU memory the last qualification "
                                  "held at once.", labels=GPU)
+        check = GaugeMetricFamily(prefix + "check", "1 for the status of each sdc check of the "
+                                  "GPU's latest outcome (pass, fail, unknown), 0 for the others.",
+                                  labels=[*GPU, "check", "status"])
+        tested = GaugeMetricFamily(prefix + "tested_bytes", "GPU memory the latest outcome's "
+                                   "memory checks covered.", labels=GPU)
         for uuid, q in sorted(state.latest.items()):
             labels = [str(q.result.index if q.result.index is not None else ""), uuid]
             for s in q.scores:
@@ -62,7 +70,13 @@ class QualificationCollector(StateCollector[QualifierState]):
                 outcome.add_metric([*labels, code], 1.0 if q.code == code else 0.0)
             held.add_metric(labels, q.result.gpu_seconds or 0.0)
             used.add_metric(labels, float(q.result.bytes_used or 0))
-        yield from (bw, fl, ratio, last, outcome, held, used)
+            statuses = {c.check: c.status for c in q.result.checks}
+            for name in CHECKS if statuses else ():
+                for status in CHECK_STATUSES:
+                    check.add_metric([*labels, name, status],
+                                     1.0 if statuses.get(name) == status else 0.0)
+            tested.add_metric(labels, float(coverage(q.result).bytes_tested))
+        yield from (bw, fl, ratio, last, outcome, held, used, check, tested)
         runs = CounterMetricFamily("gpudiag_qualification_runs", "GPU qualifications run by "
                                    "this daemon, by outcome.", labels=["outcome"])
         for code in OUTCOME_CODES:

@@ -23,6 +23,7 @@ from gpudiag.core.gpunames import GpuNameError, NamedGpu, is_gpu_name, resolve
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify import ABORTED, TIERS, ReferenceModel
+from gpudiag.core.qualify_golden import resolve_goldens
 from gpudiag.core.qualify_score import (
     GpuResult,
     Qualification,
@@ -32,11 +33,12 @@ from gpudiag.core.qualify_score import (
     parse_result,
     score,
 )
+from gpudiag.core.sdc import XLA_DETERMINISTIC_FLAGS
 from gpudiag.engine.guard import claim_free, occupancy_from_nvml, visible_uuids
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir, waiting_path
 from gpudiag.engine.processes import own_process_tree
-from gpudiag.engine.qualify_history import HistoryUnavailable, QualificationHistory
+from gpudiag.engine.qualify_history import GoldenStore, HistoryUnavailable, QualificationHistory
 
 REPORT_SCHEMA = "gpudiag.qualify-report/1"
 PLATFORMS = ("cuda", "cpu")
@@ -117,6 +119,9 @@ def qualify(options: QualifyOptions, *, env: Mapping[str, str] | None = None) ->
         past = history.records() if history else []
     except HistoryUnavailable as e:
         history_error = str(e)
+    if options.tier == "sdc":
+        results, golden_error = _goldens(results, past, options.state_dir, checked_at)
+        history_error = history_error or golden_error
     scored = judge(results, past, options)
     if history is not None and history_error is None:
         try:
@@ -125,6 +130,29 @@ def qualify(options: QualifyOptions, *, env: Mapping[str, str] | None = None) ->
             history_error = str(e)
     return QualifyReport(options.tier, options.platform, checked_at, tuple(scored), left,
                          history_error)
+
+
+def _goldens(results: list[GpuResult], past: Sequence[Mapping[str, Any]],
+             state_dir: Path | None, at: str) -> tuple[list[GpuResult], str | None]:
+    """Judge the run's golden hashes against the node and the store; store new goldens."""
+    store = GoldenStore.in_state_dir(state_dir) if state_dir else None
+    parsed = []
+    for rec in past:
+        try:
+            parsed.append(parse_result(rec))
+        except ResultError:
+            continue  # a damaged line is not evidence
+    try:
+        stored = store.hashes() if store else {}
+    except HistoryUnavailable as e:
+        return resolve_goldens(results, parsed, {})[0], str(e)
+    judged, updates = resolve_goldens(results, parsed, stored)
+    try:
+        if store is not None:
+            store.record(updates, at)
+    except HistoryUnavailable as e:
+        return judged, str(e)
+    return judged, None
 
 
 def judge(results: Sequence[GpuResult], past: Sequence[Mapping[str, Any]],
@@ -209,10 +237,19 @@ def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
                 continue
             child_env = {**env, "CUDA_VISIBLE_DEVICES": uuid, "NVIDIA_VISIBLE_DEVICES": uuid,
                          "JAX_PLATFORMS": "cuda"}
+            if options.tier == "sdc":
+                child_env["XLA_FLAGS"] = deterministic_xla_flags(env.get("XLA_FLAGS", ""))
             # A job waiting for this GPU (its waiting mark held) stops the measurement.
             results += _run_child(options, [target], child_env, "cuda",
                                   yield_to=str(waiting_path(lock_dir, uuid)))
     return results, left
+
+
+def deterministic_xla_flags(flags: str) -> str:
+    """XLA_FLAGS with XLA's deterministic-ops settings added (the sdc tier's products must be
+    bit-identical run to run and GPU to GPU)."""
+    have = flags.split()
+    return " ".join([*have, *(f for f in XLA_DETERMINISTIC_FLAGS if f not in have)])
 
 
 def _run_cpu(options: QualifyOptions, env: Mapping[str, str]) -> list[GpuResult]:
@@ -224,6 +261,8 @@ def _run_cpu(options: QualifyOptions, env: Mapping[str, str]) -> list[GpuResult]
     indices = [int(g) for g in options.gpus] if options.gpus else list(range(n))
     targets = [{"uuid": f"CPU-{i}", "index": i, "name": "cpu"} for i in indices]
     flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+    if options.tier == "sdc":
+        flags = deterministic_xla_flags(flags)
     return _run_child(options, targets, {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
                       "cpu")
 

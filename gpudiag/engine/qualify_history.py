@@ -86,3 +86,57 @@ class QualificationHistory:
         lines = b"".join(chunks).splitlines(keepends=True)[-MAX_RECORDS:]
         os.ftruncate(fd, 0)
         os.pwrite(fd, b"".join(lines), 0)
+
+
+GOLDENS_FILE = "goldens.json"
+GOLDENS_SCHEMA = "gpudiag.goldens/1"
+
+
+@dataclass(frozen=True)
+class GoldenStore:
+    """The sdc tier's goldens of one state directory: golden key -> output hash, recorded
+    once three GPUs agreed (core.qualify_golden), in ``goldens.json`` under an flock."""
+
+    path: Path
+
+    @classmethod
+    def in_state_dir(cls, state_dir: Path) -> GoldenStore:
+        return cls(state_dir / GOLDENS_FILE)
+
+    def _read(self, fd: int) -> dict[str, Any]:
+        os.lseek(fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        try:
+            value = json.loads(b"".join(chunks) or b"{}")
+        except ValueError:
+            return {}  # a damaged store is no golden: the next three agreeing GPUs make one
+        goldens = value.get("goldens") if isinstance(value, dict) else None
+        return goldens if isinstance(goldens, dict) else {}
+
+    def hashes(self) -> dict[str, str]:
+        """Every stored golden: key -> hash."""
+        if not self.path.exists():
+            return {}
+        with QualificationHistory(self.path)._locked() as fd:
+            goldens = self._read(fd)
+        return {k: v["hash"] for k, v in goldens.items()
+                if isinstance(v, dict) and isinstance(v.get("hash"), str)}
+
+    def record(self, updates: Sequence[Any], at: str) -> None:
+        """Store goldens (core.qualify_golden.GoldenUpdate), replacing older ones per key."""
+        if not updates:
+            return
+        with QualificationHistory(self.path)._locked() as fd:
+            goldens = self._read(fd)
+            for u in updates:
+                goldens[u.key] = {"hash": u.output_hash, "gpus": list(u.gpus),
+                                  "recorded_at": at}
+            text = json.dumps({"schema": GOLDENS_SCHEMA, "goldens": goldens},
+                              sort_keys=True, indent=1).encode()
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, text, 0)
+            except OSError as e:
+                raise HistoryUnavailable(f"cannot write {self.path}: {e.strerror or e}") from e

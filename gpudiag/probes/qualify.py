@@ -39,7 +39,9 @@ from typing import Any
 
 from gpudiag.core.proclocks import flocks_on, parse_proc_locks
 from gpudiag.core.qualify import TIERS, TierSpec, memory_budget_bytes, sized_copy_bytes
+from gpudiag.core.sdc import SDC
 from gpudiag.probes.cuda import _foreign_pids, _load, _uuid_string
+from gpudiag.probes.qualify_sdc import read_conditions
 
 WATCH_PERIOD_S = 0.25
 ABORT_GRACE_S = 0.5
@@ -197,7 +199,8 @@ def _timed(guard: Guard, repeats: int, op: Callable[[], None]) -> float:
     return best
 
 
-def _copies(buf: Buffers, guard: Guard, n: int, repeats: int, seed: int
+def _copies(buf: Buffers, guard: Guard, n: int, repeats: int, seed: int,
+            conditions: Callable[[], dict[str, Any]]
             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The three bandwidths and the memory pattern check, through the driver API."""
     lib = buf.lib
@@ -229,7 +232,8 @@ def _copies(buf: Buffers, guard: Guard, n: int, repeats: int, seed: int
                                       ("device_to_host_bandwidth", dtoh, n, "cuMemcpyDtoH")):
         best = _timed(guard, repeats, op)
         out.append({"measure": measure, "value": moved / best if best > 0 else None,
-                    "route": route, "bytes": n, "repeats": repeats})
+                    "route": route, "bytes": n, "repeats": repeats,
+                    "conditions": conditions()})
     return out, answer
 
 
@@ -258,15 +262,18 @@ def _cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard, seed: 
     n = sized_copy_bytes(spec, target.get("memory_total_bytes"))
     buf = Buffers(lib)
     held = time.monotonic()
+    uuid = str(target["uuid"])
     try:
-        _allocate(buf, _open_device(lib, str(target["uuid"])), n)
-        measures, answer = _copies(buf, guard, n, spec.copy_repeats, seed)
+        _allocate(buf, _open_device(lib, uuid), n)
+        measures, answer = _copies(buf, guard, n, spec.copy_repeats, seed,
+                                   lambda: read_conditions(uuid))
         out["measurements"] += measures
         out["known_answers"].append(answer)
         buf.release()
         budget = memory_budget_bytes(target.get("memory_total_bytes"))
         matmul = qualify_jax.measure_cuda(spec, guard.check, budget, seed)
-        out["measurements"] += matmul.measurements
+        after = read_conditions(uuid)
+        out["measurements"] += [{**m, "conditions": after} for m in matmul.measurements]
         out["known_answers"] += matmul.known_answers
         if "matmul_fp32_iree" in spec.measures:
             out["measurements"].append({
@@ -300,10 +307,14 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     targets = list(options.get("targets") or ())
     deadline_s = float(options.get("deadline_s", spec.deadline_s))
     results = []
+    if spec.name == "sdc":
+        _warm_sdc(platform)
     for target in targets:
         started = time.monotonic()
         guard = Guard(started + deadline_s)
-        if platform == "cpu":
+        if platform == "cpu" and spec.name == "sdc":
+            result = _sdc_cpu_target(target, spec, guard, started)
+        elif platform == "cpu":
             from gpudiag.probes import qualify_jax
 
             result = qualify_jax.cpu_target(target, _base(target, spec, "cpu"), spec, guard.check,
@@ -313,6 +324,9 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
                                           str(options["yield_to"]) if options.get("yield_to")
                                           else None)
         result["duration_s"] = round(time.monotonic() - started, 4)
+        if platform == "cpu":  # no GPU clocks to record, and the record says so
+            for m in result.get("measurements") or ():
+                m.setdefault("conditions", read_conditions(None))
         results.append(result)
     return {"ok": True, "results": results}
 
@@ -330,7 +344,138 @@ def _guarded_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
         return out
     watcher = watch(guard, uuid, waiting=lambda: job_waiting(yield_to))
     try:
+        if spec.name == "sdc":
+            return _sdc_cuda_target(target, spec, guard)
         return _cuda_target(target, spec, guard, seed)
     finally:
         guard.done.set()
         watcher.join(timeout=1.0)
+
+
+# -- the sdc tier (probes.qualify_sdc has the checks) -----------------------------------------
+
+def _warm_sdc(platform: str) -> None:
+    """Import what the checks use before any GPU's budget starts: starting Python's
+    libraries is not the GPU's time (JAX's CUDA start, a context, is, and stays inside)."""
+    import numpy  # noqa: F401
+
+    if platform == "cpu":
+        import jax
+
+        jax.devices("cpu")
+
+
+def _jax_cuda_device() -> Any | None:
+    from gpudiag.probes import qualify_jax
+
+    if not qualify_jax._cuda_plugin_installed():
+        return None
+    try:
+        import jax
+
+        return jax.devices("cuda")[0]
+    except Exception:  # the JAX probe classifies JAX failures; here the checks are unknown
+        return None
+
+
+def _sdc_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
+                     ) -> dict[str, Any]:
+    """The sdc checks on one GPU: memory through the driver API, then the GEMMs."""
+    from gpudiag.probes import qualify_sdc as sdc
+
+    out = _base(target, spec, "cuda")
+    out.update(checks=[], budget_s=SDC.budget_s)
+    lib, error = _load()
+    if lib is None:
+        out["aborted"] = f"libcuda.so.1 could not be loaded: {error}"
+        return out
+    uuid = str(target["uuid"])
+    started = time.monotonic()
+    # Checks start no new work past 90% of the budget: releasing memory and the context
+    # fits in what is left, so the GPU is done within the budget.
+    budget = sdc.Budget(started + 0.9 * SDC.budget_s)
+    cap = memory_budget_bytes(target.get("memory_total_bytes"))
+    buf = Buffers(lib)
+    held = time.monotonic()
+
+    def conditions() -> dict[str, Any]:
+        return sdc.read_conditions(uuid)
+
+    try:
+        handle = _open_device(lib, uuid)
+        _check(lib, "cuCtxCreate_v2", lib.cuCtxCreate_v2(ctypes.byref(buf.ctx), 0, handle))
+        version = ctypes.c_int()
+        lib.cuDriverGetVersion(ctypes.byref(version))
+        memory, used = sdc.driver_memory_checks(
+            lib, lambda call, code: _check(lib, call, code), cap, guard.check,
+            budget.until(SDC.memory_time_share, started, SDC.budget_s), conditions)
+        buf.release()
+        out["bytes_used"] = used
+        route = sdc.gemm_route(None if os.environ.get(sdc.GEMM_ROUTE_ENV) == "host"
+                               else _jax_cuda_device())
+        versions = sdc.library_versions(route if isinstance(route, str) else route.name)
+        versions["cuda_driver"] = str(version.value)
+        out["versions"] = versions
+        # The golden key: the model, then every version the product's bits depend on.
+        key = f"{target.get('name')}|" + ", ".join(f"{k} {v}" for k, v in sorted(
+            versions.items()))
+        if isinstance(route, str):
+            gemms = sdc.unknown_gemm(route, conditions)
+        else:
+            n, golden_n = sdc.gemm_sizes("cuda", cap)
+            try:
+                gemms = sdc.gemm_checks(route, n, golden_n, target.get("index"), guard.check,
+                                        budget, conditions, key)
+            except (Aborted, CudaFailed):
+                raise
+            except Exception as e:  # XLA's own errors: the JAX probe classifies them
+                gemms = sdc.unknown_gemm(f"the GEMM route failed: {type(e).__name__}: "
+                                         f"{str(e)[:300]}", conditions)
+            out["bytes_used"] = max(used, 3 * 4 * n * n)
+        out["checks"] = [*gemms, *memory]
+    except Aborted as e:
+        out["aborted"] = str(e)
+    except CudaFailed as e:
+        out["aborted"] = f"a CUDA call failed: {e}"
+    finally:
+        buf.release()
+        out["gpu_seconds"] = round(time.monotonic() - held, 4)
+        out.setdefault("bytes_used", 0)
+    return out
+
+
+def _sdc_cpu_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard, started: float
+                    ) -> dict[str, Any]:
+    """The sdc checks on one of JAX's CPU devices: the pipeline without a GPU."""
+    import jax
+
+    from gpudiag.probes import qualify_sdc as sdc
+
+    out = _base(target, spec, "cpu")
+    out.update(checks=[], budget_s=SDC.budget_s)
+    budget = sdc.Budget(started + 0.9 * SDC.budget_s)
+    index = int(target.get("index") or 0)
+
+    def conditions() -> dict[str, Any]:
+        return sdc.read_conditions(None)
+
+    try:
+        device = jax.devices("cpu")[index]
+        n_bytes = 16 * 1024 ** 2  # a CPU "device" shares host memory: a token region
+        memory = sdc.memory_checks(sdc.JaxMemory(device), n_bytes, guard.check,
+                                   budget.until(SDC.memory_time_share, started, SDC.budget_s),
+                                   conditions, "jax")
+        route = sdc.gemm_route(device)
+        assert not isinstance(route, str)
+        versions = sdc.library_versions(route.name)
+        out["versions"] = versions
+        n, golden_n = sdc.gemm_sizes("cpu", n_bytes)
+        key = "cpu|" + ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+        gemms = sdc.gemm_checks(route, n, golden_n, index, guard.check, budget, conditions,
+                                key)
+        out["checks"] = [*gemms, *memory]
+        out["bytes_used"] = n_bytes
+        out["gpu_seconds"] = round(time.monotonic() - started, 4)
+    except Exception as e:  # Aborted (deadline) or a JAX failure: this result stops here
+        out["aborted"] = f"{type(e).__name__}: {e}"
+    return out

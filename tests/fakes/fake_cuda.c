@@ -33,6 +33,11 @@
  *   FAKE_CUDA_TRACE=1          log every call (and cuGetProcAddress look-ups) to stderr
  *   FAKE_CUDA_COPY_GBPS=IDX:GBPS, FAKE_CUDA_CORRUPT_COPY=IDX:OFFSET
  *                              copy speed and a wrong byte per GPU (see copy_faults)
+ *   FAKE_CUDA_MEMORY_FAULT=IDX:OFFSET:BIT[:MODE]
+ *                              one bad cell in GPU IDX's memory: bit BIT of byte OFFSET of
+ *                              every allocation (mod its size) reads back flipped (MODE
+ *                              flip, the default), as 0 (stuck0) or as 1 (stuck1), in every
+ *                              device-to-host copy that covers it (see memory_fault)
  *   FAKE_GPU_NAME, FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MIG,
  *   FAKE_NVML_MEMORY_USED_MIB  shared with the fake NVML
  *
@@ -1127,6 +1132,37 @@ typedef struct {
 
 static atomic_ullong g_allocated[MAX_VISIBLE];
 
+/* Live allocations (base, size), for FAKE_CUDA_MEMORY_FAULT to find the one a copy reads. */
+#define MAX_LIVE_ALLOCS 256
+static struct { uintptr_t base; size_t size; } g_live[MAX_LIVE_ALLOCS];
+static pthread_mutex_t g_live_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void live_set(uintptr_t base, size_t size, int add) {
+    pthread_mutex_lock(&g_live_lock);
+    for (int i = 0; i < MAX_LIVE_ALLOCS; i++) {
+        if (add ? g_live[i].base == 0 : g_live[i].base == base) {
+            g_live[i].base = add ? base : 0;
+            g_live[i].size = add ? size : 0;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_live_lock);
+}
+
+static int live_allocation(uintptr_t p, uintptr_t *base, size_t *size) {
+    int found = 0;
+    pthread_mutex_lock(&g_live_lock);
+    for (int i = 0; i < MAX_LIVE_ALLOCS && !found; i++) {
+        if (g_live[i].base && p >= g_live[i].base && p < g_live[i].base + g_live[i].size) {
+            *base = g_live[i].base;
+            *size = g_live[i].size;
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&g_live_lock);
+    return found;
+}
+
 static unsigned long long device_used_bytes(CUdevice dev) {
     const visible_device *v = &g_visible[dev];
     long long mib = fake_list_ll("FAKE_NVML_MEMORY_USED_MIB", v->gpu, v->mig, 0);
@@ -1147,6 +1183,7 @@ static CUresult device_alloc_on(int dev, CUdeviceptr *dptr, size_t size) {
     h->size = size;
     atomic_fetch_add(&g_allocated[dev], size);
     *dptr = (CUdeviceptr)(uintptr_t)((char *)p + ALLOC_HEADER);
+    live_set((uintptr_t)*dptr, size, 1);
     return CUDA_SUCCESS;
 }
 
@@ -1165,6 +1202,7 @@ static CUresult device_free(CUdeviceptr dptr) {
     alloc_header *h = (alloc_header *)((char *)(uintptr_t)dptr - ALLOC_HEADER);
     if (h->magic != ALLOC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
     h->magic = 0;
+    live_set((uintptr_t)dptr, 0, 0);
     atomic_fetch_sub(&g_allocated[h->dev], h->size);
     free(h);
     return CUDA_SUCCESS;
@@ -1305,12 +1343,40 @@ static void copy_faults(copy_kind kind, void *dst, size_t n, long long started_u
     }
 }
 
+/*
+ * FAKE_CUDA_MEMORY_FAULT=IDX:OFFSET:BIT[:MODE]: a device-to-host copy from an allocation on
+ * GPU IDX that covers the allocation's byte OFFSET (mod its size) returns that byte with bit
+ * BIT flipped (flip), cleared (stuck0) or set (stuck1): one bad memory cell, as a memory test
+ * sees it. Copies whose source is not the fake's device memory are left alone.
+ */
+static void memory_fault(void *dst, const void *src, size_t n) {
+    int dev = current_device();
+    if (dev < 0) return;
+    char spec[96];
+    if (!fake_list_str("FAKE_CUDA_MEMORY_FAULT", g_visible[dev].gpu, -1, spec, sizeof spec)) return;
+    unsigned long long offset = 0;
+    unsigned bit = 0;
+    char mode[16] = "flip";
+    if (sscanf(spec, "%llu:%u:%15s", &offset, &bit, mode) < 2) return;
+    uintptr_t base = 0;
+    size_t size = 0;
+    if (!live_allocation((uintptr_t)src, &base, &size) || size == 0) return;
+    uintptr_t cell = base + (uintptr_t)(offset % size);
+    if (cell < (uintptr_t)src || cell >= (uintptr_t)src + n) return;
+    unsigned char *b = (unsigned char *)dst + (cell - (uintptr_t)src);
+    unsigned char m = (unsigned char)(1u << (bit % 8));
+    if (strcmp(mode, "stuck0") == 0) *b &= (unsigned char)~m;
+    else if (strcmp(mode, "stuck1") == 0) *b |= m;
+    else *b ^= m;
+}
+
 static CUresult do_copy(copy_kind kind, void *dst, const void *src, size_t n, const char *call) {
     CHECK_INIT();
     if (n == 0) return CUDA_SUCCESS;
     if (!dst || !src) return CUDA_ERROR_INVALID_VALUE;
     long long started_us = fake_now_us();
     memmove(dst, src, n);
+    if (kind == COPY_DTOH) memory_fault(dst, src, n);
     if (kind != COPY_ANY) copy_faults(kind, dst, n, started_us);
     int dev = current_device();
     if (kind != COPY_ANY && dev >= 0)
