@@ -153,7 +153,7 @@ class Case:
     """One fault and the code it must produce."""
 
     code: str
-    route: str  # daemon | job | admission
+    route: str  # daemon | job | admission | qualify | node_health
     knobs: Mapping[str, str | int] = field(default_factory=dict)
     mutate: Callable[[Rig], None] | None = None
     primary: bool = True  # the code is the root cause (else: present as a consequence)
@@ -493,6 +493,9 @@ WARNING_CASES: tuple[Case, ...] = (
        env=lambda r, t: _job_env(r, t, FAKE_NVML_DEVICE_ERRORS="1:15")),
     # GPU 4 at a quarter of its peers' copy speed: a warning (qualification.block = false).
     _q("gpu_underperforming", QUALIFY_SLOW_4),
+    # JAX enabled in a daemon no runtime of which requires it: node health says so, as a
+    # warning, with how to configure a runtime (test_nobody_configured_is_not_checked).
+    Case("backend_not_checked", "node_health"),
 )
 DAEMON_CASES = [c for c in (*CASES, *WARNING_CASES) if c.route == "daemon"]
 OTHER_CASES = [c for c in CASES if c.route in ("job", "admission")]
@@ -774,6 +777,37 @@ def test_qualification_blockers_with_block_true(case: Case, fakes: FakeDriver,
     assert metrics[("gpudiag_blocker", case.code)] == 1
     eps = [e for e in _history(own.state_dir)["episodes"] if e["code"] == case.code]
     assert eps and eps[0]["layer"] == BLOCKERS[case.code].layer
+
+
+def test_nobody_configured_is_not_checked(fakes: FakeDriver, tmp_path: Path) -> None:
+    """backend_not_checked: a daemon of its own with JAX on and no runtime that requires it
+    (the default): /v1/health, gpudiag health, /metrics and the history all say it, as a
+    warning with the catalog's remediation, and no blocker stands (issue 37)."""
+    (case,) = [c for c in WARNING_CASES if c.route == "node_health"]
+    rig = Rig.make(tmp_path, fakes)
+    config = write_config(tmp_path / "gpudiag.toml", daemon_toml({
+        **MATRIX_CONFIG, "backends.jax": {"enabled": True, "interval_s": 600}}))
+    own = RunningDaemon(rig, Daemon(rig.env(), config, tmp_path / "state"),
+                        tmp_path / "state", ())
+    try:
+        own.daemon.wait_ready(60)
+        status, health = own.daemon.get("/v1/health")
+        metrics = own.metrics()
+        cli = _cli(["health", "--daemon-url", own.daemon.url, "--format", "json"], rig.env())
+    finally:
+        assert own.daemon.stop() == 0, "\n".join(own.daemon.lines[-30:])
+    assert status == 200
+    for rec in (health, cli):
+        said = [w for w in rec["warnings"] if w["code"] == case.code]
+        assert [w["backend"] for w in said] == ["jax"], rec["warnings"]
+        assert said[0]["layer"] == WARNINGS[case.code].layer
+        assert said[0]["remediation"] == WARNINGS[case.code].remediation
+        assert "[runtimes." in said[0]["message"]
+        assert rec["gpu_validation_blocker"] == "none"
+    assert metrics[("gpudiag_warning", case.code)] == 1
+    assert not any(v == 1 for (n, _), v in metrics.items() if n == "gpudiag_blocker")
+    hist = _history(own.state_dir)
+    assert any(case.code in v["warnings"] for v in hist["verdicts"]), hist["verdicts"][:3]
 
 
 def test_zz_every_daemon_episode_ends_when_the_fault_is_gone(running: RunningDaemon) -> None:
