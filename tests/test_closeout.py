@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parent.parent
 # closeout.json's keys before the closeout was typed (a refused run has no attribution keys).
 REFUSED_KEYS = ["schema", "gpu_execution_route", "gpu_validation_blocker", "ready", "launched",
                 "status", "exit_code", "exit_signal", "timed_out", "preallocation_disabled",
-                "preallocation_source", "container_image", "gpu_injection", "started_at",
-                "ended_at", "duration_s", "host", "gpudiag_version", "verdict_source", "gpus",
-                "artifacts", "blockers", "evidence", "error"]
+                "preallocation_source", "xla_allocator", "container_image", "gpu_injection",
+                "started_at", "ended_at", "duration_s", "host", "gpudiag_version",
+                "verdict_source", "gpus", "artifacts", "blockers", "evidence", "error"]
 
 
 def _refused() -> Closeout:

@@ -95,7 +95,8 @@ def test_history_database_survives_sigkill_anywhere_in_record_and_prune(tmp_path
             tables = {r[0] for r in db.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table'")}
             # The schema is created in one transaction: all of it or (killed first) none.
-            assert tables in (set(), {"meta", "verdicts", "episodes", "xids"}), tables
+            assert tables in (set(), {"meta", "verdicts", "episodes", "xids",
+                                      "gpu_identities"}), tables
             if tables:
                 assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
                 for (record,) in db.execute("SELECT record FROM verdicts"):

@@ -26,6 +26,7 @@ import pytest
 from gpudiag.core.readiness import BUSY, FREE, GpuOccupancy
 from gpudiag.daemon.joblocks import JobLocks
 from tests.support.host import EnvFactory, run_gpudiag, verdict_of
+from tests.support.run import run_folder
 
 NOBODY = 65534
 NO_DAEMON = "http://127.0.0.1:9"
@@ -190,7 +191,7 @@ def test_a_refusal_never_names_a_dead_locker_as_the_holder(
         proc = run_gpudiag(["run", "--artifacts", str(tmp_path / "run"), "--gpus", "1",
                             "--lock-timeout", "1", "--", "true"], env)
         assert proc.returncode == 125, proc.stderr
-        close = json.loads((tmp_path / "run" / "closeout.json").read_text())
+        close = json.loads((run_folder(tmp_path / "run") / "closeout.json").read_text())
         assert close["gpu_validation_blocker"] in ("lock_timeout", "devices_busy"), close
         text = json.dumps(close) + proc.stderr
         assert f'"pid": {dead},' not in text and f"pid {dead} " not in text, text
@@ -275,7 +276,7 @@ def test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_name
         assert share <= 0.05, f"the wait burns {share:.0%} of a core"
         _, err = job.communicate(timeout=60)
         assert job.returncode == 125, err
-        close = json.loads((tmp_path / "run" / "closeout.json").read_text())
+        close = json.loads((run_folder(tmp_path / "run") / "closeout.json").read_text())
         assert close["gpu_validation_blocker"] == "lock_timeout", close
         assert f"pid {holder.pid} (uid {NOBODY}, shared" in json.dumps(close) + err, err
     finally:
@@ -419,7 +420,7 @@ def test_escape_sequences_in_a_run_another_user_wrote_never_reach_the_terminal(
     proc = run_gpudiag(["run", "--artifacts", str(real), "--gpus", "1", "--", "false"], env)
     assert proc.returncode == 1, proc.stderr
     planted = shared / "planted"
-    shutil.copytree(real, planted)
+    shutil.copytree(run_folder(real), planted)
     evil = "\x1b]0;pwned\x07\x1b[2J\x1b[31mready=true\u202e"
     result = json.loads((planted / "result.json").read_text())
     result["argv"] = ["false", evil]

@@ -29,7 +29,8 @@ ENGINE_LAYERS = ("probe", "visibility", "driver", "device", "cuda", "requirement
 # qualification of idle GPUs): the fault matrix's daemon route, tests/test_xids.py and
 # tests/test_qualify_verdict.py produce them end to end.
 WATCHER_ONLY = frozenset({"node_reboot_required", "gpu_nvlink_down", "gpu_pcie_link_degraded",
-                          "gpu_compute_mismatch", "gpu_underperforming"})
+                          "gpu_compute_mismatch", "gpu_underperforming",
+                          "gpu_memory_test_failed"})
 ENGINE_CODES = sorted(c for c, e in BLOCKERS.items()
                       if e.layer in ENGINE_LAYERS and c not in WATCHER_ONLY)
 

@@ -581,8 +581,12 @@ def _read_kv(text: str) -> dict[str, str]:
 
 
 def _unescape(value: str) -> str:
-    return re.sub(r"\\([\\nr])", lambda m: {"\\": "\\", "n": "\n", "r": "\r"}[m.group(1)],
-                  value)
+    r"""Undo kv_value's escapes: \\, \n, \r, and \xHH / \uHHHH for other control and
+    bidirectional characters (core/recordtext.py)."""
+    simple = {"\\": "\\", "n": "\n", "r": "\r"}
+    return re.sub(r"\\(?:([\\nr])|x([0-9a-f]{2})|u([0-9a-f]{4}))",
+                  lambda m: simple[m.group(1)] if m.group(1)
+                  else chr(int(m.group(2) or m.group(3), 16)), value)
 
 
 @FAST

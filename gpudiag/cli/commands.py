@@ -352,7 +352,8 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
         # The reason may quote the daemon's answer: no control character reaches the terminal.
         reason = terminal_safe(redact_text(routed.daemon_reason or ""), one_line=True)
         click.echo(f"gpudiag: {reason}; ran the probes here", err=True)
-    elif daemon_url is not None and routed.daemon_reason is not None:
+    elif (daemon_url is not None and routed.daemon_reason is not None
+          and not routed.daemon_untrusted):  # an answer that did not hold was said already
         # An explicit --daemon-url that did not answer: say so, not only in the evidence
         # (the default URL's silence is the normal no-daemon case and stays quiet).
         reason = terminal_safe(redact_text(routed.daemon_reason), one_line=True)

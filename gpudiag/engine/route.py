@@ -27,6 +27,7 @@ class Routed:
     runs: Mapping[str, ProbeRun] | None = None
     daemon_reason: str | None = None  # why no daemon verdict was used, when one was asked
     daemon_refused: bool = False  # something answered, but not as the daemon's user
+    daemon_untrusted: bool = False  # it answered what does not hold: said once already
 
 
 def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
@@ -75,7 +76,8 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
                        expected_gpus=expected_gpus)
     # Why no daemon verdict was used (not listening, refused peer) goes into the evidence.
     return Routed(answer.fallback(verdict), done.runs,
-                  answer.reason if answer.reason != "not asked" else None, answer.refused)
+                  answer.reason if answer.reason != "not asked" else None, answer.refused,
+                  answer.untrusted)
 
 
 def hybrid(answer: Verdict, names: tuple[str, ...], requirement: Requirement, *,

@@ -174,7 +174,6 @@ class DriverMemory:
                  chunk: int) -> None:
         import numpy as np
 
-        self._np = np
         self.lib, self._check, self.device = lib, check, device
         self.host = ctypes.c_void_p()
         check("cuMemHostAlloc", lib.cuMemHostAlloc(ctypes.byref(self.host),
