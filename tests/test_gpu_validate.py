@@ -156,7 +156,7 @@ def test_a_daemon_started_while_its_only_gpu_is_busy_publishes_occupancy_and_get
             _, health = wait_for(lambda: daemon.get("/v1/health"), timeout=10)
             assert health["devices"][0]["occupancy"] == "busy"  # the daemon knows it is busy
             wait_for(lambda: 'state="busy"' in str(daemon.get("/metrics")[1]), timeout=15)
-            assert daemon.get("/readyz")[0] == 200
+            wait_for(lambda: daemon.get("/readyz")[0] == 200, timeout=60)  # the first round
         finally:
             daemon.stop()
 
