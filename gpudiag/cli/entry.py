@@ -168,15 +168,15 @@ def answer_daemon(command: str, options: dict[str, str]) -> Fast:
         data = json.loads(body)
     except (ValueError, RecursionError):
         data = None
-    if data is not None and (_leaves_proof_here(data) or _does_not_hold(
-            data, _raw_question(command, options, query))):
+    question = _raw_question(command, options, query)
+    if data is not None and (_leaves_proof_here(data) or _does_not_hold(data, question)):
         # A backend to prove in this environment (the click path makes the hybrid answer
         # from this one), or an answer that does not hold (said once, answered here): the
         # typed answer goes to the click path, which never asks again.
         from gpudiag.engine.client import answer_of, reply_of
 
         return answer_of(url, reply_of(url, status, body, why, refused),
-                         time.monotonic() - started, _raw_question(command, options, query))
+                         time.monotonic() - started, question)
     fmt = options["--format"]
     own = own_record_text(data, fmt, __version__) if data is not None else None
     if own is None:  # another version's record, or an odd one: the typed model checks it

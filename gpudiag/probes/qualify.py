@@ -249,6 +249,19 @@ def _first_difference(want: bytes, got: bytes) -> str:
             f"({len(blocks)} MiB block(s) of {len(want)} bytes differ)")
 
 
+def _why_aborted(e: Aborted | CudaFailed) -> str:
+    """A measurement's end before its time: a job appeared (or waits), or CUDA failed."""
+    return str(e) if isinstance(e, Aborted) else f"a CUDA call failed: {e}"
+
+
+def _close_out(out: dict[str, Any], buf: Buffers, held_since: float, bytes_used: int) -> None:
+    """Whatever happened: the GPU's memory goes back, and the record says how long the GPU
+    was held and how much of it was used (the tiers' one ending)."""
+    buf.release()
+    out["gpu_seconds"] = round(time.monotonic() - held_since, 4)
+    out.setdefault("bytes_used", bytes_used)
+
+
 def _cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard, seed: int
                  ) -> dict[str, Any]:
     """Measure one GPU through the driver API (and JAX for the matmuls)."""
@@ -281,14 +294,10 @@ def _cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard, seed: 
                 "reason": "not run on a GPU: IREE 3.x cannot compile for sm_90 (Hopper); it "
                           "runs on the CPU route"})
         out["bytes_used"] = max(buf.bytes_used, matmul.bytes_used)
-    except Aborted as e:
-        out["aborted"] = str(e)
-    except CudaFailed as e:
-        out["aborted"] = f"a CUDA call failed: {e}"
+    except (Aborted, CudaFailed) as e:
+        out["aborted"] = _why_aborted(e)
     finally:
-        buf.release()
-        out["gpu_seconds"] = round(time.monotonic() - held, 4)
-        out.setdefault("bytes_used", buf.bytes_used)
+        _close_out(out, buf, held, buf.bytes_used)
     return out
 
 
@@ -433,14 +442,10 @@ def _sdc_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
                                          f"{str(e)[:300]}", conditions)
             out["bytes_used"] = max(used, 3 * 4 * n * n)
         out["checks"] = [*gemms, *memory]
-    except Aborted as e:
-        out["aborted"] = str(e)
-    except CudaFailed as e:
-        out["aborted"] = f"a CUDA call failed: {e}"
+    except (Aborted, CudaFailed) as e:
+        out["aborted"] = _why_aborted(e)
     finally:
-        buf.release()
-        out["gpu_seconds"] = round(time.monotonic() - held, 4)
-        out.setdefault("bytes_used", 0)
+        _close_out(out, buf, held, 0)
     return out
 
 
