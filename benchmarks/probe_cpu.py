@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gpudiag.core import registry  # noqa: E402
-from gpudiag.engine.forkserver import OFF_SWITCH, ForkServer  # noqa: E402
+from gpudiag.engine.forkclient import OFF_SWITCH, ForkServer  # noqa: E402
 from gpudiag.engine.isolation import run_probe  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
 from tests.support.host import clean_env, make_host_dirs  # noqa: E402

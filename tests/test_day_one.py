@@ -81,7 +81,7 @@ def test_a_host_without_a_driver_shows_the_root_cause_and_folds_its_consequences
 @pytest.mark.parametrize("columns", [80, 120])
 def test_the_watch_header_keeps_its_clock_at_any_width(gpu_env: EnvFactory,
                                                        columns: int) -> None:
-    from tests.test_watch import watch_on_tty
+    from tests.support.tty import watch_on_tty
 
     env = gpu_env(FAKE_NVML_DEVICE_COUNT=1)
     argv = ["health", "--require", "cuda,nvml", "--no-daemon", "--watch", "0.5"]

@@ -103,7 +103,7 @@ def test_the_cli_probe_verdict_is_the_one_of_spawned_probes(gpu_env: EnvFactory)
 CALLER = """
 import json, os, sys, threading, time
 from gpudiag.core.environment import probe_environment
-from gpudiag.engine.forkserver import ForkServer
+from gpudiag.engine.forkclient import ForkServer
 from gpudiag.engine.isolation import run_probe
 how = sys.argv[1]
 if how == "thread":
@@ -178,7 +178,7 @@ def test_a_caller_in_another_environment_than_its_own_gets_an_execd_server(
         gpu_env: EnvFactory) -> None:
     # This pytest process asks for probes in a fake host's environment, not its own.
     from gpudiag.core.environment import probe_environment
-    from gpudiag.engine.forkserver import ForkServer
+    from gpudiag.engine.forkclient import ForkServer
 
     env = probe_environment(gpu_env())
     with ForkServer(env, probes=["nvml"], fork_here=True) as server:

@@ -23,7 +23,7 @@ import pytest
 
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
-from gpudiag.engine.forkserver import ForkServer
+from gpudiag.engine.forkclient import ForkServer
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.processes import cmdline, is_probe_child
 from tests.fakes.build import FakeDriver
@@ -225,7 +225,7 @@ def test_the_fork_server_is_single_threaded_after_its_imports() -> None:
 
 KILL_FORKED = """
 import os, threading, time
-from gpudiag.engine.forkserver import ForkServer
+from gpudiag.engine.forkclient import ForkServer
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.processes import descendants, kill_child_groups
 env = dict(os.environ)

@@ -40,7 +40,7 @@ from gpudiag.core.environment import (
     KnownDevice,
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
-    resolve,
+    resolve_list,
 )
 from gpudiag.core.observations import GpuReadings, JaxObservation
 from gpudiag.core.probe_run import ProbeRun
@@ -133,7 +133,7 @@ def test_visibility_variables_parse_any_value(raw: str | None) -> None:
         if vis.mode == "empty":
             assert vis.reason and repr(raw) in vis.reason
         json.dumps(vis.record())
-        res = resolve(vis, DEVICES)
+        res = resolve_list(vis, DEVICES)
         assert set(res.indices) <= {d.index for d in DEVICES}
         assert len(set(res.indices)) == len(res.indices)
         assert set(res.ambiguous) <= set(res.unresolved)
@@ -145,7 +145,7 @@ def test_visibility_variables_parse_any_value(raw: str | None) -> None:
                                                               DEVICES[1].mig_uuids[0]]),
                 min_size=1, max_size=5))
 def test_a_list_of_real_names_resolves_in_its_order(names: list[str]) -> None:
-    res = resolve(parse_cuda_visible_devices(",".join(names)), DEVICES)
+    res = resolve_list(parse_cuda_visible_devices(",".join(names)), DEVICES)
     assert "9" in res.unresolved or "9" not in names
     assert ("GPU-f00d" in res.ambiguous) == ("GPU-f00d" in names)
     full = [n for n in names if n.startswith(("GPU-f00d0", "MIG-")) or n in ("0", "2")]

@@ -11,7 +11,7 @@ from gpudiag.core.environment import (
     parse_cuda_visible_devices,
     parse_nvidia_visible_devices,
     probe_environment,
-    resolve,
+    resolve_list,
 )
 from gpudiag.core.identity import GpuIdentity
 from gpudiag.core.probe_run import ProbeRun
@@ -73,9 +73,9 @@ def test_cuda_visible_devices_forms() -> None:
 
 def test_resolution_never_takes_an_ambiguous_prefix() -> None:
     devs = [KnownDevice(0, "GPU-aa11"), KnownDevice(1, "GPU-aa22")]
-    res = resolve(parse_cuda_visible_devices("GPU-aa"), devs)
+    res = resolve_list(parse_cuda_visible_devices("GPU-aa"), devs)
     assert res.indices == () and res.ambiguous == ("GPU-aa",)
-    assert resolve(parse_cuda_visible_devices("1,0"), devs).indices == (1, 0)
+    assert resolve_list(parse_cuda_visible_devices("1,0"), devs).indices == (1, 0)
 
 
 def test_allow_list_keeps_gpu_variables_and_drops_secrets() -> None:

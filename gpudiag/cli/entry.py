@@ -243,10 +243,9 @@ def _fingerprint_ids(require: str, env: Mapping[str, str]) -> dict[str, str] | N
         return {}
     if not names - _DEVICE_LAYER <= set(BUILT_IN):
         return None
-    from gpudiag.engine.fingerprint import fingerprints
+    from gpudiag.engine.fingerprint import fingerprint_ids
 
-    found = fingerprints({n: BUILT_IN[n] for n in names - _DEVICE_LAYER}, env)["backends"]
-    return {name: str(entry["id"]) for name, entry in found.items()}
+    return fingerprint_ids({n: BUILT_IN[n] for n in names - _DEVICE_LAYER}, env)
 
 
 def _leaves_proof_here(data: object) -> bool:

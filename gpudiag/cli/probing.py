@@ -52,7 +52,7 @@ def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: floa
     import socket
 
     from gpudiag.core.environment import probe_environment
-    from gpudiag.engine.forkserver import ForkServer
+    from gpudiag.engine.forkclient import ForkServer
 
     only = {n.split(":")[0] for n in names}
     # The probe fork server is forked from this process now, before the classifier's and

@@ -14,13 +14,12 @@ from gpudiag.core import registry
 from gpudiag.core.environment import (
     FULL_UUID,
     KnownDevice,
+    Resolution,
     Visibility,
     VisibleEntry,
     entry_of,
+    job_view,
     match_entry,
-    parse_cuda_visible_devices,
-    parse_nvidia_visible_devices,
-    resolve,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
 from gpudiag.core.gpu_processes import device_processes
@@ -53,6 +52,7 @@ from gpudiag.core.verdict import (
     Requirement,
     Verdict,
 )
+from gpudiag.core.visibility import VISIBILITY_VARIABLES
 from gpudiag.core.xids import xid_code, xid_description
 
 NVML_INIT_CODES = {12: "driver_library_missing", 9: "driver_not_loaded",
@@ -89,37 +89,39 @@ def _known(devs: Sequence[NvmlDevice]) -> list[KnownDevice]:
 def _visibility(env_raw: tuple[str | None, str | None], devs: Sequence[NvmlDevice],
                 nvml_ok: bool, f: Findings) -> list[NvmlDevice]:
     """Visibility blockers; returns the NVML devices the job would see (its candidates)."""
-    cvd = parse_cuda_visible_devices(env_raw[0])
-    nvd = parse_nvidia_visible_devices(env_raw[1])
-    for vis in (cvd, nvd):
-        if vis.mode == "empty":
-            f.block("visible_devices_empty", vis.reason or f"{vis.variable} hides every GPU")
-    if cvd.mode == "empty" or nvd.mode == "empty":
+    view = job_view(dict(zip(VISIBILITY_VARIABLES, env_raw, strict=True)), _known(devs))
+    for vis in view.empties:
+        f.block("visible_devices_empty", vis.reason or f"{vis.variable} hides every GPU")
+    if view.empties:
         return []
-    candidates = list(devs)
+    if not nvml_ok:
+        return list(devs)
     unknown_uuid = [d for d in devs if not d.uuid]
-    for vis in (nvd, cvd):  # the container's view first, then CUDA's within it
-        if vis.mode != "list" or not nvml_ok:
-            continue
-        invalid = [e.raw for e in vis.entries if e.kind in ("invalid", "mig_legacy")]
-        res = resolve(vis, _known(candidates))
-        unresolved = [u for u in res.unresolved if u not in invalid]
-        # A UUID that no readable device carries may belong to a device whose UUID could
-        # not be read (lost GPU): then the device fault is the cause, not the variable.
-        if unknown_uuid and all(_entry_kind(vis, u) != "index" for u in unresolved):
-            unresolved = []
-        bad = invalid + unresolved
-        if bad:
-            names = ", ".join(repr(b) for b in bad)
-            amb = f" (ambiguous prefix: {', '.join(res.ambiguous)})" if res.ambiguous else ""
-            f.block("visible_devices_invalid",
-                    f"{vis.variable}={vis.raw!r} names {names}, which matches none of the "
-                    f"{len(devs)} GPU(s) NVML reports{amb}; the CUDA driver stops reading "
-                    "the list at the first bad entry")
-        by_index = {d.index: d for d in candidates}
-        chosen = [by_index[i] for i in res.indices if i in by_index]
-        candidates = chosen + [d for d in unknown_uuid if d not in chosen]
-    return candidates
+    for vis in (view.nvidia, view.cuda):  # the container's view first, then CUDA's within it
+        if vis.mode == "list":
+            _misnamed(vis, view.resolution(vis), len(devs), bool(unknown_uuid), f)
+    by_index = {d.index: d for d in devs}
+    chosen = [by_index[i] for i in view.indices if i in by_index]
+    return chosen + [d for d in unknown_uuid if d not in chosen]
+
+
+def _misnamed(vis: Visibility, res: Resolution, n_devices: int, uuids_unknown: bool,
+              f: Findings) -> None:
+    """visible_devices_invalid for the entries of ``vis`` that name no device it can see."""
+    invalid = [e.raw for e in vis.entries if e.kind in ("invalid", "mig_legacy")]
+    unresolved = [u for u in res.unresolved if u not in invalid]
+    # A UUID that no readable device carries may belong to a device whose UUID could
+    # not be read (lost GPU): then the device fault is the cause, not the variable.
+    if uuids_unknown and all(_entry_kind(vis, u) != "index" for u in unresolved):
+        unresolved = []
+    bad = invalid + unresolved
+    if bad:
+        names = ", ".join(repr(b) for b in bad)
+        amb = f" (ambiguous prefix: {', '.join(res.ambiguous)})" if res.ambiguous else ""
+        f.block("visible_devices_invalid",
+                f"{vis.variable}={vis.raw!r} names {names}, which matches none of the "
+                f"{n_devices} GPU(s) NVML reports{amb}; the CUDA driver stops reading "
+                "the list at the first bad entry")
 
 
 def _entry_kind(vis: Visibility, raw: str) -> str:
@@ -403,8 +405,6 @@ def _with_visibility(environment: Any, visibility: tuple[str | None, str | None]
             env[name] = value
     return env
 
-
-VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Literal
 from gpudiag.core.child import preallocation_off
 from gpudiag.core.environments import PREALLOCATION_OFF as PREALLOCATION_OFF
 from gpudiag.core.redact import redact_environment
+from gpudiag.core.visibility import CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES, pinned_to
 
 # Evidence never holds a variable outside this allow-list: no secrets in records.
 EVIDENCE_ALLOW_PATTERNS: tuple[str, ...] = (
@@ -77,8 +78,7 @@ def gpudiag_variables(uuids: Sequence[str], jax_platforms: str | None,
     for u in uuids:
         if not is_full_uuid(u):
             raise ValueError(f"{u!r} is not a full GPU-/MIG- UUID")
-    listed = ",".join(uuids)
-    out = {"CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
+    out = pinned_to(uuids)
     if jax_platforms is not None:
         out["JAX_PLATFORMS"] = jax_platforms
     out.update({k: v for k, v in PREALLOCATION_OFF.items()
@@ -136,19 +136,19 @@ def _entry(token: str) -> VisibleEntry:
 
 def parse_cuda_visible_devices(raw: str | None) -> Visibility:
     """Parse CUDA_VISIBLE_DEVICES the way the CUDA driver reads it."""
-    var = "CUDA_VISIBLE_DEVICES"
+    var = CUDA_VISIBLE_DEVICES
     if raw is None:
         return Visibility(var, None, "unset")
     value = raw.strip()
     if value in ("", "-1", "NoDevFiles"):
-        return Visibility(var, raw, "empty", reason=f"CUDA_VISIBLE_DEVICES={raw!r} hides every GPU")
+        return Visibility(var, raw, "empty", reason=f"{var}={raw!r} hides every GPU")
     entries = tuple(_entry(t.strip()) for t in value.split(","))
     return Visibility(var, raw, "list", entries)
 
 
 def parse_nvidia_visible_devices(raw: str | None) -> Visibility:
     """Parse NVIDIA_VISIBLE_DEVICES as the NVIDIA container runtime reads it."""
-    var = "NVIDIA_VISIBLE_DEVICES"
+    var = NVIDIA_VISIBLE_DEVICES
     if raw is None:
         return Visibility(var, None, "unset")
     value = raw.strip()
@@ -156,7 +156,7 @@ def parse_nvidia_visible_devices(raw: str | None) -> Visibility:
         return Visibility(var, raw, "all")
     if value.lower() in ("void", "none", ""):
         return Visibility(var, raw, "empty",
-                          reason=f"NVIDIA_VISIBLE_DEVICES={raw!r} exposes no GPU")
+                          reason=f"{var}={raw!r} exposes no GPU")
     entries = tuple(_entry(t.strip()) for t in value.split(","))
     return Visibility(var, raw, "list", entries)
 
@@ -221,7 +221,7 @@ def match_entry(entry: VisibleEntry, devices: Sequence[KnownDevice], rule: Rule
     return ()  # mig_legacy and invalid entries never name a device
 
 
-def resolve(vis: Visibility, devices: Sequence[KnownDevice], rule: Rule = PREFIX
+def resolve_list(vis: Visibility, devices: Sequence[KnownDevice], rule: Rule = PREFIX
             ) -> Resolution:
     """Which physical devices a visibility list selects, in its order, and what it misnames."""
     if vis.mode in ("unset", "all"):
@@ -244,6 +244,77 @@ def resolve(vis: Visibility, devices: Sequence[KnownDevice], rule: Rule = PREFIX
         elif found[0].index not in chosen:
             chosen.append(found[0].index)
     return Resolution(tuple(chosen), tuple(unresolved), tuple(ambiguous), tuple(picks))
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job's two visibility variables, resolved once against the real devices.
+
+    The one place visibility is resolved: the verdict (core/classify), the busy-GPU round
+    (engine/guard.visible_uuids) and admission (runner/admission.narrow) read this and apply
+    only their own policy on top. CUDA reads its list inside what the container runtime
+    exposes, so CUDA_VISIBLE_DEVICES is resolved among the devices NVIDIA_VISIBLE_DEVICES
+    selects (down to the MIG instances it names, when it names only instances).
+    """
+
+    cuda: Visibility
+    nvidia: Visibility
+    nvidia_resolution: Resolution  # against every device
+    cuda_resolution: Resolution  # against the devices NVIDIA_VISIBLE_DEVICES selects
+    # CUDA entries that name only devices NVIDIA_VISIBLE_DEVICES hides (the two disagree);
+    # they are among cuda_resolution.unresolved too.
+    hidden: tuple[str, ...] = ()
+
+    @property
+    def empties(self) -> tuple[Visibility, ...]:
+        """The variables that hide every GPU (NVIDIA's first: the container's view)."""
+        return tuple(v for v in (self.cuda, self.nvidia) if v.mode == "empty")
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """The devices the job sees, in the order CUDA numbers them (none when one hides all)."""
+        return () if self.empties else self.cuda_resolution.indices
+
+    def resolution(self, vis: Visibility) -> Resolution:
+        """What ``vis`` (this view's cuda or nvidia) resolved to."""
+        return self.cuda_resolution if vis is self.cuda else self.nvidia_resolution
+
+
+def job_view(env: Mapping[str, str | None], devices: Sequence[KnownDevice],
+             rule: Rule = PREFIX) -> JobView:
+    """``env``'s visibility variables resolved against ``devices`` under ``rule``."""
+    cvd = parse_cuda_visible_devices(env.get(CUDA_VISIBLE_DEVICES))
+    nvd = parse_nvidia_visible_devices(env.get(NVIDIA_VISIBLE_DEVICES))
+    res_n = resolve_list(nvd, devices, rule)
+    inside = _exposed(devices, nvd, res_n)
+    res_c = resolve_list(cvd, inside, rule)
+    hidden: tuple[str, ...] = ()
+    if nvd.mode == "list" and cvd.mode == "list":
+        hidden = tuple(e.raw for e, picks in zip(cvd.entries, res_c.picks, strict=True)
+                       if not picks and match_entry(e, devices, rule))
+    return JobView(cvd, nvd, res_n, res_c, hidden)
+
+
+def _exposed(devices: Sequence[KnownDevice], nvd: Visibility, res: Resolution
+             ) -> list[KnownDevice]:
+    """The devices NVIDIA_VISIBLE_DEVICES exposes, in its order; a GPU it names only by MIG
+    instances keeps only those instances."""
+    if nvd.mode != "list":
+        return list(devices)
+    whole = {p.index for picks in res.picks if len(picks) == 1 for p in picks
+             if p.mig_uuid is None}
+    migs: dict[int, list[str]] = {}
+    for picks in res.picks:
+        for p in picks if len(picks) == 1 else ():
+            if p.mig_uuid is not None:
+                migs.setdefault(p.index, []).append(p.mig_uuid)
+    by_index = {d.index: d for d in devices}
+    exposed = [by_index[i] if i in whole else
+               KnownDevice(i, by_index[i].uuid, tuple(migs.get(i, ())))
+               for i in res.indices if i in by_index]
+    # A device whose UUID could not be read may be one the list names: it stays in sight
+    # (the device fault, not the variable, is then what the verdict reports).
+    return exposed + [d for d in devices if not d.uuid and d.index not in res.indices]
 
 
 _FULL_UUID_RE = re.compile(

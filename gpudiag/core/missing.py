@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpudiag.core.findings import Findings
+from gpudiag.core.visibility import CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES
 
 _BUS_ID = re.compile(r"^([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-7])$")
 # Kernel drivers that mean "deliberately not for NVML here" (passed through to a VM).
@@ -37,7 +38,7 @@ def missing_gpu_findings(host: Mapping[str, Any] | None, nvml: Mapping[str, Any]
     pci = (host or {}).get("pci") or {}
     pci_addrs: list[str] | None = None
     # In a container handed a subset of the GPUs, sysfs still shows all of the host's.
-    subset = env.get("NVIDIA_VISIBLE_DEVICES") not in (None, "", "all")
+    subset = env.get(NVIDIA_VISIBLE_DEVICES) not in (None, "", "all")
     if pci.get("available") and not subset:
         pci_addrs = sorted(str(g["address"]) for g in pci.get("gpus") or []
                            if g.get("driver") not in _PASSTHROUGH_DRIVERS)
@@ -47,7 +48,7 @@ def missing_gpu_findings(host: Mapping[str, Any] | None, nvml: Mapping[str, Any]
                   if (a := pci_address(str(d["pci_bus_id"]))) is not None}
     cuda_count: int | None = None
     if (cuda and (cuda.get("init") or {}).get("ok")
-            and env.get("CUDA_VISIBLE_DEVICES") is None):
+            and env.get(CUDA_VISIBLE_DEVICES) is None):
         cuda_count = int(cuda.get("device_count") or 0)
     counts = {"PCI": None if pci_addrs is None else len(pci_addrs), "NVML": nvml_count,
               "cuInit": cuda_count}

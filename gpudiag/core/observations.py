@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias
 
 from gpudiag.core.decode import decode, from_json
+from gpudiag.core.visibility import CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES
 
 Number: TypeAlias = int | float
 Scalar: TypeAlias = str | int | float | bool
@@ -338,7 +339,7 @@ class NvmlObservation:
 
 
 def _visibility(env: Mapping[str, str | None]) -> tuple[str | None, str | None]:
-    return env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES")
+    return env.get(CUDA_VISIBLE_DEVICES), env.get(NVIDIA_VISIBLE_DEVICES)
 
 
 # -- host ------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ from gpudiag.daemon.snapshot import (
     outcome_of,
     verdict_for,
 )
-from gpudiag.engine.forkserver import shared_fork_server
+from gpudiag.engine.forkclient import shared_fork_server
 from gpudiag.engine.guard import occupancy_from_nvml
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir

@@ -72,7 +72,7 @@ from gpudiag.daemon.statedir import (
 )
 from gpudiag.daemon.store import HistoryError, HistoryStore
 from gpudiag.daemon.watcher import XidWatcher
-from gpudiag.engine.forkserver import close_shared_fork_servers
+from gpudiag.engine.forkclient import close_shared_fork_servers
 from gpudiag.engine.locks import SYSTEM_LOCK_DIR, LockDirChoice, choose_lock_dir
 from gpudiag.engine.processes import kill_child_groups
 

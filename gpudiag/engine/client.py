@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 from gpudiag.engine import wire
 from gpudiag.engine.answercheck import Question, check_answer, fingerprint_of, untrusted
-from gpudiag.engine.fingerprint import fingerprints, query_value
+from gpudiag.engine.fingerprint import fingerprint_ids, query_value
 from gpudiag.engine.wire import CONNECT_TIMEOUT_S
 from gpudiag.engine.wire import DEFAULT_SOCKET as DEFAULT_SOCKET
 from gpudiag.engine.wire import DEFAULT_URL as DEFAULT_URL
@@ -88,10 +88,7 @@ def environment_ids(requirement: Requirement, env: Mapping[str, str]) -> dict[st
         spec = registry.spec(b.name)
         if spec is not None and spec.environment is not None:
             decls[b.name] = spec.environment
-    if not decls:
-        return {}
-    found = fingerprints(decls, env)["backends"]
-    return {name: str(entry["id"]) for name, entry in found.items()}
+    return fingerprint_ids(decls, env)
 
 
 def prove_here(verdict: Verdict) -> tuple[str, ...]:

@@ -156,6 +156,14 @@ def fingerprints(decls: Mapping[str, EnvironmentDecl], env: Mapping[str, str],
     return {"interpreter": interp, "backends": backends, "watch": found["watch"]}
 
 
+def fingerprint_ids(decls: Mapping[str, EnvironmentDecl], env: Mapping[str, str]
+                    ) -> dict[str, str]:
+    """The fingerprint id per backend of ``decls`` (what a client sends as ``fingerprint=``)."""
+    if not decls:
+        return {}
+    return {name: str(entry["id"]) for name, entry in fingerprints(decls, env)["backends"].items()}
+
+
 def query_value(ids: Mapping[str, str]) -> str:
     """The ``fingerprint`` parameter of a question: ``jax:ID,iree:ID`` (name order)."""
     return ",".join(f"{name}:{ids[name]}" for name in sorted(ids))

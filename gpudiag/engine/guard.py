@@ -20,13 +20,7 @@ from typing import Any
 import psutil
 
 from gpudiag.core import registry
-from gpudiag.core.environment import (
-    KnownDevice,
-    is_full_uuid,
-    parse_cuda_visible_devices,
-    parse_nvidia_visible_devices,
-    resolve,
-)
+from gpudiag.core.environment import KnownDevice, is_full_uuid, job_view
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
@@ -95,12 +89,7 @@ def visible_uuids(nvml: NvmlObservation | None, env: Mapping[str, str]) -> list[
     devices = [KnownDevice(d.index, d.uuid) for d in (nvml.devices if nvml else ())
                if d.uuid is not None]
     by_index = {d.index: d.uuid for d in devices}
-    seen: list[int] | None = None
-    for vis in (parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES")),
-                parse_nvidia_visible_devices(env.get("NVIDIA_VISIBLE_DEVICES"))):
-        chosen = list(resolve(vis, devices).indices)
-        seen = chosen if seen is None else [i for i in seen if i in chosen]
-    return [by_index[i] for i in (seen or []) if i in by_index]
+    return [by_index[i] for i in job_view(env, devices).indices if i in by_index]
 
 
 @dataclass(frozen=True)

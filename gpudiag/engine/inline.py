@@ -14,7 +14,7 @@ from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope
 from gpudiag.core.verdict import Requirement
-from gpudiag.engine.forkserver import ForkServer
+from gpudiag.engine.forkclient import ForkServer
 from gpudiag.engine.isolation import run_probes
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.engine.plan import probes_for

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.probe_run import ProbeRun, bounded_tail
-from gpudiag.engine.forkserver import AFTER_KILL_WAIT_S, ForkServer, collect
+from gpudiag.engine.forkclient import AFTER_KILL_WAIT_S, ForkServer, collect
 
 STDOUT_LIMIT_BYTES = 16 * 1024 * 1024
 

@@ -34,6 +34,7 @@ from gpudiag.core.qualify_score import (
     score,
 )
 from gpudiag.core.sdc import XLA_DETERMINISTIC_FLAGS
+from gpudiag.core.visibility import pinned_to
 from gpudiag.engine.guard import claim_free, occupancy_from_nvml, visible_uuids
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir, waiting_path
@@ -235,8 +236,7 @@ def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
             if uuid not in claim.claimed:
                 left[uuid] = claim.left_alone.get(uuid, "unknown")
                 continue
-            child_env = {**env, "CUDA_VISIBLE_DEVICES": uuid, "NVIDIA_VISIBLE_DEVICES": uuid,
-                         "JAX_PLATFORMS": "cuda"}
+            child_env = {**env, **pinned_to([uuid]), "JAX_PLATFORMS": "cuda"}
             if options.tier == "sdc":
                 child_env["XLA_FLAGS"] = deterministic_xla_flags(env.get("XLA_FLAGS", ""))
             # A job waiting for this GPU (its waiting mark held) stops the measurement.

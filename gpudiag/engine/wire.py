@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
+from gpudiag.core.visibility import VISIBILITY_VARIABLES
 
 # The daemon's socket under systemd (RuntimeDirectory=gpudiag/daemon) and in the Kubernetes
 # DaemonSet (a hostPath folder). Its own folder: /run/gpudiag/locks belongs to `gpudiag run`,
@@ -171,8 +172,7 @@ def connect(address: DaemonAddress, env: Mapping[str, str], timeout_s: float
 def visibility_params(env: Mapping[str, str]) -> dict[str, str]:
     """The job's own CUDA_/NVIDIA_VISIBLE_DEVICES as the daemon's parameters: it answers for
     what the job will see, not for what the daemon sees."""
-    return {name.lower(): env[name] for name in ("CUDA_VISIBLE_DEVICES",
-                                                 "NVIDIA_VISIBLE_DEVICES") if name in env}
+    return {name.lower(): env[name] for name in VISIBILITY_VARIABLES if name in env}
 
 
 # RFC 3986's unreserved bytes: everything else in a query value is percent-encoded.

@@ -26,6 +26,7 @@ from gpudiag.core.environment import (
     parse_nvidia_visible_devices,
     preallocation_disabled,
 )
+from gpudiag.core.visibility import CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES
 
 TEXT_LIMIT = 64 * 1024
 _NODE_RE = re.compile(r"^nvidia(ctl|-uvm|-uvm-tools|-modeset|[0-9]+)$")
@@ -173,8 +174,8 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
         nodes = device_nodes(dev_dir)
         proc = driver_proc(proc_dir)
         smi_record, smi_xml_record = smi.result(), smi_xml.result()
-    cvd = parse_cuda_visible_devices(env.get("CUDA_VISIBLE_DEVICES"))
-    nvd = parse_nvidia_visible_devices(env.get("NVIDIA_VISIBLE_DEVICES"))
+    cvd = parse_cuda_visible_devices(env.get(CUDA_VISIBLE_DEVICES))
+    nvd = parse_nvidia_visible_devices(env.get(NVIDIA_VISIBLE_DEVICES))
     return {
         "environment": allow_listed(env),
         "visibility": {"cuda": cvd.record(), "nvidia": nvd.record()},

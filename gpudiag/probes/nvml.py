@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from gpudiag.core.recovery import RECOVERY_ACTION_NAMES
+from gpudiag.core.visibility import VISIBILITY_VARIABLES
 
 T = TypeVar("T")
 
@@ -322,8 +323,7 @@ def probe(options: Mapping[str, Any]) -> dict[str, Any]:
     # The visibility variables as this child saw them, for verdicts made without the host
     # probe (gpudiag probe --backend nvml,cuda).
     out: dict[str, Any] = {"ok": False, "error": None, "library_error": None,
-                           "visibility_env": {k: os.environ.get(k) for k in (
-                               "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")}}
+                           "visibility_env": {k: os.environ.get(k) for k in VISIBILITY_VARIABLES}}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:

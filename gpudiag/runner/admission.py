@@ -27,12 +27,11 @@ from gpudiag.core.classify import classify
 from gpudiag.core.environment import (
     FULL_UUID,
     KnownDevice,
+    Resolution,
     Visibility,
     is_full_uuid,
     job_environment,
-    parse_cuda_visible_devices,
-    parse_nvidia_visible_devices,
-    resolve,
+    job_view,
 )
 from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.observations import ErrorInfo
@@ -40,6 +39,12 @@ from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, Leaf, leaves_from_nvml
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GPU_FAULT_LAYERS
 from gpudiag.core.verdict import Finding, Requirement, Verdict
+from gpudiag.core.visibility import (
+    CUDA_VISIBLE_DEVICES,
+    NVIDIA_VISIBLE_DEVICES,
+    VISIBILITY_VARIABLES,
+    pinned_to,
+)
 from gpudiag.engine.inline import run_inline
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import (
@@ -131,8 +136,8 @@ class Narrowing:
 
     def record(self) -> dict[str, Any]:
         return {"allowed": None if self.allowed is None else sorted(self.allowed),
-                "CUDA_VISIBLE_DEVICES": self.cuda_visible_devices,
-                "NVIDIA_VISIBLE_DEVICES": self.nvidia_visible_devices,
+                CUDA_VISIBLE_DEVICES: self.cuda_visible_devices,
+                NVIDIA_VISIBLE_DEVICES: self.nvidia_visible_devices,
                 "blockers": [b.record() for b in self.blockers]}
 
 
@@ -147,16 +152,14 @@ def _devices(leaves: Sequence[Leaf]) -> list[KnownDevice]:
     return list(by_index.values())
 
 
-def _allowed_by(vis: Visibility, leaves: Sequence[Leaf]) -> tuple[frozenset[str] | None,
-                                                                   list[str]]:
-    """The leaf UUIDs one visibility variable selects, and the entries it misnames."""
+def _allowed_by(vis: Visibility, res: Resolution, leaves: Sequence[Leaf]
+                ) -> tuple[frozenset[str] | None, list[str]]:
+    """The leaf UUIDs one resolved visibility variable selects, and the entries it misnames."""
     if vis.mode in ("unset", "all"):
         return None, []
     if vis.mode == "empty":
         return frozenset(), []
     known = [lf for lf in leaves if lf.uuid]
-    # Admission's rule: an index or a full UUID; a prefix is never an identity for a lock.
-    res = resolve(vis, _devices(leaves), FULL_UUID)
     allowed: set[str] = set()
     bad: list[str] = []
     for entry, picks in zip(vis.entries, res.picks, strict=True):
@@ -170,11 +173,15 @@ def _allowed_by(vis: Visibility, leaves: Sequence[Leaf]) -> tuple[frozenset[str]
 
 
 def narrow(leaves: Sequence[Leaf], env: Mapping[str, str]) -> Narrowing:
-    """Apply CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES: they narrow, never widen."""
-    raw_c, raw_n = env.get("CUDA_VISIBLE_DEVICES"), env.get("NVIDIA_VISIBLE_DEVICES")
-    cvd, nvd = parse_cuda_visible_devices(raw_c), parse_nvidia_visible_devices(raw_n)
-    allowed_c, bad_c = _allowed_by(cvd, leaves)
-    allowed_n, bad_n = _allowed_by(nvd, leaves)
+    """Apply CUDA_VISIBLE_DEVICES and NVIDIA_VISIBLE_DEVICES: they narrow, never widen.
+
+    Admission's rule: an index or a full UUID; a prefix is never an identity for a lock.
+    """
+    view = job_view(env, _devices(leaves), FULL_UUID)
+    cvd, nvd = view.cuda, view.nvidia
+    allowed_n, bad_n = _allowed_by(nvd, view.nvidia_resolution, leaves)
+    allowed_c, bad_c = _allowed_by(cvd, view.cuda_resolution, leaves)
+    bad_c = [b for b in bad_c if b not in view.hidden]
     blockers: list[Finding] = []
     for vis, bad in ((cvd, bad_c), (nvd, bad_n)):
         if bad:
@@ -185,12 +192,14 @@ def narrow(leaves: Sequence[Leaf], env: Mapping[str, str]) -> Narrowing:
                 "identities for admission)"))
     # CUDA narrowing within NVIDIA's set is how containers work; naming a leaf NVIDIA's
     # list hides is the two disagreeing.
-    if allowed_c is not None and allowed_n is not None and not allowed_c <= allowed_n:
+    outside = sorted((allowed_c or frozenset()) - (allowed_n or frozenset())) \
+        if allowed_c is not None and allowed_n is not None else []
+    if view.hidden or outside:
+        hidden = ", ".join(repr(h) for h in (*view.hidden, *outside))
         blockers.append(Finding.of(
             "visible_devices_conflict",
-            f"CUDA_VISIBLE_DEVICES={raw_c!r} selects {sorted(allowed_c)} but "
-            f"NVIDIA_VISIBLE_DEVICES={raw_n!r} selects {sorted(allowed_n)}; "
-            f"{sorted(allowed_c - allowed_n)} is hidden by NVIDIA_VISIBLE_DEVICES"))
+            f"{cvd.variable}={cvd.raw!r} names {hidden}, which {nvd.variable}={nvd.raw!r} "
+            f"hides (it selects {sorted(allowed_n or ())})"))
     allowed: frozenset[str] | None
     if allowed_c is None:
         allowed = allowed_n
@@ -198,7 +207,7 @@ def narrow(leaves: Sequence[Leaf], env: Mapping[str, str]) -> Narrowing:
         allowed = allowed_c
     else:
         allowed = allowed_c & allowed_n
-    return Narrowing(allowed, tuple(blockers), raw_c, raw_n)
+    return Narrowing(allowed, tuple(blockers), cvd.raw, nvd.raw)
 
 
 # --- admission ------------------------------------------------------------------------------
@@ -326,8 +335,7 @@ def prove_under_lock(requirement: Requirement, env: Mapping[str, str],
                      uuids: Sequence[str]) -> Verdict:
     """Run the requirement's probes on the admitted GPUs, which this process holds locked:
     the job-readiness question on exactly those GPUs, as the job will see them."""
-    listed = ",".join(uuids)
-    job_env = {**env, "CUDA_VISIBLE_DEVICES": listed, "NVIDIA_VISIBLE_DEVICES": listed}
+    job_env = {**env, **pinned_to(uuids)}
     req = replace(requirement, node_health=False, gpus=None, devices=None,
                   min_devices=len(uuids), min_free_memory_bytes=None)
     done = run_inline(req, env=job_env, held=uuids)
@@ -359,7 +367,7 @@ class Admitter:
                               min_free_memory_bytes=self.min_free_memory_bytes)
         verdict = replace(verdict, requirement=requirement)
         both_lists = all(self.env.get(v, "").strip().lower() not in ("", "all", "void", "none")
-                         for v in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"))
+                         for v in VISIBILITY_VARIABLES)
         if not verdict.ready and first is None and both_lists and self.gpus:
             first = self.observer(self.env)  # only to tell a conflict from a bad name
         if first is not None and first.error is None:

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.environment import PREALLOCATION_OFF, SYSTEMD_ONLY
+from gpudiag.core.visibility import VISIBILITY_VARIABLES
 
 # GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path);
 # =exec: a server is always exec'd, never forked from its caller (the path before that).
 OFF_SWITCH = "GPUDIAG_PROBE_FORK_SERVER"
 # Read by the probe child at run time (after the fork), so a request may differ in them.
-RUNTIME_KEYS = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
-                          "GPUDIAG_PROBE_PARENT_PID"})
+RUNTIME_KEYS = frozenset({*VISIBILITY_VARIABLES, "GPUDIAG_PROBE_PARENT_PID"})
 # Only read in a probe child (by JAX and XLA, after the fork), or only by sd_notify: a fork
 # server forked from its caller serves a probe environment that adds or drops them
 # (probe_environment) though the caller's own start environment did not.
