@@ -8,6 +8,8 @@ never answered.
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import re
 import socket
@@ -149,3 +151,88 @@ def test_a_mute_daemon_on_a_default_call_keeps_the_whole_call_under_60_s(
     assert mute.connections == 1
     assert DEFAULT_DAEMON_WAIT_S <= took_s < 60, took_s
     assert "source=inline" in proc.stdout
+
+
+class ScriptedDaemon:
+    """A real HTTP server on 127.0.0.1 that answers every request one scripted way, late or
+    at once, and counts the connections: a slow, a refusing or a lying daemon."""
+
+    def __init__(self, status: int, body: bytes, delay_s: float = 0.0) -> None:
+        self.status, self.body, self.delay_s = status, body, delay_s
+        self.requests = 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                owner.requests += 1
+                time.sleep(owner.delay_s)
+                try:
+                    self.send_response(owner.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(owner.body)))
+                    self.end_headers()
+                    self.wfile.write(owner.body)
+                except OSError:  # the client gave up first: what a slow daemon meets
+                    pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _lying_record(env: dict[str, str]) -> bytes:
+    """A real verdict record, rewritten to say not ready with no blocker (it cannot hold)."""
+    proc, _ = _run(["preflight", "--format", "json", "--no-daemon"], env, via_click=True)
+    record = json.loads(proc.stdout)
+    record.update(ready=False, gpu_validation_blocker="none", blockers=[], source="daemon")
+    return json.dumps(record).encode()
+
+
+_FAILING = {
+    # (status, body or None for the lie, delay, what stderr says)
+    "slow": (200, b"{}", 6.0, "did not answer"),
+    "refusing": (503, b'{"error": {"code": "unavailable", "message": "not yet"}}', 0.0,
+                 "ran the probes here"),
+    "lying": (200, None, 0.0, "does not hold"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_FAILING))
+def test_a_slow_refusing_or_lying_daemon_costs_one_ask_and_the_same_answer_on_both_paths(
+        gpu_env: object, how: str) -> None:
+    env = {**gpu_env(), "GPUDIAG_DAEMON_USER": str(os.getuid())}  # type: ignore[operator]
+    status, body, delay_s, said = _FAILING[how]
+    daemon = ScriptedDaemon(status, body if body is not None else _lying_record(env), delay_s)
+    timeout_s = 3.0
+    argv = ["preflight", "--format", "kv", "--timeout", f"{timeout_s:g}"]
+    try:
+        inline, inline_s = _run([*argv, "--no-daemon"], env, via_click=True)
+        outputs, times = [], []
+        for via_click in (False, True):  # the fast entry, then the click commands alone
+            daemon.requests = 0
+            proc, took_s = _run([*argv, "--daemon-url", daemon.url], env, via_click=via_click)
+            assert daemon.requests == 1, (how, via_click, daemon.requests)
+            assert "source=inline" in proc.stdout, proc.stdout
+            assert said in proc.stderr, proc.stderr
+            # At most one wait (the slow daemon's --timeout), then the probes here.
+            waited = timeout_s if delay_s > timeout_s else 0.0
+            assert took_s < waited + inline_s + 2.5, (how, via_click, took_s, inline_s)
+            outputs.append((proc.returncode, _steady(proc.stdout), _steady(proc.stderr)))
+            times.append(took_s)
+        assert outputs[0] == outputs[1]
+        assert outputs[0][0] == inline.returncode
+        assert abs(times[0] - times[1]) < 2.5, times  # equal failure timing on both paths
+    finally:
+        daemon.close()
