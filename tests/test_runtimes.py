@@ -315,3 +315,44 @@ def test_a_runtime_that_hangs_is_a_probe_timeout_of_that_runtime_only(
         assert d.get("/healthz")[0] == 200
     finally:
         d.stop()
+
+
+def test_hybrid_questions_started_at_once_on_a_busy_node_agree_and_leave_the_busy_gpu_alone(
+        tmp_path: Path, gpu_env: EnvFactory) -> None:
+    """Four jobs pinned to the CPU ask at the same moment while another user's job holds
+    GPU 0: each gets its own environment's answer (never the daemon's proof), and no probe,
+    the daemon's or theirs, makes a context on the busy GPU."""
+    from tests.fakes.jobs import FakeJobs, read_context_log
+
+    log = tmp_path / "contexts.jsonl"
+    with FakeJobs(tmp_path / "jobs") as jobs:
+        env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, FAKE_GPU_STATE_FILE=str(jobs.state_file),
+                      FAKE_CUDA_CONTEXT_LOG=str(log))
+        env["GPUDIAG_LOCK_DIR"] = str(tmp_path / "locks")
+        busy = f"GPU-f00d{0:04x}-0000-4000-8000-00000000{0:04x}"
+        jobs.start(0)
+        daemon = _daemon(tmp_path, env)
+        try:
+            pinned = {**env, "JAX_PLATFORMS": "cpu"}
+            argv = [sys.executable, "-m", "gpudiag", "preflight", "--require", "cuda,jax",
+                    "--gpus", "1", "--daemon-url", daemon.url, "--format", "json"]
+            started = time.monotonic()
+            procs = [subprocess.Popen(argv, env=pinned, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for _ in range(4)]
+            answers = []
+            for proc in procs:
+                out, err = proc.communicate(timeout=120)
+                answers.append((proc.returncode, json.loads(out), err))
+            took_s = time.monotonic() - started
+        finally:
+            daemon.stop()
+        events = read_context_log(log)
+        assert jobs.contexts_while_busy(events) == []
+    assert took_s < 60, took_s
+    for rc, record, err in answers:
+        assert (rc, record["gpu_validation_blocker"]) == (1, "jax_cpu_fallback"), err
+        assert record["source"] == "hybrid"
+        assert record["evidence"]["proof"]["jax"]["where"] == "here"
+        assert {d["uuid"]: d["occupancy"] for d in record["devices"]}.get(busy) in (None, "busy")
+    assert [e for e in events if getattr(e, "uuid", None) == busy
+            and getattr(e, "event", None) == "context"] == []
