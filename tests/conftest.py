@@ -144,6 +144,8 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_qualify_daemon": (
         "test_the_daemon_qualifies_idle_gpus_and_exports_what_it_found",
+        "test_qualify_requests_are_bounded_per_gpu_by_gpu_seconds_and_in_number",
+        "test_a_full_qualification_by_the_daemon_yields_to_a_waiting_job_within_1_s",
     ),
     "test_truthful": (
         "test_eight_jax_preflights_started_together_equal_the_lone_answer",

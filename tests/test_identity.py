@@ -493,7 +493,10 @@ def test_the_security_doc_names_only_tests_that_exist() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
     section = doc[doc.index("## Issue 38"):doc.index("## Crash safety")]
     named = set(re.findall(r"`(test_\w+)", section))
-    defined = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M))
+    # This module's tests, and the daemon's qualification tests that class 4 names.
+    modules = (Path(__file__), Path(__file__).with_name("test_qualify_daemon.py"))
+    defined = {name for m in modules
+               for name in re.findall(r"^def (test_\w+)", m.read_text(), re.M)}
     assert len(named) >= 10 and named <= defined, named - defined
 
 
@@ -531,6 +534,42 @@ def test_a_job_waiting_for_a_gpu_under_qualification_gets_it_within_seconds(
         if qual.poll() is None:
             qual.kill()
             qual.wait(10)
+
+
+# As nobody: hold a GPU's lock and its qualification mark (shared), argv ending as the
+# daemon's does, until killed.
+_POSE_AS_QUALIFICATION = textwrap.dedent("""
+    import fcntl, os, sys, time
+    lock, mark, ready = sys.argv[1:4]
+    for path in (mark, lock):
+        fd = os.open(path, os.O_CREAT | os.O_RDONLY, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    open(ready, "w").close()
+    time.sleep(60)
+""")
+
+
+def test_another_users_qualification_mark_is_never_named_a_qualification(
+        gpu_env: EnvFactory, locks: Path, shared: Path, tmp_path: Path) -> None:
+    env = host(gpu_env, locks, 1)
+    ready = shared / "posing"
+    poser = subprocess.Popen(nobody_argv(
+        sys.executable, "-c", _POSE_AS_QUALIFICATION, str(locks / f"{gpu_uuid(0)}.lock"),
+        str(locks / f"{gpu_uuid(0)}.qualifying"), str(ready), "-m", "gpudiag", "serve"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_file(ready, poser)
+        proc = run_gpudiag(["run", "--artifacts", str(tmp_path / "run"), "--gpus", "1",
+                            "--lock-timeout", "0", "--", "true"], env)
+        assert proc.returncode == 125, proc.stderr
+        refusal = next(ln for ln in proc.stderr.splitlines() if "refused:" in ln)
+        assert f"pid {poser.pid} (uid {NOBODY}, shared)" in refusal, refusal
+        assert "qualification" not in refusal and "daemon" not in refusal, refusal
+        close = json.loads((run_folder(tmp_path / "run") / "closeout.json").read_text())
+        (held,) = close["evidence"]["held_by_others"]
+        assert not held["holder"]["qualifying"] and not held["holder"]["daemon"], held
+    finally:
+        stop(poser)
 
 
 # --- class 3 (part): job records another user wrote ------------------------------------------

@@ -273,7 +273,8 @@ BLOCKERS: dict[str, CatalogEntry] = {
             ("admission_changed",
              "GPU topology, visibility, occupancy or memory changed while admitting.",
              "Retry; if it keeps happening, something else schedules these GPUs."),
-            ("lock_timeout", "The GPUs stayed locked by other gpudiag jobs past the timeout.",
+            ("lock_timeout", "The GPUs stayed locked by others (gpudiag jobs, a qualification, "
+             "another user's lock) past the timeout; the refusal names each holder.",
              "Wait for them, raise --lock-timeout, or ask for other GPUs."),
             ("backend_unproven",
              "A required backend was not proven on this host's GPUs: no GPU was free to prove "

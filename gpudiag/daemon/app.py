@@ -33,6 +33,14 @@ from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one li
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.qualifier import Qualifier
+from gpudiag.daemon.qualify_queue import (
+    ALREADY_QUEUED,
+    NO_GPUS,
+    OVER_BUDGET,
+    QUEUE_FULL,
+    UNKNOWN_GPU,
+    RequestRefused,
+)
 from gpudiag.daemon.remediation import RemediationReport
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, proofs_for, verdict_for
@@ -43,6 +51,11 @@ log = logging.getLogger("gpudiag.daemon.app")
 MAX_URL_BYTES = 4096
 MAX_PARAMS = 16
 HISTORY_MAX_LIMIT = 1000
+# POST /v1/qualify's refusals (daemon/qualify_queue.py) as HTTP statuses: a name that fits
+# no GPU or a request over its cap is the asker's to change (400); a GPU that has one queued
+# or running conflicts with the queue's state (409); a full queue is "later" (429).
+QUALIFY_REFUSALS = {UNKNOWN_GPU: 400, OVER_BUDGET: 400, ALREADY_QUEUED: 409, QUEUE_FULL: 429,
+                    NO_GPUS: 503}
 PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max_age_s",
                     "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility",
                     "gpus", "fingerprint")
@@ -498,8 +511,15 @@ class DaemonApp:
         if retry > 0:
             raise ApiError(429, "rate_limited", f"POST /v1/qualify: retry in {retry:.1f} s",
                            retry_after_s=retry)
-        req = self.qualifier.request(gpus or None, tier)
-        return 202, {"accepted": {"gpus": list(req.gpus or ()), "tier": req.tier},
+        try:
+            req = self.qualifier.request(gpus or None, tier)
+        except RequestRefused as e:
+            raise ApiError(QUALIFY_REFUSALS[e.code], e.code, e.message,
+                           retry_after_s=e.retry_after_s if e.code in (
+                               QUEUE_FULL, NO_GPUS) else None) from e
+        return 202, {"accepted": {"gpus": list(req.gpus or ()), "tier": req.tier,
+                                  "uuids": list(req.uuids), "budget_gpu_s": req.budget_gpu_s},
+                     "queued": len(self.qualifier.queued()),
                      "status": "queued; busy GPUs are skipped; the result is in /metrics "
                                "(gpudiag_gpu_qualification_*) and the history"}
 

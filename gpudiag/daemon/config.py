@@ -81,6 +81,11 @@ class QualificationConfig:
     idle_s: float = 900.0         # FREE in every reading for this long before it is measured
     max_age_s: float = 86400.0    # a GPU qualified more recently than this is left alone
     tick_s: float = 5.0
+    # POST /v1/qualify's bounds (docs/qualify.md "On demand"): a request's budget, its tier's
+    # deadline times its GPUs, at most this many GPU-seconds (8 GPUs of the full tier), and
+    # at most this many requests waiting at once (besides one per GPU, and the one running).
+    max_request_gpu_s: float = 480.0
+    max_queued: int = 8
     thresholds: Thresholds = field(default_factory=Thresholds)
     # A site's own reference table (JSON, docs/qualify.md), read when the config is loaded.
     reference_file: str | None = None
@@ -363,6 +368,11 @@ def _qualification(t: _Table) -> QualificationConfig:
         idle_s=t.seconds("idle_s", d.idle_s, maximum=7 * 86400.0),
         max_age_s=t.seconds("max_age_s", d.max_age_s, minimum=1.0, maximum=366 * 86400.0),
         tick_s=t.seconds("tick_s", d.tick_s, maximum=60.0), thresholds=th,
+        # At least one GPU of the shortest tier (10 s): a smaller cap refuses every request.
+        max_request_gpu_s=t.seconds("max_request_gpu_s", d.max_request_gpu_s, minimum=10.0,
+                                    maximum=86400.0),
+        max_queued=t.count("max_queued", 1, 1024, "the most on-demand requests waiting at "
+                           "once, an integer from 1 to 1024") or d.max_queued,
         **_reference(t))
     t.finish()
     return cfg

@@ -25,6 +25,8 @@ from gpudiag.engine.locks import LockFailed, check_lock_file, holders, kernel_lo
 log = logging.getLogger("gpudiag.daemon.joblocks")
 
 SHARED_LOCKED = "under a shared lock that is not a probe's (a qualification or another user)"
+# Every holder holds the qualification mark (engine/locks.Holder.qualifying, the kernel's word).
+QUALIFYING = "under qualification (it stops within 1 s for a job that waits for the GPU)"
 
 
 class JobLocks:
@@ -61,8 +63,9 @@ class JobLocks:
             users = [h for h in held if not sibling_holder(h)]
             if users:
                 exclusive = any(not h.shared for h in users)
-                out[uuid] = GpuOccupancy(uuid, BUSY, why=JOB_LOCKED if exclusive
-                                         else SHARED_LOCKED)
+                why = (QUALIFYING if all(h.qualifying for h in users) else
+                       JOB_LOCKED if exclusive else SHARED_LOCKED)
+                out[uuid] = GpuOccupancy(uuid, BUSY, why=why)
         return out
 
     def _say(self, uuid: str, error: str) -> None:

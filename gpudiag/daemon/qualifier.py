@@ -2,8 +2,10 @@
 
 A worker thread looks at the scheduler's occupancy every ``tick_s``. A GPU FREE in every
 reading for ``idle_s``, whose last qualification is older than ``max_age_s``, is qualified
-(engine.qualify: under its lock, aborted within 1 s when someone else appears), one GPU at a
-time. ``POST /v1/qualify`` queues a run now. The daemon itself never holds a GPU context:
+(engine.qualify: under its lock, aborted within 1 s when someone else appears or a job waits
+for the GPU), one GPU at a time. ``POST /v1/qualify`` queues a run now, within bounds
+(daemon/qualify_queue.py: one per GPU, a GPU-seconds cap, a bounded queue). The daemon itself
+never holds a GPU context:
 each measurement is a child. The latest result per GPU and the costs feed the metrics.
 """
 
@@ -13,14 +15,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpudiag.core.gpunames import NamedGpu
 from gpudiag.core.qualify_score import Qualification, parse_qualification
 from gpudiag.core.qualify_verdict import replaces
 from gpudiag.core.readiness import FREE, GpuOccupancy
 from gpudiag.daemon.config import QualificationConfig
 from gpudiag.daemon.loop import LoopThread
+from gpudiag.daemon.qualify_queue import QualifyRequest as QualifyRequest
+from gpudiag.daemon.qualify_queue import check, resolve_request
 from gpudiag.engine.qualify import QualifyError, QualifyOptions, QualifyReport, qualify
 from gpudiag.engine.qualify_history import HistoryUnavailable, QualificationHistory
 
@@ -39,14 +44,6 @@ class QualifierState:
     running: bool = False
 
 
-@dataclass(frozen=True)
-class QualifyRequest:
-    """One queued on-demand run (POST /v1/qualify)."""
-
-    gpus: tuple[str, ...] | None
-    tier: str
-
-
 class Qualifier:
     """Runs qualifications on idle GPUs on a schedule and on request."""
 
@@ -54,7 +51,8 @@ class Qualifier:
                  occupancy: Callable[[], Mapping[str, GpuOccupancy]], *,
                  runner: Runner = qualify, clock: Callable[[], float] = time.time,
                  lock_dir: Path | None = None,
-                 on_change: Callable[[QualifierState], None] | None = None) -> None:
+                 on_change: Callable[[QualifierState], None] | None = None,
+                 gpus: Callable[[], Sequence[NamedGpu]] | None = None) -> None:
         self.config = config
         self.state_dir = state_dir
         self._occupancy = occupancy
@@ -66,6 +64,10 @@ class Qualifier:
         self._thread = LoopThread("gpudiag-qualifier")
         self._wake, self._stop = self._thread.woken, self._thread.stopping
         self._queue: list[QualifyRequest] = []
+        self._running: QualifyRequest | None = None  # what _run measures now
+        # The GPUs a request may name (the daemon: its latest NVML reading); without a
+        # source, the occupancy's GPUs numbered in UUID order (unit tests).
+        self._gpus = gpus or self._gpus_of_occupancy
         self._free_since: dict[str, float] = {}
         # When each GPU was last qualified at all: a finding of another tier that a run
         # did not overturn (core.qualify_verdict.replaces) must not make the GPU due again.
@@ -100,13 +102,35 @@ class Qualifier:
         self._thread.stop(timeout_s)
 
     def request(self, gpus: Sequence[str] | None, tier: str) -> QualifyRequest:
-        """Queue a run now (on-demand: no idle time or age needed; busy GPUs still skipped)."""
-        req = QualifyRequest(tuple(gpus) if gpus else None, tier)
+        """Queue a run now (on-demand: no idle time or age needed; busy GPUs still skipped);
+        RequestRefused (daemon/qualify_queue.py) past a bound."""
+        now = self._clock()
+        req = resolve_request(gpus, tier, self._gpus(), now)
         with self._lock:
-            if req not in self._queue:
-                self._queue.append(req)
+            check(req, self._queue, self._running, max_gpu_s=self.config.max_request_gpu_s,
+                  max_queued=self.config.max_queued, now=now)
+            self._queue.append(req)
         self._wake.set()
         return req
+
+    def queued(self) -> tuple[QualifyRequest, ...]:
+        """The requests waiting, oldest first."""
+        with self._lock:
+            return tuple(self._queue)
+
+    def current(self) -> QualifyRequest | None:
+        """The qualification running now (requested or scheduled), if any."""
+        with self._lock:
+            return self._running
+
+    def _gpus_of_occupancy(self) -> list[NamedGpu]:
+        uuids = sorted(u for u in self._occupancy() if u.startswith("GPU-"))
+        return [NamedGpu(i, u) for i, u in enumerate(uuids)]
+
+    def _scheduled(self, uuid: str) -> QualifyRequest:
+        index = next((g.index for g in self._gpus() if g.uuid == uuid), -1)
+        return QualifyRequest((uuid,), self.config.tier, (uuid,), (index,), self._clock(),
+                              scheduled=True)
 
     def due(self, now: float) -> list[str]:
         """GPUs FREE for idle_s whose last qualification is older than max_age_s."""
@@ -129,24 +153,37 @@ class Qualifier:
                 out.append(uuid)
         return out
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                req = self._queue.pop(0) if self._queue else None
+    def _next(self) -> QualifyRequest | None:
+        """The next run, marked running in the same step (request()'s check sees it)."""
+        with self._lock:
+            req = self._queue.pop(0) if self._queue else None
             if req is None and self.config.enabled:
                 due = self.due(self._clock())
-                req = QualifyRequest((due[0],), self.config.tier) if due else None
+                req = self._scheduled(due[0]) if due else None
             if req is not None:
-                self._run(req)
+                self._running = replace(req, started_at=self._clock())
+            return req
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            req = self._next()
+            if req is not None:
+                try:
+                    self._run(req)
+                finally:
+                    with self._lock:
+                        self._running = None
                 # Measured or found busy: either way it must be idle for idle_s again.
-                for uuid in req.gpus or list(self._free_since):
+                for uuid in req.uuids or req.gpus or list(self._free_since):
                     self._free_since.pop(uuid, None)
                 continue
             self._wake.wait(self.config.tick_s)
             self._wake.clear()
 
     def _run(self, req: QualifyRequest) -> None:
-        options = QualifyOptions(tier=req.tier, gpus=req.gpus, state_dir=self.state_dir,
+        # The GPUs as resolved when it was queued (what its budget counted).
+        options = QualifyOptions(tier=req.tier, gpus=req.uuids or req.gpus,
+                                 state_dir=self.state_dir,
                                  thresholds=self.config.thresholds, lock_dir=self._lock_dir,
                                  table=self.config.table)
         self._state = QualifierState(self._state.latest, self._state.runs,

@@ -55,6 +55,7 @@ from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.numbers import Numbers, NumbersCollector
 from gpudiag.daemon.qualifier import Qualifier, QualifierState
 from gpudiag.daemon.qualify_exporter import QualificationCollector
+from gpudiag.daemon.qualify_queue import known_gpus
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
 from gpudiag.daemon.remediation import Remediator
@@ -369,7 +370,8 @@ class DaemonService:
                                                                block=block))
 
         qualifier = Qualifier(self.cfg.qualification, self.state_dir, occupancy,
-                              on_change=publish)
+                              on_change=publish,
+                              gpus=lambda: known_gpus(scheduler.snapshot()))
         app.qualifier = qualifier
         app.registry.register(QualificationCollector(qualifier.state))
         qualifier.start()

@@ -15,7 +15,7 @@ import socket
 import stat
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,7 @@ class LockInfo:
     fd: int = field(compare=False)
     # A probe also holds the GPU's probe mark (``UUID.probing``, shared): what tells others,
     # through the kernel's lock table, that this process is proving the GPU, not using it.
+    # A qualification holds ``UUID.qualifying`` the same way: a user of the GPU that yields.
     mark: tuple[int, int, int] | None = field(default=None, compare=False)  # fd, dev, inode
 
     def record(self) -> dict[str, Any]:
@@ -119,6 +120,13 @@ def _lock_path(lock_dir: Path, uuid: str) -> Path:
 def _mark_path(lock_dir: Path, uuid: str) -> Path:
     """The probe mark of ``uuid``: a probe holds its flock beside the GPU's lock."""
     return _lock_path(lock_dir, uuid).with_suffix(".probing")
+
+
+def qualifying_path(lock_dir: Path, uuid: str) -> Path:
+    """The qualification mark of ``uuid``: a qualification holds its flock (shared) beside
+    the GPU's lock, so that a job refused or waiting can say that a qualification holds the
+    GPU (and that it yields), not "others"."""
+    return _lock_path(lock_dir, uuid).with_suffix(".qualifying")
 
 
 def waiting_path(lock_dir: Path, uuid: str) -> Path:
@@ -228,9 +236,10 @@ def try_lock(lock_dir: Path, uuid: str, *, purpose: str = "job",
     except OSError as e:
         raise LockFailed(f"cannot make lock folder {lock_dir}: {e.strerror or e}") from e
     _check_lock_dir(lock_dir)
-    # A probe holds its mark before the lock itself: whoever sees it hold the lock sees the
-    # mark too, never a moment where a sibling probe looks like a job.
-    mark = _take_mark(lock_dir, uuid) if purpose == "probe" else None
+    # A probe (a qualification) holds its mark before the lock itself: whoever sees it hold
+    # the lock sees the mark too, never a moment where a sibling probe looks like a job.
+    marks = {"probe": _mark_path, "qualify": qualifying_path}
+    mark = _take_mark(marks[purpose](lock_dir, uuid)) if purpose in marks else None
     try:
         lock = _try_lock_file(path, uuid, purpose, shared, mark)
     except BaseException:
@@ -313,13 +322,14 @@ def _locked_fd(path: Path, shared: bool = False) -> int | None:
     return fd
 
 
-def _take_mark(lock_dir: Path, uuid: str) -> tuple[int, int, int] | None:
-    """Hold the probe mark of ``uuid`` (shared: several probes at once); None if unusable.
+def _take_mark(path: Path) -> tuple[int, int, int] | None:
+    """Hold a mark (``UUID.probing``, ``UUID.qualifying``; shared: several holders at once);
+    None if unusable.
 
     Without a mark this probe looks like a job to the others (a GPU in use): the safe side.
     """
     try:
-        fd = _locked_fd(_mark_path(lock_dir, uuid), shared=True)
+        fd = _locked_fd(path, shared=True)
     except LockFailed:
         return None
     if fd is None:
@@ -412,23 +422,33 @@ class Holder:
     shared: bool
     started_at: float | None  # the process's start (epoch seconds): a reused pid differs
     probing: bool  # it holds the GPU's probe mark too: a gpudiag probe proving the GPU now
+    # It holds the GPU's qualification mark too, and runs as root or as the reader: a
+    # gpudiag qualification (another uid's mark is its own claim, never believed).
+    qualifying: bool = False
+    # That qualification is `gpudiag serve`'s (its argv, believed only from the same uids).
+    daemon: bool = False
 
     def of_uid(self, uids: Collection[int]) -> bool:
         """Whether every uid of the holder is one of ``uids`` (unknown: no)."""
         return bool(self.uids) and all(u in uids for u in self.uids)
 
     def describe(self) -> str:
-        """``pid 42 (uid 0, exclusive)``: for refusals and logs."""
+        """``pid 42 (uid 0, exclusive)``, or ``a qualification by the gpudiag daemon (pid 42,
+        uid 0, shared)``: for refusals and logs."""
         mode = "shared" if self.shared else "exclusive"
         if self.pid is None:
             return f"a process that inherited the lock from its exited locker ({mode})"
         uid = self.uids[1] if len(self.uids) > 1 else "unknown"
+        if self.qualifying:
+            who = "a qualification by the gpudiag daemon" if self.daemon else "a qualification"
+            return f"{who} (pid {self.pid}, uid {uid}, {mode})"
         return f"pid {self.pid} (uid {uid}, {mode}{', probing' if self.probing else ''})"
 
     def record(self) -> dict[str, Any]:
         return {"pid": self.pid, "uid": self.uids[1] if len(self.uids) > 1 else None,
                 "shared": self.shared, "started_at": self.started_at,
-                "probing": self.probing}
+                "probing": self.probing, "qualifying": self.qualifying,
+                "daemon": self.daemon}
 
 
 def _file_key(path: Path) -> tuple[int, int, int] | None:
@@ -459,7 +479,8 @@ def _holds_file(pid: int, device: int, inode: int) -> bool | None:
     return False
 
 
-def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int]) -> Holder:
+def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int],
+            qualifiers: Collection[int] = ()) -> Holder:
     """The Holder behind one kernel lock entry: the locker, if it still holds the file."""
     unnamed = Holder(None, (), lk.shared, None, False)
     if lk.pid <= 0:
@@ -474,7 +495,26 @@ def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int]) -
         return unnamed  # the locker has exited: its heirs hold the lock
     if _holds_file(lk.pid, device, inode) is False:
         return unnamed  # a reused pid, or a locker that handed the file on and closed it
-    return Holder(lk.pid, uids, lk.shared, started, lk.pid in markers)
+    holder = Holder(lk.pid, uids, lk.shared, started, lk.pid in markers)
+    # Anyone may hold a qualification mark: what it says is believed only from root or the
+    # reader's own uid, whose argv no other user can set either.
+    if lk.pid in qualifiers and holder.of_uid({0, os.geteuid()}):
+        return replace(holder, qualifying=True, daemon=_serves(proc))
+    return holder
+
+
+def _serves(proc: psutil.Process) -> bool:
+    """Whether ``proc``'s argv is ``gpudiag serve`` (``gpudiag ... serve``, ``python -m
+    gpudiag serve``): the daemon, as far as a process of a trusted uid says."""
+    try:
+        argv = proc.cmdline()
+    except (psutil.Error, OSError):
+        return False
+    for i, arg in enumerate(argv):
+        if os.path.basename(arg) == "gpudiag" or (arg == "gpudiag" and argv[i - 1:i] == ["-m"]):
+            rest = [a for a in argv[i + 1:] if not a.startswith("-")]
+            return rest[:1] == ["serve"]
+    return False
 
 
 def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
@@ -494,10 +534,10 @@ def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
     found = flocks_on(table, *key)
     if not found:
         return []
-    mark = _file_key(_mark_path(lock_dir, uuid))
-    markers = {lk.pid for lk in flocks_on(table, *mark)} if mark is not None else set()
+    markers, qualifiers = (_markers(table, path(lock_dir, uuid))
+                           for path in (_mark_path, qualifying_path))
     device = os.makedev(key[0], key[1])
-    out = [_holder(lk, device, key[2], markers) for lk in found]
+    out = [_holder(lk, device, key[2], markers, qualifiers) for lk in found]
     if any(h.pid is None for h in out):
         # A holder not named may only have let go between the table's reading and the look
         # at its process (a sibling probe done): the table read again says whether its lock
@@ -506,6 +546,12 @@ def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
         still = flocks_on(again, *key) if again is not None else found
         out = [h for h, lk in zip(out, found, strict=True) if h.pid is not None or lk in still]
     return out
+
+
+def _markers(table: list[KernelLock], path: Path) -> set[int]:
+    """The pids the kernel says hold the flock of the mark at ``path`` (none if no file)."""
+    mark = _file_key(path)
+    return {lk.pid for lk in flocks_on(table, *mark)} if mark is not None else set()
 
 
 def probe_markers(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None

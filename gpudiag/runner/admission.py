@@ -360,6 +360,9 @@ class Admitter:
     prover: Prover | None = prove_under_lock
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
+    # Told once per set of holders while the job waits for GPUs others hold (gpudiag run's
+    # stderr): who holds them, as the kernel says.
+    on_wait: Callable[[str], None] | None = None
 
     def admit(self, verdict: Verdict, first: Observation | None = None) -> Admission:
         """Admit or raise AdmissionError; ``first`` reuses an observation made just before."""
@@ -408,11 +411,12 @@ class Admitter:
         deadline = started + self.lock_timeout_s
         attempts = 0
         obs = first
+        said: set[str] = set()
         while True:
             attempts += 1
             if obs is None:
                 obs = self.observer(self.env)
-            outcome = self._attempt(verdict, obs, deadline, faulty, attempts)
+            outcome = self._attempt(verdict, obs, deadline, faulty, attempts, said)
             if isinstance(outcome, Admission):
                 return self._proven(replace(outcome, attempts=attempts,
                                             waited_s=self.clock() - started))
@@ -447,7 +451,9 @@ class Admitter:
         return AdmissionError(replace(verdict, blockers=blockers, evidence=ev))
 
     def _attempt(self, verdict: Verdict, obs: Observation, deadline: float,
-                 faulty: frozenset[str] = frozenset(), attempt: int = 1) -> Admission | None:
+                 faulty: frozenset[str] = frozenset(), attempt: int = 1,
+                 said: set[str] | None = None) -> Admission | None:
+        said = set() if said is None else said  # wait lines told already (on_wait)
         lock_dir = self.lock_dir
         evidence: dict[str, Any] = {"gpus": self.gpus, "lock_dir": str(lock_dir),
                                     "min_free_memory_bytes": self.min_free_memory_bytes,
@@ -487,13 +493,19 @@ class Admitter:
             for uuid, found in held_by.items()]
         if len(held) + len(others) < self.gpus:
             raise self._shortage(verdict, candidates, evidence)
+        named, qualifying = _held_text(held_by)
         if self.clock() >= deadline:
-            named = "; ".join(f"{uuid}: {describe_holders(found)}"
-                              for uuid, found in held_by.items())
+            how_long = (f"for {self.lock_timeout_s:g} s" if self.lock_timeout_s > 0
+                        else "(--lock-timeout 0: no wait)")
             raise self._refuse(
                 verdict, "lock_timeout",
                 f"{len(others)} GPU(s) that could serve this job stayed locked by others "
-                f"for {self.lock_timeout_s:g} s ({named})", evidence)
+                f"{how_long} ({named})" + (f"; {QUALIFY_YIELDS}: give --lock-timeout a few "
+                                           "seconds" if qualifying else ""), evidence)
+        if self.on_wait is not None and named not in said:
+            said.add(named)
+            self.on_wait(f"waiting up to {max(0.0, deadline - self.clock()):.0f} s for "
+                         f"{named}" + (f" ({QUALIFY_YIELDS})" if qualifying else ""))
         self._wait_for_release(lock_dir, list(held_by), deadline,
                                min(REOBSERVE_MAX_S, REOBSERVE_S * 2 ** (attempt - 1)))
         return None
@@ -616,6 +628,16 @@ class Admitter:
                        if (lf := locked.leaf(uuid)) is not None)
         return Admission(verdict.requirement, verdict, self.gpus, leaves, tuple(candidates),
                          first, locked, tuple(held), narrowing, str(self.lock_dir))
+
+
+# What a waiting job may count on (probes/qualify.py's watcher sees its waiting mark).
+QUALIFY_YIELDS = "a qualification stops within 1 s for a job that waits for its GPU"
+
+
+def _held_text(held_by: Mapping[str, Sequence[Holder] | None]) -> tuple[str, bool]:
+    """``UUID: holder; ...`` as the kernel names them, and whether a qualification is one."""
+    named = "; ".join(f"{uuid}: {describe_holders(found)}" for uuid, found in held_by.items())
+    return named, any(h.qualifying for found in held_by.values() for h in found or ())
 
 
 def _attested_record(lock_dir: Path, uuid: str, found: Sequence[Holder] | None

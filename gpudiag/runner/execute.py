@@ -508,7 +508,8 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
     admitter = Admitter(env=base, lock_dir=lock_dir, gpus=options.gpus,
                         min_free_memory_bytes=options.min_free_memory_bytes,
                         lock_timeout_s=options.lock_timeout_s,
-                        after_first_observation=after_first_observation)
+                        after_first_observation=after_first_observation,
+                        on_wait=lambda text: _say(err, f"gpudiag run: {text}\n"))
     try:
         admission = admitter.admit(
             _with_requirement(verdict, options.requirement), first)
