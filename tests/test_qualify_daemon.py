@@ -135,7 +135,7 @@ def test_the_schedule_waits_for_idle_s_and_max_age_and_keeps_aborts_out(tmp_path
                                                                            ) -> None:
     from gpudiag.core.readiness import BUSY, FREE, GpuOccupancy
     from gpudiag.daemon.config import QualificationConfig
-    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.daemon.qualify_schedule import Qualifier
     from gpudiag.engine.qualify_history import QualificationHistory
 
     uuid = "GPU-f00d0000-0000-4000-8000-000000000000"

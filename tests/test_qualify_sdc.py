@@ -345,7 +345,7 @@ def test_an_sdc_pass_keeps_a_quick_finding_and_the_gpu_is_not_due_again_at_once(
     from gpudiag.core.readiness import FREE, GpuOccupancy
     from gpudiag.core.sdc import CheckResult
     from gpudiag.daemon.config import QualificationConfig
-    from gpudiag.daemon.qualifier import Qualifier
+    from gpudiag.daemon.qualify_schedule import Qualifier
     from gpudiag.engine.qualify import QualifyReport
     from gpudiag.engine.qualify_history import QualificationHistory
     from tests.support.daemon import wait_for

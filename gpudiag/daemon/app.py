@@ -32,7 +32,6 @@ from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
-from gpudiag.daemon.qualifier import Qualifier
 from gpudiag.daemon.qualify_queue import (
     ALREADY_QUEUED,
     NO_GPUS,
@@ -41,6 +40,7 @@ from gpudiag.daemon.qualify_queue import (
     UNKNOWN_GPU,
     RequestRefused,
 )
+from gpudiag.daemon.qualify_schedule import Qualifier
 from gpudiag.daemon.remediation import RemediationReport
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, proofs_for, verdict_for

@@ -18,7 +18,7 @@ from gpudiag.core.qualify import PASSED
 from gpudiag.core.qualify_score import coverage
 from gpudiag.core.sdc import CHECKS, FAIL, PASS, UNKNOWN
 from gpudiag.daemon.collectors import StateCollector
-from gpudiag.daemon.qualifier import QualifierState
+from gpudiag.daemon.qualify_schedule import QualifierState
 
 GPU = ["gpu", "uuid"]
 OUTCOME_CODES = (PASSED, *QUALIFICATION)

@@ -9,7 +9,7 @@ queue took any number of requests. Now (docs/qualify.md, "On demand"):
   takes no second one: the refusal names the one it has;
 - at most ``max_queued`` requests wait at once.
 
-Pure rules over the queue the qualifier holds (daemon/qualifier.py); the HTTP status of each
+Pure rules over the queue the qualifier holds (daemon/qualify_schedule.py); the HTTP status of each
 refusal is the app's (daemon/app.py).
 """
 

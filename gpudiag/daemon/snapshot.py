@@ -151,7 +151,7 @@ class Snapshot:
     last_proven: Mapping[tuple[str, str], float] = field(default_factory=dict)
     # NVLink counts seen and clock-event holds, across NVML rounds (core.nvml_health).
     nvml_history: NvmlHistory = field(default_factory=NvmlHistory)
-    # What each GPU's latest qualification says (core.qualify_verdict; daemon.qualifier).
+    # What each GPU's latest qualification says (core.qualify_verdict; daemon.qualify_schedule).
     qualification: QualificationFindings = field(default_factory=QualificationFindings)
     # Each GPU index's last identity NVML gave (core.identity): a lost GPU's verdict row and
     # blockers name its last UUID.

@@ -29,7 +29,7 @@ from gpudiag.daemon.qualify_queue import check, resolve_request
 from gpudiag.engine.qualify import QualifyError, QualifyOptions, QualifyReport, qualify
 from gpudiag.engine.qualify_history import HistoryUnavailable, QualificationHistory
 
-log = logging.getLogger("gpudiag.daemon.qualifier")
+log = logging.getLogger("gpudiag.daemon.qualify_schedule")
 
 Runner = Callable[[QualifyOptions], QualifyReport]
 
