@@ -190,7 +190,7 @@ def test_npd_s_pod_gets_the_plugin_from_the_image_and_the_answer_from_the_relay(
     the read-only socket folder and writes the shared status folder; the plugin, run as NPD's
     container would (bash, here with no PATH at all), passes the daemon's answer on."""
     from tests.support.daemon import Daemon, daemon_toml, write_config
-    from tests.test_kubernetes import npd_pod_container
+    from tests.support.deploy import npd_pod_container
 
     top = Path(tempfile.mkdtemp(prefix="gdn"))  # short: a socket path is at most 107 bytes
     try:

@@ -16,6 +16,7 @@ import pytest
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.npd import MAX_MESSAGE_CHARS
 from gpudiag.daemon.config import load_config
+from tests.support.deploy import NPD_PATCH, npd_patch, npd_pod_container
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra (pip install -e .[test])")
 
@@ -23,7 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
 NPD_SCRIPT = K8S / "npd" / "gpudiag-npd.sh"
 NPD_CONFIG = K8S / "npd" / "gpudiag-plugin.json"
-NPD_PATCH = K8S / "npd" / "daemonset-patch.yaml"
 
 
 def documents() -> list[dict[str, Any]]:
@@ -184,20 +184,6 @@ def _seconds(text: str) -> float:
 
 
 # --- node-problem-detector's pod: the patch that brings gpudiag's plugin and relay -------
-
-def npd_patch() -> dict[str, Any]:
-    """deploy/kubernetes/npd/daemonset-patch.yaml, the strategic-merge patch for NPD's pod."""
-    (patch,) = [d for d in yaml.safe_load_all(NPD_PATCH.read_text()) if d]
-    found: dict[str, Any] = patch
-    return found
-
-
-def npd_pod_container(name: str) -> dict[str, Any]:
-    spec = npd_patch()["spec"]["template"]["spec"]
-    (c,) = [c for c in spec["containers"] + spec["initContainers"] if c["name"] == name]
-    found: dict[str, Any] = c
-    return found
-
 
 # An NPD DaemonSet shaped as NPD's own deployment manifests are (its config ConfigMap at
 # /config, read-only; a privileged container with no gpudiag), for the patch to merge into.

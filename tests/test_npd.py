@@ -139,7 +139,7 @@ def test_the_plugin_cuts_its_message_where_npd_does(tmp_path: Path) -> None:
 def test_the_relay_asks_often_enough_for_the_plugin_s_max_age() -> None:
     """Every round (its interval plus the longest wait for the daemon) rewrites the file well
     within the plugin's max age: a stale file means the relay stopped."""
-    from tests.test_kubernetes import npd_pod_container
+    from tests.support.deploy import npd_pod_container
 
     args = npd_pod_container("gpudiag-npd-relay")["args"]
     every = float(args[args.index("--every") + 1])
