@@ -77,12 +77,13 @@ if [[ $base == debian ]]; then
     fi
 fi
 
-# The build context: the Containerfile and a wheel folder (gpudiag and every dependency),
-# so that the build itself needs no network.
+# The build context: the Containerfile, a wheel folder (gpudiag and every dependency), so
+# that the build itself needs no network, and node-problem-detector's plugin (npd/).
 context=$cache/context
 rm -rf "$context"
-mkdir -p "$context/wheels"
+mkdir -p "$context/wheels" "$context/npd"
 cp Containerfile "$context/"
+cp deploy/kubernetes/npd/gpudiag-npd.sh deploy/kubernetes/npd/gpudiag-plugin.json "$context/npd/"
 say "building gpudiag's wheel and collecting its dependencies${extras:+ with [$extras]} ..."
 "$PYTHON" -m pip wheel -q --disable-pip-version-check --no-deps -w "$context/wheels" . \
     2> >(grep -v "^WARNING: Location" >&2)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install gpudiag on a node for the systemd unit and the node-problem-detector plugin
-# (docs/operations.md): a virtual environment in /opt/gpudiag (the unit's ExecStart and the NPD
-# plugin run /opt/gpudiag/bin/gpudiag), the unit, its tmpfiles.d file (the shared GPU lock
-# folder /run/gpudiag/locks), the example config (kept when one exists) and the docs.
+# Install gpudiag on a node for the systemd unit (docs/operations.md): a virtual environment in
+# /opt/gpudiag (the unit's ExecStart runs /opt/gpudiag/bin/gpudiag), the unit, its tmpfiles.d
+# file (the shared GPU lock folder /run/gpudiag/locks), the example config (kept when one
+# exists), the Slurm scripts and the docs. Kubernetes nodes need none of it: the DaemonSet and
+# node-problem-detector's plugin come from gpudiag's image (deploy/kubernetes/).
 #
 #   scripts/install-node.sh [--wheel FILE] [--find-links DIR] [--extras jax,iree]
 #                           [--runtime NAME=PYTHON]... [--prefix /opt/gpudiag] [--root /]
@@ -80,8 +81,8 @@ fi
     && ! grep -q '^\[runtimes\.' "$root/etc/gpudiag/gpudiag.toml" \
     && say "kept the existing config: add [runtimes.NAME] to it yourself"
 install -m 0644 "$here/docs/operations.md" "$root/usr/share/doc/gpudiag/operations.md"
-# The node-problem-detector plugin and the Slurm scripts, for nodes that use them.
-cp -r "$here/deploy/kubernetes/npd" "$here/deploy/slurm" "$prefix/share/gpudiag/"
+# The Slurm scripts, for nodes that use them.
+cp -r "$here/deploy/slurm" "$prefix/share/gpudiag/"
 
 if [[ $root == / ]]; then
     systemd-tmpfiles --create gpudiag.conf 2>/dev/null \

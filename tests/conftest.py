@@ -187,6 +187,11 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
         "library_change_records_a_new_golden",
         "test_the_daemon_schedules_the_sdc_tier_and_a_bad_cell_blocks_its_gpu",
     ),
+    "test_npd": (  # a real daemon on the fakes, the relay and the plugin: 2-5 s each
+        "test_npd_gets_the_daemon_s_node_health_through_the_relay_without_gpudiag",
+        "test_a_daemon_going_away_turns_the_answer_unknown_and_back",
+        "test_once_prints_npd_s_message_and_exits_with_npd_s_code",
+    ),
     "test_idle_wakeups": (  # they count wakeups over windows of 2-2.5 s
         "test_an_idle_http_listener_sleeps_instead_of_polling",
         "test_the_xid_supervisor_wakes_per_line_not_five_times_a_second",

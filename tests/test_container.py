@@ -181,3 +181,57 @@ def test_the_daemonset_runs_the_tag_the_script_builds() -> None:
     spec = ds["spec"]["template"]["spec"]
     images = {c["image"] for c in spec["containers"] + spec["initContainers"]}
     assert images == {f"localhost/gpudiag:{__version__}-full"}
+
+
+def test_npd_s_pod_gets_the_plugin_from_the_image_and_the_answer_from_the_relay(
+        image: str, fakes: FakeDriver, tmp_path: Path) -> None:
+    """NPD's pod as deploy/kubernetes/npd/daemonset-patch.yaml makes it: the init container's
+    command copies the plugin out of the image; the relay's container asks the daemon through
+    the read-only socket folder and writes the shared status folder; the plugin, run as NPD's
+    container would (bash, here with no PATH at all), passes the daemon's answer on."""
+    from tests.support.daemon import Daemon, daemon_toml, write_config
+    from tests.support.deploy import npd_pod_container
+
+    top = Path(tempfile.mkdtemp(prefix="gdn"))  # short: a socket path is at most 107 bytes
+    try:
+        top.chmod(0o755)
+        daemon_dir, plugin_dir, status_dir = top / "daemon", top / "plugin", top / "npd"
+        daemon_dir.mkdir(mode=0o755)
+        for emptydir in (plugin_dir, status_dir):  # the kubelet makes an emptyDir 0777
+            emptydir.mkdir()
+            emptydir.chmod(0o777)
+        init = npd_pod_container("gpudiag-npd-plugin")
+        (target,) = [m["mountPath"] for m in init["volumeMounts"]]
+        subprocess.run([*PODMAN_RUN, "--rm", "--read-only", "-v", f"{plugin_dir}:{target}",
+                        "--entrypoint", init["command"][0], image, *init["command"][1:]],
+                       capture_output=True, text=True, timeout=120, check=True)
+        npd_dir = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "npd"
+        for name in ("gpudiag-npd.sh", "gpudiag-plugin.json"):
+            assert (plugin_dir / name).read_bytes() == (npd_dir / name).read_bytes(), name
+        assert os.access(plugin_dir / "gpudiag-npd.sh", os.X_OK)
+        env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_CUDA_INIT_ERROR=999)
+        daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", daemon_toml()),
+                        tmp_path / "state", extra_args=("--socket",
+                                                        str(daemon_dir / "gpudiag.sock")))
+        relay = npd_pod_container("gpudiag-npd-relay")
+        mounts = {m["name"]: m["mountPath"] for m in relay["volumeMounts"]}
+        try:
+            daemon.wait_ready()
+            proc = subprocess.run(
+                [*PODMAN_RUN, "--rm", "--read-only",
+                 "-v", f"{daemon_dir}:{mounts['gpudiag-socket']}:ro",
+                 "-v", f"{status_dir}:{mounts['gpudiag-npd-status']}",
+                 image, *relay["args"], "--once"],
+                capture_output=True, text=True, timeout=120, check=False)
+        finally:
+            daemon.stop()
+        assert (proc.returncode, proc.stdout) == (1, "gpudiag: cuda_init_failed\n"), (
+            proc.stderr[-3000:])
+        ran = subprocess.run(["/bin/bash", str(plugin_dir / "gpudiag-npd.sh")],
+                             env={"PATH": "/nonexistent",
+                                  "GPUDIAG_NPD_STATUS_FILE": str(status_dir / "status")},
+                             capture_output=True, text=True, timeout=30, check=False)
+        assert (ran.returncode, ran.stdout, ran.stderr) == (
+            1, "gpudiag: cuda_init_failed\n", "")
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

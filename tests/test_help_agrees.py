@@ -12,7 +12,8 @@ import pytest
 
 from tests.support.host import EnvFactory, clean_env, run_gpudiag
 
-COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear", "fleet"]
+COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear", "fleet",
+            "npd-relay"]
 RECORD_PRINTERS = ["probe", "preflight", "health", "history", "fleet"]
 
 

@@ -68,7 +68,7 @@ def test_the_wheel_in_a_fresh_venv_probes_like_the_checkout(
 
 
 @pytest.mark.slow  # install-node.sh twice (a venv and a pip install each): ~35 s
-def test_install_node_lays_out_the_prefix_unit_tmpfiles_config_and_npd_plugin(
+def test_install_node_lays_out_the_prefix_unit_tmpfiles_config_and_slurm_scripts(
         dist: Path, fakes: FakeDriver, tmp_path: Path) -> None:
     prefix, root = tmp_path / "opt" / "gpudiag", tmp_path / "root"
     (wheel,) = dist.glob("*.whl")
@@ -83,13 +83,15 @@ def test_install_node_lays_out_the_prefix_unit_tmpfiles_config_and_npd_plugin(
     assert (root / "etc/gpudiag/gpudiag.toml").read_text() == (
         ROOT / "systemd/gpudiag.toml").read_text()
     assert (root / "usr/share/doc/gpudiag/operations.md").is_file()  # the unit's Documentation=
-    npd = prefix / "share/gpudiag/npd/gpudiag-npd.sh"
+    assert (prefix / "share/gpudiag/slurm/gpudiag-healthcheck.sh").is_file()
+    # node-problem-detector's plugin is not a host's: it comes from the image (test_npd.py).
+    assert not (prefix / "share/gpudiag/npd").exists()
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2)
-    # The NPD plugin runs the installed gpudiag (its GPUDIAG default is /opt/gpudiag/...).
-    ran = subprocess.run(["bash", str(npd)], env={**env, "GPUDIAG": str(prefix / "bin/gpudiag"),
-                                                 "GPUDIAG_NPD_REQUIRE": "nvml"},
-                         capture_output=True, text=True, timeout=120, check=False)
-    assert (ran.returncode, ran.stdout.strip()) == (0, "gpudiag: ready"), ran.stderr
+    # The installed gpudiag answers the node-health question on the (fake) host.
+    ran = subprocess.run([str(prefix / "bin/gpudiag"), "health", "--require", "nvml",
+                          "--format", "kv"], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert ran.returncode == 0 and "gpu_validation_blocker=none" in ran.stdout, ran.stderr
     # Run again: the operator's edited config is kept.
     (root / "etc/gpudiag/gpudiag.toml").write_text('listen = "0.0.0.0:9477"\n')
     again = subprocess.run([str(ROOT / "scripts" / "install-node.sh"), "--wheel", str(wheel),

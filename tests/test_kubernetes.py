@@ -1,20 +1,22 @@
 """Kubernetes manifests: parsed, required fields present, probes on the daemon's real paths
-and port; the node-problem-detector plugin keeps NPD's exit-code protocol."""
+and port; node-problem-detector's pod patch merges into NPD's DaemonSet and its pieces agree
+(the plugin and the relay themselves: tests/test_npd.py)."""
 
 from __future__ import annotations
 
 import json
-import socket
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.npd import MAX_MESSAGE_CHARS
 from gpudiag.daemon.config import load_config
+from tests.support.deploy import NPD_PATCH, npd_patch, npd_pod_container
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the test extra (pip install -e .[test])")
 
@@ -122,7 +124,15 @@ def test_control_is_on_a_hostpath_socket_and_tcp_is_read_only(tmp_path: Path) ->
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     uid = pod["securityContext"]["runAsUser"]
     assert f"os.chown('{folder}', {uid}, {uid})" in " ".join(init["command"])
-    assert "GPUDIAG_DAEMON_URL:-" + DEFAULT_URL in NPD_SCRIPT.read_text()
+    # node-problem-detector's relay asks that socket: the same node folder at the same path,
+    # the clients' default URL (no --daemon-url), trusted as the folder's owner (uid).
+    relay = npd_pod_container("gpudiag-npd-relay")
+    assert "--daemon-url" not in relay["args"] and DEFAULT_URL == f"unix:{DEFAULT_SOCKET}"
+    npd_volumes = {v["name"]: v for v in npd_patch()["spec"]["template"]["spec"]["volumes"]}
+    (mount,) = [m for m in relay["volumeMounts"] if m["mountPath"] == folder]
+    assert npd_volumes[mount["name"]]["hostPath"]["path"] == volumes["socket"]["hostPath"][
+        "path"]
+    assert relay["securityContext"]["runAsUser"] == uid
 
 
 def test_scrape_configuration_points_at_metrics() -> None:
@@ -155,6 +165,7 @@ def test_npd_plugin_config_follows_the_custom_plugin_schema() -> None:
     cfg = json.loads(NPD_CONFIG.read_text())
     assert cfg["plugin"] == "custom"
     assert cfg["pluginConfig"]["invoke_interval"].endswith("s")
+    assert cfg["pluginConfig"]["max_output_length"] == MAX_MESSAGE_CHARS
     condition_types = {c["type"] for c in cfg["conditions"]}
     for rule in cfg["rules"]:
         assert rule["type"] in {"temporary", "permanent"}
@@ -162,9 +173,9 @@ def test_npd_plugin_config_follows_the_custom_plugin_schema() -> None:
         assert _seconds(rule["timeout"]) < _seconds(cfg["pluginConfig"]["invoke_interval"])
         if rule["type"] == "permanent":
             assert rule["condition"] in condition_types
+    # Nothing for NPD in gpudiag's own kustomization: the plugin comes from the image.
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    (generator,) = kustomization["configMapGenerator"]
-    assert sorted(generator["files"]) == ["npd/gpudiag-npd.sh", "npd/gpudiag-plugin.json"]
+    assert "configMapGenerator" not in kustomization
 
 
 def _seconds(text: str) -> float:
@@ -172,31 +183,143 @@ def _seconds(text: str) -> float:
     return float(text[:-1])
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# --- node-problem-detector's pod: the patch that brings gpudiag's plugin and relay -------
+
+# An NPD DaemonSet shaped as NPD's own deployment manifests are (its config ConfigMap at
+# /config, read-only; a privileged container with no gpudiag), for the patch to merge into.
+NPD_DAEMONSET: dict[str, Any] = {
+    "apiVersion": "apps/v1", "kind": "DaemonSet",
+    "metadata": {"name": "node-problem-detector", "namespace": "kube-system"},
+    "spec": {
+        "selector": {"matchLabels": {"app": "node-problem-detector"}},
+        "template": {
+            "metadata": {"labels": {"app": "node-problem-detector"}},
+            "spec": {
+                "containers": [{
+                    "name": "node-problem-detector",
+                    "image": "registry.example/node-problem-detector:v1",
+                    "command": ["/node-problem-detector", "--logtostderr"],
+                    "securityContext": {"privileged": True},
+                    "volumeMounts": [{"name": "config", "mountPath": "/config",
+                                      "readOnly": True}]}],
+                "volumes": [{"name": "config",
+                             "configMap": {"name": "node-problem-detector-config"}}]}}}}
+
+# The keys a strategic-merge patch merges these lists of a pod by (the API's patchMergeKey).
+_MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name",
+               "volumeMounts": "mountPath", "env": "name"}
 
 
-@pytest.mark.parametrize(("knobs", "extra", "rc", "message"), [
-    ({}, {}, 0, "gpudiag: ready"),
-    ({"FAKE_CUDA_INIT_ERROR": "999"}, {}, 1, "gpudiag: cuda_init_failed"),
-    ({"FAKE_NVML_INIT_ERROR": "18"}, {}, 1, "gpudiag: driver_library_mismatch"),
-    ({}, {"GPUDIAG_NPD_REQUIRE": "nonsense"}, 2, "gpudiag: health check failed (exit 2)"),
-], ids=["ready", "cuda-blocked", "driver-mismatch", "gpudiag-usage-error"])
-def test_npd_plugin_maps_preflight_exit_codes_to_npd(
-        gpu_env: Callable[..., dict[str, str]], knobs: dict[str, str],
-        extra: dict[str, str], rc: int, message: str) -> None:
-    env = gpu_env(**knobs)
-    env.update({"GPUDIAG": str(Path(sys.executable).with_name("gpudiag")),
-                "GPUDIAG_DAEMON_URL": f"http://127.0.0.1:{_closed_port()}", **extra})
-    proc = subprocess.run([str(NPD_SCRIPT)], env=env, capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert proc.returncode == rc, proc.stdout + proc.stderr
-    first_line = proc.stdout.splitlines()[0]
-    assert first_line == message
-    assert len(first_line) <= json.loads(NPD_CONFIG.read_text())["pluginConfig"][
-        "max_output_length"]
+def _merge(base: Any, patch: Any, key: str = "") -> Any:
+    """A strategic merge of ``patch`` into ``base`` for what the NPD patch uses: maps merge,
+    the lists above merge by their key, other lists and values are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and key in _MERGE_KEYS:
+        by = _MERGE_KEYS[key]
+        out_list = list(base)
+        for item in patch:
+            at = [i for i, b in enumerate(out_list) if b.get(by) == item.get(by)]
+            if at:
+                out_list[at[0]] = _merge(out_list[at[0]], item)
+            else:
+                out_list.append(item)
+        return out_list
+    return patch
+
+
+def npd_daemonset_with_gpudiag(tmp_path: Path) -> dict[str, Any]:
+    """NPD's DaemonSet with the patch merged in (by kubectl's kustomize where installed, and
+    always by ``_merge``: the two must agree)."""
+    merged: dict[str, Any] = _merge(NPD_DAEMONSET, npd_patch())
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:
+        (tmp_path / "npd.yaml").write_text(yaml.safe_dump(NPD_DAEMONSET))
+        shutil.copy(NPD_PATCH, tmp_path / "patch.yaml")
+        (tmp_path / "kustomization.yaml").write_text(
+            "resources: [npd.yaml]\npatches:\n  - path: patch.yaml\n")
+        proc = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert _sorted_lists(yaml.safe_load(proc.stdout)) == _sorted_lists(merged)
+    return merged
+
+
+def _sorted_lists(value: Any) -> Any:
+    """Lists of mappings in a stable order (kustomize puts merged-in items first)."""
+    if isinstance(value, dict):
+        return {k: _sorted_lists(v) for k, v in value.items()}
+    if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        return sorted((_sorted_lists(v) for v in value),
+                      key=lambda v: json.dumps(v, sort_keys=True))
+    return value
+
+
+def test_the_npd_patch_merges_into_npd_s_daemonset_and_validates(tmp_path: Path) -> None:
+    kv = _kubernetes_validate()
+    merged = npd_daemonset_with_gpudiag(tmp_path)
+    try:
+        kv.validate(merged, kv.latest_version(), strict=True)
+    except kv.ValidationError as e:
+        pytest.fail(f"NPD's DaemonSet with {NPD_PATCH.name} is not valid Kubernetes "
+                    f"{kv.latest_version()}: {e.message} at {'.'.join(str(p) for p in e.path)}")
+    spec = merged["spec"]["template"]["spec"]
+    names = [c["name"] for c in spec["containers"]]
+    assert names == ["node-problem-detector", "gpudiag-npd-relay"]
+    # NPD's own container keeps what it had (its config, its command) and gains two mounts.
+    npd_mounts = {m["mountPath"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert npd_mounts["/config"]["name"] == "config"
+    assert spec["containers"][0]["command"] == NPD_DAEMONSET["spec"]["template"]["spec"][
+        "containers"][0]["command"]
+
+
+def test_npd_runs_the_plugin_the_image_carries_and_reads_what_the_relay_writes() -> None:
+    """The paths of the four pieces agree: the monitor config's rule, the init container's
+    copy out of the image's share folder, NPD's mounts and the relay's status file."""
+    from gpudiag.core.npd import DEFAULT_STATUS_FILE
+
+    cfg = json.loads(NPD_CONFIG.read_text())
+    (plugin_dir,) = {str(Path(rule["path"]).parent) for rule in cfg["rules"]}
+    init = npd_pod_container("gpudiag-npd-plugin")
+    share = "/opt/gpudiag/share/gpudiag/npd"
+    assert init["command"] == ["cp", f"{share}/{NPD_SCRIPT.name}", f"{share}/{NPD_CONFIG.name}",
+                               f"{plugin_dir}/"]
+    containerfile = (ROOT / "Containerfile").read_text()
+    assert (f"COPY npd/{NPD_SCRIPT.name} npd/{NPD_CONFIG.name} {share}/") in containerfile
+    build = (ROOT / "scripts" / "build-image.sh").read_text()
+    assert (f"cp deploy/kubernetes/npd/{NPD_SCRIPT.name} deploy/kubernetes/npd/"
+            f"{NPD_CONFIG.name} \"$context/npd/\"") in build
+    npd = npd_pod_container("node-problem-detector")
+    relay = npd_pod_container("gpudiag-npd-relay")
+    npd_mounts = {m["mountPath"]: m for m in npd["volumeMounts"]}
+    relay_mounts = {m["mountPath"]: m for m in relay["volumeMounts"]}
+    init_mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    assert npd_mounts[plugin_dir]["name"] == init_mounts[plugin_dir]["name"]
+    assert npd_mounts[plugin_dir]["readOnly"] is True
+    # The long-running relay cannot touch what NPD executes (as root): it lacks that volume.
+    assert init_mounts[plugin_dir]["name"] not in {m["name"] for m in relay["volumeMounts"]}
+    status_dir = str(Path(DEFAULT_STATUS_FILE).parent)
+    assert npd_mounts[status_dir]["name"] == relay_mounts[status_dir]["name"]
+    assert npd_mounts[status_dir]["readOnly"] is True and not relay_mounts[status_dir].get(
+        "readOnly")
+    args = relay["args"]
+    assert args[0] == "npd-relay"
+    assert args[args.index("--status-file") + 1] == DEFAULT_STATUS_FILE
+    assert f"GPUDIAG_NPD_STATUS_FILE:-{DEFAULT_STATUS_FILE}}}" in NPD_SCRIPT.read_text()
+    # Both emptyDirs: pod-private, in memory. The plugin and the relay use gpudiag's image,
+    # the tag the gpudiag DaemonSet runs.
+    volumes = {v["name"]: v for v in npd_patch()["spec"]["template"]["spec"]["volumes"]}
+    for name in (npd_mounts[plugin_dir]["name"], npd_mounts[status_dir]["name"]):
+        assert volumes[name]["emptyDir"]["medium"] == "Memory"
+    assert {init["image"], relay["image"]} == {container()["image"]}
+    for c in (init, relay):
+        assert c["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["resources"]["limits"]["memory"]
 
 
 # --- validated against the Kubernetes API schemas (kubernetes-validate ships them) ----------

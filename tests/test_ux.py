@@ -176,7 +176,7 @@ def test_history_without_daemon_state_is_a_usage_error_with_a_hint(tmp_path: Pat
 
 
 COMMANDS = ["probe", "preflight", "health", "serve", "history", "run", "clear", "fleet",
-            "qualify"]
+            "qualify", "npd-relay"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -129,7 +129,8 @@ class LazyGroup(click.Group):
                             "fleet": "gpudiag.cli.fleet:fleet",
                             "qualify": "gpudiag.cli.qualify:qualify",
                             "explain": "gpudiag.cli.explain:explain",
-                            "fingerprint": "gpudiag.cli.fingerprint:fingerprint"}
+                            "fingerprint": "gpudiag.cli.fingerprint:fingerprint",
+                            "npd-relay": "gpudiag.cli.npd:npd_relay"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})

@@ -1,4 +1,5 @@
-"""Helpers for the deployment tiers (no tests here): who may run them, and the image build.
+"""Helpers for the deployment tiers (no tests here): who may run them, the image build, and the
+node-problem-detector patch's pieces.
 
 The tiers need root (buildah, podman, mount namespaces). As root a missing tool is a failure,
 not a skip: scripts/setup.sh installs them, so CI never passes without running them.
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,3 +77,23 @@ def unit_settings(text: str) -> dict[str, list[str]]:
         key, _, value = line.partition("=")
         out.setdefault(key.strip(), []).append(value.strip())
     return out
+
+
+NPD_PATCH = ROOT / "deploy" / "kubernetes" / "npd" / "daemonset-patch.yaml"
+
+
+def npd_patch() -> dict[str, Any]:
+    """deploy/kubernetes/npd/daemonset-patch.yaml, the strategic-merge patch for NPD's pod."""
+    import yaml
+
+    (patch,) = [d for d in yaml.safe_load_all(NPD_PATCH.read_text()) if d]
+    found: dict[str, Any] = patch
+    return found
+
+
+def npd_pod_container(name: str) -> dict[str, Any]:
+    """A container (or init container) the patch puts into NPD's pod, by name."""
+    spec = npd_patch()["spec"]["template"]["spec"]
+    (c,) = [c for c in spec["containers"] + spec["initContainers"] if c["name"] == name]
+    found: dict[str, Any] = c
+    return found
