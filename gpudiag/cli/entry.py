@@ -118,8 +118,7 @@ def answer_probe(options: dict[str, str]) -> int | None:
     expected = options.get("--expected-gpus")
     verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
                             expected_gpus=None if expected is None else int(expected))
-    _print(verdict, options["--format"])
-    return EXIT_READY if verdict.ready else EXIT_BLOCKED
+    return _printed(verdict, options["--format"])
 
 
 def answer_daemon(command: str, options: dict[str, str]) -> Fast:
@@ -272,8 +271,7 @@ def _print_record(url: str, status: int, body: bytes, fmt: str, waited_s: float)
     verdict = answer.verdict
     if verdict is None:
         return answer
-    _print(verdict, fmt)
-    return EXIT_READY if verdict.ready else EXIT_BLOCKED
+    return _printed(verdict, fmt)
 
 
 def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_s: float
@@ -300,13 +298,13 @@ def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_
 
     if prove_here(verdict):
         return answer  # a backend to prove in this environment: click's path (hybrid)
-    _print(verdict, options["--format"])
-    return EXIT_READY if verdict.ready else EXIT_BLOCKED
+    return _printed(verdict, options["--format"])
 
 
-def _print(verdict: Verdict, fmt: str) -> None:
-    """The verdict as the click commands' ``--format json|kv`` prints it."""
+def _printed(verdict: Verdict, fmt: str) -> int:
+    """Print the verdict as the click commands' ``--format json|kv`` does; its exit code."""
     _echo(verdict.json() + "\n" if fmt == "json" else verdict.kv())
+    return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
 
 def _echo(text: str) -> None:
