@@ -560,7 +560,7 @@ def test_the_epilog_never_drains_on_another_users_record_for_the_job(
     state.mkdir()
     store = HistoryStore(default_path(state))
     store.record_xids([XidEvent(79, 0, GPU0, 105.0)])  # a past XID, repaired since
-    inbox = JobInbox(state, record=lambda job, uid: record_job(store, job, uid))
+    inbox = JobInbox(state, record=lambda job, uid, *how: record_job(store, job, uid, *how))
     inbox.prepare()
     # uid 65534 claims job 77 (uid 1000's) with the XID's window, and a job of its own
     # that ends tomorrow.
@@ -569,8 +569,10 @@ def test_the_epilog_never_drains_on_another_users_record_for_the_job(
     as_nobody(f"cp {shared}/a.json {state}/{JOB_INBOX}/1-77.json && "
               f"cp {shared}/b.json {state}/{JOB_INBOX}/2-78.json")
     taken = inbox.poll()  # what the daemon's loop does
-    assert [j.slurm_job_id for j in taken] == ["77"]  # the future-dated one refused
-    assert not (state / JOB_INBOX / "2-78.json").exists()
+    assert taken == []  # no attested run behind either; one of them future-dated too
+    refused = inbox.refused.counts()
+    assert (refused["unattested"], refused["future_dated"]) == (1, 1), refused
+    assert not list((state / JOB_INBOX).iterdir())
     store.close()
     scontrol, calls = tmp_path / "scontrol", tmp_path / "calls"
     scontrol.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
