@@ -759,3 +759,177 @@ def test_the_epilog_trusts_only_a_window_the_daemon_attested_over_its_socket(
     kv = run_gpudiag(["explain", "--slurm-job", "77", "--job-uid", str(NOBODY), "--state-dir",
                       str(rig.state), "--format", "kv"], {"PATH": "/usr/bin:/bin"})
     assert "attested=socket" in kv.stdout and "owner_uid=65534" in kv.stdout, kv.stdout
+
+
+# As uid 65534: lock GPU argv[3] as `gpudiag run` does, announce a run to the daemon, touch
+# argv[2] + ".begun" with the run id, then end it once argv[2] + ".end" appears (its body:
+# the exit code to claim); the answers land in argv[2] + ".json".
+_ANNOUNCER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from gpudiag.engine.announce import begin_run, end_run
+    from gpudiag.engine.locks import try_lock
+    url, out, uuid, locks = sys.argv[1:5]
+    lock = try_lock(Path(locks), uuid, purpose="job")
+    run, why = begin_run(url, [uuid], "77", os.environ)
+    Path(out + ".begun").write_text(json.dumps({"run": run, "why": why}))
+    while not os.path.exists(out + ".end"):
+        time.sleep(0.05)
+    answer, why = end_run(url, run, 1, os.getpid(), b"{}", os.environ)
+    Path(out + ".json").write_text(json.dumps({"answer": answer, "why": why}))
+""")
+
+
+def _announce(rig: NodeRig, name: str, *, locks: Path | None = None
+              ) -> tuple[subprocess.Popen[str], Path]:
+    out = rig.shared / name
+    proc = subprocess.Popen(nobody_argv(rig.python, "-c", _ANNOUNCER, f"unix:{rig.sock}",
+                                        str(out), GPU0, str(locks or rig.shared / "locks")),
+                            env=rig.nobody_env(), start_new_session=True, text=True,
+                            stderr=subprocess.PIPE)
+    wait_for_file(Path(f"{out}.begun"), proc)
+    return proc, out
+
+
+def test_only_the_process_that_began_a_run_ends_it_and_only_on_gpus_it_holds(
+        node: NodeRig, tmp_path: Path) -> None:
+    from gpudiag.engine.announce import end_run
+
+    rig = node
+    private = rig.shared / "private-locks"
+    private.mkdir()
+    private.chmod(0o1777)
+    # GPU locks the daemon does not look at (another folder): nothing attests the GPUs.
+    elsewhere, out = _announce(rig, "elsewhere", locks=private)
+    try:
+        begun = json.loads(Path(f"{out}.begun").read_text())
+        assert begun["run"] is None and "gpus_not_locked" in begun["why"], begun
+    finally:
+        stop(elsewhere)
+    job, out = _announce(rig, "job")
+    try:
+        run = json.loads(Path(f"{out}.begun").read_text())["run"]
+        assert run, Path(f"{out}.begun").read_text()
+        # Root (another uid) and a second uid-65534 process cannot end it for the run.
+        answer, why = end_run(f"unix:{rig.sock}", run, 0, 1, b"{}",
+                              {"GPUDIAG_DAEMON_USER": "0"})
+        assert answer is None and "not_the_run" in why, why
+        impostor = subprocess.run(nobody_argv(rig.python, "-c", (
+            "import os, sys; from gpudiag.engine.announce import end_run; "
+            f"print(end_run('unix:{rig.sock}', '{run}', 0, 1, b'{{}}', os.environ)[1])")),
+            env=rig.nobody_env(), capture_output=True, text=True, timeout=60)
+        assert "not_the_run" in impostor.stdout, impostor.stdout + impostor.stderr
+        Path(f"{out}.end").touch()
+        wait_for_file(Path(f"{out}.json"), job)
+    finally:
+        stop(job)
+    ended = json.loads(Path(f"{out}.json").read_text())
+    assert ended["answer"]["recorded"] is True, ended
+    assert ended["answer"]["gpus"] == [GPU0], ended
+    # Over TCP nobody can be attested: the daemon cannot see who asks.
+    status, data = _post(rig.daemon.url + f"/v1/runs/begin?gpus={GPU0}")
+    assert status == 403 and data["error"]["code"] == "not_attested", data
+
+
+def _post(url: str) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
+                                    timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+_FLOOD = textwrap.dedent("""
+    import sys
+    folder, record, n = sys.argv[1], open(sys.argv[2]).read(), int(sys.argv[3])
+    for i in range(n):
+        with open(f"{folder}/{i:06d}-{i}.json", "w") as fh:
+            fh.write(record.replace('"pid": 10,', f'"pid": {100000 + i},'))
+""")
+
+
+def test_a_flood_of_planted_records_neither_stalls_the_daemon_nor_grows_its_history(
+        node: NodeRig) -> None:
+    from gpudiag.daemon.store import HistoryStore, default_path
+
+    rig = node
+    staged = rig.shared / "flood.staged"
+    staged.write_text(_planted_job("77", time.time() - 20, time.time() - 10))
+    staged.chmod(0o644)
+    inbox = rig.state / "job-closeouts"
+    flood = subprocess.run(nobody_argv(rig.python, "-c", _FLOOD, str(inbox), str(staged),
+                                       "3000"), capture_output=True, text=True, timeout=120)
+    assert flood.returncode == 0, flood.stderr
+    worst, start = 0.0, time.monotonic()
+    while any(inbox.iterdir()):
+        assert time.monotonic() - start < 120, "the inbox was not taken in"
+        t0 = time.monotonic()
+        assert rig.daemon.get("/healthz", timeout=30)[0] == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    took = time.monotonic() - start
+    print(f"3000 planted records refused in {took:.1f} s; slowest /healthz {worst * 1000:.0f} ms")
+    assert worst < 2.0, f"/healthz took {worst:.1f} s while the inbox was taken in"
+    assert _refused(rig)["unattested"] == 3000, _refused(rig)
+    store = HistoryStore(default_path(rig.state), readonly=True)
+    try:
+        assert store.jobs(limit=10) == []
+    finally:
+        store.close()
+
+
+# As uid 65534: lock GPU argv[2] and run argv[3] attested runs back to back on it, each
+# ending with a 3 KB argv (what the daemon keeps of a run's own word).
+_RUN_LOOP = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from gpudiag.engine.announce import begin_run, end_run
+    from gpudiag.engine.locks import try_lock
+    url, uuid, n, locks = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    lock = try_lock(Path(locks), uuid, purpose="job")
+    body = json.dumps({"argv": ["x" * 1000] * 3}).encode()
+    for i in range(n):
+        run, why = begin_run(url, [uuid], str(i), os.environ)
+        assert run, why
+        answer, why = end_run(url, run, 1, os.getpid(), body, os.environ)
+        assert answer, why
+""")
+
+
+def test_attested_runs_by_the_hundred_keep_the_history_bound_and_its_verdicts(
+        node: NodeRig, tmp_path: Path) -> None:
+    from gpudiag.daemon.store import HistoryStore, default_path
+
+    rig = node
+    status, before = rig.daemon.get("/v1/history?limit=1000")
+    assert status == 200 and before["verdicts"], before
+    limit = 1 << 20
+    # Another daemon on the same node state, with a 1 MiB history bound.
+    rig.daemon.stop()
+    from tests.support.daemon import Daemon, daemon_toml, write_config
+
+    config = write_config(tmp_path / "small.toml", daemon_toml(
+        {"history": {"max_bytes": limit}}))
+    rig.daemon = Daemon(rig.env, config, rig.state, extra_args=("--socket", str(rig.sock)))
+    rig.daemon.wait_ready()
+    start = time.monotonic()
+    loop = subprocess.run(nobody_argv(rig.python, "-c", _RUN_LOOP, f"unix:{rig.sock}", GPU0,
+                                      "400", str(rig.shared / "locks")),
+                          env=rig.nobody_env(), capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert loop.returncode == 0, loop.stderr
+    store = HistoryStore(default_path(rig.state), readonly=True)
+    try:
+        size, jobs = store.size_bytes(), store.jobs(limit=1000)
+        ids = {v.id for v in store.verdicts(limit=1000)}
+    finally:
+        store.close()
+    print(f"400 attested runs in {took:.1f} s: history {size / 1024:.0f} KiB (bound "
+          f"{limit // 1024} KiB), {len(jobs)} jobs kept")
+    assert size <= limit and 0 < len(jobs) < 400
+    assert {v["id"] for v in before["verdicts"]} <= ids  # no verdict change was dropped
+    assert all(j.attested == "socket" and j.uid == NOBODY for j in jobs)

@@ -46,6 +46,7 @@ MAX_INBOX_SCAN = 4096
 # A run's window ends now at the latest: a record that ends later (beyond clock skew) is
 # planted (it would claim XIDs still to come), and refused.
 FUTURE_SLACK_S = 300.0
+REFUSAL_LOG_S = 60.0  # a refusal reason is logged at most this often (then at debug level)
 
 
 def future_dated(job: JobRecord, now: float | None = None) -> bool:
@@ -205,9 +206,14 @@ class JobInbox:
         return counted
 
     def _refuse(self, path: Path, reason: str, why: str) -> None:
-        self.refused.add(reason)
-        log.info("job record %s refused (%s): %s; deleted", path, reason, why,
-                 extra={"record": str(path), "reason": reason, "error": why})
+        # One line per reason a minute at most: a flood of planted records is not a log flood
+        # (the counter has every one).
+        now = time.monotonic()
+        said = self.refused.add(reason, now, REFUSAL_LOG_S)
+        log.log(logging.WARNING if said else logging.DEBUG,
+                "job record %s refused (%s): %s; deleted (gpudiag_job_records_refused_total "
+                "counts every one)", path, reason, why,
+                extra={"record": str(path), "reason": reason, "error": why})
         if not self._unlink(path):
             self._refused.add(path.name)  # cannot remove it: at least do not retry it
 

@@ -340,10 +340,18 @@ class RefusedRecords:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(REFUSED_REASONS, 0)
+        self._said: dict[str, float] = {}
 
-    def add(self, reason: str) -> None:
+    def add(self, reason: str, now: float = 0.0, say_every_s: float = 0.0) -> bool:
+        """Count one; True when it is to be said (the first of ``reason`` in
+        ``say_every_s``)."""
         with self._lock:
             self._counts[reason] = self._counts.get(reason, 0) + 1
+            last = self._said.get(reason)
+            if last is not None and now - last < say_every_s:
+                return False
+            self._said[reason] = now
+            return True
 
     def counts(self) -> dict[str, int]:
         with self._lock:

@@ -51,7 +51,6 @@ from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
-from gpudiag.daemon.runs import RefusedRecordsCollector, RunWindows
 from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.numbers import Numbers, NumbersCollector
 from gpudiag.daemon.qualifier import Qualifier, QualifierState
@@ -60,6 +59,7 @@ from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
 from gpudiag.daemon.remediation import Remediator
 from gpudiag.daemon.remediation_exporter import RemediationCollector
+from gpudiag.daemon.runs import RefusedRecordsCollector, RunWindows
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.slurmctl import SlurmError, check_executable
