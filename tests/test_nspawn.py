@@ -3,7 +3,8 @@
 (scripts/install-node.sh, which enables and starts the unit), on the fake driver.
 
 One machine per test session; the tests run in file order (start, locks, a non-root job's
-attested run, reload, watchdog, security, journal). Root only; as root a missing tool is a failure (scripts/setup.sh).
+attested run, reload, watchdog, security, journal). Root only; as root a missing tool is a
+failure (scripts/setup.sh).
 """
 
 from __future__ import annotations

@@ -329,10 +329,6 @@ class RunWindows:
                          socket.gethostname(), run.began, ended, report.exit_code,
                          run.gpus, got, report.closeout, usages_of(report.gpu_usage))
 
-    def open_count(self) -> int:
-        with self._lock:
-            return len(self._open)
-
 
 class RefusedRecords:
     """``gpudiag_job_records_refused_total{reason}``'s counts (thread-safe)."""
