@@ -39,6 +39,7 @@ from gpudiag.daemon.remediation import RemediationReport
 from gpudiag.daemon.runs import (
     Peer,
     RunRefused,
+    hold,
     parse_gpus,
     parse_report,
     parse_slurm_job_id,
@@ -576,7 +577,7 @@ class DaemonApp:
         begin = path == "/v1/runs/begin"
         self._only(params, ("gpus", "slurm_job_id") if begin
                    else ("run", "exit_code", "child_pid"))
-        pidfd = environ[PEER_PIDFD_KEY]() if begin else None
+        pidfd = hold(environ[PEER_PIDFD_KEY], creds.pid) if begin else None
         peer = Peer(creds.uid, creds.pid, start_time(creds.pid), pidfd)
         try:
             if begin:

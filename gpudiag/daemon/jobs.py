@@ -144,10 +144,10 @@ class JobInbox:
         could not keep it (the run stays open: its inbox record may still end it)."""
         assert self.runs is not None
         run, job = self.runs.end(peer, run_id, report)
-        self._count(job)
         if not self._record(job, run.peer.uid, "socket", run.id):
-            return None
+            return None  # counted when its inbox record ends it
         self.runs.recorded(run, job.ended)
+        self._count(job)
         return job
 
     def _count(self, job: JobRecord) -> None:

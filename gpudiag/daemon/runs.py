@@ -137,6 +137,17 @@ def start_time(pid: int) -> float | None:
         return None
 
 
+def hold(opener: Callable[[], int | None], pid: int) -> int | None:
+    """A pidfd of the socket's peer: the kernel's own (SO_PEERPIDFD), else (before Linux
+    6.5) one opened by pid while the peer waits for this answer, so it is still that
+    process unless it was killed in between; None when neither can be had."""
+    fd = opener()
+    if fd is None:
+        with contextlib.suppress(OSError, AttributeError):
+            fd = os.pidfd_open(pid)
+    return fd
+
+
 def exited(pidfd: int) -> bool:
     """Whether the pidfd's process has exited (a pidfd polls readable then)."""
     poller = select.poll()
