@@ -59,7 +59,7 @@ def test_the_store_keeps_xids_and_jobs_and_prunes_them_with_the_history(tmp_path
 
 def test_the_inbox_counts_keeps_and_removes_records(tmp_path: Path) -> None:
     store = HistoryStore(tmp_path / "h.sqlite3")
-    inbox = JobInbox(tmp_path, record=lambda job, uid: record_job(store, job, uid))
+    inbox = JobInbox(tmp_path, record=lambda job, uid, *how: record_job(store, job, uid, *how))
     inbox.prepare()
     assert stat.S_IMODE(inbox.folder.stat().st_mode) == 0o1733
     jobs = [_job(10, [xid_event(105.0, 79, GPU, "watcher")]), _job(20, []),
@@ -84,7 +84,7 @@ def test_a_record_the_history_cannot_keep_stays_in_the_inbox_counted_once(
     kept: list[int] = []
     ok = [False]
 
-    def keep(job: JobRecord, uid: int) -> bool:
+    def keep(job: JobRecord, uid: int, *how: str | None) -> bool:
         if ok[0]:
             kept.append(job.pid)
         return ok[0]
@@ -101,7 +101,7 @@ def test_a_record_the_history_cannot_keep_stays_in_the_inbox_counted_once(
 
 
 def test_the_inbox_refuses_links_and_folders(tmp_path: Path) -> None:
-    inbox = JobInbox(tmp_path, record=lambda job, uid: True)
+    inbox = JobInbox(tmp_path, record=lambda job, uid, *how: True)
     inbox.prepare()
     target = tmp_path / "elsewhere.json"
     target.write_text(json.dumps(_job(10, []).record()))

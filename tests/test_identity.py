@@ -18,14 +18,17 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from gpudiag.core.readiness import BUSY, FREE, GpuOccupancy
 from gpudiag.daemon.joblocks import JobLocks
-from tests.support.host import EnvFactory, run_gpudiag, verdict_of
+from tests.fakes.build import write_state_file
+from tests.support.host import EnvFactory, clean_env, make_host_dirs, run_gpudiag, verdict_of
 from tests.support.run import run_folder
 
 NOBODY = 65534
@@ -599,7 +602,7 @@ def test_the_epilog_never_drains_on_another_users_record_for_the_job(
     state.mkdir()
     store = HistoryStore(default_path(state))
     store.record_xids([XidEvent(79, 0, GPU0, 105.0)])  # a past XID, repaired since
-    inbox = JobInbox(state, record=lambda job, uid: record_job(store, job, uid))
+    inbox = JobInbox(state, record=lambda job, uid, *how: record_job(store, job, uid, *how))
     inbox.prepare()
     # uid 65534 claims job 77 (uid 1000's) with the XID's window, and a job of its own
     # that ends tomorrow.
@@ -608,8 +611,10 @@ def test_the_epilog_never_drains_on_another_users_record_for_the_job(
     as_nobody(f"cp {shared}/a.json {state}/{JOB_INBOX}/1-77.json && "
               f"cp {shared}/b.json {state}/{JOB_INBOX}/2-78.json")
     taken = inbox.poll()  # what the daemon's loop does
-    assert [j.slurm_job_id for j in taken] == ["77"]  # the future-dated one refused
-    assert not (state / JOB_INBOX / "2-78.json").exists()
+    assert taken == []  # no attested run behind either; one of them future-dated too
+    refused = inbox.refused.counts()
+    assert (refused["unattested"], refused["future_dated"]) == (1, 1), refused
+    assert not list((state / JOB_INBOX).iterdir())
     store.close()
     scontrol, calls = tmp_path / "scontrol", tmp_path / "calls"
     scontrol.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
@@ -629,3 +634,341 @@ def test_the_epilog_never_drains_on_another_users_record_for_the_job(
     mine = run_gpudiag(["explain", "--slurm-job", "77", "--job-uid", "1000", "--state-dir",
                         str(state), "--format", "kv"], {"PATH": "/usr/bin:/bin"})
     assert mine.returncode == 1, mine.stdout + mine.stderr
+
+
+# --- class 3: attested run windows ---------------------------------------------------------
+
+GPU1 = gpu_uuid(1)
+
+
+@dataclass
+class NodeRig:
+    """A 2-GPU fake node both users can use: the fake driver, device nodes, the fakes' state
+    file and the GPU locks under ``shared``; root's daemon on a unix socket there."""
+
+    shared: Path
+    env: dict[str, str]
+    state: Path
+    state_file: Path
+    sock: Path
+    python: str
+    daemon: Any = None
+
+    def xids(self, spec: str) -> None:
+        write_state_file(self.state_file, {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_XIDS": spec})
+        self.state_file.chmod(0o644)
+
+    def nobody_env(self, **more: str) -> dict[str, str]:
+        """The job's environment: the host's, no state dir of the daemon's, no home."""
+        env = {k: v for k, v in self.env.items() if k != "GPUDIAG_STATE_DIR"}
+        return {**env, "HOME": "/nonexistent", "GPUDIAG_DAEMON_USER": "0",
+                "GPUDIAG_DAEMON_URL": f"unix:{self.sock}", **more}
+
+    def plant(self, name: str, record: dict[str, object]) -> None:
+        """uid 65534 drops ``record`` into the daemon's inbox."""
+        staged = self.shared / f"{name}.staged"
+        staged.write_text(json.dumps(record))
+        staged.chmod(0o644)
+        as_nobody(f"cp {staged} {self.state}/job-closeouts/{name}")
+
+
+def nobody_python(shared: Path) -> str:
+    """A Python uid 65534 can run with this checkout's gpudiag and dependencies: this one,
+    or (when its interpreter sits where that user cannot reach, e.g. under /root) a venv in
+    ``shared`` over the same Python minor version that reads this venv's packages."""
+    if as_nobody(f"{sys.executable} -c 'import subprocess, sys; "
+                 "subprocess.run([sys.executable, \"-c\", \"pass\"], check=True)'",
+                 check=False).returncode == 0:
+        return sys.executable
+    base = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    venv = shared / "py"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(base)
+    lib = venv / "lib" / base.name
+    lib.mkdir(parents=True)
+    site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir())
+    (lib / "site-packages").symlink_to(site)
+    (venv / "pyvenv.cfg").write_text(f"home = {base.parent}\n"
+                                      "include-system-site-packages = false\n")
+    subprocess.run(["chmod", "-R", "a+rX", str(venv)], check=True)
+    return str(venv / "bin" / "python")
+
+
+@pytest.fixture
+def node(fakes: Any, shared: Path, tmp_path: Path) -> Iterator[NodeRig]:
+    from tests.support.daemon import Daemon, daemon_toml, write_config
+
+    driver = shared / "driver"
+    shutil.copytree(fakes.root, driver)
+    dev, proc = make_host_dirs(shared / "host", gpus=2)
+    state_file, state, sock_dir = shared / "gpu-state", shared / "state", shared / "sock"
+    sock_dir.mkdir()
+    state.mkdir()
+    for folder in (driver, shared / "host", sock_dir, state):
+        subprocess.run(["chmod", "-R", "a+rX", str(folder)], check=True)
+    env = type(fakes)(driver, driver / fakes.lib_dir.name, driver / fakes.bin_dir.name).env(
+        base=clean_env(), FAKE_GPU_STATE_FILE=str(state_file), GPUDIAG_DEVICE_DIR=str(dev),
+        GPUDIAG_DRIVER_PROC_DIR=str(proc), GPUDIAG_LOCK_DIR=str(shared / "locks"),
+        GPUDIAG_STATE_DIR=str(state), FAKE_NVML_DEVICE_COUNT=2)
+    (shared / "locks").mkdir()
+    (shared / "locks").chmod(0o1777)
+    rig = NodeRig(shared, env, state, state_file, sock_dir / "gpudiag.sock",
+                  nobody_python(shared))
+    rig.xids("")
+    config = write_config(tmp_path / "gpudiag.toml", daemon_toml(
+        {"backends.cuda": {"interval_s": 1}}))
+    rig.daemon = Daemon(env, config, state, extra_args=("--socket", str(rig.sock)))
+    try:
+        rig.daemon.wait_ready()
+        yield rig
+    finally:
+        rig.daemon.stop()
+
+
+def _history_xids(rig: NodeRig) -> list[dict[str, Any]]:
+    status, data = rig.daemon.get("/v1/history?limit=100")
+    return list(data["xids"]) if status == 200 else []
+
+
+def _refused(rig: NodeRig) -> dict[str, float]:
+    from tests.support.daemon import metric_samples
+
+    return {lab["reason"]: v for lab, v in
+            metric_samples(rig.daemon, "gpudiag_job_records_refused_total")}
+
+
+def _epilog(rig: NodeRig, tmp_path: Path, job: str, uid: int) -> list[str]:
+    """The Slurm Epilog of ``job`` (owner ``uid``) on this node: the drains it asked for."""
+    scontrol, calls = tmp_path / f"scontrol-{job}", tmp_path / f"calls-{job}"
+    scontrol.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n")
+    scontrol.chmod(0o755)
+    defaults = tmp_path / f"defaults-{job}"
+    defaults.write_text(f"GPUDIAG={Path(sys.executable).with_name('gpudiag')}\n"
+                        f"SCONTROL={scontrol}\nGPUDIAG_STATE_DIR={rig.state}\n")
+    env = {"GPUDIAG_DEFAULTS": str(defaults), "SLURMD_NODENAME": "node1", "SLURM_JOB_ID": job,
+           "SLURM_JOB_GPUS": "0", "SLURM_JOB_UID": str(uid)}
+    proc = subprocess.run([str(SLURM / "gpudiag-epilog.sh")], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return [c for c in (calls.read_text().splitlines() if calls.exists() else [])
+            if "State=DRAIN" in c]
+
+
+def test_the_epilog_trusts_only_a_window_the_daemon_attested_over_its_socket(
+        node: NodeRig, tmp_path: Path) -> None:
+    from tests.support.daemon import wait_for
+
+    rig = node
+    # A past XID on GPU 1: uid 65534 then claims a job 78 of its own whose window held it.
+    rig.xids("1:79")
+    past = wait_for(lambda: _history_xids(rig), 20)[0]["ts"]
+    rig.plant("1-78.json", json.loads(_planted_job("78", past - 5, past + 5).replace(
+        GPU0, GPU1)))
+    # uid 65534's real job 77: `gpudiag run` asks the daemon on its socket; an XID comes
+    # on its GPU (GPU 0: GPU 1 is held) while the job runs.
+    started = rig.shared / "job-started"
+    job = subprocess.Popen(nobody_argv(
+        rig.python, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts",
+        str(rig.shared / "runs"), "--", "sh", "-c", f"touch {started}; sleep 3"),
+        env=rig.nobody_env(SLURM_JOB_ID="77"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        while not started.exists():
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        rig.xids("1:79,0:79")
+        _, err = job.communicate(timeout=60)
+    finally:
+        stop(job)
+    assert job.returncode == 0, err
+    closeout = json.loads((run_folder(rig.shared / "runs") / "closeout.json").read_text())
+    assert closeout["verdict_source"] == "daemon", closeout
+    assert closeout["attribution"]["kind"] == "hardware", closeout["attribution"]
+    assert closeout["job_record"]["attested"] == "socket", closeout["job_record"]
+    # Then a newer record of job 77 that says nothing happened, as uid 65534 wrote it.
+    rig.plant("9-77.json", json.loads(_planted_job("77", time.time() - 2, time.time() - 1)))
+    wait_for(lambda: not list((rig.state / "job-closeouts").glob("*.json")), 20)
+    assert _refused(rig)["unattested"] == 2, _refused(rig)
+    # The job's own attested window decides: its XID drains the node; the planted record
+    # neither hides it nor makes job 78 a hardware failure.
+    assert _epilog(rig, tmp_path, "77", NOBODY) == [
+        "update NodeName=node1 State=DRAIN Reason=gpudiag: gpu_lost during job 77"]
+    assert _epilog(rig, tmp_path, "78", NOBODY) == []
+    kv = run_gpudiag(["explain", "--slurm-job", "77", "--job-uid", str(NOBODY), "--state-dir",
+                      str(rig.state), "--format", "kv"], {"PATH": "/usr/bin:/bin"})
+    assert "attested=socket" in kv.stdout and "owner_uid=65534" in kv.stdout, kv.stdout
+
+
+# As uid 65534: lock GPU argv[3] as `gpudiag run` does, announce a run to the daemon, touch
+# argv[2] + ".begun" with the run id, then end it once argv[2] + ".end" appears (its body:
+# the exit code to claim); the answers land in argv[2] + ".json".
+_ANNOUNCER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from gpudiag.engine.announce import begin_run, end_run
+    from gpudiag.engine.locks import try_lock
+    url, out, uuid, locks = sys.argv[1:5]
+    lock = try_lock(Path(locks), uuid, purpose="job")
+    run, why = begin_run(url, [uuid], "77", os.environ)
+    Path(out + ".begun").write_text(json.dumps({"run": run, "why": why}))
+    while not os.path.exists(out + ".end"):
+        time.sleep(0.05)
+    answer, why = end_run(url, run, 1, os.getpid(), b"{}", os.environ)
+    Path(out + ".json").write_text(json.dumps({"answer": answer, "why": why}))
+""")
+
+
+def _announce(rig: NodeRig, name: str, *, locks: Path | None = None
+              ) -> tuple[subprocess.Popen[str], Path]:
+    out = rig.shared / name
+    proc = subprocess.Popen(nobody_argv(rig.python, "-c", _ANNOUNCER, f"unix:{rig.sock}",
+                                        str(out), GPU0, str(locks or rig.shared / "locks")),
+                            env=rig.nobody_env(), start_new_session=True, text=True,
+                            stderr=subprocess.PIPE)
+    wait_for_file(Path(f"{out}.begun"), proc)
+    return proc, out
+
+
+def test_only_the_process_that_began_a_run_ends_it_and_only_on_gpus_it_holds(
+        node: NodeRig, tmp_path: Path) -> None:
+    from gpudiag.engine.announce import end_run
+
+    rig = node
+    private = rig.shared / "private-locks"
+    private.mkdir()
+    private.chmod(0o1777)
+    # GPU locks the daemon does not look at (another folder): nothing attests the GPUs.
+    elsewhere, out = _announce(rig, "elsewhere", locks=private)
+    try:
+        begun = json.loads(Path(f"{out}.begun").read_text())
+        assert begun["run"] is None and "gpus_not_locked" in begun["why"], begun
+    finally:
+        stop(elsewhere)
+    job, out = _announce(rig, "job")
+    try:
+        run = json.loads(Path(f"{out}.begun").read_text())["run"]
+        assert run, Path(f"{out}.begun").read_text()
+        # Root (another uid) and a second uid-65534 process cannot end it for the run.
+        answer, why = end_run(f"unix:{rig.sock}", run, 0, 1, b"{}",
+                              {"GPUDIAG_DAEMON_USER": "0"})
+        assert answer is None and "not_the_run" in why, why
+        impostor = subprocess.run(nobody_argv(rig.python, "-c", (
+            "import os, sys; from gpudiag.engine.announce import end_run; "
+            f"print(end_run('unix:{rig.sock}', '{run}', 0, 1, b'{{}}', os.environ)[1])")),
+            env=rig.nobody_env(), capture_output=True, text=True, timeout=60)
+        assert "not_the_run" in impostor.stdout, impostor.stdout + impostor.stderr
+        Path(f"{out}.end").touch()
+        wait_for_file(Path(f"{out}.json"), job)
+    finally:
+        stop(job)
+    ended = json.loads(Path(f"{out}.json").read_text())
+    assert ended["answer"]["recorded"] is True, ended
+    assert ended["answer"]["gpus"] == [GPU0], ended
+    # Over TCP nobody can be attested: the daemon cannot see who asks.
+    status, data = _post(rig.daemon.url + f"/v1/runs/begin?gpus={GPU0}")
+    assert status == 403 and data["error"]["code"] == "not_attested", data
+
+
+def _post(url: str) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
+                                    timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+_FLOOD = textwrap.dedent("""
+    import sys
+    folder, record, n = sys.argv[1], open(sys.argv[2]).read(), int(sys.argv[3])
+    for i in range(n):
+        with open(f"{folder}/{i:06d}-{i}.json", "w") as fh:
+            fh.write(record.replace('"pid": 10,', f'"pid": {100000 + i},'))
+""")
+
+
+def test_a_flood_of_planted_records_neither_stalls_the_daemon_nor_grows_its_history(
+        node: NodeRig) -> None:
+    from gpudiag.daemon.store import HistoryStore, default_path
+
+    rig = node
+    staged = rig.shared / "flood.staged"
+    staged.write_text(_planted_job("77", time.time() - 20, time.time() - 10))
+    staged.chmod(0o644)
+    inbox = rig.state / "job-closeouts"
+    flood = subprocess.run(nobody_argv(rig.python, "-c", _FLOOD, str(inbox), str(staged),
+                                       "3000"), capture_output=True, text=True, timeout=120)
+    assert flood.returncode == 0, flood.stderr
+    worst, start = 0.0, time.monotonic()
+    while any(inbox.iterdir()):
+        assert time.monotonic() - start < 120, "the inbox was not taken in"
+        t0 = time.monotonic()
+        assert rig.daemon.get("/healthz", timeout=30)[0] == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    took = time.monotonic() - start
+    print(f"3000 planted records refused in {took:.1f} s; slowest /healthz {worst * 1000:.0f} ms")
+    assert worst < 2.0, f"/healthz took {worst:.1f} s while the inbox was taken in"
+    assert _refused(rig)["unattested"] == 3000, _refused(rig)
+    store = HistoryStore(default_path(rig.state), readonly=True)
+    try:
+        assert store.jobs(limit=10) == []
+    finally:
+        store.close()
+
+
+# As uid 65534: lock GPU argv[2] and run argv[3] attested runs back to back on it, each
+# ending with a 3 KB argv (what the daemon keeps of a run's own word).
+_RUN_LOOP = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from gpudiag.engine.announce import begin_run, end_run
+    from gpudiag.engine.locks import try_lock
+    url, uuid, n, locks = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    lock = try_lock(Path(locks), uuid, purpose="job")
+    body = json.dumps({"argv": ["x" * 1000] * 3}).encode()
+    for i in range(n):
+        run, why = begin_run(url, [uuid], str(i), os.environ)
+        assert run, why
+        answer, why = end_run(url, run, 1, os.getpid(), body, os.environ)
+        assert answer, why
+""")
+
+
+def test_attested_runs_by_the_hundred_keep_the_history_bound_and_its_verdicts(
+        node: NodeRig, tmp_path: Path) -> None:
+    from gpudiag.daemon.store import HistoryStore, default_path
+
+    rig = node
+    status, before = rig.daemon.get("/v1/history?limit=1000")
+    assert status == 200 and before["verdicts"], before
+    limit = 1 << 20
+    # Another daemon on the same node state, with a 1 MiB history bound.
+    rig.daemon.stop()
+    from tests.support.daemon import Daemon, daemon_toml, write_config
+
+    config = write_config(tmp_path / "small.toml", daemon_toml(
+        {"history": {"max_bytes": limit}}))
+    rig.daemon = Daemon(rig.env, config, rig.state, extra_args=("--socket", str(rig.sock)))
+    rig.daemon.wait_ready()
+    start = time.monotonic()
+    loop = subprocess.run(nobody_argv(rig.python, "-c", _RUN_LOOP, f"unix:{rig.sock}", GPU0,
+                                      "400", str(rig.shared / "locks")),
+                          env=rig.nobody_env(), capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert loop.returncode == 0, loop.stderr
+    store = HistoryStore(default_path(rig.state), readonly=True)
+    try:
+        size, jobs = store.size_bytes(), store.jobs(limit=1000)
+        ids = {v.id for v in store.verdicts(limit=1000)}
+    finally:
+        store.close()
+    print(f"400 attested runs in {took:.1f} s: history {size / 1024:.0f} KiB (bound "
+          f"{limit // 1024} KiB), {len(jobs)} jobs kept")
+    assert size <= limit and 0 < len(jobs) < 400
+    assert {v["id"] for v in before["verdicts"]} <= ids  # no verdict change was dropped
+    assert all(j.attested == "socket" and j.uid == NOBODY for j in jobs)

@@ -2,8 +2,9 @@
 `systemd-nspawn --boot`, gpudiag installed the way docs/operations.md says
 (scripts/install-node.sh, which enables and starts the unit), on the fake driver.
 
-One machine per test session; the tests run in file order (start, locks, reload, watchdog,
-security, journal). Root only; as root a missing tool is a failure (scripts/setup.sh).
+One machine per test session; the tests run in file order (start, locks, a non-root job's
+attested run, reload, watchdog, security, journal). Root only; as root a missing tool is a
+failure (scripts/setup.sh).
 """
 
 from __future__ import annotations
@@ -205,6 +206,25 @@ def test_socket_and_locks_are_in_run_gpudiag_shared_with_gpudiag_run(machine: Ma
     holders = [json.loads(line) for line in job.stdout.splitlines() if line.startswith("{")]
     assert {h["purpose"] for h in holders} == {"job"} and len(holders) == 2, job.stdout
     assert sorted(p.name for p in locks.glob("GPU-*.lock")) == names
+
+
+def test_a_non_root_jobs_run_reaches_the_daemon_and_its_window_is_attested(
+        machine: Machine) -> None:
+    # Issue 38: a job of uid 65534 cannot write into the DynamicUser daemon's 0750 state
+    # dir; its run hands its closeout to the daemon it asked, on the socket, where the
+    # kernel says who it is (the daemon, under ProtectProc=invisible, cannot see the job's
+    # /proc: it holds the peer's pidfd instead).
+    job = machine.run("setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                      "env", "HOME=/nonexistent", "SLURM_JOB_ID=4242", "gpudiag", "run",
+                      "--gpus", "1", "--artifacts", "/tmp/nobody-runs", "--", "true")
+    assert "Traceback" not in job.stderr, job.stderr
+    closeout = json.loads(machine.run("sh", "-c", "cat /tmp/nobody-runs/*/closeout.json").stdout)
+    assert closeout["verdict_source"] == "daemon", closeout
+    assert closeout["job_record"]["attested"] == "socket", closeout["job_record"]
+    kv = machine.run("gpudiag", "explain", "--slurm-job", "4242", "--job-uid", "65534",
+                     "--format", "kv").stdout
+    assert "attested=socket" in kv and "owner_uid=65534" in kv, kv
+    assert "gpudiag_job_records_refused_total{reason=\"unattested\"} 0.0" in machine.metrics()
 
 
 def host_runs(machine: Machine) -> float:

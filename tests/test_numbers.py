@@ -82,7 +82,7 @@ def test_every_number_renders_once_it_has_counts() -> None:
 def test_blocks_and_jobs_from_the_inbox_are_counted_and_their_energy_observed(
         tmp_path: Path) -> None:
     numbers = Numbers()
-    inbox = JobInbox(tmp_path, record=lambda job, uid: True, on_job=numbers.job,
+    inbox = JobInbox(tmp_path, record=lambda job, uid, *how: True, on_job=numbers.job,
                      on_block=numbers.blocked)
     inbox.prepare()
     block = BlockRecord(10, "gpu_lost", ("gpu_lost",), 100.0, "77")

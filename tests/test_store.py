@@ -218,3 +218,29 @@ def test_clears_are_recorded_read_back_and_pruned_with_the_history(tmp_path: Pat
         assert [c.id for c in store.clears()] == [2]
     finally:
         store.close()
+
+
+def test_jobs_are_pruned_apart_and_never_cost_the_verdict_history_its_place(
+        tmp_path: Path) -> None:
+    # Issue 38: 21 MB of closeouts against a 1 MiB bound used to prune the verdict history
+    # down to its newest entry and stay 21 MB.
+    limit = 1 << 20
+    t0 = time.time() - 4000.0
+    store = HistoryStore(tmp_path / "h.sqlite3", max_bytes=limit)
+    for i in range(50):
+        store.record(verdict(("gpu_lost", f"GPU-{i}")), now=t0 + i)
+    record = {"schema": "gpudiag.job/1", "argv": ["x" * 7000]}
+    for i in range(3000):
+        store.record_job(ts=t0 + 100 + i, uid=65534, pid=i, slurm_job_id=str(i),
+                         started=t0 + 99 + i, ended=t0 + 100 + i, attribution="application",
+                         record=record, attested="socket", run_id=f"{i:016x}")
+    store.prune(now=t0 + 4000.0)
+    size = store.size_bytes()
+    jobs = store.jobs(limit=5000)
+    print(f"3000 jobs of 7 KB: history {size / 1024:.0f} KiB (bound {limit // 1024} KiB), "
+          f"{len(jobs)} jobs kept")
+    assert size <= limit
+    assert len(store.verdicts(limit=1000)) == 50  # every verdict change kept
+    assert 0 < len(jobs) < 3000 and jobs[0].pid == 2999  # the newest jobs stay
+    assert jobs[0].attested == "socket" and jobs[0].run_id == f"{2999:016x}"
+    assert store.integrity() == "ok"

@@ -12,8 +12,9 @@
 #                is recorded (below). The health check undoes a gpudiag drain only once the
 #                node is ready again (with the daemon, a held XID keeps it blocked until
 #                `gpudiag clear`).
-#                Only on evidence the node holds: the daemon's history, or (without a daemon)
-#                a job record that root wrote; a user's own record never drains a node.
+#                Only on a window the kernel attests (issue 38): a run that announced itself
+#                to the daemon on its socket (peer credentials, its GPU locks), or a record
+#                root wrote; a record any user could write never drains a node.
 #   software, unknown   recorded, no drain (a broken stack is the health check's to drain).
 #   application  nothing: the job's own failure is not the node's business.
 #   no run of the job reported, or gpudiag failed: logged, nothing else.
@@ -66,12 +67,12 @@ case $kind in
         ;;
 esac
 if [[ $kind == hardware ]]; then
-    # Evidence the node itself holds (the daemon's history), or a record root wrote: a user's
-    # own job record alone never drains a node (anyone can write one for their own job).
-    if [[ $(value source) == "daemon history" || $(value owner_uid) == 0 ]]; then
-        gpudiag_drain "$node" "${code:-gpu_fault} during job $job"
-    else
-        gpudiag_log "job $job on $node: not drained: the hardware attribution comes only from a record of uid $(value owner_uid)"
-    fi
+    # Only a window the kernel attests: the daemon saw the run begin and end on its socket
+    # (attested=socket), or root wrote the record (attested=root). A record anyone could
+    # write (attested=no) names a window, GPUs and a job id of its writer's choosing.
+    case $(value attested) in
+        socket | root) gpudiag_drain "$node" "${code:-gpu_fault} during job $job" ;;
+        *) gpudiag_log "job $job on $node: not drained: the hardware attribution comes only from a record of uid $(value owner_uid) that nothing attests" ;;
+    esac
 fi
 exit 0

@@ -163,6 +163,8 @@ def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
              "gpu": first.gpu if first else "", "source": rec["source"],
              "slurm_job_id": job.get("slurm_job_id") or "",
              "owner_uid": rec.get("owner_uid"),
+             # socket | root | no: whether the run's window is the kernel's word (issue 38).
+             "attested": rec.get("attested") or "no",
              "missing": "; ".join(attribution.missing),
              "gpu_failure_attribution": attribution.kv()}
     return "".join(f"{k}={terminal_safe(' '.join(str(v if v is not None else '').split()))}\n"

@@ -172,12 +172,21 @@ def read_regular(path: str | os.PathLike[str], limit: int, *, follow: bool = Fal
     return raw, st
 
 
-def inbox_names(folder: Path, skip: Container[str]) -> list[str]:
-    """The ``.json`` files waiting in an inbox folder, oldest name first, less ``skip``.
+def inbox_names(folder: Path, skip: Container[str], limit: int | None = None) -> list[str]:
+    """The ``.json`` files waiting in an inbox folder, oldest name first, less ``skip``; with
+    ``limit``, of the first ``limit`` such names the listing gives (a folder of a million
+    planted files then costs one bounded read, not a million names sorted).
 
     Empty when the folder cannot be listed: the next poll tries again.
     """
+    names: list[str] = []
     try:
-        return sorted(n for n in os.listdir(folder) if n.endswith(".json") and n not in skip)
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.endswith(".json") and entry.name not in skip:
+                    names.append(entry.name)
+                    if limit is not None and len(names) >= limit:
+                        break
     except OSError:
         return []
+    return sorted(names)

@@ -38,3 +38,19 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(data)
     return PeerCredentials(pid, uid, gid)
+
+
+# SO_PEERPIDFD (Linux 6.5): a pidfd of the very process that connected, which no pid reuse
+# can swap for another (Python 3.11's socket module does not name it).
+SO_PEERPIDFD = 77
+
+
+def peer_pidfd(sock: socket.socket) -> int | None:
+    """A pidfd of a connected unix socket's peer process (the caller owns it); None when the
+    kernel gives none (before Linux 6.5, or not a unix socket)."""
+    try:
+        data = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4)
+    except OSError:
+        return None
+    fd = int.from_bytes(data[:4], "little", signed=True)
+    return fd if fd >= 0 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -30,8 +31,9 @@ from gpudiag.daemon.answers import EncodedAnswer
 from gpudiag.daemon.envelope import error_response, json_response, status_line
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
-from gpudiag.daemon.httpserver import HttpServer
+from gpudiag.daemon.httpserver import PEER_KEY, PEER_PIDFD_KEY, HttpServer
 from gpudiag.daemon.httpserver import start as start_http
+from gpudiag.daemon.jobs import JobInbox
 from gpudiag.daemon.qualify_queue import (
     ALREADY_QUEUED,
     NO_GPUS,
@@ -42,6 +44,15 @@ from gpudiag.daemon.qualify_queue import (
 )
 from gpudiag.daemon.qualify_schedule import Qualifier
 from gpudiag.daemon.remediation import RemediationReport
+from gpudiag.daemon.runs import (
+    Peer,
+    RunRefused,
+    hold,
+    parse_gpus,
+    parse_report,
+    parse_slurm_job_id,
+    start_time,
+)
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, proofs_for, verdict_for
 from gpudiag.daemon.store import HistoryError, HistoryStore
@@ -70,6 +81,8 @@ StartResponse = Callable[..., Any]
 # transport asks ``answer_now`` on its selector thread first, and runs on its pool only what
 # needs a probe, a wait or a classification (docs/design-notes.md, "HTTP server").
 NOW_PATHS = frozenset({"/v1/preflight", "/v1/health"})
+# A run announcing itself (daemon/runs.py): answered from the asker's peer credentials.
+RUN_PATHS = frozenset({"/v1/runs/begin", "/v1/runs/end"})
 
 
 class _NotNow(Exception):
@@ -218,6 +231,8 @@ class DaemonApp:
         self.scheduler = scheduler
         self.store = store
         self.qualifier: Qualifier | None = None  # set by the daemon when it qualifies GPUs
+        # The runs' records and their attested windows (POST /v1/runs/*); None: not kept.
+        self.jobs: JobInbox | None = None
         # What remediation did and how Slurm answers it ([remediation]; None: off): in the
         # evidence of every node-health answer (/v1/health).
         self.remediation: Callable[[], RemediationReport] | None = None
@@ -248,6 +263,8 @@ class DaemonApp:
             "/v1/probe": (("POST",), self._probe),
             "/v1/qualify": (("POST",), self._qualify),
             "/v1/history": (("GET",), self._history),
+            "/v1/runs/begin": (("POST",), None),
+            "/v1/runs/end": (("POST",), None),
             "/healthz": (("GET", "HEAD"), self._healthz),
             "/readyz": (("GET", "HEAD"), self._readyz),
         }
@@ -315,7 +332,9 @@ class DaemonApp:
         if method not in methods:
             raise ApiError(405, "method_not_allowed",
                            f"{method} {path}: accepted {', '.join(methods)}")
-        if handler is None:
+        if path in RUN_PATHS:
+            status, payload = self._run(path, self._params(query), environ)
+        elif handler is None:
             status, payload = self._answer(self._question(path, query), at_hand)
         else:
             status, payload = handler(self._params(query))
@@ -562,6 +581,45 @@ class DaemonApp:
                      "episodes": [e.record() for e in episodes],
                      "clears": [c.record() for c in clears],
                      "xids": [x.record() for x in xids]}
+
+    def _run(self, path: str, params: Mapping[str, str], environ: Mapping[str, Any]
+             ) -> tuple[int, Any]:
+        """POST /v1/runs/begin and /v1/runs/end: a run's window, as the kernel attests it."""
+        jobs = self.jobs
+        if jobs is None or jobs.runs is None:
+            raise ApiError(503, "no_history", "this daemon keeps no job records (no "
+                           "--state-dir)")
+        creds = environ.get(PEER_KEY)
+        if creds is None:
+            raise ApiError(403, "not_attested", f"POST {path}: runs announce themselves on "
+                           "the daemon's unix socket, where the kernel says who they are; "
+                           "this request has no peer credentials (TCP)")
+        begin = path == "/v1/runs/begin"
+        self._only(params, ("gpus", "slurm_job_id") if begin
+                   else ("run", "exit_code", "child_pid"))
+        pidfd = hold(environ[PEER_PIDFD_KEY], creds.pid) if begin else None
+        peer = Peer(creds.uid, creds.pid, start_time(creds.pid), pidfd)
+        try:
+            if begin:
+                run = jobs.begin_run(peer, parse_gpus(params.get("gpus")),
+                                     parse_slurm_job_id(params.get("slurm_job_id")))
+                return 200, {"run": run.id, "began": run.began, "gpus": list(run.gpus),
+                             "uid": creds.uid, "pid": creds.pid}
+            body = environ["wsgi.input"].read(MAX_BODY_BYTES) if environ.get("wsgi.input") \
+                else b""
+            job = jobs.end_run(peer, params.get("run", ""), parse_report(params, body))
+        except BaseException as e:
+            if pidfd is not None:
+                os.close(pidfd)  # not the run's: it was never opened
+            if isinstance(e, RunRefused):
+                raise ApiError(e.status, e.code, e.message) from e
+            raise
+        if job is None:
+            raise ApiError(503, "history_unavailable", "the job record could not be kept "
+                           "now; the run stays open and its inbox record ends it")
+        return 200, {"run": params["run"], "recorded": True, "started": job.started,
+                     "ended": job.ended, "gpus": list(job.gpus),
+                     "attribution": job.attribution.record()}
 
     def _healthz(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ())

@@ -6,6 +6,12 @@ the state directory when there is one (its XID timeline and blocker episodes, th
 as at closeout: the two agree), else from the attribution the run itself recorded (its own
 watcher's events). The timeline shows what the history knows of that window: verdict
 changes, XIDs, blocker episodes, clears, and which runs held which GPUs.
+
+Issue 38: by pid or Slurm job id, only a run whose window is attested (``attested``: the
+daemon saw it begin and end on its socket, or root wrote its record) is explained from the
+history; of several, the one the history attributes worst (hardware first), so that no later
+record of the same job hides a fault. A record nothing attests is answered with its own
+attribution, ``attested: null``, never looked up in the history over the window it claims.
 """
 
 from __future__ import annotations
@@ -19,22 +25,30 @@ from typing import Any
 
 from gpudiag.core.attribution import (
     AFTER_END_S,
+    APPLICATION_KIND,
+    HARDWARE,
     JOB_INBOX,
+    NONE,
+    SOFTWARE,
+    UNKNOWN,
     Attribution,
     JobRecord,
     Source,
     Window,
     attribute,
-    history_events,
 )
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.fileio import RefusedFile, read_regular
 from gpudiag.daemon.jobs import JobRecordError, future_dated, read_job
+from gpudiag.daemon.runs import BEFORE_S, attribute_window
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.engine.statedir import default_state_dir
 
 TIMELINE_LIMIT = 1000
-BEFORE_S = 60.0  # the timeline starts this long before the run: what led up to it
+# Of several attested runs of one job, the worst attribution answers: hardware first.
+_WORST_FIRST = {HARDWARE: 0, SOFTWARE: 1, UNKNOWN: 2, APPLICATION_KIND: 3, NONE: 4}
+# A found run: its record, who reported it (uid) and how its window is known (None: not).
+Found = tuple[JobRecord, int, "str | None"]
 
 
 class ExplainError(Exception):
@@ -56,6 +70,9 @@ class Explanation:
     source: str  # "daemon history" or "the run's own record"
     timeline: tuple[dict[str, Any], ...]
     owner_uid: int | None = None  # who reported the run (its job record's or closeout's owner)
+    # How the run's window is known: "socket" (the daemon attested it), "root" (a record only
+    # root could write); None: as a record or closeout another user could write says.
+    attested: str | None = None
 
     def record(self) -> dict[str, Any]:
         """The JSON form."""
@@ -64,14 +81,14 @@ class Explanation:
                            "gpus": sorted(self.window.gpus)},
                 "exit_code": self.exit_code, "attribution": self.attribution.record(),
                 "source": self.source, "owner_uid": self.owner_uid,
-                "timeline": list(self.timeline)}
+                "attested": self.attested, "timeline": list(self.timeline)}
 
 
 def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = None,
-             slurm_job_id: str | None = None, job_uid: int | None = None
-             ) -> tuple[JobRecord, int]:
-    """The newest run with that pid or Slurm job id, and the uid that reported it: in the
-    history, else still in the inbox.
+             slurm_job_id: str | None = None, job_uid: int | None = None) -> Found:
+    """The run with that pid or Slurm job id, the uid that reported it and how its window
+    is known: of the attested runs (history, then root's records in the inbox), the worst
+    attributed; without one, the newest record nothing attests.
 
     ``job_uid`` (the job's owner as Slurm says, ``$SLURM_JOB_UID`` in an Epilog): only a
     record whose file that uid or root owned counts (the kernel recorded the owner); another
@@ -80,16 +97,42 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
     def ours(job: JobRecord, uid: int) -> bool:
         return (job_uid is None or uid in (job_uid, 0)) and not future_dated(job)
 
+    found: list[Found] = []
     if store is not None:
         for entry in store.jobs(pid=pid, slurm_job_id=slurm_job_id, limit=50):
-            found = JobRecord.from_record(entry.record)
-            if ours(found, entry.uid):
-                return found, entry.uid
+            job = JobRecord.from_record(entry.record)
+            if ours(job, entry.uid):
+                found.append((job, entry.uid, entry.attested))
+    found += [(job, uid, "root" if uid == 0 else None)
+              for job, uid in _inbox_jobs(state_dir, pid, slurm_job_id) if ours(job, uid)]
+    attested = [f for f in found if f[2] is not None]
+    if attested:
+        return min(attested, key=lambda f: _WORST_FIRST.get(_kind(store, f[0]), 5))
+    if found:
+        return found[0]
+    what = f"pid {pid}" if pid is not None else f"Slurm job {slurm_job_id}"
+    raise ExplainError(f"no run with {what} in the history or the inbox of {state_dir} "
+                       "(runs report there when they close out; pass the --state-dir the "
+                       "daemon uses)")
+
+
+def _kind(store: HistoryStore | None, job: JobRecord) -> str:
+    """The attribution the history gives the job's window (without one, its own)."""
+    if store is None:
+        return job.attribution.kind
+    return attribute_window(store, job.window, job.exit_code)[0].kind
+
+
+def _inbox_jobs(state_dir: Path, pid: int | None, slurm_job_id: str | None
+                ) -> list[tuple[JobRecord, int]]:
+    """The inbox's records of that pid or Slurm job id (no daemon took them in), newest
+    first."""
     inbox = state_dir / JOB_INBOX
     try:
-        names = sorted(os.listdir(inbox), reverse=True)
+        names = sorted(os.listdir(inbox), reverse=True)[:1000]
     except OSError:
         names = []
+    out = []
     for name in names:
         if not name.endswith(".json"):
             continue
@@ -97,14 +140,10 @@ def find_job(store: HistoryStore | None, state_dir: Path, *, pid: int | None = N
             job, uid = read_job(inbox / name)
         except JobRecordError:
             continue
-        if ((pid is not None and pid in (job.pid, job.child_pid)) or (
-                slurm_job_id is not None and job.slurm_job_id == slurm_job_id)) and ours(
-                    job, uid):
-            return job, uid
-    what = f"pid {pid}" if pid is not None else f"Slurm job {slurm_job_id}"
-    raise ExplainError(f"no run with {what} in the history or the inbox of {state_dir} "
-                       "(runs report there when they close out; pass the --state-dir the "
-                       "daemon uses)")
+        if (pid is not None and pid in (job.pid, job.child_pid)) or (
+                slurm_job_id is not None and job.slurm_job_id == slurm_job_id):
+            out.append((job, uid))
+    return out
 
 
 def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | None = None,
@@ -117,18 +156,22 @@ def explain_in(state_dir: Path | None, *, run: Path | None = None, pid: int | No
     store = HistoryStore(path, readonly=True) if path.is_file() else None
     why = None if store is not None else f"no history at {path} (no daemon used this state dir)"
     try:
-        job, code, owner = None, None, None
+        job, code, owner, attested = None, None, None, None
         if run is not None:
             job, code, owner = _job_of_run(run)
         elif pid is not None or slurm_job_id is not None:
-            job, owner = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id,
-                                  job_uid=job_uid)
+            job, owner, attested = find_job(store, folder, pid=pid, slurm_job_id=slurm_job_id,
+                                            job_uid=job_uid)
+            if attested is None:
+                # Its window is its writer's word: never looked up in the history.
+                return Explanation(job, job.window, job.exit_code, job.attribution,
+                                   "the run's own record", (), owner, None)
             code = job.exit_code
         if job is not None:
             window = job.window
         assert window is not None
         return replace(explain(store, window, code, job, why, all_gpus=all_gpus),
-                       owner_uid=owner)
+                       owner_uid=owner, attested=attested)
     finally:
         if store is not None:
             store.close()
@@ -206,13 +249,7 @@ def explain(store: HistoryStore | None, window: Window, exit_code: int | None,
         return Explanation(None, window, exit_code, attribute(exit_code, window, [], [missing]),
                            "daemon history", ())
     since, until = window.start - BEFORE_S, window.end + AFTER_END_S
-    xids = store.xids(since=since, until=until, limit=TIMELINE_LIMIT)
-    episodes = store.episodes(since=since, limit=TIMELINE_LIMIT)
-    events = history_events({"xids": [x.record() for x in xids],
-                             "episodes": [e.record() for e in episodes]}) or []
-    if job is None and not window.gpus:  # a window without --gpus: every GPU
-        window = Window(window.start, window.end, frozenset(e.gpu for e in events if e.gpu))
-    got = attribute(exit_code, window, events, [Source("daemon history", True)])
+    got, window = attribute_window(store, window, exit_code, every_gpu=job is None)
     rows = timeline(store, since, until)
     if window.gpus and not all_gpus:  # another GPU's XID is not this run's story
         rows = [r for r in rows if r["gpu"] is None or r["gpu"] in window.gpus]

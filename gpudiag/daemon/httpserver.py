@@ -37,7 +37,7 @@ from urllib.parse import unquote
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gpudiag.core.peercred import peer_credentials
+from gpudiag.core.peercred import PeerCredentials, peer_credentials, peer_pidfd
 from gpudiag.daemon import envelope
 from gpudiag.daemon.envelope import status_line, wire_bytes
 from gpudiag.daemon.httpparse import MAX_BODY_BYTES as MAX_BODY_BYTES
@@ -64,12 +64,17 @@ MAX_INTERNAL_TRACEBACKS = 5  # then internal errors are counted only
 # Every endpoint that can wait runs on the slow pool, so that waiting answers never take the
 # threads of /metrics, /healthz and /readyz: preflight and health wait for probes (max_age_s,
 # wait_s); history waits for the history's lock while a write fsyncs (SQLite busy_timeout).
-SLOW_PATHS = frozenset({"/v1/preflight", "/v1/health", "/v1/history"})
+# A run's end writes its job record (an fsync) the same way.
+SLOW_PATHS = frozenset({"/v1/preflight", "/v1/health", "/v1/history", "/v1/runs/end"})
 # What a read-only listener (TCP with tcp_read_only) serves: monitoring that never starts a
 # probe. Preflight (it may start probes) and POST /v1/probe are for the unix socket.
 READ_ONLY_PATHS = frozenset({"/metrics", "/healthz", "/readyz", "/v1/history"})
 READ_ONLY_METHODS = frozenset({"GET", "HEAD"})
 SOCKET_MODE = 0o666         # any local user may connect; clients check who answers
+# WSGI environ keys: the unix-socket client's PeerCredentials (None over TCP), and a callable
+# that opens a pidfd of that client process (None when the kernel gives none).
+PEER_KEY = "gpudiag.peer"
+PEER_PIDFD_KEY = "gpudiag.open_peer_pidfd"
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 # An app's optional ``answer_now``: the answer when it needs no wait, else None (the pool).
@@ -270,6 +275,8 @@ class _Conn:
     # With the selector: unregistering a socket that is not raises KeyError with the socket's
     # repr (about 10 us), which every answer sent at once used to pay.
     registered: bool = False
+    # On the unix socket: who connected, as the kernel recorded it (None over TCP).
+    creds: PeerCredentials | None = None
 
 
 class _Pool:
@@ -507,7 +514,9 @@ class HttpServer:
                 self._accept_resume = time.monotonic() + ACCEPT_PAUSE_S
                 return
             sock.setblocking(False)
-            peer = self._peer(sock, addr)
+            creds = self._creds(sock)
+            peer = (f"unix pid {creds.pid} uid {creds.uid}" if creds is not None
+                    else "unix" if self.unix_path is not None else self._peer(addr))
             if self.open_connections >= self.max_connections:
                 if not self._pending:  # everyone has sent a request: the newcomer waits
                     self.abuse.note("connection_cap", peer)
@@ -522,21 +531,25 @@ class HttpServer:
                 oldest = next(iter(self._pending.values()))
                 self.abuse.note("connection_cap", oldest.peer)
                 self._drop(oldest)
-            conn = _Conn(sock, peer, time.monotonic() + self.head_timeout_s)
+            conn = _Conn(sock, peer, time.monotonic() + self.head_timeout_s, creds=creds)
             self.open_connections += 1
             self._pending[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
             conn.registered = True
 
-    def _peer(self, sock: socket.socket, addr: Any) -> str:
-        """The client for logs: its address, or on the unix socket its pid and uid."""
+    def _creds(self, sock: socket.socket) -> PeerCredentials | None:
+        """On the unix socket, the client's credentials as the kernel recorded them."""
         if self.unix_path is None:
-            return str(addr[0]) if isinstance(addr, tuple) else str(addr)
+            return None
         try:
-            peer = peer_credentials(sock)
+            return peer_credentials(sock)
         except OSError:
-            return "unix"
-        return f"unix pid {peer.pid} uid {peer.uid}"
+            return None
+
+    @staticmethod
+    def _peer(addr: Any) -> str:
+        """A TCP client for logs: its address."""
+        return str(addr[0]) if isinstance(addr, tuple) else str(addr)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -713,6 +726,8 @@ class HttpServer:
             "wsgi.version": (1, 0), "wsgi.url_scheme": "http",
             "wsgi.input": io.BytesIO(request.body), "wsgi.errors": sys.stderr,
             "wsgi.multithread": True, "wsgi.multiprocess": False, "wsgi.run_once": False,
+            # The kernel's word on who asks (unix socket only): attested runs (daemon/runs.py).
+            PEER_KEY: conn.creds, PEER_PIDFD_KEY: functools.partial(peer_pidfd, conn.sock),
         }
         for name, value in request.headers:
             if name == "content-length":

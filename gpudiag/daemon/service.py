@@ -60,6 +60,7 @@ from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
 from gpudiag.daemon.remediation import Remediator
 from gpudiag.daemon.remediation_exporter import RemediationCollector
+from gpudiag.daemon.runs import RefusedRecordsCollector, RunWindows
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.slurmctl import SlurmError, check_executable
@@ -256,13 +257,13 @@ class DaemonService:
         if isinstance(recorder.store, HistoryStore):
             with contextlib.suppress(HistoryError):  # intervals then start afresh
                 numbers.seed_incidents(recorder.store.incident_times())
-        clears, jobs = self._inboxes(recorder, watcher)
+        locks = self._lock_dir()
+        clears, jobs = self._inboxes(recorder, watcher, locks.path)
         allocations = Allocations(self.state_dir, leaves=self._leaves)
         try:
             allocations.prepare()
         except OSError as e:
             raise StartError(f"cannot use --state-dir {self.state_dir}: {e}") from e
-        locks = self._lock_dir()
         self._scheduler = scheduler = Scheduler(
             cfg, env=probe_cache_environment(self._env, self.state_dir), notifier=notifier,
             watcher=watcher,
@@ -285,6 +286,8 @@ class DaemonService:
         app.registry.register(ReloadCollector(reloader.state))
         qualifier = self._start_qualifier(scheduler, app)
         app.registry.register(JobFailuresCollector(jobs.counts))
+        app.registry.register(RefusedRecordsCollector(jobs.refused.counts))
+        app.jobs = jobs
         app.registry.register(NumbersCollector(numbers.state))
         app.registry.register(AllocationCollector(allocations.current))
         remediator = self._start_remediation(scheduler, app, qualifier)
@@ -330,13 +333,15 @@ class DaemonService:
         app.remediation = remediator.report
         return remediator
 
-    def _inboxes(self, recorder: HistoryRecorder, watcher: XidWatcher
+    def _inboxes(self, recorder: HistoryRecorder, watcher: XidWatcher, lock_dir: Path
                  ) -> tuple[ClearPoller, JobInbox]:
-        """The `gpudiag clear` requests and the jobs' records the loop takes in each tick."""
+        """The `gpudiag clear` requests and the jobs' records the loop takes in each tick;
+        the runs' attested windows are checked against the GPU locks in ``lock_dir``."""
         clears = ClearPoller(self.state_dir, release=watcher.clear,
                              record=partial(self._cleared, recorder), recheck=self._recheck)
+        runs = RunWindows(lock_dir, partial(_open_store, recorder))
         jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder),
-                        on_job=self._numbers.job, on_block=self._numbers.blocked)
+                        on_job=self._numbers.job, on_block=self._numbers.blocked, runs=runs)
         try:
             clears.prepare()
             jobs.prepare()
@@ -510,9 +515,16 @@ def record_clear(recorder: HistoryRecorder, request: ClearRequest, released: int
                     e, again, extra={"uid": request.uid})
 
 
-def _record_job(recorder: HistoryRecorder, job: JobRecord, uid: int) -> bool:
+def _record_job(recorder: HistoryRecorder, job: JobRecord, uid: int, attested: str | None,
+                run_id: str | None) -> bool:
     # The store as it is now: it may open late.
-    return record_job(recorder.store, job, uid)
+    return record_job(recorder.store, job, uid, attested, run_id)
+
+
+def _open_store(recorder: HistoryRecorder) -> HistoryStore | None:
+    """The history as it is now (it may open late), for attributing a run's window."""
+    store = recorder.store
+    return store if isinstance(store, HistoryStore) else None
 
 
 def _poll_inboxes(polls: tuple[Callable[[], object], ...]) -> None:

@@ -77,7 +77,9 @@ CREATE TABLE IF NOT EXISTS gpu_identities (
 # _migrate(), NULL on its old rows (their serial was never read). ``gpu_identities`` says which
 # serial carried which UUID in which slot, and when.
 _SERIAL_COLUMNS = (("episodes", "serial"), ("xids", "serial"), ("clears", "serial"),
-                   ("clears", "no_repair"), ("clears", "codes"))
+                   ("clears", "no_repair"), ("clears", "codes"),
+                   # Issue 38: how a job's window is known (ATTESTED_BY), and its run's id.
+                   ("jobs", "attested"), ("jobs", "run_id"))
 # Held XIDs are re-armed from ``xids`` at start (daemon/holds.py); the table is new in round 3
 # and CREATE ... IF NOT EXISTS adds it to an older history when the daemon opens it.
 # Created with the first `gpudiag clear` (most nodes never have one): the base schema above
@@ -107,8 +109,22 @@ CREATE TABLE IF NOT EXISTS jobs (
     started REAL,
     ended REAL,
     attribution TEXT NOT NULL,
-    record TEXT NOT NULL
+    record TEXT NOT NULL,
+    attested TEXT,
+    run_id TEXT
 )"""
+# How a stored job's window is known (``jobs.attested``): ``socket``, the daemon saw the run
+# begin and end on its unix socket (peer credentials); ``root``, a record only root could
+# have written (the kernel says root owns its file). NULL: a record from before issue 38,
+# believed as written then: never trusted now.
+ATTESTED_BY = ("socket", "root")
+# The jobs' share of the history's size bound: a flood of closeouts is pruned before any
+# verdict change (issue 38: 21 MB of jobs against a 1 MiB limit emptied the verdicts).
+JOBS_SHARE = 0.25
+# A stored job's size in the history beyond its record's text (row, index, page slack).
+JOB_ROW_OVERHEAD_BYTES = 96
+# Job writes between two prunes (verdict writes prune on their own count).
+PRUNE_EVERY_JOBS = 64
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,8 @@ class StoredJob:
     slurm_job_id: str | None
     attribution: str
     record: Mapping[str, Any]
+    attested: str | None = None  # one of ATTESTED_BY; None: believed as written, never trusted
+    run_id: str | None = None  # the attested run's id (POST /v1/runs/begin)
 
 
 @dataclass(frozen=True)
@@ -317,6 +335,7 @@ class HistoryStore:
         self._lock = threading.Lock()
         self._last_fp: str | None = None
         self._writes = 0
+        self._job_writes = 0
         # Retention also by time, so that a store with few changes is still pruned
         # (every 50 writes alone could keep rows for months past the retention).
         self._prune_every_s = min(3600.0, max(1.0, retention_s / 10))
@@ -564,16 +583,23 @@ class HistoryStore:
 
     def record_job(self, *, ts: float, uid: int, pid: int | None, slurm_job_id: str | None,
                    started: float | None, ended: float | None, attribution: str,
-                   record: Mapping[str, Any]) -> int:
-        """Store one run's closeout record from the inbox; returns its id once durable."""
+                   record: Mapping[str, Any], attested: str | None = None,
+                   run_id: str | None = None) -> int:
+        """Store one run's closeout record; returns its id once durable. ``attested``: how
+        its window is known (ATTESTED_BY), None for a record believed as written."""
         with self._lock:
             with self._transaction("record the job in") as db:
                 db.execute(_JOBS_DDL)
                 cur = db.execute(
                     "INSERT INTO jobs (ts, uid, pid, slurm_job_id, started, ended, attribution, "
-                    "record) VALUES (?,?,?,?,?,?,?,?)",
+                    "record, attested, run_id) VALUES (?,?,?,?,?,?,?,?,?,?)",
                     (ts, uid, pid, slurm_job_id, started, ended, attribution,
-                     json.dumps(record, separators=(",", ":"), default=str)))
+                     json.dumps(record, separators=(",", ":"), default=str), attested, run_id))
+            self._job_writes += 1
+            if self._job_writes % PRUNE_EVERY_JOBS == 0:
+                # Jobs come from users: they must not grow the history past its bound.
+                with contextlib.suppress(sqlite3.Error):
+                    self._prune_locked(self._clock())
             return int(cur.lastrowid or 0)
 
     def prune(self, now: float | None = None) -> None:
@@ -599,6 +625,7 @@ class HistoryStore:
                               (table,)).fetchone():
                     # A fixed name from the tuple above, never input.
                     db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,))
+        self._prune_jobs_by_size()
         for _ in range(20):
             if self.size_bytes() <= self.max_bytes:
                 break
@@ -614,6 +641,27 @@ class HistoryStore:
                            (drop,))
             db.execute("PRAGMA incremental_vacuum")
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def _prune_jobs_by_size(self) -> None:
+        """Drop the oldest jobs until they take at most JOBS_SHARE of the size bound: jobs
+        are bounded apart, so that they never cost the verdict history its place."""
+        db = self._db
+        if not db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='jobs'"
+                          ).fetchone():
+            return
+        budget = int(self.max_bytes * JOBS_SHARE)
+        n, text = db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(record)), 0) FROM jobs"
+                             ).fetchone()
+        used = int(text) + int(n) * JOB_ROW_OVERHEAD_BYTES
+        if used <= budget or not n:
+            return
+        # The oldest rows whose share brings the rest within the budget, at once.
+        keep = max(0, int(n * budget / used))
+        with self._transaction():
+            db.execute("DELETE FROM jobs WHERE id IN (SELECT id FROM jobs ORDER BY id "
+                       "LIMIT ?)", (int(n) - keep,))
+        db.execute("PRAGMA incremental_vacuum")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def size_bytes(self) -> int:
         """The database's size in pages (the WAL is checkpointed into it)."""
@@ -726,7 +774,9 @@ class HistoryStore:
         Slurm job id."""
         if not self._has("jobs"):
             return []
-        sql = "SELECT id, ts, uid, pid, slurm_job_id, attribution, record FROM jobs WHERE ts >= ?"
+        sql = (f"SELECT id, ts, uid, pid, slurm_job_id, attribution, record, "
+               f"{self._col('jobs', 'attested')}, {self._col('jobs', 'run_id')} FROM jobs "
+               "WHERE ts >= ?")
         args: list[Any] = [-1.0 if since is None else since]
         if slurm_job_id is not None:
             sql += " AND slurm_job_id = ?"
@@ -738,8 +788,9 @@ class HistoryStore:
             pids = {r[3], rec.get("child_pid")} if isinstance(rec, dict) else {r[3]}
             if pid is not None and pid not in pids:
                 continue
+            attested = r[7] if r[7] in ATTESTED_BY else None
             out.append(StoredJob(int(r[0]), float(r[1]), int(r[2]), r[3], r[4], str(r[5]),
-                                rec if isinstance(rec, dict) else {}))
+                                 rec if isinstance(rec, dict) else {}, attested, r[8]))
             if len(out) >= limit:
                 break
         return out

@@ -122,6 +122,18 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
     return reply_of(url, status, body, why, refused)
 
 
+def daemon_post(url: str, endpoint: str, params: Mapping[str, str], *, body: bytes = b"",
+                env: Mapping[str, str] | None = None,
+                connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                read_timeout_s: float = 10.0) -> DaemonReply:
+    """POST to ``endpoint?params`` of the daemon at ``url`` and read its JSON answer (on a
+    unix socket only from the daemon's user, as ``daemon_get``)."""
+    status, data, why, refused = wire.request(
+        url, "POST", endpoint, params, env=os.environ if env is None else env, body=body,
+        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+    return reply_of(url, status, data, why, refused)
+
+
 def reply_of(url: str, status: int | None, body: bytes, why: str, refused: bool
              ) -> DaemonReply:
     """``wire.get``'s raw reply read as JSON, with why it is unusable when it is."""

@@ -569,3 +569,15 @@ def describe_holders(found: Sequence[Holder] | None) -> str:
     if found is None:
         return "holders unknown (the kernel's lock table could not be read)"
     return "; ".join(h.describe() for h in found) or "no holder now"
+
+
+def locked_by(lock_dir: Path, uuid: str, pid: int, table: list[KernelLock] | None = None
+              ) -> bool:
+    """Whether the kernel says process ``pid`` itself holds ``uuid``'s lock exclusively (as
+    ``gpudiag run`` holds its GPUs). /proc/locks alone: no look at the process, which a
+    sandboxed daemon (ProtectProc=invisible) may not see."""
+    key = _file_key(_lock_path(lock_dir, uuid))
+    table = kernel_locks() if table is None and key is not None else table
+    if key is None or table is None:
+        return False
+    return any(lk.pid == pid and not lk.shared for lk in flocks_on(table, *key))

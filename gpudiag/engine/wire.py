@@ -205,6 +205,15 @@ def get(url: str, endpoint: str, params: Mapping[str, str], *, env: Mapping[str,
     On a unix socket the peer must run as the daemon's user, or its answer is refused
     before the question is even sent. DaemonUrlError for a URL that is not understood.
     """
+    return request(url, "GET", endpoint, params, env=env, connect_timeout_s=connect_timeout_s,
+                   read_timeout_s=read_timeout_s)
+
+
+def request(url: str, method: str, endpoint: str, params: Mapping[str, str], *,
+            env: Mapping[str, str], body: bytes = b"",
+            connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0
+            ) -> RawReply:
+    """``method endpoint?params`` (with ``body``) to the daemon at ``url``, as ``get``."""
     address = parse_daemon_url(url)
     path = f"{address.prefix}{endpoint}?{query_string(params)}"
     sock, why, refused = connect(address, env, connect_timeout_s)
@@ -218,20 +227,24 @@ def get(url: str, endpoint: str, params: Mapping[str, str], *, env: Mapping[str,
         host = f"{host}:{address.port}"
     sock.settimeout(read_timeout_s)
     try:
-        status, body = exchange(sock, host, path)
+        status, data = exchange(sock, host, path, method, body)
     except (OSError, ValueError) as e:
         return None, b"", f"daemon at {url} did not answer: {e}", False
     finally:
         sock.close()
-    return status, body, "", False
+    return status, data, "", False
 
 
-def exchange(sock: socket.socket, host: str, path: str) -> tuple[int, bytes]:
-    """One GET on a connected socket: (status, body); ValueError for an answer not HTTP."""
+def exchange(sock: socket.socket, host: str, path: str, method: str = "GET",
+             body: bytes = b"") -> tuple[int, bytes]:
+    """One request on a connected socket: (status, body); ValueError for an answer not
+    HTTP."""
     if _UNSAFE.search(path) or _UNSAFE.search(host):
         raise ValueError(f"the request target {path!r} holds spaces or control characters")
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept: application/json\r\n"
-                 "Accept-Encoding: identity\r\nConnection: close\r\n\r\n".encode("ascii"))
+    sized = f"Content-Length: {len(body)}\r\n" if body or method != "GET" else ""
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAccept: application/json\r\n"
+                 f"Accept-Encoding: identity\r\n{sized}Connection: close\r\n\r\n"
+                 .encode("ascii") + body)
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)

@@ -5,10 +5,14 @@ Where the evidence comes from:
   XID timeline and the blocker episodes of its probes) over the run's window;
 - otherwise: the run's own XID watcher (``gpudiag.probes.xid_watch``), started detached
   before the job and stopped after it, so that it covers the whole run.
-The rules themselves are pure (gpudiag.core.attribution). At the end the run also drops a
-``gpudiag.job/1`` record into the daemon's state directory's ``job-closeouts/`` inbox: the
-daemon counts it (``gpudiag_job_failures_total``) and keeps it, and ``gpudiag explain
---pid``/``--slurm-job`` find the run by it.
+The rules themselves are pure (gpudiag.core.attribution). A run that asked a daemon on its
+unix socket announces itself there once its GPUs are locked and hands its closeout over
+there at its end (``POST /v1/runs/begin`` and ``/end``, gpudiag.engine.announce): its window
+is the kernel's word (issue 38), and the record reaches the daemon it asked whoever runs it
+(a non-root job cannot write into a DynamicUser daemon's 0750 state directory). Any other
+run drops a ``gpudiag.job/1`` record into the default state directory's ``job-closeouts/``
+inbox: the daemon keeps it only when root wrote it. Either way the daemon counts the run
+(``gpudiag_job_failures_total``), and ``gpudiag explain --pid``/``--slurm-job`` find it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from gpudiag.core.observations import parse_watcher_line
 from gpudiag.core.probe_run import bounded_tail
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.usage import GpuUsage, merge_xids
+from gpudiag.engine.announce import begin_run, end_body, end_run
 from gpudiag.engine.client import DaemonUrlError, daemon_get
 from gpudiag.engine.route import daemon_else_inline
 from gpudiag.engine.statedir import default_state_dir
@@ -283,6 +288,9 @@ class GpuEvents:
         self._watcher: RunWatcher | None = None
         self.started = time.time()
         self.events: list[JobEvent] = []  # the events the last attribution looked at
+        # The daemon's id of this run's attested window (None: not announced, and why).
+        self.run_id: str | None = None
+        self.unannounced = "the run asked no daemon"
 
     @classmethod
     def begin(cls, gpus: Sequence[str], env: Mapping[str, str], daemon_url: str | None
@@ -292,8 +300,26 @@ class GpuEvents:
         if gpus and daemon_url is None:
             gathering._watcher = RunWatcher(env, gathering.gpus)
             gathering._watcher.start()
+        elif gpus and daemon_url is not None:
+            # Its GPUs are locked by now: the daemon checks that with the kernel.
+            gathering.run_id, gathering.unannounced = begin_run(
+                daemon_url, sorted(gathering.gpus), env.get("SLURM_JOB_ID") or None, env)
         gathering.started = time.time()
         return gathering
+
+    def hand_over(self, job: JobRecord) -> dict[str, Any] | None:
+        """The run's end on the daemon that attested its start: where its record went
+        (None: not handed over, and ``unannounced`` says why)."""
+        if self.run_id is None or self._daemon_url is None:
+            return None
+        body = end_body(job.argv, job.closeout, [u.record() for u in job.gpu_usage])
+        answer, why = end_run(self._daemon_url, self.run_id, job.exit_code,
+                              job.child_pid or 0, body, self._env)
+        if answer is None:
+            self.unannounced = f"the daemon did not take the run's end: {why}"
+            return None
+        return {"path": None, "daemon": self._daemon_url, "run": self.run_id,
+                "attested": "socket", "error": None}
 
     def close(self) -> None:
         """Stop the watcher without an answer (the job never started)."""
@@ -368,11 +394,15 @@ def gpus_of(slots: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def report_job(job: JobRecord, env: Mapping[str, str]) -> dict[str, Any]:
-    """Drop the job's record into the daemon's inbox; says where, or why not."""
+def report_job(job: JobRecord, env: Mapping[str, str], unattested: str = ""
+               ) -> dict[str, Any]:
+    """Drop the job's record into the daemon's inbox; says where, or why not (and, with
+    ``unattested``, why no daemon attested the run: such a record decides nothing)."""
     folder = default_state_dir(env) / JOB_INBOX
+    said = {"attested": None, "unattested": unattested} if unattested else {}
     if not folder.parent.is_dir():
-        return {"path": None, "error": f"no daemon state directory at {folder.parent}"}
+        return {"path": None, **said,
+                "error": f"no daemon state directory at {folder.parent}"}
     name = f"{time.time_ns()}-{job.pid}"
     tmp, final = folder / f".{name}.tmp", folder / f"{name}.json"
     try:
@@ -386,8 +416,9 @@ def report_job(job: JobRecord, env: Mapping[str, str]) -> dict[str, Any]:
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        return {"path": None, "error": f"cannot write into {folder}: {e.strerror or e}"}
-    return {"path": str(final), "error": None}
+        return {"path": None, **said,
+                "error": f"cannot write into {folder}: {e.strerror or e}"}
+    return {"path": str(final), **said, "error": None}
 
 
 def window_xids(events: Sequence[JobEvent], window: Window) -> list[tuple[str | None, int]]:
@@ -408,7 +439,10 @@ def close_attribution(gpu_events: GpuEvents, closeout: Closeout, argv: Sequence[
                     socket.gethostname(), window.start, window.end, exit_code,
                     tuple(sorted(window.gpus)), attribution,
                     closeout.artifacts.get("closeout_json"), used)
+    handed = gpu_events.hand_over(job)
+    reported = handed if handed is not None else report_job(
+        job, env, gpu_events.unannounced if window.gpus else "")
     # The window too, so that `gpudiag explain --run` can ask the history about it later.
     return replace(closeout, attribution={**attribution.record(), "window": {
         "start": window.start, "end": window.end, "gpus": sorted(window.gpus)}},
-        job_record=report_job(job, env), gpu_usage=used)
+        job_record=reported, gpu_usage=used)
