@@ -14,11 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpudiag.core.attribution import (
     JOB_INBOX,
     Attribution,
-    JobEvent,
     JobRecord,
-    Source,
     Window,
-    attribute,
     xid_event,
 )
 from gpudiag.core.findings import XidEvent
@@ -26,16 +23,11 @@ from gpudiag.daemon.explain import explain
 from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.store import HistoryStore
 from tests.support.host import run_gpudiag
+from tests.support.run import job_record
 
 GPU = "GPU-f00d0000-0000-4000-8000-000000000000"
 
 
-def _job(pid: int, events: list[JobEvent], exit_code: int = 1, slurm: str | None = None,
-         started: float = 100.0) -> JobRecord:
-    window = Window(started, started + 10, frozenset({GPU}))
-    got = attribute(exit_code, window, events, [Source("run watcher", True)])
-    return JobRecord(pid, pid + 1, ("python", "train.py"), slurm, "node1", window.start,
-                     window.end, exit_code, (GPU,), got, None)
 
 
 def test_the_store_keeps_xids_and_jobs_and_prunes_them_with_the_history(tmp_path: Path) -> None:
@@ -44,7 +36,7 @@ def test_the_store_keeps_xids_and_jobs_and_prunes_them_with_the_history(tmp_path
     store.record_xids([XidEvent(79, 0, GPU, 105.0)])
     store.record_xids([XidEvent(13, 1, None, 2000.0)])
     assert [(x.xid, x.uuid) for x in store.xids(since=100.0, until=200.0)] == [(79, GPU)]
-    job = _job(10, [xid_event(105.0, 79, GPU, "watcher")], slurm="77")
+    job = job_record(10, [xid_event(105.0, 79, GPU, "watcher")], slurm="77")
     store.record_job(ts=job.ended, uid=0, pid=job.pid, slurm_job_id=job.slurm_job_id,
                      started=job.started, ended=job.ended, attribution=job.attribution.kind,
                      record=job.record())
@@ -62,8 +54,8 @@ def test_the_inbox_counts_keeps_and_removes_records(tmp_path: Path) -> None:
     inbox = JobInbox(tmp_path, record=lambda job, uid, *how: record_job(store, job, uid, *how))
     inbox.prepare()
     assert stat.S_IMODE(inbox.folder.stat().st_mode) == 0o1733
-    jobs = [_job(10, [xid_event(105.0, 79, GPU, "watcher")]), _job(20, []),
-            _job(30, [], exit_code=0)]
+    jobs = [job_record(10, [xid_event(105.0, 79, GPU, "watcher")]), job_record(20, []),
+            job_record(30, [], exit_code=0)]
     for i, job in enumerate(jobs):
         (inbox.folder / f"{i}.json").write_text(json.dumps(job.record()))
     (inbox.folder / "9.json").write_text("{not json")
@@ -91,7 +83,7 @@ def test_a_record_the_history_cannot_keep_stays_in_the_inbox_counted_once(
 
     inbox = JobInbox(tmp_path, record=keep)
     inbox.prepare()
-    (inbox.folder / "1.json").write_text(json.dumps(_job(10, []).record()))
+    (inbox.folder / "1.json").write_text(json.dumps(job_record(10, []).record()))
     assert len(inbox.poll()) == 1 and len(inbox.poll()) == 0
     assert inbox.counts()["application"] == 1 and (inbox.folder / "1.json").exists()
     ok[0] = True
@@ -104,7 +96,7 @@ def test_the_inbox_refuses_links_and_folders(tmp_path: Path) -> None:
     inbox = JobInbox(tmp_path, record=lambda job, uid, *how: True)
     inbox.prepare()
     target = tmp_path / "elsewhere.json"
-    target.write_text(json.dumps(_job(10, []).record()))
+    target.write_text(json.dumps(job_record(10, []).record()))
     (inbox.folder / "link.json").symlink_to(target)
     (inbox.folder / "dir.json").mkdir()
     assert inbox.poll() == [] and inbox.poll() == []

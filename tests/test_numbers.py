@@ -87,9 +87,9 @@ def test_blocks_and_jobs_from_the_inbox_are_counted_and_their_energy_observed(
     inbox.prepare()
     block = BlockRecord(10, "gpu_lost", ("gpu_lost",), 100.0, "77")
     (inbox.folder / "1.json").write_text(json.dumps(block.record()))
-    from tests.test_attribution_daemon import _job
+    from tests.support.run import job_record
 
-    job = _job(20, [])
+    job = job_record(20, [])
     job = type(job)(**{**job.__dict__, "gpu_usage": (GpuUsage(UUIDS[0], 1500.0, 2**30),)})
     (inbox.folder / "2.json").write_text(json.dumps(job.record()))
     assert [j.pid for j in inbox.poll()] == [20]
@@ -259,7 +259,7 @@ def test_xids_are_timed_to_their_verdict_false_blockers_counted_and_history_foll
 @pytest.mark.slow
 def test_a_run_shows_one_allocation_series_then_closes_out_with_energy_and_a_refusal_counts(
         fakes: FakeDriver, tmp_path: Path) -> None:
-    from tests.test_attribution_runs import Rig
+    from tests.support.run import Rig
 
     rig = Rig(fakes, tmp_path)
     rig.knobs["FAKE_NVML_POWER_MW"] = "0:300000,1:300000"

@@ -3,7 +3,7 @@ fault, within seconds, with an owned reason, and undoes only its own drain, afte
 a fresh pass; with observe mode, the killswitch, the fleet guard and Slurm failing.
 
 The daemon runs in-process (DaemonService, the object `gpudiag serve` runs) on the fake
-driver; the cluster is tests/test_slurm.py's, with its HealthCheckProgram paused (its inline
+driver; the cluster is tests/support/slurm.py's, with its HealthCheckProgram paused (its inline
 probes cannot see XIDs and would resume every drain at once).
 """
 
@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from gpudiag.engine.locks import release, try_lock
-from tests import test_slurm
+from tests.support import slurm
 from tests.support.daemon import Daemon, daemon_toml, metric_samples
-from tests.test_slurm import RealSlurm
+from tests.support.slurm import RealSlurm
 
-real_slurm = test_slurm.real_slurm  # the module-scoped cluster fixture (a cluster per module)
+real_slurm = slurm.real_slurm  # the module-scoped cluster fixture (a cluster per module)
 
 GPU0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 OWN_LOST = "gpudiag:node:gpu_lost:GPU-f00d0000"
@@ -382,18 +382,18 @@ def test_check_config_checks_the_node_name_against_slurm(
     assert said in proc.stdout
 
 
-node = test_slurm.node  # the stand-in scontrol's node (tests/test_slurm.py)
+node = slurm.node  # the stand-in scontrol's node (tests/support/slurm.py)
 
 
 @pytest.mark.parametrize("knobs", [{}, {"FAKE_CUDA_INIT_ERROR": "999"}],
                          ids=["ready", "blocked"])
 def test_the_slurm_scripts_leave_the_daemons_drain_to_the_daemon(
-        node: test_slurm.SlurmNode, knobs: dict[str, str]) -> None:
+        node: slurm.SlurmNode, knobs: dict[str, str]) -> None:
     """The health check neither resumes nor rewrites `gpudiag:node:...`: a rewrite would read
     as an operator undoing it, and resuming an `inspect` drain would defeat the attempt cap."""
     for reason in (OWN_LOST, "gpudiag:inspect:gpu_lost:GPU-f00d0000"):
         node.set(state="IDLE+DRAIN", reason=reason)
-        out = node.run(test_slurm.HEALTHCHECK, knobs)
+        out = node.run(slurm.HEALTHCHECK, knobs)
         assert out.returncode == 0, out.stderr
         assert out.updates == [] and out.state["reason"] == reason
 
@@ -482,7 +482,7 @@ def test_a_running_job_finishes_on_the_drained_node_and_sinfo_dates_the_drain(
         s.set_gpus(FAKE_NVML_XIDS="0:79")
         n.wait("the drain", lambda: drained(s))
         assert "DRAIN" in s.node_field("State") and "DOWN" not in s.node_field("State")
-        n.wait("the job to complete", lambda: test_slurm._job_field(
+        n.wait("the job to complete", lambda: slurm.job_field(
             s, job, "JobState") == "COMPLETED", 60)
         line = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N|%H|%E"],
                               env=s.env, capture_output=True, text=True, timeout=30,

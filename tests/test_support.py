@@ -51,21 +51,10 @@ def test_helper_modules_live_under_tests_support() -> None:
     assert loose == [], f"move {loose} to tests/support/"
 
 
-# Round 4's merges left these imports of one test module from another; each is to move into
-# tests/support/ (a pending tidy, said in CHANGELOG.md): listed so no new one comes in.
-PENDING_MOVES = frozenset({
-    ("tests/test_numbers.py", "tests.test_attribution_runs"),
-    ("tests/test_numbers.py", "tests.test_attribution_daemon"),
-    ("tests/test_remediation_slurm.py", "tests.test_slurm"),
-})
-
-
 def test_nothing_imports_a_test_module_or_conftest() -> None:
     bad = []
     for path in _python_files():
         for name in _imported(path):
-            if (path.relative_to(ROOT).as_posix(), name) in PENDING_MOVES:
-                continue
             parts = name.split(".")
             if parts[0] != "tests" or len(parts) < 2:
                 continue
