@@ -972,3 +972,73 @@ def test_attested_runs_by_the_hundred_keep_the_history_bound_and_its_verdicts(
     assert size <= limit and 0 < len(jobs) < 400
     assert {v["id"] for v in before["verdicts"]} <= ids  # no verdict change was dropped
     assert all(j.attested == "socket" and j.uid == NOBODY for j in jobs)
+
+
+def _restart(rig: NodeRig, tmp_path: Path) -> None:
+    """Stop the node's daemon and start it again on the same state, socket and config."""
+    from tests.support.daemon import Daemon
+
+    rig.daemon.stop()
+    rig.daemon = Daemon(rig.env, tmp_path / "gpudiag.toml", rig.state,
+                        extra_args=("--socket", str(rig.sock)))
+    rig.daemon.wait_ready()
+
+
+def _nobody_job(rig: NodeRig, slurm_job: str, started: Path, go: Path
+                ) -> subprocess.Popen[str]:
+    """uid 65534's `gpudiag run` on the daemon's socket, its job waiting for ``go``."""
+    return subprocess.Popen(nobody_argv(
+        rig.python, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts",
+        str(rig.shared / f"runs-{slurm_job}"), "--", "sh", "-c",
+        f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"),
+        env=rig.nobody_env(SLURM_JOB_ID=slurm_job), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_a_run_attested_before_a_daemon_restart_is_still_attested_after_it(
+        node: NodeRig, tmp_path: Path) -> None:
+    from tests.support.daemon import wait_for
+
+    rig = node
+    started, go = rig.shared / "job-started", rig.shared / "job-go"
+    job = _nobody_job(rig, "79", started, go)
+    try:
+        wait_for(lambda: started.exists() or job.poll() is not None, 60)
+        assert job.poll() is None, job.communicate()
+        kept = json.loads((rig.state / "open-runs.json").read_text())
+        assert [r["uid"] for r in kept["runs"]] == [NOBODY], kept
+        # The daemon restarts while the job runs; the kernel still says the run's process
+        # holds its GPU's lock, so the new daemon opens the run again.
+        _restart(rig, tmp_path)
+        assert any("still running: open again" in line for line in rig.daemon.lines)
+        go.touch()
+        _, err = job.communicate(timeout=60)
+    finally:
+        stop(job)
+    assert job.returncode == 0, err
+    closeout = json.loads((run_folder(rig.shared / "runs-79") / "closeout.json").read_text())
+    assert closeout["job_record"]["attested"] == "socket", closeout["job_record"]
+    assert json.loads((rig.state / "open-runs.json").read_text())["runs"] == []
+    kv = run_gpudiag(["explain", "--slurm-job", "79", "--job-uid", str(NOBODY), "--state-dir",
+                      str(rig.state), "--format", "kv"], {"PATH": "/usr/bin:/bin"})
+    assert "attested=socket" in kv.stdout, kv.stdout
+
+
+def test_a_run_that_ended_while_the_daemon_was_away_is_not_opened_again(
+        node: NodeRig, tmp_path: Path) -> None:
+    from tests.support.daemon import wait_for
+
+    rig = node
+    started, go = rig.shared / "job-started", rig.shared / "job-go"
+    job = _nobody_job(rig, "80", started, go)
+    try:
+        wait_for(lambda: started.exists() or job.poll() is not None, 60)
+        rig.daemon.stop()
+        # The job ends (its locks with it) while no daemon runs: its end cannot be said.
+        go.touch()
+        job.communicate(timeout=60)
+    finally:
+        stop(job)
+    _restart(rig, tmp_path)
+    assert json.loads((rig.state / "open-runs.json").read_text())["runs"] == []
+    assert not any("open again" in line for line in rig.daemon.lines)

@@ -54,6 +54,7 @@ from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.usage import usages_of
+from gpudiag.daemon import open_runs
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.store import HistoryError, HistoryStore
 from gpudiag.engine.locks import kernel_locks, locked_by
@@ -212,13 +213,36 @@ class RunWindows:
     """The open and recently ended runs; begin/end from the HTTP API, poll each loop."""
 
     def __init__(self, lock_dir: Path, history: Callable[[], HistoryStore | None], *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, kept: Path | None = None) -> None:
+        """``kept``: where the open runs are written, to be read back after a restart
+        (daemon/open_runs.py); None keeps them in memory only."""
         self.lock_dir = lock_dir
         self._history = history
         self._clock = clock
+        self._kept = kept
         self._lock = threading.Lock()
         self._open: dict[str, OpenRun] = {}
         self._recent: deque[EndedRun] = deque(maxlen=RECENT_RUNS)
+
+    def restore(self) -> int:
+        """Open again the runs an earlier daemon attested that are still running (the kernel
+        checks each again: daemon/open_runs.py); how many."""
+        if self._kept is None:
+            return 0
+        back = open_runs.restore(self._kept, self.lock_dir, start_time)
+        with self._lock:
+            for r in back:
+                peer = Peer(r.uid, r.pid, r.started_at, r.pidfd)
+                self._open[r.id] = OpenRun(r.id, peer, r.began, r.gpus, r.slurm_job_id)
+            self._save()
+        return len(back)
+
+    def _save(self) -> None:
+        """Keep the open runs for a restart (called with ``_lock`` held)."""
+        if self._kept is not None:
+            open_runs.save(self._kept, [open_runs.Restored(
+                r.id, r.peer.uid, r.peer.pid, r.peer.started_at, None, r.began, r.gpus,
+                r.slurm_job_id) for r in self._open.values()])
 
     def begin(self, peer: Peer, gpus: Sequence[str], slurm_job_id: str | None) -> OpenRun:
         """Open a run for ``peer`` on the GPUs it holds locked; RunRefused otherwise. The
@@ -242,6 +266,7 @@ class RunWindows:
                                  f"{MAX_OPEN_RUNS} and {MAX_OPEN_PER_UID} per uid")
             run = OpenRun(secrets.token_hex(8), peer, self._clock(), held, slurm_job_id)
             self._open[run.id] = run
+            self._save()
         return run
 
     def end(self, peer: Peer, run_id: str, report: RunReport) -> tuple[OpenRun, JobRecord]:
@@ -251,7 +276,7 @@ class RunWindows:
             run = self._open.get(run_id)
         if run is None:
             raise RunRefused(404, "unknown_run", f"no open run {run_id[:40]!r} (ended "
-                             "already, or begun before this daemon started)")
+                             "already, or it ended while the daemon was away)")
         same = (peer.uid, peer.pid) == (run.peer.uid, run.peer.pid)
         if not same or (run.peer.pidfd is not None and exited(run.peer.pidfd)) or (
                 run.peer.started_at is not None and peer.started_at != run.peer.started_at):
@@ -264,6 +289,7 @@ class RunWindows:
         with self._lock:
             if self._open.pop(run.id, None) is None:
                 return
+            self._save()
             self._recent.append(EndedRun(run.id, run.peer.uid, run.peer.pid, run.began,
                                          ended, run.gpus, run.slurm_job_id, kept))
         if run.peer.pidfd is not None:

@@ -53,6 +53,7 @@ from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.numbers import Numbers, NumbersCollector
+from gpudiag.daemon.open_runs import OPEN_RUNS_FILE
 from gpudiag.daemon.qualify_exporter import QualificationCollector
 from gpudiag.daemon.qualify_queue import known_gpus
 from gpudiag.daemon.qualify_schedule import Qualifier, QualifierState
@@ -339,7 +340,8 @@ class DaemonService:
         the runs' attested windows are checked against the GPU locks in ``lock_dir``."""
         clears = ClearPoller(self.state_dir, release=watcher.clear,
                              record=partial(self._cleared, recorder), recheck=self._recheck)
-        runs = RunWindows(lock_dir, partial(_open_store, recorder))
+        runs = RunWindows(lock_dir, partial(_open_store, recorder),
+                          kept=self.state_dir / OPEN_RUNS_FILE)
         jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder),
                         on_job=self._numbers.job, on_block=self._numbers.blocked, runs=runs)
         try:
@@ -347,6 +349,9 @@ class DaemonService:
             jobs.prepare()
         except OSError as e:
             raise StartError(f"cannot use --state-dir {self.state_dir}: {e}") from e
+        if again := runs.restore():
+            log.info("%d attested run(s) from before this start still running: open again",
+                     again)
         return clears, jobs
 
     def _lock_dir(self) -> LockDirChoice:
