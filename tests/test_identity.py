@@ -1042,3 +1042,40 @@ def test_a_run_that_ended_while_the_daemon_was_away_is_not_opened_again(
     _restart(rig, tmp_path)
     assert json.loads((rig.state / "open-runs.json").read_text())["runs"] == []
     assert not any("open again" in line for line in rig.daemon.lines)
+
+
+def test_an_xid_on_the_gpu_of_a_mig_run_is_in_its_attested_window(
+        node: NodeRig, tmp_path: Path) -> None:
+    """A MIG run locks its instance; the XID names the physical GPU: the daemon's attested
+    window covers both, so the run is a hardware failure and its Epilog drains."""
+    from tests.support.daemon import wait_for
+
+    rig = node
+    mig = "MIG-f00d0000-0000-4000-8000-000000000000"  # GPU 0's first instance
+    knobs = {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_MIG": "0:2"}
+    write_state_file(rig.state_file, {**knobs, "FAKE_NVML_XIDS": ""})
+    rig.state_file.chmod(0o644)
+    time.sleep(2.0)  # a few of the daemon's NVML rounds (every 0.5 s here) see the instances
+    started, go = rig.shared / "job-started", rig.shared / "job-go"
+    job = subprocess.Popen(nobody_argv(
+        rig.python, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts",
+        str(rig.shared / "runs-81"), "--", "sh", "-c",
+        f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"),
+        env=rig.nobody_env(SLURM_JOB_ID="81", CUDA_VISIBLE_DEVICES=mig), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for(lambda: started.exists() or job.poll() is not None, 60)
+        assert job.poll() is None, job.communicate()
+        write_state_file(rig.state_file, {**knobs, "FAKE_NVML_XIDS": "0:79"})
+        rig.state_file.chmod(0o644)
+        wait_for(lambda: _history_xids(rig), 20)
+        go.touch()
+        _, err = job.communicate(timeout=60)
+    finally:
+        stop(job)
+    closeout = json.loads((run_folder(rig.shared / "runs-81") / "closeout.json").read_text())
+    assert closeout["job_record"]["attested"] == "socket", (closeout["job_record"], err)
+    kv = run_gpudiag(["explain", "--slurm-job", "81", "--job-uid", str(NOBODY), "--state-dir",
+                      str(rig.state), "--format", "kv"], {"PATH": "/usr/bin:/bin"})
+    assert "attested=socket" in kv.stdout and "attribution=hardware" in kv.stdout, kv.stdout
+    assert _epilog(rig, tmp_path, "81", NOBODY) != []

@@ -213,13 +213,17 @@ class RunWindows:
     """The open and recently ended runs; begin/end from the HTTP API, poll each loop."""
 
     def __init__(self, lock_dir: Path, history: Callable[[], HistoryStore | None], *,
-                 clock: Callable[[], float] = time.time, kept: Path | None = None) -> None:
+                 clock: Callable[[], float] = time.time, kept: Path | None = None,
+                 mig_parents: Callable[[], Mapping[str, str]] = dict) -> None:
         """``kept``: where the open runs are written, to be read back after a restart
-        (daemon/open_runs.py); None keeps them in memory only."""
+        (daemon/open_runs.py); None keeps them in memory only. ``mig_parents``: each MIG
+        instance's physical GPU as the daemon's NVML reading has it (an XID names the GPU,
+        a MIG run locks its instance: its window covers both)."""
         self.lock_dir = lock_dir
         self._history = history
         self._clock = clock
         self._kept = kept
+        self._mig_parents = mig_parents
         self._lock = threading.Lock()
         self._open: dict[str, OpenRun] = {}
         self._recent: deque[EndedRun] = deque(maxlen=RECENT_RUNS)
@@ -351,7 +355,11 @@ class RunWindows:
 
     def _job(self, run: OpenRun, ended: float, report: RunReport) -> JobRecord:
         """The run's job record: the attested window, the daemon's attribution, its word."""
-        window = Window(run.began, ended, frozenset(run.gpus))
+        parents = self._mig_parents()
+        # Its leaves and their physical GPUs, as a runner's own record names them (an XID
+        # names the GPU; a MIG run locks its instance).
+        gpus = tuple(dict.fromkeys([*run.gpus, *(parents[g] for g in run.gpus if g in parents)]))
+        window = Window(run.began, ended, frozenset(gpus))
         store = self._history()
         if store is None:
             got = attribute(report.exit_code, window, [], [Source(
@@ -364,7 +372,7 @@ class RunWindows:
                     "daemon history", False, str(e))])
         return JobRecord(run.peer.pid, report.child_pid, report.argv, run.slurm_job_id,
                          socket.gethostname(), run.began, ended, report.exit_code,
-                         run.gpus, got, report.closeout, usages_of(report.gpu_usage))
+                         gpus, got, report.closeout, usages_of(report.gpu_usage))
 
 
 class RefusedRecords:

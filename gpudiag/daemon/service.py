@@ -341,7 +341,7 @@ class DaemonService:
         clears = ClearPoller(self.state_dir, release=watcher.clear,
                              record=partial(self._cleared, recorder), recheck=self._recheck)
         runs = RunWindows(lock_dir, partial(_open_store, recorder),
-                          kept=self.state_dir / OPEN_RUNS_FILE)
+                          kept=self.state_dir / OPEN_RUNS_FILE, mig_parents=self._mig_parents)
         jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder),
                         on_job=self._numbers.job, on_block=self._numbers.blocked, runs=runs)
         try:
@@ -444,6 +444,13 @@ class DaemonService:
         """The GPU and MIG leaves the daemon sees now (None before its first reading)."""
         scope = self._scheduler.snapshot().scope if self._scheduler is not None else None
         return set(scope.occupancy) if scope is not None else None
+
+    def _mig_parents(self) -> dict[str, str]:
+        """Each MIG instance's physical GPU, from the latest NVML reading (none before it)."""
+        result = self._scheduler.snapshot().result("nvml") if self._scheduler else None
+        nvml = result.run.nvml if result is not None else None
+        return {mig: d.uuid for d in (nvml.devices if nvml else ()) if d.uuid
+                for mig in d.mig_uuids}
 
     def _recheck(self) -> None:
         """A clear re-runs the probes (it comes from the scheduler's own tick, so it exists)."""
