@@ -17,7 +17,8 @@
 # On a GPU-less host it still runs and every check is a blocker record (never a pass).
 #
 # Knobs (environment): GPUDIAG_VALIDATE_ONLY=probe,jaxmem,timings,faults,daemon,run,iree,
-# occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
+# occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,identity,texts (default
+# all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
 # GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
 # tests/fakes tree for the texts' fake side; default: built here when gcc is present);
 # GPUDIAG_VALIDATE_HOLDER (a command that holds GPU 0 and prints a "holding" line; default
@@ -629,6 +630,62 @@ if want runtimes; then
     else
         result runtime-proven fail "the daemon with a runtime did not become ready (runtime-daemon.log)"
         daemon_stop
+    fi
+fi
+
+# 12. Round 4: kernel facts decide (issue 38). Another uid (65534) holds a context on GPU 0
+# from a process whose command line reads `python3 -m gpudiag.probes cuda`, as a probe's does:
+# gpudiag must take it for a user of the GPU (busy), never for a sibling probe, and make no
+# context of its own there.
+if want identity; then
+    section "identity: another user's process named like a probe"
+    idn=$OUT/identity
+    mkdir -p "$idn/disguise/gpudiag/probes"
+    : >"$idn/disguise/gpudiag/__init__.py"
+    : >"$idn/disguise/gpudiag/probes/__init__.py"
+    cp "$REPO/scripts/gpu_validate.py" "$idn/disguise/gpu_validate.py"
+    printf 'import runpy, sys\nsys.argv = ["gpu_validate.py", "hold", "--mib", "512", "--max-s", "120"]\nrunpy.run_path(%s, run_name="__main__")\n' \
+        "'$idn/disguise/gpu_validate.py'" >"$idn/disguise/gpudiag/probes/__main__.py"
+    chmod -R a+rX "$idn/disguise"
+    # A Python the other uid can run (this one may sit under a home it cannot enter).
+    sys_py=/usr/bin/python3
+    [[ -x $sys_py ]] || sys_py=$(command -v python3)
+    if ! command -v setpriv >/dev/null || [[ $(id -u) -ne 0 ]]; then
+        result identity-disguised-user blocked "needs root and setpriv to run a second uid"
+    else
+        (cd / && exec setpriv --reuid 65534 --regid 65534 --clear-groups env -i \
+            PATH=/usr/bin:/bin PYTHONPATH="$idn/disguise" ${first_uuid:+CUDA_VISIBLE_DEVICES=$first_uuid} \
+            "$sys_py" -m gpudiag.probes cuda) >"$idn/helper.out" 2>"$idn/helper.err" </dev/null &
+        helper_pid=$!
+        for ((i = 0; i < 300; i++)); do
+            grep -q '^holding' "$idn/helper.out" 2>/dev/null && break
+            kill -0 "$helper_pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        [[ -r /proc/$helper_pid/cmdline ]] && tr '\0' ' ' <"/proc/$helper_pid/cmdline" >"$idn/helper-cmdline.txt"
+        if ! grep -q '^holding' "$idn/helper.out" 2>/dev/null; then
+            result identity-disguised-user blocked "uid 65534 could not hold GPU 0: $(cat "$idn/helper.out" "$idn/helper.err" | head -c 300 | tr '\n' ' ')"
+        else
+            held_at=$(date +%s.%N)
+            nvidia-smi --query-compute-apps=pid --format=csv,noheader >"$idn/apps-baseline.txt" 2>&1
+            "${GV[@]}" watch-apps "$idn/apps-watch.json" --root $$ --helper "$helper_pid" \
+                --baseline "$idn/apps-baseline.txt" --since "$held_at" 2>"$idn/apps-watch.stderr" &
+            watch_pid=$!
+            env ${first_uuid:+CUDA_VISIBLE_DEVICES=$first_uuid} timeout 120 "$PY" -m gpudiag preflight \
+                --no-daemon --require cuda --gpus 1 --format json >"$idn/inline-preflight.json" 2>"$idn/inline.stderr"
+            rc=$? got=$(blocker_of "$idn/inline-preflight.json")
+            state=$(field "$idn/inline-preflight.json" devices.0.occupancy)
+            ok=1; [[ $rc -eq 1 && $got == devices_busy && $state == busy ]] && ok=0
+            pass_if identity-disguised-user-is-busy "$ok" "helper argv: $(cat "$idn/helper-cmdline.txt"); exit $rc blocker=$got devices[0].occupancy=$state (expected 1, devices_busy, busy)"
+            kill -TERM "$watch_pid" 2>/dev/null
+            wait "$watch_pid" 2>/dev/null
+            unset watch_pid
+            read -r status detail < <("${GV[@]}" judge-apps "$idn/apps-watch.json")
+            result identity-no-context "$status" "$detail"
+        fi
+        kill -TERM "$helper_pid" 2>/dev/null
+        wait "$helper_pid" 2>/dev/null
+        unset helper_pid
     fi
 fi
 

@@ -82,12 +82,13 @@ def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
                  "iree-module", "occupancy-helper", "texts", "together-idle", "together-busy",
                  "together-xid-restart", "nvml-signals", "qualify-quick", "qualify-full",
                  "qualify-abort", "qualify-sdc", "qualify-sdc-determinism",
-                 "attribution-application", "attribution-xid", "image-probe"):
+                 "attribution-application", "attribution-xid", "image-probe",
+                 "identity-disguised-user"):
         assert name in checks, f"{name} missing from checks.tsv:\n{summary}"
     assert {status for status, _ in checks.values()} == {"blocked"}, summary
     # Blocked for a reason of their own (a helper that needs a GPU, a real XID, an image).
     own_reason = {"occupancy-helper", "together-busy", "together-xid-restart",
-                  "attribution-xid", "image-probe"}
+                  "attribution-xid", "image-probe", "identity-disguised-user"}
     assert all(detail.startswith("no GPU") or name in own_reason
                for name, (_, detail) in checks.items()), summary
     assert "result: BLOCKED: no GPU" in summary
