@@ -99,9 +99,10 @@ class OpenRun:
 
     id: str
     peer: Peer
-    began: float
+    began: float  # the daemon's own clock when the run announced itself
+    # The locks the kernel said the run's process held at its begin (GPUs or MIG leaves).
     gpus: tuple[str, ...]
-    slurm_job_id: str | None
+    slurm_job_id: str | None  # the run's own word: checked only against its owner's uid
 
 
 @dataclass(frozen=True)
