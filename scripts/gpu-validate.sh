@@ -640,13 +640,16 @@ fi
 if want identity; then
     section "identity: another user's process named like a probe"
     idn=$OUT/identity
-    mkdir -p "$idn/disguise/gpudiag/probes"
-    : >"$idn/disguise/gpudiag/__init__.py"
-    : >"$idn/disguise/gpudiag/probes/__init__.py"
-    cp "$REPO/scripts/gpu_validate.py" "$idn/disguise/gpu_validate.py"
+    mkdir -p "$idn"
+    # The disguise lives where the other uid can read it ($OUT may sit in a closed folder).
+    disguise=$(mktemp -d /tmp/gpudiag-validate-disguise.XXXXXX)
+    mkdir -p "$disguise/gpudiag/probes"
+    : >"$disguise/gpudiag/__init__.py"
+    : >"$disguise/gpudiag/probes/__init__.py"
+    cp "$REPO/scripts/gpu_validate.py" "$disguise/gpu_validate.py"
     printf 'import runpy, sys\nsys.argv = ["gpu_validate.py", "hold", "--mib", "512", "--max-s", "120"]\nrunpy.run_path(%s, run_name="__main__")\n' \
-        "'$idn/disguise/gpu_validate.py'" >"$idn/disguise/gpudiag/probes/__main__.py"
-    chmod -R a+rX "$idn/disguise"
+        "'$disguise/gpu_validate.py'" >"$disguise/gpudiag/probes/__main__.py"
+    chmod -R a+rX "$disguise"
     # A Python the other uid can run (this one may sit under a home it cannot enter).
     sys_py=/usr/bin/python3
     [[ -x $sys_py ]] || sys_py=$(command -v python3)
@@ -654,7 +657,7 @@ if want identity; then
         result identity-disguised-user blocked "needs root and setpriv to run a second uid"
     else
         (cd / && exec setpriv --reuid 65534 --regid 65534 --clear-groups env -i \
-            PATH=/usr/bin:/bin PYTHONPATH="$idn/disguise" ${first_uuid:+CUDA_VISIBLE_DEVICES=$first_uuid} \
+            PATH=/usr/bin:/bin PYTHONPATH="$disguise" ${first_uuid:+CUDA_VISIBLE_DEVICES=$first_uuid} \
             "$sys_py" -m gpudiag.probes cuda) >"$idn/helper.out" 2>"$idn/helper.err" </dev/null &
         helper_pid=$!
         for ((i = 0; i < 300; i++)); do
@@ -687,6 +690,7 @@ if want identity; then
         wait "$helper_pid" 2>/dev/null
         unset helper_pid
     fi
+    rm -rf "$disguise"
 fi
 
 # 9. Real texts: what NVML, the driver, the JAX CUDA plugin and IREE's CUDA HAL print for the

@@ -18,6 +18,7 @@ import pytest
 from gpudiag.core.attribution import JOB_INBOX, JobRecord, Source, Window, attribute, xid_event
 from tests.fakes.build import write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
+from tests.support import slurm
 from tests.support.host import clean_env
 from tests.support.prometheus import start_daemon
 from tests.support.run import run_folder
@@ -35,6 +36,10 @@ from tests.support.slurm import (
     job_field,
 )
 
+# The fixtures (tests/support/slurm.py), taken by name: the stand-in scontrol's node, and the
+# real cluster (module-scoped: one per module that names it).
+node = slurm.node
+real_slurm = slurm.real_slurm
 
 def drain_calls(out: Outcome) -> list[list[str]]:
     return [c for c in out.updates if "State=DRAIN" in c]
