@@ -1052,7 +1052,7 @@ def test_an_xid_on_the_gpu_of_a_mig_run_is_in_its_attested_window(
 
     rig = node
     mig = "MIG-f00d0000-0000-4000-8000-000000000000"  # GPU 0's first instance
-    knobs = {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_MIG": "0:2"}
+    knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_MIG": "0:2"}
     write_state_file(rig.state_file, {**knobs, "FAKE_NVML_XIDS": ""})
     rig.state_file.chmod(0o644)
     time.sleep(2.0)  # a few of the daemon's NVML rounds (every 0.5 s here) see the instances
