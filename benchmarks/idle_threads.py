@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.runtimes import cpu_s, get, runs_done  # noqa: E402
+from benchmarks.runtimes import cpu_s, runs_done, start_daemon  # noqa: E402
 from tests.fakes.build import build_fakes  # noqa: E402
 from tests.support.host import clean_env, make_host_dirs  # noqa: E402
 from tests.support.venvs import make_venv  # noqa: E402
@@ -73,21 +72,9 @@ def _threads(pid: int) -> dict[str, float]:
 def measure(tmp: Path, env: dict[str, str], config: str, want_runs: int, idle_s: float
             ) -> dict[str, float]:
     """Percent of a core over the window: the tree, each thread, each child."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    sock = tmp / "d.sock"
-    (tmp / "d.toml").write_text(f'listen = "127.0.0.1:0"\nsocket = "{sock}"\n' + config)
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, "serve", "--config",
-                             str(tmp / "d.toml"), "--state-dir", str(tmp / "state")],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, sock = start_daemon(tmp, env, sys.executable, config,
+                              head=[sys.executable, "-c", LAUNCHER])
     try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end:
-            try:
-                if get(sock, "/readyz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
         end = time.monotonic() + 300
         while want_runs and not runs_done(sock, want_runs) and time.monotonic() < end:
             time.sleep(0.5)

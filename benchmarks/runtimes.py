@@ -73,13 +73,15 @@ def get(sock: Path, path: str) -> tuple[int, bytes]:
     return int(head.split()[1]), body
 
 
-def start_daemon(tmp: Path, env: dict[str, str], python: str, config: str
-                 ) -> tuple[subprocess.Popen[bytes], Path]:
+def start_daemon(tmp: Path, env: dict[str, str], python: str, config: str,
+                 head: list[str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
+    """`gpudiag serve` (``head``: how to run gpudiag, default ``python -m gpudiag``) on a
+    unix socket in ``tmp``, once /readyz answers."""
     tmp.mkdir(parents=True, exist_ok=True)
     sock = tmp / "d.sock"
     (tmp / "d.toml").write_text(f'listen = "127.0.0.1:0"\nsocket = "{sock}"\n' + config)
-    proc = subprocess.Popen([python, "-m", "gpudiag", "serve", "--config", str(tmp / "d.toml"),
-                             "--state-dir", str(tmp / "state")], env=env,
+    proc = subprocess.Popen([*(head or [python, "-m", "gpudiag"]), "serve", "--config",
+                             str(tmp / "d.toml"), "--state-dir", str(tmp / "state")], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     end = time.monotonic() + 120
     while time.monotonic() < end:

@@ -984,14 +984,14 @@ def _restart(rig: NodeRig, tmp_path: Path) -> None:
     rig.daemon.wait_ready()
 
 
-def _nobody_job(rig: NodeRig, slurm_job: str, started: Path, go: Path
+def _nobody_job(rig: NodeRig, slurm_job: str, started: Path, go: Path, **env: str
                 ) -> subprocess.Popen[str]:
     """uid 65534's `gpudiag run` on the daemon's socket, its job waiting for ``go``."""
     return subprocess.Popen(nobody_argv(
         rig.python, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts",
         str(rig.shared / f"runs-{slurm_job}"), "--", "sh", "-c",
         f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"),
-        env=rig.nobody_env(SLURM_JOB_ID=slurm_job), stdout=subprocess.PIPE,
+        env=rig.nobody_env(SLURM_JOB_ID=slurm_job, **env), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -1057,12 +1057,7 @@ def test_an_xid_on_the_gpu_of_a_mig_run_is_in_its_attested_window(
     rig.state_file.chmod(0o644)
     time.sleep(2.0)  # a few of the daemon's NVML rounds (every 0.5 s here) see the instances
     started, go = rig.shared / "job-started", rig.shared / "job-go"
-    job = subprocess.Popen(nobody_argv(
-        rig.python, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts",
-        str(rig.shared / "runs-81"), "--", "sh", "-c",
-        f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"),
-        env=rig.nobody_env(SLURM_JOB_ID="81", CUDA_VISIBLE_DEVICES=mig), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    job = _nobody_job(rig, "81", started, go, CUDA_VISIBLE_DEVICES=mig)
     try:
         wait_for(lambda: started.exists() or job.poll() is not None, 60)
         assert job.poll() is None, job.communicate()
