@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,14 @@ from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
 from gpudiag.engine.locks import release, try_lock
 from tests.fakes.build import FakeDriver
-from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import (
+    Daemon,
+    daemon_toml,
+    host_env,
+    qualification_outcomes,
+    wait_for,
+    write_config,
+)
 
 UUID0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 UUID1 = "GPU-f00d0001-0000-4000-8000-000000000001"
@@ -144,4 +152,47 @@ def test_a_gpudiag_run_holding_every_gpu_is_busy_to_the_daemon_within_one_nvml_i
         if job is not None and job.poll() is None:
             job.kill()
             job.wait(10)
+        assert daemon.stop() == 0
+
+
+def test_a_gpu_a_qualification_let_go_of_is_free_to_jobs_before_the_next_nvml_reading(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    """A finished qualification makes the daemon look at the locks again at once: a job
+    asking right after is not told ``devices_busy`` for an NVML interval (15 s by default;
+    600 s here, so no reading can come between)."""
+    locks = tmp_path / "locks"
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   GPUDIAG_LOCK_DIR=str(locks))
+    toml = daemon_toml({"backends.nvml": {"interval_s": 600},
+                        "backends.cuda": {"interval_s": 600},
+                        "qualification": {"enabled": False, "tick_s": 0.1}})
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", toml), tmp_path / "state")
+    try:
+        daemon.wait_ready()
+        assert daemon.get("/v1/preflight?require=cuda&gpus=2")[1]["ready"] is True
+        # A qualification holds GPU 0 (its lock and mark, shared) while the daemon reads.
+        held = try_lock(locks, UUID0, purpose="qualify", shared=True)
+        assert held is not None
+        try:
+            rec = daemon.get("/v1/preflight?require=cuda&gpus=2&max_age_s=0")[1]
+        finally:
+            release([held])
+        assert rec["gpu_validation_blocker"] == "devices_busy", rec["blockers"]
+        # The daemon's own qualification of GPU 1 ends: its outcome makes it look again.
+        req = urllib.request.Request(daemon.url + "/v1/qualify?gpus=1", method="POST",
+                                     data=b"")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 202
+        wait_for(lambda: "1" in qualification_outcomes(daemon), 60, interval=0.1)  # GPU 1
+
+        def answer() -> dict[str, Any]:
+            got = daemon.get("/v1/preflight?require=cuda&gpus=2&max_age_s=600")[1]
+            assert isinstance(got, dict)
+            return got
+
+        # The outcome is in /metrics a moment before the look (the same publish).
+        wait_for(lambda: answer()["ready"], 5, interval=0.05)
+        rec = answer()
+        assert {d["occupancy"] for d in rec["devices"]} == {"free"}, rec["devices"]
+    finally:
         assert daemon.stop() == 0

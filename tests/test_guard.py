@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
+from gpudiag.engine import guard
 from gpudiag.engine.guard import claim_free, rotated, touches_gpu
-from gpudiag.engine.locks import release, try_lock
+from gpudiag.engine.locks import holders, release, try_lock
 
 UUIDS = [f"GPU-f00d{i:04x}-0000-4000-8000-00000000{i:04x}" for i in range(4)]
 
@@ -86,3 +89,24 @@ def test_a_gpu_another_probe_is_proving_is_left_alone_but_not_busy(tmp_path: Pat
             assert claim.left_alone == {UUIDS[0]: "probing"}
     finally:
         release([probing])
+
+
+def test_a_sibling_probe_letting_go_between_the_try_and_the_look_is_not_called_locked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race CI met: a sibling's exclusive probe lock is released after our try failed
+    and before the kernel's table was read (no holder then): try again, never "locked"."""
+    sibling = try_lock(tmp_path, UUIDS[0], purpose="probe")
+    assert sibling is not None
+    looked: list[str] = []
+
+    def letting_go(lock_dir: Path, uuid: str, table: object = None) -> object:
+        if not looked:
+            release([sibling])  # it lets go right after our try
+        looked.append(uuid)
+        return holders(lock_dir, uuid)
+
+    monkeypatch.setattr(guard, "holders", letting_go)
+    with claim_free(_occ(FREE), UUIDS[:1], lock_dir=tmp_path, exclusive=UUIDS[:1],
+                    sibling_wait_s=5.0) as claim:
+        assert claim.claimed == (UUIDS[0],), claim.left_alone
+    assert len(looked) == 2

@@ -13,10 +13,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -183,17 +184,30 @@ def test_siblings_exclusive_probe_lock_is_waited_for_not_called_busy(
 
 def _run_after_jobs_release(env: dict[str, str], art: Path, require: str,
                             argv: list[str]) -> tuple[int, dict[str, Any]]:
-    """`gpudiag run --gpus 1` started while jobs hold every GPU; the jobs end 2 s later."""
-    import time
-
+    """`gpudiag run --gpus 1` started while jobs hold every GPU; the jobs end once it says
+    it waits for them (a fixed sleep let a slow start find the GPUs free already)."""
     lock_dir = Path(env["GPUDIAG_LOCK_DIR"])
+    said: list[str] = []
+    waiting = threading.Event()
+
+    def read(stream: IO[str]) -> None:
+        for line in stream:
+            said.append(line)
+            if "waiting up to" in line:
+                waiting.set()
+
     with _jobs_hold(lock_dir, UUIDS):
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpudiag", "run", "--gpus", "1", "--require", require,
              "--no-daemon", "--lock-timeout", "60", "--artifacts", str(art), "--", *argv],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(2.0)
-    _, stderr = proc.communicate(timeout=180)
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert proc.stderr is not None
+        reader = threading.Thread(target=read, args=(proc.stderr,), daemon=True)
+        reader.start()
+        assert waiting.wait(60), f"the run never waited for the jobs:\n{''.join(said)}"
+    proc.wait(timeout=180)
+    reader.join(10)
+    stderr = "".join(said)
     closeout = json.loads((run_folder(art) / "closeout.json").read_text())
     assert isinstance(closeout, dict), stderr
     return proc.returncode, closeout

@@ -27,6 +27,8 @@ log = logging.getLogger("gpudiag.daemon.joblocks")
 SHARED_LOCKED = "under a shared lock that is not a probe's (a qualification or another user)"
 # Every holder holds the qualification mark (engine/locks.Holder.qualifying, the kernel's word).
 QUALIFYING = "under qualification (it stops within 1 s for a job that waits for the GPU)"
+# Why a GPU NVML found FREE is BUSY in the lock view: what a fresh look at the locks revises.
+LOCK_VIEW_WHYS = frozenset({JOB_LOCKED, SHARED_LOCKED, QUALIFYING})
 
 
 class JobLocks:

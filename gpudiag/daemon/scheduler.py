@@ -32,7 +32,7 @@ from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.core.verdict import BackendRequirement, Requirement
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import DaemonConfig
-from gpudiag.daemon.joblocks import JobLocks
+from gpudiag.daemon.joblocks import LOCK_VIEW_WHYS, JobLocks
 from gpudiag.daemon.loop import LoopThread
 from gpudiag.daemon.runtime_health import (
     node_health,
@@ -214,6 +214,7 @@ class Scheduler:
         # proved itself, and a round counter per backend so that JAX and IREE rotate over the
         # free GPUs.
         self._occupancy: dict[str, GpuOccupancy] = {}
+        self._nvml_occupancy: dict[str, GpuOccupancy] = {}  # the latest reading, unmarked
         self._last_seen = LastIdentities()  # a lost GPU's verdict row keeps its last UUID
         self._last_proven: dict[tuple[str, str], float] = {}
         self._backend_gpu: dict[tuple[str, str], str | None] = {}  # (backend, runtime)
@@ -537,8 +538,11 @@ class Scheduler:
                                    rotation=round_index,
                                    probe_busy=self.config.probe_busy_gpus,
                                    sibling_wait_s=DAEMON_SIBLING_WAIT_S))
+            # The round's lock view dates from its claim: a qualification or a job may have
+            # let go meanwhile (published busy, it would stay so until the next reading).
+            occupancy = self._relooked(done.occupancy)
             with self._lock:
-                self._occupancy = done.occupancy
+                self._occupancy = occupancy
                 if backend in done.backend_gpu:
                     self._backend_gpu[(backend, runtime)] = done.backend_gpu[backend]
             return done.runs[backend]
@@ -550,8 +554,8 @@ class Scheduler:
             self._last_seen.learn(run.nvml)
             # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
             # (a job may have no process on its GPU yet): one lock view between readings.
-            self._occupancy = self._job_locks.mark(
-                occupancy_from_nvml(run.nvml, own_process_tree()))
+            self._nvml_occupancy = occupancy_from_nvml(run.nvml, own_process_tree())
+            self._occupancy = self._job_locks.mark(self._nvml_occupancy)
         elif backend == "cuda" and run.ok and run.cuda is not None:
             for dev in run.cuda.devices:
                 if dev.context is not None and dev.context.ok and dev.alloc is not None \
@@ -592,6 +596,30 @@ class Scheduler:
         self._notify(snapshot)
         self._wake.set()
         return snapshot
+
+    def relook_locks(self) -> Snapshot:
+        """The lock view again now, without waiting for the next NVML reading: a
+        qualification just let go of its GPU, and a job asking in the meantime must not be
+        told ``devices_busy`` for an interval (nvml's 15 s by default)."""
+        with self._lock:
+            current = dict(self._occupancy)
+        relooked = self._relooked(current)  # /proc reads, outside the lock
+        with self._lock:
+            if self._occupancy == current:  # no newer reading came in the meantime
+                self._occupancy = relooked
+            snapshot = self._publish_locked()
+        self._notify(snapshot)
+        return snapshot
+
+    def _relooked(self, occupancy: Mapping[str, GpuOccupancy]) -> dict[str, GpuOccupancy]:
+        """``occupancy`` with its lock view taken now: a GPU BUSY only because of its lock
+        gets the latest NVML reading's word back, then the kernel's lock table decides again
+        (a lock still held keeps it BUSY; a FREE GPU whose lock is now held becomes BUSY)."""
+        with self._lock:
+            base = dict(self._nvml_occupancy)
+        return self._job_locks.mark({
+            uuid: base[uuid] if occ.why in LOCK_VIEW_WHYS and uuid in base else occ
+            for uuid, occ in occupancy.items()})
 
     def set_qualification(self, findings: QualificationFindings) -> Snapshot:
         """What the qualifier found enters the verdicts from the next snapshot (this one)."""

@@ -376,6 +376,10 @@ class DaemonService:
             return scope.occupancy if scope is not None else {}
 
         def publish(state: QualifierState) -> None:
+            if not state.running:
+                # The run has let go of its GPUs: jobs must see them free, from the same
+                # snapshot that first shows its outcome.
+                scheduler.relook_locks()
             scheduler.set_qualification(qualification_findings(state.latest.values(),
                                                                block=block))
 
