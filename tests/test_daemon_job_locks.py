@@ -196,3 +196,39 @@ def test_a_gpu_a_qualification_let_go_of_is_free_to_jobs_before_the_next_nvml_re
         assert {d["occupancy"] for d in rec["devices"]} == {"free"}, rec["devices"]
     finally:
         assert daemon.stop() == 0
+
+
+def test_an_inline_probe_proving_a_gpu_beside_the_daemon_is_no_user_of_it(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    """Siblings are not users after every NVML reading too, not only in the busy-GPU round:
+    a probe child of this uid under a holder of the GPU's probe mark (an inline preflight
+    proving GPU 0) leaves it free; once the mark is let go, the same process is a user."""
+    locks = tmp_path / "locks"
+    mark = try_lock(locks, UUID0, purpose="probe", shared=True)  # the preflight's lock and mark
+    assert mark is not None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m",
+                              "gpudiag.probes", "cuda"])  # its probe child, listed on GPU 0
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   GPUDIAG_LOCK_DIR=str(locks), FAKE_NVML_PROCESSES=f"0:{child.pid}:300")
+    toml = daemon_toml({"backends.cuda": {"interval_s": 600}})
+    daemon = Daemon(env, write_config(tmp_path / "gpudiag.toml", toml), tmp_path / "state")
+
+    def gpu0() -> str:
+        rec = daemon.get("/v1/preflight?gpus=2")[1]
+        return str(next(d["occupancy"] for d in rec["devices"] if d["uuid"] == UUID0))
+
+    try:
+        daemon.wait_ready()
+        readings = _nvml_readings(daemon)
+        wait_for(lambda: _nvml_readings(daemon) >= readings + 2, 10)
+        rec = daemon.get("/v1/preflight?gpus=2")[1]
+        assert rec["ready"] is True, rec["blockers"]
+        assert gpu0() == "free"
+        release([mark])  # no probe mark now: the process on GPU 0 is someone's use of it
+        wait_for(lambda: gpu0() == "busy", 10)
+        assert daemon.get("/v1/preflight?gpus=2")[1]["gpu_validation_blocker"] == "devices_busy"
+    finally:
+        release([mark])
+        child.kill()
+        child.wait(10)
+        assert daemon.stop() == 0

@@ -94,7 +94,11 @@ class Rig:
                    GPUDIAG_SYSFS_PCI_DIR=str(self.pci),
                    FAKE_GPU_STATE_FILE=str(self.state), LD_LIBRARY_PATH=str(self.lib),
                    PYTHONPATH=os.pathsep.join([str(self.shadow), str(ROOT.parent)]),
-                   PATH=f"{self.fakes.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+                   PATH=f"{self.fakes.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+                   # Its own lock folder: the daemon outlives each test of this module, and
+                   # under xdist other modules' tests may run in this worker meanwhile,
+                   # locking the same fake UUIDs in the session's folder.
+                   GPUDIAG_LOCK_DIR=str(self.root / "locks"))
         return env
 
     @property

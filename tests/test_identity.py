@@ -202,6 +202,35 @@ def test_a_refusal_never_names_a_dead_locker_as_the_holder(
         stop(holder)
 
 
+_HOLDERS_SEEN = (
+    "import json, sys; from pathlib import Path; from gpudiag.engine.locks import holders; "
+    "print(json.dumps([[h.pid, h.probing] for h in holders(Path(sys.argv[1]), sys.argv[2]) "
+    "or ()]))")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_a_holder_another_user_namespace_cannot_follow_is_still_the_kernels_locker(
+        tmp_path: Path) -> None:
+    """A reader in a user namespace of its own (a daemon under `unshare --user`, a container
+    without CAP_SYS_PTRACE) lists another process's descriptors but cannot follow them: the
+    holder is still the kernel's locker, a sibling probe when it holds the probe mark, never
+    "an heir of an exited locker" (the fault matrix met it: its inline preflight's probe lock
+    read as another user's shared lock, devices_busy)."""
+    from gpudiag.engine.locks import release, try_lock
+
+    locks, uuid = tmp_path / "locks", gpu_uuid(0)
+    lock = try_lock(locks, uuid, purpose="probe", shared=True)
+    assert lock is not None
+    try:
+        seen = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c",
+                               _HOLDERS_SEEN, str(locks), uuid],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        release([lock])
+    assert seen.returncode == 0, seen.stderr
+    assert json.loads(seen.stdout) == [[os.getpid(), True]]
+
+
 # --- class 2: sibling probes recognised by argv --------------------------------------------
 
 

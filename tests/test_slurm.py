@@ -443,6 +443,8 @@ def test_real_slurm_epilog_drains_on_a_hardware_failure_only(real_slurm: RealSlu
         s.set_gpus(FAKE_NVML_XIDS="0:79,1:79")  # whichever GPU Slurm gave it
         s.wait("the Epilog's drain",
                lambda: s.reason() == f"gpudiag: gpu_lost during job {hardware}")
+        # The job leaves COMPLETING once the Epilog has returned, a moment after its drain.
+        s.wait("the job's end", lambda: job_field(s, hardware, "JobState") != "COMPLETING")
         assert job_field(s, hardware, "JobState") == "COMPLETED"
         assert "DRAIN" in s.node_field("State")
         log = (s.folder / "epilog.log").read_text()

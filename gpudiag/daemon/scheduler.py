@@ -61,10 +61,9 @@ from gpudiag.daemon.snapshot import (
     verdict_for,
 )
 from gpudiag.engine.forkclient import shared_fork_server
-from gpudiag.engine.guard import occupancy_from_nvml
+from gpudiag.engine.guard import not_foreign, occupancy_from_nvml
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir
-from gpudiag.engine.processes import own_process_tree
 from gpudiag.engine.round import RoundPolicy, is_active, prove_round
 
 log = logging.getLogger("gpudiag.daemon.scheduler")
@@ -554,7 +553,11 @@ class Scheduler:
             self._last_seen.learn(run.nvml)
             # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
             # (a job may have no process on its GPU yet): one lock view between readings.
-            self._nvml_occupancy = occupancy_from_nvml(run.nvml, own_process_tree())
+            # Siblings are not users, here as in the busy-GPU round (engine/guard.not_foreign:
+            # the kernel ties them to a probe mark): an inline preflight proving a GPU beside
+            # the daemon does not make it busy to the jobs that ask the daemon meanwhile.
+            self._nvml_occupancy = occupancy_from_nvml(
+                run.nvml, not_foreign(run.nvml, lock_dir=self._lock_dir))
             self._occupancy = self._job_locks.mark(self._nvml_occupancy)
         elif backend == "cuda" and run.ok and run.cuda is not None:
             for dev in run.cuda.devices:

@@ -471,12 +471,21 @@ def _holds_file(pid: int, device: int, inode: int) -> bool | None:
         return False
     except OSError:
         return None  # another user's process, to a non-root reader
+    unreadable = False
     for name in names:
-        with contextlib.suppress(OSError):
+        try:
             st = os.stat(f"{folder}/{name}")
-            if (st.st_dev, st.st_ino) == (device, inode):
-                return True
-    return False
+        except FileNotFoundError:
+            continue  # closed since the listing
+        except OSError:
+            # Listed but not followed: a process of another user namespace (a daemon under
+            # `unshare --user`, a container without CAP_SYS_PTRACE) shows its descriptors'
+            # numbers only. That is "not known", never "it let go".
+            unreadable = True
+            continue
+        if (st.st_dev, st.st_ino) == (device, inode):
+            return True
+    return None if unreadable else False
 
 
 def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int],

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.support.host import clean_env, make_host_dirs
+from tests.support.host import clean_env, free_port, make_host_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "deploy" / "slurm"
@@ -119,7 +119,7 @@ class SlurmNode:
             "SCONTROL_LOG": str(self.folder / "calls.jsonl"),
             "GPUDIAG": str(Path(sys.executable).with_name("gpudiag")),
             # No daemon listens here: preflight falls back to probing inline.
-            "GPUDIAG_DAEMON_URL": f"http://127.0.0.1:{closed_port()}",
+            "GPUDIAG_DAEMON_URL": f"http://127.0.0.1:{free_port()}",
             "SLURMD_NODENAME": NODE,
         })
         env.update(extra or {})
@@ -139,13 +139,6 @@ class SlurmNode:
                  (self.folder / "calls.jsonl").read_text().splitlines()]
         state = json.loads((self.folder / "state.json").read_text())
         return Outcome(proc.returncode, calls, state, proc.stderr, duration)
-
-
-def closed_port() -> int:
-    """A loopback port nobody listens on (bound then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -258,7 +251,7 @@ def real_slurm(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
         (d / "defaults").write_text("\n".join([
             f"SLURM_CONF={d}/slurm.conf",
             f"GPUDIAG={Path(sys.executable).with_name('gpudiag')}",
-            f"GPUDIAG_DAEMON_URL=http://127.0.0.1:{closed_port()}",
+            f"GPUDIAG_DAEMON_URL=http://127.0.0.1:{free_port()}",
             f"PATH={fake_env['PATH']}:/usr/sbin:/usr/bin:/sbin:/bin",
             f"LD_LIBRARY_PATH={fake_env['LD_LIBRARY_PATH']}",
             f"GPUDIAG_DEVICE_DIR={dev}", f"GPUDIAG_DRIVER_PROC_DIR={proc_dir}",
@@ -283,8 +276,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={d}/munge/munge.socket.2
-SlurmctldPort={closed_port()}
-SlurmdPort={closed_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
 SlurmctldPidFile={d}/slurmctld.pid
