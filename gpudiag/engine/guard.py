@@ -281,13 +281,13 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
                 return lock
             release([lock])  # a shared lock beside someone's use of the GPU
             return "locked"
-        # Held exclusively: by a sibling gpudiag probe (exclusive compute mode, the kernel
-        # says it holds the probe mark) it stays FREE and is waited for; anyone else (a
-        # `gpudiag run` job, another user, a bare flock, a holder not known) makes it busy.
         # No holder now: it let go between our try and the kernel's table; try again.
         if found == [] and clock() < deadline:
             sleep(_SIBLING_POLL_S)
             continue
+        # Held exclusively: by a sibling gpudiag probe (exclusive compute mode, the kernel
+        # says it holds the probe mark) it stays FREE and is waited for; anyone else (a
+        # `gpudiag run` job, another user, a bare flock, a holder not known) makes it busy.
         if not found or not all(sibling_holder(h) for h in found):
             return "locked"
         if clock() >= deadline:
