@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -25,6 +27,13 @@ from tests.support.host import (
 # handler is reset to the default at exec, so the children get Ctrl-C as a person's would.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# The job's interpreter (gpudiag/engine/jobpython.py) is this one unless a test says
+# otherwise: the suite's CLI calls are the job of the venv they run in. Tests of how the job's
+# interpreter is found (tests/test_job_python.py) remove the variable from their children's
+# environments.
+os.environ.setdefault("GPUDIAG_JOB_PYTHON", sys.executable)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,6 +18,7 @@ import click
 
 from gpudiag.cli import options, probing
 from gpudiag.cli.watch import watch_command, watch_option
+from gpudiag.core import registry
 from gpudiag.core.limits import (
     EXIT_BLOCKED,
     EXIT_FAILED,
@@ -186,12 +187,16 @@ _wide_option = click.option("--wide", is_flag=True,
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
+@options.python
 @_wide_option
 @watch_option
 def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str | None,
-          expected_gpus: int | None, wide: bool, watch_text: str | None) -> None:
+          expected_gpus: int | None, python_path: str | None, wide: bool,
+          watch_text: str | None) -> None:
     """Probe every backend and device and show blockers with their remediation.
 
+    JAX and IREE run under the job's interpreter (--python); without --backend, a backend
+    the job's environment does not have is not checked (a warning), never a blocker.
     Exits 0 when everything probed is ready, 1 when blocked, 2 on bad flags, 3 when gpudiag
     itself failed.
     """
@@ -206,10 +211,14 @@ def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str |
         requirement = probing.probe_requirement(names)
     except RequirementError as e:
         raise _usage(f"--backend: {e}") from e
+    python = options.job_python(python_path, needed=any(
+        registry.environment_dependent(n.split(":")[0]) for n in names))
+    named = (click.get_current_context().get_parameter_source("backend_text")
+             != click.core.ParameterSource.DEFAULT)
 
     def produce() -> Verdict:
         return probing.probe_verdict(names, requirement, timeout_s=timeout_s,
-                                     expected_gpus=expected_gpus)
+                                     expected_gpus=expected_gpus, python=python, named=named)
 
     fmt = "json" if as_json else fmt or "text"
     if watch_text is not None:
@@ -236,6 +245,7 @@ _ANSWER_OPTIONS = (
                  "unix:/run/gpudiag/daemon/gpudiag.sock]"),
     click.option("--no-daemon", is_flag=True,
                  help="Always run the probes here, never ask a daemon."),
+    options.python,
 )
 
 
@@ -276,7 +286,7 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
               min_free_text: str | None, gpus: int | None, timeout_text: str | None, fmt: str,
               record_path: str | None, daemon_url: str | None, no_daemon: bool,
-              expected_gpus: int | None, wide: bool) -> None:
+              python_path: str | None, expected_gpus: int | None, wide: bool) -> None:
     """The verdict for a job's requirement: exit 0 ready, 1 blocked, 2 usage, 3 failure."""
     try:
         requirement = parse_requirement(require_text, devices=devices_text,
@@ -285,7 +295,7 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
     except RequirementError as e:
         raise _usage(str(e)) from e
     _answer(requirement, "preflight " + require_text, timeout_text, fmt, record_path,
-            daemon_url, no_daemon, expected_gpus, wide=wide)
+            daemon_url, no_daemon, expected_gpus, wide=wide, python_path=python_path)
 
 
 @cli.command(short_help="Is anything on this node broken? Busy GPUs count as healthy.",
@@ -298,8 +308,8 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
 @_answer_options
 @watch_option
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
-           daemon_url: str | None, no_daemon: bool, wide: bool, watch_text: str | None
-           ) -> None:
+           daemon_url: str | None, no_daemon: bool, python_path: str | None, wide: bool,
+           watch_text: str | None) -> None:
     """Node health: is anything on this node broken? Busy GPUs are healthy in use.
 
     The question for a Slurm HealthCheckProgram or node-problem-detector: exit 0 when
@@ -311,15 +321,18 @@ def health(require_text: str, timeout_text: str | None, fmt: str, record_path: s
     except RequirementError as e:
         raise _usage(str(e)) from e
     _answer(requirement, "health " + require_text, timeout_text, fmt, record_path, daemon_url,
-            no_daemon, wide=wide, watch_text=watch_text)
+            no_daemon, wide=wide, watch_text=watch_text, python_path=python_path)
 
 
 def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: str,
             record_path: str | None, daemon_url: str | None, no_daemon: bool,
             expected_gpus: int | None = None, *, wide: bool = False,
-            watch_text: str | None = None) -> None:
+            watch_text: str | None = None, python_path: str | None = None) -> None:
     """Ask (daemon first, else inline), record, print, exit 0 ready or 1 blocked."""
     timeout_s = _timeout(timeout_text)
+    from gpudiag.engine.route import needs_job_python
+
+    python = options.job_python(python_path, needed=needs_job_python(requirement))
     check_record_path(record_path)  # before the probes: a typo must not cost a probe round
     from gpudiag.engine.client import DaemonAnswer, DaemonUrlError, DaemonUserError
     from gpudiag.engine.route import daemon_else_inline
@@ -334,7 +347,7 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
 
         def produce() -> Verdict:
             return daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
-                                      timeout_s=timeout_s).verdict
+                                      timeout_s=timeout_s, python=python).verdict
 
         sys.exit(watch_command(produce, watch_text, "gpudiag " + what, fmt, wide))
 
@@ -342,7 +355,7 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
         try:
             routed = daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
                                         timeout_s=timeout_s, expected_gpus=expected_gpus,
-                                        asked=asked)
+                                        asked=asked, python=python)
         except DaemonUrlError as e:
             raise _usage(str(e) if isinstance(e, DaemonUserError)
                          else f"--daemon-url (or GPUDIAG_DAEMON_URL): {e}") from e

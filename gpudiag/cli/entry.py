@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from gpudiag.core.verdict import Verdict
     from gpudiag.engine.answercheck import Question
     from gpudiag.engine.client import DaemonAnswer
+    from gpudiag.engine.jobpython import JobPython
 
     # An exit code; the daemon's failed answer for the click path (one ask per call); or
     # None: click answers from scratch (usage errors, a URL it must word).
@@ -42,9 +43,9 @@ if TYPE_CHECKING:
 # command with the same meaning (tests/test_cli_entry.py checks both lists against click's).
 FAST_OPTIONS = {
     "preflight": frozenset({"--require", "--devices", "--min-devices", "--min-free-memory",
-                            "--gpus", "--timeout", "--format", "--daemon-url"}),
-    "health": frozenset({"--require", "--timeout", "--format", "--daemon-url"}),
-    "probe": frozenset({"--backend", "--format", "--timeout", "--expected-gpus"}),
+                            "--gpus", "--timeout", "--format", "--daemon-url", "--python"}),
+    "health": frozenset({"--require", "--timeout", "--format", "--daemon-url", "--python"}),
+    "probe": frozenset({"--backend", "--format", "--timeout", "--expected-gpus", "--python"}),
 }
 # The on/off flags the fast path understands (click is_flag options), per command.
 FAST_FLAGS = {"probe": frozenset({"--json"})}
@@ -107,17 +108,20 @@ def answer_probe(options: dict[str, str]) -> int | None:
         probe_verdict,
     )
     from gpudiag.core.requirement import RequirementError, parse_timeout
+    from gpudiag.engine.jobpython import JobPythonError
 
     try:
         timeout_s = (parse_timeout(options["--timeout"], name="--timeout")
                      if "--timeout" in options else None)
         names = parse_backends(options.get("--backend", default_backends()))
         requirement = probe_requirement(names)
-    except (RequirementError, BackendListError):
+        python = _job_python(options, ",".join(names))
+    except (RequirementError, BackendListError, JobPythonError):
         return None
     expected = options.get("--expected-gpus")
     verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
-                            expected_gpus=None if expected is None else int(expected))
+                            expected_gpus=None if expected is None else int(expected),
+                            python=python, named="--backend" in options)
     return _printed(verdict, options["--format"])
 
 
@@ -128,21 +132,23 @@ def answer_daemon(command: str, options: dict[str, str]) -> Fast:
 
     from gpudiag.core.deadlines import RequirementError, daemon_wait_s, parse_timeout
     from gpudiag.engine import wire
+    from gpudiag.engine.jobpython import JobPythonError
 
     try:
         timeout_s = (parse_timeout(options["--timeout"], name="--timeout")
                      if "--timeout" in options else None)
         url = options.get("--daemon-url") or wire.default_url()
-    except RequirementError:
+        python = _job_python(options, options.get("--require", "cuda"))
+    except (RequirementError, JobPythonError):
         return None  # click's path words the usage error
     read_timeout_s = daemon_wait_s(timeout_s)
     if not url.startswith("unix:"):
-        return _answer_typed(command, options, url, read_timeout_s)
+        return _answer_typed(command, options, url, read_timeout_s, python)
     # On the unix socket, only the daemon's user answers (wire.get checks the peer), and
     # the daemon parses the requirement with the same parser as click's path: a value it
     # refuses (400) goes to click, which words it.
     endpoint = "/v1/health" if command == "health" else "/v1/preflight"
-    query = _raw_query(options, os.environ)
+    query = _raw_query(options, os.environ, python)
     if query is None:
         return None  # a backend registered from outside: click's path reads the registry
     started = time.monotonic()
@@ -177,12 +183,39 @@ def answer_daemon(command: str, options: dict[str, str]) -> Fast:
         return answer_of(url, reply_of(url, status, body, why, refused),
                          time.monotonic() - started, question)
     fmt = options["--format"]
+    if isinstance(data, dict):
+        _as_jobs(data, query, python)
     own = own_record_text(data, fmt, __version__) if data is not None else None
     if own is None:  # another version's record, or an odd one: the typed model checks it
         return _print_record(url, status, body, fmt, time.monotonic() - started)
     text, ready = own
     _echo(text)
     return EXIT_READY if ready else EXIT_BLOCKED
+
+
+def _job_python(options: dict[str, str], names: str) -> JobPython | None:
+    """The job's interpreter when ``--python`` names one or a backend of ``names`` (a
+    --require or --backend list) is proven in the job's environment; else None (a question
+    about the device layer alone never looks for one). JobPythonError for a bad one."""
+    from gpudiag.core.environments import BUILT_IN
+    from gpudiag.engine.jobpython import find
+
+    wanted = {part.split(":", 1)[0].strip().lower() for part in names.split(",")}
+    if "--python" not in options and not wanted & set(BUILT_IN):
+        return None
+    return find(os.environ, explicit=options.get("--python"))
+
+
+def _as_jobs(data: dict[str, object], query: Mapping[str, str], python: JobPython | None
+             ) -> None:
+    """The daemon's record as the job's (engine.route.as_jobs, on the raw record): which
+    interpreter was the job's, and preallocation from the job's environment."""
+    from gpudiag.core.environment import job_preallocation
+
+    data["preallocation_disabled"] = "yes" if job_preallocation(os.environ) else "no"
+    evidence = data.get("evidence")
+    if python is not None and "fingerprint" in query and isinstance(evidence, dict):
+        evidence["job_python"] = python.record()
 
 
 def _raw_question(command: str, options: dict[str, str], query: Mapping[str, str]
@@ -208,7 +241,8 @@ def _raw_question(command: str, options: dict[str, str], query: Mapping[str, str
                     extra={"fingerprint": fingerprint_of(query.get("fingerprint"))})
 
 
-def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str] | None:
+def _raw_query(options: dict[str, str], env: Mapping[str, str], python: JobPython | None
+               ) -> dict[str, str] | None:
     """The daemon's parameters as given: what ``engine.client.query_for`` sends, unparsed;
     None when a required backend's environment declaration is not a built-in one."""
     query = {"require": options.get("--require", "cuda"), "visibility": "1"}
@@ -218,7 +252,7 @@ def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str
     from gpudiag.engine.wire import visibility_params
 
     query.update(visibility_params(env))
-    ids = _fingerprint_ids(query["require"], env)
+    ids = _fingerprint_ids(query["require"], env, python)
     if ids is None:
         return None
     if ids:
@@ -232,9 +266,11 @@ def _raw_query(options: dict[str, str], env: Mapping[str, str]) -> dict[str, str
 _DEVICE_LAYER = frozenset({"host", "nvml", "cuda"})
 
 
-def _fingerprint_ids(require: str, env: Mapping[str, str]) -> dict[str, str] | None:
+def _fingerprint_ids(require: str, env: Mapping[str, str], python: JobPython | None
+                     ) -> dict[str, str] | None:
     """The job's fingerprint ids of the backends ``require`` names (the built-in
-    declarations, gpudiag.core.environments); None for a name this path does not know."""
+    declarations, gpudiag.core.environments), read by the job's interpreter; None for a
+    name this path does not know."""
     from gpudiag.core.environments import BUILT_IN
 
     names = {part.split(":", 1)[0].strip().lower() for part in require.split(",")} - {""}
@@ -242,9 +278,10 @@ def _fingerprint_ids(require: str, env: Mapping[str, str]) -> dict[str, str] | N
         return {}
     if not names - _DEVICE_LAYER <= set(BUILT_IN):
         return None
-    from gpudiag.engine.fingerprint import fingerprint_ids
+    from gpudiag.engine.jobpython import find, fingerprint_ids
 
-    return fingerprint_ids({n: BUILT_IN[n] for n in names - _DEVICE_LAYER}, env)
+    return fingerprint_ids({n: BUILT_IN[n] for n in names - _DEVICE_LAYER}, env,
+                           python or find(env))
 
 
 def _leaves_proof_here(data: object) -> bool:
@@ -274,8 +311,8 @@ def _print_record(url: str, status: int, body: bytes, fmt: str, waited_s: float)
     return _printed(verdict, fmt)
 
 
-def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_s: float
-                  ) -> Fast:
+def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_s: float,
+                  python: JobPython | None) -> Fast:
     """Over TCP (no peer check): the requirement parsed here, the answer read typed."""
     from gpudiag.core.requirement import RequirementError, parse_requirement
     from gpudiag.engine.client import DaemonUrlError, ask_daemon
@@ -288,17 +325,18 @@ def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_
             min_devices=None if min_devices is None else int(min_devices),
             min_free_memory=options.get("--min-free-memory"),
             gpus=None if gpus is None else int(gpus), node_health=command == "health")
-        answer = ask_daemon(url, requirement, read_timeout_s=read_timeout_s)
+        answer = ask_daemon(url, requirement, read_timeout_s=read_timeout_s, python=python)
     except (RequirementError, DaemonUrlError):
         return None  # click's path words the usage error
     verdict = answer.verdict
     if verdict is None:
         return answer  # no daemon, or refused: click's path says why and runs the probes here
     from gpudiag.engine.client import prove_here
+    from gpudiag.engine.route import as_jobs
 
     if prove_here(verdict):
         return answer  # a backend to prove in this environment: click's path (hybrid)
-    return _printed(verdict, options["--format"])
+    return _printed(as_jobs(verdict, requirement, os.environ, python), options["--format"])
 
 
 def _printed(verdict: Verdict, fmt: str) -> int:

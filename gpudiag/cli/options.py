@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from gpudiag.core import registry
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpudiag.engine.jobpython import JobPython
 
 
 def _require_help() -> str:
@@ -27,3 +33,30 @@ def _require_help() -> str:
 # The one --require of probe-answering commands (preflight, health, run).
 require = click.option("--require", "require_text", default="cuda", show_default=True,
                        metavar="LIST", help=_require_help())
+
+
+# The one --python of every command that proves or asks for a job (probe, preflight, health,
+# run, fingerprint): the job's interpreter (engine/jobpython.py).
+python = click.option(
+    "--python", "python_path", metavar="PATH",
+    help="The job's Python interpreter: JAX and IREE are proven under it and the daemon is "
+    "sent its environment's fingerprint.  [default: $GPUDIAG_JOB_PYTHON, else the job's "
+    "active environment ($VIRTUAL_ENV, $CONDA_PREFIX), else the first python3 on PATH; "
+    "never gpudiag's own unless it is one of these]")
+
+
+def job_python(path: str | None, *, command: tuple[str, ...] | None = None,
+               error: type[click.UsageError] = click.UsageError, needed: bool = True
+               ) -> JobPython | None:
+    """The job's interpreter for a command's ``--python`` (``error`` for a bad one: exit 2,
+    or 125 for ``gpudiag run``, whose ARGV never started); None when no backend asked needs
+    it (``needed`` false) and none was given: a question about the device layer alone never
+    looks for one."""
+    from gpudiag.engine.jobpython import JobPythonError, find
+
+    if path is None and not needed:
+        return None
+    try:
+        return find(os.environ, explicit=path, command=command)
+    except JobPythonError as e:
+        raise error(str(e)) from e

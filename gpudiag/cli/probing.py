@@ -11,6 +11,10 @@ from gpudiag.core import registry
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Requirement, Verdict
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpudiag.engine.jobpython import JobPython
+
 
 class BackendListError(ValueError):
     """A ``--backend`` list that names no backend, or one gpudiag does not probe."""
@@ -46,24 +50,64 @@ def probe_requirement(names: list[str]) -> Requirement:
 
 
 def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: float | None,
-                  expected_gpus: int | None) -> Verdict:
-    """Run the named probes here, each in its child, and classify what they saw."""
+                  expected_gpus: int | None, python: JobPython | None = None,
+                  named: bool = True) -> Verdict:
+    """Run the named probes here, each in its child, and classify what they saw.
+
+    ``python``: the job's interpreter (engine/jobpython.py; found from this environment when
+    None): JAX and IREE run under it. ``named``: the backends were asked for by name; else
+    (``gpudiag probe``'s default list) one the job's environment lacks is not checked.
+    """
     import os
     import socket
 
     from gpudiag.core.environment import probe_environment
+    from gpudiag.engine import jobpython
     from gpudiag.engine.forkclient import ForkServer
 
     only = {n.split(":")[0] for n in names}
+    if python is None and any(registry.environment_dependent(n) for n in only):
+        python = jobpython.find(os.environ)
     # The probe fork server is forked from this process now, before the classifier's and
-    # the engine's imports: its own (pynvml, the probe modules) run beside them.
-    with ForkServer(probe_environment(os.environ), probes=sorted(only),
-                    fork_here=True) as forker:
+    # the engine's imports: its own (pynvml, the probe modules) run beside them. Probes run
+    # under another interpreter (the job's) are spawned, so it does not load them.
+    here = sorted(n for n in only
+                  if python is None or python.own or not registry.environment_dependent(n))
+    with ForkServer(probe_environment(os.environ), probes=here, fork_here=True) as forker:
         if len(only) > 1:
             forker.start()
         from gpudiag.core.classify import classify
         from gpudiag.engine.inline import run_inline
+        from gpudiag.engine.route import as_jobs
 
-        done = run_inline(requirement, timeout_s=timeout_s, only=only, forker=forker)
-    return classify(done.runs, requirement, host=socket.gethostname(),
-                    checked_at=done.checked_at, scope=done.scope, expected_gpus=expected_gpus)
+        done = run_inline(requirement, timeout_s=timeout_s, only=only, forker=forker,
+                          python=python)
+    verdict = as_jobs(classify(done.runs, requirement, host=socket.gethostname(),
+                               checked_at=done.checked_at, scope=done.scope,
+                               expected_gpus=expected_gpus),
+                      requirement, os.environ, python, done.runs)
+    return verdict if named or python is None else not_checked(verdict, python)
+
+
+def not_checked(verdict: Verdict, python: JobPython) -> Verdict:
+    """A backend the job's environment does not have, when nobody asked for it by name:
+    not checked (the warning backend_not_checked says how to check it), never a blocker.
+    What gpudiag's own environment lacks is nobody's fault (docs/design-notes.md, "Whose
+    environment is proven")."""
+    from dataclasses import replace
+
+    from gpudiag.core.verdict import Finding
+
+    absent = [name for name, status in verdict.backends.items()
+              if status.status == "not_installed" and registry.environment_dependent(name)]
+    if not absent:
+        return verdict
+    warnings = [Finding.of(
+        "backend_not_checked",
+        f"{name} is not installed in the job's environment, {python.describe()}: not "
+        f"checked. To check a job's environment give its interpreter (--python "
+        f"/path/to/venv/bin/python, or activate the venv first); --backend {name} makes it "
+        "required.", backend=name, warning=True) for name in absent]
+    return replace(verdict,
+                   blockers=tuple(b for b in verdict.blockers if b.backend not in absent),
+                   warnings=(*verdict.warnings, *warnings))

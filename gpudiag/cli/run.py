@@ -122,17 +122,20 @@ def _run_folder(root: Path) -> Path:
               "(memory given back, slower; the default for shared GPUs); keep: leave both to "
               "the job (XLA's BFC allocator unless it sets one). Preallocation stays off "
               "either way (docs/runner.md).  [env: GPUDIAG_XLA_ALLOCATOR]")
+@options.python
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- ARGV...")
 def run(require_text: str, gpus: int | None, min_free_text: str | None,
         timeout_text: str | None, grace_text: str, lock_timeout_text: str,
         artifacts_text: str | None, image: str | None, lock_dir_text: str | None,
         daemon_url: str | None, no_daemon: bool, xla_allocator: str,
-        argv: tuple[str, ...]) -> None:
+        python_path: str | None, argv: tuple[str, ...]) -> None:
     """Admit GPUs and run ARGV with the exact child environment, then write the closeout.
 
     ARGV never starts when the host is blocked or no GPU can be admitted (exit 125; the
     closeout names the blocker with its evidence). Otherwise the exit code is the child's
-    own, or 128+N when it died by signal N.
+    own, or 128+N when it died by signal N. JAX and IREE are proven under the job's
+    interpreter: --python, else ARGV's own Python (python3 train.py, or a script whose #!
+    line names one), else the job's venv or the first python3 on PATH.
     """
     from gpudiag.runner.execute import RunnerError, RunOptions, execute
 
@@ -145,6 +148,8 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
         # The image lands in `docker run`'s argv: "-..." would be read as a docker option.
         raise RunUsageError(f"--image {image!r} is not an image reference; accepted: "
                             "[REGISTRY/]NAME[:TAG][@DIGEST], e.g. nvcr.io/nvidia/jax:25.04")
+    if python_path is not None:
+        options.job_python(python_path, error=RunUsageError)  # exit 125 naming it, as usage
     grace = _seconds(grace_text, "--kill-grace")
     lock_timeout = _seconds(lock_timeout_text, "--lock-timeout", zero_ok=True)
     assert grace is not None and lock_timeout is not None
@@ -152,16 +157,16 @@ def run(require_text: str, gpus: int | None, min_free_text: str | None,
 
     url = None if no_daemon else (daemon_url or default_url())
     n = gpus if gpus is not None else (1 if requirement.needs_gpu else 0)
-    options = RunOptions(
+    run_options = RunOptions(
         argv=tuple(argv), requirement=requirement,
         artifacts=_run_folder(Path(artifacts_text) if artifacts_text
                               else default_artifacts_root()),
         lock_dir=Path(lock_dir_text) if lock_dir_text else None,
         gpus=n, min_free_memory_bytes=floor, timeout_s=_seconds(timeout_text, "--timeout"),
         kill_grace_s=grace, lock_timeout_s=lock_timeout, image=image, daemon_url=url,
-        xla_allocator=xla_allocator)
+        xla_allocator=xla_allocator, python=python_path)
     try:
-        outcome = execute(options, out=sys.stdout.buffer, err=sys.stderr.buffer)
+        outcome = execute(run_options, out=sys.stdout.buffer, err=sys.stderr.buffer)
     except DaemonUrlError as e:
         raise RunUsageError(
             str(e) if isinstance(e, DaemonUserError)

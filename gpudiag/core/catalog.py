@@ -337,11 +337,13 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "dying and restart the daemon; XIDs in the gap are unknown: check "
                      "dmesg | grep Xid for them."),
         CatalogEntry("backend_not_checked", "requirement",
-                     "No job environment this daemon proves needs this backend, so the node's "
-                     "health says nothing about it (not a fault: nobody configured it).",
-                     "Point the daemon at the jobs' environment: [runtimes.NAME] with python = "
-                     "\"/path/to/venv/bin/python\" in its config (docs/operations.md, "
-                     "\"Runtimes\"); a job still proves it in its own environment."),
+                     "The backend is not installed in the job's environment that was checked, "
+                     "or no job environment this daemon proves needs it, so the answer says "
+                     "nothing about it (not a fault: nobody asked for it).",
+                     "For a job: give its interpreter (--python /path/to/venv/bin/python, or "
+                     "activate its venv) or require the backend by name. For the daemon: "
+                     "[runtimes.NAME] with python = \"/path/to/venv/bin/python\" in its config "
+                     "(docs/operations.md, \"Runtimes\")."),
     ]
 }
 

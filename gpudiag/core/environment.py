@@ -47,6 +47,16 @@ def preallocation_disabled(env: Mapping[str, str]) -> bool:
     return preallocation_off(env)
 
 
+def job_preallocation(env: Mapping[str, str], jax_reading: bool | None = None) -> bool:
+    """A verdict's ``preallocation_disabled`` for a job with environment ``env``, the one rule
+    on every path (daemon, hybrid, inline): what a JAX child run here read, else what a child
+    of the job's environment would see (``probe_environment``: preallocation off unless the
+    job set it on). Never the daemon's environment."""
+    if jax_reading is not None:
+        return jax_reading
+    return preallocation_disabled(probe_environment(env))
+
+
 # Where probe children keep what they may reuse between rounds (the IREE probe's compiled
 # module): a private folder; the daemon points it into its own state directory.
 CACHE_VARIABLE = "GPUDIAG_CACHE_DIR"

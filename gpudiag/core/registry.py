@@ -39,6 +39,13 @@ def spec(name: str) -> BackendSpec | None:
     return next((s for s in BACKENDS if s.name == name), None)
 
 
+def environment_dependent(name: str) -> bool:
+    """Whether a backend is proven in the job's environment (JAX, IREE: its spec declares an
+    environment), not the node's (host, nvml, cuda)."""
+    found = spec(name)
+    return found is not None and found.environment is not None
+
+
 def probe_names() -> tuple[str, ...]:
     """The probe children gpudiag runs (``gpudiag probe --backend``, the daemon's schedule)."""
     return tuple(s.name for s in BACKENDS)

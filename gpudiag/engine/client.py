@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 from gpudiag.engine import wire
 from gpudiag.engine.answercheck import Question, check_answer, fingerprint_of, untrusted
-from gpudiag.engine.fingerprint import fingerprint_ids, query_value
+from gpudiag.engine.fingerprint import query_value
 from gpudiag.engine.wire import CONNECT_TIMEOUT_S
 from gpudiag.engine.wire import DEFAULT_SOCKET as DEFAULT_SOCKET
 from gpudiag.engine.wire import DEFAULT_URL as DEFAULT_URL
@@ -33,6 +33,8 @@ from gpudiag.engine.wire import query_string as query_string
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+    from gpudiag.engine.jobpython import JobPython
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,10 @@ class DaemonAnswer:
 
 
 def query_for(requirement: Requirement, env: Mapping[str, str],
-              max_age_s: float | None = None) -> dict[str, str]:
-    """The /v1/preflight parameters for a requirement and the job's visibility variables."""
+              max_age_s: float | None = None, python: JobPython | None = None
+              ) -> dict[str, str]:
+    """The /v1/preflight parameters for a requirement and the job's visibility variables
+    (``python``: the job's interpreter, engine/jobpython.py; found from ``env`` if None)."""
     q = {"require": ",".join(b.spec() for b in requirement.backends), "visibility": "1"}
     if requirement.devices is not None:
         q["devices"] = ",".join(requirement.devices)
@@ -72,23 +76,28 @@ def query_for(requirement: Requirement, env: Mapping[str, str],
     if max_age_s is not None:
         q["max_age_s"] = f"{max_age_s:g}"
     q.update(wire.visibility_params(env))
-    ids = environment_ids(requirement, env)
+    ids = environment_ids(requirement, env, python)
     if ids:
         q["fingerprint"] = query_value(ids)
     return q
 
 
-def environment_ids(requirement: Requirement, env: Mapping[str, str]) -> dict[str, str]:
-    """The asker's fingerprint id per environment-dependent backend it requires (the daemon
-    answers those only from a proof made in an environment with the same id)."""
+def environment_ids(requirement: Requirement, env: Mapping[str, str],
+                    python: JobPython | None = None) -> dict[str, str]:
+    """The job's fingerprint id per environment-dependent backend it requires, read by the
+    job's interpreter (the daemon answers those only from a proof made in an environment
+    with the same id)."""
     from gpudiag.core import registry
+    from gpudiag.engine import jobpython
 
     decls = {}
     for b in requirement.backends:
         spec = registry.spec(b.name)
         if spec is not None and spec.environment is not None:
             decls[b.name] = spec.environment
-    return fingerprint_ids(decls, env)
+    if not decls:
+        return {}
+    return jobpython.fingerprint_ids(decls, env, python or jobpython.find(env))
 
 
 def prove_here(verdict: Verdict) -> tuple[str, ...]:
@@ -153,7 +162,8 @@ def reply_of(url: str, status: int | None, body: bytes, why: str, refused: bool
 
 def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | None = None,
                connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0,
-               max_age_s: float | None = None, say: bool = True) -> DaemonAnswer:
+               max_age_s: float | None = None, say: bool = True,
+               python: JobPython | None = None) -> DaemonAnswer:
     """The daemon's verdict, or None with the reason (not listening, not ready, bad answer).
 
     An answer that is not a consistent answer to this question (engine/answercheck.py) is
@@ -164,7 +174,7 @@ def ask_daemon(url: str, requirement: Requirement, *, env: Mapping[str, str] | N
     environ = os.environ if env is None else env
     # The node-health question has its own endpoint; job readiness is /v1/preflight.
     endpoint = "/v1/health" if requirement.node_health else "/v1/preflight"
-    query = query_for(requirement, environ, max_age_s)
+    query = query_for(requirement, environ, max_age_s, python)
     started = time.monotonic()
     reply = daemon_get(url, endpoint, query, env=environ,
                        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)

@@ -48,7 +48,8 @@ def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
 
     With ``forker`` the child is forked by the probe fork server when it can (the same child,
     without a fresh interpreter); otherwise, or when the server is gone, it is spawned.
-    ``interpreter``: another Python runs it (a runtime's, engine/runtimes.py): spawned."""
+    ``interpreter``: another Python runs it (a runtime's, engine/runtimes.py, or the job's,
+    engine/jobpython.py): spawned."""
     argv = probe_argv(backend, options, interpreter)
     if forker is not None and interpreter is None:
         forked = _run_forked(forker, backend, env, timeout_s, options)
@@ -169,22 +170,28 @@ def _parse_observation(out: bytes) -> tuple[dict[str, Any] | None, str | None]:
 def run_probes(requests: Sequence[tuple[str, Mapping[str, Any] | None]], *,
                env: Mapping[str, str], timeouts: Mapping[str, float],
                envs: Mapping[str, Mapping[str, str]] | None = None,
-               forker: ForkServer | None = None) -> dict[str, ProbeRun]:
+               forker: ForkServer | None = None,
+               interpreters: Mapping[str, Sequence[str]] | None = None
+               ) -> dict[str, ProbeRun]:
     """Run several probes in parallel, each in its own child with its own deadline
-    (``envs`` gives a probe its own environment instead of ``env``)."""
+    (``envs`` gives a probe its own environment instead of ``env``; ``interpreters`` its
+    own Python and probe archive: the job's, engine/jobpython.py)."""
     if not requests:
         return {}
     own = envs or {}
+    pythons = interpreters or {}
     if len(requests) == 1:  # no thread for one child (nor concurrent.futures' import)
         name, opts = requests[0]
         return {name: run_probe(name, env=own.get(name, env), timeout_s=timeouts[name],
-                                options=opts, forker=forker)}
+                                options=opts, forker=forker,
+                                interpreter=pythons.get(name))}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         futures = {
             name: pool.submit(run_probe, name, env=own.get(name, env),
-                              timeout_s=timeouts[name], options=opts, forker=forker)
+                              timeout_s=timeouts[name], options=opts, forker=forker,
+                              interpreter=pythons.get(name))
             for name, opts in requests
         }
         return {name: f.result() for name, f in futures.items()}

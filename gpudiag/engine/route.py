@@ -17,6 +17,7 @@ from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url, prove_h
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see gpudiag/__init__)
 if TYPE_CHECKING:
     from gpudiag.core.probe_run import ProbeRun
+    from gpudiag.engine.jobpython import JobPython
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
                        use_daemon: bool = True, env: Mapping[str, str] | None = None,
                        timeout_s: float | None = None,
                        expected_gpus: int | None = None,
-                       asked: DaemonAnswer | None = None) -> Routed:
+                       asked: DaemonAnswer | None = None,
+                       python: JobPython | None = None) -> Routed:
     """The daemon's verdict when one answers, else one from probes run here and now.
 
     ``url`` defaults to $GPUDIAG_DAEMON_URL (in ``env``), else the loopback default; a URL
@@ -45,22 +47,31 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
     so a count given here skips the daemon.
     ``asked``: the daemon's answer (or why there is none, and the time spent) that this call
     already got (the CLI's fast path): one deadline per call, so the daemon is not asked again.
+    ``python``: the job's interpreter (engine/jobpython.py), found from ``env`` when None:
+    the daemon is sent its fingerprint and JAX/IREE run here under it.
     """
+    import os
+
+    from gpudiag.engine import jobpython
+
+    base = os.environ if env is None else env
+    if python is None and needs_job_python(requirement):
+        python = jobpython.find(base)
     answer = DaemonAnswer(None, "not asked")
     if asked is not None:
         answer = asked
     elif use_daemon and expected_gpus is None:
         answer = ask_daemon(url or default_url(env), requirement, env=env,
-                            read_timeout_s=daemon_wait_s(timeout_s))
+                            read_timeout_s=daemon_wait_s(timeout_s), python=python)
     if answer.verdict is not None:
         here = prove_here(answer.verdict)
         if not here:
-            return Routed(answer.verdict)
+            return Routed(as_jobs(answer.verdict, requirement, base, python))
         from gpudiag.core import registry
 
         return hybrid(answer.verdict, here, requirement, env=env, timeout_s=timeout_s,
                       timeouts=fallback_timeouts(registry.timeouts_s(), timeout_s,
-                                                 answer.waited_s))
+                                                 answer.waited_s), python=python)
     # Only a fallback pays for the classifier and the probe engine (tens of ms to import):
     # a daemon-answered CLI call is mostly Python's start (docs/benchmarks.md).
     import socket
@@ -70,19 +81,46 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
     from gpudiag.engine.inline import run_inline
 
     done = run_inline(requirement, env=env, timeout_s=timeout_s, timeouts=fallback_timeouts(
-        registry.timeouts_s(), timeout_s, answer.waited_s))
-    verdict = classify(done.runs, requirement, host=socket.gethostname(),
-                       checked_at=done.checked_at, scope=done.scope,
-                       expected_gpus=expected_gpus)
+        registry.timeouts_s(), timeout_s, answer.waited_s), python=python)
+    verdict = as_jobs(classify(done.runs, requirement, host=socket.gethostname(),
+                               checked_at=done.checked_at, scope=done.scope,
+                               expected_gpus=expected_gpus), requirement, base, python,
+                      done.runs)
     # Why no daemon verdict was used (not listening, refused peer) goes into the evidence.
     return Routed(answer.fallback(verdict), done.runs,
                   answer.reason if answer.reason != "not asked" else None, answer.refused,
                   answer.untrusted)
 
 
+def needs_job_python(requirement: Requirement) -> bool:
+    """Whether a requirement names a backend proven in the job's environment (JAX, IREE)."""
+    from gpudiag.core import registry
+
+    return any(registry.environment_dependent(b.name) for b in requirement.backends)
+
+
+def as_jobs(verdict: Verdict, requirement: Requirement, env: Mapping[str, str],
+            python: JobPython | None, runs: Mapping[str, ProbeRun] | None = None) -> Verdict:
+    """The verdict as the job's: which interpreter was the job's and why
+    (``evidence.job_python``, when an environment-dependent backend was asked), and
+    ``preallocation_disabled`` from the job's environment (core.environment.job_preallocation,
+    the one rule for every path: daemon, hybrid and inline)."""
+    from dataclasses import replace
+
+    from gpudiag.core.environment import job_preallocation
+
+    evidence = dict(verdict.evidence)
+    if python is not None and needs_job_python(requirement):
+        evidence["job_python"] = python.record()
+    ran_jax = runs is not None and "jax" in runs  # classified from a JAX child run here
+    prealloc = job_preallocation(env, verdict.preallocation_disabled if ran_jax else None)
+    return replace(verdict, evidence=evidence, preallocation_disabled=prealloc)
+
+
 def hybrid(answer: Verdict, names: tuple[str, ...], requirement: Requirement, *,
            env: Mapping[str, str] | None, timeout_s: float | None,
-           timeouts: Mapping[str, float] | None = None) -> Routed:
+           timeouts: Mapping[str, float] | None = None,
+           python: JobPython | None = None) -> Routed:
     """The daemon's answer for the device layer, with ``names`` proven here, in the asker's
     environment, as the job will see them (docs/design-notes.md, "Whose environment is
     proven"): nvml and those backends' children only, under the busy-GPU round."""
@@ -92,20 +130,22 @@ def hybrid(answer: Verdict, names: tuple[str, ...], requirement: Requirement, *,
 
     from gpudiag.core.classify import classify
     from gpudiag.core.hybrid import with_backends_of
+    from gpudiag.engine import jobpython
     from gpudiag.engine.client import environment_ids
-    from gpudiag.engine.fingerprint import interpreter
     from gpudiag.engine.inline import run_inline
 
     base = os.environ if env is None else env
+    if python is None:
+        python = jobpython.find(base)
     wanted = replace(requirement, backends=tuple(
         b for b in requirement.backends if b.name in names))
     done = run_inline(wanted, env=base, timeout_s=timeout_s, timeouts=timeouts,
-                      only={"nvml", *names})
+                      only={"nvml", *names}, python=python)
     here = classify(done.runs, wanted, host=socket.gethostname(), checked_at=done.checked_at,
                     scope=done.scope)
-    ids = environment_ids(wanted, base)
-    where = interpreter()["executable"]
-    proof = {n: {"where": "here", "fingerprint": ids.get(n), "interpreter": where,
+    ids = environment_ids(wanted, base, python)
+    proof = {n: {"where": "here", "fingerprint": ids.get(n), "interpreter": python.path,
                  "proven_at": done.checked_at} for n in names}
     verdict = with_backends_of(answer, here, names, proof=proof)
+    verdict = as_jobs(verdict, requirement, base, python, done.runs)
     return Routed(verdict.with_source("hybrid", answer.age_s), done.runs)

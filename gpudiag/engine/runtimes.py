@@ -89,9 +89,25 @@ def _parents(path: str) -> list[str]:
         folder = parent
 
 
-def probe_archive(folder: Path) -> Path:
-    """The probe archive for this gpudiag version in ``folder`` (built once, atomically)."""
-    target = folder / f"gpudiag-probes-{__version__}.pyz"
+def source_tag() -> str:
+    """A short digest of the gpudiag package's sources (names, sizes, mtimes): an archive
+    named by it is never stale, even for an editable install whose version stays put."""
+    from gpudiag.engine.fingerprint import _digest
+
+    package = Path(__file__).resolve().parents[1]
+    facts = []
+    for source in sorted(package.rglob("*.py")):
+        if "__pycache__" not in source.parts:
+            st = source.stat()
+            facts.append([source.relative_to(package).as_posix(), st.st_size, st.st_mtime_ns])
+    return _digest(facts)[:12]
+
+
+def probe_archive(folder: Path, *, tag: str | None = None) -> Path:
+    """The probe archive for this gpudiag version (and ``tag``, engine.runtimes.source_tag)
+    in ``folder`` (built once, atomically)."""
+    suffix = f"-{tag}" if tag else ""
+    target = folder / f"gpudiag-probes-{__version__}{suffix}.pyz"
     if target.is_file() and not target.is_symlink():
         return target
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)

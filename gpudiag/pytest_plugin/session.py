@@ -25,6 +25,7 @@ from gpudiag.core.occupancy import Leaf
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.client import DaemonUrlError, default_url
+from gpudiag.engine.jobpython import this_process
 from gpudiag.engine.locks import default_lock_dir
 from gpudiag.pytest_plugin import FIXTURES
 from gpudiag.runner.admission import (
@@ -218,8 +219,9 @@ def _key(requirement: Requirement) -> str:
 def _verdict(key: str, n: int, env: dict[str, str]) -> tuple[Verdict, Observation | None]:
     """The verdict for one requirement: the daemon first, else probes run here."""
     try:
+        # The plugin runs in the job: its interpreter is the job's (engine/jobpython.py).
         return preflight_for_admission(parse_requirement(key), n, env,
-                                       daemon_url=default_url(env))
+                                       daemon_url=default_url(env), python=this_process())
     except DaemonUrlError as e:
         raise pytest.UsageError(f"gpudiag: {e}; fix GPUDIAG_DAEMON_URL "
                                 "(unix:PATH or http://HOST:PORT) or unset it") from e
@@ -283,7 +285,8 @@ def _admit_outcome(gs: GpuSession, oc: Outcome, env: dict[str, str],
     lock_dir = Path(default_lock_dir(env))
     while True:
         remaining = max(0.0, deadline - time.monotonic())
-        admitter = Admitter(env=env, lock_dir=lock_dir, gpus=oc.n, lock_timeout_s=remaining)
+        admitter = Admitter(env=env, lock_dir=lock_dir, gpus=oc.n, lock_timeout_s=remaining,
+                            python=this_process())
         try:
             gs.admission = admitter.admit(oc.verdict, first)
         except AdmissionError as e:

@@ -47,6 +47,7 @@ from gpudiag.core.visibility import (
 )
 from gpudiag.engine.inline import run_inline
 from gpudiag.engine.isolation import run_probe
+from gpudiag.engine.jobpython import JobPython
 from gpudiag.engine.locks import (
     Holder,
     LockFailed,
@@ -285,7 +286,7 @@ def child_environment(admission: Admission, base_env: Mapping[str, str]) -> dict
 
 Hook = Callable[[Observation], None]
 # (requirement, job environment, admitted full UUIDs) -> the verdict of probes run on them.
-Prover = Callable[[Requirement, Mapping[str, str], Sequence[str]], Verdict]
+Prover = Callable[[Requirement, Mapping[str, str], Sequence[str], "JobPython | None"], Verdict]
 # A preflight proof of the admitted GPUs this recent stands in for one made under the lock
 # (the daemon's answers are this old at most by default, too).
 PROOF_MAX_AGE_S = 60.0
@@ -332,13 +333,14 @@ def proven_on(verdict: Verdict, uuids: Sequence[str], *, now_wall: float,
 
 
 def prove_under_lock(requirement: Requirement, env: Mapping[str, str],
-                     uuids: Sequence[str]) -> Verdict:
+                     uuids: Sequence[str], python: JobPython | None = None) -> Verdict:
     """Run the requirement's probes on the admitted GPUs, which this process holds locked:
-    the job-readiness question on exactly those GPUs, as the job will see them."""
+    the job-readiness question on exactly those GPUs, as the job will see them (JAX and
+    IREE under the job's interpreter, ``python``: engine/jobpython.py)."""
     job_env = {**env, **pinned_to(uuids)}
     req = replace(requirement, node_health=False, gpus=None, devices=None,
                   min_devices=len(uuids), min_free_memory_bytes=None)
-    done = run_inline(req, env=job_env, held=uuids)
+    done = run_inline(req, env=job_env, held=uuids, python=python)
     return classify(done.runs, req, host=socket.gethostname(), checked_at=done.checked_at,
                     scope=done.scope)
 
@@ -363,6 +365,9 @@ class Admitter:
     # Told once per set of holders while the job waits for GPUs others hold (gpudiag run's
     # stderr): who holds them, as the kernel says.
     on_wait: Callable[[str], None] | None = None
+    # The job's interpreter (engine/jobpython.py): what the proof under the locks runs JAX
+    # and IREE under; None: found from ``env``.
+    python: JobPython | None = None
 
     def admit(self, verdict: Verdict, first: Observation | None = None) -> Admission:
         """Admit or raise AdmissionError; ``first`` reuses an observation made just before."""
@@ -428,7 +433,7 @@ class Admitter:
             return admission  # MIG leaves: their parent GPU is shared, see design-notes
         if proven_on(admission.verdict, admission.uuids, now_wall=time.time()):
             return admission
-        proof = self.prover(admission.requirement, self.env, admission.uuids)
+        proof = self.prover(admission.requirement, self.env, admission.uuids, self.python)
         evidence = {"under_lock": True, "checked_at": proof.checked_at,
                     "gpu_validation_blocker": proof.gpu_validation_blocker,
                     "backends": {n: b.status for n, b in proof.backends.items()}}
@@ -695,7 +700,8 @@ def compare(first: Observation, locked: Observation, selected: Sequence[str],
 
 
 def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[str, str],
-                            timeout_s: float | None = None, daemon_url: str | None = None
+                            timeout_s: float | None = None, daemon_url: str | None = None,
+                            python: JobPython | None = None
                             ) -> tuple[Verdict, Observation | None]:
     """The preflight verdict, and the first observation when the probes ran here.
 
@@ -714,7 +720,7 @@ def preflight_for_admission(requirement: Requirement, gpus: int, env: Mapping[st
         from gpudiag.core.verdict import BackendRequirement
         pre = replace(pre, backends=(*pre.backends, BackendRequirement("nvml")))
     routed = daemon_else_inline(pre, url=daemon_url, use_daemon=daemon_url is not None,
-                                env=env, timeout_s=timeout_s)
+                                env=env, timeout_s=timeout_s, python=python)
     runs = routed.runs
     if runs is None:
         return routed.verdict, None
@@ -733,15 +739,19 @@ def admit(gpus: int | None = None, *, min_free_memory: str | int | None = None,
           env: Mapping[str, str] | None = None, lock_dir: str | os.PathLike[str] | None = None,
           verdict: Verdict | None = None, probe_timeout_s: float | None = None,
           daemon_url: str | None = None,
-          after_first_observation: Hook | None = None) -> Iterator[Admission]:
+          after_first_observation: Hook | None = None,
+          python: str | None = None) -> Iterator[Admission]:
     """Preflight, then admit ``gpus`` leaves under full-UUID locks for the ``with`` block.
 
     Raises AdmissionError (its ``verdict`` names the blocker, with evidence) when refused.
     ``timeout`` is how long to wait for GPUs other jobs hold; ``verdict`` skips the
     preflight when the caller already has one for this requirement; ``daemon_url`` asks
     that gpudiag daemon for the verdict first (inline probes when none answers).
+    ``python``: the job's interpreter (default: this one, ``sys.executable``: the caller is
+    the job); JAX and IREE are proven under it.
     """
     from gpudiag.core.requirement import parse_requirement, parse_size
+    from gpudiag.engine import jobpython
 
     requirement = require if isinstance(require, Requirement) else parse_requirement(require)
     n = (1 if requirement.needs_gpu else 0) if gpus is None else gpus
@@ -749,13 +759,15 @@ def admit(gpus: int | None = None, *, min_free_memory: str | int | None = None,
         raise ValueError(f"gpus={n} must be between 0 and {MAX_DEVICES}")
     floor = parse_size(min_free_memory) if isinstance(min_free_memory, str) else min_free_memory
     base = dict(os.environ if env is None else env)
+    job_python = (jobpython.this_process() if python is None
+                  else jobpython.JobPython(jobpython.checked(python, "python="), "--python"))
     first: Observation | None = None
     if verdict is None:
         verdict, first = preflight_for_admission(requirement, n, base, probe_timeout_s,
-                                                 daemon_url)
+                                                 daemon_url, job_python)
     admitter = Admitter(env=base, lock_dir=Path(lock_dir) if lock_dir else default_lock_dir(base),
                         gpus=n, min_free_memory_bytes=floor, lock_timeout_s=timeout,
-                        after_first_observation=after_first_observation)
+                        after_first_observation=after_first_observation, python=job_python)
     admission = admitter.admit(replace(verdict, requirement=requirement), first)
     try:
         yield admission

@@ -39,6 +39,8 @@ from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSE
 from gpudiag.core.termsafe import terminal_safe
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
+from gpudiag.engine import jobpython
+from gpudiag.engine.jobpython import JobPython
 from gpudiag.engine.locks import LockFailed, default_lock_dir, try_lock
 from gpudiag.engine.locks import release as release_locks
 from gpudiag.engine.processes import cmdline, descendants
@@ -112,6 +114,9 @@ class RunOptions:
     cwd: Path = field(default_factory=Path.cwd)
     daemon_url: str | None = None  # ask this daemon for the verdict first; None: inline
     xla_allocator: str = "platform"  # "keep": the job's own allocator (core.environment)
+    # The job's interpreter as given (``--python``); None: found (engine/jobpython.find:
+    # $GPUDIAG_JOB_PYTHON, ARGV's own Python, the job's venv or PATH).
+    python: str | None = None
 
 
 @dataclass(frozen=True)
@@ -499,8 +504,10 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
                           f"{e.strerror or e}") from e
     paths = _paths(options.artifacts)
     closeout = _base_closeout(options, paths, started)
+    python = job_python(options, base)
     verdict, first = preflight_for_admission(options.requirement, options.gpus, base,
-                                             options.probe_timeout_s, options.daemon_url)
+                                             options.probe_timeout_s, options.daemon_url,
+                                             python)
     closeout = replace(closeout, verdict_source=verdict.source)
     lock_dir = options.lock_dir
     if lock_dir is None:
@@ -509,7 +516,8 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
                         min_free_memory_bytes=options.min_free_memory_bytes,
                         lock_timeout_s=options.lock_timeout_s,
                         after_first_observation=after_first_observation,
-                        on_wait=lambda text: _say(err, f"gpudiag run: {text}\n"))
+                        on_wait=lambda text: _say(err, f"gpudiag run: {text}\n"),
+                        python=python)
     try:
         admission = admitter.admit(
             _with_requirement(verdict, options.requirement), first)
@@ -521,6 +529,15 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
         return _launch(options, base, admission, paths, closeout, t0, out, err)
     finally:
         admission.release()
+
+
+def job_python(options: RunOptions, env: Mapping[str, str]) -> JobPython:
+    """The run's job interpreter: ``--python``, else $GPUDIAG_JOB_PYTHON, ARGV's own Python
+    (``python3 train.py``, a script whose #! names one), the job's venv or PATH; in a
+    container image the image's Python cannot be asked here: what the job's environment
+    here says stands (engine/jobpython.py)."""
+    command = None if options.image is not None else options.argv
+    return jobpython.find(env, explicit=options.python, command=command)
 
 
 def _with_requirement(verdict: Verdict, requirement: Requirement) -> Verdict:
