@@ -210,9 +210,12 @@ def _as_jobs(data: dict[str, object], query: Mapping[str, str], python: JobPytho
              ) -> None:
     """The daemon's record as the job's (engine.route.as_jobs, on the raw record): which
     interpreter was the job's, and preallocation from the job's environment."""
-    from gpudiag.core.environment import job_preallocation
+    off = True  # unset: a child gets core.environments.PREALLOCATION_OFF (probe_environment)
+    if "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ:  # the rule itself costs typing's import
+        from gpudiag.core.environment import job_preallocation
 
-    data["preallocation_disabled"] = "yes" if job_preallocation(os.environ) else "no"
+        off = job_preallocation(os.environ)
+    data["preallocation_disabled"] = "yes" if off else "no"
     evidence = data.get("evidence")
     if python is not None and "fingerprint" in query and isinstance(evidence, dict):
         evidence["job_python"] = python.record()

@@ -248,8 +248,11 @@ def _unreadable(decls: Mapping[str, EnvironmentDecl], why: str, error: str | Non
                 ) -> dict[str, Any]:
     """A reading that matches no proof: ids no environment can have (``none``: no Python;
     ``unreadable``: the interpreter did not say)."""
-    backends = {name: {"id": f"{why}-{name}", "installed": False, "distributions": {}}
-                for name in decls}
+    from gpudiag.engine.fingerprint import _digest
+
+    # An id of the usual shape (the daemon checks it), from inputs no reading is made of.
+    backends = {name: {"id": _digest(["no reading", why, name]), "installed": False,
+                       "distributions": {}} for name in decls}
     out: dict[str, Any] = {"interpreter": {}, "backends": backends, "watch": []}
     if error is not None:
         out["error"] = error
