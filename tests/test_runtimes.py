@@ -41,8 +41,10 @@ def _ask(args: list[str], env: dict[str, str], daemon: Daemon | None,
     where = ["--daemon-url", daemon.url] if daemon is not None else ["--no-daemon"]
     if python is None:
         return verdict_of([*args, *where, "--format", "json"], env)
+    # gpudiag run by the job's own interpreter: that one is the job's.
     done = subprocess.run([str(python), "-m", "gpudiag", *args, *where, "--format", "json"],
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+                          env={**env, "GPUDIAG_JOB_PYTHON": str(python)}, capture_output=True,
+                          text=True, timeout=120, check=False)
     try:
         return done.returncode, json.loads(done.stdout)
     except ValueError:
@@ -157,7 +159,8 @@ def test_a_job_matching_a_runtime_is_answered_with_no_probe_child(
                              metric_samples(d, "gpudiag_runtime_backend_up")), 90, 0.5)
         out = tmp_path / "out.json"
         argv = ["preflight", "--require", "jax", "--daemon-url", d.url, "--format", "json"]
-        env = {**gpu_env(), "ARGV": json.dumps(argv), "OUT": str(out)}
+        env = {**gpu_env(), "ARGV": json.dumps(argv), "OUT": str(out),
+               "GPUDIAG_JOB_PYTHON": str(python)}
         done = subprocess.run([str(python), "-c", _COUNTING_ENTRY], env=env, text=True,
                               capture_output=True, timeout=120, check=False)
         record = json.loads(done.stdout)

@@ -112,8 +112,9 @@ def as_jobs(verdict: Verdict, requirement: Requirement, env: Mapping[str, str],
     evidence = dict(verdict.evidence)
     if python is not None and needs_job_python(requirement):
         evidence["job_python"] = python.record()
-    ran_jax = runs is not None and "jax" in runs  # classified from a JAX child run here
-    prealloc = job_preallocation(env, verdict.preallocation_disabled if ran_jax else None)
+    jax_run = (runs or {}).get("jax")  # a JAX child run here read it as the job sees it
+    jax_obs = jax_run.jax if jax_run is not None and jax_run.ok else None
+    prealloc = job_preallocation(env, jax_obs.preallocation_disabled if jax_obs else None)
     return replace(verdict, evidence=evidence, preallocation_disabled=prealloc)
 
 

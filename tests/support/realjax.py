@@ -49,6 +49,7 @@ class RealJax:
         env = dict(base)
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{old}" if old else str(ROOT)
+        env["GPUDIAG_JOB_PYTHON"] = str(self.python)  # the job runs in that venv
         return env
 
 
