@@ -443,10 +443,11 @@ def test_preflight_cannot_invent_probe_keys_or_run_new_ones_past_the_budget(
         # (asked from the daemon's own environment: its fingerprint, which the client sends).
         from gpudiag.core.requirement import parse_requirement
         from gpudiag.engine.client import environment_ids
-        from gpudiag.engine.jobpython import this_process
         from gpudiag.engine.fingerprint import query_value
+        from gpudiag.engine.jobpython import this_process
 
-        fp = "&fingerprint=" + query_value(environment_ids(parse_requirement("iree"), {}, this_process()))
+        ids = environment_ids(parse_requirement("iree"), {}, this_process())
+        fp = "&fingerprint=" + query_value(ids)
         assert wsgi(app, f"/v1/preflight?require=iree:local-task&wait_s=2{fp}")[0] == 200
         assert replay.calls.count("iree") == 1
         status, _, body = wsgi(app, f"/v1/preflight?require=iree:vulkan&wait_s=2{fp}")

@@ -271,8 +271,8 @@ def test_a_probe_variant_nobody_schedules_runs_on_demand_once(healthy_runs: Runs
         # Asked from the daemon's own environment (its fingerprint): proven by the daemon.
         from gpudiag.core.requirement import parse_requirement
         from gpudiag.engine.client import environment_ids
-        from gpudiag.engine.jobpython import this_process
         from gpudiag.engine.fingerprint import query_value
+        from gpudiag.engine.jobpython import this_process
 
         fp = query_value(environment_ids(parse_requirement("jax:cpu"), {}, this_process()))
         assert wsgi(app, f"/v1/preflight?require=jax:cpu&fingerprint={fp}")[0] == 200
