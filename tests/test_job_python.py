@@ -321,3 +321,15 @@ def test_the_job_interpreter_is_found_in_the_documented_order(tmp_path: Path) ->
                                                                    "chosen_by": "none"}
     assert jobpython.JobPython(sys.executable, "sys.executable").own
     assert not jobpython.JobPython(str(venv), "VIRTUAL_ENV").own  # same binary, other venv
+
+
+def test_a_job_without_any_python_reads_not_installed_never_gpudiags(
+        gpu_env: EnvFactory, tmp_path: Path) -> None:
+    """No --python, no venv, no python3 on PATH (a Slurm Prolog's empty environment)."""
+    env = _job_env(gpu_env(), PATH=str(tmp_path / "nowhere"))
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("CONDA_PREFIX", None)
+    code, record, err = _gpudiag(Path(sys.executable),
+                                 ["preflight", "--require", "jax:cpu", "--no-daemon"], env)
+    assert (code, record["gpu_validation_blocker"]) == (1, "jax_not_installed"), err
+    assert record["evidence"]["job_python"] == {"path": None, "chosen_by": "none"}

@@ -379,9 +379,16 @@ def probe_archive(folder: str | None) -> str:
 
 def probe_interpreter(python: JobPython) -> list[str] | None:
     """The start of the argv that runs a probe in the job's interpreter (its Python and the
-    probe archive); None when it is this interpreter (the probe runs as ``-m``)."""
-    if python.path is None or python.own:
+    probe archive); None when it is this interpreter (the probe runs as ``-m``).
+
+    A job with no Python at all imports nothing: its probe runs the archive in this
+    interpreter without any site folder or environment (``-I -S``: standard library only),
+    so JAX and IREE read not installed, as they are for that job, and are never proven in
+    gpudiag's own environment instead."""
+    if python.own:
         return None
+    if python.path is None:
+        return [sys.executable, "-I", "-S", probe_archive(cache_dir())]
     return [python.path, probe_archive(cache_dir())]
 
 
