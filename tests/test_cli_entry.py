@@ -312,3 +312,29 @@ def test_the_client_s_query_string_reads_back_as_written(params: dict[str, str])
     assert parse_qsl(text, keep_blank_values=True) == parse_qsl(urlencode(params),
                                                                 keep_blank_values=True)
     assert all(c.isascii() and c.isprintable() and c not in " #+" for c in text)
+
+
+def test_a_second_error_raised_while_a_ctrl_c_unwinds_is_the_interrupt_not_a_failure() -> None:
+    """The click path's exit 3 under load: the interrupt cut an import short, and whatever
+    touched the half-made module on the way out raised an AttributeError."""
+    from gpudiag.cli.entry import interrupted
+
+    def unwinding() -> None:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise AttributeError("partially initialized module has no attribute 'LockInfo'")
+
+    with pytest.raises(AttributeError) as caught:
+        unwinding()
+    assert interrupted(caught.value)
+    assert not interrupted(ValueError("a real failure"))
+    code = ("import sys\nfrom gpudiag.cli.commands import main\n"
+            "import gpudiag.cli.commands as c\n"
+            "def boom(*a, **k):\n"
+            "    try:\n        raise KeyboardInterrupt\n"
+            "    finally:\n        raise AttributeError('half-made module')\n"
+            "c.cli.main = boom\nmain(['probe'])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert (done.returncode, done.stderr) == (1, "\nAborted!\n")

@@ -392,5 +392,10 @@ def main(argv: list[str] | None = None, *, asked: object = None) -> Any:
         click.echo("gpudiag: interrupted", err=True)
         sys.exit(130)
     except Exception as e:  # the last line of defence: a message, never a traceback
+        from gpudiag.cli.entry import interrupted
+
+        if interrupted(e):  # a Ctrl-C whose unwinding raised a second error: click's words
+            click.echo("\nAborted!", err=True)
+            sys.exit(1)
         click.echo(f"gpudiag: internal error: {type(e).__name__}: {e}", err=True)
         sys.exit(EXIT_FAILED)
