@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.fakes.build import FakeDriver, build_fakes
@@ -217,3 +219,48 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         function = getattr(item, "originalname", item.name)
         if module in SLOW_MODULES or function in SLOW_TESTS.get(module, ()):
             item.add_marker(pytest.mark.slow)
+
+
+def _survivors(basetemp: str) -> list[psutil.Process]:
+    """Processes still alive that a test of this session started: their command line names
+    this session's temporary folder (a daemon's config or state folder, a fake host's env
+    file, a job's artifacts), and they are not this process or its ancestors."""
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or ())
+        except (psutil.Error, TypeError):
+            continue
+        if proc.info["pid"] not in mine and basetemp in cmdline:
+            found.append(proc)
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No process a test starts outlives the session (issue 50): any survivor is listed,
+    killed, and fails the run."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller looks once every worker is done
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    basetemp = getattr(factory, "_basetemp", None)
+    if basetemp is None:
+        return
+    survivors = _survivors(str(basetemp))
+    if not survivors:
+        return
+    lines = []
+    for proc in survivors:
+        try:
+            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:300]}")
+            with contextlib.suppress(OSError):  # its group too (what it started), not ours
+                group = os.getpgid(proc.pid)
+                if group != os.getpgid(0):
+                    os.killpg(group, signal.SIGKILL)
+            proc.kill()
+        except psutil.Error:
+            continue
+    if lines:
+        sys.stderr.write("\ntests left processes running (killed now):\n" + "\n".join(lines)
+                         + "\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
