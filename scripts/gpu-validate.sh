@@ -17,7 +17,7 @@
 # On a GPU-less host it still runs and every check is a blocker record (never a pass).
 #
 # Knobs (environment): GPUDIAG_VALIDATE_ONLY=probe,jaxmem,timings,faults,daemon,run,iree,
-# occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,identity,texts (default
+# occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,jobpython,identity,texts (default
 # all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
 # GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
 # tests/fakes tree for the texts' fake side; default: built here when gcc is present);
@@ -617,7 +617,7 @@ if want runtimes; then
         ok=1; [[ $up == 1.0 ]] && ok=0
         pass_if runtime-proven "$ok" "gpudiag_runtime_backend_up{runtime=validate,backend=jax} = ${up:-absent}"
         timeout 180 "$rt/bin/python" -m gpudiag preflight --require jax --daemon-url "$daemon_url" \
-            --format json >"$OUT/runtime-job.json" 2>"$OUT/runtime-job.stderr"
+            --python "$rt/bin/python" --format json >"$OUT/runtime-job.json" 2>"$OUT/runtime-job.stderr"
         rc=$? src=$(field "$OUT/runtime-job.json" source) got=$(blocker_of "$OUT/runtime-job.json")
         ok=1; [[ $rc -eq 0 && $src == daemon && $got == none ]] && ok=0
         pass_if runtime-job-answered "$ok" "a job of the runtime's venv: exit $rc source=$src blocker=$got"
@@ -631,6 +631,45 @@ if want runtimes; then
         result runtime-proven fail "the daemon with a runtime did not become ready (runtime-daemon.log)"
         daemon_stop
     fi
+fi
+
+# 11b. Round 5: the job's interpreter decides (issue 48). gpudiag run by its own interpreter
+# ($PY: the node's install) for jobs in two venvs, one with JAX (the card's CUDA plugin) and
+# one without, found through VIRTUAL_ENV and --python: each answer must equal the job's own
+# (gpudiag run by the job's interpreter, --no-daemon), and name the job's interpreter.
+if want jobpython; then
+    section "jobpython: the job's interpreter"
+    site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    for kind in jax plain; do
+        jv=$OUT/job-$kind
+        "$PY" -m venv --without-pip "$jv" >"$OUT/job-$kind.log" 2>&1 || continue
+        pth="$(ls -d "$jv"/lib/python3*/site-packages)/gpudiag-validate.pth"
+        if [[ $kind == jax ]]; then printf '%s\n%s\n' "$REPO" "$site" >"$pth"
+        else  # gpudiag and its own dependencies importable, JAX and IREE not
+            mkdir -p "$jv/deps"
+            for dep in click prometheus_client pynvml.py h11 psutil; do
+                [[ -e $site/$dep ]] && ln -sf "$site/$dep" "$jv/deps/$dep"
+            done
+            printf '%s\n%s\n' "$REPO" "$jv/deps" >"$pth"
+        fi
+        GPUDIAG_JOB_PYTHON="$jv/bin/python" timeout 180 "$jv/bin/python" -m gpudiag preflight \
+            --require jax --no-daemon --format json >"$OUT/job-$kind-own.json" 2>>"$OUT/job-$kind.log"
+        want_blocker=$(blocker_of "$OUT/job-$kind-own.json")
+        for how in VIRTUAL_ENV --python; do
+            if [[ $how == VIRTUAL_ENV ]]; then
+                env -u GPUDIAG_JOB_PYTHON VIRTUAL_ENV="$jv" PATH="$jv/bin:$PATH" timeout 180 \
+                    "$PY" -m gpudiag preflight --require jax --format json >"$OUT/job-$kind-$how.json" 2>>"$OUT/job-$kind.log"
+            else
+                env -u GPUDIAG_JOB_PYTHON timeout 180 "$PY" -m gpudiag preflight --require jax \
+                    --python "$jv/bin/python" --format json >"$OUT/job-$kind-$how.json" 2>>"$OUT/job-$kind.log"
+            fi
+            got=$(blocker_of "$OUT/job-$kind-$how.json")
+            where=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["evidence"]["job_python"]["path"])' \
+                "$OUT/job-$kind-$how.json" 2>/dev/null)
+            ok=1; [[ -n $want_blocker && $got == "$want_blocker" && $where == "$jv/bin/python" ]] && ok=0
+            pass_if "job-$kind-$how" "$ok" "the node's gpudiag for a job venv ($kind) by $how: $got, the job's own: $want_blocker, job_python=$where"
+        done
+    done
 fi
 
 # 12. Round 4: kernel facts decide (issue 38). Another uid (65534) holds a context on GPU 0
