@@ -20,8 +20,14 @@ from typing import Any
 import pytest
 
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.support.daemon import Daemon, daemon_toml, host_env, metric_samples, wait_for, \
-    write_config
+from tests.support.daemon import (
+    Daemon,
+    daemon_toml,
+    host_env,
+    metric_samples,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -8,6 +8,7 @@ import pytest
 
 from gpudiag.core.attribution import Attribution, JobRecord
 from gpudiag.core.job_watch import (
+    CODES,
     STALLED,
     STRAGGLER,
     GpuSample,
@@ -157,3 +158,27 @@ def test_a_sample_record_with_missing_readings_reads_as_none() -> None:
     assert s is not None and s.power_w is None and s.sm_clock_mhz is None
     assert s.power_ratio is None
     assert GpuSample.from_record({"utilization_ratio": 1}) is None
+
+
+def test_every_job_watch_code_is_a_cataloged_run_warning_that_never_drains() -> None:
+    from gpudiag.core.catalog import BLOCKERS, RUN_WARNINGS, WARNINGS, drains, entry
+
+    assert set(CODES) == set(RUN_WARNINGS)
+    for code in CODES:
+        assert code not in BLOCKERS and code not in WARNINGS and not drains(code)
+        assert entry(code).summary.endswith(".") and entry(code).remediation.endswith(".")
+
+
+def test_the_jobs_table_sets_every_threshold_and_refuses_nonsense() -> None:
+    from gpudiag.daemon.config import ConfigError, from_mapping
+
+    cfg = from_mapping({"jobs": {"stall_after_s": 5, "stall_power_ratio": 0.3,
+                                 "straggler_ratio": 0.9, "link_flat_kbps": 0}}).jobs
+    assert (cfg.stall_after_s, cfg.stall_power_ratio, cfg.straggler_ratio,
+            cfg.link_flat_kbps, cfg.straggler_after_s) == (5.0, 0.3, 0.9, 0.0, 300.0)
+    for bad, key in (({"stall_power_ratio": 2}, "jobs.stall_power_ratio"),
+                     ({"stall_after_s": -1}, "jobs.stall_after_s"),
+                     ({"link_flat_kbps": "x"}, "jobs.link_flat_kbps"),
+                     ({"stall_afer_s": 1}, "jobs.stall_afer_s")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            from_mapping({"jobs": bad})

@@ -44,6 +44,10 @@ log = logging.getLogger("gpudiag.daemon.job_watch")
 ENDED_KEPT = 256  # ended runs whose warnings an /end answer or a late record may still ask
 LINE_LIMIT = 1 << 20
 BACKOFF_MAX_S = 60.0
+# With no run open, the open runs are looked at this often (at most ten intervals): an idle
+# daemon's thread wakes rarely, and a run's first sample comes within seconds of its begin,
+# far inside any stall or straggler window.
+IDLE_POLL_S = 5.0
 # What a run's job record is kept with (daemon/jobs.py's Keep): record, uid, how, run id.
 Keep = Callable[[JobRecord, int, "str | None", "str | None"], bool]
 
@@ -105,9 +109,9 @@ class JobWatch:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread and the child."""
         self._stop.set()
-        self._end_child()
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(timeout_s)  # it wakes within an interval, then ends the child
+        self._end_child()
 
     # -- what the daemon shows ---------------------------------------------------------------
     def warnings(self, run_id: str) -> tuple[RunWarning, ...]:
@@ -159,12 +163,14 @@ class JobWatch:
                 want = self._follow_runs()
                 proc = self._child(want)
                 if proc is None:
-                    self._stop.wait(self.policy.interval_s)
+                    idle = min(IDLE_POLL_S, 10 * self.policy.interval_s)
+                    self._stop.wait(self.policy.interval_s if want else idle)
                     continue
                 buf = self._read(proc, buf)
             except Exception:  # a bug of ours: said, and the watch goes on
                 log.exception("job watch: round failed")
                 self._stop.wait(self.policy.interval_s)
+        self._end_child()
 
     def _follow_runs(self) -> tuple[str, ...]:
         """Watch the open runs (new ones start, ended ones keep their warnings a while);
