@@ -99,3 +99,9 @@ def test_a_hung_two_gpu_run_is_named_job_stalled_and_runs_to_its_end(
     said = json.loads(explained.stdout)
     assert [w["code"] for w in said["job"]["warnings"]] == ["job_stalled"]
     assert any(r["what"] == "job_stalled" for r in said["timeline"]), said["timeline"]
+    for fmt, shown in (("kv", "warnings=job_stalled\n"), ("text", "warning: job_stalled: ")):
+        out = subprocess.run(
+            [sys.executable, "-m", "gpudiag", "explain", "--pid", str(job.pid), "--state-dir",
+             str(tmp / "state"), "--format", fmt], env=env, capture_output=True, text=True,
+            timeout=60, check=False)
+        assert shown in out.stdout, out.stdout
