@@ -182,3 +182,11 @@ def test_the_jobs_table_sets_every_threshold_and_refuses_nonsense() -> None:
                      ({"stall_afer_s": 1}, "jobs.stall_afer_s")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             from_mapping({"jobs": bad})
+
+
+def test_a_reloaded_jobs_table_is_named_as_waiting_for_a_restart() -> None:
+    from gpudiag.daemon.config import from_mapping
+    from gpudiag.daemon.reload import live_changes, restart_only_changes
+
+    old, new = from_mapping({}), from_mapping({"jobs": {"stall_after_s": 30}})
+    assert restart_only_changes(old, new) == ["jobs"] and live_changes(old, new) == []
