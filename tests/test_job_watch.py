@@ -231,3 +231,19 @@ def test_off_starts_nothing() -> None:
     w.start()
     w.stop()
     assert w.state() == WatchState(False) and not w.evidence()[1]["watch"]["enabled"]
+
+
+def test_a_child_that_dies_is_said_and_started_again(tmp_path: Path) -> None:
+    starts = tmp_path / "starts"
+    script = f"open({str(starts)!r}, 'a').write('x'); raise SystemExit(3)"
+    runs = [Run("r1", ("GPU-aaaaaaaa-0000-0000-0000-000000000000",))]
+    w = JobWatch(FAST, {}, lambda: runs, argv=[sys.executable, "-c", script])
+    w.start()
+    try:
+        wait_for(lambda: starts.exists() and len(starts.read_text()) >= 2, 15)
+        error = w.evidence()[1]["watch"]["error"]
+        assert "exited" in error or "closed its output" in error, error
+        assert w.warnings("r1") == ()
+    finally:
+        w.stop()
+    assert not w.state().running
