@@ -5,7 +5,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpudiag.core.catalog import BLOCKERS, DRAINS, LAYER_ORDER, QUALIFICATION, WARNINGS
+from gpudiag.core.catalog import (
+    BLOCKERS,
+    DRAINS,
+    LAYER_ORDER,
+    QUALIFICATION,
+    RUN_WARNINGS,
+    WARNINGS,
+)
 
 # Where a code's meaning follows NVIDIA's own word, the page that says it.
 SOURCES: tuple[str, ...] = (
@@ -62,6 +69,13 @@ def render() -> str:
             "| code | layer | meaning | what to do |", "|---|---|---|---|"]
     out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
             for e in QUALIFICATION.values() if e.code not in BLOCKERS and e.code not in WARNINGS]
+    out += ["", "## Warnings on a running job (the daemon's job watch; docs/daemon.md)", "",
+            "On a run, never in a verdict: in its closeout, `gpudiag explain`, /v1/health's "
+            "`runs` evidence and `gpudiag_job_stalled` / `gpudiag_gpu_straggler_suspect`. "
+            "Never a blocker, never a drain.", "",
+            "| code | layer | meaning | what to do |", "|---|---|---|---|"]
+    out += [f"| `{e.code}` | {e.layer} | {e.summary} | {e.remediation} |"
+            for e in RUN_WARNINGS.values()]
     return "\n".join(out) + "\n"
 
 

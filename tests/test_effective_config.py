@@ -59,6 +59,16 @@ block = true
 [log]
 format = "json"
 level = "debug"
+[jobs]
+enabled = false
+interval_s = 2
+stall_after_s = 60
+stall_utilization = 0.95
+stall_power_ratio = 0.3
+link_flat_kbps = 512
+straggler_after_s = 600
+straggler_ratio = 0.8
+busy_utilization = 0.6
 
 [runtimes.gpudiag]
 require = "jax"
@@ -99,7 +109,7 @@ def test_every_field_is_printed_or_said_why_not() -> None:
     shown = {line.lstrip("# ").split(" ")[0] for line in text.splitlines()}
     for name in _names(DaemonConfig()) - {"backends", "xid", "history", "nvml",
                                           "qualification", "thresholds", "runtimes",
-                                          "remediation"}:
+                                          "remediation", "jobs"}:
         qual = [q for q in (*PLACES, *NOT_IN_FILE) if q.endswith(f".{name}")]
         assert name in shown or qual, f"{name} is missing from serve --check-config"
     assert {"nfd_features_file", "nfd_expiry_s", "clock_event_dwell_s"} <= shown

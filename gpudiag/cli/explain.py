@@ -165,6 +165,8 @@ def _kv(attribution: Attribution, rec: dict[str, Any]) -> str:
              "owner_uid": rec.get("owner_uid"),
              # socket | root | no: whether the run's window is the kernel's word (issue 38).
              "attested": rec.get("attested") or "no",
+             # The job watch's warnings on the run (job_stalled, gpu_straggler_suspect).
+             "warnings": ",".join(w.get("code", "") for w in job.get("warnings") or []),
              "missing": "; ".join(attribution.missing),
              "gpu_failure_attribution": attribution.kv()}
     return "".join(f"{k}={terminal_safe(' '.join(str(v if v is not None else '').split()))}\n"
@@ -205,6 +207,10 @@ def _text(rec: dict[str, object]) -> None:
                    f"  ({e['source']})")
     for m in attribution["missing"]:
         click.echo(f"  missing: {m}")
+    # The daemon's job watch on the run: warnings, never what failed it.
+    for w in (job.get("warnings") or []) if isinstance(job, dict) else []:
+        click.echo(f"  warning: {w['code']}: {w['message']}  ("
+                   + ", ".join(f"{k}={v}" for k, v in w["numbers"].items()) + ")")
     timeline = rec["timeline"]
     assert isinstance(timeline, list)
     if timeline:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from gpudiag.core.clock import rfc3339
+from gpudiag.core.job_watch import RunWarning, run_warnings
 from gpudiag.core.usage import GpuUsage, usages_of
 from gpudiag.core.xids import APPLICATION, LOST, REBOOT, RESET, xid_code, xid_description
 
@@ -262,15 +263,20 @@ class JobRecord:
     closeout: str | None  # closeout.json's path
     # Per GPU: energy, peak memory, throttle reasons, XIDs (gpudiag.core.usage).
     gpu_usage: tuple[GpuUsage, ...] = ()
+    # The daemon's job watch (core.job_watch): job_stalled, gpu_straggler_suspect.
+    warnings: tuple[RunWarning, ...] = ()
 
     def record(self) -> dict[str, Any]:
-        """The inbox file's JSON."""
-        return {"schema": JOB_SCHEMA, "pid": self.pid, "child_pid": self.child_pid,
-                "argv": list(self.argv), "slurm_job_id": self.slurm_job_id, "host": self.host,
-                "started": self.started, "ended": self.ended, "exit_code": self.exit_code,
-                "gpus": list(self.gpus), "attribution": self.attribution.record(),
-                "closeout": self.closeout,
-                "gpu_usage": [u.record() for u in self.gpu_usage]}
+        """The inbox file's JSON (``warnings`` only when the job watch gave some)."""
+        rec = {"schema": JOB_SCHEMA, "pid": self.pid, "child_pid": self.child_pid,
+               "argv": list(self.argv), "slurm_job_id": self.slurm_job_id, "host": self.host,
+               "started": self.started, "ended": self.ended, "exit_code": self.exit_code,
+               "gpus": list(self.gpus), "attribution": self.attribution.record(),
+               "closeout": self.closeout,
+               "gpu_usage": [u.record() for u in self.gpu_usage]}
+        if self.warnings:
+            rec["warnings"] = [w.record() for w in self.warnings]
+        return rec
 
     @property
     def window(self) -> Window:
@@ -296,4 +302,5 @@ class JobRecord:
                    str(slurm) if slurm not in (None, "") else None, str(rec.get("host") or ""),
                    float(started), float(ended), code,
                    tuple(str(g) for g in rec.get("gpus") or []), attribution,
-                   _opt_str(rec.get("closeout")), usages_of(rec.get("gpu_usage")))
+                   _opt_str(rec.get("closeout")), usages_of(rec.get("gpu_usage")),
+                   run_warnings(rec.get("warnings")))

@@ -363,9 +363,37 @@ QUALIFICATION: dict[str, CatalogEntry] = {
 }
 
 
+# The job watch's warnings (core.job_watch; docs/daemon.md "The job watch"): on a running
+# job, in its closeout, /v1/health's runs evidence and metrics; never in a verdict, never a
+# blocker, never a drain. Layer "job": a run's, not a verdict layer.
+RUN_WARNINGS: dict[str, CatalogEntry] = {
+    e.code: e
+    for e in [
+        CatalogEntry("job_stalled", "job",
+                     "Every GPU of a run spins at high utilization at a fraction of its power "
+                     "limit, its links flat, past [jobs] stall_after_s: a hung collective "
+                     "(an NCCL all-reduce waiting on a peer that never comes).",
+                     "Take the job's stacks (py-spy dump, NCCL_DEBUG=INFO, "
+                     "TORCH_NCCL_DUMP_ON_TIMEOUT) and look for the rank that did not arrive "
+                     "(another node, a dead process); kill and restart the job from its last "
+                     "checkpoint."),
+        CatalogEntry("gpu_straggler_suspect", "job",
+                     "One GPU of a run keeps its SM clock or power at or below [jobs] "
+                     "straggler_ratio of the run's median past straggler_after_s, every GPU "
+                     "working; the cause NVML shows (thermal, power_cap, pcie, ecc) or "
+                     "unknown.",
+                     "Check the GPU by its cause: cooling and fans (thermal), the power cap "
+                     "and PSU (power_cap: nvidia-smi -q -d POWER), the PCIe link (pcie: "
+                     "reseat), pending row remaps (ecc: reset at the next drain); then run "
+                     "gpudiag qualify on it when it is free."),
+    ]
+}
+
+
 def entry(code: str) -> CatalogEntry:
     """The catalog row of a blocker, warning or qualification code."""
-    found = BLOCKERS.get(code) or WARNINGS.get(code) or QUALIFICATION.get(code)
+    found = (BLOCKERS.get(code) or WARNINGS.get(code) or QUALIFICATION.get(code)
+             or RUN_WARNINGS.get(code))
     if found is None:
         raise KeyError(f"unknown blocker or warning code: {code!r}")
     return found

@@ -236,6 +236,11 @@ class DaemonApp:
         # What remediation did and how Slurm answers it ([remediation]; None: off): in the
         # evidence of every node-health answer (/v1/health).
         self.remediation: Callable[[], RemediationReport] | None = None
+        # A part's object in /v1/health's evidence, by name: (version, object); the version
+        # moves when the object does (e.g. "runs": the job watch, daemon/job_watch.py).
+        self.health_evidence: dict[str, Callable[[], tuple[int, dict[str, Any]]]] = {}
+        # What parts add to the answer of POST /v1/runs/end, given the run's id.
+        self.run_end_notes: list[Callable[[str], Mapping[str, Any]]] = []
         # Why the daemon's history is not open (e.g. the disk was full at start); None: it
         # keeps none at all. /v1/history says which, and why.
         self.history_error = history_error
@@ -243,9 +248,11 @@ class DaemonApp:
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Answers per (snapshot, requirement, visibility), classified and encoded once: a
         # snapshot never changes.
-        # The last element: remediation's report version (node health only; 0 otherwise).
+        # The last element: remediation's report version and the health evidence's versions
+        # (node health only; (0,) otherwise).
         self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None,
-                                tuple[tuple[str, str], ...] | None, int], EncodedAnswer] = {}
+                                tuple[tuple[str, str], ...] | None, tuple[int, ...]],
+                          EncodedAnswer] = {}
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
@@ -466,8 +473,10 @@ class DaemonApp:
         now = self.scheduler.clock.time()
         extra = self.remediation() if (self.remediation is not None
                                        and requirement.node_health) else None
+        parts = {name: source() for name, source in self.health_evidence.items()} \
+            if requirement.node_health else {}
         cache_key = (snap.seq, requirement, visibility, question.fingerprint,
-                     extra.version if extra else 0)
+                     (extra.version if extra else 0, *(v for v, _ in parts.values())))
         answer = self._cache.get(cache_key)
         if answer is None:
             if at_hand:  # classifying and encoding takes milliseconds: the pool does it
@@ -489,6 +498,9 @@ class DaemonApp:
             if extra is not None:
                 verdict = replace(verdict, evidence={**verdict.evidence,
                                                      "remediation": extra.evidence()})
+            if parts:
+                verdict = replace(verdict, evidence={**verdict.evidence, **{
+                    name: shown for name, (_, shown) in parts.items()}})
             answer = EncodedAnswer.of(verdict, "daemon")
             if len(self._cache) >= 256:
                 self._cache.clear()
@@ -617,9 +629,12 @@ class DaemonApp:
         if job is None:
             raise ApiError(503, "history_unavailable", "the job record could not be kept "
                            "now; the run stays open and its inbox record ends it")
+        notes: dict[str, Any] = {}
+        for note in self.run_end_notes:
+            notes.update(note(params["run"]))
         return 200, {"run": params["run"], "recorded": True, "started": job.started,
                      "ended": job.ended, "gpus": list(job.gpus),
-                     "attribution": job.attribution.record()}
+                     "attribution": job.attribution.record(), **notes}
 
     def _healthz(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ())

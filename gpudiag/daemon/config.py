@@ -17,6 +17,7 @@ from typing import Any
 
 from gpudiag.core import registry
 from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.job_watch import JobWatchPolicy
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.nvml_health import NvmlHealthPolicy
@@ -156,6 +157,8 @@ class DaemonConfig:
     # (``gpudiag``) is always there, first.
     runtimes: tuple[Runtime, ...] = (Runtime(OWN_RUNTIME),)
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
+    # [jobs]: the job watch over the attested runs (core.job_watch, daemon/job_watch.py).
+    jobs: JobWatchPolicy = field(default_factory=JobWatchPolicy)
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -573,6 +576,34 @@ def _remediation(t: _Table) -> RemediationConfig:
     return cfg
 
 
+def _jobs(t: _Table) -> JobWatchPolicy:
+    d = JobWatchPolicy()
+    cfg = JobWatchPolicy(
+        enabled=t.flag("enabled", d.enabled),
+        interval_s=t.seconds("interval_s", d.interval_s, minimum=0.05, maximum=60.0),
+        stall_after_s=t.seconds("stall_after_s", d.stall_after_s, maximum=86400.0),
+        stall_utilization=_share(t, "stall_utilization", d.stall_utilization),
+        stall_power_ratio=_share(t, "stall_power_ratio", d.stall_power_ratio),
+        link_flat_kbps=_kbps(t, "link_flat_kbps", d.link_flat_kbps),
+        straggler_after_s=t.seconds("straggler_after_s", d.straggler_after_s,
+                                    maximum=86400.0),
+        straggler_ratio=_share(t, "straggler_ratio", d.straggler_ratio),
+        busy_utilization=_share(t, "busy_utilization", d.busy_utilization))
+    t.finish()
+    return cfg
+
+
+def _kbps(t: _Table, key: str, default: float) -> float:
+    value = t.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{t._key(key)} = {value!r}: expected a throughput in kB/s, 0 or "
+                          "more")
+    return float(value)
+
+
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
     top = _Table(raw, "")
@@ -607,7 +638,7 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
         backends=backends, xid=xid, history=history, log_format=log_format,
         log_level=log_level, qualification=_qualification(top.table("qualification")),
         runtimes=_runtimes(top.table("runtimes")),
-        remediation=_remediation(top.table("remediation")))
+        remediation=_remediation(top.table("remediation")), jobs=_jobs(top.table("jobs")))
     sched.finish()
     top.finish()
     return cfg

@@ -287,6 +287,8 @@ def timeline(store: HistoryStore, since: float, until: float) -> list[dict[str, 
                 rows.append(_row(job.ended, "job_ended", gpu,
                                  f"pid {job.pid} exit {job.exit_code}, "
                                  f"{job.attribution.kind}"))
+            # The job watch's warnings on the run (job_stalled, gpu_straggler_suspect).
+            rows += [_row(w.since, w.code, w.gpu, w.message) for w in job.warnings]
     return sorted(rows, key=lambda r: (r["ts"], r["what"]))
 
 

@@ -27,7 +27,8 @@ log = logging.getLogger("gpudiag.daemon.reload")
 # DaemonConfig fields read once at start: a change waits for a restart.
 RESTART_ONLY = ("listen_host", "listen_port", "socket_path", "tcp_read_only", "history",
                 "nfd_features_file", "nfd_expiry_s", "log_format",
-                "remediation")  # the actor and its node check are built at start
+                "remediation",  # the actor and its node check are built at start
+                "jobs")  # the job watch keeps its policy (its runs' holds stay consistent)
 # XidConfig fields of the watcher process itself (hold_s and gap_warning_s apply live).
 XID_RESTART_ONLY = ("enabled", "heartbeat_s", "telemetry_s", "restart_backoff_max_s")
 

@@ -249,6 +249,11 @@ class RunWindows:
                 r.id, r.peer.uid, r.peer.pid, r.peer.started_at, None, r.began, r.gpus,
                 r.slurm_job_id) for r in self._open.values()])
 
+    def opened(self) -> list[OpenRun]:
+        """The runs open now (the job watch's narrow view: each one's id and GPUs)."""
+        with self._lock:
+            return list(self._open.values())
+
     def begin(self, peer: Peer, gpus: Sequence[str], slurm_job_id: str | None) -> OpenRun:
         """Open a run for ``peer`` on the GPUs it holds locked; RunRefused otherwise. The
         Peer's pidfd is the run's from now on (closed at its end)."""

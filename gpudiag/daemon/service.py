@@ -50,6 +50,7 @@ from gpudiag.daemon.exporter import HistoryCollector
 from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
+from gpudiag.daemon.job_watch import JobWatch
 from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.numbers import Numbers, NumbersCollector
@@ -61,7 +62,7 @@ from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
 from gpudiag.daemon.remediation import Remediator
 from gpudiag.daemon.remediation_exporter import RemediationCollector
-from gpudiag.daemon.runs import RefusedRecordsCollector, RunWindows
+from gpudiag.daemon.runs import OpenRun, RefusedRecordsCollector, RunWindows
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.slurmctl import SlurmError, check_executable
@@ -130,6 +131,7 @@ class _Parts:
     qualifier: Qualifier
     servers: tuple[HttpServer, ...]  # TCP first, then the unix socket if one is configured
     remediator: Remediator | None = None  # [remediation] mode observe or act
+    job_watch: JobWatch | None = None  # [jobs]: hung collectives and stragglers
 
 
 class DaemonService:
@@ -155,6 +157,7 @@ class DaemonService:
         self._scheduler: Scheduler | None = None
         self._app: DaemonApp | None = None
         self._remediator: Remediator | None = None
+        self._runs: RunWindows | None = None
         self._parts: _Parts | None = None
         self.url = ""  # http://HOST:PORT once listening
 
@@ -188,6 +191,8 @@ class DaemonService:
         parts.scheduler.start()
         if parts.remediator is not None:
             parts.remediator.start()
+        if parts.job_watch is not None:
+            parts.job_watch.start()
         self._say_ready(parts)
 
     def request_stop(self) -> None:
@@ -211,6 +216,8 @@ class DaemonService:
         parts.qualifier.stop()
         if parts.remediator is not None:
             parts.remediator.stop()
+        if parts.job_watch is not None:
+            parts.job_watch.stop()
         parts.scheduler.stop()
         parts.watcher.stop()
         # A probe child still running (even hung in the driver) must not hold the exit up to
@@ -259,7 +266,8 @@ class DaemonService:
             with contextlib.suppress(HistoryError):  # intervals then start afresh
                 numbers.seed_incidents(recorder.store.incident_times())
         locks = self._lock_dir()
-        clears, jobs = self._inboxes(recorder, watcher, locks.path)
+        job_watch = JobWatch(cfg.jobs, probe_environment(self._env), self._open_runs)
+        clears, jobs = self._inboxes(recorder, watcher, locks.path, job_watch)
         allocations = Allocations(self.state_dir, leaves=self._leaves)
         try:
             allocations.prepare()
@@ -291,6 +299,9 @@ class DaemonService:
         app.jobs = jobs
         app.registry.register(NumbersCollector(numbers.state))
         app.registry.register(AllocationCollector(allocations.current))
+        app.registry.register(job_watch.collector())
+        app.health_evidence["runs"] = job_watch.evidence
+        app.run_end_notes.append(job_watch.end_notes)
         remediator = self._start_remediation(scheduler, app, qualifier)
         try:
             servers = self._listen(app)
@@ -298,7 +309,7 @@ class DaemonService:
             qualifier.stop()
             raise
         return _Parts(lock, notifier, recorder, writer, watcher, scheduler, reloader,
-                      qualifier, servers, remediator)
+                      qualifier, servers, remediator, job_watch)
 
     def _start_remediation(self, scheduler: Scheduler, app: DaemonApp, qualifier: Qualifier
                            ) -> Remediator | None:
@@ -334,15 +345,17 @@ class DaemonService:
         app.remediation = remediator.report
         return remediator
 
-    def _inboxes(self, recorder: HistoryRecorder, watcher: XidWatcher, lock_dir: Path
-                 ) -> tuple[ClearPoller, JobInbox]:
+    def _inboxes(self, recorder: HistoryRecorder, watcher: XidWatcher, lock_dir: Path,
+                 job_watch: JobWatch) -> tuple[ClearPoller, JobInbox]:
         """The `gpudiag clear` requests and the jobs' records the loop takes in each tick;
-        the runs' attested windows are checked against the GPU locks in ``lock_dir``."""
+        the runs' attested windows are checked against the GPU locks in ``lock_dir``, and
+        their records kept with the job watch's warnings."""
         clears = ClearPoller(self.state_dir, release=watcher.clear,
                              record=partial(self._cleared, recorder), recheck=self._recheck)
         runs = RunWindows(lock_dir, partial(_open_store, recorder),
                           kept=self.state_dir / OPEN_RUNS_FILE, mig_parents=self._mig_parents)
-        jobs = JobInbox(self.state_dir, record=partial(_record_job, recorder),
+        self._runs = runs
+        jobs = JobInbox(self.state_dir, record=job_watch.keeping(partial(_record_job, recorder)),
                         on_job=self._numbers.job, on_block=self._numbers.blocked, runs=runs)
         try:
             clears.prepare()
@@ -448,6 +461,10 @@ class DaemonService:
         """The GPU and MIG leaves the daemon sees now (None before its first reading)."""
         scope = self._scheduler.snapshot().scope if self._scheduler is not None else None
         return set(scope.occupancy) if scope is not None else None
+
+    def _open_runs(self) -> list[OpenRun]:
+        """The attested runs open now (none before the runs are built)."""
+        return self._runs.opened() if self._runs is not None else []
 
     def _mig_parents(self) -> dict[str, str]:
         """Each MIG instance's physical GPU, from the latest NVML reading (none before it)."""

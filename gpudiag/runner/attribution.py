@@ -318,8 +318,11 @@ class GpuEvents:
         if answer is None:
             self.unannounced = f"the daemon did not take the run's end: {why}"
             return None
+        # The daemon's job watch's warnings on the run (job_stalled, gpu_straggler_suspect).
+        warnings = answer.get("warnings")
         return {"path": None, "daemon": self._daemon_url, "run": self.run_id,
-                "attested": "socket", "error": None}
+                "attested": "socket", "error": None,
+                "warnings": warnings if isinstance(warnings, list) else []}
 
     def close(self) -> None:
         """Stop the watcher without an answer (the job never started)."""

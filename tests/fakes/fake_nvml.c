@@ -21,7 +21,7 @@
  *   FAKE_NVML_UNSUPPORTED=f1,f2       listed query families return NOT_SUPPORTED:
  *       power, temperature, utilization, ecc, remapped_rows, retired_pages,
  *       clocks_event_reasons, persistence, compute_mode, mig, field_values,
- *       processes, events, memory, pcie, nvlink, fabric, serial, energy
+ *       processes, events, memory, pcie, nvlink, fabric, serial, energy, clocks
  *   FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MEMORY_USED_MIB=IDX[.J]:MIB
  *   FAKE_NVML_UTILIZATION=IDX:PCT, FAKE_NVML_MEMORY_UTILIZATION=IDX:PCT
  *   FAKE_NVML_TEMPERATURE_C=IDX:C (35), FAKE_NVML_POWER_MW=IDX:MW (75000),
@@ -35,6 +35,8 @@
  *   FAKE_NVML_PERSISTENCE=IDX:0|1 (1), FAKE_NVML_COMPUTE_MODE=IDX:N (0)
  *   FAKE_NVML_MIG=IDX:COUNT
  *   FAKE_NVML_RECOVERY_ACTION=IDX:N   field 230 of nvmlDeviceGetFieldValues
+ *   FAKE_NVML_LINK_KBPS=IDX:KBPS      field 197 (PCIe TX bytes) grows at KBPS kB/s of the
+ *       wall clock (unset: NOT_SUPPORTED, as NVLink's 138/139 always are here)
  *   FAKE_NVML_PROCESSES=IDX[.J]:PID:USED_MIB,...
  *   FAKE_NVML_GRAPHICS_PROCESSES=IDX:PID:USED_MIB,...  (graphics clients, _v3)
  *   FAKE_NVML_PCIE=IDX:CURGEN/MAXGEN/CURWIDTH/MAXWIDTH (5/5/16/16): the PCIe link
@@ -152,6 +154,7 @@ _Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t layout");
 _Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t layout");
 
 #define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_VALUE_TYPE_UNSIGNED_LONG_LONG 3
 #define NVML_NVLINK_MAX_LINKS 18 /* the 535 nvml.h's bound (newer headers: 36); FAKE_NVML_NVLINKS caps here */
 
 /* nvmlGpuFabricInfo_t (v1, nvmlDeviceGetGpuFabricInfo) and _v2_t (nvmlDeviceGetGpuFabricInfoV). */
@@ -174,6 +177,7 @@ typedef struct {
 _Static_assert(sizeof(nvmlGpuFabricInfo_t) == 28, "nvmlGpuFabricInfo_t layout");
 _Static_assert(sizeof(nvmlGpuFabricInfo_v2_t) == 36, "nvmlGpuFabricInfo_v2_t layout");
 #define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
+#define NVML_FI_DEV_PCIE_COUNT_TX_BYTES 197
 
 #define nvmlEventTypeSingleBitEccError 0x1ULL
 #define nvmlEventTypeDoubleBitEccError 0x2ULL
@@ -791,6 +795,13 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int value
             v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
             v->value.uiVal =
                 (unsigned int)fake_list_ll("FAKE_NVML_RECOVERY_ACTION", device->gpu, -1, 0);
+            v->nvmlReturn = NVML_SUCCESS;
+        } else if (v->fieldId == NVML_FI_DEV_PCIE_COUNT_TX_BYTES &&
+                   fake_list_ll("FAKE_NVML_LINK_KBPS", device->gpu, -1, -1) >= 0) {
+            /* KB/s x s x 1000 = bytes: the counter grows at the scripted rate. */
+            long long kbps = fake_list_ll("FAKE_NVML_LINK_KBPS", device->gpu, -1, 0);
+            v->valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG;
+            v->value.ullVal = (unsigned long long)((double)kbps * 1000.0 * ((double)now / 1e6));
             v->nvmlReturn = NVML_SUCCESS;
         } else {
             v->valueType = 0;
