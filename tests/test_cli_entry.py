@@ -317,7 +317,7 @@ def test_the_client_s_query_string_reads_back_as_written(params: dict[str, str])
 def test_a_second_error_raised_while_a_ctrl_c_unwinds_is_the_interrupt_not_a_failure() -> None:
     """The click path's exit 3 under load: the interrupt cut an import short, and whatever
     touched the half-made module on the way out raised an AttributeError."""
-    from gpudiag.cli.entry import interrupted
+    from gpudiag.cli.interrupts import interrupted
 
     def unwinding() -> None:
         try:

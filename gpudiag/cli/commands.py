@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None, *, asked: object = None) -> Any:
         click.echo("gpudiag: interrupted", err=True)
         sys.exit(130)
     except Exception as e:  # the last line of defence: a message, never a traceback
-        from gpudiag.cli.entry import interrupted
+        from gpudiag.cli.interrupts import interrupted
 
         if interrupted(e):  # a Ctrl-C whose unwinding raised a second error: click's words
             click.echo("\nAborted!", err=True)

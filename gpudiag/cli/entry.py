@@ -382,6 +382,8 @@ def main() -> int:
             print("\nAborted!", file=sys.stderr)
             return 1
         except Exception as e:
+            from gpudiag.cli.interrupts import interrupted
+
             if interrupted(e):  # a Ctrl-C whose unwinding raised a second error
                 print("\nAborted!", file=sys.stderr)
                 return 1
@@ -398,21 +400,6 @@ def main() -> int:
 
     click_main()
     return 0
-
-
-def interrupted(error: BaseException) -> bool:
-    """Whether ``error`` was raised while a Ctrl-C unwound (a KeyboardInterrupt in its
-    ``__context__`` chain): an import the interrupt cut short leaves a half-made module, and
-    whatever touches it on the way out raises a second error that would otherwise read as
-    gpudiag failing (exit 3) instead of as the interrupt it is (exit 1, "Aborted!")."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return True
-        seen.add(id(cause))
-        cause = cause.__context__ or cause.__cause__
-    return False
 
 
 def _pacify() -> None:
