@@ -333,3 +333,41 @@ def test_a_job_without_any_python_reads_not_installed_never_gpudiags(
                                  ["preflight", "--require", "jax:cpu", "--no-daemon"], env)
     assert (code, record["gpu_validation_blocker"]) == (1, "jax_not_installed"), err
     assert record["evidence"]["job_python"] == {"path": None, "chosen_by": "none"}
+
+
+def _without_jax(folder: Path) -> Path:
+    """A folder of links to this suite's site-packages without JAX and IREE (pytest, the
+    plugin's entry point and the rest stay importable)."""
+    from tests.support.venvs import own_site_packages
+
+    folder.mkdir()
+    for entry in own_site_packages().iterdir():
+        if not entry.name.lower().startswith(("jax", "_jax", "iree")):
+            (folder / entry.name).symlink_to(entry)
+    return folder
+
+
+@pytest.mark.parametrize("job", ["job_jax", "job_plain"])
+def test_the_pytest_plugin_in_the_job_venv_proves_that_venv(
+        job: str, venvs: dict[str, Path], daemon: Daemon, gpu_env: EnvFactory,
+        tmp_path: Path) -> None:
+    """The plugin runs inside the job: its own interpreter is the job's, whatever VIRTUAL_ENV
+    says (here the other venv, as a stale activation would leave it)."""
+    python = venvs[job]
+    other = venvs["job_plain" if job == "job_jax" else "job_jax"]
+    (tmp_path / "test_model.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu(require='jax')\ndef test_on_gpu():\n    pass\n")
+    env = _activated(_job_env(gpu_env()), other)
+    env.update(GPUDIAG_DAEMON_URL=daemon.url, GPUDIAG_LOCK_DIR=str(tmp_path / "locks"))
+    if job == "job_plain":  # pytest and the plugin importable, JAX and IREE not
+        env["PYTHONPATH"] = str(_without_jax(tmp_path / "no-jax"))
+    done = subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-q",
+                           str(tmp_path / "test_model.py")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          check=False)
+    out = done.stdout + done.stderr
+    assert "1 skipped" in done.stdout, out  # a GPU JAX on the fakes: never a pass here
+    if job == "job_jax":  # its JAX (CPU-only) is found: no GPU platform, not "not installed"
+        assert "jax_gpu_backend_absent" in out and "jax_not_installed" not in out, out
+    else:
+        assert "jax_not_installed" in out and "1 skipped" in done.stdout, out
