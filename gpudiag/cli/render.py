@@ -129,7 +129,7 @@ def _facts(backend: BackendStatus) -> str:
         err = detail.get(key)
         if isinstance(err, dict) and err.get("name") and not err.get("ok"):
             bits.append(f"{key}={err['name']}")
-    for key in ("nvidia_smi", "device_nodes", "kernel_module", "device_count",
+    for key in ("library", "nvidia_smi", "device_nodes", "kernel_module", "device_count",
                 "default_backend", "platforms", "devices", "drivers", "init_s", "compute_s",
                 "reason"):
         value = detail.get(key)
@@ -172,10 +172,13 @@ def _proof_phrase(verdict: Verdict) -> str:
 
 def preallocation_line(verdict: Verdict) -> str | None:
     """What JAX's memory preallocation means for this requirement, in one line; None when
-    the requirement has no JAX (the field stays in the JSON and kv records)."""
+    the requirement has no JAX or the host shows no GPU (the field stays in the JSON and kv
+    records)."""
     value = "yes" if verdict.preallocation_disabled else "no"
     if not any(b.name == "jax" for b in verdict.requirement.backends):
         return None
+    if not verdict.devices:
+        return None  # no GPU here: how JAX would share one says nothing (JSON and kv keep it)
     if verdict.preallocation_disabled:
         return (f"preallocation_disabled={value} (JAX allocates GPU memory as it needs it, "
                 "so the GPU can be shared)")
