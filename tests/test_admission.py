@@ -375,6 +375,14 @@ def test_the_complete_runner_example_in_docs_runs(gpu_env: EnvFactory, tmp_path:
     assert record["admission"]["selected"] == [gpu_uuid(0)]
     assert record["verdict"]["gpu_validation_blocker"] == "none"
     assert record["verdict"]["source"] == "inline"
+    # Its default trial as written shows the admitted GPU (nvidia-smi -L would list all).
+    whole = doc.split("## A complete runner", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "whole.py").write_text(whole)
+    proc = subprocess.run([sys.executable, str(tmp_path / "whole.py")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert f"trial sees CUDA_VISIBLE_DEVICES={gpu_uuid(0)}" in proc.stdout
 
 
 def test_releasing_twice_never_closes_a_reused_descriptor(tmp_path: Path) -> None:

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.core.catalog import BLOCKERS, LAYER_ORDER, WARNINGS, entry
+from gpudiag.core.catalog import (
+    BLOCKERS,
+    CAUSED_BY,
+    LAYER_ORDER,
+    WARNINGS,
+    caused_by,
+    entry,
+    layer_rank,
+)
 from gpudiag.core.verdict import Finding
 from scripts.gen_blocker_docs import render
 
@@ -69,3 +77,18 @@ def test_cuda_init_failed_names_the_next_steps() -> None:
     for step in ("dmesg", "NVRM", "nvidia-uvm", "nvidia-persistenced", "nvidia-smi -r",
                  "reboot"):
         assert step in fix, step
+
+
+@pytest.mark.parametrize("code", sorted(CAUSED_BY))
+def test_every_declared_consequence_is_a_blocker_caused_only_from_below(code: str) -> None:
+    assert code in BLOCKERS
+    for layer in CAUSED_BY[code]:
+        assert layer_rank(layer) < layer_rank(BLOCKERS[code].layer), (code, layer)
+
+
+@pytest.mark.parametrize(("code", "root"), [
+    ("devices_busy", "cuda"), ("iree_not_installed", "jax"), ("jax_not_installed", "cuda"),
+    ("lock_timeout", "driver"), ("jax_preallocation_enabled", "cuda")])
+def test_findings_that_hold_whatever_happens_below_are_nobodys_consequence(
+        code: str, root: str) -> None:
+    assert not caused_by(code, root)

@@ -247,6 +247,7 @@ def test_clear_names_a_gpu_by_index_uuid_prefix_or_pci_bus_id_as_nvidia_smi_does
                                 "--state-dir", str(state)], env)
             assert proc.returncode == 0, proc.stderr
             assert f"clear of {uuids[index]} requested" in proc.stdout
+            assert ".json" not in proc.stdout  # no internal file name
         for selector, says in [("GPU-f00d", "names 4 GPUs"), ("9", "no GPU named '9'; GPUs here"),
                                ("00:99:00.0", "no GPU named '00:99:00.0'")]:
             proc = run_gpudiag(["clear", "--gpu", selector, "--state-dir", str(state)], env)

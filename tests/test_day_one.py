@@ -419,3 +419,12 @@ def test_an_explicit_daemon_url_that_does_not_answer_says_so_and_the_default_sta
     assert f"gpudiag: no daemon at {url}" in loud.stderr and "ran the probes here" in loud.stderr
     quiet = run_gpudiag(["preflight", "--format", "kv"], {**env, "GPUDIAG_DAEMON_URL": url})
     assert "source=inline" in quiet.stdout and quiet.stderr == "", quiet.stderr
+
+
+def test_a_gpu_less_host_shows_no_preallocation_line_and_says_why_cuda_is_blocked(
+        bare_env: dict[str, str]) -> None:
+    proc = run_gpudiag(["probe", "--backend", "host,nvml,cuda,jax"], bare_env)
+    assert proc.returncode == 1, proc.stderr
+    assert "preallocation_disabled" not in proc.stdout  # no GPU: nothing to share
+    (cuda,) = [line for line in proc.stdout.splitlines() if line.startswith("cuda ")]
+    assert "library=missing" in cuda, cuda

@@ -126,6 +126,11 @@ def test_a_forked_cuda_child_shows_the_probe_argv_a_sibling_recognizes(
         assert is_probe_child(argv)
         assert cmdline(server.pid or 0)[2] == "gpudiag.probes.forkserver"
         assert not is_probe_child(cmdline(server.pid or 0))
+        # What ps shows: the argv, not the 16 KiB room the server keeps for its children's.
+        for pid in (server.pid or 0, kids[0].pid):
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert len(raw) < 2048 and b"  " not in raw, raw[:200]
+        assert cmdline(server.pid or 0)[3:] == ["*"]
         os.killpg(kids[0].pid, signal.SIGKILL)
         worker.join(30)
     assert runs and runs[0].signal == signal.SIGKILL

@@ -206,6 +206,39 @@ def test_every_dashboard_expression_returns_data(fleet: Fleet) -> None:
     assert fleet.query("sum(gpudiag_ready)")[0]["value"][1] == "1"
 
 
+def _range_max(fleet: Fleet, expr: str, since: float) -> dict[tuple[str, str], float]:
+    """Each (gpu, xid) series' largest value of ``expr`` over [since, now], step 1 s, as
+    Grafana draws a time-series panel."""
+    url = f"{fleet.prometheus_url}/api/v1/query_range?" + urllib.parse.urlencode(
+        {"query": expr, "start": since, "end": time.time(), "step": 1})
+    answer = http_json(url)
+    assert answer["status"] == "success", answer
+    return {(r["metric"].get("gpu", ""), r["metric"].get("xid", "")):
+            max(float(v) for _, v in r["values"]) for r in answer["data"]["result"]}
+
+
+def test_the_xid_events_panel_shows_the_first_xid_of_a_gpu(fleet: Fleet) -> None:
+    """Node b's XIDs were its counters' first: each series is born at 1, where increase()
+    alone reads 0 for ever; the panel counts a series born within its interval whole."""
+    since = time.time() - 300
+    expr = substitute(next(e for t, _, e in expressions() if t == "XID events"),
+                      "(" + regex_escape(fleet.blocked.instance) + ")", ".*")
+    wait_for_every_expression(fleet, [("xid", "gpudiag_gpu_xid_errors_total", "")])
+    deadline = time.monotonic() + 30
+    seen: dict[tuple[str, str], float] = {}
+    while time.monotonic() < deadline:
+        seen = _range_max(fleet, expr, since)
+        if seen.get(("1", "79"), 0) >= 1 and seen.get(("0", "13"), 0) >= 1:
+            break
+        time.sleep(1.0)
+    assert seen.get(("1", "79"), 0) >= 1 and seen.get(("0", "13"), 0) >= 1, seen
+    # What the panel's expression replaced: increase() over a series born at 1 shows none.
+    bare = substitute('sum by (gpu, xid) (increase(gpudiag_gpu_xid_errors_total'
+                      '{instance=~"$instance"}[$__rate_interval]))',
+                      "(" + regex_escape(fleet.blocked.instance) + ")", ".*")
+    assert _range_max(fleet, bare, since).get(("1", "79"), 0) < 1
+
+
 def test_dashboard_variables_resolve(fleet: Fleet) -> None:
     wait_for_every_expression(fleet, [("ready", "gpudiag_gpu_info", "")])
     for var in dashboard()["templating"]["list"]:

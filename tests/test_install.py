@@ -107,3 +107,67 @@ def test_the_deployment_scripts_pass_shellcheck(script: str) -> None:
     proc = subprocess.run([str(shellcheck), str(ROOT / "scripts" / script)],
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout
+
+
+def _fake_bin(folder: Path, log: Path) -> Path:
+    """A PATH with the few tools setup.sh runs and an apt-get that records its arguments:
+    every package setup.sh looks for is missing there."""
+    import os
+    import shutil
+
+    folder.mkdir()
+    for tool in ("bash", "id", "dirname", "cat", "sed"):
+        found = shutil.which(tool)
+        assert found, tool
+        (folder / tool).symlink_to(found)
+    (folder / "python3").symlink_to(sys.executable)  # not a shim (pyenv) needing its PATH
+    apt = folder / "apt-get"
+    apt.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n")
+    apt.chmod(0o755)
+    assert os.access(apt, os.X_OK)
+    return folder
+
+
+@pytest.mark.parametrize(("args", "wanted", "not_wanted"), [
+    ([], {"gcc", "libc6-dev"}, {"slurm-wlm", "munge", "podman", "prometheus", "buildah"}),
+    (["--tests"], {"gcc", "prometheus", "systemd", "slurm-wlm", "munge", "buildah", "podman",
+                   "runc", "mmdebstrap", "systemd-container"}, set()),
+])
+def test_setup_installs_for_probing_only_what_probing_needs(
+        tmp_path: Path, args: list[str], wanted: set[str], not_wanted: set[str]) -> None:
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("setup.sh installs Debian packages only as root")
+    log = tmp_path / "apt.log"
+    path = _fake_bin(tmp_path / "bin", log)
+    proc = subprocess.run([str(path / "bash"), str(ROOT / "scripts" / "setup.sh"), *args],
+                          env={"PATH": str(path), "SETUP_APT_WAIT_S": "30"},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    (install,) = [line.split() for line in log.read_text().splitlines() if " install " in line]
+    assert "DPkg::Lock::Timeout=30" in install  # apt waits for another apt's lock, bounded
+    assert wanted <= set(install) and not set(install) & not_wanted, install
+
+
+def test_apt_lock_waits_for_another_holder_then_gives_up_naming_it(tmp_path: Path) -> None:
+    from scripts.apt_lock import wait
+
+    lock = tmp_path / "lock-frontend"
+    lock.write_text("")
+    said: list[str] = []
+    assert wait([str(lock), str(tmp_path / "absent")], 0.1, said.append) and said == []
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(lock)!r}, 'r+'); fcntl.lockf(f, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); time.sleep(30)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert not wait([str(lock)], 0.5, said.append)
+        assert "another apt or dpkg holds" in said[0] and "at most 0.5 s" in said[0]
+        assert f"process {holder.pid} (python" in said[0]
+        assert said[-1].startswith("setup: gave up after 0.5 s") and "SETUP_APT_WAIT_S" in said[-1]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert wait([str(lock)], 5.0, said.append)

@@ -166,6 +166,33 @@ def test_a_version_1_history_gains_serial_columns_and_old_rows_read_none(
         store.close()
 
 
+def test_worst_does_not_count_a_blocker_cleared_with_no_repair(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite3"
+    HistoryStore(path).close()
+    db = sqlite3.connect(path)
+    db.executemany("INSERT INTO episodes (code, layer, device, started, ended, message, "
+                   "evidence, serial) VALUES (?, 'device', ?, ?, ?, 'm', '{}', ?)", [
+                       ("gpu_lost", "GPU-a", 10.0, 21.0, "S-A"),   # cleared, no repair
+                       ("gpu_lost", "GPU-a", 30.0, None, "S-A"),   # a real one later
+                       ("gpu_lost", "GPU-b", 10.0, 21.0, "S-B"),   # cleared after a repair
+                       ("gpu_reset_required", "GPU-c", 10.0, 23.0, "S-C"),  # other code
+                       ("gpu_lost", "GPU-d", 10.0, 23.0, "S-D")])  # the all-GPU clear's
+    db.commit()
+    db.close()
+    store = HistoryStore(path)
+    try:
+        store.record_clear(uid=0, gpu="GPU-a", reason="false", released=1, now=20.0,
+                           no_repair=True, codes=["gpu_lost"])
+        store.record_clear(uid=0, gpu="GPU-b", reason="reseated", released=1, now=20.0,
+                           codes=["gpu_lost"])
+        store.record_clear(uid=0, gpu=None, reason="false", released=1, now=22.0,
+                           no_repair=True, codes=["gpu_lost"])
+        got = {o.serial: o.incidents for o in store.worst(10)}
+    finally:
+        store.close()
+    assert got == {"S-A": 1, "S-B": 1, "S-C": 1}
+
+
 # -- end to end: a real daemon on the fakes ----------------------------------------------------
 def _metrics(daemon: Daemon) -> str:
     status, text = daemon.get("/metrics")
@@ -247,11 +274,12 @@ def test_xids_are_timed_to_their_verdict_false_blockers_counted_and_history_foll
         two = _history(env, state, "--serial", SERIALS[2])
         assert [(c["no_repair"], c["codes"]) for c in two["clears"]] == [(True, ["gpu_lost"])]
         worst = _history(env, state, "--worst", "4")["worst"]
-        assert (worst[0]["serial"], worst[0]["incidents"]) == (SERIALS[2], 2)
+        # GPU 2's first blocker was cleared with --no-repair (false): its second counts alone.
+        assert (worst[0]["serial"], worst[0]["incidents"]) == (SERIALS[2], 1)
         assert sorted((w["serial"], w["incidents"]) for w in worst[1:]) == [
             (SERIALS[0], 1), (SERIALS[1], 1), (SERIALS[3], 1)]
         text_out = run_gpudiag(["history", "--worst", "1", "--state-dir", str(state)], env)
-        assert SERIALS[2] in text_out.stdout and "2 incident(s)" in text_out.stdout
+        assert SERIALS[2] in text_out.stdout and "1 incident(s)" in text_out.stdout
     finally:
         assert daemon.stop() == 0
 
@@ -387,3 +415,20 @@ def test_the_meter_says_why_energy_is_missing_and_never_makes_up_a_zero(
     lost.start()
     (gone,) = lost.stop()
     assert gone.energy_joules is None and gone.why_missing
+
+
+def test_history_of_a_serial_no_gpu_had_exits_2_naming_the_serials_known(
+        tmp_path: Path) -> None:
+    HistoryStore(tmp_path / "history.sqlite3").close()
+    db = sqlite3.connect(tmp_path / "history.sqlite3")
+    db.execute("INSERT INTO gpu_identities VALUES ('1650000000003', 'GPU-a', 0, NULL, 1, 2)")
+    db.commit()
+    db.close()
+    proc = run_gpudiag(["history", "--serial", "999", "--state-dir", str(tmp_path)],
+                       dict(os.environ))
+    assert proc.returncode == 2, proc.stdout
+    assert "no GPU with serial '999'" in proc.stderr and "1650000000003" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    ok = run_gpudiag(["history", "--serial", "1650000000003", "--state-dir", str(tmp_path)],
+                     dict(os.environ))
+    assert ok.returncode == 0 and "GPU serial 1650000000003:" in ok.stdout, ok.stderr

@@ -183,6 +183,24 @@ def test_a_driver_fault_skips_or_fails_gpu_tests_with_its_code(
         assert "GPU test cannot run (--gpu-required / GPUDIAG_GPU_REQUIRED=1)" in text
 
 
+def test_under_q_the_verdict_lines_are_said_once(
+        pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv,
+        tmp_path: Path) -> None:
+    use_env(gpu_env(FAKE_NVML_DEVICE_COUNT=1, GPUDIAG_LOCK_DIR=str(tmp_path / "locks")))
+    pytester.makepyfile(test_one="""
+        import pytest
+
+        @pytest.mark.gpu(n=1, require="cuda")
+        def test_gpu():
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(passed=1)
+    text = result.stdout.str()
+    assert text.count("gpudiag: gpu(n=1, require='cuda'): ready") == 1, text
+    assert text.count("gpudiag: environment set:") == 1, text
+
+
 def test_a_session_without_gpu_tests_probes_nothing(
         pytester: pytest.Pytester, gpu_env: EnvFactory, use_env: UseEnv, tmp_path: Path) -> None:
     lock_dir = tmp_path / "locks"

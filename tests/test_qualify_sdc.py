@@ -378,3 +378,41 @@ def test_an_sdc_pass_keeps_a_quick_finding_and_the_gpu_is_not_due_again_at_once(
     assert q.state().latest[gpu].code == "gpu_compute_mismatch"
     # ... and the GPU, qualified at 1000, is not due again before max_age_s.
     assert q.due(1050.0) == [] and q.due(1101.0) == [gpu]
+
+
+def test_the_text_says_once_per_gpu_what_was_covered_and_never_every_check_passed(
+        gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, **SMALL)
+    proc = run_gpudiag(["qualify", "--tier", "sdc", "--no-history"], env, 180)
+    assert proc.returncode == 0, proc.stderr
+    # One GPU: no golden majority, so golden is unknown, said once, never beside a pass-all.
+    assert "every check passed" not in proc.stdout
+    assert proc.stdout.count("not covered") == 1, proc.stdout
+    assert "covered: gemm_repeat, memory_address" in proc.stdout
+
+
+def test_a_qualification_that_measured_nothing_does_not_exit_0(gpu_env: EnvFactory) -> None:
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, FAKE_CUDA_INIT_ERROR=999, **SMALL)
+    code, report, err = _sdc(["--no-history"], env)
+    assert code == 3, err
+    assert "measured nothing: GPU 0: a CUDA call failed: cuInit" in err
+    assert report["measured_nothing"] and report["gpus"][0]["yielded"] is False
+
+
+def test_a_driver_library_without_a_copy_call_is_named_not_an_internal_error(
+        gpu_env: EnvFactory) -> None:
+    import ctypes
+
+    from gpudiag.probes.qualify import _abort
+
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1)
+    lib = ctypes.CDLL(str(Path(env["LD_LIBRARY_PATH"].split(":")[0]) / "libcuda.so.1"))
+    try:
+        lib.cuMemcpyNoSuchCall_v9  # noqa: B018 (ctypes looks the symbol up on access)
+    except AttributeError as e:
+        out: dict[str, Any] = {}
+        _abort(out, e)
+    assert "has no cuMemcpyNoSuchCall_v9" in out["aborted"]
+    assert "NVIDIA driver's own libcuda.so.1" in out["aborted"] and not out.get("yielded")
+    with pytest.raises(AttributeError):
+        _abort({}, AttributeError("'NoneType' object has no attribute 'x'"))  # our own bug

@@ -288,7 +288,7 @@ class StandinSlurm:
         if self.fail == "timeout":
             raise SlurmError("timeout", f"{argv[0]} did not answer")
         if self.fail:
-            return 1, "", "Unable to contact slurm controller"
+            return 1, "", "Unable to contact slurm controller\n  connect failure\n"
         if argv[1:3] == ["show", "node"]:
             reason = f"   Reason={self.reason} [root@now]\n" if self.reason else ""
             return 0, f"NodeName=n1\n   State={self.state} X=1\n   Partitions=p\n{reason}", ""
@@ -350,6 +350,20 @@ def test_scontrol_failing_is_counted_and_backed_off(tmp_path: Path, one_fault: N
     report = r.report()
     assert report.last_error and sum(report.command_failures.values()) == 1
     assert report.evidence()["scontrol_healthy"] is False
+
+
+def test_scontrol_s_many_line_error_is_one_log_line_saying_what_would_be_done(
+        tmp_path: Path, one_fault: None, caplog: pytest.LogCaptureFixture) -> None:
+    slurm = StandinSlurm()
+    slurm.fail = "exit"
+    r = actor(tmp_path, slurm, mode="observe")
+    r.offer(object())  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="gpudiag.daemon.remediation"):
+        assert r.cycle() is None
+    (record,) = [rec for rec in caplog.records if "failed" in rec.getMessage()]
+    text = record.getMessage()
+    assert "\n" not in text and "Unable to contact slurm controller; connect failure" in text
+    assert "once Slurm answers: would drain" in text and "gpu_lost" in text, text
 
 
 def test_an_unreadable_killswitch_fails_safe_into_observe(tmp_path: Path,
@@ -424,3 +438,27 @@ def test_observe_and_the_killswitch_hold_a_resume_of_gpudiags_drain_back(
     d = decide(f, mem, rails)
     assert (d.action, d.outcome, d.acts) == ("resume", outcome, False)
     assert remember(mem, d, f).drain == mem.drain  # still gpudiag's, resumed later
+
+
+def test_check_config_with_a_slurm_that_cannot_be_reached_exits_2_naming_it(
+        tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\n"
+                        "echo 'slurm_load_node error: Unable to contact slurm controller' >&2\n"
+                        "echo '  (connect failure)' >&2\n"
+                        "echo 'scontrol: error: Connection refused' >&2\n"
+                        "echo 'scontrol: error: cannot reach slurmctld' >&2\nexit 1\n")
+    scontrol.chmod(0o755)
+    config = tmp_path / "gpudiag.toml"
+    config.write_text(f'[remediation]\nmode = "observe"\nscontrol = "{scontrol}"\n'
+                      f'sinfo = "{scontrol}"\nnode_name = "n1"\n')
+    proc = subprocess.run([sys.executable, "-m", "gpudiag", "serve", "--config", str(config),
+                           "--check-config"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (said,) = [line for line in proc.stdout.splitlines() if line.startswith("# remediation:")]
+    assert "cannot ask Slurm about node 'n1'" in said
+    assert "Unable to contact slurm controller; (connect failure); scontrol: error" in said

@@ -37,3 +37,41 @@ def test_jax_probe_reports_leaked_preallocation_but_never_uses_it() -> None:
     assert obs["xla_env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
     assert obs["probe_forced_preallocation_off"] is True  # what the probe itself used
     assert obs["compute"]["ok"] is True
+
+
+def _blockers_text(*codes: str) -> str:
+    verdict = Verdict(requirement=parse_requirement("cuda,jax,iree"),
+                      blockers=tuple(Finding.of(c, f"{c} here") for c in codes),
+                      warnings=(), devices=(), backends={}, evidence={},
+                      preallocation_disabled=True, host="h", checked_at="t")
+    out = io.StringIO()
+    render_text(verdict, out, color=False, width=120)
+    return out.getvalue().split("Blockers (", 1)[1]
+
+
+def _folded_under(text: str) -> list[str]:
+    """The codes listed one per line under "then, because of it"."""
+    if "then, because of it" not in text:
+        return []
+    tail = text.split("then, because of it", 1)[1].splitlines()[1:]
+    return [line.split()[0] for line in tail if line.startswith("      ") and line.strip()]
+
+
+def test_a_busy_gpu_is_never_listed_as_a_consequence_of_a_cuda_fault() -> None:
+    text = _blockers_text("cuda_system_not_ready", "jax_backend_init_failed", "devices_busy")
+    assert _folded_under(text) == ["jax_backend_init_failed"]
+    assert "fix: " in text.split("devices_busy", 1)[1]  # shown in full, on its own
+
+
+def test_iree_not_installed_is_its_own_finding_under_jax_not_installed() -> None:
+    text = _blockers_text("jax_not_installed", "iree_not_installed")
+    assert "then, because of it" not in text
+    assert text.count("fix: ") == 2
+
+
+def test_a_driver_fault_folds_the_cuda_and_jax_failures_it_brings() -> None:
+    text = _blockers_text("driver_library_missing", "cuda_library_missing", "jax_cpu_fallback",
+                          "backend_unproven")
+    assert _folded_under(text) == ["cuda_library_missing", "jax_cpu_fallback",
+                                   "backend_unproven"]
+    assert text.count("fix: ") == 1

@@ -104,7 +104,7 @@ def test_coverage_is_in_every_record_and_unknown_is_never_a_pass() -> None:
     assert rec["coverage"] == {"checks": {"memory_bandwidth": "measured",
                                           "matmul_bf16": "unknown", "memory_pattern": "pass"},
                                "bytes_tested": 64 * MIB, "duration_s": 1.5,
-                               "unknown": ["matmul_bf16"]}
+                               "unknown": ["matmul_bf16"], "short": []}
     sdc = GpuResult(uuid(1), H200, 1, "sdc", "cuda", checks=(
         CheckResult("gemm_repeat", UNKNOWN, "budget"),
         CheckResult("memory_address", PASS, "ok", bytes_tested=8 * MIB)), duration_s=3.0)
@@ -113,6 +113,26 @@ def test_coverage_is_in_every_record_and_unknown_is_never_a_pass() -> None:
     assert coverage(sdc).unknown == ("gemm_repeat",) and coverage(sdc).bytes_tested == 8 * MIB
     aborted = GpuResult(uuid(2), H200, 2, "sdc", "cuda", aborted="process 7 appeared")
     assert score(aborted).record()["coverage"]["checks"] == {}
+
+
+def test_never_every_check_passed_beside_an_unknown_and_a_short_pass_is_named() -> None:
+    sdc = GpuResult(uuid(1), H200, 1, "sdc", "cuda", checks=(
+        CheckResult("gemm_repeat", PASS, "ok"), CheckResult("golden", UNKNOWN, "no majority"),
+        CheckResult("memory_address", PASS, "ok", bytes_tested=1024 * MIB,
+                    bytes_target=1024 * MIB),
+        CheckResult("memory_random", PASS, "ok", bytes_tested=4 * MIB,
+                    bytes_target=1024 * MIB)))
+    q = score(sdc)
+    assert q.code == "none" and "every check passed" not in q.message
+    assert q.message.startswith("3 of 4 checks passed; not covered")
+    assert "memory_random covered 4 MiB of its 1 GiB target" in q.message
+    assert q.record()["coverage"]["short"] == [
+        {"check": "memory_random", "bytes_tested": 4 * MIB, "bytes_target": 1024 * MIB}]
+    whole = GpuResult(uuid(1), H200, 1, "sdc", "cuda", checks=(
+        CheckResult("gemm_repeat", PASS, "ok"),
+        CheckResult("memory_random", PASS, "ok", bytes_tested=600 * MIB,
+                    bytes_target=1024 * MIB)))
+    assert score(whole).message == "every check passed"
 
 
 def test_an_sdc_record_reads_back_with_checks_conditions_and_versions() -> None:

@@ -152,6 +152,15 @@ def test_healthcheck_changes_nothing_when_gpudiag_itself_fails(node: SlurmNode) 
     assert "health exit 2" in out.stderr
 
 
+def test_healthcheck_without_gpudiag_at_its_path_is_loud_and_drains_nothing(
+        node: SlurmNode) -> None:
+    out = node.run(HEALTHCHECK, extra={"GPUDIAG": "/opt/nowhere/bin/gpudiag"})
+    assert out.returncode == 0
+    assert out.updates == [] and out.state["state"] == "IDLE"
+    assert "no gpudiag at /opt/nowhere/bin/gpudiag" in out.stderr, out.stderr
+    assert "GPUDIAG= in" in out.stderr
+
+
 def test_healthcheck_skips_nodes_without_gpu_gres(node: SlurmNode) -> None:
     node.set(gres="(null)")
     out = node.run(HEALTHCHECK, {"FAKE_CUDA_INIT_ERROR": "999"})

@@ -341,12 +341,14 @@ def test_reference_states_every_contract_without_design_md() -> None:
     assert mentions == [], "refer to docs/reference.md, not a design brief outside the repository"
 
 
-@pytest.mark.parametrize("recipe", ["healthy", "lost", "cuinit", "busy", "jax", "xids"])
+@pytest.mark.parametrize("recipe", ["healthy", "lost", "cuinit", "busy", "jax", "xids",
+                                    "slurm"])
 def test_every_try_without_a_gpu_recipe_runs_as_written(recipe: str, tmp_path: Path) -> None:
     from tests.support.host import clean_env
 
     blocks = doc_blocks()
-    assert set(blocks) == {"setup", "healthy", "lost", "cuinit", "busy", "jax", "xids"}
+    assert set(blocks) == {"setup", "healthy", "lost", "cuinit", "busy", "jax", "xids",
+                           "slurm"}
     port = str(free_port())
     script = (blocks["setup"] + blocks[recipe]).replace("/tmp/gpudiag-try",
                                                        str(tmp_path / "try"))

@@ -71,6 +71,14 @@ gpudiag_log() {
     echo "gpudiag-slurm: $*" >&2
 }
 
+# gpudiag_installed WHAT: true when $GPUDIAG can run; else says so loudly (syslog and
+# stderr) and is false: a broken install must neither read as a healthy node nor drain one.
+gpudiag_installed() {
+    [[ -f $GPUDIAG && -x $GPUDIAG ]] && return 0
+    gpudiag_log "$1 not run: no gpudiag at $GPUDIAG (install it there, or set GPUDIAG= in $gpudiag_defaults); node left as is"
+    return 1
+}
+
 # gpudiag_ask COMMAND ARGS...: run `gpudiag COMMAND --format kv ARGS` (COMMAND is preflight,
 # the job-readiness question, or health, the node-health question), bounded in time.
 # Sets PREFLIGHT_RC (0 ready, 1 blocked, 2 usage, 3 failure, 124 timed out),

@@ -22,6 +22,7 @@ export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 GPUDIAG_HEALTH_REQUIRE=${GPUDIAG_HEALTH_REQUIRE:-cuda}
 node=$(gpudiag_node_name)
+gpudiag_installed "health check on $node" || exit 0
 
 if [[ ${GPUDIAG_REQUIRE_GRES:-yes} == yes ]]; then
     if ! "$SCONTROL" show node "$node" 2>/dev/null | grep -Eq '^[[:space:]]*Gres=[^[:space:]]*gpu'; then

@@ -65,7 +65,7 @@ def clear(gpu: str | None, all_gpus: bool, reason: str, no_repair: bool,
     if gpu is not None and not (gpu.startswith(("GPU-", "MIG-")) and is_full_uuid(gpu)):
         gpu = _full_uuid(gpu, folder)
     try:
-        path = write_request(folder, gpu, reason, no_repair=no_repair)
+        write_request(folder, gpu, reason, no_repair=no_repair)
     except OSError as e:
         if e.errno in _REFUSED:
             raise click.UsageError(
@@ -75,7 +75,7 @@ def clear(gpu: str | None, all_gpus: bool, reason: str, no_repair: bool,
         raise _Failed(f"could not write the clear request into {folder}: "
                       f"{e.strerror or e}") from e
     click.echo(f"clear of {gpu or 'all GPUs'}{' (no repair: a false blocker)' if no_repair else ''}"
-               f" requested ({path.name}); the running daemon "
+               " requested; the running daemon "
                "applies it on its next loop, re-probes at once, and records it in "
                "`gpudiag history`")
 

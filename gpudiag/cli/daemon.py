@@ -232,10 +232,17 @@ def _gpu_history(folder: Path, serial: str | None, worst: int | None, since: flo
                                                                 serial=serial)],
                         "clears": [c.record() for c in store.clears(
                             since=since, limit=limit, serial=serial)]}
+            known = ([] if worst is not None or data["identities"]
+                     else sorted({i.serial for i in store.identities()}))
         finally:
             store.close()
     except HistoryError as e:
         raise _Failed(str(e)) from e
+    if worst is None and not data["identities"]:
+        # No such GPU is a wrong question, not an empty answer: say what is known.
+        raise _Unusable(f"no GPU with serial {serial!r} in the history at {path}; serials "
+                        f"known: {', '.join(known[:20]) or 'none yet'}"
+                        f"{' ...' if len(known) > 20 else ''} (nvidia-smi -q: Serial Number)")
     if as_json:
         click.echo(json.dumps(data, indent=2))
     elif worst is not None:
@@ -253,9 +260,6 @@ def _say_worst(rows: list[dict[str, Any]]) -> None:
 
 
 def _say_serial(data: dict[str, Any]) -> None:
-    if not data["identities"]:
-        click.echo(f"no GPU with serial {data['serial']} in this history")
-        return
     click.echo(f"GPU serial {data['serial']}:")
     for i in data["identities"]:
         click.echo(f"  slot {i['gpu_index']}  {i['uuid']}  {i['pci_bus_id'] or '-'}  "

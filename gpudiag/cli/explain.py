@@ -52,7 +52,7 @@ def _time(text: str, name: str) -> float:
 
 @click.command(short_help="Say who failed a run: hardware, software or the application.",
                epilog=examples(
-                   "gpudiag explain --run ~/.local/state/gpudiag/runs/20261201T140000Z-4242",
+                   "gpudiag explain --run ~/.local/state/gpudiag/runs/20261201T140000Z-k3x9q2mb",
                    "gpudiag explain --pid 4242",
                    "gpudiag explain --slurm-job 1234 --format json",
                    "gpudiag explain --since 2026-12-01T14:00:00Z --until 2026-12-01T15:00:00Z "

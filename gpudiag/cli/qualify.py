@@ -1,10 +1,11 @@
 """``gpudiag qualify``: measure each idle GPU and catch the one that runs slow or wrong.
 
 Thin: flags -> engine.qualify.QualifyOptions -> engine.qualify.qualify -> text or JSON.
-Exit codes: 0 no GPU failed (a warning, an aborted run, an unknown check or a GPU left alone
-is not a failure), 1 a GPU failed (gpu_compute_mismatch, gpu_memory_test_failed, or
-gpu_underperforming with --block), 2 usage,
-3 gpudiag could not qualify at all (NVML unreadable).
+Exit codes: 0 no GPU failed (a warning, a run that yielded to a job, an unknown check or a
+GPU left alone is not a failure), 1 a GPU failed (gpu_compute_mismatch,
+gpu_memory_test_failed, or gpu_underperforming with --block), 2 usage,
+3 gpudiag could not qualify at all (NVML unreadable, or it measured nothing on any GPU it
+set out to: a driver call failed or missing, the child died).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
@@ -100,7 +101,8 @@ def qualify(gpus_text: str | None, tier: str, fmt: str, platform: str, cpu_devic
 
     Only GPUs that are FREE are measured, one at a time under their lock; a run stops within
     1 s when another process appears on the GPU. Exits 0 when no GPU failed, 1 when one did
-    (a wrong answer; too slow with --block), 2 on bad flags, 3 when gpudiag failed.
+    (a wrong answer; too slow with --block), 2 on bad flags, 3 when gpudiag failed (NVML
+    unreadable, or nothing measured on any GPU for a reason other than a job).
     """
     from gpudiag.core.qualify_score import Thresholds
     from gpudiag.engine.qualify import QualifyError, QualifyOptions
@@ -127,6 +129,9 @@ def qualify(gpus_text: str | None, tier: str, fmt: str, platform: str, cpu_devic
         click.echo(json.dumps(report.record(), indent=2))
     else:
         render(report.record(), sys.stdout)
+    if report.measured_nothing and not report.failed:
+        click.echo(f"gpudiag qualify: measured nothing: {report.measured_nothing}", err=True)
+        sys.exit(EXIT_FAILED)
     sys.exit(EXIT_BLOCKED if report.failed else EXIT_READY)
 
 
@@ -135,6 +140,22 @@ def _figure(value: float | None, unit: str) -> str:
         return "-"
     scale = 1e12 if unit == "flops_per_second" else 1e9
     return f"{value / scale:.3g} {'TFLOP/s' if scale == 1e12 else 'GB/s'}"
+
+
+def _coverage_line(cov: dict[str, Any]) -> str:
+    """Once per GPU: what was covered, what was not (unknown, never a pass), and a check
+    that passed over far less than its target."""
+    statuses = cov.get("checks") or {}
+    covered = [c for c, s in statuses.items() if s != "unknown"]
+    parts = [f"covered: {', '.join(covered) or 'nothing'}"]
+    if cov.get("bytes_tested"):
+        parts[0] += f" ({cov['bytes_tested'] / 2**20:.0f} MiB of memory tested)"
+    if cov.get("unknown"):
+        parts.append(f"not covered (unknown, never a pass): {', '.join(cov['unknown'])}")
+    for short in cov.get("short") or ():
+        parts.append(f"{short['check']} covered only {short['bytes_tested'] / 2**20:.3g} MiB "
+                     f"of its {short['bytes_target'] / 2**20:.0f} MiB target")
+    return "  " + "; ".join(parts) + "\n"
 
 
 def render(record: dict[str, object], out: IO[str]) -> None:
@@ -148,11 +169,13 @@ def render(record: dict[str, object], out: IO[str]) -> None:
                   f"({q['severity']})\n")
         low = [s["measure"] for s in q["scores"]
                if any(r["below"] for r in s["references"])]
-        # Each reason once: the measures' lines below say what is low against what, so the
-        # message (the same reasons in one line) is shown only when they do not.
+        checks = q.get("checks") or ()
+        # Each reason once: the measures' and checks' lines below say what is low, what
+        # passed and what did not run, so the message (the same in one line) is shown only
+        # when they do not.
         if low:
             out.write(f"  low: {', '.join(low)} (LOW below: the ratio under its threshold)\n")
-        elif q["message"]:
+        elif q["message"] and not (checks and q["code"] == "none"):
             out.write(f"  {q['message']}\n")
         if not q.get("reference_model") and q["scores"]:
             out.write(f"  no data-sheet row for {q['name'] or 'this model'!r}: compared with "
@@ -165,13 +188,12 @@ def render(record: dict[str, object], out: IO[str]) -> None:
         for k in q["known_answers"]:
             out.write(f"  known answer {k['check']}: {'ok' if k['ok'] else 'WRONG'}: "
                       f"{k['detail']}\n")
-        for c in q.get("checks") or ():
+        for c in checks:
             where = (f" at {c['where']}: expected {c['expected']}, got {c['got']}"
                      if c.get("where") else "")
             out.write(f"  check {c['check']}: {c['status'].upper()}: {c['detail']}{where}\n")
-        cov = q.get("coverage") or {}
-        if cov.get("unknown"):
-            out.write(f"  not covered (unknown, never a pass): {', '.join(cov['unknown'])}\n")
+        if checks:
+            out.write(_coverage_line(q.get("coverage") or {}))
         if q["duration_s"] is not None:
             out.write(f"  took {q['duration_s']:.2f} s, GPU held {q['gpu_seconds'] or 0:.2f} s, "
                       f"{(q['bytes_used'] or 0) / 2**20:.0f} MiB\n")

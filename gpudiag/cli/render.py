@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpudiag.core import registry
+from gpudiag.core.catalog import caused_by
 from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import format_size
 from gpudiag.core.termsafe import terminal_safe_record
@@ -128,7 +129,7 @@ def _facts(backend: BackendStatus) -> str:
         err = detail.get(key)
         if isinstance(err, dict) and err.get("name") and not err.get("ok"):
             bits.append(f"{key}={err['name']}")
-    for key in ("nvidia_smi", "device_nodes", "kernel_module", "device_count",
+    for key in ("library", "nvidia_smi", "device_nodes", "kernel_module", "device_count",
                 "default_backend", "platforms", "devices", "drivers", "init_s", "compute_s",
                 "reason"):
         value = detail.get(key)
@@ -171,10 +172,13 @@ def _proof_phrase(verdict: Verdict) -> str:
 
 def preallocation_line(verdict: Verdict) -> str | None:
     """What JAX's memory preallocation means for this requirement, in one line; None when
-    the requirement has no JAX (the field stays in the JSON and kv records)."""
+    the requirement has no JAX or the host shows no GPU (the field stays in the JSON and kv
+    records)."""
     value = "yes" if verdict.preallocation_disabled else "no"
     if not any(b.name == "jax" for b in verdict.requirement.backends):
         return None
+    if not verdict.devices:
+        return None  # no GPU here: how JAX would share one says nothing (JSON and kv keep it)
     if verdict.preallocation_disabled:
         return (f"preallocation_disabled={value} (JAX allocates GPU memory as it needs it, "
                 "so the GPU can be shared)")
@@ -309,29 +313,42 @@ def _where(f: Finding, verdict: Verdict, short: Mapping[str, str]) -> str:
     return ", ".join(bits)
 
 
+def _folded(items: Sequence[Finding]) -> list[tuple[Finding, list[Finding]]]:
+    """Each finding shown in full with the blockers it brings about (catalog.caused_by):
+    a finding follows the first one shown in full whose layer the catalog declares a cause
+    of its code; any other (a busy GPU, a package not installed) stands on its own."""
+    groups: list[tuple[Finding, list[Finding]]] = []
+    for f in items:
+        cause = next((g for g in groups if caused_by(f.code, g[0].layer)), None)
+        if cause is None:
+            groups.append((f, []))
+        else:
+            cause[1].append(f)
+    return groups
+
+
 def _findings(console: Console, title: str, items: Sequence[Finding], style: str,
               verdict: Verdict, wide: bool = False, fold: bool = False) -> None:
-    """Each finding with its message and fix. ``fold``: the blockers of layers above the
-    root cause's are its consequences: one line under it each (``--wide``: in full)."""
+    """Each finding with its message and fix. ``fold``: a blocker the catalog declares a
+    consequence of one above it is one line under it (``--wide``: in full)."""
     short = _uuid_labels(verdict, wide)
     console.print(Text(f"{title} ({len(items)})", style="italic"))
-    root = items[0].layer if fold and items and not wide else None
-    full = [f for f in items if root is None or f.layer == root]
-    for f in full:
+    groups = _folded(items) if fold and not wide else [(f, []) for f in items]
+    for f, consequences in groups:
         head = Text("  ")
         head.append(f.code, style=style)
         head.append(f"  [{_where(f, verdict, short)}]")
         console.print(head)
         _indented(console, f.message, "")
         _indented(console, f"fix: {f.remediation}", "dim")
-    consequences = [f for f in items if f not in full]
-    if consequences:
+        if not consequences:
+            continue
         _indented(console, f"then, because of it ({len(consequences)}; --wide shows each "
                   "in full):", "italic")
-        for f in consequences:
+        for c in consequences:
             line = Text("      ")
-            line.append(f.code, style=style)
-            line.append(f"  [{_where(f, verdict, short)}]")
+            line.append(c.code, style=style)
+            line.append(f"  [{_where(c, verdict, short)}]")
             console.print(line)
 
 

@@ -108,7 +108,9 @@ def _run_folder(root: Path) -> Path:
               "[default: $GPUDIAG_ARTIFACTS_DIR, else "
               "$XDG_STATE_HOME/gpudiag/runs, i.e. ~/.local/state/gpudiag/runs]")
 @click.option("--image", metavar="IMAGE",
-              help="Run ARGV in this container image with one `docker run`.")
+              help="Run ARGV in this container image with one `docker run` (Docker's "
+              "CLI on PATH, 28+ for CDI; not podman, which set-up installs only for "
+              "gpudiag's own image tests).")
 @click.option("--lock-dir", "lock_dir_text", metavar="DIR",
               help="Folder of the per-UUID lock files.  [default: $GPUDIAG_LOCK_DIR, "
               "/run/gpudiag/locks, or $XDG_RUNTIME_DIR/gpudiag/locks]")

@@ -408,3 +408,36 @@ def drains(code: str) -> bool:
 def layer_rank(layer: str) -> int:
     """Position of a layer in the root-cause order (lower = closer to the root)."""
     return _LAYER_RANK[layer]
+
+
+# Which blockers a failure below brings about: code -> the layers whose blocker can cause it.
+# A blocker of a higher layer is "because of" the root only when declared here; one that
+# holds whatever happens below (a package not installed, a busy GPU, a version skew, a
+# setting) is a finding of its own and is never folded under another (cli.render).
+_BELOW_CUDA = frozenset({"probe", "visibility", "driver", "device"})
+_GPU_PATH = _BELOW_CUDA | {"cuda"}
+CAUSED_BY: dict[str, frozenset[str]] = {
+    "nvml_error": frozenset({"visibility"}),
+    "nvml_no_permission": frozenset({"visibility"}),
+    "gpu_missing": frozenset({"visibility", "driver"}),
+    **{code: _BELOW_CUDA for code in (
+        "cuda_library_missing", "cuda_no_device", "cuda_driver_mismatch",
+        "cuda_driver_too_old", "cuda_system_not_ready", "cuda_devices_unavailable",
+        "cuda_out_of_memory", "cuda_init_failed", "cuda_context_failed")},
+    **{code: _GPU_PATH for code in (
+        "jax_cpu_fallback", "jax_backend_init_failed", "jax_compute_failed",
+        "iree_driver_unavailable", "iree_no_device", "iree_device_create_failed",
+        "iree_execute_failed", "insufficient_devices")},
+    "insufficient_free_memory": frozenset({"device"}),
+    "device_state_unknown": frozenset({"probe", "driver", "device"}),
+    # A backend not proven because something below failed, or its own runtime did.
+    "backend_unproven": _GPU_PATH | {"jax", "iree"},
+}
+
+
+def caused_by(code: str, root_layer: str) -> bool:
+    """Whether blocker ``code`` may be a consequence of a blocker in ``root_layer``: the
+    catalog declares it (CAUSED_BY) and the root's layer is below the code's."""
+    row = BLOCKERS.get(code)
+    return (row is not None and root_layer in CAUSED_BY.get(code, frozenset())
+            and layer_rank(root_layer) < layer_rank(row.layer))

@@ -589,6 +589,9 @@ def _layer_statuses(runs: Mapping[str, ProbeRun], layer: _Layer, f: Findings
         out["cuda"] = _status(runs["cuda"], f, "cuda",
                               {"cuda_driver": _str(cuda.driver_version if cuda else None)},
                               {"device_count": cuda.device_count if cuda else None,
+                               # Why there is no cuInit to report: libcuda.so.1 not loaded.
+                               "library": ("missing" if cuda and not cuda.library_loaded
+                                           else None),
                                "init": cuda.init.record if cuda and cuda.init else None,
                                "init_duration_s": cuda.init_duration_s if cuda else None})
     return out

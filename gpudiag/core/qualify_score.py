@@ -30,7 +30,9 @@ from gpudiag.core.qualify import (
 )
 from gpudiag.core.sdc import (
     FAIL,
+    GIB,
     MEMORY_TEST_FAILED,
+    MIB,
     PASS,
     UNKNOWN,
     CheckError,
@@ -88,6 +90,10 @@ class GpuResult:
     checks: tuple[CheckResult, ...] = ()  # the sdc tier's checks (core.sdc)
     versions: Mapping[str, str] = field(default_factory=dict)  # driver and libraries
     budget_s: float | None = None     # the per-GPU budget the run was held to
+    # The run stopped for the busy rule (a process appeared, a job waits): not a failure.
+    # An abort that is not ``yielded`` (a driver call failed, the child died) is gpudiag
+    # failing to measure.
+    yielded: bool = False
 
     def value(self, measure: str) -> float | None:
         """The measured value of ``measure``, None when it was not measured."""
@@ -167,14 +173,41 @@ class Coverage:
     checks: Mapping[str, str]      # check or measure -> pass | fail | unknown | measured
     bytes_tested: int
     duration_s: float | None
+    # Checks that passed over far less than they set out to test: (check, tested, target).
+    short: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def unknown(self) -> tuple[str, ...]:
         return tuple(c for c, s in self.checks.items() if s == UNKNOWN)
 
+    @property
+    def covered(self) -> tuple[str, ...]:
+        """What ran and answered: passed, failed or measured (never an unknown)."""
+        return tuple(c for c, s in self.checks.items() if s != UNKNOWN)
+
+    @property
+    def measured_anything(self) -> bool:
+        return bool(self.covered)
+
+    def short_text(self) -> str:
+        """The checks far below their target, for a person ("" when none)."""
+        return "; ".join(f"{c} covered {_size(t)} of its {_size(n)} target" for c, t, n in
+                         self.short)
+
     def record(self) -> dict[str, Any]:
         return {"checks": dict(self.checks), "bytes_tested": self.bytes_tested,
-                "duration_s": self.duration_s, "unknown": list(self.unknown)}
+                "duration_s": self.duration_s, "unknown": list(self.unknown),
+                "short": [{"check": c, "bytes_tested": t, "bytes_target": n}
+                          for c, t, n in self.short]}
+
+
+# A check that passed over less than this share of its target is named: a memory test the
+# budget cut to 4 MiB of 1 GiB says little about the other 1020 MiB.
+SHORT_SHARE = 0.5
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.3g} GiB" if n >= GIB else f"{n / MIB:.3g} MiB"
 
 
 def coverage(r: GpuResult) -> Coverage:
@@ -192,7 +225,10 @@ def coverage(r: GpuResult) -> Coverage:
         for c in r.checks:
             checks[c.check] = c.status
             tested += c.bytes_tested if c.check.startswith("memory_") else 0
-    return Coverage(checks, tested, r.duration_s)
+    short = tuple((c.check, c.bytes_tested, c.bytes_target) for c in r.checks
+                  if r.aborted is None and c.status == PASS and c.bytes_target > 0
+                  and c.bytes_tested < SHORT_SHARE * c.bytes_target)
+    return Coverage(checks, tested, r.duration_s, short)
 
 
 def result_record(r: GpuResult) -> dict[str, Any]:
@@ -200,7 +236,7 @@ def result_record(r: GpuResult) -> dict[str, Any]:
     return {"uuid": r.uuid, "name": r.name, "index": r.index, "tier": r.tier,
             "platform": r.platform, "aborted": r.aborted, "started_at": r.started_at,
             "duration_s": r.duration_s, "gpu_seconds": r.gpu_seconds, "bytes_used": r.bytes_used,
-            "budget_s": r.budget_s, "versions": dict(r.versions),
+            "budget_s": r.budget_s, "yielded": r.yielded, "versions": dict(r.versions),
             "measurements": [m.record() for m in r.measurements],
             "known_answers": [vars(k) for k in r.known_answers],
             "checks": [c.record() for c in r.checks]}
@@ -264,7 +300,7 @@ def parse_result(data: Any) -> GpuResult:
                      _opt_str(data.get("aborted")), _num(data.get("started_at")),
                      _num(data.get("duration_s")), _num(data.get("gpu_seconds")),
                      _opt_int(data.get("bytes_used")), checks, versions,
-                     _num(data.get("budget_s")))
+                     _num(data.get("budget_s")), data.get("yielded") is True)
 
 
 def parse_qualification(data: Any) -> Qualification:
@@ -385,11 +421,19 @@ def score(result: GpuResult, *, peers: Sequence[GpuResult] = (),
         return Qualification(result, UNDERPERFORMING, severity, "; ".join(parts), scores,
                              model_name)
     unknown = [c for c in result.checks if c.status == UNKNOWN]
-    text = ("every check passed" if result.checks and not result.measurements
-            else "every measurement within its thresholds")
-    if unknown:
-        text += "; not covered (unknown, not a pass): " + "; ".join(
-            f"{c.check} ({c.detail})" for c in unknown)
+    passed = [c for c in result.checks if c.status == PASS]
+    if not result.checks:
+        text = "every measurement within its thresholds"
+    elif not unknown:
+        text = "every check passed"
+    else:
+        # Never "every check passed" beside an unknown: it did not run, so it did not pass.
+        text = (f"{len(passed)} of {len(result.checks)} checks passed; not covered "
+                "(unknown, not a pass): " + "; ".join(f"{c.check} ({c.detail})"
+                                                      for c in unknown))
+    short = coverage(result).short_text()
+    if short:
+        text += f"; {short}"
     return Qualification(result, PASSED, "ok", text, scores, model_name)
 
 

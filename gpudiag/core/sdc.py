@@ -142,6 +142,7 @@ class CheckResult:
     golden_key: str | None = None      # golden: (model, driver, libraries, program)
     conditions: Conditions | None = None
     injected: bool = False             # a test hook injected a fault (never in production)
+    bytes_target: int = 0              # what a memory check set out to test (0: not sized)
 
     @property
     def code(self) -> str | None:
@@ -153,7 +154,8 @@ class CheckResult:
     def record(self) -> dict[str, Any]:
         """The JSON form (a record's ``checks[]``)."""
         return {"check": self.check, "status": self.status, "detail": self.detail,
-                "bytes_tested": self.bytes_tested, "duration_s": self.duration_s,
+                "bytes_tested": self.bytes_tested, "bytes_target": self.bytes_target,
+                "duration_s": self.duration_s,
                 "where": self.where, "expected": self.expected, "got": self.got,
                 "route": self.route, "output_hash": self.output_hash,
                 "golden_key": self.golden_key, "injected": self.injected,
@@ -184,7 +186,7 @@ def parse_check(data: Any) -> CheckResult:
         _opt_str(data.get("where")), _opt_str(data.get("expected")), _opt_str(data.get("got")),
         _opt_str(data.get("route")), _opt_str(data.get("output_hash")),
         _opt_str(data.get("golden_key")), parse_conditions(data.get("conditions")),
-        data.get("injected") is True)
+        data.get("injected") is True, _int(data.get("bytes_target")) or 0)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from gpudiag.core.remediation import (
     Fault,
     Fleet,
     Memory,
+    NodeView,
     Rails,
     cleared,
     decide,
@@ -66,8 +67,9 @@ def slurm_control(cfg: RemediationConfig) -> SlurmControl:
 
 
 def check_node_once(cfg: RemediationConfig) -> tuple[bool, str]:
-    """``serve --check-config``: (False, why) only when Slurm says the node is unknown; a
-    Slurm that does not answer now is said, not an error (the daemon asks again)."""
+    """``serve --check-config``: (False, why) when Slurm says the node is unknown or cannot
+    be asked at all (scontrol absent, failing, timing out): a check of the configuration
+    says what would stop remediation (the daemon itself starts and asks again)."""
     slurm = slurm_control(cfg)
     try:
         info = slurm.show_node()
@@ -75,7 +77,9 @@ def check_node_once(cfg: RemediationConfig) -> tuple[bool, str]:
         if e.kind == "unknown_node":
             return False, (f"node_name {slurm.node!r} is not a node Slurm knows ({e}); set "
                            "node_name to this node's NodeName")
-        return True, f"cannot ask Slurm about node {slurm.node!r} now ({e.kind}: {e})"
+        return False, (f"cannot ask Slurm about node {slurm.node!r} ({e.kind}: {e}); check "
+                       "scontrol and slurm_conf in [remediation] and that slurmctld answers "
+                       f"(`{cfg.scontrol} ping`)")
     return True, (f"node {slurm.node!r} is {info.view.state} in Slurm (partitions "
                   f"{','.join(info.partitions) or 'none'}), mode {cfg.mode}")
 
@@ -254,7 +258,7 @@ class Remediator:
             if decision.acts:
                 self._act(decision)
         except SlurmError as e:
-            self._failed(e, first)
+            self._failed(e, first, self._pending(facts, memory, rails))
             return None
         self._succeeded()
         self._settle(decision, memory, facts)
@@ -331,7 +335,18 @@ class Remediator:
         return parse_killswitch(raw.decode("utf-8", errors="replace"))
 
     # -- faults of its own ---------------------------------------------------------------
-    def _failed(self, e: SlurmError, decision: Decision) -> None:
+    @staticmethod
+    def _pending(facts: Facts, memory: Memory, rails: Rails) -> str:
+        """What a new incident comes to once Slurm answers, on a node it shows idle and
+        undrained and a fleet guard that allows it ("": no new incident): said while
+        scontrol fails."""
+        if memory.drain is not None or not facts.faults:
+            return ""
+        would = decide(replace(facts, node=NodeView("IDLE", ""), fleet=Fleet(1, 0)), memory,
+                       rails)
+        return would.why if would.action in ("drain", "resume") else ""
+
+    def _failed(self, e: SlurmError, decision: Decision, pending: str = "") -> None:
         self._failures += 1
         delay = min(self.cfg.retry_max_s, 0.5 * 2 ** (self._failures - 1))
         self._retry_at = self._mono() + delay
@@ -343,9 +358,12 @@ class Remediator:
             since = r.failing_since_wall or self._wall()
         self._set(command_failures=failures, last_error=f"{e.kind}: {e}",
                   failing_since_wall=since, retry_in_s=delay)
-        if decision.action in ("drain", "resume") or self._failures == 1:
-            log.warning("remediation: %s failed (%s, %s); retrying in %.1f s", command, e.kind,
-                        e, delay, extra={"error": str(e), "kind": e.kind, "retry_in_s": delay})
+        if decision.action in ("drain", "resume") or pending or self._failures == 1:
+            # What it would do once Slurm answers, so that an observe week reads right.
+            log.warning("remediation: %s failed (%s: %s); retrying in %.1f s%s", command,
+                        e.kind, e, delay,
+                        f"; once Slurm answers: {pending}" if pending else "",
+                        extra={"error": str(e), "kind": e.kind, "retry_in_s": delay})
 
     def _succeeded(self) -> None:
         if self._failures or self._report.last_error is not None:

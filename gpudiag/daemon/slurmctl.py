@@ -132,7 +132,9 @@ class SlurmControl:
     def _run(self, argv: list[str]) -> str:
         code, out, err = self._runner(argv, dict(self._env), self.timeout_s)
         if code != 0:
-            text = (err or out).strip()[-500:]
+            # scontrol says "cannot reach slurmctld" over several lines: one log line each.
+            text = "; ".join(line.strip() for line in (err or out).splitlines()
+                             if line.strip())[-500:]
             kind = "unknown_node" if re.search(r"not found|Invalid node name", text) else "failed"
             raise SlurmError(kind, f"{os.path.basename(argv[0])} {argv[1]} exited {code}: "
                              f"{text or 'no message'}")

@@ -729,13 +729,23 @@ class HistoryStore:
         """The ``n`` GPUs (by serial) with the most incidents since ``since``, most first.
 
         An incident is a moment blocker episodes opened on the GPU: one fault opens several
-        (an XID and NVML's reset-required in the same verdict) and counts once."""
+        (an XID and NVML's reset-required in the same verdict) and counts once. An episode
+        that a `gpudiag clear --no-repair` of its GPU (or of all) ended while it was open, and
+        whose code it named, was a false blocker: no incident."""
         if self._col("episodes", "serial") == "NULL":
             return []
+        false = ""
+        if self._has("clears") and self._col("clears", "no_repair") != "NULL":
+            false = (" AND NOT EXISTS (SELECT 1 FROM clears c WHERE c.no_repair = 1 "
+                     "AND (c.gpu IS NULL OR c.gpu = episodes.device) "
+                     "AND c.ts >= episodes.started "
+                     "AND (episodes.ended IS NULL OR episodes.ended >= c.ts) "
+                     "AND (COALESCE(c.codes, '') = '' "
+                     "OR (',' || c.codes || ',') LIKE ('%,' || episodes.code || ',%')))")
         rows = self._query(
             "SELECT serial, COUNT(DISTINCT started), MIN(started), MAX(started), "
             "GROUP_CONCAT(DISTINCT code), GROUP_CONCAT(DISTINCT device) FROM episodes "
-            "WHERE serial IS NOT NULL AND started >= ? GROUP BY serial "
+            f"WHERE serial IS NOT NULL AND started >= ?{false} GROUP BY serial "
             "ORDER BY COUNT(DISTINCT started) DESC, MAX(started) DESC, serial LIMIT ?",
             [-1.0 if since is None else since, n])
         return [Offender(str(r[0]), int(r[1]), float(r[2]), float(r[3]),

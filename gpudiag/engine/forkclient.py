@@ -38,6 +38,8 @@ RUNTIME_KEYS = frozenset({*VISIBILITY_VARIABLES, "GPUDIAG_PROBE_PARENT_PID"})
 # (probe_environment) though the caller's own start environment did not.
 PROBE_ONLY_KEYS = frozenset({*PREALLOCATION_OFF, *SYSTEMD_ONLY})
 # The room the server's argv leaves for a child's (python -m gpudiag.probes NAME OPTIONS).
+# Neither the server nor a child shows it: each rewrites its cmdline to its own argv
+# (probes.forkserver.cmdline_text), so ps prints no run of padding.
 ARGV_ROOM_BYTES = 16 * 1024
 # A server that died is started again at most this often; meanwhile probes are spawned.
 RESTART_AFTER_S = 30.0

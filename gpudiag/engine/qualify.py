@@ -30,6 +30,7 @@ from gpudiag.core.qualify_score import (
     ResultError,
     Thresholds,
     child_results,
+    coverage,
     parse_result,
     score,
 )
@@ -82,10 +83,24 @@ class QualifyReport:
         """Whether a GPU failed: a wrong answer, or too slow with qualification.block."""
         return any(q.severity == "blocker" for q in self.qualifications)
 
+    @property
+    def measured_nothing(self) -> str | None:
+        """Why gpudiag measured nothing on any GPU it set out to, or None. A run that
+        yielded to a job (the busy rule) is not gpudiag failing; anything else is."""
+        if any(coverage(q.result).measured_anything for q in self.qualifications):
+            return None
+        failures = [q for q in self.qualifications if not q.result.yielded]
+        if not failures:
+            return None
+        return "; ".join(f"GPU {q.result.index if q.result.index is not None else q.result.uuid}"
+                         f": {q.result.aborted or 'no check covered anything'}"
+                         for q in failures)
+
     def record(self) -> dict[str, Any]:
         """The report's JSON (schema gpudiag.qualify-report/1; docs/qualify.md)."""
         return {"schema": REPORT_SCHEMA, "tier": self.tier, "platform": self.platform,
                 "checked_at": self.checked_at, "failed": self.failed,
+                "measured_nothing": self.measured_nothing,
                 "gpus": [q.record() for q in self.qualifications],
                 "left_alone": dict(self.left_alone), "history_error": self.history_error}
 
@@ -280,7 +295,8 @@ def _run_child(options: QualifyOptions, targets: list[dict[str, Any]],
         return parsed
     why = parsed or _why_no_result(run)
     return [GpuResult(str(t["uuid"]), t.get("name"), t.get("index"), options.tier, platform,
-                      aborted=why, started_at=time.time(), duration_s=run.duration_s)
+                      aborted=why, started_at=time.time(), duration_s=run.duration_s,
+                      yielded=not parsed and run.exit_code == EXIT_ABORTED)
             for t in targets]
 
 

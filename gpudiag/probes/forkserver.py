@@ -104,23 +104,31 @@ def _areas() -> tuple[int, int, int, int]:
 def cmdline_text(argv: list[str], *, spill: bool = False) -> tuple[int, bytes] | None:
     """Where and what to write so that /proc/self/cmdline reads ``argv``; None: no room.
 
-    In the room the start argv left, the last word is padded with spaces (a JSON options
-    word ignores them), so the area still ends in one NUL and ps/psutil read exactly
-    ``argv``. With ``spill``, a longer argv may run on over the environment area (the kernel's
-    setproctitle convention: the area's last byte is not NUL, and the kernel reads one string
-    up to its NUL, which ps and psutil split at spaces): only for words without spaces, and
-    only in a child whose C environment no longer points there (``_child`` clears it)."""
+    The start argv left a room (forkclient.ARGV_ROOM_BYTES) that a child's argv is written
+    into. When no word has a space, the words go in joined by spaces and ended by a NUL, and
+    the area's last byte is left a space: the kernel's setproctitle convention (an area whose
+    last byte is not NUL reads as one string up to its first NUL, which ps and psutil split
+    at spaces), so ps shows exactly ``argv``, never the room's padding. With ``spill``, such
+    an argv longer than the room may run on over the environment area, only in a child whose
+    C environment no longer points there (``_child`` clears it). A word with a space stays
+    NUL-separated in the room, the last word padded with spaces (a JSON options word ignores
+    them) so that the area still ends in one NUL."""
     start, end, env_start, env_end = _areas()
     words = [w.encode() for w in argv]
+    area = end - start
+    if not any(b" " in w or not w for w in words):
+        text = b" ".join(words) + b"\0"
+        if len(text) < area:
+            return start, text + b" " * (area - len(text))
+        if (spill and env_start == end
+                and len(text) <= min(env_end - start, os.sysconf("SC_PAGE_SIZE"))):
+            return start, text
+        return None
     head = b"\0".join(words[:-1]) + b"\0"
-    room = end - start - 1 - len(head)
+    room = area - 1 - len(head)
     if room >= len(words[-1]):
         return start, head + words[-1].ljust(room, b" ") + b"\0"
-    text = b" ".join(words) + b"\0"
-    if (not spill or env_start != end or any(b" " in w or not w for w in words)
-            or len(text) > min(env_end - start, os.sysconf("SC_PAGE_SIZE"))):
-        return None
-    return start, text
+    return None
 
 
 def set_cmdline(argv: list[str]) -> bool:
@@ -145,9 +153,9 @@ def child_argv(request: Mapping[str, Any], *, compact: bool = False) -> list[str
 def child_cmdline(request: Mapping[str, Any]) -> tuple[int, bytes] | None:
     """What a forked child of ``request`` writes over its cmdline; None: it would not fit
     (a fork server forked from a caller has only the caller's argv area: spawn instead)."""
-    found = cmdline_text(child_argv(request))
-    return found if found is not None else cmdline_text(child_argv(request, compact=True),
-                                                        spill=True)
+    # Compact options first: without spaces, ps shows the argv unpadded (cmdline_text).
+    found = cmdline_text(child_argv(request, compact=True), spill=True)
+    return found if found is not None else cmdline_text(child_argv(request))
 
 
 def _child(request: Mapping[str, Any], fds: list[int], control: socket.socket,
@@ -403,6 +411,8 @@ def main() -> int:
     """The exec'd server: its probes from argv, then ``run_server``."""
     # NAMES: the probes to import for ("*": every backend); ROOM: space for a child's argv.
     words = sys.argv[1:2]
+    # The room stays reserved for the children's argv; ps shows this server's argv without it.
+    set_cmdline([sys.executable, "-m", "gpudiag.probes.forkserver", *words])
     return run_server(None if words in ([], ["*"]) else words[0].split(","))
 
 

@@ -50,7 +50,12 @@ PATTERN_BLOCK = 1 << 20
 
 
 class Aborted(Exception):
-    """The run must stop now: another process appeared, or the deadline passed."""
+    """The run must stop now: another process appeared, or the deadline passed.
+    ``yielded``: it stopped for the busy rule (someone else's process, a waiting job)."""
+
+    def __init__(self, reason: str, *, yielded: bool = False) -> None:
+        super().__init__(reason)
+        self.yielded = yielded
 
 
 @dataclass
@@ -65,7 +70,7 @@ class Guard:
     def check(self) -> None:
         """Raise Aborted when the watcher said stop or the deadline passed."""
         if self.stopped.is_set():
-            raise Aborted(self.reason or "stopped")
+            raise Aborted(self.reason or "stopped", yielded=True)
         if time.monotonic() > self.deadline:
             raise Aborted("the tier's deadline passed before the measurements ended")
 
@@ -249,9 +254,20 @@ def _first_difference(want: bytes, got: bytes) -> str:
             f"({len(blocks)} MiB block(s) of {len(want)} bytes differ)")
 
 
-def _why_aborted(e: Aborted | CudaFailed) -> str:
-    """A measurement's end before its time: a job appeared (or waits), or CUDA failed."""
-    return str(e) if isinstance(e, Aborted) else f"a CUDA call failed: {e}"
+def _abort(out: dict[str, Any], e: Aborted | CudaFailed | AttributeError) -> None:
+    """A measurement's end before its time: a job appeared (or waits), CUDA failed, or the
+    driver library lacks a call the test makes (ctypes' AttributeError: named, never a
+    traceback and exit 70)."""
+    if isinstance(e, AttributeError):
+        if "undefined symbol" not in str(e):
+            raise e  # gpudiag's own bug: the traceback is the evidence
+        symbol = str(e).rsplit(":", 1)[-1].strip()
+        out["aborted"] = (f"the driver library libcuda.so.1 has no {symbol}, a call this "
+                          "test makes: it is not a complete NVIDIA driver, or older than that "
+                          "call; install the NVIDIA driver's own libcuda.so.1")
+        return
+    out["aborted"] = str(e) if isinstance(e, Aborted) else f"a CUDA call failed: {e}"
+    out["yielded"] = isinstance(e, Aborted) and e.yielded
 
 
 def _close_out(out: dict[str, Any], buf: Buffers, held_since: float, bytes_used: int) -> None:
@@ -294,8 +310,8 @@ def _cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard, seed: 
                 "reason": "not run on a GPU: IREE 3.x cannot compile for sm_90 (Hopper); it "
                           "runs on the CPU route"})
         out["bytes_used"] = max(buf.bytes_used, matmul.bytes_used)
-    except (Aborted, CudaFailed) as e:
-        out["aborted"] = _why_aborted(e)
+    except (Aborted, CudaFailed, AttributeError) as e:
+        _abort(out, e)
     finally:
         _close_out(out, buf, held, buf.bytes_used)
     return out
@@ -350,6 +366,7 @@ def _guarded_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
         out["aborted"] = ("NVML could not list the GPU's processes (UNKNOWN is never FREE)"
                           if pids is None else
                           f"process(es) {', '.join(map(str, pids))} on the GPU before it began")
+        out["yielded"] = True
         return out
     watcher = watch(guard, uuid, waiting=lambda: job_waiting(yield_to))
     try:
@@ -442,8 +459,8 @@ def _sdc_cuda_target(target: Mapping[str, Any], spec: TierSpec, guard: Guard
                                          f"{str(e)[:300]}", conditions)
             out["bytes_used"] = max(used, 3 * 4 * n * n)
         out["checks"] = [*gemms, *memory]
-    except (Aborted, CudaFailed) as e:
-        out["aborted"] = _why_aborted(e)
+    except (Aborted, CudaFailed, AttributeError) as e:
+        _abort(out, e)
     finally:
         _close_out(out, buf, held, 0)
     return out

@@ -339,7 +339,8 @@ def memory_checks(port: MemoryPort, n_bytes: int, check: Callable[[], None], bud
                 if result.fault is not None:
                     fault = result.fault
                     break
-        record: dict[str, Any] = {"check": name, "bytes_tested": tested, "route": route,
+        record: dict[str, Any] = {"check": name, "bytes_tested": tested,
+                                  "bytes_target": n_bytes, "route": route,
                                   "duration_s": round(time.monotonic() - started, 4)}
         if fault is not None:
             record.update(status=FAIL, detail=f"{method}: a word read back wrong", **fault)

@@ -251,9 +251,12 @@ def failure_message(oc: Outcome) -> str:
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
-    """The verdicts at the top of the run (after 'collected N items')."""
+    """The verdicts at the top of the run (after 'collected N items'); not under -q, where
+    pytest prints no header either: the summary's gpudiag section says them once."""
     gs = config.stash.get(SESSION, None)
-    return gs.lines() if gs is not None else []
+    if gs is None or config.get_verbosity() < 0:
+        return []
+    return gs.lines()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -8,8 +8,10 @@ prints the ``export`` lines of the environment that makes gpudiag see N healthy 
     gpudiag probe
 
 Also written to DEST/env.sh (``source`` it in another shell); DEST/gpudiag.toml is a
-``gpudiag serve --config`` for the fake host. docs/try-without-a-gpu.md has
-recipes; the knobs are listed in tests/fakes/fake_common.h, fake_nvml.c and fake_cuda.c.
+``gpudiag serve --config`` for the fake host, DEST/gpudiag-slurm.toml the same with remediation
+on a stand-in ``scontrol``/``sinfo`` (DEST/slurm, tests/fakes/slurm.py).
+docs/try-without-a-gpu.md has recipes; the knobs are listed in tests/fakes/fake_common.h,
+fake_nvml.c and fake_cuda.c.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.fakes.build import build_fakes
+from tests.fakes.slurm import install as install_slurm
 from tests.fakes.sysfs import make_pci_tree
 
 DEFAULT_DEST = "/tmp/gpudiag-try"
+FAKE_NODE = "fake-node"  # the stand-in Slurm's one node (DEST/slurm)
 KERNEL_MODULE = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  Fri Mar 14 2025\n"
                  "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
 
@@ -48,9 +52,16 @@ def make_host(dest: Path, gpus: int) -> dict[str, str]:
                          "runs\n")
     (dest / "locks").mkdir(exist_ok=True)
     # A daemon config for the fake host: the fakes emulate no GPU JAX or IREE could use.
+    no_runtimes = "[backends.jax]\nenabled = false\n\n[backends.iree]\nenabled = false\n"
     (dest / "gpudiag.toml").write_text(
-        "# gpudiag serve --config for the fake host (python -m tests.fakes)\n"
-        "[backends.jax]\nenabled = false\n\n[backends.iree]\nenabled = false\n")
+        "# gpudiag serve --config for the fake host (python -m tests.fakes)\n" + no_runtimes)
+    # Remediation against a stand-in Slurm node (tests/fakes/slurm.py), observing first.
+    scontrol, sinfo = install_slurm(dest / "slurm", FAKE_NODE)
+    (dest / "gpudiag-slurm.toml").write_text(
+        "# gpudiag serve --config for the fake host with remediation on a stand-in Slurm\n"
+        + no_runtimes + f'\n[remediation]\nmode = "observe"\nscontrol = "{scontrol}"\n'
+        f'sinfo = "{sinfo}"\nnode_name = "{FAKE_NODE}"\n'
+        f'killswitch_file = "{dest / "remediation-killswitch"}"\n')
     return {
         "LD_LIBRARY_PATH": str(driver.lib_dir),  # prepended to the shell's own (see main)
         "PATH": str(driver.bin_dir),

@@ -2,7 +2,7 @@
 node-problem-detector patch's pieces.
 
 The tiers need root (buildah, podman, mount namespaces). As root a missing tool is a failure,
-not a skip: scripts/setup.sh installs them, so CI never passes without running them.
+not a skip: scripts/setup.sh --tests installs them, so CI never passes without running them.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def require_root_tools(*tools: str) -> None:
         pytest.skip("the deployment tiers need root (buildah, podman, mount namespaces)")
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
-        pytest.fail(f"{', '.join(missing)} missing: run scripts/setup.sh as root (it installs "
-                    "buildah, podman, runc, mmdebstrap and systemd-container)")
+        pytest.fail(f"{', '.join(missing)} missing: run scripts/setup.sh --tests as root (it "
+                    "installs buildah, podman, runc, mmdebstrap and systemd-container)")
 
 
 def build_image(tag: str = IMAGE_TAG) -> tuple[str, float]:

@@ -219,9 +219,9 @@ def real_slurm(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[RealSlurm]:
     reason = _slurm_missing()
     if reason and os.environ.get("CI") == "true" and os.geteuid() == 0:
-        # .ci/run's scripts/setup.sh installs slurm-wlm and munge: in CI, as root, their
+        # .ci/run's scripts/setup.sh --tests installs slurm-wlm and munge: in CI, as root, their
         # absence is a broken set-up, not a reason to skip the real cluster.
-        pytest.fail(f"CI: {reason} (scripts/setup.sh should have installed them)")
+        pytest.fail(f"CI: {reason} (scripts/setup.sh --tests should have installed them)")
     if reason:
         pytest.skip(reason)
     d = Path(tempfile.mkdtemp(prefix="gds"))  # short: the munge socket path has a length cap
