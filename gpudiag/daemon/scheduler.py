@@ -230,7 +230,7 @@ class Scheduler:
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
                                     gap_warning_s=config.xid.gap_warning_s,
                                     expected_gpus=config.expected_gpus, history=history,
-                                    nvml=config.nvml)
+                                    nvml=config.nvml, xid_rules=config.xid.rules)
         self.full_requirement = full_requirement(config)
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
@@ -582,9 +582,11 @@ class Scheduler:
         Results, statistics and runs in flight are kept; a newly scheduled probe is due at
         once, and a shortened interval takes effect from now rather than after the old one.
         """
-        policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
-                               gap_warning_s=config.xid.gap_warning_s,
-                               expected_gpus=config.expected_gpus)
+        # What the history gave back at start stays said in every verdict after a reload.
+        policy = replace(self.policy, xid_hold_s=config.xid.hold_s,
+                         gap_warning_s=config.xid.gap_warning_s,
+                         expected_gpus=config.expected_gpus, nvml=config.nvml,
+                         xid_rules=config.xid.rules)
         ready = parse_requirement(config.default_requirement, node_health=True)
         scheduled = scheduled_keys(config, ready)
         now = self.clock.monotonic()
