@@ -76,6 +76,8 @@ class XidWatcher:
         self._counts_dirty = False  # xid_counts is rebuilt when state() is read, not per XID
         # (GPU, UUID, XID) -> when its storm window opened (docs/xids.md "Storms").
         self._windows: dict[tuple[int | None, str | None, int], float] = {}
+        # (GPU, UUID) -> when a line last spoke for its XIDs that block nothing.
+        self._said: dict[tuple[int | None, str | None], float] = {}
         self._unknown_logged: set[int] = set()
         self._state = WatcherState(enabled=config.enabled,
                                    down_since_wall=wall() if config.enabled else None)
@@ -116,6 +118,8 @@ class XidWatcher:
             # A storm window the clear ended: the next XID on that GPU is held again at once.
             self._windows = {k: t for k, t in self._windows.items()
                              if t > before_wall or (uuid is not None and k[1] != uuid)}
+            self._said = {k: t for k, t in self._said.items()
+                          if t > before_wall or (uuid is not None and k[1] != uuid)}
         if released:
             self._on_change()
         return released
@@ -297,12 +301,25 @@ class XidWatcher:
                 self._windows = {k: t for k, t in self._windows.items()
                                  if ts - t < self.config.storm_window_s}
             self._windows[key] = ts
+            entry = xid_entry(xid)
+            blocking = entry is not None and entry.severity == "blocker"
+            quiet = False
+            if not blocking:
+                said = self._said.get((gpu, uuid))
+                quiet = said is None or not 0 <= ts - said < self.config.storm_window_s
+                if quiet:
+                    self._said[(gpu, uuid)] = ts
             event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts,
                              fault_ts=msg.ts)
             self._state = replace(self._state, recent=_bounded((*self._state.recent, event)))
-        log.warning("XID %d on GPU %s (%s)", xid, gpu, uuid,
-                    extra={"xid": xid, "gpu": gpu, "uuid": uuid,
-                           "storm_window_s": self.config.storm_window_s})
+        # One line per GPU per storm: a blocking XID always gets its own (once per window);
+        # the first XID that blocks nothing speaks for the others on its GPU in its window.
+        level = logging.WARNING if (blocking or quiet) else logging.DEBUG
+        log.log(level, "XID %d on GPU %s (%s)%s", xid, gpu, uuid,
+                "" if blocking else f"; XIDs that block nothing on this GPU are counted, not "
+                f"logged, for {self.config.storm_window_s:g} s",
+                extra={"xid": xid, "gpu": gpu, "uuid": uuid,
+                       "storm_window_s": self.config.storm_window_s})
         if xid_entry(xid) is None and xid not in self._unknown_logged:
             # Counted and held like any XID (never dropped), but it maps to no code: say so
             # once per XID, so that a newer driver's XIDs get into the catalog.
