@@ -251,6 +251,53 @@ def test_a_storm_of_xids_is_one_action(real_slurm: RealSlurm, tmp_path: Path) ->
         assert n.actions(action="drain") == 1 and owned()
 
 
+# Issue 52's storm shapes (tests/test_xid_storms.py has the corpus): thousands of XID
+# 45/13/31/43, interleaved across the node's two GPUs, paced by the fake at 3000 a second.
+STORM = ",".join(f"{g}:{x}*{k}" for g, x, k in (
+    (0, 45, 2000), (1, 45, 2000), (0, 13, 400), (1, 31, 400), (0, 43, 400)))
+STORM_TOTAL = 5200
+STORM_KEYS = 5  # (GPU, XID) pairs: one held XID each
+STORM_GPUS = 2
+
+
+def test_an_xid_storm_drains_nothing_and_a_fatal_xid_inside_it_drains_at_once(
+        real_slurm: RealSlurm, tmp_path: Path) -> None:
+    s = real_slurm
+    knobs = {"FAKE_NVML_XID_STORM": STORM, "FAKE_NVML_XID_STORM_RATE": "3000"}
+    with Node(s, tmp_path) as n:
+        before = n.d.log_lines
+        s.set_gpus(**knobs)
+        n.wait("the storm counted", lambda: n.metric(
+            "gpudiag_gpu_xid_errors_total") >= STORM_TOTAL)
+        time.sleep(2.0)
+        health = n.d.get("/v1/health")[1]
+        assert health["blockers"] == [] and resumed(s) and n.actions() == 0
+        assert n.metric("gpudiag_xid_storm_folded_total") == STORM_TOTAL - STORM_KEYS
+        said = [line for line in n.d.lines[before:] if "XID" in line and "on GPU" in line]
+        assert len(said) <= STORM_GPUS, said
+        # The same storm again, twice as long, and XID 79 on GPU 1 in the middle of it.
+        longer = STORM.replace("*2000", "*4000").replace("*400", "*800")
+        s.set_gpus(**{**knobs, "FAKE_NVML_XID_STORM": longer})
+        n.wait("the second storm under way", lambda: n.metric(
+            "gpudiag_gpu_xid_errors_total") >= STORM_TOTAL + 1000)
+        written = time.monotonic()
+        s.set_gpus(**{**knobs, "FAKE_NVML_XID_STORM": longer, "FAKE_NVML_XIDS": "1:79"})
+        n.wait("the verdict", lambda: n.d.get("/v1/health")[1][
+            "gpu_validation_blocker"] == "gpu_lost", 10)
+        blocked_s = time.monotonic() - written
+        still_storming = n.metric("gpudiag_gpu_xid_errors_total") < 2 * STORM_TOTAL
+        n.wait("the drain", lambda: drained(s, "gpudiag:node:gpu_lost:GPU-f00d0001"),
+               DRAIN_LIMIT_S)
+        drain_s = time.monotonic() - written
+        print(f"XID 79 inside a storm: blocked {blocked_s * 1000:.0f} ms, drained "
+              f"{drain_s:.2f} s after it was written")
+        assert blocked_s <= 1.0 and still_storming
+        n.wait("the storm's end", lambda: n.metric(
+            "gpudiag_gpu_xid_errors_total") >= 2 * STORM_TOTAL + 1)
+        time.sleep(1.0)
+        assert n.actions(action="drain") == 1
+
+
 def test_observe_drains_nothing_and_counts_the_would_be_action(
         real_slurm: RealSlurm, tmp_path: Path) -> None:
     s = real_slurm
