@@ -47,6 +47,12 @@ def render() -> str:
            "in the daemon config sets each XID's count and window (`13 = {count = 3, "
            "window_s = 1800}`; `count = 0` turns it off; only application-class XIDs that "
            "stand alone can be promoted).", "",
+           "- **A reboot heals it** (`a reboot heals it`): the XID's action is a node reboot. "
+           "Held from an earlier boot (the kernel's boot id, recorded in the history at each "
+           "start), it is released without `gpudiag clear` once a fresh pass in this boot "
+           "(host, nvml, cuda, and the quick qualification tier where qualification is on) "
+           "finds no fault on its GPU; in the same boot it stays held across restarts "
+           "(docs/operations.md \"Reboot-class faults heal\").", "",
            "## Storms", "",
            "A storm is one finding. The first XID of a (GPU, XID) opens a window of "
            "`xid.storm_window_s` (300 s): it is held, logged once, kept in the history and "
@@ -72,7 +78,8 @@ def render() -> str:
 def _semantics(e: XidEntry) -> str:
     said = ([] if e.solo else ["follows another XID"]) + (
         [f"ends XID {e.cancels}"] if e.cancels is not None else []) + (
-        [f"promoted at {e.promote_after}"] if e.promote_after is not None else [])
+        [f"promoted at {e.promote_after}"] if e.promote_after is not None else []) + (
+        ["a reboot heals it"] if e.reboot_heals else [])
     return ", ".join(said) or "solo"
 
 

@@ -62,6 +62,9 @@ _BUCKETS: dict[str, tuple[str | None, str]] = {
     "NONE": (None, "No action in the catalog: informational."),
 }
 
+# Buckets whose immediate action is a node reboot (RESTART_BM: "drain and reboot").
+REBOOT_BUCKETS = ("RESTART_BM", "RESTART_VM", "CHECK_UVM")
+
 # The daemon holds a blocking XID for xid.hold_s (an hour) because no NVML reading proves a
 # repair: every blocking action ends by saying how to release it.
 AFTER_REPAIR = ("After the repair run `gpudiag clear --gpu N` (the GPU's index, UUID or PCI "
@@ -97,6 +100,13 @@ class XidEntry:
     # Application class only: this many occurrences on one GPU within ``PROMOTION_WINDOW_S``
     # make the warning a blocker (``[xid.promote]`` in the daemon config overrides it).
     promote_after: int | None = None
+
+    @property
+    def reboot_heals(self) -> bool:
+        """Its action asks for a node reboot (and nothing a reboot cannot do, like cabling):
+        held from an earlier boot, a clean fresh pass in this one releases it."""
+        return self.code is not None and self.bucket != "CHECK_MECHANICALS" and (
+            self.bucket in REBOOT_BUCKETS or self.code == REBOOT)
 
     @property
     def severity(self) -> str:
