@@ -298,6 +298,40 @@ def test_an_xid_storm_drains_nothing_and_a_fatal_xid_inside_it_drains_at_once(
         assert n.actions(action="drain") == 1
 
 
+def test_a_reboot_heals_a_reboot_class_drain_with_no_person(real_slurm: RealSlurm,
+                                                           tmp_path: Path) -> None:
+    """Issue 52: XID 79 drains; a restart in the same boot keeps the drain; after a reboot
+    (a new boot id) with a healthy GPU, gpudiag resumes its own drain with no clear."""
+    s = real_slurm
+    boot = tmp_path / "boot_id"
+    boot.write_text("aaaaaaaa-0000-4000-8000-00000000000a\n")
+    env = {"GPUDIAG_BOOT_ID_FILE": str(boot)}
+    state = tmp_path / "state"
+    with Node(s, tmp_path, state=state, env=env) as n:
+        s.set_gpus(FAKE_NVML_XIDS="0:79")
+        n.wait("the drain", lambda: drained(s), DRAIN_LIMIT_S + 5)
+        n.wait("the XID kept", lambda: any("XID 79" in line for line in n.d.lines))
+        time.sleep(0.5)  # the history's writer keeps it
+    s.set_gpus()
+    with Node(s, tmp_path, state=state, env=env) as n:  # the same boot: held, drained
+        n.wait("the held XID", lambda: n.d.get("/v1/health")[1][
+            "gpu_validation_blocker"] == "gpu_lost")
+        time.sleep(2.0)
+        assert drained(s) and n.actions(action="resume") == 0
+    boot.write_text("bbbbbbbb-0000-4000-8000-00000000000b\n")
+    with Node(s, tmp_path, state=state, env=env) as n:  # rebooted, the GPU healthy
+        n.wait("the resume", lambda: resumed(s))
+        assert n.actions(action="resume", mode="act", code="gpu_lost", outcome="ok") == 1
+        recovered = {labels["by"]: v for labels, v in metric_samples(
+            n.d, "gpudiag_remediation_recovered_total")}
+        assert recovered == {"gpudiag": 1.0, "person": 0.0}
+        assert n.metric("gpudiag_remediation_incidents_total") == 1
+        assert n.metric("gpudiag_remediation_needs_person_per_100_incidents") == 0
+        assert n.evidence()["incidents"] == {"incidents": 1, "needs_person": 0,
+                                             "recovered_unattended": 1,
+                                             "recovered_after_clear": 0}
+
+
 def test_observe_drains_nothing_and_counts_the_would_be_action(
         real_slurm: RealSlurm, tmp_path: Path) -> None:
     s = real_slurm
