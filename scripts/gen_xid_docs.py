@@ -63,6 +63,10 @@ def render() -> str:
            "opens a new window (one more log line and held XID, which extends the hold). A "
            "different XID is never folded into another's window: a fatal XID inside a storm "
            "of XID 45 blocks at once. `gpudiag clear` closes the cleared GPU's windows. "
+           "The history's XID timeline (`/v1/history`, `gpudiag explain`, a run's failure "
+           "attribution, which looks 60 s back from a run's start) has each window's first "
+           "XID: a run that starts later inside an open window of the same GPU and XID does "
+           "not see that XID as its own. "
            "Figures: docs/benchmarks.md \"XID storms\".", "",
            "## Buckets", "", "| NVIDIA bucket | gpudiag code | what to do |", "|---|---|---|"]
     out += [f"| `{bucket}` | {_code(code)} | {action} |"

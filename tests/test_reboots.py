@@ -22,7 +22,14 @@ from gpudiag.daemon.bootid import ENV, boot_id
 from gpudiag.daemon.reboots import BootFacts, note_boot, reboot_candidates
 from gpudiag.daemon.store import HistoryStore, default_path
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
+from tests.support.daemon import (
+    Daemon,
+    daemon_toml,
+    host_env,
+    metric_samples,
+    wait_for,
+    write_config,
+)
 
 UUID1 = "GPU-f00d0001-0000-4000-8000-000000000001"
 BOOT_A, BOOT_B, BOOT_C = ("aaaaaaaa-0000-4000-8000-00000000000a",
@@ -76,13 +83,21 @@ def node(fakes: FakeDriver, tmp_path: Path) -> dict[str, Any]:
             "tmp": tmp_path, "boot": boot}
 
 
-def _start(node: dict[str, Any], boot: str, **fakes: str | int) -> Daemon:
+SMALL_GPU: dict[str, str | int] = {  # qualification on the fakes: small, no data-sheet row
+    "FAKE_GPU_MEMORY_TOTAL_MIB": 80, "FAKE_CUDA_CONTEXT_MIB": 1, "FAKE_GPU_NAME": "Fake GPU"}
+
+
+def _start(node: dict[str, Any], boot: str, qualify: bool = False,
+           **fakes: str | int) -> Daemon:
     node["boot"].write_text(boot + "\n")
-    write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2, **fakes})
-    toml = daemon_toml({"xid": {"hold_s": 3600}, "qualification": {"enabled": False}})
+    write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2, **SMALL_GPU, **fakes})
+    # With qualification on, nothing is due on its schedule (idle_s): only what is asked for.
+    qualification = ({"enabled": True, "idle_s": 3600, "tick_s": 0.1} if qualify
+                     else {"enabled": False})
+    toml = daemon_toml({"xid": {"hold_s": 3600}, "qualification": qualification})
     daemon = Daemon(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
                     node["state"])
-    daemon.wait_ready()
+    daemon.wait_ready(60)
     return daemon
 
 
@@ -119,7 +134,7 @@ def test_a_reboot_class_hold_is_kept_in_its_boot_and_healed_by_a_reboot_and_a_cl
         node: dict[str, Any]) -> None:
     daemon = _start(node, BOOT_A)
     try:
-        write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2,
+        write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2, **SMALL_GPU,
                                               "FAKE_NVML_XIDS": "1:79"})
         wait_for(lambda: _xid_79_held(_health(daemon)), 15)
         wait_for(lambda: any("XID 79" in line for line in daemon.lines), 5)
@@ -155,5 +170,31 @@ def test_a_reboot_class_hold_is_kept_in_its_boot_and_healed_by_a_reboot_and_a_cl
     daemon = _start(node, BOOT_C)
     try:
         assert _after_a_fresh_pass(daemon)["gpu_validation_blocker"] == "none"
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_with_qualification_on_the_quick_tier_runs_before_the_reboot_releases_a_hold(
+        node: dict[str, Any]) -> None:
+    daemon = _start(node, BOOT_A)
+    try:
+        write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2, **SMALL_GPU,
+                                              "FAKE_NVML_XIDS": "1:79"})
+        wait_for(lambda: _xid_79_held(_health(daemon)), 15)
+        wait_for(lambda: any("XID 79" in line for line in daemon.lines), 5)
+        time.sleep(0.3)
+    finally:
+        assert daemon.stop() == 0
+    daemon = _start(node, BOOT_B, qualify=True)
+    try:
+        wait_for(lambda: _health(daemon)["gpu_validation_blocker"] == "none", 90, interval=0.2)
+        runs = sum(v for _, v in metric_samples(daemon, "gpudiag_qualification_runs_total"))
+        assert runs >= 1
+        ((gpu, reason),) = _clears(node)
+        assert gpu == UUID1 and reason.startswith(f"rebooted (boot {BOOT_B})")
+        released = next(i for i, line in enumerate(daemon.lines)
+                        if "released without a person" in line)
+        qualified = next(i for i, line in enumerate(daemon.lines) if "qualif" in line.lower())
+        assert qualified < released
     finally:
         assert daemon.stop() == 0
