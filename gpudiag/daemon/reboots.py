@@ -82,15 +82,18 @@ class RebootHealer:
                  judge: Callable[[Snapshot], Verdict | None],
                  submit: Callable[[ClearRequest], None],
                  qualify: Callable[[Sequence[str]], bool] | None = None,
-                 qualified: Callable[[str, float], bool | None] | None = None) -> None:
+                 qualified: Callable[[str, float], bool | None] | None = None,
+                 probes: Sequence[str] = FRESH_PROBES) -> None:
         """``judge`` gives the node-health verdict of a snapshot; ``submit`` applies a clear;
         with qualification on, ``qualify`` asks for the quick tier on GPUs (False: refused)
-        and ``qualified(uuid, since)`` says whether it passed since (None: no result yet)."""
+        and ``qualified(uuid, since)`` says whether it passed since (None: no result yet);
+        ``probes``: those of FRESH_PROBES the daemon runs (a fresh pass is all of them)."""
         self._candidates = tuple(candidates)
         self._boot = boot
         self._since = started_wall
         self._judge, self._submit = judge, submit
         self._qualify, self._qualified = qualify, qualified
+        self._probes = tuple(p for p in probes if p in FRESH_PROBES) or FRESH_PROBES
         self._lock = threading.Lock()
         self._done = not self._candidates
         self._asked = False
@@ -122,7 +125,7 @@ class RebootHealer:
             self._decide(snap, gpus)
 
     def _fresh(self, snap: Snapshot) -> bool:
-        results = [snap.result(name) for name in FRESH_PROBES]
+        results = [snap.result(name) for name in self._probes]
         return all(r is not None and r.started_wall > self._since for r in results)
 
     def _decide(self, snap: Snapshot, gpus: list[str]) -> None:

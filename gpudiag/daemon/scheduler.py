@@ -473,7 +473,8 @@ class Scheduler:
     def _proof_on_change(self, nvml_run: ProbeRun) -> None:
         """After an NVML round: a runtime whose packages changed, or a changed device layer
         (a GPU appeared or was lost, the driver, an XID), makes its proofs due now."""
-        xids = sum(c.count for c in self._watcher_state().xid_counts)
+        # Folded XIDs (a storm's repeats) change nothing about the device layer.
+        xids = sum(c.count - c.folded for c in self._watcher_state().xid_counts)
         due: set[ProbeKey] = set()
         if self._runtimes.device_changed(device_epoch(nvml_run.nvml, xids)):
             due.update(k for k in self.scheduled if k.backend in environment_backends())

@@ -58,7 +58,13 @@ from gpudiag.daemon.open_runs import OPEN_RUNS_FILE
 from gpudiag.daemon.qualify_exporter import QualificationCollector
 from gpudiag.daemon.qualify_queue import RequestRefused, known_gpus
 from gpudiag.daemon.qualify_schedule import Qualifier, QualifierState
-from gpudiag.daemon.reboots import QUALIFY_TIER, RebootHealer, note_boot, reboot_candidates
+from gpudiag.daemon.reboots import (
+    FRESH_PROBES,
+    QUALIFY_TIER,
+    RebootHealer,
+    note_boot,
+    reboot_candidates,
+)
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
 from gpudiag.daemon.remediation import Remediator
@@ -340,7 +346,9 @@ class DaemonService:
 
         healer = RebootHealer(candidates, boot, started, judge=judge, submit=clears.submit,
                               qualify=ask if qualify else None,
-                              qualified=passed if qualify else None)
+                              qualified=passed if qualify else None,
+                              probes=[b for b in FRESH_PROBES
+                                      if b in self.cfg.enabled_backends])
         scheduler.on_snapshot(healer.offer)
 
     def _start_remediation(self, scheduler: Scheduler, app: DaemonApp, qualifier: Qualifier
