@@ -97,7 +97,11 @@ def _start(node: dict[str, Any], boot: str, qualify: bool = False,
     toml = daemon_toml({"xid": {"hold_s": 3600}, "qualification": qualification})
     daemon = Daemon(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
                     node["state"])
-    daemon.wait_ready(60)
+    try:
+        daemon.wait_ready(60)
+    except BaseException:
+        daemon.stop()  # never left running behind a failed start
+        raise
     return daemon
 
 
