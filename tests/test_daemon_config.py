@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gpudiag.core.limits import DEFAULT_PORT
+from gpudiag.core.xids import DEFAULT_PROMOTIONS, Promotion
 from gpudiag.daemon.config import ConfigError, DaemonConfig, from_mapping, load_config, parse_listen
 from tests.support.host import run_gpudiag
 
@@ -73,6 +74,15 @@ def test_a_full_file_is_read(tmp_path: Path) -> None:
     ({"backends": {"gpu": {}}}, "unknown key(s) backends.gpu"),
     ({"backends": {"nvml": 5}}, "backends.nvml must be a table"),
     ({"xid": {"hold_s": float("inf")}}, "xid.hold_s = inf"),
+    ({"xid": {"storm_window_s": 0}}, "xid.storm_window_s = 0"),
+    ({"xid": {"promote": {"45": {"count": 3}}}}, "xid.promote.45: expected the number of an "
+     "application-class XID"),
+    ({"xid": {"promote": {"79": {"count": 3}}}}, "xid.promote.79: expected"),
+    ({"xid": {"promote": {"x": {"count": 3}}}}, "xid.promote.x: expected"),
+    ({"xid": {"promote": {"13": {}}}}, "xid.promote.13.count is required"),
+    ({"xid": {"promote": {"13": {"count": -1}}}}, "xid.promote.13.count = -1"),
+    ({"xid": {"promote": {"13": {"count": 2, "window": 5}}}},
+     "unknown key(s) xid.promote.13.window"),
     ({"history": {"max_bytes": "lots"}}, "history.max_bytes: size 'lots'"),
     ({"history": {"max_bytes": 10}}, "history.max_bytes = 10: expected bytes"),
     ({"log": {"format": "xml"}}, "log.format = 'xml': expected one of text, json"),
@@ -128,3 +138,13 @@ def test_serve_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
                             "--state-dir", str(tmp_path / "st")], dict(os.environ), timeout=30)
     assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_xid_promotions_default_to_the_catalog_and_are_set_per_xid() -> None:
+    assert from_mapping({}).xid.rules.promotions == DEFAULT_PROMOTIONS
+    cfg = from_mapping({"xid": {"storm_window_s": 30, "promote": {
+        "13": {"count": 3, "window_s": 600}, "31": {"count": 0}, "8": {"count": 2}}}})
+    promotions = cfg.xid.rules.promotions
+    assert cfg.xid.storm_window_s == 30.0
+    assert promotions[13] == Promotion(3, 600.0) and promotions[31].count == 0
+    assert promotions[8] == Promotion(2) and promotions[43] == DEFAULT_PROMOTIONS[43]

@@ -147,6 +147,16 @@ def test_restart_only_settings_are_named_not_applied() -> None:
                                       "backends.jax.interval_s 300.0 -> 60.0"]
 
 
+def test_the_storm_window_and_xid_promotions_apply_live_and_are_named() -> None:
+    old = from_mapping({})
+    new = from_mapping({"xid": {"storm_window_s": 60, "promote": {"13": {"count": 0}}}})
+    assert restart_only_changes(old, new) == []
+    assert live_changes(old, new) == [
+        "xid.storm_window_s 300.0 -> 60.0",
+        "xid.promote.13 Promotion(count=5, window_s=3600.0) -> "
+        "Promotion(count=0, window_s=3600.0)"]
+
+
 def test_reload_applies_a_shorter_xid_hold(fakes: FakeDriver, tmp_path: Path) -> None:
     """An XID 79 holds gpu_lost for hold_s; a reload to a 1 s hold releases it, live."""
     state = tmp_path / "gpu-state"

@@ -24,6 +24,7 @@ from gpudiag.core.remediation import (
     Memory,
     NodeView,
     Rails,
+    Tally,
     cleared,
     decide,
     own_reason,
@@ -222,6 +223,42 @@ def test_memory_survives_its_record() -> None:
     mem, _ = _drained()
     mem = cleared(mem, GPU, 1000.0)
     assert Memory.from_record(json.loads(json.dumps(mem.record()))) == mem
+
+
+def _resumed(mem: Memory, reason: str, released_at: float) -> Memory:
+    d = decide(facts(node=NodeView("IDLE+DRAIN", reason), since=released_at + 1,
+                     now=released_at + 2), mem, ACT)
+    assert d.action == "resume" and d.acts
+    return remember(mem, d, facts(now=released_at + 2))
+
+
+@pytest.mark.parametrize(("by_person", "field"), [
+    (True, "recovered_after_clear"), (False, "recovered_unattended")])
+def test_a_resume_counts_who_released_the_incident(by_person: bool, field: str) -> None:
+    mem, reason = _drained()
+    assert (mem.tally.incidents, mem.tally.needs_person) == (1, 0)
+    after = _resumed(cleared(mem, GPU, 1000.0, by_person=by_person), reason, 1000.0)
+    assert getattr(after.tally, field) == 1 and after.tally.incidents == 1
+    assert after.tally.recovered_after_clear + after.tally.recovered_unattended == 1
+
+
+def test_a_hold_that_expired_is_a_recovery_with_no_person() -> None:
+    mem, reason = _drained()
+    expired = released(mem, facts(node=NodeView("IDLE+DRAIN", reason), now=5000.0,
+                                  since=4000.0))
+    assert not expired.released_by_person
+    assert _resumed(expired, reason, 5000.0).tally.recovered_unattended == 1
+
+
+def test_needs_person_is_counted_per_100_incidents_and_kept_in_the_record() -> None:
+    mem = Memory(attempts={GPU: (100.0, 500.0)})
+    d = decide(facts(lost()), mem, ACT)
+    mem = remember(mem, d, facts(lost()))
+    assert (mem.tally.incidents, mem.tally.needs_person) == (1, 1)
+    assert mem.tally.needs_person_per_100 == 100.0
+    assert Memory.from_record(json.loads(json.dumps(mem.record()))) == mem
+    old = {k: v for k, v in mem.record().items() if k not in ("tally", "released_by_person")}
+    assert Memory.from_record(old).tally == Tally()  # a file from before the tally
 
 
 # --- Slurm's texts ---------------------------------------------------------------------

@@ -251,6 +251,87 @@ def test_a_storm_of_xids_is_one_action(real_slurm: RealSlurm, tmp_path: Path) ->
         assert n.actions(action="drain") == 1 and owned()
 
 
+# Issue 52's storm shapes (tests/test_xid_storms.py has the corpus): thousands of XID
+# 45/13/31/43, interleaved across the node's two GPUs, paced by the fake at 3000 a second.
+STORM = ",".join(f"{g}:{x}*{k}" for g, x, k in (
+    (0, 45, 2000), (1, 45, 2000), (0, 13, 400), (1, 31, 400), (0, 43, 400)))
+STORM_TOTAL = 5200
+STORM_KEYS = 5  # (GPU, XID) pairs: one held XID each
+STORM_GPUS = 2
+
+
+def test_an_xid_storm_drains_nothing_and_a_fatal_xid_inside_it_drains_at_once(
+        real_slurm: RealSlurm, tmp_path: Path) -> None:
+    s = real_slurm
+    knobs = {"FAKE_NVML_XID_STORM": STORM, "FAKE_NVML_XID_STORM_RATE": "3000"}
+    with Node(s, tmp_path) as n:
+        before = n.d.log_lines
+        s.set_gpus(**knobs)
+        n.wait("the storm counted", lambda: n.metric(
+            "gpudiag_gpu_xid_errors_total") >= STORM_TOTAL)
+        time.sleep(2.0)
+        health = n.d.get("/v1/health")[1]
+        assert health["blockers"] == [] and resumed(s) and n.actions() == 0
+        assert n.metric("gpudiag_xid_storm_folded_total") == STORM_TOTAL - STORM_KEYS
+        said = [line for line in n.d.lines[before:] if "XID" in line and "on GPU" in line]
+        assert len(said) <= STORM_GPUS, said
+        # The same storm again, twice as long, and XID 79 on GPU 1 in the middle of it.
+        longer = STORM.replace("*2000", "*4000").replace("*400", "*800")
+        s.set_gpus(**{**knobs, "FAKE_NVML_XID_STORM": longer})
+        n.wait("the second storm under way", lambda: n.metric(
+            "gpudiag_gpu_xid_errors_total") >= STORM_TOTAL + 1000)
+        written = time.monotonic()
+        s.set_gpus(**{**knobs, "FAKE_NVML_XID_STORM": longer, "FAKE_NVML_XIDS": "1:79"})
+        n.wait("the verdict", lambda: n.d.get("/v1/health")[1][
+            "gpu_validation_blocker"] == "gpu_lost", 10)
+        blocked_s = time.monotonic() - written
+        still_storming = n.metric("gpudiag_gpu_xid_errors_total") < 2 * STORM_TOTAL
+        n.wait("the drain", lambda: drained(s, "gpudiag:node:gpu_lost:GPU-f00d0001"),
+               DRAIN_LIMIT_S)
+        drain_s = time.monotonic() - written
+        print(f"XID 79 inside a storm: blocked {blocked_s * 1000:.0f} ms, drained "
+              f"{drain_s:.2f} s after it was written")
+        assert blocked_s <= 1.0 and still_storming
+        n.wait("the storm's end", lambda: n.metric(
+            "gpudiag_gpu_xid_errors_total") >= 2 * STORM_TOTAL + 1)
+        time.sleep(1.0)
+        assert n.actions(action="drain") == 1
+
+
+def test_a_reboot_heals_a_reboot_class_drain_with_no_person(real_slurm: RealSlurm,
+                                                           tmp_path: Path) -> None:
+    """Issue 52: XID 79 drains; a restart in the same boot keeps the drain; after a reboot
+    (a new boot id) with a healthy GPU, gpudiag resumes its own drain with no clear."""
+    s = real_slurm
+    boot = tmp_path / "boot_id"
+    boot.write_text("aaaaaaaa-0000-4000-8000-00000000000a\n")
+    env = {"GPUDIAG_BOOT_ID_FILE": str(boot)}
+    state = tmp_path / "state"
+    with Node(s, tmp_path, state=state, env=env) as n:
+        s.set_gpus(FAKE_NVML_XIDS="0:79")
+        n.wait("the drain", lambda: drained(s), DRAIN_LIMIT_S + 5)
+        n.wait("the XID kept", lambda: any("XID 79" in line for line in n.d.lines))
+        time.sleep(0.5)  # the history's writer keeps it
+    s.set_gpus()
+    with Node(s, tmp_path, state=state, env=env) as n:  # the same boot: held, drained
+        n.wait("the held XID", lambda: n.d.get("/v1/health")[1][
+            "gpu_validation_blocker"] == "gpu_lost")
+        time.sleep(2.0)
+        assert drained(s) and n.actions(action="resume") == 0
+    boot.write_text("bbbbbbbb-0000-4000-8000-00000000000b\n")
+    with Node(s, tmp_path, state=state, env=env) as n:  # rebooted, the GPU healthy
+        n.wait("the resume", lambda: resumed(s))
+        assert n.actions(action="resume", mode="act", code="gpu_lost", outcome="ok") == 1
+        recovered = {labels["by"]: v for labels, v in metric_samples(
+            n.d, "gpudiag_remediation_recovered_total")}
+        assert recovered == {"gpudiag": 1.0, "person": 0.0}
+        assert n.metric("gpudiag_remediation_incidents_total") == 1
+        assert n.metric("gpudiag_remediation_needs_person_per_100_incidents") == 0
+        assert n.evidence()["incidents"] == {"incidents": 1, "needs_person": 0,
+                                             "recovered_unattended": 1,
+                                             "recovered_after_clear": 0}
+
+
 def test_observe_drains_nothing_and_counts_the_would_be_action(
         real_slurm: RealSlurm, tmp_path: Path) -> None:
     s = real_slurm

@@ -53,7 +53,7 @@ from gpudiag.core.verdict import (
     Verdict,
 )
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
-from gpudiag.core.xids import xid_code, xid_description
+from gpudiag.core.xids import XidRules, judge_xids, xid_description
 
 NVML_INIT_CODES = {12: "driver_library_missing", 9: "driver_not_loaded",
                    18: "driver_library_mismatch", 4: "nvml_no_permission",
@@ -181,7 +181,8 @@ def _nvml_findings(nvml: NvmlObservation | None, host: HostObservation | None,
 def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
                      f: Findings, history: NvmlHistory | None = None,
                      policy: NvmlHealthPolicy | None = None,
-                     peers: Sequence[NvmlDevice] = ()) -> None:
+                     peers: Sequence[NvmlDevice] = (),
+                     xid_rules: XidRules | None = None) -> None:
     for d in devs:
         label = d.label
         if not d.ok:
@@ -196,14 +197,19 @@ def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
                    backend="nvml", device=label)
     by_uuid = {d.uuid: d for d in devs}
     by_index: dict[int | None, NvmlDevice] = {d.index: d for d in devs}
-    for x in xids:
+    for j in judge_xids(xids, xid_rules):
+        x = j.event
         found = by_uuid.get(x.uuid) if x.uuid else by_index.get(x.device_index)
         if found is None:
             continue
         d = found
         label = d.label
-        code, what = xid_code(x.xid), f"({xid_description(x.xid)})"
-        if code == "gpu_lost":
+        code, what = j.code, f"({xid_description(x.xid)})"
+        if j.promoted is not None:
+            f.block(code, f"GPU {d.index}: critical XID {x.xid} {what} seen {j.occurrences} "
+                    f"times within {j.promoted.window_s:g} s: promoted from a warning at "
+                    f"{j.promoted.count}", backend="nvml", device=label)
+        elif code == "gpu_lost":
             f.block("gpu_lost", f"GPU {d.index}: XID {x.xid} (fallen off the bus)",
                     backend="nvml", device=label)
         elif code in ("gpu_reset_required", "node_reboot_required"):
@@ -450,7 +456,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
              scope: ProbeScope | None = None,
              expected_gpus: int | None = None, nvml_history: NvmlHistory | None = None,
              nvml_policy: NvmlHealthPolicy | None = None,
-             last_seen: Mapping[int, GpuIdentity] | None = None) -> Verdict:
+             last_seen: Mapping[int, GpuIdentity] | None = None,
+             xid_rules: XidRules | None = None) -> Verdict:
     """The verdict for ``requirement`` from what the probe children observed.
 
     ``visibility`` is the job's (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) when it
@@ -462,6 +469,7 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     ``device_blockers`` and ``device_warnings`` name GPUs (by label) and come from outside the
     probe round (the daemon's qualification); only those of GPUs the requirement selects count.
     ``last_seen``: each GPU index's last identity (the daemon's core.identity memory).
+    ``xid_rules``: how held XIDs become findings (core.xids.judge_xids; None: the catalog's).
     """
     f = Findings()
     f.warnings.extend(extra_warnings)
@@ -474,7 +482,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         candidates, selected, remembered = _select_gpus(runs, layer, requirement, visibility,
                                                         last_seen, f)
         _device_findings(selected, xids, f, nvml_history, nvml_policy,
-                         peers=layer.nvml.devices if layer.nvml is not None else ())
+                         peers=layer.nvml.devices if layer.nvml is not None else (),
+                         xid_rules=xid_rules)
         labels = {d.label for d in selected}
         f.blockers.extend(b for b in device_blockers if b.device in labels)
         f.warnings.extend(w for w in device_warnings if w.device in labels)

@@ -123,6 +123,37 @@ def _float(value: object) -> float:
 
 
 @dataclass(frozen=True)
+class Tally:
+    """Incidents this node's remediation handled, kept across restarts (and reboots)."""
+
+    incidents: int = 0             # drains gpudiag made (act)
+    needs_person: int = 0          # of them, past the attempt cap (class inspect)
+    recovered_unattended: int = 0  # resumed by gpudiag with no person's `gpudiag clear`
+    recovered_after_clear: int = 0  # resumed by gpudiag after a person's `gpudiag clear`
+
+    @property
+    def needs_person_per_100(self) -> float:
+        """needs_person per 100 incidents (0 before the first)."""
+        return 100.0 * self.needs_person / self.incidents if self.incidents else 0.0
+
+    def record(self) -> dict[str, int]:
+        return {"incidents": self.incidents, "needs_person": self.needs_person,
+                "recovered_unattended": self.recovered_unattended,
+                "recovered_after_clear": self.recovered_after_clear}
+
+    @classmethod
+    def from_record(cls, d: object) -> Tally:
+        """Read back ``record()``; a file from before tallies (or a damaged one) is zeros."""
+        if not isinstance(d, dict):
+            return cls()
+        def n(key: str) -> int:
+            v = d.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+        return cls(n("incidents"), n("needs_person"), n("recovered_unattended"),
+                   n("recovered_after_clear"))
+
+
+@dataclass(frozen=True)
 class Memory:
     """What gpudiag keeps across cycles and restarts (the state dir's remediation.json)."""
 
@@ -133,6 +164,10 @@ class Memory:
     attempts: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     # When the standing drain's incident was released (a clear, or its faults gone).
     released_wall: float | None = None
+    # Whether a person released it (`gpudiag clear`), or nobody did (the hold expired, or a
+    # reboot and a clean fresh pass healed it).
+    released_by_person: bool = False
+    tally: Tally = field(default_factory=Tally)
 
     def boundary(self, uuid: str | None) -> float:
         """Evidence at or before this wall time never acts again for ``uuid``."""
@@ -143,7 +178,9 @@ class Memory:
         return {"drain": self.drain.record() if self.drain else None,
                 "verified": dict(self.verified),
                 "attempts": {k: list(v) for k, v in self.attempts.items()},
-                "released_wall": self.released_wall}
+                "released_wall": self.released_wall,
+                "released_by_person": self.released_by_person,
+                "tally": self.tally.record()}
 
     @classmethod
     def from_record(cls, d: Mapping[str, object]) -> Memory:
@@ -157,7 +194,9 @@ class Memory:
             verified={str(k): _float(v) for k, v in verified.items()},
             attempts={str(k): tuple(_float(t) for t in v) for k, v in attempts.items()
                       if isinstance(v, list)},
-            released_wall=None if released is None else _float(released))
+            released_wall=None if released is None else _float(released),
+            released_by_person=d.get("released_by_person") is True,
+            tally=Tally.from_record(d.get("tally")))
 
 
 @dataclass(frozen=True)
@@ -327,13 +366,23 @@ def remember(memory: Memory, decision: Decision, facts: Facts) -> Memory:
         drain = Drain(decision.reason, fault.code, fault.uuid, now, fault.evidence_wall,
                       decision.needs_person, observed=decision.mode != "act")
         attempts = dict(memory.attempts)
+        tally = memory.tally
         if decision.mode == "act":
             key = fault.uuid or "*"
             attempts[key] = (*attempts.get(key, ()), now)[-16:]
-        return replace(memory, drain=drain, attempts=attempts, released_wall=None)
+            tally = replace(tally, incidents=tally.incidents + 1,
+                            needs_person=tally.needs_person + int(decision.needs_person))
+        return replace(memory, drain=drain, attempts=attempts, released_wall=None,
+                       released_by_person=False, tally=tally)
     if decision.action == "resume" and (decision.outcome == "ok" or (
             memory.drain is not None and memory.drain.observed)):
-        return replace(memory, drain=None, released_wall=None)
+        tally = memory.tally
+        if decision.outcome == "ok":
+            tally = (replace(tally, recovered_after_clear=tally.recovered_after_clear + 1)
+                     if memory.released_by_person else
+                     replace(tally, recovered_unattended=tally.recovered_unattended + 1))
+        return replace(memory, drain=None, released_wall=None, released_by_person=False,
+                       tally=tally)
     return memory
 
 
@@ -348,7 +397,8 @@ def released(memory: Memory, facts: Facts) -> Memory:
         if any(f.evidence_wall > memory.released_wall for f in live):
             return replace(memory, released_wall=None)
         return memory
-    return memory if live else replace(memory, released_wall=facts.now_wall)
+    return memory if live else replace(memory, released_wall=facts.now_wall,
+                                       released_by_person=False)
 
 
 def resume_due(facts: Facts, memory: Memory) -> bool:
@@ -358,15 +408,18 @@ def resume_due(facts: Facts, memory: Memory) -> bool:
             and not live_faults(facts.faults, memory) and _fresh_pass(facts, memory))
 
 
-def cleared(memory: Memory, uuid: str | None, wall: float) -> Memory:
+def cleared(memory: Memory, uuid: str | None, wall: float, *, by_person: bool = True
+            ) -> Memory:
     """``gpudiag clear`` of ``uuid`` (None: all) at ``wall``: the recovery boundary moves, and
-    a standing incident on that GPU is released."""
+    a standing incident on that GPU is released (``by_person`` False: the daemon's own
+    release after a reboot, daemon/reboots.py)."""
     verified = {**memory.verified, uuid or "*": max(wall, memory.verified.get(uuid or "*",
                                                                             -math.inf))}
     drain = memory.drain
     hit = drain is not None and (uuid is None or drain.uuid in (None, uuid))
     return replace(memory, verified=verified,
-                   released_wall=wall if hit else memory.released_wall)
+                   released_wall=wall if hit else memory.released_wall,
+                   released_by_person=by_person if hit else memory.released_by_person)
 
 
 def parse_killswitch(text: str) -> frozenset[str]:

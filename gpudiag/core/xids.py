@@ -9,7 +9,10 @@ published XID catalog for Ampere and newer GPUs (``SOURCE_URL``), its "Resolutio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpudiag.core.findings import XidEvent
 
 SOURCE_URL = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 
@@ -59,6 +62,9 @@ _BUCKETS: dict[str, tuple[str | None, str]] = {
     "NONE": (None, "No action in the catalog: informational."),
 }
 
+# Buckets whose immediate action is a node reboot (RESTART_BM: "drain and reboot").
+REBOOT_BUCKETS = ("RESTART_BM", "RESTART_VM", "CHECK_UVM")
+
 # The daemon holds a blocking XID for xid.hold_s (an hour) because no NVML reading proves a
 # repair: every blocking action ends by saying how to release it.
 AFTER_REPAIR = ("After the repair run `gpudiag clear --gpu N` (the GPU's index, UUID or PCI "
@@ -86,6 +92,21 @@ class XidEntry:
     bucket: str  # NVIDIA's immediate-action resolution bucket (UNUSED for "Unused")
     code: str | None  # what it maps to in gpudiag's catalog; None = informational
     action: str  # what to do
+    # False: the XID reports another one's consequence (45: "follow the other XID"); on a
+    # GPU with another XID held it adds no finding of its own.
+    solo: bool = True
+    # The earlier XID this one ends on the same GPU (162 "re-engaged" ends 163 "disengaged").
+    cancels: int | None = None
+    # Application class only: this many occurrences on one GPU within ``PROMOTION_WINDOW_S``
+    # make the warning a blocker (``[xid.promote]`` in the daemon config overrides it).
+    promote_after: int | None = None
+
+    @property
+    def reboot_heals(self) -> bool:
+        """Its action asks for a node reboot (and nothing a reboot cannot do, like cabling):
+        held from an earlier boot, a clean fresh pass in this one releases it."""
+        return self.code is not None and self.bucket != "CHECK_MECHANICALS" and (
+            self.bucket in REBOOT_BUCKETS or self.code == REBOOT)
 
     @property
     def severity(self) -> str:
@@ -99,11 +120,12 @@ _FROM_BUCKET = "from the bucket"
 
 
 def _e(xid: int, mnemonic: str, description: str, bucket: str,
-       code: str | None = _FROM_BUCKET, action: str | None = None) -> XidEntry:
+       code: str | None = _FROM_BUCKET, action: str | None = None, *, solo: bool = True,
+       cancels: int | None = None, promote_after: int | None = None) -> XidEntry:
     default_code, default_action = BUCKET_CODES[bucket]
     code = default_code if code == _FROM_BUCKET else code
     return XidEntry(xid, mnemonic, description, bucket, code,
-                    with_clear(code, action or default_action))
+                    with_clear(code, action or default_action), solo, cancels, promote_after)
 
 
 _RC = "ROBUST_CHANNEL_"
@@ -146,11 +168,12 @@ _USED: list[XidEntry] = [
     _e(11, _RC + "GR_ERROR_MISSING_HW", "Invalid or corrupted push buffer stream",
        "RESTART_APP"),
     _e(13, _RC + "GR_EXCEPTION", "Graphics engine exception (usually an out-of-bounds access "
-       "or illegal instruction in the application)", "RESTART_APP", action=_APP_DEBUG),
+       "or illegal instruction in the application)", "RESTART_APP", action=_APP_DEBUG,
+       promote_after=5),
     _e(14, _RC + "FAKE_ERROR", "Fake or injected error from user space", "IGNORE"),
     _e(25, _RC + "GR_ILLEGAL_NOTIFY", "Invalid or illegal push buffer stream", "RESTART_APP"),
     _e(31, _RC + "FIFO_ERROR_MMU_ERR_FLT", "GPU memory page fault (an illegal address access)",
-       "RESTART_APP", action=_APP_DEBUG),
+       "RESTART_APP", action=_APP_DEBUG, promote_after=5),
     _e(32, _RC + "PBDMA_ERROR", "Invalid or corrupted push buffer stream (DMA controller fault, "
        "often PCIe quality)", "RESTART_APP"),
     _e(37, _RC + "FECS_ERR_UNIMP_FIRMWARE_METHOD", "Driver firmware error", "IGNORE"),
@@ -162,11 +185,11 @@ _USED: list[XidEntry] = [
     # gave it, since the application that hit it had to terminate.
     _e(43, _RC + "RESETCHANNEL_VERIF_ERROR", "GPU stopped processing (a software-induced "
        "fault ended the application; the GPU stays healthy)", "IGNORE", APPLICATION,
-       "Usually an application error: read the job's log."),
+       "Usually an application error: read the job's log.", promote_after=10),
     _e(44, _RC + "GR_FAULT_DURING_CTXSW", "Graphics engine fault during context switch",
        "IGNORE"),
     _e(45, _RC + "PREEMPTIVE_REMOVAL", "Preemptive cleanup after previous errors or an abort",
-       "WORKFLOW_XID_45"),
+       "WORKFLOW_XID_45", solo=False),
     _e(46, _RC + "GPU_TIMEOUT_ERROR", "GPU stopped processing", "RESET_GPU"),
     _e(48, _RC + "GPU_ECC_DBE", "Double bit (uncorrectable) ECC error", "WORKFLOW_XID_48"),
     _e(54, "SILENT_RUNNING_PWR_REDUCED_CLOCKING",
@@ -259,7 +282,7 @@ _USED: list[XidEntry] = [
     _e(160, "CHANNEL_RETIREMENT_EVENT", "Channel retirement event", "IGNORE"),
     _e(161, "CHANNEL_RETIREMENT_FAILURE", "Channel retirement failure", "IGNORE"),
     # 162-172 have no resolution bucket in the catalog yet; mapped from their descriptions.
-    _e(162, "PSHC_REENGAGED", f"{_PSHC} capability re-engaged", "NONE"),
+    _e(162, "PSHC_REENGAGED", f"{_PSHC} capability re-engaged", "NONE", cancels=163),
     _e(163, "PSHC_DISENGAGED", f"{_PSHC} capability disengaged", "NONE",
        action="No GPU reset needed; resolve the thermal events if power smoothing is wanted."),
     _e(164, "PSHC_LOW_LIFETIME", f"{_PSHC} low lifetime reached", "NONE",
@@ -301,3 +324,76 @@ def xid_description(xid: int) -> str:
     """The catalog's description of an XID, for messages."""
     found = XIDS.get(xid)
     return found.description if found is not None else "not in NVIDIA's XID catalog"
+
+
+# -- from held XIDs to findings: the catalog's semantics, not one code at a time ----------------
+PROMOTION_WINDOW_S = 3600.0
+PROMOTED_CODE = RESET  # an application XID that keeps coming back on one GPU points at the GPU
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """An application XID seen ``count`` times on one GPU within ``window_s`` blocks it."""
+
+    count: int
+    window_s: float = PROMOTION_WINDOW_S
+
+
+DEFAULT_PROMOTIONS: dict[int, Promotion] = {
+    e.xid: Promotion(e.promote_after) for e in XIDS.values() if e.promote_after is not None}
+
+
+@dataclass(frozen=True)
+class XidRules:
+    """How held XIDs become findings (the daemon's ``[xid.promote]`` fills ``promotions``)."""
+
+    promotions: Mapping[int, Promotion] = field(default_factory=lambda: dict(DEFAULT_PROMOTIONS))
+
+
+@dataclass(frozen=True)
+class JudgedXid:
+    """One (GPU, XID) among the held XIDs, and what it makes of its GPU."""
+
+    event: XidEvent  # the latest occurrence
+    code: str
+    occurrences: int  # held occurrences on this GPU (a folded storm is one)
+    promoted: Promotion | None = None  # set when the count made an application XID block
+
+
+def _gpu(event: XidEvent) -> tuple[str | None, int | None]:
+    return (event.uuid, None) if event.uuid else (None, event.device_index)
+
+
+def judge_xids(events: Sequence[XidEvent], rules: XidRules | None = None) -> list[JudgedXid]:
+    """At most one judgement per (GPU, XID): a cancelled XID is gone (163 then 162), a
+    not-solo XID (45) beside another XID with a code on its GPU adds nothing (that one says
+    what happened), and an application XID seen often enough in its window is promoted."""
+    rules = rules if rules is not None else XidRules()
+    ordered = sorted(events, key=lambda x: x.timestamp)
+    kept: list[XidEvent] = []
+    for x in ordered:
+        entry = XIDS.get(x.xid)
+        if entry is not None and entry.cancels is not None:
+            kept = [k for k in kept if not (k.xid == entry.cancels and _gpu(k) == _gpu(x))]
+        kept.append(x)
+    groups: dict[tuple[tuple[str | None, int | None], int], list[XidEvent]] = {}
+    for x in kept:
+        groups.setdefault((_gpu(x), x.xid), []).append(x)
+    coded = {key for key in groups
+             if (e := XIDS.get(key[1])) is not None and e.code is not None and e.solo}
+    judged: list[JudgedXid] = []
+    for (gpu, xid), group in groups.items():
+        entry = XIDS.get(xid)
+        if entry is None or entry.code is None:
+            continue
+        if not entry.solo and any(g == gpu for g, _ in coded):
+            continue
+        latest = group[-1]
+        rule = rules.promotions.get(xid) if entry.code == APPLICATION else None
+        if rule is not None and rule.count > 0 and sum(
+                1 for g in group if latest.timestamp - g.timestamp <= rule.window_s
+        ) >= rule.count:
+            judged.append(JudgedXid(latest, PROMOTED_CODE, len(group), rule))
+        else:
+            judged.append(JudgedXid(latest, entry.code, len(group)))
+    return judged

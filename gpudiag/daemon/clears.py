@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ class ClearRequest:
     requested_wall: float
     # `gpudiag clear --no-repair`: nothing was repaired, so what it clears was a false blocker.
     no_repair: bool = False
+    # Made by the daemon itself, not a person: a reboot-class hold healed by a reboot and a
+    # clean fresh pass (daemon/reboots.py). Never read from a request file.
+    automatic: bool = False
 
 
 def request_dir(state_dir: Path) -> Path:
@@ -111,6 +115,13 @@ class ClearPoller:
         self.folder = request_dir(state_dir)
         self._release, self._record, self._recheck, self._wall = release, record, recheck, wall
         self._refused: set[str] = set()
+        self._lock = threading.Lock()
+        self._submitted: list[ClearRequest] = []
+
+    def submit(self, request: ClearRequest) -> None:
+        """Apply ``request`` (the daemon's own) on the next poll, like a request file."""
+        with self._lock:
+            self._submitted.append(request)
 
     def prepare(self) -> None:
         """Create the request folder, writable by the daemon's user (and root) only."""
@@ -119,6 +130,16 @@ class ClearPoller:
     def poll(self) -> list[ClearRequest]:
         """Apply every request file present, oldest first; returns what was applied."""
         applied: list[ClearRequest] = []
+        with self._lock:
+            submitted, self._submitted = self._submitted, []
+        for request in submitted:
+            released = self._release(request.gpu, min(request.requested_wall, self._wall()))
+            self._record(request, released)
+            log.warning("GPU %s released without a person: %s; %d held XID(s) released; "
+                        "re-probing", request.gpu or "(all)", request.reason, released,
+                        extra={"gpu": request.gpu, "reason": request.reason,
+                               "released": released, "automatic": True})
+            applied.append(request)
         for name in inbox_names(self.folder, self._refused):
             path = self.folder / name
             try:

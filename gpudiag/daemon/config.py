@@ -26,6 +26,14 @@ from gpudiag.core.qualify_score import Thresholds
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 from gpudiag.core.runtime import OWN_RUNTIME, RUNTIME_NAME, Runtime
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
+from gpudiag.core.xids import (
+    APPLICATION,
+    DEFAULT_PROMOTIONS,
+    PROMOTION_WINDOW_S,
+    Promotion,
+    XidRules,
+    xid_entry,
+)
 from gpudiag.engine.runtimes import python_problem
 
 DEFAULT_HOST = "127.0.0.1"
@@ -63,6 +71,11 @@ class XidConfig:
     heartbeat_s: float = 1.0
     telemetry_s: float = 5.0
     restart_backoff_max_s: float = 60.0
+    # One finding, one log line and one history row per (GPU, XID) per this many seconds;
+    # the counters count every event (docs/xids.md "Storms").
+    storm_window_s: float = 300.0
+    # [xid.promote]: per application XID, occurrences within a window that make it block.
+    rules: XidRules = field(default_factory=XidRules)
 
 
 @dataclass(frozen=True)
@@ -431,9 +444,33 @@ def _xid(x: _Table) -> XidConfig:
                     heartbeat_s=x.seconds("heartbeat_s", d.heartbeat_s, maximum=60.0),
                     telemetry_s=x.seconds("telemetry_s", d.telemetry_s, maximum=3600.0),
                     restart_backoff_max_s=x.seconds("restart_backoff_max_s",
-                                                    d.restart_backoff_max_s, maximum=3600.0))
+                                                    d.restart_backoff_max_s, maximum=3600.0),
+                    storm_window_s=x.seconds("storm_window_s", d.storm_window_s,
+                                             minimum=1.0, maximum=86400.0),
+                    rules=XidRules(_promotions(x.table("promote"))))
     x.finish()
     return xid
+
+
+def _promotions(t: _Table) -> dict[int, Promotion]:
+    """``[xid.promote]``: ``13 = {count = 5, window_s = 3600}`` per application XID; a count
+    of 0 turns the catalog's promotion of that XID off."""
+    promotions = dict(DEFAULT_PROMOTIONS)
+    for key in list(t.raw):
+        entry = xid_entry(int(key)) if key.isascii() and key.isdigit() else None
+        if entry is None or entry.code != APPLICATION or not entry.solo:
+            raise ConfigError(f"{t._key(key)}: expected the number of an application-class "
+                              f"XID that stands alone (13, 31, 43, ...; 45 only follows "
+                              f"another XID)")
+        rule = t.table(key)
+        count = rule.count("count", 0, 1_000_000, "a count from 0 (off) to 1000000")
+        if count is None:
+            raise ConfigError(f"{rule._key('count')} is required")
+        window = rule.seconds("window_s", PROMOTION_WINDOW_S, minimum=1.0, maximum=30 * 86400.0)
+        rule.finish()
+        promotions[entry.xid] = Promotion(count, window)  # 0: kept, so the file says "off"
+    t.finish()
+    return promotions
 
 
 def _history(h: _Table) -> HistoryConfig:

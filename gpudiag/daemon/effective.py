@@ -31,6 +31,8 @@ PLACES: Mapping[str, str] = {
     "DaemonConfig.socket_path": "socket",
     "NvmlHealthPolicy.clock_dwell_s": "clock_event_dwell_s",
     "QualificationConfig.thresholds": "",
+    "XidConfig.rules": "promote",
+    "XidRules.promotions": "",
 }
 # Class.field -> why the file does not set it (printed as a comment with its value).
 NOT_IN_FILE: Mapping[str, str] = {

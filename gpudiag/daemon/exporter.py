@@ -274,11 +274,16 @@ class SnapshotCollector(Collector):
                                     labels=labels)
         last = GaugeMetricFamily("gpudiag_gpu_xid_last_timestamp_seconds",
                                  "When the watcher last saw this XID.", labels=labels)
+        folded = CounterMetricFamily(
+            "gpudiag_xid_storm_folded", "XID events folded into an open storm window of their "
+            "GPU and XID (counted, but no finding, log line or history row of their own).",
+            labels=labels)
         for c in w.xid_counts:
             lv = ["" if c.gpu is None else str(c.gpu), c.uuid or "", str(c.xid)]
             total.add_metric(lv, float(c.count))
             last.add_metric(lv, c.last_timestamp)
-        yield from (total, last)
+            folded.add_metric(lv, float(c.folded))
+        yield from (total, last, folded)
         yield GaugeMetricFamily("gpudiag_xid_watcher_up",
                                 "1 while the XID watcher child runs and answers.",
                                 value=1.0 if w.running else 0.0)

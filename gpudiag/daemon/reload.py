@@ -29,7 +29,8 @@ RESTART_ONLY = ("listen_host", "listen_port", "socket_path", "tcp_read_only", "h
                 "nfd_features_file", "nfd_expiry_s", "log_format",
                 "remediation",  # the actor and its node check are built at start
                 "jobs")  # the job watch keeps its policy (its runs' holds stay consistent)
-# XidConfig fields of the watcher process itself (hold_s and gap_warning_s apply live).
+# XidConfig fields of the watcher process itself (hold_s, gap_warning_s, storm_window_s and
+# [xid.promote] apply live).
 XID_RESTART_ONLY = ("enabled", "heartbeat_s", "telemetry_s", "restart_backoff_max_s")
 
 
@@ -48,9 +49,13 @@ def live_changes(old: DaemonConfig, new: DaemonConfig) -> list[str]:
                  "tick_s", "probe_busy_gpus", "expected_gpus", "log_level"):
         if getattr(old, name) != getattr(new, name):
             out.append(f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}")
-    for name in ("hold_s", "gap_warning_s"):
+    for name in ("hold_s", "gap_warning_s", "storm_window_s"):
         if getattr(old.xid, name) != getattr(new.xid, name):
             out.append(f"xid.{name} {getattr(old.xid, name)!r} -> {getattr(new.xid, name)!r}")
+    before, after = old.xid.rules.promotions, new.xid.rules.promotions
+    for xid in sorted({*before, *after}):
+        if before.get(xid) != after.get(xid):
+            out.append(f"xid.promote.{xid} {before.get(xid)!r} -> {after.get(xid)!r}")
     for backend, b in new.backends.items():
         a = old.backends[backend]
         for name in ("enabled", "interval_s", "deadline_s"):

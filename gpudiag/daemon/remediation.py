@@ -35,6 +35,7 @@ from gpudiag.core.remediation import (
     Memory,
     NodeView,
     Rails,
+    Tally,
     cleared,
     decide,
     parse_killswitch,
@@ -129,6 +130,7 @@ class RemediationReport:
     failing_since_wall: float | None = None
     retry_in_s: float | None = None
     killswitch: frozenset[str] = frozenset()
+    tally: Tally = field(default_factory=Tally)
 
     @property
     def needs_person(self) -> bool:
@@ -139,6 +141,7 @@ class RemediationReport:
         return {"mode": self.mode, "node": self.node, "node_checked": self.node_checked,
                 "drain": self.drain.record() if self.drain else None,
                 "needs_person": self.needs_person, "refused": self.refused,
+                "incidents": self.tally.record(),
                 "killswitch": sorted(self.killswitch),
                 "scontrol_healthy": self.last_error is None,
                 "last_error": self.last_error, "failing_since_wall": self.failing_since_wall,
@@ -162,9 +165,10 @@ class Remediator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._latest: Snapshot | None = None
-        self._clears: list[tuple[str | None, float]] = []
+        self._clears: list[tuple[str | None, float, bool]] = []
         self._memory = self._load()
-        self._report = RemediationReport(1, cfg.mode, self.slurm.node, drain=self._memory.drain)
+        self._report = RemediationReport(1, cfg.mode, self.slurm.node, drain=self._memory.drain,
+                                         tally=self._memory.tally)
         self._partitions: tuple[str, ...] = tuple(
             p for p in (cfg.partition or "").split(",") if p)
         self._said: set[tuple[str, str, str | None]] = set()  # once per incident and outcome
@@ -187,10 +191,11 @@ class Remediator:
             self._latest = snap
         self._wake.set()
 
-    def cleared(self, uuid: str | None, wall: float) -> None:
-        """A ``gpudiag clear`` of ``uuid`` (None: all) was applied at ``wall``."""
+    def cleared(self, uuid: str | None, wall: float, *, by_person: bool = True) -> None:
+        """A ``gpudiag clear`` of ``uuid`` (None: all) was applied at ``wall`` (``by_person``
+        False: the daemon released a reboot-class hold itself)."""
         with self._lock:
-            self._clears.append((uuid, wall))
+            self._clears.append((uuid, wall, by_person))
         self._wake.set()
 
     def report(self) -> RemediationReport:
@@ -224,8 +229,8 @@ class Remediator:
         with self._lock:
             snap, clears, self._clears = self._latest, self._clears, []
         memory = self._memory
-        for uuid, wall in clears:
-            memory = cleared(memory, uuid, wall)
+        for uuid, wall, by_person in clears:
+            memory = cleared(memory, uuid, wall, by_person=by_person)
         rails = self._rails()
         now = self._wall()
         faults, since = snapshot_faults(snap) if snap is not None else (None, None)
@@ -398,8 +403,8 @@ class Remediator:
         if memory == self._memory:
             return
         self._memory = memory
-        if memory.drain != self._report.drain:
-            self._set(drain=memory.drain)
+        if memory.drain != self._report.drain or memory.tally != self._report.tally:
+            self._set(drain=memory.drain, tally=memory.tally)
         tmp = self._path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

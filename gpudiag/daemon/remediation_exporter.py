@@ -57,6 +57,24 @@ class RemediationCollector:
                 ("gpudiag_remediation_scontrol_failing", r.last_error is not None,
                  "1 while scontrol or sinfo keeps failing (retried with backoff).")):
             yield GaugeMetricFamily(name, text, value=1.0 if value else 0.0)
+        t = r.tally
+        yield CounterMetricFamily(
+            "gpudiag_remediation_incidents", "Incidents gpudiag drained this node for (act), "
+            "kept across restarts.", value=float(t.incidents))
+        recovered = CounterMetricFamily(
+            "gpudiag_remediation_recovered", "Incidents gpudiag resumed: by=gpudiag with no "
+            "person (a hold expired, or a reboot and a clean fresh pass healed it), by=person "
+            "after a `gpudiag clear`.", labels=["by"])
+        recovered.add_metric(["gpudiag"], float(t.recovered_unattended))
+        recovered.add_metric(["person"], float(t.recovered_after_clear))
+        yield recovered
+        yield CounterMetricFamily(
+            "gpudiag_remediation_needs_person_incidents", "Incidents whose drain said a person "
+            "is needed (the attempt cap was met).", value=float(t.needs_person))
+        yield GaugeMetricFamily(
+            "gpudiag_remediation_needs_person_per_100_incidents", "needs_person incidents per "
+            "100 incidents gpudiag drained for (0 before the first).",
+            value=t.needs_person_per_100)
         modes = GaugeMetricFamily("gpudiag_remediation_mode",
                                  "The configured remediation mode (1 for the current one).",
                                  labels=["mode"])

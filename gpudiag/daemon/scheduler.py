@@ -230,7 +230,7 @@ class Scheduler:
         self.policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
                                     gap_warning_s=config.xid.gap_warning_s,
                                     expected_gpus=config.expected_gpus, history=history,
-                                    nvml=config.nvml)
+                                    nvml=config.nvml, xid_rules=config.xid.rules)
         self.full_requirement = full_requirement(config)
         # gpudiag_ready answers the node-health question for the default requirement.
         self.ready_requirement = parse_requirement(config.default_requirement,
@@ -473,7 +473,8 @@ class Scheduler:
     def _proof_on_change(self, nvml_run: ProbeRun) -> None:
         """After an NVML round: a runtime whose packages changed, or a changed device layer
         (a GPU appeared or was lost, the driver, an XID), makes its proofs due now."""
-        xids = sum(c.count for c in self._watcher_state().xid_counts)
+        # Folded XIDs (a storm's repeats) change nothing about the device layer.
+        xids = sum(c.count - c.folded for c in self._watcher_state().xid_counts)
         due: set[ProbeKey] = set()
         if self._runtimes.device_changed(device_epoch(nvml_run.nvml, xids)):
             due.update(k for k in self.scheduled if k.backend in environment_backends())
@@ -582,9 +583,11 @@ class Scheduler:
         Results, statistics and runs in flight are kept; a newly scheduled probe is due at
         once, and a shortened interval takes effect from now rather than after the old one.
         """
-        policy = VerdictPolicy(xid_hold_s=config.xid.hold_s,
-                               gap_warning_s=config.xid.gap_warning_s,
-                               expected_gpus=config.expected_gpus)
+        # What the history gave back at start stays said in every verdict after a reload.
+        policy = replace(self.policy, xid_hold_s=config.xid.hold_s,
+                         gap_warning_s=config.xid.gap_warning_s,
+                         expected_gpus=config.expected_gpus, nvml=config.nvml,
+                         xid_rules=config.xid.rules)
         ready = parse_requirement(config.default_requirement, node_health=True)
         scheduled = scheduled_keys(config, ready)
         now = self.clock.monotonic()

@@ -43,6 +43,7 @@ from gpudiag.daemon import nvlinks
 from gpudiag.daemon.allocations import AllocationCollector, Allocations
 from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.app import serve as http_serve
+from gpudiag.daemon.bootid import boot_id
 from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
 from gpudiag.daemon.config import DaemonConfig, load_config
 from gpudiag.daemon.effective import default_socket_path
@@ -56,8 +57,15 @@ from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.numbers import Numbers, NumbersCollector
 from gpudiag.daemon.open_runs import OPEN_RUNS_FILE
 from gpudiag.daemon.qualify_exporter import QualificationCollector
-from gpudiag.daemon.qualify_queue import known_gpus
+from gpudiag.daemon.qualify_queue import RequestRefused, known_gpus
 from gpudiag.daemon.qualify_schedule import Qualifier, QualifierState
+from gpudiag.daemon.reboots import (
+    FRESH_PROBES,
+    QUALIFY_TIER,
+    RebootHealer,
+    note_boot,
+    reboot_candidates,
+)
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread, Written
 from gpudiag.daemon.reload import LockDirCollector, ReloadCollector, Reloader
 from gpudiag.daemon.remediation import Remediator
@@ -66,7 +74,7 @@ from gpudiag.daemon.runs import OpenRun, RefusedRecordsCollector, RunWindows
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.sdnotify import Notifier
 from gpudiag.daemon.slurmctl import SlurmError, check_executable
-from gpudiag.daemon.snapshot import Snapshot
+from gpudiag.daemon.snapshot import Snapshot, verdict_for
 from gpudiag.daemon.statedir import (
     StateDirError,
     StateDirLock,
@@ -303,6 +311,7 @@ class DaemonService:
         app.health_evidence["runs"] = job_watch.evidence
         app.run_end_notes.append(job_watch.end_notes)
         remediator = self._start_remediation(scheduler, app, qualifier)
+        self._start_healer(recorder, watcher, scheduler, clears, qualifier)
         try:
             servers = self._listen(app)
         except BaseException:
@@ -310,6 +319,48 @@ class DaemonService:
             raise
         return _Parts(lock, notifier, recorder, writer, watcher, scheduler, reloader,
                       qualifier, servers, remediator, job_watch)
+
+    def _start_healer(self, recorder: HistoryRecorder, watcher: XidWatcher,
+                      scheduler: Scheduler, clears: ClearPoller, qualifier: Qualifier) -> None:
+        """Reboot-class holds from an earlier boot: released by the first clean fresh pass
+        (daemon/reboots.py). The boot is noted before the watcher starts, so every XID it
+        keeps from now on is of this boot."""
+        started = time.time()
+        boot = note_boot(recorder.store, boot_id(self._env), started)
+        candidates = reboot_candidates(recorder.store, watcher.state().recent, boot.boot_id)
+        if not candidates:
+            return
+        log.info("the node rebooted since XID(s) %s were held (boot %s): released once a "
+                 "fresh pass finds no fault", ", ".join(sorted({f"{x.xid} on GPU "
+                                                                 f"{x.device_index}"
+                                                                 for x in candidates})),
+                 boot.boot_id, extra={"boot_id": boot.boot_id})
+        qualify = self.cfg.qualification.enabled
+
+        def judge(snap: Snapshot) -> Verdict | None:
+            return verdict_for(snap, scheduler.ready_requirement, now_wall=time.time(),
+                               policy=scheduler.policy)
+
+        def ask(gpus: Sequence[str]) -> bool:
+            try:
+                qualifier.request(list(gpus), QUALIFY_TIER)
+            except RequestRefused as e:
+                log.warning("quick qualification after the reboot refused: %s", e)
+                return False
+            return True
+
+        def passed(uuid: str, since: float) -> bool | None:
+            q = qualifier.state().latest.get(uuid)
+            if q is None or (q.result.started_at or 0.0) <= since or q.severity == "aborted":
+                return None
+            return q.severity != "blocker"
+
+        healer = RebootHealer(candidates, boot, started, judge=judge, submit=clears.submit,
+                              qualify=ask if qualify else None,
+                              qualified=passed if qualify else None,
+                              probes=[b for b in FRESH_PROBES
+                                      if b in self.cfg.enabled_backends])
+        scheduler.on_snapshot(healer.offer)
 
     def _start_remediation(self, scheduler: Scheduler, app: DaemonApp, qualifier: Qualifier
                            ) -> Remediator | None:
@@ -485,7 +536,8 @@ class DaemonService:
         codes = self._numbers.cleared(request.gpu, request.no_repair)
         record_clear(recorder, request, released, codes)
         if self._remediator is not None:
-            self._remediator.cleared(request.gpu, min(request.requested_wall, time.time()))
+            self._remediator.cleared(request.gpu, min(request.requested_wall, time.time()),
+                                     by_person=not request.automatic)
 
     def _written(self, recorder: HistoryRecorder, verdict: Verdict | None,
                  changes: list[Written]) -> None:

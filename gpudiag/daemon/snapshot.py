@@ -23,6 +23,7 @@ from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import ProbeScope
 from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.core.verdict import Finding, Requirement, Verdict
+from gpudiag.core.xids import XidRules
 from gpudiag.engine.plan import probes_for
 from gpudiag.engine.runtimes import RuntimeFingerprint
 
@@ -105,6 +106,9 @@ class XidCount:
     xid: int
     count: int
     last_timestamp: float
+    # Of ``count``, those folded into an open storm window (no finding, log line or history
+    # row of their own: docs/xids.md "Storms").
+    folded: int = 0
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,7 @@ class VerdictPolicy:
     expected_gpus: int | None = None
     history: HistoryState | None = None
     nvml: NvmlHealthPolicy = field(default_factory=NvmlHealthPolicy)
+    xid_rules: XidRules = field(default_factory=XidRules)
 
 
 @dataclass(frozen=True)
@@ -373,7 +378,7 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                        visibility=visibility, scope=_runtime_scope(snapshot, proofs),
                        expected_gpus=policy.expected_gpus,
                        nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml,
-                       last_seen=snapshot.last_seen)
+                       last_seen=snapshot.last_seen, xid_rules=policy.xid_rules)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(

@@ -97,6 +97,16 @@ CREATE TABLE IF NOT EXISTS clears (
     codes TEXT
 )"""
 
+# Issue 52: the boots the daemon started in (one row per boot id change, written at start):
+# an XID's boot is the newest row at or before it, so a hold knows whether the node rebooted
+# since. Created on first use, as clears are; a history from before it knows no boot.
+_BOOTS_DDL = """
+CREATE TABLE IF NOT EXISTS boots (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    boot_id TEXT NOT NULL
+)"""
+
 # Created with the first job closeout, as clears are: the jobs that closed out on this node,
 # for `gpudiag explain` and a run's failure attribution (the XID timeline is ``xids`` above).
 _JOBS_DDL = """
@@ -549,6 +559,28 @@ class HistoryStore:
                 db.executemany("INSERT INTO xids (ts, xid, gpu, uuid, serial) VALUES (?,?,?,?,?)",
                                [(e.timestamp, e.xid, e.device_index, e.uuid,
                                  self._serial_of(e.uuid)) for e in events])
+
+    def record_boot(self, boot_id: str, now: float | None = None) -> bool:
+        """Note the boot the daemon starts in, when it is not the last one noted; True when
+        it was new (the node rebooted since the last start, or this is the first)."""
+        ts = self._clock() if now is None else now
+        with self._lock:
+            with self._transaction("record the boot in") as db:
+                db.execute(_BOOTS_DDL)
+                row = db.execute("SELECT boot_id FROM boots ORDER BY ts DESC, id DESC "
+                                 "LIMIT 1").fetchone()
+                if row is not None and row[0] == boot_id:
+                    return False
+                db.execute("INSERT INTO boots (ts, boot_id) VALUES (?,?)", (ts, boot_id))
+                return True
+
+    def boot_at(self, ts: float) -> str | None:
+        """The boot the daemon was running in at ``ts`` (None: not known)."""
+        if not self._has("boots"):
+            return None
+        rows = self._query("SELECT boot_id FROM boots WHERE ts <= ? ORDER BY ts DESC, id DESC "
+                           "LIMIT 1", [ts])
+        return str(rows[0][0]) if rows else None
 
     def held_xids(self, since: float) -> list[XidEvent]:
         """XIDs seen at or after ``since`` that no later `gpudiag clear` released, oldest first.

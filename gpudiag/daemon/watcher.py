@@ -30,6 +30,7 @@ from gpudiag.daemon.snapshot import WatcherState, XidCount
 
 log = logging.getLogger("gpudiag.daemon.watcher")
 MAX_RECENT = 1000
+MAX_WINDOWS = 4096  # open storm windows kept; past it, closed ones are dropped
 LINE_LIMIT = 1 << 20
 
 
@@ -37,6 +38,19 @@ def watcher_argv(config: XidConfig) -> list[str]:
     """The child's argv: no shell, options as one JSON argument."""
     options = {"heartbeat_s": config.heartbeat_s, "telemetry_s": config.telemetry_s}
     return [sys.executable, "-m", "gpudiag.probes.xid_watch", json.dumps(options)]
+
+
+def _bounded(recent: tuple[XidEvent, ...]) -> tuple[XidEvent, ...]:
+    """At most MAX_RECENT held XIDs; past it the oldest that block nothing go first, so
+    that a flood of application XIDs never pushes a held fatal one out."""
+    excess = len(recent) - MAX_RECENT
+    if excess <= 0:
+        return recent
+    blocking = {x for x in recent if (e := xid_entry(x.xid)) is not None
+                and e.severity == "blocker"}
+    drop = {id(x) for x in [x for x in recent if x not in blocking][:excess]}
+    kept = tuple(x for x in recent if id(x) not in drop)
+    return kept[-MAX_RECENT:]
 
 
 class XidWatcher:
@@ -59,6 +73,11 @@ class XidWatcher:
         self._thread: threading.Thread | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._counts: dict[tuple[int | None, str | None, int], XidCount] = {}
+        self._counts_dirty = False  # xid_counts is rebuilt when state() is read, not per XID
+        # (GPU, UUID, XID) -> when its storm window opened (docs/xids.md "Storms").
+        self._windows: dict[tuple[int | None, str | None, int], float] = {}
+        # (GPU, UUID) -> when a line last spoke for its XIDs that block nothing.
+        self._said: dict[tuple[int | None, str | None], float] = {}
         self._unknown_logged: set[int] = set()
         self._state = WatcherState(enabled=config.enabled,
                                    down_since_wall=wall() if config.enabled else None)
@@ -71,13 +90,19 @@ class XidWatcher:
                            <= self.config.hold_s)
             if recent != self._state.recent:
                 self._state = replace(self._state, recent=recent)
+            if self._counts_dirty:
+                self._counts_dirty = False
+                self._state = replace(self._state, xid_counts=tuple(sorted(
+                    self._counts.values(), key=lambda c: (-1 if c.gpu is None else c.gpu,
+                                                          c.xid, c.uuid or ""))))
             return self._state
 
     def retune(self, config: XidConfig) -> None:
         """Apply a reloaded hold time and gap warning (the watcher process keeps running)."""
         with self._lock:
             self.config = replace(self.config, hold_s=config.hold_s,
-                                  gap_warning_s=config.gap_warning_s)
+                                  gap_warning_s=config.gap_warning_s,
+                                  storm_window_s=config.storm_window_s, rules=config.rules)
 
     def clear(self, uuid: str | None, before_wall: float) -> int:
         """Release held XIDs of GPU ``uuid`` (None: all) seen at or before ``before_wall``.
@@ -90,6 +115,11 @@ class XidWatcher:
                          or (uuid is not None and x.uuid != uuid))
             released = len(self._state.recent) - len(keep)
             self._state = replace(self._state, recent=keep)
+            # A storm window the clear ended: the next XID on that GPU is held again at once.
+            self._windows = {k: t for k, t in self._windows.items()
+                             if t > before_wall or (uuid is not None and k[1] != uuid)}
+            self._said = {k: t for k, t in self._said.items()
+                          if t > before_wall or (uuid is not None and k[1] != uuid)}
         if released:
             self._on_change()
         return released
@@ -254,9 +284,42 @@ class XidWatcher:
             return
         xid, gpu, uuid = msg.xid, msg.device_index, msg.uuid
         ts = self._wall()
-        event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts, fault_ts=msg.ts)
-        log.warning("XID %d on GPU %s (%s)", xid, gpu, uuid,
-                    extra={"xid": xid, "gpu": gpu, "uuid": uuid})
+        key = (gpu, uuid, xid)
+        with self._lock:
+            # Every event is counted; only the first of its (GPU, XID) window is a finding,
+            # a log line and a history row: a storm of thousands is one event, and the
+            # loop is not woken per XID (the counters reach the next snapshot).
+            opened = self._windows.get(key)
+            folded = opened is not None and 0 <= ts - opened < self.config.storm_window_s
+            old = self._counts.get(key)
+            self._counts[key] = XidCount(gpu, uuid, xid, (old.count if old else 0) + 1, ts,
+                                         (old.folded if old else 0) + int(folded))
+            self._counts_dirty = True
+            if folded:
+                return
+            if len(self._windows) >= MAX_WINDOWS:
+                self._windows = {k: t for k, t in self._windows.items()
+                                 if ts - t < self.config.storm_window_s}
+            self._windows[key] = ts
+            entry = xid_entry(xid)
+            blocking = entry is not None and entry.severity == "blocker"
+            quiet = False
+            if not blocking:
+                said = self._said.get((gpu, uuid))
+                quiet = said is None or not 0 <= ts - said < self.config.storm_window_s
+                if quiet:
+                    self._said[(gpu, uuid)] = ts
+            event = XidEvent(xid=xid, device_index=gpu, uuid=uuid, timestamp=ts,
+                             fault_ts=msg.ts)
+            self._state = replace(self._state, recent=_bounded((*self._state.recent, event)))
+        # One line per GPU per storm: a blocking XID always gets its own (once per window);
+        # the first XID that blocks nothing speaks for the others on its GPU in its window.
+        level = logging.WARNING if (blocking or quiet) else logging.DEBUG
+        log.log(level, "XID %d on GPU %s (%s)%s", xid, gpu, uuid,
+                "" if blocking else f"; XIDs that block nothing on this GPU are counted, not "
+                f"logged, for {self.config.storm_window_s:g} s",
+                extra={"xid": xid, "gpu": gpu, "uuid": uuid,
+                       "storm_window_s": self.config.storm_window_s})
         if xid_entry(xid) is None and xid not in self._unknown_logged:
             # Counted and held like any XID (never dropped), but it maps to no code: say so
             # once per XID, so that a newer driver's XIDs get into the catalog.
@@ -264,15 +327,6 @@ class XidWatcher:
             log.warning("XID %d is not in NVIDIA's XID catalog as gpudiag knows it (%s): "
                         "counted, not classified", xid, XID_SOURCE_URL,
                         extra={"xid": xid, "unknown_xid": True})
-        with self._lock:
-            key = (gpu, uuid, xid)
-            old = self._counts.get(key)
-            self._counts[key] = XidCount(gpu, uuid, xid, (old.count if old else 0) + 1, ts)
-            recent = (*self._state.recent, event)[-MAX_RECENT:]
-            self._state = replace(self._state, recent=recent,
-                                  xid_counts=tuple(sorted(
-                                      self._counts.values(),
-                                      key=lambda c: (c.gpu or -1, c.xid))))
         # Handed over before the scheduler is woken: what waits for the XID's verdict (the
         # time-to-detect histogram) is waiting before that verdict can be made.
         try:

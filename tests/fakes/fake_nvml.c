@@ -48,6 +48,10 @@
  *   FAKE_NVML_XIDS=IDX[.J]:XID,...    XID events, a multiset: what it lists beyond what this
  *       process delivered is delivered (a new XID written into the state file arrives; one
  *       already delivered arrives again only when listed once more: 3:79,3:79)
+ *   FAKE_NVML_XID_STORM=IDX:XID*COUNT,...  an XID storm: COUNT events of XID on GPU IDX per
+ *       entry (by position), the entries interleaved round-robin; FAKE_NVML_XIDS' pending
+ *       events go first, so a fatal XID written into the state file mid-storm arrives next
+ *   FAKE_NVML_XID_STORM_RATE=N        storm events per second (unset or 0: as fast as asked)
  *   FAKE_NVML_SERIAL=IDX:SERIAL       the board serial of GPU IDX (default 16500000000NN,
  *       NN the index); a GPU moved to another slot keeps its serial: give it to the new index
  *   FAKE_NVML_ENERGY_MJ=IDX:MJ        total energy counter in millijoules; unset, it is the
@@ -1075,16 +1079,69 @@ static int take_pending_xid(nvmlEventSet_t set, nvmlEventData_t *data) {
     return found;
 }
 
+#define FAKE_MAX_STORM 64
+static long long g_storm_done[FAKE_MAX_STORM]; /* events delivered per storm entry */
+static long long g_storm_total, g_storm_started_ms;
+static int g_storm_next; /* the entry whose turn it is */
+
+/* Delivers the next storm event (FAKE_NVML_XID_STORM); 1 if one was delivered, 0 when the
+ * storm is over or none is due yet (*due_ms then says when, at FAKE_NVML_XID_STORM_RATE). */
+static int take_storm_xid(nvmlEventSet_t set, nvmlEventData_t *data, long long *due_ms) {
+    char *list = fake_get_dup("FAKE_NVML_XID_STORM");
+    if (!list) return 0;
+    int gpus[FAKE_MAX_STORM];
+    long long xids[FAKE_MAX_STORM], counts[FAKE_MAX_STORM];
+    int n = 0, gpu, mig, found = 0;
+    char *cur = list, *rest;
+    while (n < FAKE_MAX_STORM && fake_list_next(&cur, &gpu, &mig, &rest)) {
+        char *star = strchr(rest, '*');
+        if (!star) continue;
+        *star = '\0';
+        if (!fake_parse_ll(rest, &xids[n]) || !fake_parse_ll(star + 1, &counts[n])) continue;
+        gpus[n++] = gpu;
+    }
+    free(list);
+    long long rate = fake_get_ll("FAKE_NVML_XID_STORM_RATE", 0);
+    pthread_mutex_lock(&g_event_lock);
+    long long now = fake_monotonic_ms();
+    if (g_storm_total == 0) g_storm_started_ms = now;
+    if (rate > 0 && g_storm_started_ms + g_storm_total * 1000 / rate > now) {
+        *due_ms = g_storm_started_ms + g_storm_total * 1000 / rate;
+    } else {
+        for (int tried = 0; tried < n && !found; tried++) {
+            int i = (g_storm_next + tried) % n;
+            if (g_storm_done[i] >= counts[i] || gpus[i] >= FAKE_MAX_GPUS ||
+                !(set->types[gpus[i]] & nvmlEventTypeXidCriticalError))
+                continue;
+            g_storm_done[i]++;
+            g_storm_total++;
+            g_storm_next = (i + 1) % n;
+            data->device = &g_gpus[gpus[i]];
+            data->eventType = nvmlEventTypeXidCriticalError;
+            data->eventData = (unsigned long long)xids[i];
+            data->gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT;
+            data->computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT;
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&g_event_lock);
+    return found;
+}
+
 FAKE_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data,
                                              unsigned int timeoutms) {
     CHECK_INIT();
     if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
     long long deadline = fake_monotonic_ms() + timeoutms;
     for (;;) {
-        if (take_pending_xid(set, data)) return NVML_SUCCESS;
-        long long left = deadline - fake_monotonic_ms();
+        long long due = deadline;
+        if (take_pending_xid(set, data) || take_storm_xid(set, data, &due))
+            return NVML_SUCCESS;
+        long long now = fake_monotonic_ms(), left = deadline - now;
         if (left <= 0) return NVML_ERROR_TIMEOUT;
-        fake_sleep_ms(left < 50 ? (long)left : 50);
+        /* A storm paced by its rate wakes when its next event is due (at most 1 ms early). */
+        long long nap = due < deadline ? due - now : left;
+        fake_sleep_ms(nap < 1 ? 1 : nap < 50 ? (long)nap : 50);
     }
 }
 
