@@ -186,8 +186,9 @@ def test_two_runtimes_are_proven_side_by_side_and_a_package_installed_proves_aga
             blockers()), 120, 0.5)
         assert found[("cpu", "jax_backend_init_failed")] == 0
         assert found[("plugged", "jax_gpu_backend_absent")] == 0
+        # Each runtime's failure is its own (issue 48), never the node's.
         node = {labels["code"]: value for labels, value in metric_samples(d, "gpudiag_blocker")}
-        assert node["jax_gpu_backend_absent"] == 1 and node["jax_backend_init_failed"] == 1
+        assert node["jax_gpu_backend_absent"] == 0 and node["jax_backend_init_failed"] == 0
         ups = {labels["runtime"]: value for labels, value in
                metric_samples(d, "gpudiag_runtime_backend_up")}
         assert ups == {"cpu": 0.0, "plugged": 0.0}

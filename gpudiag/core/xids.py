@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpudiag.core.catalog import BLOCKERS
+
 SOURCE_URL = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 
 LOST = "gpu_lost"
@@ -295,6 +297,14 @@ def xid_code(xid: int) -> str | None:
     """The code an XID maps to (None: informational or not in the catalog)."""
     found = XIDS.get(xid)
     return found.code if found is not None else None
+
+
+def fatal_xid(xid: int) -> bool:
+    """Whether an XID is a device fault (its code is a blocker: the GPU is lost or needs a
+    reset), not a job's own (13, 31, 43, 45: gpu_xid_application, a warning) nor
+    informational."""
+    code = xid_code(xid)
+    return code is not None and code in BLOCKERS
 
 
 def xid_description(xid: int) -> str:

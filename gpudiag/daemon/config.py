@@ -461,10 +461,26 @@ def _runtime_require(r: _Table) -> tuple[str, ...] | None:
         names = [n.strip().lower() for n in value.split(",")]
     elif isinstance(value, list) and all(isinstance(n, str) for n in value):
         names = [n.strip().lower() for n in value]
-    if names is None or any(n not in allowed for n in names if n):
-        raise ConfigError(f"{r._key('require')} = {value!r}: expected a comma list of "
-                          f"{', '.join(allowed)} (\"\" for none), or an array of them")
-    return tuple(dict.fromkeys(n for n in names if n))
+    hint = (f"expected a comma list of {', '.join(allowed)}, each with a platform where the "
+            "runtime's jobs use another (jax:cpu for a runtime that serves CPU jobs, "
+            "iree:local-task) (\"\" for none), or an array of them")
+    if names is None:
+        raise ConfigError(f"{r._key('require')} = {value!r}: {hint}")
+    out: list[str] = []
+    for name in (n for n in names if n):
+        try:
+            entries = parse_backends(name)
+        except RequirementError as e:
+            raise ConfigError(f"{r._key('require')} = {value!r}: {e}; {hint}") from None
+        entry = entries[0]
+        if entry.name not in allowed:
+            raise ConfigError(f"{r._key('require')} = {value!r}: {entry.name} is not proven "
+                              f"in a job's environment; {hint}")
+        if any(o.partition(":")[0] == entry.name for o in out):
+            raise ConfigError(f"{r._key('require')} = {value!r}: {entry.name} is named twice "
+                              "(a runtime serves one platform of a backend)")
+        out.append(entry.spec())
+    return tuple(out)
 
 
 def _runtime_env(r: _Table) -> dict[str, str]:

@@ -60,6 +60,7 @@ class RuntimeProofs:
         self._lock = threading.Lock()
         self._fingerprints: dict[str, RuntimeFingerprint] = {}
         self._epoch: tuple[object, ...] | None = None
+        self._refused: dict[str, str] = {}
 
     # -- reading -----------------------------------------------------------------------
     def others(self) -> list[Runtime]:
@@ -125,6 +126,11 @@ class RuntimeProofs:
         with self._lock:
             before, self._epoch = self._epoch, epoch
         return before is not None and before != epoch
+
+    def refused(self) -> dict[str, str]:
+        """The runtimes refused now, with why (none yet: see import_path_problem)."""
+        with self._lock:
+            return dict(self._refused)
 
     def installed(self, name: str) -> frozenset[str]:
         """The backends installed in runtime ``name``, as its fingerprint last said."""

@@ -162,6 +162,9 @@ class Snapshot:
     fingerprints: Mapping[str, RuntimeFingerprint] = field(default_factory=dict)
     runtime_gpu: Mapping[tuple[str, str], str | None] = field(default_factory=dict)
     runtime_health: Mapping[str, Verdict] = field(default_factory=dict)
+    # A runtime the daemon refuses to run (its import path became writable by another user:
+    # engine/runtimes.py, import_path_problem): why; its proofs are dropped meanwhile.
+    runtime_refused: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def round_complete(self) -> bool:
