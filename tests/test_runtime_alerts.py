@@ -121,3 +121,20 @@ def test_the_rules_over_that_daemons_metrics_page_nobody_and_warn_of_the_runtime
     done = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True,
                           text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_terminal_shows_the_runtimes_apart_from_the_nodes_blockers(pinned: Daemon) -> None:
+    import io
+
+    from gpudiag.cli.render import render_text
+    from gpudiag.core.verdict import Verdict
+
+    _, record = pinned.get("/v1/health")
+    out = io.StringIO()
+    render_text(Verdict.from_record(record), out, color=False, width=200)
+    text = out.getvalue()
+    assert "Runtimes (the job environments this node serves" in text, text
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ")}
+    assert "blocked" in lines["pinned"] and "jax_cpu_fallback" in lines["pinned"], text
+    assert "ok" in lines["cpujobs"].split() and "jax ok" in lines["cpujobs"], text
+    assert text.rstrip().endswith("gpu_validation_blocker=none"), text
