@@ -120,6 +120,10 @@ def runtime_section(snapshot: Snapshot) -> dict[str, JSONValue]:
             "blockers": [b.record() for b in blockers] if refused is None else [],
             "warnings": [w.record() for w in (runtime_findings(verdict, warnings=True)
                                               if verdict is not None else ())],
+            # The backends it promises, known even while unproven or refused.
+            "serves": list(runtime_backends(verdict)) if verdict is not None else [
+                b.name for b in required_by(runtime, snapshot.installed_in(runtime.name),
+                                            sorted(_environment()))],
             "backends": {n: verdict.backends[n].status for n in runtime_backends(verdict)
                          if n in verdict.backends} if verdict is not None else {},
             "refused": refused,

@@ -208,6 +208,11 @@ class Snapshot:
                     and not any(b.backend in (None, req.name) for b in host_wide))
         return out
 
+    def installed_in(self, runtime: str) -> frozenset[str]:
+        """The backends installed in ``runtime``, as its fingerprint last said."""
+        found = self.fingerprints.get(runtime)
+        return found.installed if found is not None else frozenset()
+
     def result(self, backend: str) -> ProbeResult | None:
         """The latest result of a scheduled backend."""
         for key in self.scheduled:
