@@ -39,9 +39,9 @@ def pinned(tmp_path: Path, gpu_env: EnvFactory) -> Any:
     """A daemon with two runtimes pinned to the CPU: ``pinned`` promises GPU JAX (its
     default), ``cpujobs`` promises CPU jobs (``require = "jax:cpu"``)."""
     python = make_venv(tmp_path / "venv", with_jax=True)
-    extra = (f'[runtimes.pinned]\npython = "{python}"\n'
+    extra = (f'[runtimes.pinned]\npython = "{python}"\nuser = "root"\n'
              'env = { JAX_PLATFORMS = "cpu" }\n'
-             f'[runtimes.cpujobs]\npython = "{python}"\nrequire = "jax:cpu"\n'
+             f'[runtimes.cpujobs]\npython = "{python}"\nuser = "root"\nrequire = "jax:cpu"\n'
              'env = { JAX_PLATFORMS = "cpu" }\n')
     d = _daemon(tmp_path, gpu_env(), extra)
     try:

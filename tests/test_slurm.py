@@ -98,7 +98,9 @@ def test_a_backend_unproven_while_jobs_hold_every_gpu_never_drains(
         release([lk for lk in held if lk is not None])
     assert out.returncode == 0, out.stderr
     assert drain_calls(out) == [] and out.state["state"] == "IDLE", out.stderr
-    assert "backend_unproven" in out.stderr or "devices_busy" in out.stderr, out.stderr
+    if script == "prolog":  # the job's GPUs are locked: busy, nothing known broken
+        assert "backend_unproven" in out.stderr or "devices_busy" in out.stderr, out.stderr
+    # jax means the node's runtimes (issue 48): none is configured, so it is not checked.
 
 
 def test_healthcheck_drains_a_lost_gpu_while_another_is_busy(node: SlurmNode,

@@ -71,8 +71,9 @@ def runtimes_daemon(tmp_path_factory: pytest.TempPathFactory,
                           "GPUDIAG_DRIVER_PROC_DIR": str(proc)})
     python = make_venv(root / "venv", with_jax=True)
     toml = daemon_toml({"backends.jax": {"enabled": True, "interval_s": 600}}) + (
-        f'[runtimes.pinned]\npython = "{python}"\nenv = {{ JAX_PLATFORMS = "cpu" }}\n'
-        f'[runtimes.cpujobs]\npython = "{python}"\nrequire = "jax:cpu"\n'
+        f'[runtimes.pinned]\npython = "{python}"\nuser = "root"\n'
+        'env = { JAX_PLATFORMS = "cpu" }\n'
+        f'[runtimes.cpujobs]\npython = "{python}"\nuser = "root"\nrequire = "jax:cpu"\n'
         'env = { JAX_PLATFORMS = "cpu" }\n')
     d = Daemon(env, write_config(root / "d.toml", toml), root / "state")
     try:
@@ -109,7 +110,8 @@ def failing_daemon(tmp_path_factory: pytest.TempPathFactory,
                           "GPUDIAG_DRIVER_PROC_DIR": str(proc)})
     python = make_venv(root / "venv", with_jax=True)
     toml = daemon_toml({"backends.jax": {"enabled": True, "interval_s": 600}}) + (
-        f'[runtimes.pinned]\npython = "{python}"\nenv = {{ JAX_PLATFORMS = "cpu" }}\n')
+        f'[runtimes.pinned]\npython = "{python}"\nuser = "root"\n'
+        'env = { JAX_PLATFORMS = "cpu" }\n')
     d = Daemon(env, write_config(root / "d.toml", toml), root / "state")
     try:
         d.wait_ready(60)

@@ -33,11 +33,22 @@ class Runtime:
     # ``iree:local-task``): a blocker of this runtime when one cannot start. None: every
     # backend installed there (its fingerprint says) on the GPU, none for the daemon's own.
     require: tuple[str, ...] | None = None
+    # Who its children run as (docs/security.md, "Who can run code where"): ``user`` as the
+    # config names it (None: not named), and the uid and gid it resolved to. None: the
+    # daemon's own identity (a daemon that is not root and cannot change it, or own).
+    user: str | None = None
+    uid: int | None = None
+    gid: int | None = None
 
     @property
     def own(self) -> bool:
         """Whether this is the daemon's own environment."""
         return self.python is None
+
+    @property
+    def identity(self) -> tuple[int, int] | None:
+        """(uid, gid) its children run as; None: the daemon's own."""
+        return None if self.uid is None or self.gid is None else (self.uid, self.gid)
 
     def required(self, installed: frozenset[str]) -> tuple[BackendRequirement, ...]:
         """The backends it must serve, given those installed in it (in the given order)."""

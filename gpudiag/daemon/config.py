@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -25,7 +26,13 @@ from gpudiag.core.qualify_score import Thresholds
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 from gpudiag.core.runtime import OWN_RUNTIME, RUNTIME_NAME, Runtime
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
-from gpudiag.engine.runtimes import python_problem
+from gpudiag.engine.runtimes import (
+    NOBODY,
+    can_change_identity,
+    import_path,
+    python_problem,
+    resolve_user,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 # Unassigned in Prometheus's default-port registry (9400 is dcgm-exporter, 9835 nvidia_gpu).
@@ -521,8 +528,50 @@ def _runtime(name: str, r: _Table) -> Runtime:
     if problem is not None:
         raise ConfigError(f"{r._key('python')}: {problem}")
     env = _runtime_env(r)
+    user, identity = _runtime_user(r)
     r.finish()
-    return Runtime(name, python=python, env=env, require=require)
+    runtime = Runtime(name, python=python, env=env, require=require, user=user,
+                      uid=identity[0] if identity else None,
+                      gid=identity[1] if identity else None)
+    # Defence in depth (docs/security.md): what the interpreter imports from is no more
+    # another user's to write than the interpreter itself.
+    trusted = frozenset({0} | ({identity[0]} if user is not None and identity else set()))
+    found = import_path(runtime, trusted_uids=trusted)
+    if found.problem is not None:
+        raise ConfigError(f"runtimes.{name}: {found.problem}")
+    return runtime
+
+
+def _runtime_user(r: _Table) -> tuple[str | None, tuple[int, int] | None]:
+    """``user`` as written and the (uid, gid) the runtime's children run as (None: the
+    daemon's own). A root daemon runs a runtime without ``user`` as nobody (65534)."""
+    value = r.get("user")
+    if value is None:
+        if os.geteuid() != 0:
+            return None, None  # cannot change identity unasked for: the daemon's own
+        return None, (NOBODY, _nobody_gid())
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError(f"{r._key('user')} = {value!r}: expected a user name or a uid, "
+                          "e.g. user = \"train\"")
+    try:
+        identity = resolve_user(value)
+    except ValueError as e:
+        raise ConfigError(f"{r._key('user')} = {value!r}: {e}") from None
+    if identity != (os.geteuid(), os.getegid()) and not can_change_identity():
+        raise ConfigError(f"{r._key('user')} = {value!r}: this daemon (uid {os.geteuid()}) "
+                          "cannot start children as another user: it needs root or "
+                          "CAP_SETUID and CAP_SETGID (docs/security.md, \"Who can run code "
+                          "where\")")
+    return value, identity
+
+
+def _nobody_gid() -> int:
+    try:
+        return resolve_user(str(NOBODY))[1]
+    except ValueError:
+        return NOBODY
 
 
 def _runtimes(t: _Table) -> tuple[Runtime, ...]:

@@ -378,6 +378,17 @@ class Scheduler:
         options = key.options_dict()
         if key.runtime:
             self._runtimes.ensure(key.runtime)  # its fingerprint, before its first proof
+            if key.runtime in self._runtimes.refused():
+                # Another user may write what it imports: nothing of it runs (its proofs
+                # were dropped when it was refused; the snapshot says why).
+                with self._lock:
+                    self._results.pop(key, None)
+                    self._schedule_next(key, None)
+                    self._inflight.pop(key, None)
+                    snapshot = self._publish_locked()
+                flight.done.set()
+                self._notify(snapshot)
+                return
         if is_active(key.backend, options):
             run = self._run_guarded(key, options)
             if _installation_only(run) and not self._static_news(key, run):
@@ -514,11 +525,20 @@ class Scheduler:
         due: set[ProbeKey] = set()
         if self._runtimes.device_changed(device_epoch(nvml_run.nvml, xids)):
             due.update(k for k in self.scheduled if k.backend in environment_backends())
+        refused_before = self._runtimes.refused()
         for name in self._runtimes.changed_runtimes():
             changed = self._runtimes.refresh(name)
             runtime = "" if name == OWN_RUNTIME else name
             due.update(k for k in self.scheduled
                        if k.runtime == runtime and k.backend in changed)
+        refused = self._runtimes.refused()
+        if refused != refused_before:
+            with self._lock:  # a refused runtime's proofs answer nobody any more
+                self._results = {k: r for k, r in self._results.items()
+                                 if k.runtime not in refused}
+                snapshot = self._publish_locked()
+            self._notify(snapshot)
+            due = {k for k in due if k.runtime not in refused}
         if due:
             self.prove_again(due)
 
