@@ -79,8 +79,27 @@ def python_problem(path: str, *, trusted_uids: frozenset[int] = frozenset({0})) 
 
 
 NOBODY = 65534  # a root daemon's runtime children run as this unless `user` names another
-_PATH_QUERY = ("import json, site, sys; print(json.dumps({'path': sys.path, "
-               "'site': site.getsitepackages(), 'prefix': sys.prefix}))")
+# Asked with -I -S: no site code and no .pth runs. A venv's prefix is what site.venv()
+# would make it (read here without site.venv(), which would process the .pth files).
+_PATH_QUERY = """
+import json, os, site, sys
+exe_dir = os.path.dirname(os.path.abspath(sys.executable))
+cfgs = [os.path.join(d, 'pyvenv.cfg') for d in (exe_dir, os.path.dirname(exe_dir))]
+cfg = next((c for c in cfgs if os.path.isfile(c)), None)
+sites, venv = site.getsitepackages(), None
+if cfg:
+    venv, system = os.path.dirname(cfg), 'true'
+    with open(cfg, encoding='utf-8') as fh:
+        for line in fh:
+            key, sep, value = line.partition('=')
+            if sep and key.strip().lower() == 'include-system-site-packages':
+                system = value.strip().lower()
+    ver = 'python%d.%d' % sys.version_info[:2]
+    sites = [os.path.join(venv, d, ver, 'site-packages')
+             for d in dict.fromkeys([sys.platlibdir, 'lib'])] + (
+        sites if system == 'true' else [])
+print(json.dumps({'path': sys.path, 'site': sites, 'prefix': venv or sys.prefix}))
+"""
 _CUSTOMIZE = ("sitecustomize.py", "usercustomize.py")
 
 
