@@ -11,6 +11,7 @@ in tests/test_slurm.py.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from tests.fakes.build import FakeDriver
 from tests.support import slurm
 from tests.support.daemon import Daemon, daemon_toml, metric_samples, wait_for, write_config
-from tests.support.slurm import HEALTHCHECK, PROLOG, Outcome, SlurmNode
+from tests.support.slurm import HEALTHCHECK, PROLOG, Outcome, RealSlurm, SlurmNode, job_field
 from tests.support.venvs import make_venv
 
 node = slurm.node
@@ -148,3 +149,36 @@ def test_a_failing_runtime_never_drains_in_the_health_check(
     node.set(state="IDLE+DRAIN", reason="gpudiag: jax_gpu_backend_absent")
     again = node.run(HEALTHCHECK, extra={**BOTH, "GPUDIAG_DAEMON_URL": failing_daemon.url})
     assert again.state["reason"] == "" and again.state["state"] == "IDLE", again.calls
+
+
+real_slurm = slurm.real_slurm
+
+
+@pytest.mark.slow
+def test_real_slurm_a_failing_runtime_cancels_the_job_and_never_drains(
+        real_slurm: RealSlurm, failing_daemon: Daemon) -> None:
+    """The real Prolog on the real cluster, asking a daemon whose one runtime fails: the
+    job is cancelled with the runtime's code in its record; the node stays in service."""
+    s = real_slurm
+    s.set_gpus()
+    s.wait("an idle node", lambda: s.node_field("State") == "IDLE")
+    defaults = s.folder / "defaults"
+    before = defaults.read_text()
+    # Later lines of the sourced defaults file win.
+    defaults.write_text(before + f"GPUDIAG_DAEMON_URL={failing_daemon.url}\n"
+                        "GPUDIAG_PROLOG_REQUIRE=cuda,jax\n")
+    job = ""
+    try:
+        job = subprocess.run(["sbatch", "--parsable", "--gres=gpu:1", "-o", "/dev/null",
+                              "--wrap", "true"], env=s.env, capture_output=True, text=True,
+                             cwd=s.folder, timeout=30, check=True).stdout.strip().split(";")[0]
+        s.wait("the job to be cancelled",
+               lambda: job_field(s, job, "JobState") == "CANCELLED", 120)
+        comment = job_field(s, job, "AdminComment")
+        assert comment.startswith("gpudiag: jax_cpu_fallback ready=false"), comment
+        assert "runtimes=jax=runtime:pinned:jax_cpu_fallback" in comment, comment
+        assert s.reason() == "" and "DRAIN" not in s.node_field("State")
+    finally:
+        defaults.write_text(before)
+        if job:
+            subprocess.run(["scancel", job], env=s.env, timeout=30, check=False)
