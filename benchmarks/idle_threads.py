@@ -111,7 +111,8 @@ def main() -> int:
     env = fakes.env(base={**clean_env(), "GPUDIAG_DEVICE_DIR": str(dev),
                           "GPUDIAG_DRIVER_PROC_DIR": str(proc_dir)})
     venvs = [make_venv(tmp / name, with_jax=True) for name in ("train", "infer")]
-    runtimes = "".join(f'[runtimes.{p.parent.parent.name}]\npython = "{p}"\n' for p in venvs)
+    runtimes = "".join(f'[runtimes.{p.parent.parent.name}]\npython = "{p}"\nuser = "root"\n'
+                       for p in venvs)
     print(f"load average {os.getloadavg()[0]:.2f}; window {args.idle_s:g} s")
     columns = {"this tree (two runtimes)": measure(tmp / "this", env, runtimes, 4, args.idle_s)}
     if args.base is not None:

@@ -152,7 +152,8 @@ def main() -> int:
     env = fakes.env(base={**clean_env(), "GPUDIAG_DEVICE_DIR": str(dev),
                           "GPUDIAG_DRIVER_PROC_DIR": str(proc_dir)})
     venvs = [make_venv(tmp / name, with_jax=True) for name in ("train", "infer")]
-    runtimes = "".join(f'[runtimes.{p.parent.parent.name}]\npython = "{p}"\n' for p in venvs)
+    runtimes = "".join(f'[runtimes.{p.parent.parent.name}]\npython = "{p}"\nuser = "root"\n'
+                       for p in venvs)
     python = str(venvs[0])
 
     print(f"load average {os.getloadavg()[0]:.2f}")

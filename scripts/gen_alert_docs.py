@@ -44,6 +44,11 @@ FIRES_WHEN = {
     "GpudiagNodeBlocked": "`gpudiag_blocker == 1`; the code and layer are labels, the "
                           "catalog's remediation is the `remediation` annotation",
     "GpudiagBackendDown": "`gpudiag_backend_up == 0`",
+    "GpudiagRuntimeFailing": "a runtime (`[runtimes.NAME]`, a job environment) fails its own "
+                             "backend proof (`gpudiag_runtime_blocker`), while the node "
+                             "itself is not blocked: never `GpudiagNodeBlocked`",
+    "GpudiagRuntimeRefused": "the daemon refuses to run a runtime's code: another user may "
+                             "write its import path (`gpudiag_runtime_refused`)",
     "GpudiagProbeTimeouts": "a probe child missed its deadline in the last 30 min (a hung "
                             "driver)",
     "GpudiagXidWatcherDead": "the XID watcher is down while enabled",

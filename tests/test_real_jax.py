@@ -213,7 +213,7 @@ def test_the_real_jax_stack_as_a_runtime_is_classified_right_through_the_daemon(
     rc_here, here = _preflight(real_jax, env)
     config = write_config(tmp_path / "d.toml", daemon_toml({
         "backends.jax": {"enabled": True, "interval_s": 600}})
-        + f'[runtimes.real]\npython = "{real_jax.python}"\nrequire = "jax"\n')
+        + f'[runtimes.real]\npython = "{real_jax.python}"\nuser = "root"\nrequire = "jax"\n')
     daemon = Daemon(env, config, tmp_path / "state",
                     prefix=tuple(in_private_dev([], gpus=1)))
     try:

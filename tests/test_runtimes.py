@@ -151,7 +151,7 @@ open(os.environ.pop("OUT"), "w").write(json.dumps({"rc": rc, "children": started
 def test_a_job_matching_a_runtime_is_answered_with_no_probe_child(
         tmp_path: Path, gpu_env: EnvFactory) -> None:
     python = make_venv(tmp_path / "train", with_jax=True)
-    extra = f'[runtimes.train]\npython = "{python}"\nrequire = "jax"\n'
+    extra = f'[runtimes.train]\npython = "{python}"\nuser = "root"\nrequire = "jax"\n'
     d = _daemon(tmp_path, gpu_env(), extra)
     try:
         # The runtime's first proof is made on the daemon's schedule (its first round).
@@ -175,8 +175,8 @@ def test_two_runtimes_are_proven_side_by_side_and_a_package_installed_proves_aga
         tmp_path: Path, gpu_env: EnvFactory) -> None:
     cpu = make_venv(tmp_path / "cpu", with_jax=True)
     plugged = make_venv(tmp_path / "plugged", with_jax=True)
-    extra = (f'[runtimes.cpu]\npython = "{cpu}"\nrequire = "jax"\n'
-             f'[runtimes.plugged]\npython = "{plugged}"\nrequire = "jax"\n'
+    extra = (f'[runtimes.cpu]\npython = "{cpu}"\nuser = "root"\nrequire = "jax"\n'
+             f'[runtimes.plugged]\npython = "{plugged}"\nuser = "root"\nrequire = "jax"\n'
              f'env = {{ PYTHONPATH = "{FAKE_PLUGIN_PATH}", FAKE_JAX_PLUGIN = "cuinit" }}\n')
     d = _daemon(tmp_path, gpu_env(), extra)
     try:
@@ -189,8 +189,9 @@ def test_two_runtimes_are_proven_side_by_side_and_a_package_installed_proves_aga
             blockers()), 120, 0.5)
         assert found[("cpu", "jax_backend_init_failed")] == 0
         assert found[("plugged", "jax_gpu_backend_absent")] == 0
+        # Each runtime's failure is its own (issue 48), never the node's.
         node = {labels["code"]: value for labels, value in metric_samples(d, "gpudiag_blocker")}
-        assert node["jax_gpu_backend_absent"] == 1 and node["jax_backend_init_failed"] == 1
+        assert node["jax_gpu_backend_absent"] == 0 and node["jax_backend_init_failed"] == 0
         ups = {labels["runtime"]: value for labels, value in
                metric_samples(d, "gpudiag_runtime_backend_up")}
         assert ups == {"cpu": 0.0, "plugged": 0.0}
@@ -302,8 +303,8 @@ def test_a_runtime_that_hangs_is_a_probe_timeout_of_that_runtime_only(
     stuck.parent.mkdir()
     stuck.write_text("#!/bin/sh\nexec sleep 3600\n")  # an interpreter that never answers
     stuck.chmod(0o755)
-    extra = (f'[runtimes.good]\npython = "{good}"\nrequire = "jax"\n'
-             f'[runtimes.stuck]\npython = "{stuck}"\nrequire = "jax"\n')
+    extra = (f'[runtimes.good]\npython = "{good}"\nuser = "root"\nrequire = "jax"\n'
+             f'[runtimes.stuck]\npython = "{stuck}"\nuser = "root"\nrequire = "jax"\n')
     d = _daemon(tmp_path, gpu_env(), extra, changes={
         "backends.jax": {"enabled": True, "interval_s": 600, "deadline_s": 25}})
     try:

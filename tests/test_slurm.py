@@ -98,7 +98,9 @@ def test_a_backend_unproven_while_jobs_hold_every_gpu_never_drains(
         release([lk for lk in held if lk is not None])
     assert out.returncode == 0, out.stderr
     assert drain_calls(out) == [] and out.state["state"] == "IDLE", out.stderr
-    assert "backend_unproven" in out.stderr or "devices_busy" in out.stderr, out.stderr
+    if script == "prolog":  # the job's GPUs are locked: busy, nothing known broken
+        assert "backend_unproven" in out.stderr or "devices_busy" in out.stderr, out.stderr
+    # jax means the node's runtimes (issue 48): none is configured, so it is not checked.
 
 
 def test_healthcheck_drains_a_lost_gpu_while_another_is_busy(node: SlurmNode,
@@ -522,30 +524,27 @@ def test_real_slurm_jobs_started_together_never_drain_a_healthy_node(
 
 
 @pytest.mark.slow
-def test_real_slurm_jobs_started_together_without_jax_are_refused_with_one_code(
+def test_real_slurm_jobs_with_jax_required_and_no_runtime_run_and_never_drain(
         real_slurm: RealSlurm) -> None:
+    """Issue 48: GPUDIAG_PROLOG_REQUIRE=cuda,jax used to drain the node with a code of the
+    Prolog's own Python (no JAX there: it is not the job's). jax means the node's
+    configured runtimes; with none, it is not checked: the jobs run and nothing drains."""
     s = real_slurm
     s.set_gpus()
     s.wait("an idle node", lambda: s.node_field("State") == "IDLE")
-    # The health check asks for cuda only and would undo the drain between Prologs: paused.
+    # The health check asks for cuda only and would undo a drain between Prologs: paused.
     s.healthcheck(enabled=False)
-    jobs: list[str] = []
     try:
         with _prolog_requires(s, "cuda,jax"):
             jobs = _submit_together(s, 4)
-            s.wait("gpudiag's Prolog drain",
-                   lambda: s.reason() == "gpudiag: jax_gpu_backend_absent", 120)
-            # The first job(s) to meet the Prolog drain the node; the others stay pending.
-            s.wait("a verdict in the job records", lambda: any(
-                job_field(s, j, "AdminComment").startswith("gpudiag: ") for j in jobs), 60)
-            time.sleep(2)  # a Prolog that started beside the first one writes its verdict
-        said = [job_field(s, j, "AdminComment").split()[1] for j in jobs
-                if job_field(s, j, "AdminComment")]
-        assert said and set(said) == {"jax_gpu_backend_absent"}, said
-        assert all(job_field(s, j, "JobState") != "COMPLETED" for j in jobs)
+            for job in jobs:
+                def completed(job: str = job) -> bool:
+                    return job_field(s, job, "JobState") == "COMPLETED"
+
+                s.wait(f"job {job} to complete", completed, 120)
+                comment = job_field(s, job, "AdminComment")
+                assert comment.startswith("gpudiag: none ready=true"), comment
+                assert comment.endswith("runtimes=jax=not_checked"), comment
+        assert s.reason() == "" and "DRAIN" not in s.node_field("State")
     finally:
-        for job in jobs:
-            subprocess.run(["scancel", job], env=s.env, timeout=30, check=False)
         s.healthcheck(enabled=True)
-    s.wait("the health check to undo the Prolog's drain",
-           lambda: s.reason() == "" and "DRAIN" not in s.node_field("State"))

@@ -15,7 +15,7 @@
 # (or by the user running this), writable by nobody else, in folders nobody else may write
 # (a sticky /tmp-like folder owned by root is fine). GPUDIAG_DEFAULTS may name another file
 # that passes the same test; one that does not is skipped with a log line.
-unset GPUDIAG SCONTROL GPUDIAG_DAEMON_URL
+unset GPUDIAG SCONTROL SCANCEL GPUDIAG_DAEMON_URL
 
 # gpudiag_trusted_file PATH: the test above, for one file and every folder above it.
 gpudiag_trusted_file() {
@@ -54,6 +54,7 @@ fi
 
 GPUDIAG=${GPUDIAG:-/opt/gpudiag/bin/gpudiag}
 SCONTROL=${SCONTROL:-scontrol}
+SCANCEL=${SCANCEL:-scancel}
 # preflight asks the local daemon first (milliseconds, cached) and falls back to running
 # the probes itself when the daemon does not answer. On its unix socket: an answer there is
 # trusted only from the daemon's user (SO_PEERCRED), where any local user could answer on
@@ -109,6 +110,100 @@ GPUDIAG_NOT_BROKEN_CODES=${GPUDIAG_NOT_BROKEN_CODES:-"backend_unproven devices_b
 # gpudiag_not_broken CODE: true when CODE is one of GPUDIAG_NOT_BROKEN_CODES.
 gpudiag_not_broken() {
     [[ " $GPUDIAG_NOT_BROKEN_CODES " == *" $1 "* ]]
+}
+
+# Only the node's own faults drain it: the layers below the job's software (a probe child
+# that hung in the driver, device nodes, the driver, the GPU, CUDA's init). A code of a
+# job environment's backend (jax_*, iree_*, a probe child of JAX or IREE), of the
+# requirement or of admission is software, a job's or a runtime's: it may refuse a job,
+# it never drains a node (docs/operations.md, "Slurm").
+GPUDIAG_DRAIN_LAYERS=${GPUDIAG_DRAIN_LAYERS:-"probe visibility driver device cuda"}
+
+# gpudiag_drains CODE: true when CODE, in the last record, is one of the node's own faults.
+gpudiag_drains() {
+    local code=$1 i layer backend
+    gpudiag_not_broken "$code" && return 1
+    [[ $code =~ ^[a-z0-9_]+$ ]] || return 1
+    i=$(sed -n "s/^blockers\.\([0-9]*\)\.code=$code\$/\1/p" <<<"$PREFLIGHT_KV" | head -n 1)
+    [[ -n $i ]] || return 1
+    layer=$(gpudiag_kv "blockers\.$i\.layer")
+    backend=$(gpudiag_kv "blockers\.$i\.backend")
+    [[ " $GPUDIAG_DRAIN_LAYERS " == *" $layer "* ]] || return 1
+    [[ $layer != probe || ($backend != jax && $backend != iree) ]]
+}
+
+# gpudiag_split_require REQUIRE: the node's own part of a requirement (GPUDIAG_DEVICE_REQUIRE,
+# cuda when nothing else is named) and the backends proven in a job's environment
+# (GPUDIAG_SOFTWARE_REQUIRE: jax, iree). A Prolog or a health check runs before and outside
+# any job's environment: its jax and iree mean the node's configured runtimes
+# ([runtimes.NAME] of the daemon), never the Python on the script's PATH.
+gpudiag_split_require() {
+    local item name
+    local -a items device=() software=()
+    IFS=',' read -ra items <<<"$1"
+    for item in "${items[@]}"; do
+        item=${item//[[:space:]]/}
+        name=${item%%:*}
+        case ${name,,} in
+            jax | iree) [[ " ${software[*]} " == *" ${name,,} "* ]] || software+=("${name,,}") ;;
+            *) device+=("$item") ;;
+        esac
+    done
+    GPUDIAG_DEVICE_REQUIRE=$(IFS=,; echo "${device[*]}")
+    GPUDIAG_DEVICE_REQUIRE=${GPUDIAG_DEVICE_REQUIRE:-cuda}
+    # shellcheck disable=SC2034  # read by the sourcing script
+    GPUDIAG_SOFTWARE_REQUIRE=${software[*]}
+}
+
+# gpudiag_runtimes_answer BACKEND...: answer jax/iree from the node's configured runtimes, as
+# the daemon's node-health answer in PREFLIGHT_KV lists them (runtimes.NAME.*). A backend is
+# served when one runtime that promises it proved it; failing when every runtime that
+# promises it is blocked or refused; not checked when none promises it (or no daemon
+# answered: only the daemon knows the runtimes). Sets RUNTIMES_RC (1: one failing),
+# RUNTIMES_CODE (the first failing runtime's code) and RUNTIMES_SAID (" jax=ok" ...).
+gpudiag_runtimes_answer() {
+    local backend name state status serving ok failing
+    # shellcheck disable=SC2034  # RUNTIMES_RC and RUNTIMES_CODE are read by the sourcing script
+    RUNTIMES_RC=0 RUNTIMES_CODE="" RUNTIMES_SAID=""
+    for backend in "$@"; do
+        serving=0 ok=0 failing=""
+        for name in $(gpudiag_kv runtimes | tr ',' ' '); do
+            [[ $name =~ ^[a-z0-9][a-z0-9_.-]*$ ]] || continue
+            [[ ",$(gpudiag_kv "runtimes\.$name\.serves")," == *",$backend,"* ]] || continue
+            serving=1
+            state=$(gpudiag_kv "runtimes\.$name\.state")
+            status=$(gpudiag_kv "runtimes\.$name\.backends\.$backend")
+            if [[ $status == ok ]]; then
+                ok=1
+            elif [[ $state == refused ]]; then
+                failing=${failing:-"$name:runtime_refused"}
+            elif [[ $state == blocked ]]; then
+                failing=${failing:-"$name:$(gpudiag_kv "runtimes\.$name\.blocker")"}
+            fi
+        done
+        if ((serving == 0)); then
+            RUNTIMES_SAID+=" $backend=not_checked"
+        elif ((ok == 1)); then
+            RUNTIMES_SAID+=" $backend=ok"
+        elif [[ -n $failing ]]; then
+            RUNTIMES_SAID+=" $backend=runtime:$failing"
+            # shellcheck disable=SC2034  # read by the sourcing script
+            RUNTIMES_RC=1
+            RUNTIMES_CODE=${RUNTIMES_CODE:-${failing#*:}}
+        else
+            RUNTIMES_SAID+=" $backend=unproven"
+        fi
+    done
+}
+
+# gpudiag_ask_runtimes BACKEND...: ask the daemon for the node's health (its runtime
+# section), then gpudiag_runtimes_answer; the last record (PREFLIGHT_*) is kept as it was.
+gpudiag_ask_runtimes() {
+    local kv=$PREFLIGHT_KV rc=$PREFLIGHT_RC code=$PREFLIGHT_CODE err=$PREFLIGHT_ERR
+    gpudiag_ask health --require cuda
+    [[ $PREFLIGHT_RC == 0 || $PREFLIGHT_RC == 1 ]] || PREFLIGHT_KV=""
+    gpudiag_runtimes_answer "$@"
+    PREFLIGHT_KV=$kv PREFLIGHT_RC=$rc PREFLIGHT_CODE=$code PREFLIGHT_ERR=$err
 }
 
 # gpudiag_preflight ARGS...: job readiness (gpudiag_ask preflight ARGS).

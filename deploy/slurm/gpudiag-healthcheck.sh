@@ -12,6 +12,9 @@
 #
 # Nodes without GPU GRES are skipped, so one slurm.conf line serves a mixed cluster.
 # gpudiag's own failure (exit 2, 3, timeout) changes nothing: unknown is not broken.
+# Only the node's own faults drain (device-layer codes: gpudiag_drains); jax and iree in
+# GPUDIAG_HEALTH_REQUIRE mean the node's configured runtimes, whose failures are logged
+# (and alerted on: GpudiagRuntimeFailing), never drained: software is not a broken node.
 set -u
 # slurmd gives no PATH: set one before anything else runs, never the caller's (a
 # PATH another user set would choose what root runs); the site's defaults file may
@@ -30,12 +33,20 @@ if [[ ${GPUDIAG_REQUIRE_GRES:-yes} == yes ]]; then
     fi
 fi
 
-gpudiag_ask health --require "$GPUDIAG_HEALTH_REQUIRE"
+gpudiag_split_require "$GPUDIAG_HEALTH_REQUIRE"
+gpudiag_ask health --require "$GPUDIAG_DEVICE_REQUIRE"
+if [[ -n $GPUDIAG_SOFTWARE_REQUIRE && ($PREFLIGHT_RC == 0 || $PREFLIGHT_RC == 1) ]]; then
+    # shellcheck disable=SC2086  # one word per backend
+    gpudiag_runtimes_answer $GPUDIAG_SOFTWARE_REQUIRE
+    ((RUNTIMES_RC == 0)) || gpudiag_log "health check on $node: a runtime fails (software: not drained):$RUNTIMES_SAID"
+fi
 case $PREFLIGHT_RC in
     0) gpudiag_undrain "$node" ;;
     1)
         if gpudiag_not_broken "$PREFLIGHT_CODE"; then
             gpudiag_log "health check on $node: $PREFLIGHT_CODE (nothing known broken), node left as is"
+        elif ! gpudiag_drains "$PREFLIGHT_CODE"; then
+            gpudiag_log "health check on $node: $PREFLIGHT_CODE is not the node's own fault (software), node left as is"
         else
             gpudiag_drain "$node" "$PREFLIGHT_CODE"
         fi

@@ -370,6 +370,31 @@ def terminal_verdict(verdict: Verdict) -> Verdict:
         return verdict  # not a record from_record reads back: shown as it is (JSON escapes)
 
 
+def _runtime_lines(verdict: Verdict) -> list[tuple[str, str]]:
+    """The daemon's runtime section (evidence.runtimes): each runtime's own state, said
+    apart from the node's blockers (a broken environment is not a broken node)."""
+    section = verdict.evidence.get("runtimes")
+    if not isinstance(section, Mapping) or not section:
+        return []
+    out = [("Runtimes (the job environments this node serves; not the node's blockers):",
+            "bold")]
+    for name, entry in sorted(section.items()):
+        if not isinstance(entry, Mapping):
+            continue
+        state = str(entry.get("state", "unknown"))
+        backends = entry.get("backends")
+        said = " ".join(f"{b} {st}" for b, st in sorted(backends.items())) \
+            if isinstance(backends, Mapping) else ""
+        if state == "refused":
+            said = f"refused: {entry.get('refused')}"
+        elif state == "blocked":
+            said = f"{entry.get('blocker')}  ({said})"
+        style = {"ok": "green", "blocked": "yellow", "refused": "bold red"}.get(state, "dim")
+        out.append((f"  {name:<14} {state:<9} {said}  {entry.get('python') or ''}".rstrip(),
+                    style))
+    return out
+
+
 def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
                 wide: bool = False, width: int | None = None) -> None:
     """Print source, backends, devices, blockers with remediation and the final blocker line.
@@ -399,6 +424,8 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
                   fold=True)
     if verdict.warnings:
         _findings(console, "Warnings", verdict.warnings, "yellow", verdict, wide)
+    for line, style in _runtime_lines(verdict):
+        console.print(line, style=style, markup=False)
     prealloc = preallocation_line(verdict)
     if prealloc is not None:
         console.print(prealloc, markup=False)

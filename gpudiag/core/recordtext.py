@@ -89,7 +89,29 @@ def render_kv(record: Mapping[str, JSONValue]) -> str:
     driver = record["evidence"].get("driver") or {}
     for k, v in driver.items():
         lines.append(f"evidence.driver.{kv_value(k)}={kv_value(v)}")
+    lines += _runtime_lines(record["evidence"].get("runtimes"))
     return "\n".join(lines) + "\n"
+
+
+def _runtime_lines(runtimes: JSONValue) -> list[str]:
+    """The daemon's runtime section (node health): what the Slurm scripts read to answer
+    ``jax``/``iree`` from the node's configured runtimes (deploy/slurm/gpudiag-common.sh)."""
+    if not isinstance(runtimes, Mapping):
+        return []
+    lines = [f"runtimes={kv_value(','.join(sorted(runtimes)))}"]
+    for name, entry in sorted(runtimes.items()):
+        if not isinstance(entry, Mapping):
+            continue
+        key = f"runtimes.{kv_value(name)}"
+        for field in ("state", "blocker"):
+            lines.append(f"{key}.{field}={kv_value(entry.get(field))}")
+        serves = entry.get("serves")
+        said = ",".join(str(s) for s in serves) if isinstance(serves, list) else ""
+        lines.append(f"{key}.serves={kv_value(said)}")
+        backends = entry.get("backends")
+        for b, status in sorted(backends.items()) if isinstance(backends, Mapping) else ():
+            lines.append(f"{key}.backends.{kv_value(b)}={kv_value(status)}")
+    return lines
 
 
 # The verdict record's keys in the order Verdict.record() writes them (tests/test_verdict.py

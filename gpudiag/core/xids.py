@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpudiag.core.catalog import BLOCKERS
 from gpudiag.core.findings import XidEvent
 
 SOURCE_URL = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
@@ -318,6 +319,14 @@ def xid_code(xid: int) -> str | None:
     """The code an XID maps to (None: informational or not in the catalog)."""
     found = XIDS.get(xid)
     return found.code if found is not None else None
+
+
+def fatal_xid(xid: int) -> bool:
+    """Whether an XID is a device fault (its code is a blocker: the GPU is lost or needs a
+    reset), not a job's own (13, 31, 43, 45: gpu_xid_application, a warning) nor
+    informational."""
+    code = xid_code(xid)
+    return code is not None and code in BLOCKERS
 
 
 def xid_description(xid: int) -> str:

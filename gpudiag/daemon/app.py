@@ -53,6 +53,7 @@ from gpudiag.daemon.runs import (
     parse_slurm_job_id,
     start_time,
 )
+from gpudiag.daemon.runtime_health import runtime_section
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, proofs_for, verdict_for
 from gpudiag.daemon.store import HistoryError, HistoryStore
@@ -495,6 +496,11 @@ class DaemonApp:
                 unchecked = [w for w in snap.full.warnings if w.code == "backend_not_checked"
                              and w not in verdict.warnings]
                 verdict = replace(verdict, warnings=(*verdict.warnings, *unchecked))
+                # Each runtime's promise, reported as its own (never the node's blockers).
+                section = runtime_section(snap)
+                if section:
+                    verdict = replace(verdict, evidence={**verdict.evidence,
+                                                         "runtimes": section})
             if extra is not None:
                 verdict = replace(verdict, evidence={**verdict.evidence,
                                                      "remediation": extra.evidence()})

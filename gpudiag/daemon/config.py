@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -34,7 +35,13 @@ from gpudiag.core.xids import (
     XidRules,
     xid_entry,
 )
-from gpudiag.engine.runtimes import python_problem
+from gpudiag.engine.runtimes import (
+    NOBODY,
+    can_change_identity,
+    import_path,
+    python_problem,
+    resolve_user,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 # Unassigned in Prometheus's default-port registry (9400 is dcgm-exporter, 9835 nvidia_gpu).
@@ -501,10 +508,26 @@ def _runtime_require(r: _Table) -> tuple[str, ...] | None:
         names = [n.strip().lower() for n in value.split(",")]
     elif isinstance(value, list) and all(isinstance(n, str) for n in value):
         names = [n.strip().lower() for n in value]
-    if names is None or any(n not in allowed for n in names if n):
-        raise ConfigError(f"{r._key('require')} = {value!r}: expected a comma list of "
-                          f"{', '.join(allowed)} (\"\" for none), or an array of them")
-    return tuple(dict.fromkeys(n for n in names if n))
+    hint = (f"expected a comma list of {', '.join(allowed)}, each with a platform where the "
+            "runtime's jobs use another (jax:cpu for a runtime that serves CPU jobs, "
+            "iree:local-task) (\"\" for none), or an array of them")
+    if names is None:
+        raise ConfigError(f"{r._key('require')} = {value!r}: {hint}")
+    out: list[str] = []
+    for name in (n for n in names if n):
+        try:
+            entries = parse_backends(name)
+        except RequirementError as e:
+            raise ConfigError(f"{r._key('require')} = {value!r}: {e}; {hint}") from None
+        entry = entries[0]
+        if entry.name not in allowed:
+            raise ConfigError(f"{r._key('require')} = {value!r}: {entry.name} is not proven "
+                              f"in a job's environment; {hint}")
+        if any(o.partition(":")[0] == entry.name for o in out):
+            raise ConfigError(f"{r._key('require')} = {value!r}: {entry.name} is named twice "
+                              "(a runtime serves one platform of a backend)")
+        out.append(entry.spec())
+    return tuple(out)
 
 
 def _runtime_env(r: _Table) -> dict[str, str]:
@@ -545,8 +568,50 @@ def _runtime(name: str, r: _Table) -> Runtime:
     if problem is not None:
         raise ConfigError(f"{r._key('python')}: {problem}")
     env = _runtime_env(r)
+    user, identity = _runtime_user(r)
     r.finish()
-    return Runtime(name, python=python, env=env, require=require)
+    runtime = Runtime(name, python=python, env=env, require=require, user=user,
+                      uid=identity[0] if identity else None,
+                      gid=identity[1] if identity else None)
+    # Defence in depth (docs/security.md): what the interpreter imports from is no more
+    # another user's to write than the interpreter itself.
+    trusted = frozenset({0} | ({identity[0]} if user is not None and identity else set()))
+    found = import_path(runtime, trusted_uids=trusted)
+    if found.problem is not None:
+        raise ConfigError(f"runtimes.{name}: {found.problem}")
+    return runtime
+
+
+def _runtime_user(r: _Table) -> tuple[str | None, tuple[int, int] | None]:
+    """``user`` as written and the (uid, gid) the runtime's children run as (None: the
+    daemon's own). A root daemon runs a runtime without ``user`` as nobody (65534)."""
+    value = r.get("user")
+    if value is None:
+        if os.geteuid() != 0:
+            return None, None  # cannot change identity unasked for: the daemon's own
+        return None, (NOBODY, _nobody_gid())
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ConfigError(f"{r._key('user')} = {value!r}: expected a user name or a uid, "
+                          "e.g. user = \"train\"")
+    try:
+        identity = resolve_user(value)
+    except ValueError as e:
+        raise ConfigError(f"{r._key('user')} = {value!r}: {e}") from None
+    if identity != (os.geteuid(), os.getegid()) and not can_change_identity():
+        raise ConfigError(f"{r._key('user')} = {value!r}: this daemon (uid {os.geteuid()}) "
+                          "cannot start children as another user: it needs root or "
+                          "CAP_SETUID and CAP_SETGID (docs/security.md, \"Who can run code "
+                          "where\")")
+    return value, identity
+
+
+def _nobody_gid() -> int:
+    try:
+        return resolve_user(str(NOBODY))[1]
+    except ValueError:
+        return NOBODY
 
 
 def _runtimes(t: _Table) -> tuple[Runtime, ...]:

@@ -39,6 +39,8 @@ NOT_IN_FILE: Mapping[str, str] = {
     "DaemonConfig.listen_host": "",   # both are the one key `listen`, printed first
     "DaemonConfig.listen_port": "",
     "Runtime.name": "",               # the table's own name
+    "Runtime.uid": "its children's uid, from user (a root daemon's default: 65534)",
+    "Runtime.gid": "its children's gid, from user",
     "QualificationConfig.table": "read from reference_file",
     "NvmlHealthPolicy.held_memory_floor_bytes": "fixed",
     "NvmlHealthPolicy.held_memory_share": "fixed",

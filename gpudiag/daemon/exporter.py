@@ -34,6 +34,7 @@ from gpudiag.core.version import __version__
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.nvml_metrics import nvml_health_metrics
 from gpudiag.daemon.recorder import HistoryHealth
+from gpudiag.daemon.runtime_health import runtime_findings
 from gpudiag.daemon.snapshot import OUTCOMES, ProbeKey, Snapshot
 
 
@@ -166,8 +167,13 @@ class SnapshotCollector(Collector):
             "blocker, else 0.", labels=["runtime", "backend"])
         blocker = GaugeMetricFamily(
             "gpudiag_runtime_blocker",
-            "1 when this blocker code is present in the runtime's node-health verdict.",
+            "1 when this blocker code is the runtime's own (its probe children, the backends "
+            "it serves), else 0; the node's own faults are gpudiag_blocker.",
             labels=["runtime", "code", "layer"])
+        refused = GaugeMetricFamily(
+            "gpudiag_runtime_refused",
+            "1 when the daemon refuses to run the runtime's code (its import path may be "
+            "written by another user), else 0.", labels=["runtime"])
         runs = CounterMetricFamily(
             "gpudiag_runtime_probe_runs", "Probe children run in the runtime, by outcome.",
             labels=["runtime", "backend", "outcome"])
@@ -177,13 +183,18 @@ class SnapshotCollector(Collector):
             up.add_metric([runtime, backend], 1.0 if status is not None
                           and status.status == "ok" else 0.0)
             ready.add_metric([runtime, backend], 1.0 if ok else 0.0)
+        # Bounded: at most 17 runtimes x the probe, jax and iree codes (about 16), each
+        # always present as 0 or 1 so alerts need no absent().
         layers = _runtime_layers()
         for runtime, verdict in sorted(snap.runtime_health.items()):
-            present = {b.code for b in verdict.blockers}
+            present = {b.code for b in runtime_findings(verdict)}
             for code, row in BLOCKERS.items():
-                if row.layer in layers or code in present:
+                if row.layer in layers:
                     blocker.add_metric([runtime, code, row.layer],
                                        1.0 if code in present else 0.0)
+        for rt in snap.runtimes:
+            if not rt.own or rt.require:
+                refused.add_metric([rt.name], 1.0 if rt.name in snap.runtime_refused else 0.0)
         for key in snap.scheduled:
             if key.backend not in _environment_backends():
                 continue
@@ -191,7 +202,7 @@ class SnapshotCollector(Collector):
             for outcome in OUTCOMES:
                 n = stats.runs_by_outcome.get(outcome, 0) if stats is not None else 0
                 runs.add_metric([key.runtime_name, key.backend, outcome], float(n))
-        yield from (up, ready, blocker, runs)
+        yield from (up, ready, blocker, refused, runs)
 
     def _probes(self, snap: Snapshot) -> Iterator[Metric]:
         duration = GaugeMetricFamily("gpudiag_probe_duration_seconds",

@@ -24,7 +24,9 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.runtimes import (
+    ImportPath,
     RuntimeFingerprint,
+    import_path,
     interpreter_argv,
     own_fingerprint,
     probe_archive,
@@ -44,7 +46,8 @@ def run_in_runtime(runtime: Runtime, archive: Path, backend: str, env: Mapping[s
                    timeout_s: float, options: Mapping[str, Any] | None) -> ProbeRun:
     """The real runner of a runtime's probe: a child of its interpreter (no fork server)."""
     return run_probe(backend, env=env, timeout_s=timeout_s, options=options,
-                     interpreter=interpreter_argv(runtime, archive))
+                     interpreter=interpreter_argv(runtime, archive),
+                     identity=runtime.identity)
 
 
 class RuntimeProofs:
@@ -60,6 +63,8 @@ class RuntimeProofs:
         self._lock = threading.Lock()
         self._fingerprints: dict[str, RuntimeFingerprint] = {}
         self._epoch: tuple[object, ...] | None = None
+        self._refused: dict[str, str] = {}
+        self._paths: dict[str, ImportPath] = {}
 
     # -- reading -----------------------------------------------------------------------
     def others(self) -> list[Runtime]:
@@ -75,19 +80,29 @@ class RuntimeProofs:
             return dict(self._fingerprints)
 
     def archive(self) -> Path:
-        """The probe archive, built on first use in the daemon's folder for it."""
+        """The probe archive, built on first use in the daemon's folder for it; in a folder
+        of its own that other users may read (and only the daemon write) when a runtime's
+        children run as another user: the state directory is closed to them."""
         with self._lock:
             if self._archive is None:
-                folder = self._folder or Path(tempfile.mkdtemp(prefix="gpudiag-runtimes-"))
+                folder = self._folder
+                if folder is None or any(r.identity is not None for r in self.others()):
+                    folder = Path(tempfile.mkdtemp(prefix="gpudiag-runtimes-"))
+                    folder.chmod(0o755)
                 self._archive = probe_archive(folder)
             return self._archive
 
     # -- fingerprints ------------------------------------------------------------------
     def refresh(self, name: str) -> set[str]:
-        """Read ``name``'s fingerprint again; the backends whose id changed."""
+        """Read ``name``'s fingerprint again; the backends whose id changed. A runtime whose
+        import path another user may now write is refused first (nothing of it runs): its
+        fingerprint reads failed, so no job matches it, and the scheduler drops its proofs."""
         runtime = self.runtimes[name]
+        refused = None if runtime.own else self._check(runtime)
         if runtime.own:
             found = own_fingerprint(environment_backends(), self._daemon_env)
+        elif refused is not None:
+            found = RuntimeFingerprint.failed(f"refused: {refused}")
         else:
             try:
                 archive = self.archive()
@@ -98,7 +113,7 @@ class RuntimeProofs:
         with self._lock:
             before = self._fingerprints.get(name)
             self._fingerprints[name] = found
-        if found.error is not None:
+        if found.error is not None and refused is None:
             log.warning("runtime %s: %s", name, found.error)
         if before is None:
             return set(found.ids)
@@ -114,10 +129,34 @@ class RuntimeProofs:
             self.refresh(name)
 
     def changed_runtimes(self) -> list[str]:
-        """The runtimes whose fingerprint's folders or files differ now (stat calls only)."""
+        """The runtimes whose fingerprint's folders or files differ now, or an owner or a
+        mode on their import path (stat calls only)."""
         with self._lock:
             known = dict(self._fingerprints)
-        return [name for name, found in known.items() if found.changed()]
+            paths = dict(self._paths)
+        return [name for name, found in known.items()
+                if found.changed() or (name in paths and paths[name].changed())]
+
+    def _check(self, runtime: Runtime) -> str | None:
+        """Check ``runtime``'s import path now (a child of its interpreter, ``-I -S``, as its
+        own identity); remember what was looked at; say a refusal or its end once."""
+        trusted = frozenset({0} | ({runtime.uid} if runtime.user is not None
+                                   and runtime.uid is not None else set()))
+        found = import_path(runtime, trusted_uids=trusted)
+        with self._lock:
+            self._paths[runtime.name] = found
+            before = self._refused.get(runtime.name)
+            if found.problem is None:
+                self._refused.pop(runtime.name, None)
+            else:
+                self._refused[runtime.name] = found.problem
+        if found.problem is not None and before != found.problem:
+            log.error("runtime %s refused, its proofs dropped: %s", runtime.name,
+                      found.problem, extra={"runtime": runtime.name, "refused": True})
+        elif found.problem is None and before is not None:
+            log.warning("runtime %s no longer refused: its import path is closed to other "
+                        "users again", runtime.name, extra={"runtime": runtime.name})
+        return found.problem
 
     def device_changed(self, epoch: tuple[object, ...]) -> bool:
         """Whether the device layer differs from the last NVML round's (the first is no
@@ -125,6 +164,11 @@ class RuntimeProofs:
         with self._lock:
             before, self._epoch = self._epoch, epoch
         return before is not None and before != epoch
+
+    def refused(self) -> dict[str, str]:
+        """The runtimes refused now, with why (engine/runtimes.import_path)."""
+        with self._lock:
+            return dict(self._refused)
 
     def installed(self, name: str) -> frozenset[str]:
         """The backends installed in runtime ``name``, as its fingerprint last said."""

@@ -29,7 +29,8 @@ from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.runtime import OWN_RUNTIME, Runtime
-from gpudiag.core.verdict import BackendRequirement, Requirement
+from gpudiag.core.verdict import BackendRequirement, Requirement, Verdict
+from gpudiag.core.xids import fatal_xid
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import DaemonConfig
 from gpudiag.daemon.joblocks import LOCK_VIEW_WHYS, JobLocks
@@ -38,6 +39,7 @@ from gpudiag.daemon.runtime_health import (
     node_health,
     not_checked,
     required_by,
+    runtime_findings,
     runtime_verdicts,
 )
 from gpudiag.daemon.runtime_proofs import (
@@ -129,9 +131,19 @@ def scheduled_keys(config: DaemonConfig, ready: Requirement) -> tuple[ProbeKey, 
     scheduled += [k for k in keys_for(ready) if k not in scheduled]
     in_runtimes = [k for k in scheduled if k.backend in environment_backends()]
     for runtime in config.runtimes:
-        if not runtime.own:
-            scheduled += [k.in_runtime(runtime.name) for k in in_runtimes]
+        keys = [_on_its_platform(k, runtime).in_runtime(runtime.name) for k in in_runtimes]
+        scheduled += [k for k in keys if k not in scheduled]
     return tuple(scheduled)
+
+
+def _on_its_platform(key: ProbeKey, runtime: Runtime) -> ProbeKey:
+    """``key`` with the platform the runtime's ``require`` names for its backend (a runtime
+    that serves CPU jobs, ``require = "jax:cpu"``, is proven on the CPU)."""
+    platform = runtime.platform_of(key.backend)
+    spec = registry.spec(key.backend)
+    if platform is None or spec is None:
+        return key
+    return ProbeKey.of(key.backend, spec.options([BackendRequirement(key.backend, platform)]))
 
 
 def full_requirement(config: DaemonConfig) -> Requirement:
@@ -209,6 +221,7 @@ class Scheduler:
         self._runtimes = RuntimeProofs(config.runtimes, self._env, runtimes_dir)
         self._runtime_runner = runtime_runner
         self._runtimes.refresh(OWN_RUNTIME)  # in this process: a few folder reads
+        self._runtime_said: dict[str, tuple[str, ...]] = {}  # each runtime's last logged codes
         # Busy GPUs (docs/design-notes.md): the latest occupancy, where each backend last
         # proved itself, and a round counter per backend so that JAX and IREE rotate over the
         # free GPUs.
@@ -356,7 +369,8 @@ class Scheduler:
                                             self.deadline_of(backend), options)
             return self._runner(backend, env, self.deadline_of(backend), options)
         except Exception as e:  # the runner itself failed: a probe_error, not a dead worker
-            log.exception("probe %s could not run", backend)
+            log.exception("probe %s could not run", f"{backend}@{runtime}" if runtime
+                          else backend)
             return ProbeRun(backend, None, 0.0, error=f"gpudiag could not run the probe: "
                             f"{type(e).__name__}: {e}")
 
@@ -364,6 +378,17 @@ class Scheduler:
         options = key.options_dict()
         if key.runtime:
             self._runtimes.ensure(key.runtime)  # its fingerprint, before its first proof
+            if key.runtime in self._runtimes.refused():
+                # Another user may write what it imports: nothing of it runs (its proofs
+                # were dropped when it was refused; the snapshot says why).
+                with self._lock:
+                    self._results.pop(key, None)
+                    self._schedule_next(key, None)
+                    self._inflight.pop(key, None)
+                    snapshot = self._publish_locked()
+                flight.done.set()
+                self._notify(snapshot)
+                return
         if is_active(key.backend, options):
             run = self._run_guarded(key, options)
             if _installation_only(run) and not self._static_news(key, run):
@@ -396,12 +421,16 @@ class Scheduler:
             self._learn(key, run, finished)
             self._inflight.pop(key, None)
             snapshot = self._publish_locked()
+        # A runtime's probe names its runtime (jax@train): the daemon's own and each
+        # runtime's children are different environments, failing for their own reasons.
+        said = f"{key.backend}@{key.runtime}" if key.runtime else key.backend
         if previous is None or previous.outcome != result.outcome:
-            log.info("probe %s: child %s in %.2f s", key.backend, result.outcome, run.duration_s,
-                     extra={"backend": key.backend, "outcome": result.outcome,
+            log.info("probe %s: child %s in %.2f s", said, result.outcome, run.duration_s,
+                     extra={"backend": key.backend, "runtime": key.runtime_name,
+                            "outcome": result.outcome,
                             "duration_s": round(run.duration_s, 4), "error": run.error})
         else:
-            log.debug("probe %s %s", key.backend, result.outcome)
+            log.debug("probe %s %s", said, result.outcome)
         flight.done.set()
         self._notify(snapshot)
         if key.backend == "nvml":  # after the answer: a runtime's re-read may take seconds
@@ -466,23 +495,52 @@ class Scheduler:
             device, health, required, not_checked(enabled, required),
             own=lambda name: name == OWN_RUNTIME)
         ready = verdict_for(base, self.ready_requirement, now_wall=now, policy=self.policy)
-        self._snapshot = replace(base, full=full, ready=ready, runtime_health=health)
+        self._snapshot = replace(base, full=full, ready=ready, runtime_health=health,
+                                 runtime_refused=self._runtimes.refused())
+        self._say_runtimes(health)
         return self._snapshot
+
+    def _say_runtimes(self, health: Mapping[str, Verdict]) -> None:
+        """One log line per runtime whose own blockers changed, naming the runtime (the
+        node's own verdict changes are said by the service's VerdictLog)."""
+        for name, verdict in health.items():
+            codes = tuple(sorted({b.code for b in runtime_findings(verdict)}))
+            before = self._runtime_said.get(name)
+            self._runtime_said[name] = codes
+            if before is None and not codes or before == codes:
+                continue
+            log.info("runtime %s: verdict changed: %s (was %s)", name,
+                     ", ".join(codes) or "none",
+                     "unknown" if before is None else ", ".join(before) or "none",
+                     extra={"runtime": name, "blockers": list(codes)})
 
     # -- proof on change ---------------------------------------------------------------
     def _proof_on_change(self, nvml_run: ProbeRun) -> None:
         """After an NVML round: a runtime whose packages changed, or a changed device layer
         (a GPU appeared or was lost, the driver, an XID), makes its proofs due now."""
-        # Folded XIDs (a storm's repeats) change nothing about the device layer.
-        xids = sum(c.count - c.folded for c in self._watcher_state().xid_counts)
+        # Only a fatal XID (one whose code is a device blocker: 48, 62, 64, 74, 79, 95...)
+        # is a device-layer change; a job's application XID (13, 31, 43, 45) says nothing
+        # about the runtimes' environments and proves none of them again. Folded XIDs (a
+        # storm's repeats) change nothing about the device layer either.
+        xids = sum(c.count - c.folded for c in self._watcher_state().xid_counts
+                   if fatal_xid(c.xid))
         due: set[ProbeKey] = set()
         if self._runtimes.device_changed(device_epoch(nvml_run.nvml, xids)):
             due.update(k for k in self.scheduled if k.backend in environment_backends())
+        refused_before = self._runtimes.refused()
         for name in self._runtimes.changed_runtimes():
             changed = self._runtimes.refresh(name)
             runtime = "" if name == OWN_RUNTIME else name
             due.update(k for k in self.scheduled
                        if k.runtime == runtime and k.backend in changed)
+        refused = self._runtimes.refused()
+        if refused != refused_before:
+            with self._lock:  # a refused runtime's proofs answer nobody any more
+                self._results = {k: r for k, r in self._results.items()
+                                 if k.runtime not in refused}
+                snapshot = self._publish_locked()
+            self._notify(snapshot)
+            due = {k for k in due if k.runtime not in refused}
         if due:
             self.prove_again(due)
 
@@ -492,9 +550,11 @@ class Scheduler:
             k for k in self.scheduled if k.backend in environment_backends()}
         now = self.clock.monotonic()
         with self._lock:
+            wanted = {key for key in wanted if key in self._due}
             for key in wanted:
-                if key in self._due:
-                    self._due[key] = now
+                self._due[key] = now
+        if not wanted:
+            return  # nothing proven in a job's environment here: nothing to say
         log.info("proving again: %s", ", ".join(sorted(
             f"{k.backend}@{k.runtime_name}" for k in wanted)))
         self._wake.set()

@@ -166,6 +166,9 @@ class Snapshot:
     fingerprints: Mapping[str, RuntimeFingerprint] = field(default_factory=dict)
     runtime_gpu: Mapping[tuple[str, str], str | None] = field(default_factory=dict)
     runtime_health: Mapping[str, Verdict] = field(default_factory=dict)
+    # A runtime the daemon refuses to run (its import path became writable by another user:
+    # engine/runtimes.py, import_path_problem): why; its proofs are dropped meanwhile.
+    runtime_refused: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def round_complete(self) -> bool:
@@ -208,6 +211,11 @@ class Snapshot:
                     status is not None and status.status == "ok"
                     and not any(b.backend in (None, req.name) for b in host_wide))
         return out
+
+    def installed_in(self, runtime: str) -> frozenset[str]:
+        """The backends installed in ``runtime``, as its fingerprint last said."""
+        found = self.fingerprints.get(runtime)
+        return found.installed if found is not None else frozenset()
 
     def result(self, backend: str) -> ProbeResult | None:
         """The latest result of a scheduled backend."""

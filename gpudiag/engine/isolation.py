@@ -43,19 +43,22 @@ def _kill_group(pgid: int) -> None:
 def run_probe(backend: str, *, env: Mapping[str, str], timeout_s: float,
               options: Mapping[str, Any] | None = None,
               forker: ForkServer | None = None,
-              interpreter: Sequence[str] | None = None) -> ProbeRun:
+              interpreter: Sequence[str] | None = None,
+              identity: tuple[int, int] | None = None) -> ProbeRun:
     """Run one probe child to completion or to its deadline; never raises for the probe's sake.
 
     With ``forker`` the child is forked by the probe fork server when it can (the same child,
     without a fresh interpreter); otherwise, or when the server is gone, it is spawned.
     ``interpreter``: another Python runs it (a runtime's, engine/runtimes.py, or the job's,
-    engine/jobpython.py): spawned."""
+    engine/jobpython.py): spawned.
+    ``identity``: the (uid, gid) it runs as, with no supplementary group (a runtime's
+    children run with no more privilege than its jobs: docs/security.md)."""
     argv = probe_argv(backend, options, interpreter)
-    if forker is not None and interpreter is None:
+    if forker is not None and interpreter is None and identity is None:
         forked = _run_forked(forker, backend, env, timeout_s, options)
         if forked is not None:
             return _result(backend, argv, timeout_s, forked)
-    return _result(backend, argv, timeout_s, _run_spawned(argv, env, timeout_s))
+    return _result(backend, argv, timeout_s, _run_spawned(argv, env, timeout_s, identity))
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,24 @@ class _Ended:
     start_error: str | None = None
 
 
-def _run_spawned(argv: list[str], env: Mapping[str, str], timeout_s: float) -> _Ended:
+def as_identity(identity: tuple[int, int] | None) -> dict[str, Any]:
+    """subprocess's arguments that start a child as ``identity`` (uid, gid) with no
+    supplementary groups, in "/" (the daemon's folder may be closed to it); {} for None or
+    the daemon's own identity."""
+    if identity is None or identity == (os.geteuid(), os.getegid()):
+        return {}
+    return {"user": identity[0], "group": identity[1], "extra_groups": [], "cwd": "/"}
+
+
+def _run_spawned(argv: list[str], env: Mapping[str, str], timeout_s: float,
+                 identity: tuple[int, int] | None = None) -> _Ended:
     started = time.monotonic()
     try:
         proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
             argv, env={**env, "GPUDIAG_PROBE_PARENT_PID": str(os.getpid())},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            **as_identity(identity),
         )
     except OSError as e:
         return _Ended(time.monotonic() - started, None, False, b"", b"",

@@ -43,11 +43,17 @@ STANDIN = r'''
 import json, os, sys, time
 state_path, log_path = os.environ["SCONTROL_STATE"], os.environ["SCONTROL_LOG"]
 args = sys.argv[1:]
+if os.path.basename(sys.argv[0]) == "scancel":  # the same stand-in, as scancel JOBID
+    args = ["scancel", *args]
 with open(log_path, "a") as fh:
     fh.write(json.dumps(args) + "\n")
 with open(state_path) as fh:
     st = json.load(fh)
-if args[:2] == ["show", "node"]:
+if args[:1] == ["scancel"]:
+    st["jobs"].setdefault(args[1], {})["cancelled"] = True
+    with open(state_path, "w") as fh:
+        json.dump(st, fh)
+elif args[:2] == ["show", "node"]:
     reason = st["reason"]
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     print(f"NodeName={args[2]} Arch=x86_64 CoresPerSocket=1 \n"
@@ -95,7 +101,7 @@ class Outcome:
 
 
 # Settings the scripts take from the site's defaults file only (gpudiag-common.sh).
-SITE_ONLY = ("GPUDIAG", "SCONTROL", "GPUDIAG_DAEMON_URL", "PATH")
+SITE_ONLY = ("GPUDIAG", "SCONTROL", "SCANCEL", "GPUDIAG_DAEMON_URL", "PATH")
 
 
 @dataclass
@@ -115,6 +121,7 @@ class SlurmNode:
         env = self.make_env(**dict(knobs or {}))
         env.update({
             "SCONTROL": str(self.folder / "scontrol"),
+            "SCANCEL": str(self.folder / "scancel"),
             "SCONTROL_STATE": str(self.folder / "state.json"),
             "SCONTROL_LOG": str(self.folder / "calls.jsonl"),
             "GPUDIAG": str(Path(sys.executable).with_name("gpudiag")),
@@ -148,6 +155,7 @@ def node(tmp_path: Path, gpu_env: Callable[..., dict[str, str]]) -> SlurmNode:
     standin = folder / "scontrol"
     standin.write_text(f"#!{sys.executable}\n{STANDIN}")
     standin.chmod(0o755)
+    (folder / "scancel").symlink_to(standin)
     n = SlurmNode(folder, gpu_env)
     n.set()
     return n
