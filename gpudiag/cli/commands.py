@@ -188,6 +188,7 @@ _wide_option = click.option("--wide", is_flag=True,
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
 @_wide_option
 @watch_option
+@options.config
 def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str | None,
           expected_gpus: int | None, wide: bool, watch_text: str | None) -> None:
     """Probe every backend and device and show blockers with their remediation.
@@ -273,6 +274,7 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
+@options.config
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
               min_free_text: str | None, gpus: int | None, timeout_text: str | None, fmt: str,
               record_path: str | None, daemon_url: str | None, no_daemon: bool,
@@ -297,6 +299,7 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
 @options.require
 @_answer_options
 @watch_option
+@options.config
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
            daemon_url: str | None, no_daemon: bool, wide: bool, watch_text: str | None
            ) -> None:

@@ -13,9 +13,11 @@ from typing import Any
 
 from gpudiag.core import registry
 from gpudiag.core.classify import classify
+from gpudiag.core.classify_nic import remembered
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.identity import GpuIdentity
+from gpudiag.core.nic import NicMemory
 from gpudiag.core.nvml_health import NvmlHealthPolicy, NvmlHistory
 from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
@@ -162,6 +164,8 @@ class Snapshot:
     fingerprints: Mapping[str, RuntimeFingerprint] = field(default_factory=dict)
     runtime_gpu: Mapping[tuple[str, str], str | None] = field(default_factory=dict)
     runtime_health: Mapping[str, Verdict] = field(default_factory=dict)
+    # The nic backend's memory since this boot (core.nic): ports seen up, link changes, counters.
+    nic_memory: NicMemory | None = None
 
     @property
     def round_complete(self) -> bool:
@@ -348,6 +352,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
     if len(results) != len(found):
         return None
     runs = {r.key.backend: r.run for r in results}
+    if "nic" in runs:
+        runs["nic"] = remembered(runs["nic"], snapshot.nic_memory)
     for backend, why in (proofs.prove_here.items() if proofs is not None else ()):
         runs[backend] = ProbeRun(backend, None, 0.0, skipped=why)
     host_run = runs.get("host")
