@@ -43,7 +43,7 @@ def classify_nic(run: BackendRun, req: BackendRequirement, gpu: GpuContext,
         {"expected": list(expected_ports(obs)),
          "expect_configured": obs.policy.expect is not None,
          "remembered": obs.memory is not None,
-         "ports": port_summary(obs.ports)})  # type: ignore[dict-item]
+         "ports": port_summary(obs.ports)})
 
 
 def remembered(run: ProbeRun, memory: NicMemory | None) -> ProbeRun:

@@ -37,6 +37,7 @@ NOT_IN_FILE: Mapping[str, str] = {
     "DaemonConfig.listen_host": "",   # both are the one key `listen`, printed first
     "DaemonConfig.listen_port": "",
     "Runtime.name": "",               # the table's own name
+    "BackendConfig.settings": "",     # a backend's own keys, printed in its table
     "QualificationConfig.table": "read from reference_file",
     "NvmlHealthPolicy.held_memory_floor_bytes": "fixed",
     "NvmlHealthPolicy.held_memory_share": "fixed",
@@ -95,6 +96,9 @@ def _walk(obj: Any, table: str, tables: dict[str, list[str]]) -> None:
             continue
         where, _, key = _join(table, place).rpartition(".")
         lines = tables.setdefault(where, [])
+        if qual == "BackendConfig.settings":  # a backend's own keys, in its own table
+            lines += [f"{k} = {toml_value(v)}" for k, v in value.items()]
+            continue
         if qual in NOT_IN_FILE:
             if NOT_IN_FILE[qual]:
                 shown = ("not set" if value is None else f"{len(value)} rows"
