@@ -96,7 +96,7 @@ def test_an_active_ndr_port_is_ready_and_its_facts_are_in_the_detail(tree: Sysfs
     assert v.ready and _codes(v) == []
     status = v.backends["nic"]
     assert status.status == "ok" and status.versions == {"fw_ver": "28.39.1002"}
-    port = status.detail["ports"][0]  # type: ignore[index]
+    port = status.detail["ports"][0]
     assert port == {"port": "mlx5_0/1", "kind": "ib", "up": True, "state": "4: ACTIVE",
                     "phys_state": "5: LinkUp", "rate_gbps": 400.0,
                     "link_layer": "InfiniBand", "rdma": True, "fw_ver": "28.39.1002",
