@@ -53,7 +53,7 @@ from tests.fakes.sysfs import make_pci_tree
 from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
 from tests.support.faults import FAULTS
 from tests.support.host import bare_host_env, clean_env, make_host_dirs, processes_with_env
-from tests.support.sysfs import DOWN, HDR, POLLING, SysfsTree
+from tests.support.sysfs import DOWN, HDR, NDR, POLLING, SysfsTree
 from tests.support.toy import toy_registered, toy_registered_env
 
 ROOT = Path(__file__).resolve().parent
@@ -332,7 +332,7 @@ def _ports(*, down: bool = False, rate: str | None = None, **settings: Any
         if down:
             tree.ib_port("mlx5_1", state=DOWN, phys_state=POLLING)
         else:
-            tree.ib_port("mlx5_1", **({"rate": rate} if rate else {}))
+            tree.ib_port("mlx5_1", rate=rate or NDR)
         env = _job_env(rig, tmp, **tree.env())
         env["GPUDIAG_BACKEND_SETTINGS"] = json.dumps({"nic": settings})
         return env
