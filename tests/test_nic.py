@@ -100,7 +100,7 @@ def test_an_active_ndr_port_is_ready_and_its_facts_are_in_the_detail(tree: Sysfs
     assert port == {"port": "mlx5_0/1", "kind": "ib", "up": True, "state": "4: ACTIVE",
                     "phys_state": "5: LinkUp", "rate_gbps": 400.0,
                     "link_layer": "InfiniBand", "rdma": True, "fw_ver": "28.39.1002",
-                    "pci_bus_id": "0000:17:00.0", "numa_node": 1}
+                    "pci_bus_id": "0000:17:00.0", "numa_node": 1, "gpus": {}}
 
 
 def test_a_required_nic_runs_no_gpu_probe_and_needs_no_gpu() -> None:
@@ -291,3 +291,43 @@ def test_a_bad_config_is_a_usage_error_naming_the_key(tree: SysfsTree, tmp_path:
     out = _gpudiag({}, "probe", "--backend", "nic", "--config", str(cfg))
     assert out.returncode == 2 and "backends.nic.expect" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# -- which GPU uses which NIC --------------------------------------------------------------------
+HOST0, HOST1 = "pci0000:00", "pci0000:80"
+SWITCH = (HOST0, "0000:00:01.0", "0000:01:00.0")  # a root port, then a PCIe switch
+
+
+def test_each_port_names_how_near_each_gpu_is_on_the_pci_bus(tree: SysfsTree) -> None:
+    tree.gpu("0000:03:00.0", under=(*SWITCH, "0000:02:00.0"))       # behind the NIC's switch
+    tree.gpu("0000:05:00.0", under=(HOST0, "0000:00:02.0"))          # another root port
+    tree.gpu("0000:41:00.0", under=("pci0000:40",))                  # another bridge, node 0
+    tree.gpu("0000:81:00.0", numa_node=1, under=(HOST1,))            # the other socket
+    tree.ib_port("mlx5_0", bus_id="0000:04:00.0", under=(*SWITCH, "0000:02:04.0"))
+    port = _run().parsed.ports[0]  # type: ignore[union-attr]
+    assert dict(port.gpus) == {"0000:03:00.0": "PIX", "0000:05:00.0": "PHB",
+                               "0000:41:00.0": "NODE", "0000:81:00.0": "SYS"}
+    detail = _verdict(_run()).backends["nic"].detail["ports"]
+    assert detail[0]["gpus"]["0000:03:00.0"] == "PIX"
+
+
+def test_a_port_without_a_pci_function_names_no_gpu(tree: SysfsTree) -> None:
+    tree.gpu("0000:03:00.0")
+    tree.netdev("veth0", bus_id=None)
+    assert dict(_run().parsed.ports[0].gpus) == {}  # type: ignore[union-attr]
+
+
+def test_probe_wide_shows_the_ports_and_the_gpus_behind_their_switch(
+        tree: SysfsTree, tmp_path: Path) -> None:
+    tree.gpu("0000:03:00.0", under=(*SWITCH, "0000:02:00.0"))
+    tree.ib_port("mlx5_0", bus_id="0000:04:00.0", under=(*SWITCH, "0000:02:04.0"))
+    tree.ib_port("mlx5_1", state=DOWN, phys_state=POLLING, bus_id="0000:84:00.0",
+                 under=(HOST1,))
+    out = _gpudiag({}, "probe", "--backend", "nic", "--wide")
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line.split() for line in out.stdout.splitlines()
+             if line.startswith("mlx5_")}
+    assert lines["mlx5_0/1"][:5] == ["mlx5_0/1", "up", "400", "Gb/s", "yes"]
+    assert lines["mlx5_0/1"][-1] == "03:00.0"
+    assert lines["mlx5_1/1"][1] == "down" and lines["mlx5_1/1"][-1] == "-"
+    assert "Ports" not in _gpudiag({}, "probe", "--backend", "nic").stdout

@@ -109,6 +109,38 @@ class NicPort:
     carrier_changes: int | None = None
     netdev: str | None = None         # an HCA port's netdev (RoCE), an ib port's ipoib
     counters: Mapping[str, int] = field(default_factory=dict)
+    # Each NVIDIA GPU on the PCI bus (its sysfs bus id) -> how near this port is to it
+    # (``affinity``: PIX, PXB, PHB, NODE, SYS, as `nvidia-smi topo -m` names them).
+    gpus: Mapping[str, str] = field(default_factory=dict)
+
+
+# Nearest first: one PCIe switch between them; several bridges; the same host bridge (root
+# complex); the same NUMA node; across the SMP interconnect (nvidia-smi topo -m's words).
+AFFINITIES: tuple[str, ...] = ("PIX", "PXB", "PHB", "NODE", "SYS")
+
+
+def affinity(port_path: Sequence[str], port_numa: int | None, gpu_path: Sequence[str],
+             gpu_numa: int | None) -> str:
+    """How near a port's PCI function is to a GPU's, from their sysfs device paths
+    (``["pci0000:00", "0000:00:01.0", "0000:01:00.0", ...]``, root first) and NUMA nodes."""
+    common = 0
+    for a, b in zip(port_path, gpu_path, strict=False):
+        if a != b:
+            break
+        common += 1
+    if common >= 2:  # below a root port: a PCIe switch (or a chain of them) they share
+        below = max(len(port_path) - common, len(gpu_path) - common)
+        return "PIX" if below <= 2 else "PXB"
+    if common == 1:  # the same host bridge, different root ports
+        return "PHB"
+    if port_numa is not None and port_numa == gpu_numa:
+        return "NODE"
+    return "SYS"
+
+
+def near_gpus(gpus: Mapping[str, str]) -> list[str]:
+    """The GPUs (bus ids) behind the same PCIe switch as the port (PIX or PXB)."""
+    return sorted(b for b, rel in gpus.items() if rel in ("PIX", "PXB"))
 
 
 @dataclass(frozen=True)
@@ -322,4 +354,4 @@ def port_summary(ports: Sequence[NicPort]) -> list[dict[str, Any]]:
     return [{"port": p.name, "kind": p.kind, "up": p.up, "state": p.state,
              "phys_state": p.phys_state, "rate_gbps": p.rate_gbps, "link_layer": p.link_layer,
              "rdma": p.rdma, "fw_ver": p.fw_ver, "pci_bus_id": p.pci_bus_id,
-             "numa_node": p.numa_node} for p in ports]
+             "numa_node": p.numa_node, "gpus": dict(p.gpus)} for p in ports]

@@ -26,6 +26,7 @@ from typing import Any
 
 from gpudiag.core.nic import (
     NicPolicyError,
+    affinity,
     ib_cabled,
     ib_up,
     parse_policy,
@@ -54,6 +55,43 @@ def _int(path: Path) -> int | None:
         return int(text) if text is not None else None
     except ValueError:
         return None
+
+
+NVIDIA_VENDOR = "0x10de"
+
+
+def _pci_path(path: Path) -> list[str]:
+    """A PCI function's place in the hierarchy: its sysfs path from the host bridge down
+    (``["pci0000:00", "0000:00:01.0", "0000:17:00.0"]``); empty when unknown."""
+    try:
+        parts = Path(os.path.realpath(path)).parts
+    except OSError:
+        return []
+    found = [i for i, part in enumerate(parts) if part.startswith("pci")]
+    return [p.lower() for p in parts[found[0]:]] if found else []
+
+
+def _gpus(root: Path) -> dict[str, tuple[list[str], int | None]]:
+    """Every NVIDIA display/3D controller on the PCI bus: bus id -> (PCI path, NUMA node)."""
+    base = root / "bus" / "pci" / "devices"
+    out: dict[str, tuple[list[str], int | None]] = {}
+    for name in _sorted_dir(base):
+        d = base / name
+        klass = _text(d / "class") or ""
+        if _text(d / "vendor") != NVIDIA_VENDOR or not klass.startswith("0x03"):
+            continue
+        numa = _int(d / "numa_node")
+        out[name.lower()] = (_pci_path(d), numa if numa is not None and numa >= 0 else None)
+    return out
+
+
+def _affinities(device: Path, numa: int | None,
+                gpus: Mapping[str, tuple[list[str], int | None]]) -> dict[str, str]:
+    path = _pci_path(device)
+    if not path:
+        return {}
+    return {bus: affinity(path, numa, gpu_path, gpu_numa)
+            for bus, (gpu_path, gpu_numa) in gpus.items()}
 
 
 def _device(path: Path) -> tuple[str | None, int | None]:
@@ -88,7 +126,8 @@ def _sorted_dir(folder: Path) -> list[str]:
         return []
 
 
-def _ib_ports(root: Path) -> list[dict[str, Any]]:
+def _ib_ports(root: Path, gpus: Mapping[str, tuple[list[str], int | None]]
+              ) -> list[dict[str, Any]]:
     ports: list[dict[str, Any]] = []
     base = root / "class" / "infiniband"
     for hca in _sorted_dir(base):
@@ -105,13 +144,15 @@ def _ib_ports(root: Path) -> list[dict[str, Any]]:
                 "rate_gbps": parse_rate(rate), "link_layer": _text(d / "link_layer"),
                 "cabled": ib_cabled(phys), "rdma": True, "fw_ver": fw_ver,
                 "pci_bus_id": bus_id, "numa_node": numa, "netdev": ndev or None,
+                "gpus": _affinities(base / hca / "device", numa, gpus),
                 "counters": {**_counters(d / "counters"),
                              **_counters(d / "hw_counters", "hw_")},
             })
     return ports
 
 
-def _net_ports(root: Path) -> list[dict[str, Any]]:
+def _net_ports(root: Path, gpus: Mapping[str, tuple[list[str], int | None]]
+               ) -> list[dict[str, Any]]:
     ports: list[dict[str, Any]] = []
     base = root / "class" / "net"
     for name in _sorted_dir(base):
@@ -128,6 +169,7 @@ def _net_ports(root: Path) -> list[dict[str, Any]]:
             "rate_text": f"{speed} Mb/s" if speed is not None and speed > 0 else None,
             "rdma": (d / "device" / "infiniband").is_dir(), "pci_bus_id": bus_id,
             "numa_node": numa, "carrier_changes": _int(d / "carrier_changes"),
+            "gpus": _affinities(d / "device", numa, gpus),
         })
     return ports
 
@@ -149,5 +191,6 @@ def probe(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     root = Path(env.get("GPUDIAG_SYSFS_ROOT") or "/sys")
     boot = _text(Path(env.get("GPUDIAG_BOOT_ID_FILE") or "/proc/sys/kernel/random/boot_id"))
     policy = _policy(env)
+    gpus = _gpus(root)
     return {"ok": True, "boot_id": boot, "sysfs_root": str(root), "policy": policy,
-            "ports": _ib_ports(root) + _net_ports(root)}
+            "ports": _ib_ports(root, gpus) + _net_ports(root, gpus)}

@@ -33,27 +33,44 @@ class SysfsTree:
         return {"GPUDIAG_SYSFS_ROOT": str(self.root), "GPUDIAG_BOOT_ID_FILE": str(self.boot_id),
                 "GPUDIAG_BACKEND_SETTINGS": ""}
 
-    def pci(self, bus_id: str, numa_node: int = 0) -> Path:
-        d = self.root / "devices" / "pci0000:00" / bus_id
+    def pci(self, bus_id: str, numa_node: int = 0,
+            under: tuple[str, ...] = ("pci0000:00",)) -> Path:
+        """A PCI function at ``devices/<under...>/<bus_id>`` (``under``: the host bridge, then
+        the root port and switch ports above it), linked from ``bus/pci/devices``."""
+        d = self.root.joinpath("devices", *under, bus_id)
         d.mkdir(parents=True, exist_ok=True)
         (d / "numa_node").write_text(f"{numa_node}\n")
+        bus = self.root / "bus" / "pci" / "devices"
+        bus.mkdir(parents=True, exist_ok=True)
+        if not (bus / bus_id).is_symlink():
+            (bus / bus_id).symlink_to(d)
+        return d
+
+    def gpu(self, bus_id: str, numa_node: int = 0,
+            under: tuple[str, ...] = ("pci0000:00",)) -> Path:
+        """An NVIDIA 3D controller (vendor 0x10de, class 0x030200)."""
+        d = self.pci(bus_id, numa_node, under)
+        (d / "vendor").write_text("0x10de\n")
+        (d / "class").write_text("0x030200\n")
         return d
 
     def hca(self, name: str, *, fw_ver: str = "28.39.1002", bus_id: str = "0000:17:00.0",
-            numa_node: int = 0) -> Path:
+            numa_node: int = 0, under: tuple[str, ...] = ("pci0000:00",)) -> Path:
         d = self.root / "class" / "infiniband" / name
         d.mkdir(parents=True, exist_ok=True)
         (d / "fw_ver").write_text(fw_ver + "\n")
         link = d / "device"
         if not link.is_symlink():
-            link.symlink_to(self.pci(bus_id, numa_node))
+            link.symlink_to(self.pci(bus_id, numa_node, under))
         return d
 
     def ib_port(self, hca: str, port: int = 1, *, state: str = ACTIVE,
                 phys_state: str = LINK_UP, rate: str = NDR, link_layer: str = "InfiniBand",
-                counters: Mapping[str, int] | None = None, **hca_kw: str | int) -> Path:
+                counters: Mapping[str, int] | None = None, fw_ver: str = "28.39.1002",
+                bus_id: str = "0000:17:00.0", numa_node: int = 0,
+                under: tuple[str, ...] = ("pci0000:00",)) -> Path:
         """Write (or rewrite) one HCA port."""
-        self.hca(hca, **hca_kw)  # type: ignore[arg-type]
+        self.hca(hca, fw_ver=fw_ver, bus_id=bus_id, numa_node=numa_node, under=under)
         d = self.root / "class" / "infiniband" / hca / "ports" / str(port)
         (d / "counters").mkdir(parents=True, exist_ok=True)
         (d / "hw_counters").mkdir(parents=True, exist_ok=True)
