@@ -331,3 +331,44 @@ def test_probe_wide_shows_the_ports_and_the_gpus_behind_their_switch(
     assert lines["mlx5_0/1"][-1] == "03:00.0"
     assert lines["mlx5_1/1"][1] == "down" and lines["mlx5_1/1"][-1] == "-"
     assert "Ports" not in _gpudiag({}, "probe", "--backend", "nic").stdout
+
+
+# -- remediation: NIC codes drain only with [remediation] drain_on_nic -----------------------
+def test_nic_codes_drain_only_when_the_operator_says_so() -> None:
+    from gpudiag.core.catalog import NIC_DRAINS, drains
+
+    assert NIC_DRAINS == {"nic_link_down", "nic_link_flapping"}
+    for code in ("nic_link_down", "nic_link_flapping", "nic_link_degraded", "nic_errors_rising"):
+        assert not drains(code), code
+        assert drains(code, drain_on_nic=True) == (code in NIC_DRAINS), code
+    assert not drains("cuda_init_failed", drain_on_nic=True)
+
+
+def test_drain_on_nic_is_off_by_default_and_checked() -> None:
+    from gpudiag.daemon.config import ConfigError, from_mapping
+
+    assert from_mapping({}).remediation.drain_on_nic is False
+    assert from_mapping({"remediation": {"drain_on_nic": True}}).remediation.drain_on_nic
+    with pytest.raises(ConfigError, match="drain_on_nic"):
+        from_mapping({"remediation": {"drain_on_nic": "yes"}})
+
+
+def test_the_actor_sees_a_port_down_as_a_fault_only_with_drain_on_nic(
+        tree: SysfsTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag.core.remediation import Fault
+    from gpudiag.daemon.remediation import snapshot_faults
+    from gpudiag.daemon.snapshot import ProbeKey, ProbeResult, Snapshot, WatcherState
+
+    tree.ib_port("mlx5_0", state=DOWN, phys_state=POLLING)
+    _settings(monkeypatch, expect=["mlx5_0/1"])
+    run = _run()
+    verdict = _verdict(run)
+    assert verdict.gpu_validation_blocker == "nic_link_down"
+    key = ProbeKey.of("nic")
+    snap = Snapshot(seq=1, published_wall=1000.0, results={key: ProbeResult(key, run, 990.0,
+                                                                            991.0)},
+                    stats={}, scheduled=(key,), watcher=WatcherState(), full=verdict,
+                    ready=verdict)
+    assert snapshot_faults(snap) == ((), None)
+    faults, _ = snapshot_faults(snap, drain_on_nic=True)
+    assert faults == (Fault("nic_link_down", None, 990.0),)

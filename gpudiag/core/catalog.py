@@ -50,6 +50,12 @@ DRAINS: frozenset[str] = frozenset({
 })
 
 
+# NIC codes that may drain, only where the operator says so ([remediation] drain_on_nic =
+# true): a port down or flapping is hardware of the node, but whether a job can run without
+# that port is the site's call, so the default observes only (never in DRAINS).
+NIC_DRAINS: frozenset[str] = frozenset({"nic_link_down", "nic_link_flapping"})
+
+
 def _rows(layer: str, *rows: tuple[str, str, str]) -> list[CatalogEntry]:
     return [CatalogEntry(code, layer, summary, fix) for code, summary, fix in rows]
 
@@ -402,10 +408,11 @@ def entry(code: str) -> CatalogEntry:
     return found
 
 
-def drains(code: str) -> bool:
-    """Whether remediation may drain a node on blocker ``code`` (False for unknown codes)."""
+def drains(code: str, *, drain_on_nic: bool = False) -> bool:
+    """Whether remediation may drain a node on blocker ``code`` (False for unknown codes);
+    ``drain_on_nic``: also the NIC codes of ``NIC_DRAINS``."""
     row = BLOCKERS.get(code)
-    return row is not None and row.drains
+    return row is not None and (row.drains or (drain_on_nic and code in NIC_DRAINS))
 
 
 def layer_rank(layer: str) -> int:

@@ -118,6 +118,9 @@ class RemediationConfig:
     fleet_ratio: float = 0.10
     max_attempts_per_gpu: int = 2
     attempt_window_s: float = 7 * 86400.0
+    # An expected network port down or flapping drains too (default: observe only for NIC
+    # codes; gpudiag.core.catalog.NIC_DRAINS).
+    drain_on_nic: bool = False
 
 
 @dataclass(frozen=True)
@@ -595,7 +598,8 @@ def _remediation(t: _Table) -> RemediationConfig:
         fleet_ratio=d.fleet_ratio if ratio is None else float(ratio),
         max_attempts_per_gpu=d.max_attempts_per_gpu if attempts is None else attempts,
         attempt_window_s=t.seconds("attempt_window_s", d.attempt_window_s, minimum=1.0,
-                                   maximum=366 * 86400.0))
+                                   maximum=366 * 86400.0),
+        drain_on_nic=t.flag("drain_on_nic", d.drain_on_nic))
     t.finish()
     return cfg
 
