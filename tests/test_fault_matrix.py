@@ -339,6 +339,13 @@ def _ports(*, down: bool = False, rate: str | None = None, **settings: Any
     return make
 
 
+def _drifted(rig: Rig, tmp: Path) -> dict[str, str]:
+    tree = SysfsTree(tmp / "sys")
+    for i in range(3):
+        tree.ib_port(f"mlx5_{i}", fw_ver="28.38.1000" if i == 2 else "28.39.1002")
+    return _job_env(rig, tmp, **tree.env())
+
+
 def _flap(tree: SysfsTree) -> None:
     tree.ib_port("mlx5_1", counters={"link_downed": 2})  # down and up twice between reads
 
@@ -541,6 +548,8 @@ WARNING_CASES: tuple[Case, ...] = (
     _j("nic_link_degraded", require="nic", evidence=_NIC, env=_ports(rate=HDR),
        variant="peers"),
     Case("nic_errors_rising", "fabric", require="nic", evidence=_NIC, fabric=_symbol_errors),
+    # Three HCAs of one model, one on older firmware.
+    _j("nic_config_drift", require="nic", evidence=_NIC, env=_drifted),
 )
 DAEMON_CASES = [c for c in (*CASES, *WARNING_CASES) if c.route == "daemon"]
 OTHER_CASES = [c for c in CASES if c.route in ("job", "admission")]

@@ -372,3 +372,19 @@ def test_the_actor_sees_a_port_down_as_a_fault_only_with_drain_on_nic(
     assert snapshot_faults(snap) == ((), None)
     faults, _ = snapshot_faults(snap, drain_on_nic=True)
     assert faults == (Fault("nic_link_down", None, 990.0),)
+
+
+# -- firmware drift ----------------------------------------------------------------------------
+def test_an_hca_on_other_firmware_than_its_peers_is_config_drift(tree: SysfsTree) -> None:
+    for i in range(3):
+        tree.ib_port(f"mlx5_{i}", fw_ver="28.38.1000" if i == 2 else "28.39.1002")
+    v = _verdict(_run())
+    assert v.ready and _codes(v) == [("nic_config_drift", "mlx5_2", True)]
+    assert "fw_ver 28.38.1000" in v.warnings[0].message and "28.39.1002 (2 of 3)" in \
+        v.warnings[0].message
+
+
+def test_two_hcas_that_differ_name_no_majority(tree: SysfsTree) -> None:
+    tree.ib_port("mlx5_0", fw_ver="28.38.1000")
+    tree.ib_port("mlx5_1", fw_ver="28.39.1002")
+    assert _codes(_verdict(_run())) == []

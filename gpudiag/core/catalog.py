@@ -357,6 +357,12 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "Watch the counters (gpudiag_nic_errors_total); a steady climb is a "
                      "marginal cable or transceiver: replace it at the next drain. Counter "
                      "resets and a reboot start a new baseline."),
+        CatalogEntry("nic_config_drift", "network",
+                     "An HCA runs other firmware (fw_ver) than the majority of the node's HCAs "
+                     "of its model.",
+                     "Flash the node's HCAs to one firmware (mlxfwmanager, or the vendor's "
+                     "tool) at the next drain; mixed firmware across the ports of one job is "
+                     "a known source of link and RDMA differences."),
         CatalogEntry("device_count_mismatch", "cuda",
                      "NVML and cuInit disagree on the number of GPUs.",
                      "Check CUDA_VISIBLE_DEVICES and MIG; a GPU may be hidden or failing."),

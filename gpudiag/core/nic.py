@@ -104,6 +104,7 @@ class NicPort:
     cabled: bool = True               # IB phys_state not Polling/Disabled
     rdma: bool = True                 # an IB port or a netdev of an RDMA device
     fw_ver: str | None = None
+    hca_type: str | None = None       # the HCA's model (``hca_type``: "MT4129")
     pci_bus_id: str | None = None     # the PCI function behind it (sysfs ``device`` link)
     numa_node: int | None = None
     carrier_changes: int | None = None
@@ -341,6 +342,30 @@ def assess(obs: NicObservation) -> tuple[NicFinding, ...]:
             said = ", ".join(f"{c} +{g.delta}" for c, g in sorted(grew.items()))
             out.append(NicFinding("nic_errors_rising", name, f"port {name}'s error counters "
                                   f"grew: {said}", False))
+    return tuple(out) + drift(obs.ports)
+
+
+def drift(ports: Sequence[NicPort]) -> tuple[NicFinding, ...]:
+    """``nic_config_drift``: an HCA whose firmware differs from the majority of the node's
+    HCAs of its model (a tie names no majority, so nothing)."""
+    hcas: dict[str, tuple[str | None, str]] = {}
+    for p in ports:
+        if p.kind == "ib" and p.fw_ver:
+            hcas.setdefault(p.name.split("/", 1)[0], (p.hca_type, p.fw_ver))
+    out: list[NicFinding] = []
+    for model in sorted({m or "" for m, _ in hcas.values()}):
+        group = {h: fw for h, (m, fw) in hcas.items() if (m or "") == model}
+        counts: dict[str, int] = {}
+        for fw in group.values():
+            counts[fw] = counts.get(fw, 0) + 1
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+        if len(ranked) < 2 or ranked[0][1] == ranked[1][1]:
+            continue
+        majority = ranked[0][0]
+        of = f"{model} HCAs" if model else "HCAs"
+        out += [NicFinding("nic_config_drift", hca, f"HCA {hca}: fw_ver {fw}, the node's other "
+                           f"{of} run {majority} ({ranked[0][1]} of {len(group)})", False)
+                for hca, fw in sorted(group.items()) if fw != majority]
     return tuple(out)
 
 

@@ -132,6 +132,7 @@ def _ib_ports(root: Path, gpus: Mapping[str, tuple[list[str], int | None]]
     base = root / "class" / "infiniband"
     for hca in _sorted_dir(base):
         fw_ver = _text(base / hca / "fw_ver")
+        hca_type = _text(base / hca / "hca_type")
         bus_id, numa = _device(base / hca / "device")
         for n in _sorted_dir(base / hca / "ports"):
             d = base / hca / "ports" / n
@@ -143,6 +144,7 @@ def _ib_ports(root: Path, gpus: Mapping[str, tuple[list[str], int | None]]
                 "state": state, "phys_state": phys, "rate_text": rate,
                 "rate_gbps": parse_rate(rate), "link_layer": _text(d / "link_layer"),
                 "cabled": ib_cabled(phys), "rdma": True, "fw_ver": fw_ver,
+                "hca_type": hca_type or None,
                 "pci_bus_id": bus_id, "numa_node": numa, "netdev": ndev or None,
                 "gpus": _affinities(base / hca / "device", numa, gpus),
                 "counters": {**_counters(d / "counters"),

@@ -59,6 +59,7 @@ class SysfsTree:
         d = self.root / "class" / "infiniband" / name
         d.mkdir(parents=True, exist_ok=True)
         (d / "fw_ver").write_text(fw_ver + "\n")
+        (d / "hca_type").write_text("MT4129\n")
         link = d / "device"
         if not link.is_symlink():
             link.symlink_to(self.pci(bus_id, numa_node, under))
