@@ -38,8 +38,8 @@ def test_every_spec_names_a_catalog_layer_and_an_importable_probe() -> None:
     for spec in registry.specs():
         assert spec.layer in LAYER_ORDER, spec.name
         assert importlib.util.find_spec(spec.probe_module) is not None, spec.name
-    assert registry.probe_names() == ("host", "nvml", "cuda", "jax", "iree")
-    assert registry.requirable() == ("nvml", "cuda", "jax", "iree")
+    assert registry.probe_names() == ("host", "nvml", "cuda", "jax", "iree", "nic")
+    assert registry.requirable() == ("nvml", "cuda", "jax", "iree", "nic")
 
 
 def test_the_registry_line_registers_the_toy_in_this_process_until_undone() -> None:
@@ -47,7 +47,7 @@ def test_the_registry_line_registers_the_toy_in_this_process_until_undone() -> N
         assert registry.probe_names()[-1] == "toy" and "toy" in registry.requirable()
         spec = registry.spec("toy")
         assert spec is not None and spec.probe_module == "tests.toy.toy_backend"
-    assert registry.probe_names() == ("host", "nvml", "cuda", "jax", "iree")
+    assert registry.probe_names() == ("host", "nvml", "cuda", "jax", "iree", "nic")
 
 
 def test_the_toy_backend_is_unknown_without_its_registry_line(fakes: FakeDriver,
@@ -59,7 +59,7 @@ def test_the_toy_backend_is_unknown_without_its_registry_line(fakes: FakeDriver,
 def test_a_toy_backend_shows_in_probe_preflight_and_the_verdict(toy_env: dict[str, str]
                                                                 ) -> None:
     help_text = " ".join(gpudiag(toy_env, "probe", "--help").stdout.split())  # unwrapped
-    assert "host,nvml,cuda,jax,iree,toy" in help_text
+    assert "host,nvml,cuda,jax,iree,nic,toy" in help_text
     probe = gpudiag(toy_env, "probe", "--backend", "host,nvml,cuda,toy", "--format", "json")
     assert probe.returncode == 0, probe.stderr
     toy = json.loads(probe.stdout)["backends"]["toy"]

@@ -44,7 +44,7 @@ def test_defaults_match_the_documented_ones() -> None:
     assert (cfg.listen_host, cfg.listen_port) == ("127.0.0.1", DEFAULT_PORT)
     assert DEFAULT_PORT not in (9400, 9835)
     assert {n: b.interval_s for n, b in cfg.backends.items()} == {
-        "host": 60, "nvml": 15, "cuda": 60, "jax": 3600, "iree": 3600}
+        "host": 60, "nvml": 15, "cuda": 60, "jax": 3600, "iree": 3600, "nic": 1}
     assert cfg.default_requirement == "cuda"
     assert cfg.enabled_backends == ("host", "nvml", "cuda", "jax", "iree")
 

@@ -29,6 +29,10 @@ interval_s = 0.25
 deadline_s = 2
 [backends.iree]
 enabled = false
+[backends.nic]
+enabled = true
+expect = ["mlx5_0/1", "eth2"]
+min_rate_gbps = 400
 [xid]
 enabled = false
 hold_s = 600

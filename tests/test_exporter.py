@@ -156,10 +156,11 @@ def test_promtool_check_metrics_is_clean(runs_8: Runs, tmp_path: Path) -> None:
 
 def test_backend_ready_is_present_for_every_requirement_backend(runs_8: Runs,
                                                                  runs_lost: Runs) -> None:
-    """cuda is proven on a healthy node; jax and iree, not probed here, read 0 (never ready)."""
+    """cuda is proven on a healthy node; jax, iree and nic, not probed here, read 0 (never
+    ready)."""
     _, healthy = scrape(snapshot_of(runs_8))
     assert {lab["backend"]: v for lab, v in healthy["gpudiag_backend_ready"]} == {
-        "cuda": 1.0, "jax": 0.0, "iree": 0.0}
+        "cuda": 1.0, "jax": 0.0, "iree": 0.0, "nic": 0.0}
     assert {lab["backend"] for lab, _ in healthy["gpudiag_backend_ready"]} == set(
         registry.published())
     proven = healthy["gpudiag_backend_last_proven_timestamp_seconds"]
@@ -175,7 +176,7 @@ def test_backend_ready_is_0_under_a_host_wide_blocker(fakes: FakeDriver,
                               FAKE_NVML_INIT_ERROR="9"))
     _, samples = scrape(snapshot_of(runs))
     assert {lab["backend"]: v for lab, v in samples["gpudiag_backend_ready"]} == {
-        "cuda": 0.0, "jax": 0.0, "iree": 0.0}
+        "cuda": 0.0, "jax": 0.0, "iree": 0.0, "nic": 0.0}
     # CUDA itself came up, but a node whose NVML is down is not ready for a cuda job.
     assert one(samples, "gpudiag_backend_up", backend="cuda") == 1.0
 def test_a_lost_gpu_keeps_its_last_known_identity_labels(fakes: FakeDriver,

@@ -53,6 +53,7 @@ from tests.fakes.sysfs import make_pci_tree
 from tests.support.daemon import Daemon, daemon_toml, wait_for, write_config
 from tests.support.faults import FAULTS
 from tests.support.host import bare_host_env, clean_env, make_host_dirs, processes_with_env
+from tests.support.sysfs import DOWN, HDR, NDR, POLLING, SysfsTree
 from tests.support.toy import toy_registered, toy_registered_env
 
 ROOT = Path(__file__).resolve().parent
@@ -172,6 +173,7 @@ class Case:
     admit: Callable[[Rig, Path], Verdict] | None = None
     qualify: bool = False  # a qualification of every GPU (POST /v1/qualify) finds it
     qualify_tier: str = "quick"  # the tier that finds it (and that clears it again)
+    fabric: Callable[[SysfsTree], None] | None = None  # a port's fault, while a daemon runs
 
     @property
     def id(self) -> str:
@@ -317,6 +319,42 @@ def _every_gpu_locked_by_jobs(rig: Rig, tmp: Path) -> dict[str, str]:
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     return env
+
+
+# -- network ports (the nic backend): sysfs trees written from the kernel's ABI --------------
+def _ports(*, down: bool = False, rate: str | None = None, **settings: Any
+           ) -> Callable[[Rig, Path], dict[str, str]]:
+    """A job host whose sysfs shows two NDR HCA ports (the second down, or at ``rate``) and
+    whose [backends.nic] settings are ``settings``."""
+    def make(rig: Rig, tmp: Path) -> dict[str, str]:
+        tree = SysfsTree(tmp / "sys")
+        tree.ib_port("mlx5_0")
+        if down:
+            tree.ib_port("mlx5_1", state=DOWN, phys_state=POLLING)
+        else:
+            tree.ib_port("mlx5_1", rate=rate or NDR)
+        env = _job_env(rig, tmp, **tree.env())
+        env["GPUDIAG_BACKEND_SETTINGS"] = json.dumps({"nic": settings})
+        return env
+    return make
+
+
+def _drifted(rig: Rig, tmp: Path) -> dict[str, str]:
+    tree = SysfsTree(tmp / "sys")
+    for i in range(3):
+        tree.ib_port(f"mlx5_{i}", fw_ver="28.38.1000" if i == 2 else "28.39.1002")
+    return _job_env(rig, tmp, **tree.env())
+
+
+def _flap(tree: SysfsTree) -> None:
+    tree.ib_port("mlx5_1", counters={"link_downed": 2})  # down and up twice between reads
+
+
+def _symbol_errors(tree: SysfsTree) -> None:
+    tree.counter("mlx5_1", 1, "symbol_error", 40)
+
+
+_NIC = ("driver", "probe_stderr")
 
 
 # -- the matrix ---------------------------------------------------------------------------------
@@ -469,6 +507,12 @@ CASES: tuple[Case, ...] = (
        qualify_tier="sdc"),
     # A slow GPU with qualification.block = true: a daemon of its own (the shared one warns).
     Case("gpu_underperforming", "qualify", QUALIFY_SLOW_4, variant="block"),
+    # network: an expected port down; one below min_rate_gbps; one that flaps (the daemon's
+    # memory of link changes: a daemon of its own over a sysfs tree)
+    _j("nic_link_down", require="nic", evidence=_NIC,
+       env=_ports(down=True, expect=["mlx5_0/1", "mlx5_1/1"])),
+    _j("nic_link_degraded", require="nic", evidence=_NIC, env=_ports(rate=HDR, min_rate_gbps=400)),
+    Case("nic_link_flapping", "fabric", require="nic", evidence=_NIC, fabric=_flap),
     # registered backends' own faults (the toy's among them)
     *_backend_fault_cases(),
 )
@@ -500,10 +544,17 @@ WARNING_CASES: tuple[Case, ...] = (
     # JAX enabled in a daemon no runtime of which requires it: node health says so, as a
     # warning, with how to configure a runtime (test_nobody_configured_is_not_checked).
     Case("backend_not_checked", "node_health"),
+    # A port at HDR among NDR peers, no min_rate_gbps: a warning; error counters growing.
+    _j("nic_link_degraded", require="nic", evidence=_NIC, env=_ports(rate=HDR),
+       variant="peers"),
+    Case("nic_errors_rising", "fabric", require="nic", evidence=_NIC, fabric=_symbol_errors),
+    # Three HCAs of one model, one on older firmware.
+    _j("nic_config_drift", require="nic", evidence=_NIC, env=_drifted),
 )
 DAEMON_CASES = [c for c in (*CASES, *WARNING_CASES) if c.route == "daemon"]
 OTHER_CASES = [c for c in CASES if c.route in ("job", "admission")]
 QUALIFY_BLOCK_CASES = [c for c in CASES if c.route == "qualify"]
+FABRIC_CASES = [c for c in (*CASES, *WARNING_CASES) if c.route == "fabric"]
 
 
 def _is_warning(case: Case) -> bool:
@@ -911,6 +962,45 @@ def test_job_warnings_agree_in_cli_and_exporter(case: Case, running: RunningDaem
     assert rec["ready"] is True and rec["gpu_validation_blocker"] == "none"
     metrics = _exporter_samples(Verdict.from_record(rec))
     assert metrics[("gpudiag_warning", case.code)] == 1
+
+
+@pytest.mark.parametrize("case", FABRIC_CASES, ids=[c.id for c in FABRIC_CASES])
+def test_fabric_faults_agree_in_daemon_metrics_and_history(case: Case, fakes: FakeDriver,
+                                                           tmp_path: Path) -> None:
+    """A port's fault that only the daemon's memory sees (link changes, counter growth):
+    its own daemon over a sysfs tree, the fault made while it runs."""
+    assert case.fabric is not None
+    tree = SysfsTree(tmp_path / "sys")
+    tree.ib_port("mlx5_0")
+    tree.ib_port("mlx5_1")
+    rig = Rig.make(tmp_path / "rig", fakes)
+    config = write_config(tmp_path / "gpudiag.toml", daemon_toml({
+        **MATRIX_CONFIG, "xid": {"enabled": False},
+        "backends.nic": {"enabled": True, "interval_s": 0.5, "flap_transitions": 4}}))
+    daemon = Daemon({**rig.env(), **tree.env()}, config, tmp_path / "state")
+    try:
+        daemon.wait_ready()
+
+        def health() -> dict[str, Any]:
+            status, rec = daemon.get("/v1/health?require=nic")
+            assert status == 200 and isinstance(rec, dict), rec
+            return rec
+
+        wait_for(lambda: health()["backends"].get("nic", {}).get("status") == "ok", 20)
+        case.fabric(tree)
+        pool = "warnings" if _is_warning(case) else "blockers"
+        wait_for(lambda: any(f["code"] == case.code for f in health()[pool]), 20)
+        rec = health()
+        _check_record(case, rec, "daemon /v1/health")
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=30) as r:
+            metrics = _samples(r.read().decode())
+        name = "gpudiag_warning" if _is_warning(case) else "gpudiag_blocker"
+        assert metrics[(name, case.code)] == 1
+    finally:
+        assert daemon.stop() == 0, "\n".join(daemon.lines[-30:])
+    hist = _history(tmp_path / "state")
+    assert any(case.code in (v["warnings"] if _is_warning(case) else v["blockers"])
+               for v in hist["verdicts"]), hist["verdicts"][:3]
 
 
 def test_docs_faults_names_every_catalog_code() -> None:

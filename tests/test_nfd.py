@@ -46,7 +46,7 @@ def test_labels_say_which_backends_are_proven(healthy_runs: Runs) -> None:
     labels = feature_labels(snapshot_of(healthy_runs))
     assert labels == {"gpudiag.ready": "true", "gpudiag.ready.cuda": "true",
                       "gpudiag.ready.jax": "false", "gpudiag.ready.iree": "false",
-                      "gpudiag.gpus-healthy": "2"}
+                      "gpudiag.ready.nic": "false", "gpudiag.gpus-healthy": "2"}
     assert {f"gpudiag.ready.{b}" for b in registry.published()} < set(labels)
 
 
@@ -54,7 +54,8 @@ def test_a_host_wide_blocker_makes_every_backend_false(no_driver_runs: Runs) -> 
     labels = feature_labels(snapshot_of(no_driver_runs))
     assert {k: v for k, v in labels.items() if k.startswith("gpudiag.ready")} == {
         "gpudiag.ready": "false", "gpudiag.ready.cuda": "false",
-        "gpudiag.ready.jax": "false", "gpudiag.ready.iree": "false"}
+        "gpudiag.ready.jax": "false", "gpudiag.ready.iree": "false",
+        "gpudiag.ready.nic": "false"}
 
 
 def test_the_file_is_rewritten_only_when_labels_change_or_expiry_nears(

@@ -383,11 +383,15 @@ def test_the_coverage_table_names_real_codes_and_tests() -> None:
            for c in matrix.DAEMON_CASES}
     ids |= {f"test_qualification_blockers_with_block_true[{c.id}]"
             for c in matrix.QUALIFY_BLOCK_CASES}
+    ids |= {f"test_job_and_admission_faults_agree_in_exporter_and_history[{c.id}]"
+            for c in matrix.OTHER_CASES}
+    ids |= {f"test_fabric_faults_agree_in_daemon_metrics_and_history[{c.id}]"
+            for c in matrix.FABRIC_CASES}
     for cause, _share, how, codes, tests in rows:
         covered = how != "not detected"
         assert covered == bool(tests), f"{cause}: a covered row names its tests, others none"
         for code in re.findall(r"`([a-z_]+)`", codes) if covered else ():
-            if code.startswith(("gpu_", "cuda_", "driver_", "jax_", "node_")):
+            if code.startswith(("gpu_", "cuda_", "driver_", "jax_", "node_", "nic_")):
                 assert code in BLOCKERS or code in WARNINGS, f"{cause}: {code}"
         for ref in re.findall(r"`tests/([a-z_]+)\.py::([^`]+)`", tests):
             module, test = ref

@@ -355,7 +355,8 @@ def one_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     import gpudiag.daemon.remediation as mod
 
     now = time.time()
-    monkeypatch.setattr(mod, "snapshot_faults", lambda snap: ((lost(now - 1),), now - 10))
+    monkeypatch.setattr(mod, "snapshot_faults",
+                        lambda snap, drain_on_nic=False: ((lost(now - 1),), now - 10))
 
 
 def test_the_actor_drains_once_and_keeps_it_across_a_restart(tmp_path: Path,

@@ -190,6 +190,7 @@ _wide_option = click.option("--wide", is_flag=True,
 @options.python
 @_wide_option
 @watch_option
+@options.config
 def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str | None,
           expected_gpus: int | None, python_path: str | None, wide: bool,
           watch_text: str | None) -> None:
@@ -283,6 +284,7 @@ def _answer_options(command: Callable[..., None]) -> Callable[..., None]:
 @click.option("--expected-gpus", type=click.IntRange(1, 1024), metavar="N",
               help="NVIDIA GPUs this node must show (PCI, NVML, cuInit); fewer is the "
               "blocker gpu_missing. Checked by probes run here, not by a daemon.")
+@options.config
 def preflight(require_text: str, devices_text: str | None, min_devices: int | None,
               min_free_text: str | None, gpus: int | None, timeout_text: str | None, fmt: str,
               record_path: str | None, daemon_url: str | None, no_daemon: bool,
@@ -307,6 +309,7 @@ def preflight(require_text: str, devices_text: str | None, min_devices: int | No
 @options.require
 @_answer_options
 @watch_option
+@options.config
 def health(require_text: str, timeout_text: str | None, fmt: str, record_path: str | None,
            daemon_url: str | None, no_daemon: bool, python_path: str | None, wide: bool,
            watch_text: str | None) -> None:

@@ -35,6 +35,44 @@ require = click.option("--require", "require_text", default="cuda", show_default
                        metavar="LIST", help=_require_help())
 
 
+def _apply_config(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Hand the config's backend settings ([backends.nic] expect, ...) to the probe children
+    run here, as the daemon hands them to its own; a bad --config is a usage error."""
+    import os
+    import sys
+
+    from gpudiag.daemon.config import (
+        NODE_CONFIG,
+        SETTINGS_VARIABLE,
+        ConfigError,
+        backend_settings_json,
+        load_config,
+    )
+
+    path = value if value is not None else (NODE_CONFIG if os.path.exists(NODE_CONFIG)
+                                            else None)
+    if path is None:
+        return
+    try:
+        cfg = load_config(path)
+    except (ConfigError, OSError) as e:
+        if value is not None:
+            raise click.BadParameter(str(e), ctx=ctx, param=param) from e
+        # The node's own file, not asked for: a probe still runs, with the defaults.
+        print(f"gpudiag: {path}: {e}; backend settings at their defaults", file=sys.stderr)
+        return
+    os.environ[SETTINGS_VARIABLE] = backend_settings_json(cfg)
+
+
+# The one --config of the one-shot commands (probe, preflight, health): the backend settings
+# their probe children use, read as `gpudiag serve --config` reads them.
+config = click.option("--config", "config_path", metavar="PATH", expose_value=False,
+                      type=click.Path(dir_okay=False), callback=_apply_config,
+                      help="The daemon's TOML config to read backend settings from "
+                      "([backends.nic] expect, ...).  [default: /etc/gpudiag/gpudiag.toml "
+                      "when it exists]")
+
+
 # The one --python of every command that proves or asks for a job (probe, preflight, health,
 # run, fingerprint): the job's interpreter (engine/jobpython.py).
 python = click.option(

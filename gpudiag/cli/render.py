@@ -276,6 +276,39 @@ def _smi_cells(d: DeviceInfo) -> list[str | Text]:
     return [power, clocks, "-" if d.pstate is None else f"P{d.pstate}", fan, ecc]
 
 
+def _ports(verdict: Verdict) -> Table | None:
+    """The nic backend's ports (``--wide``): state, rate, whether expected, PCI place, and the
+    GPUs behind the same PCIe switch (by index where the verdict has them)."""
+    nic = verdict.backends.get("nic")
+    ports = nic.detail.get("ports") if nic is not None else None
+    if not isinstance(ports, list) or not ports:
+        return None
+    expected = nic.detail.get("expected") if nic is not None else None
+    wanted = set(expected) if isinstance(expected, list) else set()
+    index = {short_pci(d.pci_bus_id).lower(): str(d.index) for d in verdict.devices
+             if d.pci_bus_id}
+    table = Table(title="Ports", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  show_edge=False)
+    for col in ("port", "link", "rate", "expected", "pci", "numa", "gpus (PCIe switch)"):
+        table.add_column(col, no_wrap=col != "gpus (PCIe switch)", overflow="fold")
+    for port in ports:
+        if not isinstance(port, dict):
+            continue
+        raw = port.get("gpus")
+        gpus: dict[str, str] = raw if isinstance(raw, dict) else {}
+        near = [f"GPU {index[short_pci(b).lower()]}" if short_pci(b).lower() in index
+                else short_pci(b) for b, rel in sorted(gpus.items()) if rel in ("PIX", "PXB")]
+        rate = port.get("rate_gbps")
+        up = port.get("up")
+        table.add_row(str(port.get("port")),
+                      Text("up" if up else "down", style="green" if up else "red"),
+                      "-" if rate is None else f"{rate:g} Gb/s",
+                      "yes" if port.get("port") in wanted else "no",
+                      short_pci(port.get("pci_bus_id")), str(port.get("numa_node", "-")),
+                      ", ".join(near) or "-")
+    return table
+
+
 def _processes(verdict: Verdict) -> Table | None:
     """nvidia-smi's process table: every compute process on a GPU, its memory, user, name."""
     rows = [(d, p) for d in verdict.devices for p in d.processes or ()]
@@ -419,6 +452,9 @@ def render_text(verdict: Verdict, stream: IO[str], *, color: bool | None = None,
         processes = _processes(verdict)
         if processes is not None:
             console.print(processes)
+    ports = _ports(verdict) if wide else None
+    if ports is not None:
+        console.print(ports)
     if verdict.blockers:
         _findings(console, "Blockers", verdict.ordered_blockers(), "bold red", verdict, wide,
                   fold=True)

@@ -113,6 +113,16 @@ class BackendSpec:
     version_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether its node-health proof is published (snapshot.backends_proven, NFD, fleet).
     published: bool = False
+    # Its own keys under ``[backends.NAME]`` besides enabled/interval_s/deadline_s, and the
+    # "module:function" that checks them (raises ValueError naming the key); the probe
+    # child reads them from the same file (GPUDIAG_CONFIG).
+    settings_keys: tuple[str, ...] = ()
+    check_settings: Callable[[Mapping[str, Any]], object] | str | None = None
+
+    def settings_checked(self, raw: Mapping[str, Any]) -> None:
+        """Raise ValueError when ``raw`` (its own keys) cannot be used."""
+        if self.check_settings is not None:
+            _resolve(self.check_settings)(raw)
 
     def observation_type(self) -> type:
         """The typed observation class (imported on first use)."""

@@ -14,6 +14,7 @@ LAYER_ORDER: tuple[str, ...] = (
     "visibility",
     "driver",
     "device",
+    "network",
     "cuda",
     "jax",
     "iree",
@@ -47,6 +48,12 @@ DRAINS: frozenset[str] = frozenset({
     "gpu_missing", "gpu_fabric_not_ready", "gpu_nvlink_down", "node_reboot_required",
     "gpu_compute_mismatch",
 })
+
+
+# NIC codes that may drain, only where the operator says so ([remediation] drain_on_nic =
+# true): a port down or flapping is hardware of the node, but whether a job can run without
+# that port is the site's call, so the default observes only (never in DRAINS).
+NIC_DRAINS: frozenset[str] = frozenset({"nic_link_down", "nic_link_flapping"})
 
 
 def _rows(layer: str, *rows: tuple[str, str, str]) -> list[CatalogEntry]:
@@ -253,6 +260,27 @@ BLOCKERS: dict[str, CatalogEntry] = {
              "Read the message; check that the compiler supports the GPU's target."),
         ),
         *_rows(
+            "network",
+            ("nic_link_down",
+             "An expected network port (InfiniBand/RoCE HCA port or netdev) is not "
+             "ACTIVE/LinkUp or has no carrier.",
+             "Check the cable, transceiver and switch port (the message gives state and "
+             "phys_state: Polling means no peer trained, Disabled an administrative "
+             "shutdown); ibstat or ip link on the node, the subnet manager's log. Remove a "
+             "port that is not meant to be cabled from [backends.nic] expect."),
+            ("nic_link_degraded",
+             "An expected port runs below min_rate_gbps (a blocker only when that is "
+             "configured; below its peers' rate it is a warning).",
+             "A link trained at a lower rate or width: reseat or replace the cable or "
+             "transceiver, check the switch port's speed settings; the message gives the "
+             "rate seen."),
+            ("nic_link_flapping",
+             "An expected port changed link state flap_transitions times within "
+             "flap_window_s.",
+             "A marginal cable, transceiver or switch port: replace the cable or move the "
+             "port; read the switch's port log. It clears once the window passes steady."),
+        ),
+        *_rows(
             "requirement",
             ("insufficient_devices", "Fewer usable GPUs than the requirement asks for.",
              "Name GPUs that are here (gpudiag probe lists each one's index, UUID and PCI "
@@ -318,6 +346,23 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "A reset is due: row remaps or page retirements are pending.",
                      "New work may still run (NVIDIA); reset the GPU (nvidia-smi -r) at the "
                      "next drain to apply them."),
+        CatalogEntry("nic_link_degraded", "network",
+                     "An expected port runs below its peers' rate (no min_rate_gbps "
+                     "configured).",
+                     "Reseat or replace the cable or transceiver; check the switch port's "
+                     "speed; set [backends.nic] min_rate_gbps to make it a blocker."),
+        CatalogEntry("nic_errors_rising", "network",
+                     "An expected port's error counters (symbol, link-downed, receive, link "
+                     "integrity) grew.",
+                     "Watch the counters (gpudiag_nic_errors_total); a steady climb is a "
+                     "marginal cable or transceiver: replace it at the next drain. Counter "
+                     "resets and a reboot start a new baseline."),
+        CatalogEntry("nic_config_drift", "network",
+                     "An HCA runs other firmware (fw_ver) than the majority of the node's HCAs "
+                     "of its model.",
+                     "Flash the node's HCAs to one firmware (mlxfwmanager, or the vendor's "
+                     "tool) at the next drain; mixed firmware across the ports of one job is "
+                     "a known source of link and RDMA differences."),
         CatalogEntry("device_count_mismatch", "cuda",
                      "NVML and cuInit disagree on the number of GPUs.",
                      "Check CUDA_VISIBLE_DEVICES and MIG; a GPU may be hidden or failing."),
@@ -399,10 +444,11 @@ def entry(code: str) -> CatalogEntry:
     return found
 
 
-def drains(code: str) -> bool:
-    """Whether remediation may drain a node on blocker ``code`` (False for unknown codes)."""
+def drains(code: str, *, drain_on_nic: bool = False) -> bool:
+    """Whether remediation may drain a node on blocker ``code`` (False for unknown codes);
+    ``drain_on_nic``: also the NIC codes of ``NIC_DRAINS``."""
     row = BLOCKERS.get(code)
-    return row is not None and row.drains
+    return row is not None and (row.drains or (drain_on_nic and code in NIC_DRAINS))
 
 
 def layer_rank(layer: str) -> int:

@@ -10,7 +10,7 @@ call time), so a test that appends a spec sees it everywhere.
 from __future__ import annotations
 
 from gpudiag.core.backend import BackendSpec
-from gpudiag.core.backends import cuda, host, iree, jax, nvml
+from gpudiag.core.backends import cuda, host, iree, jax, nic, nvml
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ BACKENDS: list[BackendSpec] = [
     cuda.SPEC,
     jax.SPEC,
     iree.SPEC,
+    nic.SPEC,
 ]
 
 

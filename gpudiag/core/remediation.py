@@ -253,7 +253,10 @@ def is_gpudiag_reason(reason: str) -> bool:
 def live_faults(faults: tuple[Fault, ...], memory: Memory) -> list[Fault]:
     """The faults that may act: a draining code, evidence newer than its recovery boundary;
     oldest first (the incident's first fault names it)."""
-    out = [f for f in faults if drains(f.code) and f.evidence_wall > memory.boundary(f.uuid)]
+    # A NIC fault is among ``faults`` only where [remediation] drain_on_nic is on: the daemon
+    # gathers them (daemon.remediation.snapshot_faults), so here it may drain.
+    out = [f for f in faults if drains(f.code, drain_on_nic=True)
+           and f.evidence_wall > memory.boundary(f.uuid)]
     return sorted(out, key=lambda f: (f.evidence_wall, f.code, f.uuid or ""))
 
 

@@ -54,6 +54,10 @@ class Finding:
                 "remediation": self.remediation}
 
 
+# Backends about the node, not its GPUs (BackendRequirement.needs_gpu).
+NODE_BACKENDS: frozenset[str] = frozenset({"nic"})
+
+
 @dataclass(frozen=True)
 class BackendRequirement:
     """One required backend; ``platform`` is JAX's platform or IREE's driver."""
@@ -65,8 +69,10 @@ class BackendRequirement:
     def needs_gpu(self) -> bool:
         """Whether this requirement can only be met by an NVIDIA GPU: the default platform
         (none named) is the GPU; a named one other than gpu/cuda (jax:cpu, iree:local-task,
-        iree:hip) is not. One rule for every backend spec (gpudiag.core.registry)."""
-        return self.platform in (None, "gpu", "cuda")
+        iree:hip) is not. One rule for every backend spec (gpudiag.core.registry), and one
+        exception: the node's network ports (``nic``) are no GPU's, so requiring them alone
+        runs no GPU probe and a GPU fault never blocks them."""
+        return self.platform in (None, "gpu", "cuda") and self.name not in NODE_BACKENDS
 
     def spec(self) -> str:
         return self.name if self.platform is None else f"{self.name}:{self.platform}"

@@ -34,6 +34,7 @@ from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one li
 from gpudiag.daemon.httpserver import PEER_KEY, PEER_PIDFD_KEY, HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.jobs import JobInbox
+from gpudiag.daemon.nic_exporter import NicCollector
 from gpudiag.daemon.qualify_queue import (
     ALREADY_QUEUED,
     NO_GPUS,
@@ -257,6 +258,7 @@ class DaemonApp:
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
+        self.registry.register(NicCollector(scheduler.snapshot))  # gpudiag_nic_*
         # Questions per (path, query) of the config they were parsed under: parsing is pure,
         # and a job runner asks the same few questions over and over.
         self._asking: dict[str, Callable[[Mapping[str, str]], _Question]] = {

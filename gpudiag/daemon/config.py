@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core import registry
+from gpudiag.core.backend import BackendSpec
 from gpudiag.core.fileio import RefusedFile, read_regular
 from gpudiag.core.job_watch import JobWatchPolicy
 from gpudiag.core.limits import DEFAULT_PORT
@@ -66,6 +67,8 @@ class BackendConfig:
     enabled: bool
     interval_s: float
     deadline_s: float
+    # The backend's own keys as written ([backends.nic] expect, ...), checked at load.
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,9 @@ class RemediationConfig:
     fleet_ratio: float = 0.10
     max_attempts_per_gpu: int = 2
     attempt_window_s: float = 7 * 86400.0
+    # An expected network port down or flapping drains too (default: observe only for NIC
+    # codes; gpudiag.core.catalog.NIC_DRAINS).
+    drain_on_nic: bool = False
 
 
 @dataclass(frozen=True)
@@ -438,10 +444,34 @@ def _backends(t: _Table) -> dict[str, BackendConfig]:
         backends[s.name] = BackendConfig(
             enabled=b.flag("enabled", s.enabled),
             interval_s=b.seconds("interval_s", s.interval_s),
-            deadline_s=b.seconds("deadline_s", s.timeout_s, maximum=3600.0))
+            deadline_s=b.seconds("deadline_s", s.timeout_s, maximum=3600.0),
+            settings=_settings(s, b))
         b.finish()
     t.finish()
     return backends
+
+
+def _settings(spec: BackendSpec, b: _Table) -> dict[str, Any]:
+    """A backend's own keys (``BackendSpec.settings_keys``), checked by its spec."""
+    own = {k: b.get(k) for k in spec.settings_keys if b.raw.get(k) is not None}
+    try:
+        spec.settings_checked(own)
+    except ValueError as e:
+        raise ConfigError(f"{b.where}.{e}") from e
+    return own
+
+
+# The variable a probe child reads its backend's own settings from (JSON, by backend name).
+SETTINGS_VARIABLE = "GPUDIAG_BACKEND_SETTINGS"
+# The node's config file: what the one-shot commands read backend settings from when it
+# exists and no --config is given (the systemd unit's and the Helm chart's path).
+NODE_CONFIG = "/etc/gpudiag/gpudiag.toml"
+
+
+def backend_settings_json(cfg: DaemonConfig) -> str:
+    """Every backend's own settings as one JSON object (SETTINGS_VARIABLE's value)."""
+    return json.dumps({name: dict(b.settings) for name, b in sorted(cfg.backends.items())
+                       if b.settings}, sort_keys=True)
 
 
 def _xid(x: _Table) -> XidConfig:
@@ -673,7 +703,8 @@ def _remediation(t: _Table) -> RemediationConfig:
         fleet_ratio=d.fleet_ratio if ratio is None else float(ratio),
         max_attempts_per_gpu=d.max_attempts_per_gpu if attempts is None else attempts,
         attempt_window_s=t.seconds("attempt_window_s", d.attempt_window_s, minimum=1.0,
-                                   maximum=366 * 86400.0))
+                                   maximum=366 * 86400.0),
+        drain_on_nic=t.flag("drain_on_nic", d.drain_on_nic))
     t.finish()
     return cfg
 

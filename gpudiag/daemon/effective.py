@@ -41,6 +41,7 @@ NOT_IN_FILE: Mapping[str, str] = {
     "Runtime.name": "",               # the table's own name
     "Runtime.uid": "its children's uid, from user (a root daemon's default: 65534)",
     "Runtime.gid": "its children's gid, from user",
+    "BackendConfig.settings": "",     # a backend's own keys, printed in its table
     "QualificationConfig.table": "read from reference_file",
     "NvmlHealthPolicy.held_memory_floor_bytes": "fixed",
     "NvmlHealthPolicy.held_memory_share": "fixed",
@@ -99,6 +100,9 @@ def _walk(obj: Any, table: str, tables: dict[str, list[str]]) -> None:
             continue
         where, _, key = _join(table, place).rpartition(".")
         lines = tables.setdefault(where, [])
+        if qual == "BackendConfig.settings":  # a backend's own keys, in its own table
+            lines += [f"{k} = {toml_value(v)}" for k, v in value.items()]
+            continue
         if qual in NOT_IN_FILE:
             if NOT_IN_FILE[qual]:
                 shown = ("not set" if value is None else f"{len(value)} rows"

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpudiag.core.catalog import drains
+from gpudiag.core.catalog import NIC_DRAINS, drains
 from gpudiag.core.fileio import RefusedFile, read_regular
 from gpudiag.core.remediation import (
     KILL_ALL,
@@ -85,9 +85,12 @@ def check_node_once(cfg: RemediationConfig) -> tuple[bool, str]:
                   f"{','.join(info.partitions) or 'none'}), mode {cfg.mode}")
 
 
-def snapshot_faults(snap: Snapshot) -> tuple[tuple[Fault, ...] | None, float | None]:
+def snapshot_faults(snap: Snapshot, drain_on_nic: bool = False
+                    ) -> tuple[tuple[Fault, ...] | None, float | None]:
     """The node-health verdict's draining faults with their evidence times, and the oldest
-    start of the GPU probes behind it; (None, None) before there is a verdict."""
+    start of the GPU probes behind it; (None, None) before there is a verdict.
+    ``drain_on_nic`` ([remediation] drain_on_nic): also an expected port down or flapping,
+    from the verdict of every enabled backend (the nic backend is in it when enabled)."""
     verdict = snap.ready
     if verdict is None:
         return None, None
@@ -108,6 +111,10 @@ def snapshot_faults(snap: Snapshot) -> tuple[tuple[Fault, ...] | None, float | N
                 and (x.uuid == uuid if uuid and x.uuid else f"index {x.device_index}"
                      == b.device)]
         faults.append(Fault(b.code, uuid, max(xids) if xids else probed))
+    nic = snap.result("nic")
+    for b in (snap.full.blockers if drain_on_nic and snap.full is not None else ()):
+        if b.code in NIC_DRAINS and nic is not None:  # the port's fault: no GPU of it
+            faults.append(Fault(b.code, None, nic.started_wall))
     return tuple(dict.fromkeys(faults)), since
 
 
@@ -233,7 +240,8 @@ class Remediator:
             memory = cleared(memory, uuid, wall, by_person=by_person)
         rails = self._rails()
         now = self._wall()
-        faults, since = snapshot_faults(snap) if snap is not None else (None, None)
+        faults, since = (snapshot_faults(snap, self.cfg.drain_on_nic) if snap is not None
+                         else (None, None))
         facts = Facts(now, faults, since, node=None)
         memory = released(memory, facts)
         self._keep(memory)

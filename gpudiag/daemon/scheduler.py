@@ -23,6 +23,8 @@ from gpudiag.core.backend import ONE_GPU
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.identity import LastIdentities
+from gpudiag.core.nic import NicMemory, NicObservation
+from gpudiag.core.nic import advance as advance_nic
 from gpudiag.core.nvml_health import NvmlHistory, advance
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify_verdict import QualificationFindings
@@ -32,7 +34,7 @@ from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.core.verdict import BackendRequirement, Requirement, Verdict
 from gpudiag.core.xids import fatal_xid
 from gpudiag.daemon import nvlinks
-from gpudiag.daemon.config import DaemonConfig
+from gpudiag.daemon.config import SETTINGS_VARIABLE, DaemonConfig, backend_settings_json
 from gpudiag.daemon.joblocks import LOCK_VIEW_WHYS, JobLocks
 from gpudiag.daemon.loop import LoopThread
 from gpudiag.daemon.runtime_health import (
@@ -214,6 +216,9 @@ class Scheduler:
         self._watcher = watcher
         self._on_tick = on_tick
         self._env = probe_environment(os.environ if env is None else env)
+        # A backend's own settings ([backends.nic] expect, ...) reach its child as the
+        # daemon checked them, never read again from a file (gpudiag.probes.nic_probe).
+        self._env[SETTINGS_VARIABLE] = backend_settings_json(config)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
         self._job_locks = JobLocks(self._lock_dir)
         # The job environments this node serves (docs/design-notes.md, "Whose environment is
@@ -235,6 +240,9 @@ class Scheduler:
         self._nvlinks_file = nvlinks_file
         self._nvml_history = NvmlHistory(
             nvlinks_active=nvlinks.load(nvlinks_file) if nvlinks_file else {})
+        # The nic backend's memory since this boot (core.nic): which ports were up, link
+        # changes within the flap window, error counters' growth.
+        self._nic_memory: NicMemory | None = None
         self._guard = threading.Lock()  # one active-probe claim at a time
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="probe")
         self._lock = threading.Lock()
@@ -416,6 +424,8 @@ class Scheduler:
             self._results[key] = result
             if key.backend == "nvml":
                 self._remember_nvml(run, finished)
+            if key.backend == "nic" and isinstance(run.parsed, NicObservation):
+                self._nic_memory = advance_nic(self._nic_memory, run.parsed, finished)
             self._record_stats(key, result)
             self._schedule_next(key, run)
             self._learn(key, run, finished)
@@ -484,7 +494,7 @@ class Scheduler:
                         last_seen=self._last_seen.current(),
                         runtimes=tuple(self._runtimes.runtimes.values()),
                         fingerprints=self._runtimes.fingerprints(),
-                        runtime_gpu=dict(self._backend_gpu))
+                        runtime_gpu=dict(self._backend_gpu), nic_memory=self._nic_memory)
         device = verdict_for(base, self.full_requirement, now_wall=now, policy=self.policy)
         enabled = [n for n in self.config.enabled_backends if n in environment_backends()]
         required = {name: required_by(r, self._runtimes.installed(name), enabled)

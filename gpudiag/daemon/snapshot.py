@@ -13,9 +13,11 @@ from typing import Any
 
 from gpudiag.core import registry
 from gpudiag.core.classify import classify
+from gpudiag.core.classify_nic import remembered
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.identity import GpuIdentity
+from gpudiag.core.nic import NicMemory
 from gpudiag.core.nvml_health import NvmlHealthPolicy, NvmlHistory
 from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
@@ -169,6 +171,8 @@ class Snapshot:
     # A runtime the daemon refuses to run (its import path became writable by another user:
     # engine/runtimes.py, import_path_problem): why; its proofs are dropped meanwhile.
     runtime_refused: Mapping[str, str] = field(default_factory=dict)
+    # The nic backend's memory since this boot (core.nic): ports seen up, link changes, counters.
+    nic_memory: NicMemory | None = None
 
     @property
     def round_complete(self) -> bool:
@@ -361,6 +365,8 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
     if len(results) != len(found):
         return None
     runs = {r.key.backend: r.run for r in results}
+    if "nic" in runs:
+        runs["nic"] = remembered(runs["nic"], snapshot.nic_memory)
     for backend, why in (proofs.prove_here.items() if proofs is not None else ()):
         runs[backend] = ProbeRun(backend, None, 0.0, skipped=why)
     host_run = runs.get("host")
