@@ -6,6 +6,7 @@ driver: each must return data. The same Prometheus loads the alert rules."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gpudiag.core.usage import ALLOCATION_INBOX, AllocationRecord
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon
 from tests.support.prometheus import (
@@ -122,6 +124,7 @@ class Fleet:
     prometheus_url: str
     healthy: Daemon
     blocked: Daemon
+    healthy_state: Path  # node a's state directory
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -146,7 +149,7 @@ def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     prometheus = start_prometheus(root, [healthy.instance, blocked.instance])
     port = prometheus.port  # type: ignore[attr-defined]
     try:
-        yield Fleet(f"http://127.0.0.1:{port}", healthy, blocked)
+        yield Fleet(f"http://127.0.0.1:{port}", healthy, blocked, root / "a" / "state")
     finally:
         prometheus.terminate()
         for daemon in (healthy, blocked):
@@ -273,3 +276,38 @@ def test_fleet_panels_show_each_node_s_free_healthy_gpus_per_backend(fleet: Flee
     readiness = {r["metric"].get("backend", "unknown"): r["value"][1] for r in fleet.query(
         'count by (backend) (gpudiag_backend_ready == 1)')}
     assert readiness == {"cuda": "2"}
+
+
+def test_the_power_panel_joins_the_job_holding_a_gpu_by_its_job_id_once_per_gpu(
+        fleet: Fleet) -> None:
+    """The allocation's label is ``job_id``: Prometheus keeps its own ``job`` (the scrape
+    job) and would store a target's ``job`` as ``exported_job``, so the join showed
+    ``job="gpudiag"``. Each GPU is one row, held or not."""
+    a = fleet.healthy.instance
+    wait_for_every_expression(fleet, [("info", f'gpudiag_gpu_info{{instance="{a}"}}', "")])
+    uuids = sorted(r["metric"]["uuid"] for r in fleet.query(
+        f'gpudiag_gpu_info{{instance="{a}"}}'))
+    # This test's process is the run holding GPU 0 (its pid lives, and owns the file).
+    claim = AllocationRecord(os.getpid(), (uuids[0],), "4242", "slurm", time.time())
+    inbox = fleet.healthy_state / ALLOCATION_INBOX
+    (inbox / "join-test.json").write_text(json.dumps(claim.record()))
+    expr = substitute(next(e for t, _, e in expressions()
+                           if t == "GPU power and the job holding it"), ".*", ".*")
+    try:
+        deadline = time.monotonic() + 60
+        rows: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            rows = [r["metric"] for r in fleet.query(expr) if r["metric"]["instance"] == a]
+            if any(m.get("job_id") == "4242" for m in rows):
+                break
+            time.sleep(1.0)
+        held = [m for m in rows if m.get("job_id") == "4242"]
+        assert [m["uuid"] for m in held] == [uuids[0]], rows
+        assert held[0]["job"] == "gpudiag" and held[0]["scheduler"] == "slurm"
+        assert held[0]["user"] and "exported_job" not in held[0]
+        assert sorted(m["uuid"] for m in rows) == uuids, rows  # one row per GPU
+        joined = fleet.query(f'gpudiag_gpu_power_watts{{instance="{a}"}} * on (instance, '
+                             "uuid) group_left (job_id, user) gpudiag_gpu_allocation_info")
+        assert [r["metric"]["job_id"] for r in joined] == ["4242"]
+    finally:
+        (inbox / "join-test.json").unlink(missing_ok=True)

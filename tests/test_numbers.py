@@ -292,9 +292,9 @@ def test_a_run_shows_one_allocation_series_then_closes_out_with_energy_and_a_ref
         held = [s for s in seen if s]
         assert held and all(len(s) == 1 and s[0]["uuid"] == slot["uuid"] for s in held)
         (first,) = held[0]
-        assert first["user"] and first["scheduler"] == "none" and first["job"].startswith("pid-")
+        assert first["user"] and first["scheduler"] == "none" and first["job_id"].startswith("pid-")
         # One label set per GPU: no job label on any other per-GPU series.
-        assert all("job" not in lab for fam in text_string_to_metric_families(_metrics(daemon))
+        assert all("job_id" not in lab for fam in text_string_to_metric_families(_metrics(daemon))
                    for s in fam.samples for lab in [s.labels]
                    if s.name != "gpudiag_gpu_allocation_info")
         (usage,) = closeout["gpu_usage"]
@@ -387,3 +387,18 @@ def test_the_meter_says_why_energy_is_missing_and_never_makes_up_a_zero(
     lost.start()
     (gone,) = lost.stop()
     assert gone.energy_joules is None and gone.why_missing
+
+
+
+def test_a_state_folder_the_run_cannot_examine_skips_its_records_and_the_run_goes_on(
+        tmp_path: Path) -> None:
+    """An error examining the best-effort allocation file's folder (EACCES for a state
+    folder the run may not search; here ENAMETOOLONG, which root meets too) is "no daemon
+    here", never a failure before launch (exit 125)."""
+    from gpudiag.runner.usage import Allocation, report_block
+
+    env = {"GPUDIAG_STATE_DIR": str(tmp_path / ("x" * 300))}
+    with pytest.raises(OSError):
+        (tmp_path / ("x" * 300)).is_dir()  # what aborted the run before
+    assert Allocation([UUIDS[0]], env).begin() is None
+    assert report_block("gpu_lost", [], env) is None

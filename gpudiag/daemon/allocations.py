@@ -1,16 +1,19 @@
-"""Which job holds which GPU, as a join: ``gpudiag_gpu_allocation_info{uuid, job, user,
+"""Which job holds which GPU, as a join: ``gpudiag_gpu_allocation_info{uuid, job_id, user,
 scheduler} 1`` while a `gpudiag run` holds the GPU, gone when it closes out.
 
 Never a job label on a per-GPU gauge (a DCGM exporter's ``hpc_job`` label multiplied its
 series by the number of jobs): one info series per allocated GPU leaf, at most one per leaf,
-joined in PromQL (``* on (uuid) group_left (job, user) gpudiag_gpu_allocation_info``).
+joined in PromQL (``* on (instance, uuid) group_left (job_id, user)
+gpudiag_gpu_allocation_info``). The label is ``job_id``, never ``job``: Prometheus's own
+target label ``job`` would rename it ``exported_job`` at the scrape, and every join on it
+would show the scrape job's name.
 
 Each run drops a ``gpudiag.allocation/1`` file into ``STATE_DIR/allocations/`` (sticky and
 writable by everyone, listable by nobody else: the job-closeouts inbox's mode) once its GPUs
 are locked, and removes it at closeout. The file is a claim: the daemon shows it only while
 its pid lives and is owned by the file's owner (the kernel's word for both), so a run killed
 by SIGKILL drops out at the next loop and its file is removed. ``user`` is the file owner's
-name, never the file's content; ``job`` and ``scheduler`` are the run's word (display).
+name, never the file's content; ``job_id`` and ``scheduler`` are the run's word (display).
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ def _family(state: Iterable[Allocation]) -> Iterator[Metric]:
     family = GaugeMetricFamily(
         "gpudiag_gpu_allocation_info",
         "1 while a job (gpudiag run) holds this GPU leaf; join on uuid, never a job label on "
-        "a per-GPU series.", labels=["uuid", "job", "user", "scheduler"])
+        "a per-GPU series.", labels=["uuid", "job_id", "user", "scheduler"])
     for a in state:
         family.add_metric([a.uuid, a.job, a.user, a.scheduler], 1.0)
     yield family

@@ -151,7 +151,7 @@ class Allocation:
 
     def begin(self) -> Path | None:
         """Drop the file (atomically); None when there is no daemon here to show it."""
-        if not self._leaves or not self._folder.is_dir():
+        if not self._leaves or not _is_dir(self._folder):
             return None
         record = AllocationRecord(os.getpid(), tuple(self._leaves), self._job,
                                   self._scheduler, time.time())
@@ -177,10 +177,19 @@ class Allocation:
             self.path = None
 
 
+def _is_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder; False when it cannot even be examined (a state folder
+    this user may not search: EACCES): a best-effort record is skipped, the run goes on."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
 def report_block(code: str, codes: Sequence[str], env: Mapping[str, str]) -> str | None:
     """Drop a refused run's record into the daemon's inbox; its path, or None."""
     folder = default_state_dir(env) / JOB_INBOX
-    if not folder.is_dir():
+    if not _is_dir(folder):
         return None
     record = BlockRecord(os.getpid(), code, tuple(codes), time.time(),
                          env.get("SLURM_JOB_ID") or None)
