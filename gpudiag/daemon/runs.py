@@ -229,6 +229,11 @@ class RunWindows:
         self._open: dict[str, OpenRun] = {}
         self._recent: deque[EndedRun] = deque(maxlen=RECENT_RUNS)
 
+    def open_runs(self) -> tuple[OpenRun, ...]:
+        """The runs attested and not ended, oldest first (the allocation series' source)."""
+        with self._lock:
+            return tuple(sorted(self._open.values(), key=lambda r: r.began))
+
     def restore(self) -> int:
         """Open again the runs an earlier daemon attested that are still running (the kernel
         checks each again: daemon/open_runs.py); how many."""

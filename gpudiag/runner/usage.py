@@ -1,10 +1,8 @@
-"""A run's numbers for the node's daemon: its GPU meter, its allocation file, its refusal.
+"""A run's numbers for the node's daemon: its GPU meter and its refusal.
 
 - ``JobMeter``: the ``gpudiag.probes.job_meter`` child beside the job (NVML only, no CUDA
   context): energy from the total energy counter start to end, peak memory used and the
   throttle reasons seen, per physical GPU; the closeout's ``gpu_usage``.
-- ``Allocation``: the ``gpudiag.allocation/1`` file in ``STATE_DIR/allocations/`` while the
-  run holds its GPUs (``gpudiag_gpu_allocation_info``), removed at closeout.
 - ``report_block``: a refused run's ``gpudiag.block/1`` record into the job-closeouts inbox
   (``gpudiag_preflight_blocks_total{code}``).
 Each is best effort: without a daemon (no state directory) or without NVML the run goes on
@@ -27,14 +25,7 @@ from typing import Any
 
 from gpudiag.core.attribution import JOB_INBOX
 from gpudiag.core.environment import probe_environment
-from gpudiag.core.usage import (
-    ALLOCATION_INBOX,
-    AllocationRecord,
-    BlockRecord,
-    GpuUsage,
-    job_scheduler,
-    usages_of,
-)
+from gpudiag.core.usage import BlockRecord, GpuUsage, usages_of
 from gpudiag.engine.statedir import default_state_dir
 from gpudiag.runner.attribution import RunWatcher, _prctl_subreaper
 
@@ -138,43 +129,6 @@ class JobMeter:
         found = {u.uuid: u for u in usages_of(msg.get("gpus"))}
         why = self.start_error or "the GPU meter gave no reading"
         return tuple(found.get(u) or GpuUsage(u, why_missing=why) for u in self.gpus)
-
-
-class Allocation:
-    """This run's allocation file: written once its GPUs are locked, removed at closeout."""
-
-    def __init__(self, leaves: Sequence[str], env: Mapping[str, str]) -> None:
-        self._leaves = [u for u in leaves if u]
-        self._folder = default_state_dir(env) / ALLOCATION_INBOX
-        self._job, self._scheduler = job_scheduler(env.get("SLURM_JOB_ID") or None)
-        self.path: Path | None = None
-
-    def begin(self) -> Path | None:
-        """Drop the file (atomically); None when there is no daemon here to show it."""
-        if not self._leaves or not _is_dir(self._folder):
-            return None
-        record = AllocationRecord(os.getpid(), tuple(self._leaves), self._job,
-                                  self._scheduler, time.time())
-        name = f"{record.pid}-{time.time_ns()}"
-        tmp, final = self._folder / f".{name}.tmp", self._folder / f"{name}.json"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps(record.record()) + "\n")
-            os.rename(tmp, final)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            return None
-        self.path = final
-        return final
-
-    def end(self) -> None:
-        """Remove the file: the allocation series goes at the daemon's next loop."""
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
-            self.path = None
 
 
 def _is_dir(path: Path) -> bool:
