@@ -735,9 +735,12 @@ def describe_holders(found: Sequence[Holder] | None) -> str:
 def locked_by(lock_dir: Path, uuid: str, pid: int, table: list[KernelLock] | None = None
               ) -> bool:
     """Whether the kernel says process ``pid`` itself holds ``uuid``'s lock exclusively (as
-    ``gpudiag run`` holds its GPUs). /proc/locks alone: no look at the process, which a
-    sandboxed daemon (ProtectProc=invisible) may not see."""
-    key = _file_key(_lock_path(lock_dir, uuid))
+    ``gpudiag run`` holds its GPUs): the O(1) test first (held exclusively at all?), then the
+    process's own descriptors (``/proc/PID/fdinfo``: the locks each one holds, a read of that
+    process alone), and only where those cannot be read (another user's process to a
+    sandboxed daemon) the kernel's table, within its bounds."""
+    path = _lock_path(lock_dir, uuid)
+    key = _file_key(path)
     if key is None:
         return False
     try:
@@ -745,10 +748,46 @@ def locked_by(lock_dir: Path, uuid: str, pid: int, table: list[KernelLock] | Non
             return False  # the O(1) answer first: nobody holds it exclusively
     except LockFailed:
         return False
+    own = _fdinfo_holds(pid, os.makedev(key[0], key[1]), key[2])
+    if own is not None:
+        return own
     table = kernel_locks() if table is None else table
     if table is None:
         return False
     return any(lk.pid == pid and not lk.shared for lk in flocks_on(table, *key))
+
+
+_MAX_FDS_LOOKED_AT = 4096  # a process with more: its descriptors are not walked
+
+
+def _fdinfo_holds(pid: int, device: int, inode: int) -> bool | None:
+    """Whether one of ``pid``'s descriptors of the file holds an exclusive flock on it, as its
+    ``/proc/PID/fdinfo`` says; None when that cannot be read (then: the table)."""
+    folder = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    if len(names) > _MAX_FDS_LOOKED_AT:
+        return None
+    for name in names:
+        try:
+            st = os.stat(f"{folder}/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) != (device, inode):
+            continue
+        try:
+            with open(f"/proc/{pid}/fdinfo/{name}", "rb") as fh:
+                info = fh.read(64 << 10).decode("ascii", "replace")
+        except OSError:
+            return None
+        for line in info.splitlines():
+            if line.startswith("lock:"):
+                found = parse_proc_locks(line.partition(":")[2].strip())
+                if any(lk.kind == "FLOCK" and not lk.shared for lk in found):
+                    return True
+    return False
 
 
 # --- waiting for a lock: in the kernel ---------------------------------------------------------
