@@ -30,6 +30,7 @@ from gpudiag.engine.locks import (
     LockFailed,
     holders,
     lock_state,
+    locked_by,
     read_lock_table,
     release,
     try_lock,
@@ -239,3 +240,19 @@ def test_flock_test_on_a_description_we_hold_ourselves_reads_as_held(tmp_path: P
         assert lock_state(tmp_path, UUID) == LOCK_SHARED
     finally:
         release([lk])
+
+
+def test_which_process_holds_a_lock_is_read_from_its_own_descriptors_not_the_table(
+        tmp_path: Path, lock_file: Path, holder_procs: list[subprocess.Popen[str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def never() -> None:
+        raise AssertionError("the kernel's global table was read")
+
+    monkeypatch.setattr(locks, "kernel_locks", never)
+    holder_procs.append(_hold(lock_file, "exclusive"))
+    job = holder_procs[0].pid
+    assert locked_by(tmp_path, UUID, job)
+    assert not locked_by(tmp_path, UUID, os.getpid())  # held, but not by us
+    holder_procs.pop().kill()
+    holder_procs.append(_hold(lock_file, "shared"))
+    assert not locked_by(tmp_path, UUID, holder_procs[0].pid)  # a shared lock is no job's
