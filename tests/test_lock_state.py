@@ -21,7 +21,7 @@ import pytest
 
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.daemon import joblocks
-from gpudiag.daemon.joblocks import HELD_UNNAMED, JOB_LOCKED, JobLocks
+from gpudiag.daemon.joblocks import HELD_UNNAMED, JOB_LOCKED, SHARED_LOCKED, JobLocks
 from gpudiag.engine import locks
 from gpudiag.engine.locks import (
     LOCK_EXCLUSIVE,
@@ -120,6 +120,10 @@ def test_a_held_lock_whose_holder_cannot_be_named_is_busy_never_free(
     assert marked[other].state == FREE  # nobody holds it: no table needed to say so
     holder_procs.pop().kill()
     holder_procs.append(_hold(lock_file, "shared"))
+    marked = JobLocks(tmp_path).mark(view)
+    assert marked[UUID].state == BUSY and marked[UUID].why == SHARED_LOCKED  # no probe mark
+    # A probe mark held too: the holder might be a sibling probe, which only a name says.
+    holder_procs.append(_hold(lock_file.with_suffix(".probing"), "shared"))
     marked = JobLocks(tmp_path).mark(view)
     assert marked[UUID].state == BUSY and marked[UUID].why == HELD_UNNAMED
 

@@ -5,8 +5,10 @@ gpudiag's lock may not have one yet (or only between its steps). So after every 
 the daemon asks the kernel whether each FREE GPU's lock is held: a non-blocking attempt on a
 fresh open file description, released at once (engine/locks.lock_state: O(1), and true in
 any pid namespace, where ``/proc/locks`` hides the host's lockers from a daemon under
-``unshare --pid``). A lock nobody holds leaves the GPU FREE without any table read. Only for a
-held lock is the kernel's table read, to name the holder, within a bound: only a sibling
+``unshare --pid``). A lock nobody holds leaves the GPU FREE without any table read, and a held
+lock whose GPU has no probe or qualification mark held (the same O(1) attempt on the marks) is
+BUSY without one: no holder can then be a sibling probe. Only otherwise is the kernel's table
+read, to name the holder, within a bound: only a sibling
 probe, a process of the daemon's own uid that the kernel says holds the GPU's probe mark too,
 leaves the GPU FREE (being proven for a moment); any other holder, exclusive or shared (a
 job, a qualification, another user's ``flock -s``, a holder whose locker has exited, one in
@@ -32,6 +34,7 @@ from gpudiag.engine.locks import (
     holders,
     kernel_locks,
     lock_state,
+    mark_held,
 )
 
 log = logging.getLogger("gpudiag.daemon.joblocks")
@@ -74,6 +77,13 @@ class JobLocks:
                 continue
             if state == LOCK_FREE:
                 continue  # the kernel's O(1) answer: nobody holds it, nothing to name
+            if not mark_held(self.lock_dir, uuid) and not mark_held(self.lock_dir, uuid,
+                                                                    "qualify"):
+                # No probe or qualification mark held (O(1) each): no holder can be a
+                # sibling probe or a qualification, so there is nothing to name.
+                out[uuid] = GpuOccupancy(uuid, BUSY, why=(
+                    JOB_LOCKED if state == LOCK_EXCLUSIVE else SHARED_LOCKED))
+                continue
             if not read:  # one bounded reading per view, only when a lock is held
                 table, read = kernel_locks(), True
             held = holders(self.lock_dir, uuid, table) if table is not None else None

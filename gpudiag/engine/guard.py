@@ -33,6 +33,7 @@ from gpudiag.engine.locks import (
     holders,
     kernel_locks,
     lock_state,
+    mark_held,
     probe_markers,
     release,
     try_lock,
@@ -301,6 +302,8 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
             races += 1
             sleep(_RACE_PAUSE_S)
             continue
+        if not mark_held(lock_dir, uuid):
+            return "locked"  # no probe mark held (O(1)): no holder is a sibling probe
         found = holders(lock_dir, uuid)
         # No holder now: it let go between our try and the kernel's table; try again.
         if found == [] and clock() < deadline:
