@@ -5,9 +5,9 @@ Run: .venv/bin/python benchmarks/cardinality.py [--gpus 8,64] [--tree DIR] [--ho
 Starts the daemon (the fakes, one NVML round and the XID watcher), waits for its first full
 round, scrapes /metrics three times and prints the series count (samples, histogram buckets
 included) in total and per family, as JSON. ``--tree DIR`` runs the gpudiag of another
-checkout (e.g. the main branch's, for "before"); ``--hold`` drops one allocation file per GPU
-(as N `gpudiag run` jobs holding every GPU would: the worst case of
-gpudiag_gpu_allocation_info), owned by this process, which lives while the scrape happens.
+checkout (e.g. the main branch's, for "before"); ``--hold`` makes this process lock every GPU
+and announce one attested run per GPU on the daemon's socket (as N `gpudiag run` jobs holding
+every GPU would: the worst case of gpudiag_gpu_allocation_info) while the scrape happens.
 """
 
 from __future__ import annotations
@@ -47,14 +47,18 @@ def _get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def _hold(state: Path, gpus: int) -> None:
-    folder = state / "allocations"
-    folder.mkdir(parents=True, exist_ok=True)
+def _hold(locks: Path, sock: Path, gpus: int) -> list[object]:
+    """Lock every GPU and begin one attested run per GPU on the daemon's socket."""
+    from gpudiag.engine.announce import begin_run
+    from gpudiag.engine.locks import try_lock
+
+    held: list[object] = []
     for i in range(gpus):
         uuid = f"GPU-f00d{i:04x}-0000-4000-8000-{i:012x}"
-        (folder / f"bench-{i}.json").write_text(json.dumps({
-            "schema": "gpudiag.allocation/1", "pid": os.getpid(), "gpus": [uuid],
-            "job": str(1000 + i), "scheduler": "slurm", "since": time.time()}))
+        held.append(try_lock(locks, uuid))
+        run, why = begin_run(f"unix:{sock}", [uuid], str(1000 + i), os.environ)
+        assert run is not None, why
+    return held
 
 
 def measure(gpus: int, tree: Path, hold: bool, work: Path) -> dict[str, object]:
@@ -67,14 +71,15 @@ def measure(gpus: int, tree: Path, hold: bool, work: Path) -> dict[str, object]:
     env["PYTHONPATH"] = str(tree)
     state = work / f"state{gpus}"
     state.mkdir()
-    if hold:
-        _hold(state, gpus)
+    locks, sock = work / "locks", work / "d.sock"
+    env["GPUDIAG_LOCK_DIR"] = str(locks)
     config = write_config(work / f"gpudiag{gpus}.toml", daemon_toml({}))
     port_file = work / f"log{gpus}"
     with port_file.open("w") as log:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "gpudiag", "serve", "--listen", "127.0.0.1:0", "--config",
-             str(config), "--state-dir", str(state), "--log-format", "json"],
+             str(config), "--state-dir", str(state), "--log-format", "json",
+             "--socket", str(sock)],
             env=env, cwd=tree, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=log)
     try:
@@ -89,7 +94,8 @@ def measure(gpus: int, tree: Path, hold: bool, work: Path) -> dict[str, object]:
             time.sleep(0.1)
         while _get(url + "/readyz")[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(2.0)  # the watcher's first telemetry and the history's first write
+        held = _hold(locks, sock, gpus) if hold else []
+        time.sleep(2.0)  # the watcher's first telemetry, the history's first write, the runs
         counts: list[int] = []
         families: Counter[str] = Counter()
         for _ in range(3):
@@ -103,7 +109,7 @@ def measure(gpus: int, tree: Path, hold: bool, work: Path) -> dict[str, object]:
         numbers = {f: families[f] for f in NUMBERS_FAMILIES if f in families}
         return {"gpus": gpus, "tree": str(tree), "hold": hold, "series": max(counts),
                 "families": len(families), "numbers_series": sum(numbers.values()),
-                "numbers": numbers, "top": families.most_common(8)}
+                "numbers": numbers, "top": families.most_common(8), "held": len(held)}
     finally:
         daemon.terminate()
         daemon.wait(20)

@@ -6,6 +6,7 @@ driver: each must return data. The same Prometheus loads the alert rules."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from gpudiag.engine.announce import begin_run, end_body, end_run
+from gpudiag.engine.locks import release, try_lock
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon
 from tests.support.prometheus import (
@@ -122,6 +125,8 @@ class Fleet:
     prometheus_url: str
     healthy: Daemon
     blocked: Daemon
+    healthy_locks: Path  # node a's GPU lock folder
+    healthy_socket: Path  # node a's unix socket (where runs announce themselves)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         url = f"{self.prometheus_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -136,8 +141,9 @@ def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     if PROMETHEUS is None:
         pytest.skip("prometheus not installed (apt-get install prometheus)")
     root = tmp_path_factory.mktemp("fleet")
-    healthy = start_daemon(root / "a", node_env(fakes, root / "host-a",
-                                                FAKE_NVML_UTILIZATION="0:40,1:60"))
+    env_a = {**node_env(fakes, root / "host-a", FAKE_NVML_UTILIZATION="0:40,1:60"),
+             "GPUDIAG_LOCK_DIR": str(root / "locks")}
+    healthy = start_daemon(root / "a", env_a, ("--socket", str(root / "a.sock")))
     # Node b: GPU 1 fell off the bus (XID 79), has a failed row remap and uncorrectable
     # ECC errors; GPU 0 saw an application XID 13 (a warning, not a blocker).
     blocked = start_daemon(root / "b", node_env(
@@ -146,7 +152,8 @@ def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     prometheus = start_prometheus(root, [healthy.instance, blocked.instance])
     port = prometheus.port  # type: ignore[attr-defined]
     try:
-        yield Fleet(f"http://127.0.0.1:{port}", healthy, blocked)
+        yield Fleet(f"http://127.0.0.1:{port}", healthy, blocked, root / "locks",
+                    root / "a.sock")
     finally:
         prometheus.terminate()
         for daemon in (healthy, blocked):
@@ -306,3 +313,42 @@ def test_fleet_panels_show_each_node_s_free_healthy_gpus_per_backend(fleet: Flee
     readiness = {r["metric"].get("backend", "unknown"): r["value"][1] for r in fleet.query(
         'count by (backend) (gpudiag_backend_ready == 1)')}
     assert readiness == {"cuda": "2"}
+
+
+
+def test_the_power_panel_joins_the_job_holding_a_gpu_by_its_job_id_once_per_gpu(
+        fleet: Fleet) -> None:
+    """The allocation's label is ``job_id``: Prometheus keeps its own ``job`` (the scrape
+    job) and would store a target's ``job`` as ``exported_job``, so the join showed
+    ``job="gpudiag"``. Each GPU is one row, held or not. The holder is an attested run: this
+    test's process locks GPU 0 and announces itself on node a's socket."""
+    a = fleet.healthy.instance
+    wait_for_every_expression(fleet, [("info", f'gpudiag_gpu_info{{instance="{a}"}}', "")])
+    uuids = sorted(r["metric"]["uuid"] for r in fleet.query(
+        f'gpudiag_gpu_info{{instance="{a}"}}'))
+    lock = try_lock(fleet.healthy_locks, uuids[0])
+    assert lock is not None
+    url = f"unix:{fleet.healthy_socket}"
+    run, why = begin_run(url, [uuids[0]], "4242", os.environ)
+    assert run is not None, why
+    expr = substitute(next(e for t, _, e in expressions()
+                           if t == "GPU power and the job holding it"), ".*", ".*")
+    try:
+        deadline = time.monotonic() + 60
+        rows: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            rows = [r["metric"] for r in fleet.query(expr) if r["metric"]["instance"] == a]
+            if any(m.get("job_id") == "4242" for m in rows):
+                break
+            time.sleep(1.0)
+        held = [m for m in rows if m.get("job_id") == "4242"]
+        assert [m["uuid"] for m in held] == [uuids[0]], rows
+        assert held[0]["job"] == "gpudiag" and held[0]["scheduler"] == "slurm"
+        assert held[0]["user"] and "exported_job" not in held[0]
+        assert sorted(m["uuid"] for m in rows) == uuids, rows  # one row per GPU
+        joined = fleet.query(f'gpudiag_gpu_power_watts{{instance="{a}"}} * on (instance, '
+                             "uuid) group_left (job_id, user) gpudiag_gpu_allocation_info")
+        assert [r["metric"]["job_id"] for r in joined] == ["4242"]
+    finally:
+        end_run(url, run, 0, os.getpid(), end_body([], None, []), os.environ)
+        release([lock])

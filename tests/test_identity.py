@@ -950,6 +950,27 @@ def test_a_flood_of_planted_records_neither_stalls_the_daemon_nor_grows_its_hist
         store.close()
 
 
+
+def test_block_records_planted_by_another_user_change_no_metric(node: NodeRig) -> None:
+    """50 `gpudiag.block/1` records of uid 65534 (one with an invented code) are refused as
+    foreign: `gpudiag_preflight_blocks_total` stays empty, and /metrics does not grow."""
+    from tests.support.daemon import metric_samples, wait_for
+
+    rig = node
+    staged = rig.shared / "block.staged"
+    staged.write_text(json.dumps({"schema": "gpudiag.block/1", "pid": 10, "code": "gpu_lost",
+                                  "codes": ["gpu_lost"], "ts": time.time(),
+                                  "slurm_job_id": None}))
+    staged.chmod(0o644)
+    inbox = rig.state / "job-closeouts"
+    flood = subprocess.run(nobody_argv(rig.python, "-c", _FLOOD, str(inbox), str(staged), "50"),
+                           capture_output=True, text=True, timeout=120)
+    assert flood.returncode == 0, flood.stderr
+    wait_for(lambda: not any(inbox.iterdir()), 60, interval=0.2)
+    wait_for(lambda: _refused(rig).get("foreign") == 50, 10, interval=0.2)
+    assert metric_samples(rig.daemon, "gpudiag_preflight_blocks_total") == []
+
+
 # As uid 65534: lock GPU argv[2] and run argv[3] attested runs back to back on it, each
 # ending with a 3 KB argv (what the daemon keeps of a run's own word).
 _RUN_LOOP = textwrap.dedent("""

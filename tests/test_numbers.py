@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpudiag.core.attribution import JOB_INBOX
-from gpudiag.core.usage import ALLOCATION_INBOX, AllocationRecord, BlockRecord, GpuUsage
+from gpudiag.core.usage import BlockRecord, GpuUsage
 from gpudiag.daemon.allocations import AllocationCollector, Allocations
 from gpudiag.daemon.jobs import JobInbox
 from gpudiag.daemon.numbers import (
@@ -28,6 +28,7 @@ from gpudiag.daemon.numbers import (
     Numbers,
     NumbersCollector,
 )
+from gpudiag.daemon.runs import OpenRun, Peer
 from gpudiag.daemon.store import SCHEMA_VERSION, HistoryStore
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
@@ -99,29 +100,69 @@ def test_blocks_and_jobs_from_the_inbox_are_counted_and_their_energy_observed(
     assert state.job_energy.count == 1 and state.job_energy.total == 1500.0
 
 
-def test_an_allocation_shows_while_its_run_lives_once_per_leaf(tmp_path: Path) -> None:
-    allocations = Allocations(tmp_path)
-    allocations.prepare()
-    folder = tmp_path / ALLOCATION_INBOX
-    me = AllocationRecord(os.getpid(), (UUIDS[0], UUIDS[1]), "77", "slurm", 10.0)
-    later = AllocationRecord(os.getpid(), (UUIDS[1],), "78", "slurm", 20.0)
-    gone = AllocationRecord(2**22 + 12345, (UUIDS[2],), None, "none", 5.0)  # no such pid
-    for i, rec in enumerate((me, later, gone)):
-        (folder / f"{i}.json").write_text(json.dumps(rec.record()))
+def test_allocations_are_the_attested_runs_gpus_once_per_leaf(tmp_path: Path) -> None:
+    def run(pid: int, gpus: tuple[str, ...], job: str | None, began: float) -> OpenRun:
+        return OpenRun(f"r{pid}", Peer(0, pid, None, None), began, gpus, job)
+
+    runs = [run(os.getpid(), (UUIDS[0], UUIDS[1]), "77", 10.0),
+            run(os.getpid() + 1, (UUIDS[1],), "78", 20.0),
+            run(os.getpid() + 2, (UUIDS[2], "GPU-not-a-full-uuid"), None, 5.0)]
+    allocations = Allocations(lambda: runs, owner_name=lambda uid: f"user{uid}")
     got = allocations.poll()
-    assert [(a.uuid, a.job, a.scheduler) for a in got] == [
-        (UUIDS[0], "77", "slurm"), (UUIDS[1], "77", "slurm")]  # the earliest claim per leaf
-    assert not (folder / "2.json").exists()  # a dead run's file is removed
+    assert [(a.uuid, a.job, a.scheduler, a.user) for a in got] == [
+        (UUIDS[0], "77", "slurm", "user0"), (UUIDS[1], "77", "slurm", "user0"),
+        (UUIDS[2], f"pid-{os.getpid() + 2}", "none", "user0")]  # the earliest run per leaf
     reg = CollectorRegistry()
     reg.register(AllocationCollector(allocations.current))
     text = generate_latest(reg).decode()
-    assert len(_samples(text, "gpudiag_gpu_allocation_info")) == 2
-    # Only leaves the daemon sees: a claim on any other UUID adds no series.
-    seen = Allocations(tmp_path, leaves=lambda: {UUIDS[1]})
+    assert len(_samples(text, "gpudiag_gpu_allocation_info")) == 3
+    assert all(set(lab) == {"uuid", "job_id", "user", "scheduler"}
+               for lab, _ in _samples(text, "gpudiag_gpu_allocation_info"))
+    # Only leaves the daemon sees: a run's GPU outside them adds no series.
+    seen = Allocations(lambda: runs, leaves=lambda: {UUIDS[1]})
     assert [a.uuid for a in seen.poll()] == [UUIDS[1]]
-    (folder / "0.json").unlink()
-    (folder / "1.json").unlink()
+    runs.clear()
     assert allocations.poll() == ()
+
+
+def test_a_planted_allocation_file_changes_no_metric(tmp_path: Path) -> None:
+    """The allocations/ inbox is gone: a claim file anywhere in the state folder is read by
+    nothing (only attested runs make the series)."""
+    (tmp_path / "allocations").mkdir()
+    (tmp_path / "allocations" / "x.json").write_text(json.dumps({
+        "schema": "gpudiag.allocation/1", "pid": os.getpid(), "gpus": UUIDS,
+        "job": "planted", "scheduler": "slurm", "since": 0}))
+    allocations = Allocations(lambda: ())
+    assert allocations.poll() == ()
+
+
+def test_a_refused_run_s_code_outside_the_catalog_counts_as_other() -> None:
+    numbers = Numbers()
+    for code in ("gpu_lost", "invented_code_1", "invented_code_2"):
+        numbers.blocked(BlockRecord(1, code, (), 0.0, None))
+    assert dict(numbers.state().preflight_blocks) == {"gpu_lost": 1, "other": 2}
+
+
+@pytest.mark.parametrize("energy", [float("inf"), float("nan"), -1.0, 1e12])
+def test_energy_that_is_not_physical_is_not_observed(energy: float) -> None:
+    from tests.support.run import job_record
+
+    numbers = Numbers()
+    job = job_record(20, [])  # held UUIDS[0] for 10 s
+    job = type(job)(**{**job.__dict__, "gpu_usage": (GpuUsage(UUIDS[0], energy, 2**30),)})
+    numbers.job(job)
+    assert numbers.state().job_energy.count == 0
+
+
+def test_energy_of_a_gpu_the_job_did_not_hold_is_not_observed() -> None:
+    from tests.support.run import job_record
+
+    numbers = Numbers()
+    job = job_record(20, [])  # held UUIDS[0] for 10 s
+    job = type(job)(**{**job.__dict__, "gpu_usage": (GpuUsage(UUIDS[1], 100.0, 2**30),
+                                                     GpuUsage(UUIDS[0], 100.0, 2**30))})
+    numbers.job(job)
+    assert numbers.state().job_energy.count == 1
 
 
 def test_a_version_1_history_gains_serial_columns_and_old_rows_read_none(
@@ -293,7 +334,9 @@ def test_a_run_shows_one_allocation_series_then_closes_out_with_energy_and_a_ref
     rig.knobs["FAKE_NVML_POWER_MW"] = "0:300000,1:300000"
     write_state_file(rig.state_file, rig.knobs)
     toml = daemon_toml({"backends.cuda": {"interval_s": 1}, "backends.nvml": {"interval_s": 1}})
-    daemon = Daemon(rig.env, write_config(tmp_path / "gpudiag.toml", toml), rig.state_dir)
+    sock = tmp_path / "d.sock"  # where a run is attested: the allocation series' source
+    daemon = Daemon(rig.env, write_config(tmp_path / "gpudiag.toml", toml), rig.state_dir,
+                    extra_args=("--socket", str(sock)))
     try:
         daemon.wait_ready()
         seen: list[list[dict[str, str]]] = []
@@ -311,7 +354,8 @@ def test_a_run_shows_one_allocation_series_then_closes_out_with_energy_and_a_ref
                   FAKE_NVML_CLOCKS_EVENT_REASONS="0:64,1:64", FAKE_NVML_XIDS="0:13,1:13")
         try:
             proc, closeout, text = rig.run(
-                "python3", "-c", "import time; time.sleep(2.5)", daemon=daemon)
+                "python3", "-c", "import time; time.sleep(2.5)", daemon=daemon,
+                url=f"unix:{sock}")
         finally:
             done.set()
             watcher.join()
@@ -320,9 +364,9 @@ def test_a_run_shows_one_allocation_series_then_closes_out_with_energy_and_a_ref
         held = [s for s in seen if s]
         assert held and all(len(s) == 1 and s[0]["uuid"] == slot["uuid"] for s in held)
         (first,) = held[0]
-        assert first["user"] and first["scheduler"] == "none" and first["job"].startswith("pid-")
+        assert first["user"] and first["scheduler"] == "none" and first["job_id"].startswith("pid-")
         # One label set per GPU: no job label on any other per-GPU series.
-        assert all("job" not in lab for fam in text_string_to_metric_families(_metrics(daemon))
+        assert all("job_id" not in lab for fam in text_string_to_metric_families(_metrics(daemon))
                    for s in fam.samples for lab in [s.labels]
                    if s.name != "gpudiag_gpu_allocation_info")
         (usage,) = closeout["gpu_usage"]
@@ -436,3 +480,17 @@ def test_history_of_a_serial_no_gpu_had_exits_2_naming_the_serials_known(
     ok = run_gpudiag(["history", "--serial", "1650000000003", "--state-dir", str(tmp_path)],
                      dict(os.environ))
     assert ok.returncode == 0 and "GPU serial 1650000000003:" in ok.stdout, ok.stderr
+
+
+
+def test_a_state_folder_the_run_cannot_examine_skips_its_records_and_the_run_goes_on(
+        tmp_path: Path) -> None:
+    """An error examining the best-effort record's folder (EACCES for a state folder the
+    run may not search; here ENAMETOOLONG, which root meets too) is "no daemon here", never
+    a failure before launch (exit 125)."""
+    from gpudiag.runner.usage import report_block
+
+    env = {"GPUDIAG_STATE_DIR": str(tmp_path / ("x" * 300))}
+    with pytest.raises(OSError):
+        (tmp_path / ("x" * 300)).is_dir()  # what aborted the run before
+    assert report_block("gpu_lost", [], env) is None

@@ -144,6 +144,22 @@ def test_a_record_that_does_not_hold_together_is_said_and_answered_here(
     assert ("source=inline" if fmt == "kv" else '"source": "inline"') in proc.stdout
 
 
+def test_an_answer_without_the_memory_floor_asked_in_units_is_not_accepted(
+        canned: tuple[Path, list[bytes]]) -> None:
+    """``--min-free-memory 200GiB`` answered by a record without that floor: said, and
+    answered here (the floor is compared in bytes, whatever unit it was typed in)."""
+    path, bodies = canned
+    unfloored = _daemon_body(verdict())
+    assert unfloored["ready"] and unfloored["requirement"]["min_free_memory_bytes"] is None
+    env = {**os.environ, "GPUDIAG_DAEMON_USER": str(os.getuid())}
+    bodies.extend([json.dumps(unfloored).encode()] * 2)
+    proc = run_gpudiag(["preflight", "--format", "kv", "--min-free-memory", "200GiB",
+                        "--daemon-url", f"unix:{path}"], env, timeout=120)
+    said = [line for line in proc.stderr.splitlines() if "does not hold" in line]
+    assert len(said) == 1 and f"not {200 * 2**30}" in said[0], proc.stderr
+    assert "source=inline" in proc.stdout
+
+
 def test_this_version_s_record_is_printed_as_the_typed_model_would(
         canned: tuple[Path, list[bytes]], tmp_path: Path) -> None:
     path, bodies = canned

@@ -299,7 +299,9 @@ def test_remediation_is_off_by_default() -> None:
 
 @pytest.mark.parametrize(("table", "message"), [
     ({"mode": "yes"}, "mode"), ({"scontrol": "scontrol"}, "absolute path"),
-    ({"sinfo": "bin/sinfo"}, "absolute path"), ({"node_name": "a b"}, "Slurm name"),
+    ({"sinfo": "bin/sinfo"}, "absolute path"), ({"node_name": "a b"}, "Slurm node name"),
+    ({"node_name": "n1,n2"}, "node_name = 'n1,n2': expected one Slurm node name"),
+    ({"node_name": "n[1-4]"}, "no list or host range"),
     ({"fleet_ratio": 2}, "share"), ({"max_attempts_per_gpu": 0}, "number of drains"),
     ({"scheduler": "kubernetes"}, "scheduler"), ({"nodename": "x"}, "unknown key")])
 def test_bad_remediation_keys_are_refused_with_the_key_named(table: dict[str, object],

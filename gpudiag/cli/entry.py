@@ -228,6 +228,7 @@ def _raw_question(command: str, options: dict[str, str], query: Mapping[str, str
     Spelled without the requirement parser (not imported here): a spelling that differs
     from the record's only sends the call to the typed path, which parses and checks it.
     """
+    from gpudiag.core.sizes import size_bytes
     from gpudiag.engine.answercheck import Question, fingerprint_of, raw_backends
 
     devices = options.get("--devices")
@@ -238,8 +239,10 @@ def _raw_question(command: str, options: dict[str, str], query: Mapping[str, str
                         d.strip() for d in devices.split(",")),
                     gpus=None if gpus is None else int(gpus),
                     min_devices=None if low is None else int(low),
-                    min_free_memory_bytes=int(memory) if memory.isascii() and memory.isdigit()
-                    else None,
+                    # A floor as typed (200GiB): compared in bytes; one this cannot read
+                    # (-1) matches no answer, so it never passes unchecked.
+                    min_free_memory_bytes=None if not memory else (
+                        -1 if (floor := size_bytes(memory)) is None else floor),
                     question="node_health" if command == "health" else "job",
                     extra={"fingerprint": fingerprint_of(query.get("fingerprint"))})
 

@@ -6,7 +6,6 @@ The same syntax serves the CLI, the Python API and HTTP. Every parser raises
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 
@@ -15,6 +14,8 @@ from gpudiag.core.deadlines import RequirementError as RequirementError
 from gpudiag.core.deadlines import parse_timeout as parse_timeout
 from gpudiag.core.gpunames import is_gpu_name
 from gpudiag.core.limits import MAX_DEVICES
+from gpudiag.core.sizes import SIZE_FORMS as SIZE_FORMS
+from gpudiag.core.sizes import size_bytes
 from gpudiag.core.verdict import BackendRequirement, Requirement
 
 
@@ -59,26 +60,23 @@ def _platform(name: str, plat: str | None, text: str) -> str | None:
     return None if plat == "gpu" else plat
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-SIZE_FORMS = "plain bytes (8589934592), or a number with B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-
-
 def parse_size(text: str) -> int:
     """``8GiB`` -> 8589934592; ``8GB`` -> 8000000000; ``123`` -> 123 bytes."""
-    m = _SIZE_RE.match(text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise RequirementError(f"size {text!r} is not understood; accepted: {SIZE_FORMS}")
-    value = float(m.group(1)) * _SIZE_UNITS[unit]
-    if not math.isfinite(value) or value > 2**63 - 1:
-        raise RequirementError(f"size {text!r} is too large")
-    return int(value)
+    value = size_bytes(text)
+    if value is None:
+        raise RequirementError(_size_problem(text))
+    return value
+
+
+_SIZE_SHAPE = re.compile(r"^\s*[0-9]+(?:\.[0-9]+)?\s*[A-Za-z]*\s*$")
+
+
+def _size_problem(text: str) -> str:
+    """Why ``text`` is not a size: too large, or not understood."""
+    if _SIZE_SHAPE.match(text) and size_bytes(re.sub(r"[0-9.]+", "1", text, count=1)) \
+            is not None:
+        return f"size {text!r} is too large"
+    return f"size {text!r} is not understood; accepted: {SIZE_FORMS}"
 
 
 def format_size(n: int | None) -> str:

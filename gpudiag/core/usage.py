@@ -6,9 +6,9 @@ Pure data and their JSON forms, shared by the runner (which writes them) and the
   total energy counter start to end, the peak memory sampled, the throttle reasons seen and
   the XIDs in the job's window;
 - ``BlockRecord`` (``gpudiag.block/1``): a job gpudiag refused before it started, with the
-  code that refused it (``gpudiag_preflight_blocks_total{code}``);
-- ``AllocationRecord`` (``gpudiag.allocation/1``): the GPUs a `gpudiag run` holds while it runs
-  (``gpudiag_gpu_allocation_info``).
+  code that refused it (``gpudiag_preflight_blocks_total{code}``).
+The GPUs a run holds (``gpudiag_gpu_allocation_info``) are its attested begin on the
+daemon's socket (daemon/runs.py), never a record.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 BLOCK_SCHEMA = "gpudiag.block/1"
-ALLOCATION_SCHEMA = "gpudiag.allocation/1"
-ALLOCATION_INBOX = "allocations"  # in the daemon's state directory, beside job-closeouts/
-MAX_LABEL = 128
-MAX_LEAVES = 512
 
 
 def _number(value: Any) -> TypeGuard[int | float]:
@@ -104,43 +100,6 @@ class BlockRecord:
         slurm = rec.get("slurm_job_id")
         return cls(pid, code, _strings(rec.get("codes")), float(ts),
                    str(slurm) if slurm not in (None, "") else None)
-
-
-@dataclass(frozen=True)
-class AllocationRecord:
-    """The GPU leaves one `gpudiag run` holds (``pid``): a claim that the daemon checks
-    against the kernel (the pid lives, and its owner is the file's) before it shows it."""
-
-    pid: int
-    gpus: tuple[str, ...]
-    job: str | None
-    scheduler: str
-    since: float
-
-    def record(self) -> dict[str, Any]:
-        return {"schema": ALLOCATION_SCHEMA, "pid": self.pid, "gpus": list(self.gpus),
-                "job": self.job, "scheduler": self.scheduler, "since": self.since}
-
-    @classmethod
-    def from_record(cls, rec: Any) -> AllocationRecord:
-        """Parse an allocation file's JSON; ValueError names what is wrong."""
-        if not isinstance(rec, dict) or rec.get("schema") != ALLOCATION_SCHEMA:
-            raise ValueError(f"not a {ALLOCATION_SCHEMA} record")
-        pid, since = rec.get("pid"), rec.get("since")
-        if not (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0
-                and _number(since)):
-            raise ValueError("pid and since must be given")
-        job, scheduler = rec.get("job"), rec.get("scheduler")
-        # Label values: bounded (a claim anyone can write must not make a 16 KiB label).
-        return cls(pid, _strings(rec.get("gpus"))[:MAX_LEAVES],
-                   str(job)[:MAX_LABEL] if job not in (None, "") else None,
-                   scheduler[:MAX_LABEL] if isinstance(scheduler, str) and scheduler
-                   else "none", float(since))
-
-
-def job_scheduler(env_job_id: str | None) -> tuple[str | None, str]:
-    """The job id and scheduler a run reports: Slurm's job when it runs in one, else none."""
-    return (env_job_id, "slurm") if env_job_id else (None, "none")
 
 
 def merge_xids(usages: Sequence[GpuUsage], xids: Sequence[tuple[str | None, int]]

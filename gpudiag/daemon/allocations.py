@@ -1,41 +1,34 @@
-"""Which job holds which GPU, as a join: ``gpudiag_gpu_allocation_info{uuid, job, user,
-scheduler} 1`` while a `gpudiag run` holds the GPU, gone when it closes out.
+"""Which job holds which GPU, as a join: ``gpudiag_gpu_allocation_info{uuid, job_id, user,
+scheduler} 1`` while an attested `gpudiag run` holds the GPU, gone when it ends.
 
 Never a job label on a per-GPU gauge (a DCGM exporter's ``hpc_job`` label multiplied its
 series by the number of jobs): one info series per allocated GPU leaf, at most one per leaf,
-joined in PromQL (``* on (uuid) group_left (job, user) gpudiag_gpu_allocation_info``).
+joined in PromQL (``* on (instance, uuid) group_left (job_id, user)
+gpudiag_gpu_allocation_info``). The label is ``job_id``, never ``job``: Prometheus's own
+target label ``job`` would rename it ``exported_job`` at the scrape, and every join on it
+would show the scrape job's name.
 
-Each run drops a ``gpudiag.allocation/1`` file into ``STATE_DIR/allocations/`` (sticky and
-writable by everyone, listable by nobody else: the job-closeouts inbox's mode) once its GPUs
-are locked, and removes it at closeout. The file is a claim: the daemon shows it only while
-its pid lives and is owned by the file's owner (the kernel's word for both), so a run killed
-by SIGKILL drops out at the next loop and its file is removed. ``user`` is the file owner's
-name, never the file's content; ``job`` and ``scheduler`` are the run's word (display).
+The series come from attested runs alone (daemon/runs.py): a run that announced itself on
+the daemon's socket, whose uid and pid the kernel named (peer credentials) and whose GPUs
+the kernel says that pid holds locked. No file decides them (the ``allocations/`` inbox that
+any user could plant claims in is gone: docs/security.md). ``user`` is the peer uid's name;
+``job_id`` the run's Slurm job id (its word, checked for shape), else ``pid-PID``;
+``scheduler`` ``slurm`` with a job id, else ``none``. A run asking a daemon with any state
+directory shows, for as long as it runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
-import os
 import pwd
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpudiag.core.environment import is_full_uuid
-from gpudiag.core.fileio import RefusedFile, inbox_names, read_regular
-from gpudiag.core.usage import ALLOCATION_INBOX, AllocationRecord
 from gpudiag.daemon.collectors import StateCollector
-
-log = logging.getLogger("gpudiag.daemon.allocations")
-INBOX_MODE = 0o1733
-MAX_FILE_BYTES = 16 * 1024
-MAX_FILES = 1024  # read per loop: anyone may write here, nobody may make the loop crawl
+from gpudiag.daemon.runs import OpenRun
 
 
 @dataclass(frozen=True)
@@ -56,37 +49,20 @@ def _owner_name(uid: int) -> str:
         return str(uid)
 
 
-def _proc_uid(pid: int, proc: Path) -> int | None:
-    """The uid owning process ``pid`` (None: no such process)."""
-    try:
-        return (proc / str(pid)).stat().st_uid
-    except OSError:
-        return None
-
-
 class Allocations:
-    """Reads the allocation files on each loop; ``current()`` is what the collector shows."""
+    """The attested runs' GPUs as of the last poll; ``current()`` is what the collector shows."""
 
-    def __init__(self, state_dir: Path, *, proc: Path = Path("/proc"),
+    def __init__(self, runs: Callable[[], Iterable[OpenRun]], *,
                  owner_name: Callable[[int], str] = _owner_name,
                  leaves: Callable[[], Collection[str] | None] = lambda: None) -> None:
-        """``leaves``: the GPU and MIG UUIDs the daemon sees now (None: not known yet, take
-        any full UUID); a claim on any other UUID is not shown, so the series stay at most
-        one per real leaf whatever the files say."""
-        self.folder = state_dir / ALLOCATION_INBOX
+        """``runs``: the open attested runs (``RunWindows.open_runs``). ``leaves``: the GPU
+        and MIG UUIDs the daemon sees now (None: not known yet, take any full UUID); a run's
+        GPU outside them is not shown, so the series stay at most one per real leaf."""
+        self._runs = runs
         self._leaves = leaves
-        self._proc = proc
         self._owner_name = owner_name
         self._lock = threading.Lock()
         self._current: tuple[Allocation, ...] = ()
-        self._refused: set[str] = set()
-
-    def prepare(self) -> None:
-        """Create the folder: every user's runs may drop a file, none may read another's."""
-        self.folder.mkdir(exist_ok=True)
-        with contextlib.suppress(OSError):
-            if self.folder.stat().st_uid == os.getuid():
-                self.folder.chmod(INBOX_MODE)
 
     def current(self) -> tuple[Allocation, ...]:
         """The allocations as of the last poll, one per GPU leaf."""
@@ -94,41 +70,23 @@ class Allocations:
             return self._current
 
     def poll(self) -> tuple[Allocation, ...]:
-        """Read every file; keep those whose run lives; remove the others' files."""
+        """One series per GPU leaf an open attested run holds (the earliest run's)."""
         found: dict[str, Allocation] = {}
         known = self._leaves()
-        for name in inbox_names(self.folder, self._refused)[:MAX_FILES]:
-            path = self.folder / name
-            try:
-                raw, st = read_regular(path, MAX_FILE_BYTES)
-                record = AllocationRecord.from_record(json.loads(raw))
-            except (RefusedFile, ValueError, RecursionError) as e:
-                log.warning("allocation file %s refused: %s", path, e,
-                            extra={"record": str(path), "error": str(e)})
-                self._drop(path, name)
-                continue
-            if _proc_uid(record.pid, self._proc) != st.st_uid:
-                self._drop(path, name)  # the run is gone (or the pid is not its owner's)
-                continue
-            user = self._owner_name(st.st_uid)
-            job = record.job or f"pid-{record.pid}"
-            for uuid in record.gpus:
+        for run in self._runs():
+            job = run.slurm_job_id or f"pid-{run.peer.pid}"
+            scheduler = "slurm" if run.slurm_job_id else "none"
+            user = self._owner_name(run.peer.uid)
+            for uuid in run.gpus:
                 if not is_full_uuid(uuid) or (known is not None and uuid not in known):
                     continue
                 held = found.get(uuid)
-                # At most one series per leaf: the earliest claim (the lock's first holder).
-                if held is None or record.since < held.since:
-                    found[uuid] = Allocation(uuid, job, user, record.scheduler, record.since)
+                if held is None or run.began < held.since:
+                    found[uuid] = Allocation(uuid, job, user, scheduler, run.began)
         current = tuple(found[u] for u in sorted(found))
         with self._lock:
             self._current = current
         return current
-
-    def _drop(self, path: Path, name: str) -> None:
-        try:
-            path.unlink()
-        except OSError:
-            self._refused.add(name)  # cannot remove it: at least do not read it again
 
 
 class AllocationCollector(StateCollector[tuple[Allocation, ...]]):
@@ -142,9 +100,8 @@ class AllocationCollector(StateCollector[tuple[Allocation, ...]]):
 def _family(state: Iterable[Allocation]) -> Iterator[Metric]:
     family = GaugeMetricFamily(
         "gpudiag_gpu_allocation_info",
-        "1 while a job (gpudiag run) holds this GPU leaf; join on uuid, never a job label on "
-        "a per-GPU series.", labels=["uuid", "job", "user", "scheduler"])
+        "1 while an attested job (gpudiag run) holds this GPU leaf; join on uuid, never a job "
+        "label on a per-GPU series.", labels=["uuid", "job_id", "user", "scheduler"])
     for a in state:
         family.add_metric([a.uuid, a.job, a.user, a.scheduler], 1.0)
     yield family
-

@@ -671,11 +671,16 @@ def _executable(t: _Table, key: str, default: str) -> str:
 def _remediation(t: _Table) -> RemediationConfig:
     d = RemediationConfig()
     name, part, conf = t.get("node_name"), t.get("partition"), t.get("slurm_conf")
-    for key, value in (("node_name", name), ("partition", part)):
-        if value is not None and (not isinstance(value, str)
-                                  or not re.fullmatch(r"[A-Za-z0-9._,-]{1,255}", value)):
-            raise ConfigError(f"{t._key(key)} = {value!r}: expected a Slurm name (letters, "
-                              "digits, '.', '_', '-'; partitions comma-separated)")
+    # One node: a list ("n1,n2") would let one daemon drain several nodes.
+    if name is not None and (not isinstance(name, str)
+                             or not re.fullmatch(r"[A-Za-z0-9._-]{1,255}", name)):
+        raise ConfigError(f"{t._key('node_name')} = {name!r}: expected one Slurm node name "
+                          "(letters, digits, '.', '_', '-'; no list or host range: a daemon "
+                          "drains its own node only)")
+    if part is not None and (not isinstance(part, str)
+                             or not re.fullmatch(r"[A-Za-z0-9._,-]{1,255}", part)):
+        raise ConfigError(f"{t._key('partition')} = {part!r}: expected a Slurm name (letters, "
+                          "digits, '.', '_', '-'; partitions comma-separated)")
     if conf is not None and (not isinstance(conf, str) or not conf.startswith("/")):
         raise ConfigError(f"{t._key('slurm_conf')} = {conf!r}: expected an absolute path")
     kill = t.get("killswitch_file")

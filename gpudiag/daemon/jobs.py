@@ -173,6 +173,12 @@ class JobInbox:
                 self._refuse(path, e.reason, str(e))
                 continue
             if isinstance(found, BlockRecord):
+                if uid not in (0, os.geteuid()):
+                    # Only root's or the daemon's own user's word counts (the file's owner,
+                    # as the kernel recorded it): anyone else's decides no metric.
+                    self._refuse(path, "foreign", f"uid {uid}'s block record of pid "
+                                 f"{found.pid} decides nothing: not root's")
+                    continue
                 self._on_block(found)  # counted once: the file goes now
                 self._unlink(path)
                 continue

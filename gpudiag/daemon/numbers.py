@@ -18,6 +18,7 @@ Counters start at 0 with the daemon, as Prometheus counters do; the history keep
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -44,6 +45,12 @@ INCIDENT_BUCKETS_S = (900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, 3 * 86400
 ENERGY_BUCKETS_J = (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9)
 PENDING_LIMIT_S = 3600.0  # a fault no verdict blocked within an hour is dropped
 MAX_PENDING = 1024
+# A refused run's code outside the catalog counts as this (label values are catalog codes).
+OTHER_CODE = "other"
+# The most a GPU can draw (above every board's limit: GB200 1200 W): a job's energy on one GPU
+# above this times its attested length (plus the meter's start/stop slack) is not physical.
+MAX_GPU_POWER_W = 1500.0
+ENERGY_SLACK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -224,19 +231,27 @@ class Numbers:
             return codes
 
     def blocked(self, record: BlockRecord) -> None:
-        """A job gpudiag refused before it started."""
+        """A job gpudiag refused before it started (a code outside the catalog is
+        ``other``: a label value is never a string a run chose)."""
+        code = record.code if record.code in BLOCKERS else OTHER_CODE
         with self._lock:
             counts = dict(self._state.preflight_blocks)
-            counts[record.code] = counts.get(record.code, 0) + 1
+            counts[code] = counts.get(code, 0) + 1
             self._state = replace(self._state, preflight_blocks=counts)
 
     def job(self, job: JobRecord) -> None:
-        """A job closed out: each of its GPUs' energy into the histogram."""
+        """A job closed out: each of its GPUs' energy into the histogram, when it is a
+        physical amount: finite, not negative, at most MAX_GPU_POWER_W times the job's
+        attested length, and only for a GPU the job held (``job.gpus``)."""
+        held = frozenset(job.gpus)
+        ceiling = MAX_GPU_POWER_W * (max(0.0, job.ended - job.started) + ENERGY_SLACK_S)
         with self._lock:
             hist = self._state.job_energy
             for usage in job.gpu_usage:
-                if usage.energy_joules is not None:
-                    hist = hist.observe(usage.energy_joules)
+                energy = usage.energy_joules
+                if (energy is not None and usage.uuid in held and math.isfinite(energy)
+                        and 0.0 <= energy <= ceiling):
+                    hist = hist.observe(energy)
             self._state = replace(self._state, job_energy=hist)
 
 
@@ -262,7 +277,7 @@ class NumbersCollector(StateCollector[NumbersState]):
             labels=["code", "layer"])
         for code, n in sorted(state.preflight_blocks.items()):
             row = BLOCKERS.get(code)
-            blocks.add_metric([code, row.layer if row is not None else "unknown"], float(n))
+            blocks.add_metric([code, row.layer if row is not None else OTHER_CODE], float(n))
         yield blocks
         yield _by_code("gpudiag_false_blockers",
                        "Blockers cleared by `gpudiag clear --no-repair`: nothing was "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.fileio import RefusedFile, atomic_write, read_regular
-from gpudiag.engine.locks import kernel_locks, locked_by
+from gpudiag.engine.locks import locked_by
 
 log = logging.getLogger("gpudiag.daemon.runs")
 OPEN_RUNS_FILE = "open-runs.json"
@@ -78,14 +78,12 @@ def restore(path: Path, lock_dir: Path, start_time: Callable[[int], float | None
     if not isinstance(entries, list):
         log.warning("open runs in %s not read back: not a %s file", path, SCHEMA)
         return []
-    table = kernel_locks()
     back: list[Restored] = []
     for entry in entries:
         if not _well_formed(entry):
             continue
         pid, started = int(entry["pid"]), entry["started_at"]
-        held = [g for g in entry["gpus"] if table is not None
-                and locked_by(lock_dir, g, pid, table)]
+        held = [g for g in entry["gpus"] if locked_by(lock_dir, g, pid)]
         now = start_time(pid)
         if not held or (started is not None and now is not None and now != started):
             log.info("run %s (pid %d) ended while the daemon was away: dropped", entry["id"],

@@ -6,7 +6,9 @@ every descendant ended. The daemon takes the window from the kernel, never from 
 - who: the socket's peer credentials (uid, pid), a pidfd of that very process (SO_PEERPIDFD,
   which no pid reuse can swap) and the pid's start time where this daemon can see it
   (``/proc/PID``: a sandboxed daemon under ``ProtectProc=invisible`` sees no other user's);
-- which GPUs: those whose lock the kernel (``/proc/locks``) says that pid holds exclusively;
+- which GPUs: those whose lock the kernel says that pid holds exclusively (held at all: the
+  O(1) test; by that pid: its own descriptors' locks in ``/proc/PID/fdinfo``, else
+  ``/proc/locks`` within its bounds: engine/locks.locked_by);
 - when: the daemon's own clock at begin and at end, the end from the same process (same
   uid and pid, its pidfd not exited, its start time unchanged).
 What the run says itself (its Slurm job id, exit code, argv, closeout path, GPU usage) is kept
@@ -57,7 +59,7 @@ from gpudiag.core.usage import usages_of
 from gpudiag.daemon import open_runs
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.store import HistoryError, HistoryStore
-from gpudiag.engine.locks import kernel_locks, locked_by
+from gpudiag.engine.locks import locked_by
 
 # Open runs at once, and per uid: each holds a pidfd, and a begin needs a GPU lock the
 # kernel says the run holds, so a node has about as many open runs as GPU leaves.
@@ -229,6 +231,11 @@ class RunWindows:
         self._open: dict[str, OpenRun] = {}
         self._recent: deque[EndedRun] = deque(maxlen=RECENT_RUNS)
 
+    def open_runs(self) -> tuple[OpenRun, ...]:
+        """The runs attested and not ended, oldest first (the allocation series' source)."""
+        with self._lock:
+            return tuple(sorted(self._open.values(), key=lambda r: r.began))
+
     def restore(self) -> int:
         """Open again the runs an earlier daemon attested that are still running (the kernel
         checks each again: daemon/open_runs.py); how many."""
@@ -260,9 +267,9 @@ class RunWindows:
         if peer.pidfd is None and peer.started_at is None:
             raise RunRefused(403, "cannot_attest", f"pid {peer.pid} can be neither held (no "
                              "pidfd) nor seen (/proc): its window cannot be attested")
-        table = kernel_locks()
-        held = tuple(g for g in gpus if table is not None
-                     and locked_by(self.lock_dir, g, peer.pid, table))
+        # The kernel's word per GPU: held exclusively (O(1)), and by this very process (its
+        # own descriptors' locks; the global table only where those cannot be read).
+        held = tuple(g for g in gpus if locked_by(self.lock_dir, g, peer.pid))
         if not held:
             raise RunRefused(409, "gpus_not_locked", f"the kernel says pid {peer.pid} holds "
                              f"none of the locks of {', '.join(gpus)} in {self.lock_dir} (the "

@@ -276,11 +276,10 @@ class DaemonService:
         locks = self._lock_dir()
         job_watch = JobWatch(cfg.jobs, probe_environment(self._env), self._open_runs)
         clears, jobs = self._inboxes(recorder, watcher, locks.path, job_watch)
-        allocations = Allocations(self.state_dir, leaves=self._leaves)
-        try:
-            allocations.prepare()
-        except OSError as e:
-            raise StartError(f"cannot use --state-dir {self.state_dir}: {e}") from e
+        # From the attested runs alone (the runs' socket, the kernel's word): no file inbox.
+        runs = jobs.runs
+        allocations = Allocations(runs.open_runs if runs is not None else tuple,
+                                  leaves=self._leaves)
         self._scheduler = scheduler = Scheduler(
             cfg, env=probe_cache_environment(self._env, self.state_dir), notifier=notifier,
             watcher=watcher,

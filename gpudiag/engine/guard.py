@@ -25,12 +25,15 @@ from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.engine.locks import (
+    LOCK_FREE,
     Holder,
     LockFailed,
     LockInfo,
     default_lock_dir,
     holders,
     kernel_locks,
+    lock_state,
+    mark_held,
     probe_markers,
     release,
     try_lock,
@@ -198,6 +201,10 @@ def why_unclaimed(claim: GpuClaim) -> str:
 _EXCLUSIVE_MODES = frozenset({1, 3})
 # How often a probe waiting for a sibling's exclusive probe lock looks again.
 _SIBLING_POLL_S = 0.05
+# A try that met a lock the O(1) test then finds free (let go, or another reader's test held
+# it for microseconds) is tried again this many times, this far apart, whatever the deadline.
+_RACE_TRIES = 5
+_RACE_PAUSE_S = 0.002
 
 
 def exclusive_gpus(nvml: NvmlObservation | None) -> frozenset[str]:
@@ -231,9 +238,10 @@ def claim_free(occupancy: Mapping[str, GpuOccupancy], candidates: Iterable[str],
     ``purpose`` ``qualify`` (minutes of work, engine/qualify.py) holds no probe mark, so that
     the daemon and jobs see the GPU in use rather than being proven for a moment.
 
-    Who else holds a lock is the kernel's word (engine/locks.holders): a shared lock held
-    beside ours by anyone but a sibling probe (a qualification, another user's ``flock -s``)
-    leaves the GPU alone, as ``locked``.
+    Whether a lock is held is the kernel's O(1) answer (engine/locks.lock_state); who holds
+    it, the kernel's table, read within a bound only when it is held (engine/locks.holders):
+    a shared lock held beside ours by anyone but a sibling probe (a qualification, another
+    user's ``flock -s``, a holder not named in time) leaves the GPU alone, as ``locked``.
     """
     claimed: list[str] = []
     locks: list[LockInfo] = []
@@ -269,25 +277,42 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
     """A probe's lock on ``uuid``, or why not: ``locked`` (a job, a qualification or another
     user holds it), ``probing`` (a sibling probe held it past the wait) or ``unknown`` (the
     lock file is unusable)."""
+    races = 0
     while True:
         try:
+            before = lock_state(lock_dir, uuid)
             lock = try_lock(lock_dir, uuid, purpose=purpose, shared=shared)
         except LockFailed:
             return UNKNOWN
-        found = holders(lock_dir, uuid)
         if lock is not None:
+            # Ours exclusively, or shared where nobody held it a moment before (the kernel's
+            # O(1) answer): nobody else to name. Shared beside holders already there: named
+            # (a bounded read of the kernel's table), and only sibling probes may be there.
+            if not shared or before == LOCK_FREE:
+                return lock
+            found = holders(lock_dir, uuid)
             others = [h for h in found or () if h.pid != os.getpid()]
             if found is not None and all(sibling_holder(h) for h in others):
                 return lock
-            release([lock])  # a shared lock beside someone's use of the GPU
+            release([lock])  # a shared lock beside someone's use of the GPU (or not named)
             return "locked"
+        if lock_state(lock_dir, uuid) == LOCK_FREE and races < _RACE_TRIES:
+            # Let go between our try and the look, or another reader's O(1) test held it for
+            # its microseconds: try again (a few times, whatever the deadline).
+            races += 1
+            sleep(_RACE_PAUSE_S)
+            continue
+        if not mark_held(lock_dir, uuid):
+            return "locked"  # no probe mark held (O(1)): no holder is a sibling probe
+        found = holders(lock_dir, uuid)
         # No holder now: it let go between our try and the kernel's table; try again.
         if found == [] and clock() < deadline:
             sleep(_SIBLING_POLL_S)
             continue
         # Held exclusively: by a sibling gpudiag probe (exclusive compute mode, the kernel
         # says it holds the probe mark) it stays FREE and is waited for; anyone else (a
-        # `gpudiag run` job, another user, a bare flock, a holder not known) makes it busy.
+        # `gpudiag run` job, another user, a bare flock, a holder not named in time) makes
+        # it busy.
         if not found or not all(sibling_holder(h) for h in found):
             return "locked"
         if clock() >= deadline:

@@ -13,16 +13,18 @@ import json
 import os
 import socket
 import stat
+import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
 from gpudiag.core.environment import is_full_uuid
-from gpudiag.core.proclocks import KernelLock, flocks_on, parse_proc_locks
+from gpudiag.core.proclocks import KernelLock as KernelLock
+from gpudiag.core.proclocks import flocks_on, parse_proc_locks
 
 SYSTEM_LOCK_DIR = Path("/run/gpudiag/locks")
 # Why a GPU whose full-UUID lock a job holds is BUSY (its process may not be up yet).
@@ -140,10 +142,16 @@ def hold_waiting(lock_dir: Path, uuids: Sequence[str]) -> list[int]:
     for ``let_go``."""
     fds: list[int] = []
     for uuid in uuids:
-        try:
-            fd = _locked_fd(waiting_path(lock_dir, uuid), shared=True)
-        except (LockFailed, ValueError):
-            continue
+        fd = None
+        # A qualification's O(1) look at the mark holds it for microseconds: try again.
+        for _ in range(_RACE_TRIES):
+            try:
+                fd = _locked_fd(waiting_path(lock_dir, uuid), shared=True)
+            except (LockFailed, ValueError):
+                break
+            if fd is not None:
+                break
+            time.sleep(0.002)
         if fd is not None:
             with contextlib.suppress(OSError):
                 _claim(fd)
@@ -159,6 +167,7 @@ def let_go(fds: Sequence[int]) -> None:
 
 
 LOCK_FILE_MODE = 0o644
+_RACE_TRIES = 3              # tries of a mark that another reader's O(1) test may hold
 MAX_HOLDER_BYTES = 4096      # a holder record is ~150 bytes; anyone may write the file
 _OPEN_TRIES = 5              # re-opens when the path was replaced under us
 
@@ -328,16 +337,44 @@ def _take_mark(path: Path) -> tuple[int, int, int] | None:
 
     Without a mark this probe looks like a job to the others (a GPU in use): the safe side.
     """
-    try:
-        fd = _locked_fd(path, shared=True)
-    except LockFailed:
-        return None
+    fd = None
+    # Another reader's O(1) look at the mark (``mark_held``) holds it for microseconds.
+    for _ in range(_RACE_TRIES):
+        try:
+            fd = _locked_fd(path, shared=True)
+        except LockFailed:
+            return None
+        if fd is not None:
+            break
+        time.sleep(0.002)
     if fd is None:
         return None
     with contextlib.suppress(OSError):
         _claim(fd)
     st = os.fstat(fd)
     return fd, st.st_dev, st.st_ino
+
+
+def mark_held(lock_dir: Path, uuid: str, which: str = "probe") -> bool:
+    """Whether anyone holds ``uuid``'s probe mark (``which="probe"``) or qualification mark
+    (``"qualify"``): the O(1) attempt, let go at once. Nobody holding the probe mark means no
+    holder of the GPU's lock can be a sibling probe, with no table to read."""
+    path = (_mark_path if which == "probe" else qualifying_path)(lock_dir, uuid)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # unusable: cannot say nobody holds it (the caller then names holders)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held (or not testable): the caller names the holders
+    finally:
+        os.close(fd)
+    return False
 
 
 def _write_holder(fd: int, uuid: str, purpose: str) -> None:
@@ -394,19 +431,141 @@ def release(locks: Sequence[LockInfo]) -> None:
                     os.close(fd)
 
 
-# --- who holds a lock: the kernel's word ----------------------------------------------------
+# --- is a lock held: the kernel's O(1) answer ------------------------------------------------
+
+# What a non-blocking attempt on a fresh open file description says of a GPU's lock.
+LockState = Literal["free", "shared", "exclusive"]
+LOCK_FREE: LockState = "free"            # nobody holds it (our attempt got it, let go at once)
+LOCK_SHARED: LockState = "shared"        # only shared holders (probes, a qualification, ...)
+LOCK_EXCLUSIVE: LockState = "exclusive"  # an exclusive holder (a job, an exclusive-mode probe)
+
+
+def lock_state(lock_dir: Path, uuid: str) -> LockState:
+    """Whether ``uuid``'s lock is held, and how: the kernel's answer to a non-blocking
+    attempt on a fresh open file description, released at once (closing it).
+
+    O(1), and valid in any pid namespace: a lock held by a process this reader cannot see
+    (another pid namespace, a sandboxed daemon's hidden /proc) still conflicts, where the
+    global table (``/proc/locks``) lists only what the reader's namespace shows and costs
+    time in proportion to every lock on the host. A lock file that does not exist is free;
+    LockFailed names one that is not a plain regular file (its GPU cannot be locked).
+
+    Our attempt holds the lock for the few microseconds between flock and close: a job's own
+    non-blocking attempt that meets it is retried (runner/admission.py, engine/guard.py).
+    """
+    path = _lock_path(lock_dir, uuid)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return LOCK_FREE
+    except OSError as e:
+        raise LockFailed(f"cannot open lock file {path}: {e.strerror or e} (a lock file must "
+                         "be a regular file, not a symlink)") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise LockFailed(f"lock file {path} is not a plain regular file (a FIFO, device "
+                             "or hard link someone planted?); remove it")
+        answers: tuple[tuple[int, LockState], ...] = (
+            (fcntl.LOCK_EX, LOCK_FREE), (fcntl.LOCK_SH, LOCK_SHARED))
+        for mode, answer in answers:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                raise LockFailed(f"cannot test lock {path}: {e.strerror or e}") from e
+            return answer
+        return LOCK_EXCLUSIVE
+    finally:
+        os.close(fd)  # the last descriptor of this description: our attempt's lock goes
+
+
+# --- who holds a lock: the kernel's word, to NAME a holder only -------------------------------
 
 PROC_LOCKS = Path("/proc/locks")
-_MAX_PROC_LOCKS_BYTES = 64 << 20  # a host with a million locks; the table is the kernel's
+# Any user can grow the kernel's global table (one user's 97,000 flocks made a reading take
+# 4-14 s): it is read only to name a holder, off the loops, by one reader thread at a time,
+# and given up past these bounds (the holder is then "unknown", never "no holder").
+NAME_WAIT_S = 0.5               # how long a caller waits for a naming
+NAMING_DEADLINE_S = 2.0         # a reading still going after this is abandoned
+MAX_PROC_LOCKS_BYTES = 8 << 20  # ~130,000 locks: a larger table names nobody
+_CHUNK_BYTES = 1 << 20          # /proc/locks restarts its walk at each read: read big
 
 
-def kernel_locks(path: Path = PROC_LOCKS) -> list[KernelLock] | None:
-    """Every lock the kernel holds now (``/proc/locks``); None when it cannot be read."""
+def read_lock_table(path: Path = PROC_LOCKS, *, deadline_s: float = NAMING_DEADLINE_S,
+                    limit: int = MAX_PROC_LOCKS_BYTES,
+                    clock: Callable[[], float] = time.monotonic) -> list[KernelLock] | None:
+    """The locks of the table at ``path``; None when it cannot be read, is larger than
+    ``limit`` bytes, or is not read whole within ``deadline_s`` (checked between reads)."""
+    until = clock() + deadline_s
+    parts: list[bytes] = []
+    size = 0
     try:
-        with open(path, "rb") as fh:
-            return parse_proc_locks(fh.read(_MAX_PROC_LOCKS_BYTES).decode("ascii", "replace"))
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        while True:
+            chunk = os.read(fd, _CHUNK_BYTES)
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit or clock() > until:
+                return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return parse_proc_locks(b"".join(parts).decode("ascii", "replace"))
+
+
+class _Reading:
+    """One reading of the kernel's table in flight, that callers may join."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.table: list[KernelLock] | None = None
+
+
+class _TableReader:
+    """One reader thread at a time: callers join the reading in flight and wait for it no
+    longer than they were told, so a table any user can grow never stalls a loop."""
+
+    def __init__(self, path: Path = PROC_LOCKS) -> None:
+        self.path = path
+        self._guard = threading.Lock()
+        self._flight: _Reading | None = None
+
+    def read(self, wait_s: float) -> list[KernelLock] | None:
+        with self._guard:
+            flight = self._flight
+            if flight is None:
+                flight = self._flight = _Reading()
+                threading.Thread(target=self._run, args=(flight,), daemon=True,
+                                 name="gpudiag-lock-names").start()
+        return flight.table if flight.done.wait(max(0.0, wait_s)) else None
+
+    def _run(self, flight: _Reading) -> None:
+        try:
+            flight.table = read_lock_table(self.path)
+        finally:
+            with self._guard:
+                self._flight = None
+            flight.done.set()
+
+
+_READER = _TableReader()
+
+
+def kernel_locks(path: Path = PROC_LOCKS, *, wait_s: float = NAME_WAIT_S
+                 ) -> list[KernelLock] | None:
+    """Every lock the kernel holds now, to name holders; None when the table cannot be read
+    within ``wait_s`` (or its bounds). Never the answer to "is it held?": ``lock_state``."""
+    if path != PROC_LOCKS:
+        return read_lock_table(path, deadline_s=wait_s)
+    return _READER.read(wait_s)
 
 
 @dataclass(frozen=True)
@@ -427,6 +586,9 @@ class Holder:
     qualifying: bool = False
     # That qualification is `gpudiag serve`'s (its argv, believed only from the same uids).
     daemon: bool = False
+    # The kernel lists the locker with pid 0: a process in another pid namespace (a host job
+    # seen from a daemon under `unshare --pid`, a container's job seen from the host's).
+    elsewhere: bool = False
 
     def of_uid(self, uids: Collection[int]) -> bool:
         """Whether every uid of the holder is one of ``uids`` (unknown: no)."""
@@ -437,6 +599,8 @@ class Holder:
         uid 0, shared)``: for refusals and logs."""
         mode = "shared" if self.shared else "exclusive"
         if self.pid is None:
+            if self.elsewhere:
+                return f"a process in another pid namespace ({mode})"
             return f"a process that inherited the lock from its exited locker ({mode})"
         uid = self.uids[1] if len(self.uids) > 1 else "unknown"
         if self.qualifying:
@@ -448,7 +612,7 @@ class Holder:
         return {"pid": self.pid, "uid": self.uids[1] if len(self.uids) > 1 else None,
                 "shared": self.shared, "started_at": self.started_at,
                 "probing": self.probing, "qualifying": self.qualifying,
-                "daemon": self.daemon}
+                "daemon": self.daemon, "elsewhere": self.elsewhere}
 
 
 def _file_key(path: Path) -> tuple[int, int, int] | None:
@@ -493,7 +657,7 @@ def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int],
     """The Holder behind one kernel lock entry: the locker, if it still holds the file."""
     unnamed = Holder(None, (), lk.shared, None, False)
     if lk.pid <= 0:
-        return unnamed  # outside this pid namespace
+        return replace(unnamed, elsewhere=True)  # outside this pid namespace
     try:
         proc = psutil.Process(lk.pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
@@ -528,26 +692,42 @@ def _serves(proc: psutil.Process) -> bool:
 
 def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
             ) -> list[Holder] | None:
-    """Who holds ``uuid``'s lock now, as the kernel says; None when that is not known.
+    """Who holds ``uuid``'s lock now, as the kernel names them; None when that is not known
+    (the table could not be read within its bounds: "unknown", never "no holder").
 
-    ``table`` is a ``kernel_locks()`` reading to share between GPUs. A lock file that does
-    not exist has no holder.
+    To NAME holders only: whether the lock is held is ``lock_state`` (O(1), any pid
+    namespace). ``table`` is a ``kernel_locks()`` reading to share between GPUs. A lock file
+    that does not exist has no holder.
     """
     path = _lock_path(lock_dir, uuid)
     key = _file_key(path)
     if key is None:
         return [] if not os.path.lexists(path) else None
-    table = kernel_locks() if table is None else table
+    if table is None:
+        try:
+            if lock_state(lock_dir, uuid) == LOCK_FREE:
+                return []  # the kernel's O(1) answer: no holder, no table to read
+        except LockFailed:
+            return None
+        table = kernel_locks()
     if table is None:
         return None
     found = flocks_on(table, *key)
     if not found:
-        return []
+        # The kernel lists only lockers visible in the reader's pid namespace: a lock the
+        # O(1) test still finds held is held from another pid namespace (or just let go).
+        try:
+            state = lock_state(lock_dir, uuid)
+        except LockFailed:
+            return None
+        if state == LOCK_FREE:
+            return []
+        return [Holder(None, (), state == LOCK_SHARED, None, False, elsewhere=True)]
     markers, qualifiers = (_markers(table, path(lock_dir, uuid))
                            for path in (_mark_path, qualifying_path))
     device = os.makedev(key[0], key[1])
     out = [_holder(lk, device, key[2], markers, qualifiers) for lk in found]
-    if any(h.pid is None for h in out):
+    if any(h.pid is None and not h.elsewhere for h in out):
         # A holder not named may only have let go between the table's reading and the look
         # at its process (a sibling probe done): the table read again says whether its lock
         # is still there, held by whoever the locker handed it to.
@@ -583,10 +763,133 @@ def describe_holders(found: Sequence[Holder] | None) -> str:
 def locked_by(lock_dir: Path, uuid: str, pid: int, table: list[KernelLock] | None = None
               ) -> bool:
     """Whether the kernel says process ``pid`` itself holds ``uuid``'s lock exclusively (as
-    ``gpudiag run`` holds its GPUs). /proc/locks alone: no look at the process, which a
-    sandboxed daemon (ProtectProc=invisible) may not see."""
-    key = _file_key(_lock_path(lock_dir, uuid))
-    table = kernel_locks() if table is None and key is not None else table
-    if key is None or table is None:
+    ``gpudiag run`` holds its GPUs): the O(1) test first (held exclusively at all?), then the
+    process's own descriptors (``/proc/PID/fdinfo``: the locks each one holds, a read of that
+    process alone), and only where those cannot be read (another user's process to a
+    sandboxed daemon) the kernel's table, within its bounds."""
+    path = _lock_path(lock_dir, uuid)
+    key = _file_key(path)
+    if key is None:
+        return False
+    try:
+        if lock_state(lock_dir, uuid) != LOCK_EXCLUSIVE:
+            return False  # the O(1) answer first: nobody holds it exclusively
+    except LockFailed:
+        return False
+    own = _fdinfo_holds(pid, os.makedev(key[0], key[1]), key[2])
+    if own is not None:
+        return own
+    table = kernel_locks() if table is None else table
+    if table is None:
         return False
     return any(lk.pid == pid and not lk.shared for lk in flocks_on(table, *key))
+
+
+_MAX_FDS_LOOKED_AT = 4096  # a process with more: its descriptors are not walked
+
+
+def _fdinfo_holds(pid: int, device: int, inode: int) -> bool | None:
+    """Whether one of ``pid``'s descriptors of the file holds an exclusive flock on it, as its
+    ``/proc/PID/fdinfo`` says; None when that cannot be read (then: the table)."""
+    folder = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    if len(names) > _MAX_FDS_LOOKED_AT:
+        return None
+    for name in names:
+        try:
+            st = os.stat(f"{folder}/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) != (device, inode):
+            continue
+        try:
+            with open(f"/proc/{pid}/fdinfo/{name}", "rb") as fh:
+                info = fh.read(64 << 10).decode("ascii", "replace")
+        except OSError:
+            return None
+        for line in info.splitlines():
+            if line.startswith("lock:"):
+                found = parse_proc_locks(line.partition(":")[2].strip())
+                if any(lk.kind == "FLOCK" and not lk.shared for lk in found):
+                    return True
+    return False
+
+
+# --- waiting for a lock: in the kernel ---------------------------------------------------------
+
+class _KernelWaits:
+    """Threads blocked in flock(2) on lock files, one per file at a time, shared by callers.
+
+    A blocking exclusive attempt on a fresh open file description returns when nobody else
+    holds the lock: the kernel wakes it, with no table read and no poll. The thread lets the
+    lock go at once (closing the description) and says so; a caller that gave up meanwhile
+    leaves the thread blocked until the lock is free (a blocking flock cannot be cut short
+    without a signal), so there is at most one such thread per lock file in a process.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._waiting: dict[str, threading.Event] = {}
+
+    def wait_any(self, paths: Sequence[Path], timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> Path | None:
+        """The first of ``paths`` seen free within ``timeout_s``; None when none was."""
+        until = clock() + max(0.0, timeout_s)
+        events: dict[Path, threading.Event] = {}
+        for path in paths:
+            event = self._start(path)
+            if event.is_set():
+                return path
+            events[path] = event
+        with self._changed:
+            while True:
+                for path, event in events.items():
+                    if event.is_set():
+                        return path
+                left = until - clock()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+
+    def _start(self, path: Path) -> threading.Event:
+        with self._changed:
+            event = self._waiting.get(str(path))
+            if event is not None:
+                return event
+            event = threading.Event()
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                event.set()  # gone or unusable: the next attempt says which
+                return event
+            self._waiting[str(path)] = event
+            threading.Thread(target=self._block, args=(path, fd, event), daemon=True,
+                             name="gpudiag-lock-wait").start()
+            return event
+
+    def _block(self, path: Path, fd: int, event: threading.Event) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks in the kernel until nobody holds it
+        except OSError:
+            pass  # the next attempt says what is wrong with the file
+        finally:
+            os.close(fd)  # let go at once: the waiter takes the lock the ordinary way
+            with self._changed:
+                self._waiting.pop(str(path), None)
+                event.set()
+                self._changed.notify_all()
+
+
+_WAITS = _KernelWaits()
+
+
+def wait_for_free(lock_dir: Path, uuids: Sequence[str], timeout_s: float) -> str | None:
+    """Block until one of ``uuids``' locks is free (the kernel wakes us), at most
+    ``timeout_s``: that uuid, or None. Nothing is held on return; take the lock with
+    ``try_lock`` (another waiter may have been quicker: then wait again)."""
+    paths = {_lock_path(lock_dir, u): u for u in uuids}
+    found = _WAITS.wait_any(list(paths), timeout_s)
+    return None if found is None else paths[found]

@@ -27,6 +27,7 @@ so the whole pipeline runs for real on a machine without a GPU.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import random
 import stat
@@ -37,7 +38,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpudiag.core.proclocks import flocks_on, parse_proc_locks
 from gpudiag.core.qualify import TIERS, TierSpec, memory_budget_bytes, sized_copy_bytes
 from gpudiag.core.sdc import SDC
 from gpudiag.probes.cuda import _foreign_pids, _load, _uuid_string
@@ -80,19 +80,27 @@ class Guard:
 
 
 def job_waiting(path: str | None) -> bool:
-    """Whether anyone holds the flock of ``path`` (a GPU's waiting mark), as the kernel's
-    lock table says: a job waits for the GPU, and qualification yields to it."""
+    """Whether anyone holds the flock of ``path`` (a GPU's waiting mark): the kernel's O(1)
+    answer to a non-blocking attempt on a fresh open file description, let go at once (never
+    a read of /proc/locks, which any user can grow and which hides other pid namespaces): a
+    job waits for the GPU, and qualification yields to it."""
     if not path:
         return False
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        with open("/proc/locks", "rb") as fh:
-            table = parse_proc_locks(fh.read(64 << 20).decode("ascii", "replace"))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
-    return bool(flocks_on(table, os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def watch(guard: Guard, uuid: str, read: Callable[[str], list[int] | None] = _foreign_pids,

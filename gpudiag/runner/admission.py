@@ -49,25 +49,30 @@ from gpudiag.engine.inline import run_inline
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.jobpython import JobPython
 from gpudiag.engine.locks import (
+    LOCK_FREE,
     Holder,
     LockFailed,
     LockInfo,
-    check_lock_file,
     default_lock_dir,
     describe_holders,
     hold_waiting,
     holders,
+    kernel_locks,
     let_go,
     lock_holder,
+    lock_state,
     release,
     try_lock,
+    wait_for_free,
 )
 from gpudiag.engine.route import daemon_else_inline
 
 DEFAULT_LOCK_TIMEOUT_S = 60.0
 OBSERVE_TIMEOUT_S = 10.0
 LOCK_POLL_S = 0.05
-LOCK_POLL_MAX_S = 0.5  # the wait for others' locks backs off to this (a few reads a second)
+# Attempts that meet a lock free again at once (another reader's O(1) test held it for its
+# microseconds) are retried this many times, even past the timeout (--lock-timeout 0 too).
+RACE_RETRIES = 3
 # While others hold the locks it waits for, a job looks afresh (an nvml child, ~0.15 CPU-s)
 # only this often, doubling to REOBSERVE_MAX_S: a freed lock ends the wait at once anyway
 # (the kernel's holders are polled), so these looks only find GPUs freed without a lock.
@@ -489,8 +494,11 @@ class Admitter:
                                f"asked for {self.gpus}; {len(unusable)} GPU(s) cannot be locked: "
                                + "; ".join(unusable.values()), evidence)
         evidence["candidates"] = [lf.record() for lf in candidates]
-        # Who holds them is the kernel's word; the record in the file is display only.
-        held_by = {str(lf.uuid): holders(lock_dir, str(lf.uuid)) for lf in others}
+        # Who holds them is the kernel's word, named from one bounded reading of its table
+        # (None, "unknown", past the bound); the record in the file is display only.
+        table = kernel_locks()
+        held_by = {str(lf.uuid): holders(lock_dir, str(lf.uuid), table) if table is not None
+                   else None for lf in others}
         evidence["held_by_others"] = [
             {"uuid": uuid, "holder": found[0].record() if found else None,
              "holders": None if found is None else [h.record() for h in found],
@@ -499,6 +507,10 @@ class Admitter:
         if len(held) + len(others) < self.gpus:
             raise self._shortage(verdict, candidates, evidence)
         named, qualifying = _held_text(held_by)
+        if attempt <= RACE_RETRIES and _any_free(lock_dir, held_by):
+            # A lock that another reader's O(1) test held for its microseconds (or that was
+            # let go just now): tried again, whatever the timeout, never refused for it.
+            return None
         if self.clock() >= deadline:
             how_long = (f"for {self.lock_timeout_s:g} s" if self.lock_timeout_s > 0
                         else "(--lock-timeout 0: no wait)")
@@ -546,47 +558,28 @@ class Admitter:
         for lf in candidates:
             if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
                 try:
-                    check_lock_file(lock_dir, lf.uuid)
+                    if lock_state(lock_dir, lf.uuid) != LOCK_FREE:
+                        others.append(lf)
                 except LockFailed as e:
                     unusable[lf.uuid] = str(e)
-                    continue
-                if holders(lock_dir, lf.uuid):
-                    others.append(lf)
         return held, others
 
     def _wait_for_release(self, lock_dir: Path, uuids: Sequence[str], deadline: float,
                           reobserve_s: float = REOBSERVE_S) -> None:
-        """Wait until one of others' locks has no holder left (the kernel's lock table), a
-        fresh look is due, or the deadline passes.
-
-        Nothing is locked to look: a shared lock (a probe, a qualification, anyone's
-        ``flock -s``) lets a shared look through at once, which made every look a fresh
-        observation and a waiting job spin. The polls back off to LOCK_POLL_MAX_S.
+        """Wait in the kernel until one of others' locks is free (a blocking lock attempt
+        per lock file, engine/locks.wait_for_free), a fresh look is due, or the deadline
+        passes: no table read, no poll.
         """
         # While it waits, the job holds each GPU's waiting mark: a qualification measuring
         # one of them sees it and stops within a second (probes/qualify.py).
         waiting = hold_waiting(lock_dir, uuids)
         try:
-            self._wait_for_holders(lock_dir, uuids, deadline, reobserve_s)
+            until = min(deadline, self.clock() + reobserve_s)
+            if wait_for_free(lock_dir, uuids, max(0.0, until - self.clock())) is not None:
+                # Jitter so that waiters freed together do not race in lockstep.
+                self.sleep(random.uniform(0.0, LOCK_POLL_S))
         finally:
             let_go(waiting)
-
-    def _wait_for_holders(self, lock_dir: Path, uuids: Sequence[str], deadline: float,
-                          reobserve_s: float) -> None:
-        until = min(deadline, self.clock() + reobserve_s)
-        pause = LOCK_POLL_S
-        while self.clock() < until:
-            for uuid in uuids:
-                try:
-                    check_lock_file(lock_dir, uuid)
-                except LockFailed:  # replaced by a planted file: the next attempt says so
-                    return
-                if holders(lock_dir, uuid) == []:
-                    # Jitter so that waiters freed together do not race in lockstep.
-                    self.sleep(random.uniform(0.0, LOCK_POLL_S))
-                    return
-            self.sleep(min(pause, max(0.0, until - self.clock())))
-            pause = min(LOCK_POLL_MAX_S, pause * 2)
 
     def _shortage(self, verdict: Verdict, candidates: Sequence[Leaf],
                   evidence: Mapping[str, Any]) -> AdmissionError:
@@ -637,6 +630,15 @@ class Admitter:
 
 # What a waiting job may count on (probes/qualify.py's watcher sees its waiting mark).
 QUALIFY_YIELDS = "a qualification stops within 1 s for a job that waits for its GPU"
+
+
+def _any_free(lock_dir: Path, held_by: Mapping[str, Sequence[Holder] | None]) -> bool:
+    """Whether one of the locks others were found holding is free now (the O(1) test)."""
+    for uuid in held_by:
+        with contextlib.suppress(LockFailed):
+            if lock_state(lock_dir, uuid) == LOCK_FREE:
+                return True
+    return False
 
 
 def _held_text(held_by: Mapping[str, Sequence[Holder] | None]) -> tuple[str, bool]:

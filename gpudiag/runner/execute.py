@@ -60,7 +60,7 @@ from gpudiag.runner.artifacts import (
 )
 from gpudiag.runner.attribution import GpuEvents, close_attribution, gpus_of
 from gpudiag.runner.closeout import Closeout, GpuSlot, closeout_kv
-from gpudiag.runner.usage import Allocation, JobMeter, report_block
+from gpudiag.runner.usage import JobMeter, report_block
 
 PLAN_SCHEMA = "gpudiag.plan/1"
 PR_SET_CHILD_SUBREAPER = 36
@@ -556,13 +556,12 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
                                  options.daemon_url if asked else None)
     meter = JobMeter(physical_gpus(closeout.gpus), base)
     meter.start()
-    allocation = Allocation([g.uuid or "" for g in closeout.gpus], base)
-    allocation.begin()
+    # Its allocation series (gpudiag_gpu_allocation_info) is the daemon's, from the run's
+    # attested begin above: no file is dropped for it.
     try:
         ran = _run_child(options, written["launch_argv"], env, admission, paths, out, err)
     finally:
         usage = meter.stop()
-        allocation.end()
     if isinstance(ran, OSError):
         gpu_events.close()
         return _launch_failed(written["launch_argv"][0], ran, paths, closeout, t0, err)

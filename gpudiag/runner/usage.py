@@ -1,10 +1,8 @@
-"""A run's numbers for the node's daemon: its GPU meter, its allocation file, its refusal.
+"""A run's numbers for the node's daemon: its GPU meter and its refusal.
 
 - ``JobMeter``: the ``gpudiag.probes.job_meter`` child beside the job (NVML only, no CUDA
   context): energy from the total energy counter start to end, peak memory used and the
   throttle reasons seen, per physical GPU; the closeout's ``gpu_usage``.
-- ``Allocation``: the ``gpudiag.allocation/1`` file in ``STATE_DIR/allocations/`` while the
-  run holds its GPUs (``gpudiag_gpu_allocation_info``), removed at closeout.
 - ``report_block``: a refused run's ``gpudiag.block/1`` record into the job-closeouts inbox
   (``gpudiag_preflight_blocks_total{code}``).
 Each is best effort: without a daemon (no state directory) or without NVML the run goes on
@@ -27,14 +25,7 @@ from typing import Any
 
 from gpudiag.core.attribution import JOB_INBOX
 from gpudiag.core.environment import probe_environment
-from gpudiag.core.usage import (
-    ALLOCATION_INBOX,
-    AllocationRecord,
-    BlockRecord,
-    GpuUsage,
-    job_scheduler,
-    usages_of,
-)
+from gpudiag.core.usage import BlockRecord, GpuUsage, usages_of
 from gpudiag.engine.statedir import default_state_dir
 from gpudiag.runner.attribution import RunWatcher, _prctl_subreaper
 
@@ -140,47 +131,19 @@ class JobMeter:
         return tuple(found.get(u) or GpuUsage(u, why_missing=why) for u in self.gpus)
 
 
-class Allocation:
-    """This run's allocation file: written once its GPUs are locked, removed at closeout."""
-
-    def __init__(self, leaves: Sequence[str], env: Mapping[str, str]) -> None:
-        self._leaves = [u for u in leaves if u]
-        self._folder = default_state_dir(env) / ALLOCATION_INBOX
-        self._job, self._scheduler = job_scheduler(env.get("SLURM_JOB_ID") or None)
-        self.path: Path | None = None
-
-    def begin(self) -> Path | None:
-        """Drop the file (atomically); None when there is no daemon here to show it."""
-        if not self._leaves or not self._folder.is_dir():
-            return None
-        record = AllocationRecord(os.getpid(), tuple(self._leaves), self._job,
-                                  self._scheduler, time.time())
-        name = f"{record.pid}-{time.time_ns()}"
-        tmp, final = self._folder / f".{name}.tmp", self._folder / f"{name}.json"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps(record.record()) + "\n")
-            os.rename(tmp, final)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            return None
-        self.path = final
-        return final
-
-    def end(self) -> None:
-        """Remove the file: the allocation series goes at the daemon's next loop."""
-        if self.path is not None:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
-            self.path = None
+def _is_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder; False when it cannot even be examined (a state folder
+    this user may not search: EACCES): a best-effort record is skipped, the run goes on."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def report_block(code: str, codes: Sequence[str], env: Mapping[str, str]) -> str | None:
     """Drop a refused run's record into the daemon's inbox; its path, or None."""
     folder = default_state_dir(env) / JOB_INBOX
-    if not folder.is_dir():
+    if not _is_dir(folder):
         return None
     record = BlockRecord(os.getpid(), code, tuple(codes), time.time(),
                          env.get("SLURM_JOB_ID") or None)

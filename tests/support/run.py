@@ -66,12 +66,13 @@ class Rig:
         time.sleep(delay_s)
         write_state_file(self.state_file, {**self.knobs, **knobs})
 
-    def run(self, *argv: str, daemon: Daemon | None = None
+    def run(self, *argv: str, daemon: Daemon | None = None, url: str | None = None
             ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], str]:
-        """`gpudiag run` on one GPU; (process, closeout.json, closeout.txt)."""
+        """`gpudiag run` on one GPU; (process, closeout.json, closeout.txt). ``url``: the
+        daemon's address to ask (its unix socket, where a run is attested), else its TCP."""
         self.runs += 1
         artifacts = self.root / f"run{self.runs}"
-        where = ["--daemon-url", daemon.url] if daemon else ["--no-daemon"]
+        where = ["--daemon-url", url or daemon.url] if daemon else ["--no-daemon"]
         injector = None
         if self.pending is not None:
             injector = threading.Thread(target=self._inject, args=(artifacts, *self.pending))
