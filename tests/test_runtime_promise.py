@@ -121,3 +121,17 @@ def test_a_config_without_jax_says_nothing_when_a_clear_proves_again(
         finally:
             sched.stop()
     assert not [r for r in caplog.records if "proving again" in r.getMessage()]
+
+
+def test_a_runtime_whose_children_run_as_the_daemon_is_said_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from gpudiag.core.runtime import Runtime
+    from gpudiag.daemon.runtime_proofs import RuntimeProofs
+
+    own_uid = Runtime("same", python=sys.executable)  # no identity: the daemon's own
+    nobody = Runtime("apart", python=sys.executable, uid=65534, gid=65534)
+    with caplog.at_level(logging.WARNING, logger="gpudiag.daemon.runtimes"):
+        RuntimeProofs((Runtime("gpudiag"), own_uid, nobody), {}, tmp_path)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(
+        "runtime same: its children run as this daemon's own uid"), said

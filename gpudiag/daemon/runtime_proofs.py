@@ -13,6 +13,7 @@ now a maximum age.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -65,6 +66,15 @@ class RuntimeProofs:
         self._epoch: tuple[object, ...] | None = None
         self._refused: dict[str, str] = {}
         self._paths: dict[str, ImportPath] = {}
+        for runtime in self.others():
+            if runtime.identity is None or runtime.identity[0] == os.geteuid():
+                # Said once at start: the import-path rule is then the only barrier.
+                log.warning("runtime %s: its children run as this daemon's own uid %d and "
+                            "could write what it keeps (its state directory); set "
+                            "[runtimes.%s] user = ... with a daemon that may change uid "
+                            "(docs/security.md, \"Who can run code where\")",
+                            runtime.name, os.geteuid(), runtime.name,
+                            extra={"runtime": runtime.name})
 
     # -- reading -----------------------------------------------------------------------
     def others(self) -> list[Runtime]:
