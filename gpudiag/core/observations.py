@@ -15,6 +15,7 @@ the nvml probe's devices and the XID watcher's telemetry lines carry, under the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -92,11 +93,51 @@ _WHOLE = from_json(whole=True, as_type=Any)  # the record's own JSON, for eviden
 _VERSIONS = from_json(as_type=Mapping[str, Scalar | None], then=_str_values)
 
 
+# -- one equality, hash and repr for every record ----------------------------------------------
+
+
+_KEYS: dict[type, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _keys(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """A record class's field names: compared, hashed and shown (as dataclass would)."""
+    found = _KEYS.get(cls)
+    if found is None:
+        fs = dataclasses.fields(cls)
+        found = _KEYS[cls] = (
+            tuple(f.name for f in fs if f.compare),
+            tuple(f.name for f in fs if (f.compare if f.hash is None else f.hash)),
+            tuple(f.name for f in fs if f.repr))
+    return found
+
+
+class _Record:
+    """What ``@dataclass(frozen=True)`` would generate for each record (eq, hash, repr),
+    written once: a dataclass generates each method with its own ``exec``, six a frozen
+    class, and with 32 records that was most of this module's import cost (every CLI call
+    that probes pays it; docs/benchmarks.md). The records keep ``frozen=True``."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        names = _keys(type(self))[0]
+        return all(getattr(self, n) == getattr(other, n) for n in names)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, n) for n in _keys(type(self))[1]))
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in _keys(type(self))[2])
+        return f"{type(self).__qualname__}({shown})"
+
+
 # -- shared records --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ErrorInfo:
+@dataclass(frozen=True, repr=False, eq=False)
+class ErrorInfo(_Record):
     """An error a probe recorded (NVML, CUDA, Python or IREE); ``record`` is its JSON."""
 
     EMPTY_IS_NONE: ClassVar[bool] = True  # an empty record says nothing: no error
@@ -114,8 +155,8 @@ class ErrorInfo:
         return {k: v for k, v in self.record.items() if k != "traceback"}
 
 
-@dataclass(frozen=True)
-class Memory:
+@dataclass(frozen=True, repr=False, eq=False)
+class Memory(_Record):
     """Device memory as NVML reads it, in bytes."""
 
     total_bytes: int | None = field(default=None, metadata=_INT)
@@ -123,8 +164,8 @@ class Memory:
     used_bytes: int | None = field(default=None, metadata=_INT)
 
 
-@dataclass(frozen=True)
-class GpuReadings:
+@dataclass(frozen=True, repr=False, eq=False)
+class GpuReadings(_Record):
     """One GPU's live readings, the one vocabulary of the nvml probe and the XID watcher."""
 
     index: int | None = field(default=None, metadata=from_json(
@@ -167,8 +208,8 @@ def parse_telemetry(value: Any) -> dict[int, GpuReadings]:
 # -- nvml ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GpuProcess:
+@dataclass(frozen=True, repr=False, eq=False)
+class GpuProcess(_Record):
     """A compute process NVML lists on a GPU or MIG instance."""
 
     pid: int | None = field(metadata=_INT)
@@ -178,8 +219,8 @@ class GpuProcess:
     user: str | None = field(default=None, metadata=_LENIENT)
 
 
-@dataclass(frozen=True)
-class Ecc:
+@dataclass(frozen=True, repr=False, eq=False)
+class Ecc(_Record):
     """ECC error counters; None where the GPU does not report them."""
 
     volatile_corrected: Number | None = None
@@ -189,8 +230,8 @@ class Ecc:
     aggregate_uncorrected: Number | None = None
 
 
-@dataclass(frozen=True)
-class RemappedRows:
+@dataclass(frozen=True, repr=False, eq=False)
+class RemappedRows(_Record):
     """Row remapping: counts, and whether a remap is pending or has failed."""
 
     correctable: Number | bool | None = None
@@ -206,8 +247,8 @@ class RemappedRows:
             ("pending", self.pending), ("failure", self.failure)) if v is not None}
 
 
-@dataclass(frozen=True)
-class PcieLink:
+@dataclass(frozen=True, repr=False, eq=False)
+class PcieLink(_Record):
     """The PCIe link now and at most (what this GPU and its slot can do together)."""
 
     current_generation: int | None = None
@@ -216,16 +257,16 @@ class PcieLink:
     max_width: int | None = None
 
 
-@dataclass(frozen=True)
-class NvLinks:
+@dataclass(frozen=True, repr=False, eq=False)
+class NvLinks(_Record):
     """The GPU's NVLink links by state (a GPU without NVLink has none: the field is None)."""
 
     active: tuple[int, ...] = ()
     inactive: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
-class FabricInfo:
+@dataclass(frozen=True, repr=False, eq=False)
+class FabricInfo(_Record):
     """NVSwitch fabric registration: state 0 not supported, 1 not started, 2 in progress,
     3 completed; status is the nvmlReturn_t of the registration once completed."""
 
@@ -233,16 +274,16 @@ class FabricInfo:
     status: int | None = None
 
 
-@dataclass(frozen=True)
-class ClockEvents:
+@dataclass(frozen=True, repr=False, eq=False)
+class ClockEvents(_Record):
     """Why the clocks are held down: NVML's reason names, and its bit mask (checked, unread)."""
 
     reasons: tuple[str, ...] = ()
     mask: Number | None = None
 
 
-@dataclass(frozen=True)
-class MigInstance:
+@dataclass(frozen=True, repr=False, eq=False)
+class MigInstance(_Record):
     """One MIG instance: a schedulable leaf of its GPU."""
 
     slot: int | None = field(metadata=_INT)
@@ -252,8 +293,8 @@ class MigInstance:
     error: ErrorInfo | None
 
 
-@dataclass(frozen=True)
-class MigState:
+@dataclass(frozen=True, repr=False, eq=False)
+class MigState(_Record):
     """MIG mode of a GPU and its instances."""
 
     enabled: bool = field(metadata=_BOOL)
@@ -261,8 +302,8 @@ class MigState:
     instances: tuple[MigInstance, ...] = ()
 
 
-@dataclass(frozen=True)
-class NvmlDevice:
+@dataclass(frozen=True, repr=False, eq=False)
+class NvmlDevice(_Record):
     """One GPU as the nvml probe read it; ``ok`` is False when the device itself failed."""
 
     index: int
@@ -318,8 +359,8 @@ class NvmlDevice:
         return tuple(i.uuid for i in (self.mig.instances if self.mig else ()) if i.uuid)
 
 
-@dataclass(frozen=True)
-class NvmlObservation:
+@dataclass(frozen=True, repr=False, eq=False)
+class NvmlObservation(_Record):
     """What the nvml probe read: versions and every device."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -345,8 +386,8 @@ def _visibility(env: Mapping[str, str | None]) -> tuple[str | None, str | None]:
 # -- host ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PciGpu:
+@dataclass(frozen=True, repr=False, eq=False)
+class PciGpu(_Record):
     """A display or 3D controller of NVIDIA's on the PCI bus, and the driver bound to it."""
 
     address: str  # required: a controller without one names no GPU
@@ -354,16 +395,16 @@ class PciGpu:
     driver: str | None = None
 
 
-@dataclass(frozen=True)
-class PciBus:
+@dataclass(frozen=True, repr=False, eq=False)
+class PciBus(_Record):
     """NVIDIA's GPUs on the PCI bus (``available``: whether sysfs could be read)."""
 
     available: bool | None = None
     gpus: tuple[PciGpu, ...] = ()
 
 
-@dataclass(frozen=True)
-class DeviceNodes:
+@dataclass(frozen=True, repr=False, eq=False)
+class DeviceNodes(_Record):
     """The /dev/nvidia* nodes the host probe found (absent means none were found)."""
 
     dir: str | None = None
@@ -375,8 +416,8 @@ class DeviceNodes:
     permission_denied: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class CommandResult:
+@dataclass(frozen=True, repr=False, eq=False)
+class CommandResult(_Record):
     """How a command the host probe ran (nvidia-smi) ended."""
 
     missing: bool = field(default=False, metadata=_BOOL)
@@ -390,8 +431,8 @@ def _host_evidence(o: Record) -> dict[str, Any]:
                                   "device_nodes", "driver_proc")}
 
 
-@dataclass(frozen=True)
-class HostObservation:
+@dataclass(frozen=True, repr=False, eq=False)
+class HostObservation(_Record):
     """What the host probe saw; the raw records travel on into evidence as they are."""
 
     ok: bool | None = field(default=None, metadata=_FLAG)
@@ -419,8 +460,8 @@ class HostObservation:
 # -- cuda ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CudaStep:
+@dataclass(frozen=True, repr=False, eq=False)
+class CudaStep(_Record):
     """One driver call's outcome (cuInit, context, allocation); ``record`` is its JSON."""
 
     EMPTY_IS_NONE: ClassVar[bool] = True
@@ -431,8 +472,8 @@ class CudaStep:
     record: Record = field(default_factory=dict, compare=False, repr=False, metadata=_WHOLE)
 
 
-@dataclass(frozen=True)
-class CudaDevice:
+@dataclass(frozen=True, repr=False, eq=False)
+class CudaDevice(_Record):
     """One device as cuInit listed it, with its context and allocation steps."""
 
     ordinal: Any
@@ -442,8 +483,8 @@ class CudaDevice:
     alloc: CudaStep | None
 
 
-@dataclass(frozen=True)
-class CudaObservation:
+@dataclass(frozen=True, repr=False, eq=False)
+class CudaObservation(_Record):
     """What the cuda probe proved: library, cuInit, and a context per device."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -466,8 +507,8 @@ class CudaObservation:
 # -- jax -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class JaxDevice:
+@dataclass(frozen=True, repr=False, eq=False)
+class JaxDevice(_Record):
     """A device JAX listed."""
 
     platform: Any
@@ -480,8 +521,8 @@ class JaxDevice:
         return f"{self.platform}:{self.id} {self.kind}"
 
 
-@dataclass(frozen=True)
-class JaxCompute:
+@dataclass(frozen=True, repr=False, eq=False)
+class JaxCompute(_Record):
     """The tiny jitted computation: where it ran and how it ended; ``record`` is its JSON."""
 
     EMPTY_IS_NONE: ClassVar[bool] = True
@@ -492,8 +533,8 @@ class JaxCompute:
     record: Record = field(default_factory=dict, compare=False, repr=False, metadata=_WHOLE)
 
 
-@dataclass(frozen=True)
-class JaxObservation:
+@dataclass(frozen=True, repr=False, eq=False)
+class JaxObservation(_Record):
     """What the jax probe saw: versions, platforms, errors, and the computation."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -527,8 +568,8 @@ class JaxObservation:
 # -- iree ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class IreeExecute:
+@dataclass(frozen=True, repr=False, eq=False)
+class IreeExecute(_Record):
     """The tiny kernel on one driver: compiled, run, or skipped (and why)."""
 
     compile: Record | None = None
@@ -541,8 +582,8 @@ class IreeExecute:
         return bool((self.compile or {}).get("cached"))
 
 
-@dataclass(frozen=True)
-class IreeDevice:
+@dataclass(frozen=True, repr=False, eq=False)
+class IreeDevice(_Record):
     """A device an IREE driver listed."""
 
     device_id: Any
@@ -554,8 +595,8 @@ class IreeDevice:
         return f"{self.device_id} {self.name}"
 
 
-@dataclass(frozen=True)
-class IreeDriver:
+@dataclass(frozen=True, repr=False, eq=False)
+class IreeDriver(_Record):
     """One IREE HAL driver as the iree probe found it."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -567,8 +608,8 @@ class IreeDriver:
     compute_s: Any = None
 
 
-@dataclass(frozen=True)
-class IreeObservation:
+@dataclass(frozen=True, repr=False, eq=False)
+class IreeObservation(_Record):
     """What the iree probe saw: versions and each driver it tried."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -589,8 +630,8 @@ class IreeObservation:
 # -- any other probe -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class OtherObservation:
+@dataclass(frozen=True, repr=False, eq=False)
+class OtherObservation(_Record):
     """An observation of a probe gpudiag does not classify: only whether it said ok."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -600,8 +641,8 @@ ProbeObservation: TypeAlias = (HostObservation | NvmlObservation | CudaObservati
                                | JaxObservation | IreeObservation | OtherObservation)
 
 
-@dataclass(frozen=True)
-class Malformed:
+@dataclass(frozen=True, repr=False, eq=False)
+class Malformed(_Record):
     """Why an observation could not be read: the field that was wrong."""
 
     problem: str
@@ -610,8 +651,8 @@ class Malformed:
 # -- the XID watcher's lines -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WatcherLine:
+@dataclass(frozen=True, repr=False, eq=False)
+class WatcherLine(_Record):
     """One JSON line of the XID watcher child (gpudiag.probes.xid_watch), typed.
 
     ``kind`` is hello, xid, telemetry, heartbeat or error; the fields of other kinds are

@@ -22,7 +22,9 @@ import sys
 from pathlib import Path
 
 STANDIN = r'''
-import json, os, sys, time
+import json, os, signal, sys, time
+# `scontrol show node | grep -q` closes the pipe early: end quietly, as scontrol does.
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 here = os.path.dirname(os.path.realpath(__file__))
 state_path = os.path.join(here, "state.json")
 tool = os.path.basename(sys.argv[0])
