@@ -912,11 +912,14 @@ def _post(url: str) -> tuple[int, Any]:
 
 
 _FLOOD = textwrap.dedent("""
-    import sys
+    import os, sys
     folder, record, n = sys.argv[1], open(sys.argv[2]).read(), int(sys.argv[3])
     for i in range(n):
-        with open(f"{folder}/{i:06d}-{i}.json", "w") as fh:
+        # Whole files only (written aside, then renamed in): a record the daemon met half
+        # written would count as malformed, not as what it is.
+        with open(f"{folder}/{i:06d}-{i}.tmp", "w") as fh:
             fh.write(record.replace('"pid": 10,', f'"pid": {100000 + i},'))
+        os.rename(f"{folder}/{i:06d}-{i}.tmp", f"{folder}/{i:06d}-{i}.json")
 """)
 
 

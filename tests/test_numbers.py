@@ -326,6 +326,48 @@ def test_xids_are_timed_to_their_verdict_false_blockers_counted_and_history_foll
 
 
 @pytest.mark.slow
+def test_a_run_asking_a_daemon_with_another_state_directory_shows_while_it_runs(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    """The series is the attested run's, not a file in the run's default state directory:
+    a daemon whose state directory is not the run's shows it all the same."""
+    from tests.support.run import Rig
+
+    rig = Rig(fakes, tmp_path)
+    toml = daemon_toml({"backends.nvml": {"interval_s": 1}})
+    sock = tmp_path / "d.sock"
+    daemon = Daemon(rig.env, write_config(tmp_path / "gpudiag.toml", toml),
+                    tmp_path / "elsewhere", extra_args=("--socket", str(sock)))
+    try:
+        daemon.wait_ready()
+        seen: list[list[dict[str, str]]] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                seen.append([lab for lab, v in _samples(
+                    _metrics(daemon), "gpudiag_gpu_allocation_info") if v == 1])
+                time.sleep(0.1)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            proc, closeout, _ = rig.run("python3", "-c", "import time; time.sleep(2.0)",
+                                        daemon=daemon, url=f"unix:{sock}")
+        finally:
+            done.set()
+            watcher.join()
+        assert proc.returncode == 0, proc.stderr
+        (slot,) = closeout["gpus"]
+        assert [s[0]["uuid"] for s in seen if s] and all(
+            s[0]["uuid"] == slot["uuid"] for s in seen if s)
+        assert not (rig.state_dir / "allocations").exists()  # no file written for it
+        wait_for(lambda: not _samples(_metrics(daemon), "gpudiag_gpu_allocation_info"), 10,
+                 interval=0.1)
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.slow
 def test_a_run_shows_one_allocation_series_then_closes_out_with_energy_and_a_refusal_counts(
         fakes: FakeDriver, tmp_path: Path) -> None:
     from tests.support.run import Rig

@@ -148,6 +148,9 @@ def not_foreign(nvml: NvmlObservation | None, *, lock_dir: Path | None = None,
             for p in procs or ():
                 if p.pid is not None and p.pid not in ours and uuid and is_full_uuid(uuid):
                     by_gpu.setdefault(uuid, set()).add(p.pid)
+    # A GPU whose probe mark nobody holds (the O(1) attempt) has no sibling on it: the
+    # kernel's table is read (within its bounds) only when some probe mark is held.
+    by_gpu = {uuid: pids for uuid, pids in by_gpu.items() if mark_held(folder, uuid)}
     if not by_gpu:
         return ours
     table = kernel_locks()

@@ -756,7 +756,7 @@ def probe_markers(lock_dir: Path, uuid: str, table: list[KernelLock] | None = No
 def describe_holders(found: Sequence[Holder] | None) -> str:
     """``pid 42 (uid 0, exclusive); ...`` or why the holders are not known."""
     if found is None:
-        return "holders unknown (the kernel's lock table could not be read)"
+        return "held, by holders not named (the kernel's lock table was not read within its bounds)"
     return "; ".join(h.describe() for h in found) or "no holder now"
 
 
