@@ -27,7 +27,8 @@ def render() -> str:
            "`gpudiag_gpu_xid_errors_total` only. An XID missing from this table is counted "
            "the same way and logged once (\"not in NVIDIA's XID catalog\"). "
            "`gpudiag clear --gpu UUID` releases a held XID after a repair; docs/daemon.md "
-           "says why no NVML reading proves a reset, so the daemon never clears by itself.",
+           "says why no NVML reading proves a reset, so the daemon never clears by itself, "
+           "with one exception: an XID a reboot heals, after a reboot (below).",
            "",
            "## How XIDs become findings", "",
            "The watcher holds each XID on its GPU; the held XIDs become findings together, by "

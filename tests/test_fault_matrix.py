@@ -531,6 +531,10 @@ WARNING_CASES: tuple[Case, ...] = (
     _d("gpu_ecc_correctable", {"FAKE_NVML_ECC_VOLATILE_CORRECTED": "1:5"}),
     _d("gpu_persistence_off", {"FAKE_NVML_PERSISTENCE": "2:0"}),
     _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,3:1,2:13"}, via_daemon=True),
+    # Issue 52: a storm of application XIDs (45 mostly) across GPUs is a warning, one per GPU
+    # and XID, never a blocker (tests/test_xid_storms.py has the corpus).
+    _d("gpu_xid_application", {"FAKE_NVML_XID_STORM": "0:45*400,1:45*400,2:13*100,3:31*100"},
+       via_daemon=True, variant="storm"),
     _d("device_count_mismatch", {"FAKE_CUDA_DEVICE_COUNT": "3"}),
     _d("device_nodes_missing", {}, mutate=Rig.remove_nodes, variant="warning"),
     # The watcher child cannot start while NVML fails: the gap grows past gap_warning_s.

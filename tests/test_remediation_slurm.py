@@ -332,6 +332,30 @@ def test_a_reboot_heals_a_reboot_class_drain_with_no_person(real_slurm: RealSlur
                                              "recovered_after_clear": 0}
 
 
+def test_codes_joining_an_open_incident_keep_its_reason_and_start_one_transition_each_way(
+        real_slurm: RealSlurm, tmp_path: Path) -> None:
+    """Issue 52, one incident one identity: other GPUs' and other codes' faults joining
+    gpudiag's standing drain change neither its reason nor its times; one drain, one resume."""
+    s = real_slurm
+    with Node(s, tmp_path) as n:
+        s.set_gpus(FAKE_NVML_XIDS="0:79")
+        n.wait("the drain", lambda: drained(s))
+        first = n.evidence()["drain"]
+        s.set_gpus(FAKE_NVML_XIDS="0:79,1:48,1:79,0:48", FAKE_NVML_RECOVERY_ACTION="1:1")
+        n.wait("the joining codes in the verdict", lambda: {
+            b["code"] for b in n.d.get("/v1/health")[1]["blockers"]} >= {
+            "gpu_lost", "gpu_reset_required"})
+        time.sleep(1.5)
+        assert drained(s) and n.evidence()["drain"] == first
+        assert first["reason"] == OWN_LOST and n.actions(action="drain") == 1
+        s.set_gpus()
+        n.clear(None)
+        n.wait("the resume", lambda: resumed(s))
+        time.sleep(1.0)
+        assert n.actions(action="drain") == 1 and n.actions(action="resume") == 1
+        assert n.evidence()["incidents"]["recovered_after_clear"] == 1
+
+
 def test_observe_drains_nothing_and_counts_the_would_be_action(
         real_slurm: RealSlurm, tmp_path: Path) -> None:
     s = real_slurm
