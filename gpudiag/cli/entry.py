@@ -116,6 +116,9 @@ def answer_probe(options: dict[str, str]) -> int | None:
     except (RequirementError, BackendListError):
         return None
     expected = options.get("--expected-gpus")
+    from gpudiag.cli.settings import backend_settings
+
+    backend_settings(None, explicit=False)  # the node's config file, as the click path reads it
     verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
                             expected_gpus=None if expected is None else int(expected))
     return _printed(verdict, options["--format"])
