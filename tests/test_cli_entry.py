@@ -256,10 +256,12 @@ CLICK_ONLY = {
     "preflight": {"--record": "writes a file, with click's wording of its errors",
                   "--no-daemon": "runs the probes here: the click path",
                   "--wide": "changes the text output only, which click renders",
-                  "--expected-gpus": "checked by probes run here, never by a daemon"},
+                  "--expected-gpus": "checked by probes run here, never by a daemon",
+                  "--config": "backend settings of probes run here (a file's errors: click)"},
     "health": {"--record": "as preflight", "--no-daemon": "as preflight",
-               "--wide": "as preflight", "--watch": "many verdicts: the click path"},
-    "probe": {"--wide": "as preflight", "--watch": "as health"},
+               "--wide": "as preflight", "--watch": "many verdicts: the click path",
+               "--config": "as preflight"},
+    "probe": {"--wide": "as preflight", "--watch": "as health", "--config": "as preflight"},
 }
 
 

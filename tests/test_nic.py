@@ -388,3 +388,14 @@ def test_two_hcas_that_differ_name_no_majority(tree: SysfsTree) -> None:
     tree.ib_port("mlx5_0", fw_ver="28.38.1000")
     tree.ib_port("mlx5_1", fw_ver="28.39.1002")
     assert _codes(_verdict(_run())) == []
+
+
+def test_only_rdma_and_expected_ports_are_shown_so_pod_veths_add_nothing(
+        tree: SysfsTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree.ib_port("mlx5_0")
+    for i in range(3):
+        tree.netdev(f"veth{i}", bus_id=None)
+    tree.netdev("eth9", bus_id="0000:01:00.0")
+    _settings(monkeypatch, expect=["mlx5_0/1", "eth9"])
+    shown = _verdict(_run()).backends["nic"].detail["ports"]
+    assert [p["port"] for p in shown] == ["mlx5_0/1", "eth9"]

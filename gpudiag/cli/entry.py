@@ -119,6 +119,9 @@ def answer_probe(options: dict[str, str]) -> int | None:
     except (RequirementError, BackendListError, JobPythonError):
         return None
     expected = options.get("--expected-gpus")
+    from gpudiag.cli.settings import backend_settings
+
+    backend_settings(None, explicit=False)  # the node's config file, as the click path reads it
     verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
                             expected_gpus=None if expected is None else int(expected),
                             python=python, named="--backend" in options)

@@ -6,6 +6,7 @@ import os
 
 import click
 
+from gpudiag.cli.settings import backend_settings
 from gpudiag.core import registry
 
 TYPE_CHECKING = False
@@ -36,32 +37,10 @@ require = click.option("--require", "require_text", default="cuda", show_default
 
 
 def _apply_config(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """Hand the config's backend settings ([backends.nic] expect, ...) to the probe children
-    run here, as the daemon hands them to its own; a bad --config is a usage error."""
-    import os
-    import sys
-
-    from gpudiag.daemon.config import (
-        NODE_CONFIG,
-        SETTINGS_VARIABLE,
-        ConfigError,
-        backend_settings_json,
-        load_config,
-    )
-
-    path = value if value is not None else (NODE_CONFIG if os.path.exists(NODE_CONFIG)
-                                            else None)
-    if path is None:
-        return
     try:
-        cfg = load_config(path)
-    except (ConfigError, OSError) as e:
-        if value is not None:
-            raise click.BadParameter(str(e), ctx=ctx, param=param) from e
-        # The node's own file, not asked for: a probe still runs, with the defaults.
-        print(f"gpudiag: {path}: {e}; backend settings at their defaults", file=sys.stderr)
-        return
-    os.environ[SETTINGS_VARIABLE] = backend_settings_json(cfg)
+        backend_settings(value, explicit=value is not None)
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from e
 
 
 # The one --config of the one-shot commands (probe, preflight, health): the backend settings

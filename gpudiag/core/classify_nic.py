@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpudiag.core.findings import Findings, GpuContext
-from gpudiag.core.nic import NicMemory, NicObservation, assess, expected_ports, port_summary
+from gpudiag.core.nic import (
+    NicMemory,
+    NicObservation,
+    assess,
+    expected_ports,
+    port_summary,
+    shown_ports,
+)
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
@@ -43,7 +50,7 @@ def classify_nic(run: BackendRun, req: BackendRequirement, gpu: GpuContext,
         {"expected": list(expected_ports(obs)),
          "expect_configured": obs.policy.expect is not None,
          "remembered": obs.memory is not None,
-         "ports": port_summary(obs.ports)})
+         "ports": port_summary(shown_ports(obs))})
 
 
 def remembered(run: ProbeRun, memory: NicMemory | None) -> ProbeRun:

@@ -34,3 +34,7 @@ MIN_PROBE_DEADLINE_S = 1.0
 EXIT_READY, EXIT_BLOCKED, EXIT_USAGE, EXIT_FAILED = 0, 1, 2, 3
 # Exit codes of `gpudiag run` when ARGV did not run (as env(1) and the shells use them).
 EXIT_REFUSED, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 125, 126, 127
+
+# The node's config file: the systemd unit's and the Kubernetes manifests' `--config`, and what
+# the one-shot commands read backend settings from when it exists and no --config is given.
+NODE_CONFIG = "/etc/gpudiag/gpudiag.toml"

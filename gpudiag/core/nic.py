@@ -369,6 +369,14 @@ def drift(ports: Sequence[NicPort]) -> tuple[NicFinding, ...]:
     return tuple(out)
 
 
+def shown_ports(obs: NicObservation) -> tuple[NicPort, ...]:
+    """The ports the record and the metrics show: RDMA ports and expected ones. A node's
+    other netdevs (containers' veths, bridges, the management NIC) would only add series
+    that come and go with every pod."""
+    expected = set(expected_ports(obs))
+    return tuple(p for p in obs.ports if p.rdma or p.name in expected)
+
+
 def with_memory(obs: NicObservation, memory: NicMemory | None) -> NicObservation:
     """The observation the classifier reads, with the daemon's memory attached."""
     return replace(obs, memory=memory)

@@ -463,9 +463,6 @@ def _settings(spec: BackendSpec, b: _Table) -> dict[str, Any]:
 
 # The variable a probe child reads its backend's own settings from (JSON, by backend name).
 SETTINGS_VARIABLE = "GPUDIAG_BACKEND_SETTINGS"
-# The node's config file: what the one-shot commands read backend settings from when it
-# exists and no --config is given (the systemd unit's and the Helm chart's path).
-NODE_CONFIG = "/etc/gpudiag/gpudiag.toml"
 
 
 def backend_settings_json(cfg: DaemonConfig) -> str:

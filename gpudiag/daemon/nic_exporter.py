@@ -10,7 +10,13 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpudiag.core.nic import ERROR_COUNTERS, NicObservation, expected_ports, with_memory
+from gpudiag.core.nic import (
+    ERROR_COUNTERS,
+    NicObservation,
+    expected_ports,
+    shown_ports,
+    with_memory,
+)
 from gpudiag.daemon.snapshot import Snapshot
 
 
@@ -29,7 +35,8 @@ class NicCollector:
         obs = result.run.parsed if result is not None else None
         if not isinstance(obs, NicObservation):
             return
-        expected = set(expected_ports(with_memory(obs, snap.nic_memory)))
+        obs = with_memory(obs, snap.nic_memory)
+        expected = set(expected_ports(obs))
         up = GaugeMetricFamily("gpudiag_nic_port_up", "1 when the port is ACTIVE/LinkUp (IB) "
                                "or has carrier (netdev), else 0.", labels=["port", "kind"])
         wanted = GaugeMetricFamily(
@@ -40,7 +47,7 @@ class NicCollector:
         errors = CounterMetricFamily(
             "gpudiag_nic_errors", "The port's error counters as the kernel keeps them "
             "(resets to 0 on a counter reset or a reboot).", labels=["port", "counter"])
-        for port in obs.ports:
+        for port in shown_ports(obs):  # RDMA and expected ports: no series per pod veth
             up.add_metric([port.name, port.kind], 1.0 if port.up else 0.0)
             wanted.add_metric([port.name], 1.0 if port.name in expected else 0.0)
             if port.rate_gbps is not None:
