@@ -192,6 +192,20 @@ def test_every_module_is_in_the_feature_table_or_the_module_map() -> None:
         "row):\n" + "\n".join(missing))
 
 
+def test_each_feature_row_lists_its_modules_lowest_layer_first() -> None:
+    rank = {layer: i for i, layer in enumerate(("core", "probes", "engine"))}
+    rank |= {"daemon": 3, "runner": 3, "cli": 4, "pytest_plugin": 4}
+    unordered = []
+    for row in _feature_rows():
+        paths = CODE.findall(row.cells["modules"])
+        ordered = sorted(paths, key=lambda p: rank.get(p.split("/", 1)[0], len(rank)))
+        if paths != ordered:
+            unordered.append(f"row {row.name!r}: " + ", ".join(f"`{p}`" for p in ordered))
+    assert unordered == [], ("docs/design-notes.md's feature table lists modules lowest layer "
+                             "first (core, probes, engine, daemon | runner, cli | "
+                             "pytest_plugin); write these as:\n" + "\n".join(unordered))
+
+
 def test_every_feature_row_names_its_modules_and_its_docs() -> None:
     rows = [row for row in _feature_rows() if not _is_group(row)]
     empty = [f"row {row.name!r} names no {column}" for row in rows
