@@ -115,15 +115,13 @@ class NicPort:
     gpus: Mapping[str, str] = field(default_factory=dict)
 
 
-# Nearest first: one PCIe switch between them; several bridges; the same host bridge (root
-# complex); the same NUMA node; across the SMP interconnect (nvidia-smi topo -m's words).
-AFFINITIES: tuple[str, ...] = ("PIX", "PXB", "PHB", "NODE", "SYS")
-
-
 def affinity(port_path: Sequence[str], port_numa: int | None, gpu_path: Sequence[str],
              gpu_numa: int | None) -> str:
     """How near a port's PCI function is to a GPU's, from their sysfs device paths
-    (``["pci0000:00", "0000:00:01.0", "0000:01:00.0", ...]``, root first) and NUMA nodes."""
+    (``["pci0000:00", "0000:00:01.0", "0000:01:00.0", ...]``, root first) and NUMA nodes:
+    nearest first PIX (one PCIe switch between them), PXB (several bridges), PHB (the same
+    host bridge), NODE (the same NUMA node), SYS (across the SMP interconnect), as
+    ``nvidia-smi topo -m`` says them."""
     common = 0
     for a, b in zip(port_path, gpu_path, strict=False):
         if a != b:
@@ -137,11 +135,6 @@ def affinity(port_path: Sequence[str], port_numa: int | None, gpu_path: Sequence
     if port_numa is not None and port_numa == gpu_numa:
         return "NODE"
     return "SYS"
-
-
-def near_gpus(gpus: Mapping[str, str]) -> list[str]:
-    """The GPUs (bus ids) behind the same PCIe switch as the port (PIX or PXB)."""
-    return sorted(b for b, rel in gpus.items() if rel in ("PIX", "PXB"))
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 
     from gpudiag.core.environments import EnvironmentDecl
 
-# How the job's interpreter was found (evidence.job_python.chosen_by), in ``find``'s order.
-CHOSEN_BY = ("--python", "GPUDIAG_JOB_PYTHON", "command", "sys.executable", "VIRTUAL_ENV",
-             "CONDA_PREFIX", "PATH", "none")
 JOB_PYTHON_VARIABLE = "GPUDIAG_JOB_PYTHON"
 FINGERPRINT_TIMEOUT_S = 10.0
 _CACHE_VERSION = 1
@@ -124,8 +121,10 @@ def checked(path: str, source: str) -> str:
     if not path:
         raise JobPythonError(f"{source} is empty: {hint}")
     full = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(full):
-        raise JobPythonError(f"{source} {path}: no such file; {hint}")
+    try:
+        os.stat(full)
+    except OSError as e:  # missing, or a folder above it this user may not search
+        raise JobPythonError(f"{source} {path}: {e.strerror or e}; {hint}") from None
     if not os.path.isfile(full) or not os.access(full, os.X_OK):
         raise JobPythonError(f"{source} {path}: not an executable file; {hint}")
     if not _looks_like_python(full):

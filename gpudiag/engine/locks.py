@@ -287,24 +287,6 @@ def _try_lock_file(path: Path, uuid: str, purpose: str, shared: bool,
                      "removing or renaming it); that GPU is left alone")
 
 
-def check_lock_file(lock_dir: Path, uuid: str) -> None:
-    """LockFailed when ``uuid``'s lock file exists but is not a plain regular file (a FIFO,
-    a symlink, a hard link someone planted): its GPU cannot be locked. Opens nothing."""
-    path = _lock_path(lock_dir, uuid)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise LockFailed(f"cannot look at lock file {path}: {e.strerror or e}") from e
-    if stat.S_ISLNK(st.st_mode):
-        raise LockFailed(f"cannot open lock file {path}: it is a symlink (a lock file must "
-                         "be a regular file, not a symlink)")
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-        raise LockFailed(f"lock file {path} is not a plain regular file (a FIFO, device or "
-                         "hard link someone planted?); remove it")
-
-
 def _locked_fd(path: Path, shared: bool = False) -> int | None:
     """Open ``path`` and flock it; None when another process holds it; LockFailed if unusable."""
     try:

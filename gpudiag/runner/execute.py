@@ -531,11 +531,15 @@ def execute(options: RunOptions, env: Mapping[str, str] | None = None, *,
         admission.release()
 
 
-def job_python(options: RunOptions, env: Mapping[str, str]) -> JobPython:
+def job_python(options: RunOptions, env: Mapping[str, str]) -> JobPython | None:
     """The run's job interpreter: ``--python``, else $GPUDIAG_JOB_PYTHON, ARGV's own Python
     (``python3 train.py``, a script whose #! names one), the job's venv or PATH; in a
     container image the image's Python cannot be asked here: what the job's environment
     here says stands (engine/jobpython.py)."""
+    from gpudiag.engine.route import needs_job_python
+
+    if options.python is None and not needs_job_python(options.requirement):
+        return None  # a run on the device layer alone never looks for one
     command = None if options.image is not None else options.argv
     return jobpython.find(env, explicit=options.python, command=command)
 
