@@ -371,3 +371,15 @@ def test_the_pytest_plugin_in_the_job_venv_proves_that_venv(
         assert "jax_gpu_backend_absent" in out and "jax_not_installed" not in out, out
     else:
         assert "jax_not_installed" in out and "1 skipped" in done.stdout, out
+
+
+def test_without_a_private_cache_the_archive_goes_to_one_private_folder_per_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    first = jobpython.probe_archive(None)
+    assert Path(first).parent == tmp_path / f"gpudiag-probes-{os.geteuid()}"
+    assert jobpython.probe_archive(None) == first  # the same folder, the same archive
+    os.chmod(Path(first).parent, 0o777)  # a folder others may write is never used
+    assert Path(jobpython.probe_archive(None)).parent != Path(first).parent

@@ -279,12 +279,16 @@ def cache_dir() -> str | None:
     """This user's private cache folder for readings and the probe archive
     (``$XDG_CACHE_HOME/gpudiag``, else ``~/.cache/gpudiag``), made 0700; None when it cannot
     be one only this user can write (then nothing is cached)."""
-    import stat
-
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     if not os.path.isabs(base):
         return None
-    folder = os.path.join(base, "gpudiag")
+    return _private(os.path.join(base, "gpudiag"))
+
+
+def _private(folder: str) -> str | None:
+    """``folder``, made 0700 if missing, when only this user can write it; else None."""
+    import stat
+
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         st = os.lstat(folder)
@@ -372,6 +376,8 @@ def probe_archive(folder: str | None) -> str:
     from gpudiag.engine.runtimes import probe_archive as build
     from gpudiag.engine.runtimes import source_tag
 
+    if folder is None:  # no private cache (a home nobody has): one private folder per user
+        folder = _private(os.path.join(tempfile.gettempdir(), f"gpudiag-probes-{os.geteuid()}"))
     target = folder if folder is not None else tempfile.mkdtemp(prefix="gpudiag-probes-")
     return str(build(Path(target), tag=source_tag()))
 
