@@ -23,7 +23,8 @@
 # occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,jobpython,jobwatch,fabric,
 # inventory,identity,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
 # GPUDIAG_VALIDATE_JOBWATCH_S (how long each job watch run lasts, default 45; the daemon's
-# [jobs] stall_after_s is a third of it);
+# [jobs] stall_after_s is a third of it); GPUDIAG_VALIDATE_SPINNER, GPUDIAG_VALIDATE_COMPUTER
+# (the job watch's two jobs; default `scripts/gpu_validate.py spin|compute --seconds S`);
 # GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
 # tests/fakes tree for the texts' fake side; default: built here when gcc is present);
 # GPUDIAG_VALIDATE_HOLDER (a command that holds GPU 0 and prints a "holding" line; default
@@ -777,12 +778,19 @@ if want jobwatch; then
     daemon_args=()
     note "job watch daemon ready (/readyz) after $((SECONDS - START_S)) s: $jw_ready; [jobs] interval_s = 1, stall_after_s = $stall_s; each run $jw_s s"
     for kind in spin compute; do
+        knob=GPUDIAG_VALIDATE_SPINNER
+        [[ $kind == compute ]] && knob=GPUDIAG_VALIDATE_COMPUTER
+        if [[ -n ${!knob:-} ]]; then
+            read -ra job <<<"${!knob}"
+        else
+            job=("${GV[@]}" "$kind" --seconds "$jw_s")
+        fi
         nvidia-smi --query-gpu="$fields" --format=csv,noheader,nounits -l 1 \
             >"$jw/$kind-samples.csv" 2>"$jw/$kind-samples.err" &
         smi_pid=$!
         env "${jw_env[@]}" GPUDIAG_DAEMON_URL="unix:$jw_top/daemon/gpudiag.sock" \
             timeout $((jw_s + 150)) "$PY" -m gpudiag run --gpus 1 --artifacts "$jw/$kind-run" -- \
-            "${GV[@]}" "$kind" --seconds "$jw_s" >"$jw/$kind.out" 2>"$jw/$kind.err" &
+            "${job[@]}" >"$jw/$kind.out" 2>"$jw/$kind.err" &
         job_pid=$!
         # The daemon's view while the run is open: /v1/health's runs evidence every 2 s.
         : >"$jw/$kind-runs.jsonl"

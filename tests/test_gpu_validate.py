@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.gpu_validate import rules_test
+from scripts.gpu_validate import inventory_diff, parse_smi_q, rules_test, samples_summary
 from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
@@ -83,7 +83,12 @@ def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
                  "together-xid-restart", "nvml-signals", "qualify-quick", "qualify-full",
                  "qualify-abort", "qualify-sdc", "qualify-sdc-determinism",
                  "attribution-application", "attribution-xid", "image-probe",
-                 "identity-disguised-user"):
+                 "identity-disguised-user", "qualify-sdc-timing", "jobwatch-driver-limits",
+                 "jobwatch-spin-samples", "jobwatch-spin-stalled", "jobwatch-compute-samples",
+                 "jobwatch-compute-not-stalled", "fabric-sysfs", "fabric-nic-probe",
+                 "inventory-unchanged-quick", "inventory-unchanged-full",
+                 "inventory-unchanged-abort", "inventory-unchanged-sdc-1", "inventory-read",
+                 "inventory-unchanged-run"):
         assert name in checks, f"{name} missing from checks.tsv:\n{summary}"
     assert {status for status, _ in checks.values()} == {"blocked"}, summary
     # Blocked for a reason of their own (a helper that needs a GPU, a real XID, an image).
@@ -197,3 +202,100 @@ def test_the_script_passes_shellcheck() -> None:
     proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# `nvidia-smi -q` as an H200's driver prints it (abridged): settings and firmware beside
+# readings that change from one second to the next.
+SMI_Q = """
+==============NVSMI LOG==============
+
+Timestamp                                 : Sat Dec  5 01:00:00 2026
+Driver Version                            : 570.86.15
+CUDA Version                              : 12.8
+
+Attached GPUs                             : 1
+GPU 00000000:19:00.0
+    Product Name                          : NVIDIA H200
+    Persistence Mode                      : Enabled
+    MIG Mode
+        Current                           : Disabled
+        Pending                           : Disabled
+    GPU UUID                              : GPU-5bd3c2a0-0000-0000-0000-000000000000
+    VBIOS Version                         : 96.00.99.00.01
+    Inforom Version
+        Image Version                     : G520.0200.00.05
+        OEM Object                        : 2.1
+        ECC Object                        : 7.16
+    GSP Firmware Version                  : 570.86.15
+    Compute Mode                          : Default
+    Performance State                     : P0
+    Clocks Event Reasons
+        Idle                              : Active
+        Applications Clocks Setting       : Not Active
+    ECC Mode
+        Current                           : Enabled
+        Pending                           : Enabled
+    Temperature
+        GPU Current Temp                  : 33 C
+    GPU Power Readings
+        Power Draw                        : 120.50 W
+        Current Power Limit               : 700.00 W
+        Requested Power Limit             : 700.00 W
+        Default Power Limit               : 700.00 W
+    Clocks
+        SM                                : 1980 MHz
+    Applications Clocks
+        Graphics                          : 1980 MHz
+        Memory                            : 3201 MHz
+    Max Clocks
+        SM                                : 1980 MHz
+"""
+
+
+def test_the_inventory_keeps_settings_and_firmware_and_leaves_out_readings() -> None:
+    found = parse_smi_q(SMI_Q)
+    gpu = "00000000:19:00.0"
+    assert found["Driver Version"] == "570.86.15"
+    assert found[f"{gpu}/VBIOS Version"] == "96.00.99.00.01"
+    assert found[f"{gpu}/Inforom Version/Image Version"] == "G520.0200.00.05"
+    assert found[f"{gpu}/GSP Firmware Version"] == "570.86.15"
+    assert found[f"{gpu}/GPU Power Readings/Current Power Limit"] == "700.00 W"
+    assert found[f"{gpu}/ECC Mode/Pending"] == "Enabled"
+    assert found[f"{gpu}/MIG Mode/Current"] == "Disabled"
+    assert found[f"{gpu}/Applications Clocks/Memory"] == "3201 MHz"
+    assert found[f"{gpu}/Max Clocks/SM"] == "1980 MHz"
+    # Readings move by themselves: a change there is no change the diagnostic made.
+    assert not [k for k in found if k.endswith(("Power Draw", "GPU Current Temp",
+                                                 "Performance State", "Idle"))]
+    assert f"{gpu}/Clocks/SM" not in found
+
+
+def test_an_inventory_whose_power_limit_moved_is_a_change_and_an_unread_one_no_pass(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before, after, empty = tmp_path / "before.json", tmp_path / "after.json", tmp_path / "e.json"
+    found = parse_smi_q(SMI_Q)
+    before.write_text(json.dumps(found))
+    assert inventory_diff(before, before) == 0
+    assert "unchanged: " in capsys.readouterr().out
+    key = "00000000:19:00.0/GPU Power Readings/Current Power Limit"
+    after.write_text(json.dumps({**found, key: "350.00 W"}))
+    assert inventory_diff(before, after) == 1
+    assert f"{key}: 700.00 W -> 350.00 W" in capsys.readouterr().out
+    empty.write_text("{}")
+    assert inventory_diff(empty, empty) == 1  # nothing read is never "unchanged"
+    assert "no inventory read" in capsys.readouterr().out
+
+
+def test_the_samples_summary_gives_utilization_and_power_over_the_limit_per_gpu(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv = tmp_path / "samples.csv"
+    csv.write_text("".join(
+        f"2026/12/05 01:00:{i:02d}.000, 0, 100, {100 + i}.00, 700.00, 1980, 1980, 3201, 35, P0\n"
+        for i in range(20)) + "2026/12/05 01:00:20.000, 0, [N/A], [N/A], 700.00, 1980, 1980, "
+        "3201, 35, P0\nnvidia-smi: some error\n")
+    assert samples_summary(csv, skip_s=0) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("GPU 0: 21 samples; utilization % p1/p50/p99 100/100/100; ")
+    assert "power W 100/109/119 of limit 700/700/700; power/limit 0.14/0.16/0.17" in said
+    csv.write_text("")
+    assert samples_summary(csv, skip_s=0) == 1  # no samples is no record
