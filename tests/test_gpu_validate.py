@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from scripts.gpu_validate import inventory_diff, parse_smi_q, rules_test, samples_summary
-from tests.fakes.build import FakeDriver
+from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
@@ -145,6 +145,32 @@ def test_occupancy_section_on_the_fakes_sees_busy_healthy_no_context_then_free_a
     # ... but before (the daemon's first round) and after (free and proven again).
     assert [e for e in contexts if e.time < busy_from and e.result == 0]
     assert [e for e in contexts if e.time > busy_until and e.result == 0]
+
+
+@pytest.mark.slow
+def test_jobwatch_and_inventory_sections_on_the_fakes_name_the_spinner_alone_and_see_no_change(
+        gpu_env: object, tmp_path: Path) -> None:
+    # The fake GPU reads 100% at 80 W of 700 W (a spinning rank) until the computing job
+    # raises its power to 600 W: the section's daemon, socket, runs and closeouts end to end.
+    state = tmp_path / "gpu-state"
+    write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 1, "FAKE_NVML_UTILIZATION": "0:100",
+                             "FAKE_NVML_POWER_MW": "0:80000"})
+    computer = tmp_path / "compute.sh"
+    computer.write_text("printf 'FAKE_NVML_DEVICE_COUNT=1\\nFAKE_NVML_UTILIZATION=0:100\\n"
+                        f"FAKE_NVML_POWER_MW=0:600000\\n' >{state}\nsleep 8\n")
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, FAKE_GPU_STATE_FILE=str(state))  # type: ignore[operator]
+    env.update(GPUDIAG_VALIDATE_ONLY="jobwatch,inventory", GPUDIAG_VALIDATE_JOBWATCH_S="6",
+               GPUDIAG_VALIDATE_PORT=str(free_port_pair() - 3),
+               GPUDIAG_VALIDATE_SPINNER="sleep 8", GPUDIAG_VALIDATE_COMPUTER=f"sh {computer}")
+    out = tmp_path / "val"
+    _, checks = run_script(out, env, timeout=300)
+    summary = (out / "summary.txt").read_text()
+    for name in ("jobwatch-spin-stalled", "jobwatch-compute-not-stalled", "inventory-read",
+                 "inventory-unchanged-quick", "inventory-unchanged-run"):
+        assert checks.get(name, ("missing", ""))[0] == "pass", f"{name}:\n{summary}"
+    assert '"power_max_w": 80.0' in checks["jobwatch-spin-stalled"][1]
+    assert "attested=socket warnings: none" in checks["jobwatch-compute-not-stalled"][1]
+    assert "unchanged: " in checks["inventory-unchanged-run"][1]
 
 
 @pytest.mark.slow
