@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ def hold(mib: int, max_s: float) -> int:
         return 1
     dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     size = mib * MIB
-    steps = (("cuInit", lambda: lib.cuInit(0)),
+    steps: tuple[tuple[str, Callable[[], int]], ...] = (("cuInit", lambda: lib.cuInit(0)),
              ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), 0)),
              ("cuCtxCreate_v2", lambda: lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)),
              ("cuMemAlloc_v2", lambda: lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size))),
@@ -128,7 +128,7 @@ def compute_app_pids() -> list[int] | None:
 
 def ancestry(pid: int) -> list[int] | None:
     """``pid`` and its ancestors, from /proc; None when it is gone (or in another namespace)."""
-    chain = []
+    chain: list[int] = []
     while pid > 1 and len(chain) < 64:
         chain.append(pid)
         try:
@@ -591,7 +591,7 @@ def spin(seconds: float) -> int:
     params = (ctypes.c_void_p * 2)(ctypes.addressof(flag_arg), ctypes.addressof(max_ns))
     one = ctypes.c_uint32(1)
     non_blocking = 1  # CU_STREAM_NON_BLOCKING: the flag's copy runs beside the kernel
-    steps = (("cuInit", lambda: lib.cuInit(0)),
+    steps: tuple[tuple[str, Callable[[], int]], ...] = (("cuInit", lambda: lib.cuInit(0)),
              ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), 0)),
              ("cuCtxCreate_v2", lambda: lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)),
              ("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), SPIN_PTX)),
