@@ -19,7 +19,7 @@
         turned ready on a free GPU proven since EPOCH.
     python scripts/gpu_validate.py spin [--seconds S] | compute [--seconds S] [--n N]
         The job watch's runs on CUDA ordinal 0: one thread spinning on a flag in device
-        memory (a hung collective: 100% utilization, low power; ends by itself 20 s after S),
+        memory (a hung collective: 100% utilization, low power; ends by itself 10 s after S),
         and a JAX bf16 matmul loop (real work).
     python scripts/gpu_validate.py samples-summary CSV [--skip-s N]
         Utilization, power, power over its limit and SM clock (p1/p50/p99) per GPU, from the
@@ -55,6 +55,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 BOGUS_UUID = "GPU-00000000-0000-0000-0000-000000000000"
+Step = tuple[str, Callable[[], int]]
 
 # ---------------------------------------------------------------------------------------------
 # hold: the occupancy helper (someone else's job, as far as gpudiag can tell)
@@ -84,7 +85,8 @@ def hold(mib: int, max_s: float) -> int:
         return 1
     dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     size = mib * MIB
-    steps: tuple[tuple[str, Callable[[], int]], ...] = (("cuInit", lambda: lib.cuInit(0)),
+    steps: tuple[Step, ...]  # (what, the driver call): run in order, the first error ends it
+    steps = (("cuInit", lambda: lib.cuInit(0)),
              ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), 0)),
              ("cuCtxCreate_v2", lambda: lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)),
              ("cuMemAlloc_v2", lambda: lib.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size))),
@@ -586,12 +588,12 @@ def spin(seconds: float) -> int:
         return 1
     dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
     flag, spinning, copying = ctypes.c_uint64(), ctypes.c_void_p(), ctypes.c_void_p()
-    flag_arg = ctypes.c_uint64()
-    max_ns = ctypes.c_uint64(int((seconds + 20) * 1e9))
+    flag_arg, raise_from = ctypes.c_uint64(), ctypes.c_void_p()  # the 1 to copy: pinned
+    max_ns = ctypes.c_uint64(int((seconds + 10) * 1e9))
     params = (ctypes.c_void_p * 2)(ctypes.addressof(flag_arg), ctypes.addressof(max_ns))
-    one = ctypes.c_uint32(1)
     non_blocking = 1  # CU_STREAM_NON_BLOCKING: the flag's copy runs beside the kernel
-    steps: tuple[tuple[str, Callable[[], int]], ...] = (("cuInit", lambda: lib.cuInit(0)),
+    steps: tuple[Step, ...]  # (what, the driver call): run in order, the first error ends it
+    steps = (("cuInit", lambda: lib.cuInit(0)),
              ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), 0)),
              ("cuCtxCreate_v2", lambda: lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)),
              ("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), SPIN_PTX)),
@@ -600,6 +602,8 @@ def spin(seconds: float) -> int:
              ("cuMemAlloc_v2", lambda: lib.cuMemAlloc_v2(ctypes.byref(flag), ctypes.c_size_t(4))),
              ("cuMemsetD32_v2", lambda: lib.cuMemsetD32_v2(flag, ctypes.c_uint(0),
                                                            ctypes.c_size_t(1))),
+             ("cuMemHostAlloc", lambda: lib.cuMemHostAlloc(ctypes.byref(raise_from),
+                                                           ctypes.c_size_t(4), 0)),
              ("cuCtxSynchronize", lambda: lib.cuCtxSynchronize()),
              ("cuStreamCreate", lambda: lib.cuStreamCreate(ctypes.byref(spinning), non_blocking)),
              ("cuStreamCreate", lambda: lib.cuStreamCreate(ctypes.byref(copying), non_blocking)))
@@ -610,6 +614,7 @@ def spin(seconds: float) -> int:
                 print(f"failed: {name}: {_cuda_error(lib, rc)}", flush=True)
                 return 1
         flag_arg.value = flag.value
+        ctypes.cast(raise_from, ctypes.POINTER(ctypes.c_uint32))[0] = 1
         started = time.monotonic()
         rc = lib.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, spinning, params, None)
         if rc != 0:
@@ -619,7 +624,7 @@ def spin(seconds: float) -> int:
         while not stop["now"] and time.monotonic() - started < seconds:
             time.sleep(0.1)
         raised = time.monotonic()
-        rc = lib.cuMemcpyHtoDAsync_v2(flag, ctypes.byref(one), ctypes.c_size_t(4), copying)
+        rc = lib.cuMemcpyHtoDAsync_v2(flag, raise_from, ctypes.c_size_t(4), copying)
         rc = rc or lib.cuStreamSynchronize(spinning)
         ended = time.monotonic()
         how = "the flag" if ended - raised < 5 else "its own deadline"
@@ -629,6 +634,8 @@ def spin(seconds: float) -> int:
     finally:
         if flag.value:
             lib.cuMemFree_v2(flag)
+        if raise_from.value:
+            lib.cuMemFreeHost(raise_from)
         if ctx.value:
             lib.cuCtxDestroy_v2(ctx)
 

@@ -161,7 +161,7 @@ def test_jobwatch_and_inventory_sections_on_the_fakes_name_the_spinner_alone_and
     env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, FAKE_GPU_STATE_FILE=str(state))  # type: ignore[operator]
     env.update(GPUDIAG_VALIDATE_ONLY="jobwatch,inventory", GPUDIAG_VALIDATE_JOBWATCH_S="6",
                GPUDIAG_VALIDATE_PORT=str(free_port_pair() - 3),
-               GPUDIAG_VALIDATE_SPINNER="sleep 8", GPUDIAG_VALIDATE_COMPUTER=f"sh {computer}")
+               GPUDIAG_VALIDATE_COMPUTER=f"sh {computer}")  # the spinner is the script's own
     out = tmp_path / "val"
     _, checks = run_script(out, env, timeout=300)
     summary = (out / "summary.txt").read_text()
@@ -169,6 +169,8 @@ def test_jobwatch_and_inventory_sections_on_the_fakes_name_the_spinner_alone_and
                  "inventory-unchanged-quick", "inventory-unchanged-run"):
         assert checks.get(name, ("missing", ""))[0] == "pass", f"{name}:\n{summary}"
     assert '"power_max_w": 80.0' in checks["jobwatch-spin-stalled"][1]
+    # The spinner went through the driver API end to end (the fake's kernels end at once).
+    assert "the kernel ended" in checks["jobwatch-spin-stalled"][1]
     assert "attested=socket warnings: none" in checks["jobwatch-compute-not-stalled"][1]
     assert "unchanged: " in checks["inventory-unchanged-run"][1]
 
