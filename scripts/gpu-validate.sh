@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Validate gpudiag on a real NVIDIA GPU, with no network, in under 5 minutes.
+# Validate gpudiag on a real NVIDIA GPU, with no network, in a few minutes a section (every
+# section at once may take more than one 10-minute device call: pick with GPUDIAG_VALIDATE_ONLY).
 #
 #   scripts/gpu-validate.sh OUTDIR
 #
@@ -970,10 +971,10 @@ if want texts; then
 fi
 
 # Round 5: the inventory as this run found it and left it (every tier above was checked on its
-# own); with neither qualify nor sdc selected, the quick tier runs here so that one is checked.
+# own); without the qualify section, the quick tier runs here so that it is checked too.
 if want inventory; then
     section "inventory: the GPU as this run found it and left it"
-    if ! want qualify && ! want sdc; then
+    if ! want qualify; then
         inv_snap before-quick
         timeout 200 "$PY" -m gpudiag qualify --tier quick --format json --no-history \
             >"$OUT/inventory/qualify-quick.json" 2>"$OUT/inventory/qualify-quick.stderr"
