@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Validate gpudiag on a real NVIDIA GPU, with no network, in under 5 minutes.
+# Validate gpudiag on a real NVIDIA GPU, with no network, in a few minutes a section (every
+# section at once may take more than one 10-minute device call: pick with GPUDIAG_VALIDATE_ONLY).
 #
 #   scripts/gpu-validate.sh OUTDIR
 #
@@ -11,14 +12,20 @@
 # occupancy on the real card (a helper holds a context and memory on GPU 0: the daemon and
 # inline preflight must say busy and make no context there, node health stays healthy, and
 # once the helper stops the GPU turns free and proven); the safe faults' real texts next to
-# the fakes' (texts/comparison.txt). checks.tsv has one line per check (NAME, pass|fail|
+# the fakes' (texts/comparison.txt); round 5: the job watch's two runs on the card (one that
+# spins on a flag, one that computes) with their utilization and power once a second, the
+# fabric as sysfs shows it, the GPU inventory before and after every qualification tier (it
+# must be unchanged), the SDC tier's wall time and coverage. checks.tsv has one line per check (NAME, pass|fail|
 # blocked, detail), summary.txt the same in words, and OUTDIR/gpu-validate-*.tgz all of it.
 # Safe on a shared card: it never changes the card's settings and never resets it.
 # On a GPU-less host it still runs and every check is a blocker record (never a pass).
 #
 # Knobs (environment): GPUDIAG_VALIDATE_ONLY=probe,jaxmem,timings,faults,daemon,run,iree,
-# occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,jobpython,identity,texts (default
-# all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
+# occupancy,together,nvml,qualify,sdc,attribution,image,runtimes,jobpython,jobwatch,fabric,
+# inventory,identity,texts (default all); GPUDIAG_VALIDATE_DAEMON_S (daemon sampling, default 40);
+# GPUDIAG_VALIDATE_JOBWATCH_S (how long each job watch run lasts, default 45; the daemon's
+# [jobs] stall_after_s is a third of it); GPUDIAG_VALIDATE_SPINNER, GPUDIAG_VALIDATE_COMPUTER
+# (the job watch's two jobs; default `scripts/gpu_validate.py spin|compute --seconds S`);
 # GPUDIAG_VALIDATE_PORT (default 19477, and the next port); GPUDIAG_VALIDATE_FAKES (a built
 # tests/fakes tree for the texts' fake side; default: built here when gcc is present);
 # GPUDIAG_VALIDATE_HOLDER (a command that holds GPU 0 and prints a "holding" line; default
@@ -78,7 +85,7 @@ first_uuid=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | hea
 # Each PID is unset once reaped, so that a reused PID is never signalled.
 cleanup() {
     local p
-    for p in ${helper_pid:-} ${watch_pid:-} ${daemon_pid:-} ${jax_pid:-}; do
+    for p in ${helper_pid:-} ${watch_pid:-} ${daemon_pid:-} ${jax_pid:-} ${smi_pid:-} ${job_pid:-}; do
         kill "$p" 2>/dev/null
     done
 }
@@ -94,6 +101,27 @@ note "# gpudiag GPU validation, $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname)
     "$PY" -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|jax-cuda|nvidia-ml-py|iree|click|prometheus|rich) ' || true
 } >"$OUT/environment.txt" 2>&1
 note "gpu present (nvidia-smi -L): $has_gpu"
+
+# The inventory (round 5): the GPU's settings and firmware (VBIOS, InfoROM, GSP, power
+# limits, application and max clocks, persistence, ECC, compute and MIG mode) from
+# `nvidia-smi -q` and the nvml probe, read before and after every qualification tier this run
+# starts: a diagnostic leaves the GPU as it found it. inv_snap TAG; inv_same NAME BEFORE AFTER.
+inv_snap() {
+    want inventory || return 0
+    local d=$OUT/inventory
+    mkdir -p "$d"
+    nvidia-smi -q >"$d/$1.smi-q.txt" 2>&1
+    timeout 60 "$PY" -m gpudiag probe --backend nvml --format json >"$d/$1.nvml.json" 2>>"$d/errors.txt"
+    "${GV[@]}" inventory "$d/$1.smi-q.txt" "$d/$1.nvml.json" >"$d/$1.json" 2>>"$d/errors.txt"
+}
+inv_same() {
+    want inventory || return 0
+    local said rc
+    said=$("${GV[@]}" inventory-diff "$OUT/inventory/$2.json" "$OUT/inventory/$3.json" 2>&1)
+    rc=$?
+    pass_if "$1" "$rc" "$2 -> $3: $said"
+}
+inv_snap start
 
 
 # 1. Probe every backend; preflight cuda,jax as JSON and kv (inline: no daemon is asked).
@@ -193,13 +221,16 @@ if want faults; then
     fault jax-deadline probe_timeout -- -- --require jax --timeout 0.3
 fi
 
-# daemon_start NAME PORT CONFIG [ENV...]: a daemon in the background (daemon_pid, daemon_url).
+# daemon_start NAME PORT CONFIG [ENV...]: a daemon in the background (daemon_pid, daemon_url);
+# daemon_args: more `gpudiag serve` arguments (--socket PATH), none unless set.
+daemon_args=()
 daemon_start() {
     local name=$1 port=$2 config=$3
     shift 3
     daemon_state=$(mktemp -d)
     env "$@" "$PY" -m gpudiag serve --listen "127.0.0.1:$port" --config "$config" \
-        --state-dir "$daemon_state" --log-format json >"$OUT/$name.stdout" 2>"$OUT/$name.log" &
+        --state-dir "$daemon_state" --log-format json ${daemon_args[@]+"${daemon_args[@]}"} \
+        >"$OUT/$name.stdout" 2>"$OUT/$name.log" &
     daemon_pid=$!
     daemon_url=http://127.0.0.1:$port
     local i
@@ -503,11 +534,15 @@ if want qualify; then
     section "qualification"
     for tier in quick full; do
         t0=$SECONDS
+        inv_snap "before-$tier"
         timeout 200 "$PY" -m gpudiag qualify --tier "$tier" --format json --no-history \
             >"$OUT/qualify-$tier.json" 2>"$OUT/qualify-$tier.stderr"
         rc=$?
         pass_if "qualify-$tier" "$rc" "exit $rc in $((SECONDS - t0)) s (qualify-$tier.json: measurements against the data sheet)"
+        inv_snap "after-$tier"
+        inv_same "inventory-unchanged-$tier" "before-$tier" "after-$tier"
     done
+    inv_snap before-abort
     timeout 200 "$PY" -m gpudiag qualify --tier full --format json --no-history \
         >"$OUT/qualify-abort.json" 2>"$OUT/qualify-abort.stderr" &
     qpid=$!
@@ -520,19 +555,28 @@ if want qualify; then
     unset helper_pid
     ok=1; grep -q qualification_aborted "$OUT/qualify-abort.json" 2>/dev/null && ok=0
     pass_if qualify-abort "$ok" "a helper started a context 3 s into the full tier: $(grep -o '"qualification_aborted[^}]*' "$OUT/qualify-abort.json" | head -c 200)"
+    inv_snap after-abort
+    inv_same inventory-unchanged-abort before-abort after-abort
 fi
 
 # 12b. The SDC screen (issue 42): the sdc tier on every idle GPU within its 10 s budget per
 # GPU, every check run (none unknown: JAX's CUDA plugin must be here for the GEMMs), no check
 # failed; then once more, and the golden program's hash must be bit for bit the same (the
 # cross-GPU golden rests on that). qualify-sdc.json keeps every check's cost and conditions.
+# Round 5: each run's wall time (the whole command: start, JAX, every GPU) and the coverage the
+# tier reported on the card (qualify-sdc-timing.txt; round 4's figures came from the fakes).
 if want sdc; then
     section "SDC screen (sdc tier)"
+    sdc_walls=()
     for run in 1 2; do
-        t0=$SECONDS
+        inv_snap "before-sdc-$run"
+        t0=$(date +%s.%N)
         timeout 200 "$PY" -m gpudiag qualify --tier sdc --format json --state-dir "$OUT/sdc-state" \
             >"$OUT/qualify-sdc-$run.json" 2>"$OUT/qualify-sdc-$run.stderr"
         rc_run=$?
+        sdc_walls+=("$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')")
+        inv_snap "after-sdc-$run"
+        inv_same "inventory-unchanged-sdc-$run" "before-sdc-$run" "after-sdc-$run"
         [[ $run == 1 ]] && rc=$rc_run && cp "$OUT/qualify-sdc-1.json" "$OUT/qualify-sdc.json" 2>/dev/null
         # No report the first time (no GPU, NVML unreadable): a second run says nothing more.
         [[ $run == 1 && $rc_run -gt 1 ]] && break
@@ -566,6 +610,34 @@ PYEOF
     h2=$(grep -o '"output_hash": "[0-9a-f]*"' "$OUT/qualify-sdc-2.json" 2>/dev/null | head -1)
     ok=1; [[ -n $h1 && $h1 == "$h2" ]] && ok=0
     pass_if qualify-sdc-determinism "$ok" "the golden program's hash in two runs: ${h1:-none} / ${h2:-none}"
+    # The timing and coverage, whatever the verdict: each run's wall time, then per GPU the
+    # tier's own time against its budget, the bytes tested and what was (not) covered.
+    sdc_timing=$("$PY" - "${sdc_walls[*]}" "$OUT"/qualify-sdc-[12].json <<'PYEOF' 2>&1
+import json, sys
+walls, ok = sys.argv[1].split(), True
+for run, path in enumerate(sys.argv[2:], 1):
+    wall = walls[run - 1] if run <= len(walls) else "?"
+    try:
+        r = json.load(open(path))
+    except (OSError, ValueError) as e:
+        print(f"run {run}: wall {wall} s, no report ({type(e).__name__})")
+        ok = False
+        continue
+    print(f"run {run}: wall {wall} s for {len(r['gpus'])} GPU(s)")
+    ok = ok and bool(r["gpus"])
+    for q in r["gpus"]:
+        cov = q.get("coverage") or {}
+        within = q["duration_s"] is not None and q["duration_s"] <= q["budget_s"]
+        ok = ok and within and not cov.get("unknown")
+        print(f"  GPU {q['index']}: {q['duration_s']} s of its {q['budget_s']} s budget; "
+              f"bytes tested {cov.get('bytes_tested')}; checks {json.dumps(cov.get('checks'))}; "
+              f"unknown {cov.get('unknown')}; short {cov.get('short')}; said: {q.get('message')}")
+sys.exit(0 if ok else 1)
+PYEOF
+)
+    ok=$?
+    printf '%s\n' "$sdc_timing" >"$OUT/qualify-sdc-timing.txt"
+    pass_if qualify-sdc-timing "$ok" "$(tr '\n' ' ' <"$OUT/qualify-sdc-timing.txt" | head -c 700)"
 fi
 
 # 13. Attribution (issue 28): a job that exits 1 with no GPU event is the application's.
@@ -672,6 +744,150 @@ if want jobpython; then
     done
 fi
 
+# 11c. Round 5: the job watch (issue 53) on the one GPU. A daemon with short [jobs] windows
+# attests two `gpudiag run --gpus 1` on its unix socket: one whose job spins one thread on a
+# flag in device memory (a hung collective: full utilization at low power), one whose job
+# computes (a JAX bf16 matmul loop). nvidia-smi samples utilization, power, the enforced limit
+# and the SM clock once a second during each. The spinner must be named job_stalled (if the
+# defaults' utilization and power thresholds hold on this card) and the computing run never;
+# the numbers are kept either way: they calibrate job_stalled's defaults
+# (docs/validation/job-watch-calibration.md). The power limits and clocks the driver reports
+# are read, never set.
+if want jobwatch; then
+    section "jobwatch: a spinning run and a computing run"
+    jw=$OUT/jobwatch
+    mkdir -p "$jw"
+    jw_s=${GPUDIAG_VALIDATE_JOBWATCH_S:-45}
+    stall_s=$(( jw_s / 3 > 0 ? jw_s / 3 : 1 ))
+    nvidia-smi -q -d POWER,CLOCK,PERFORMANCE >"$jw/driver-power-clocks.txt" 2>&1
+    nvidia-smi --query-gpu=index,power.limit,enforced.power.limit,power.default_limit,power.min_limit,power.max_limit,clocks.max.sm,clocks.max.memory,clocks.applications.graphics,clocks.applications.memory \
+        --format=csv >"$jw/driver-limits.csv" 2>&1
+    rc=$?
+    pass_if jobwatch-driver-limits "$rc" "exit $rc: $(tr '\n' ';' <"$jw/driver-limits.csv" | head -c 500)"
+    fields=$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from gpu_validate import SAMPLE_FIELDS; print(",".join(SAMPLE_FIELDS))' "$REPO/scripts")
+    printf '[backends.jax]\ninterval_s = 600\n[jobs]\ninterval_s = 1\nstall_after_s = %s\nstraggler_after_s = %s\n' \
+        "$stall_s" "$stall_s" >"$jw/daemon.toml"
+    # The socket's folder must be the daemon's alone (0755); the lock folder the jobs' too.
+    jw_top=$(mktemp -d /tmp/gpudiag-validate-jobwatch.XXXXXX)
+    chmod 755 "$jw_top"
+    mkdir -m 755 "$jw_top/daemon"
+    mkdir -m 1777 "$jw_top/locks"
+    jw_env=("GPUDIAG_LOCK_DIR=$jw_top/locks")
+    daemon_args=(--socket "$jw_top/daemon/gpudiag.sock")
+    jw_ready=NO
+    daemon_start jobwatch/daemon $((PORT + 3)) "$jw/daemon.toml" "${jw_env[@]}" && jw_ready=yes
+    daemon_args=()
+    note "job watch daemon ready (/readyz) after $((SECONDS - START_S)) s: $jw_ready; [jobs] interval_s = 1, stall_after_s = $stall_s; each run $jw_s s"
+    for kind in spin compute; do
+        knob=GPUDIAG_VALIDATE_SPINNER
+        [[ $kind == compute ]] && knob=GPUDIAG_VALIDATE_COMPUTER
+        if [[ -n ${!knob:-} ]]; then
+            read -ra job <<<"${!knob}"
+        else
+            job=("${GV[@]}" "$kind" --seconds "$jw_s")
+        fi
+        nvidia-smi --query-gpu="$fields" --format=csv,noheader,nounits -l 1 \
+            >"$jw/$kind-samples.csv" 2>"$jw/$kind-samples.err" &
+        smi_pid=$!
+        env "${jw_env[@]}" GPUDIAG_DAEMON_URL="unix:$jw_top/daemon/gpudiag.sock" \
+            timeout $((jw_s + 150)) "$PY" -m gpudiag run --gpus 1 --artifacts "$jw/$kind-run" -- \
+            "${job[@]}" >"$jw/$kind.out" 2>"$jw/$kind.err" &
+        job_pid=$!
+        # The daemon's view while the run is open: /v1/health's runs evidence every 2 s.
+        : >"$jw/$kind-runs.jsonl"
+        while kill -0 "$job_pid" 2>/dev/null; do
+            sleep 2
+            curl -s -o "$jw/$kind-health.json" "$daemon_url/v1/health?require=nvml" 2>/dev/null \
+                && field "$jw/$kind-health.json" evidence.runs >>"$jw/$kind-runs.jsonl"
+        done
+        wait "$job_pid"
+        rc=$?
+        unset job_pid
+        kill "$smi_pid" 2>/dev/null
+        wait "$smi_pid" 2>/dev/null
+        unset smi_pid
+        closeout=$(find "$jw/$kind-run" -name closeout.json 2>/dev/null | head -1)
+        attested=$(field "$closeout" job_record.attested)
+        warnings=$(field "$closeout" job_record.warnings)
+        codes=$(grep -o '"code": "[a-z_]*"' <<<"$warnings" | sed 's/"code": //; s/"//g' | tr '\n' ' ')
+        stalled=$("$PY" -c 'import json, sys
+ws = json.loads(sys.argv[1] or "[]")
+print(" ".join(json.dumps(w.get("numbers")) for w in ws if w.get("code") == "job_stalled"))' "${warnings:-[]}" 2>/dev/null)
+        samples=$("${GV[@]}" samples-summary "$jw/$kind-samples.csv" --skip-s 5 2>&1)
+        samples_rc=$?
+        printf '%s\n' "$samples" >"$jw/$kind-samples.txt"
+        job_said=$(tail -1 "$jw/$kind.out" 2>/dev/null)
+        pass_if "jobwatch-$kind-samples" "$samples_rc" "$samples"
+        if [[ $kind == spin ]]; then
+            ok=1; [[ $rc -eq 0 && -n $stalled ]] && ok=0
+            pass_if jobwatch-spin-stalled "$ok" "exit $rc attested=${attested:-none} warnings: ${codes:-none}; job_stalled numbers: ${stalled:-none}; the job said: ${job_said:-nothing} (expected job_stalled where utilization >= 0.9 and power <= 0.4 of the limit)"
+        else
+            ok=1; [[ $rc -eq 0 && $attested == socket && -z $stalled ]] && ok=0
+            pass_if jobwatch-compute-not-stalled "$ok" "exit $rc attested=${attested:-none} warnings: ${codes:-none}; the job said: ${job_said:-nothing} (expected no job_stalled)"
+        fi
+    done
+    daemon_stop
+    rm -rf "$jw_top"
+fi
+
+# 11d. Round 5: the fabric (issue 51) as this machine's sysfs shows it, whatever it is: every
+# HCA with its fw_ver and ports (state, rate), every network interface, the driver's GPU-NIC
+# topology, and gpudiag's nic probe (ports, rates, GPU affinity). A record, not a judgement.
+sysfs_value() { local v; v=$(cat "$1" 2>/dev/null) || v="?"; printf '%s' "${v:-?}"; }
+sysfs_link() { [[ -e $1 ]] && basename "$(readlink -f "$1")" || printf -- '-'; }
+if want fabric; then
+    section "fabric: sysfs and the nic probe"
+    fab=$OUT/fabric
+    mkdir -p "$fab"
+    hcas=0 ports=0 nets=0
+    : >"$fab/sysfs.txt"
+    for d in /sys/class/infiniband/*; do
+        [[ -e $d ]] || continue
+        hcas=$((hcas + 1))
+        printf 'hca %s fw_ver=%s hca_type=%s board_id=%s node_type=%s pci=%s numa_node=%s\n' \
+            "${d##*/}" "$(sysfs_value "$d/fw_ver")" "$(sysfs_value "$d/hca_type")" \
+            "$(sysfs_value "$d/board_id")" "$(sysfs_value "$d/node_type")" \
+            "$(sysfs_link "$d/device")" "$(sysfs_value "$d/device/numa_node")" >>"$fab/sysfs.txt"
+        for p in "$d"/ports/*; do
+            [[ -e $p ]] || continue
+            ports=$((ports + 1))
+            printf '  port %s state=%s phys_state=%s rate=%s link_layer=%s\n' "${p##*/}" \
+                "$(sysfs_value "$p/state")" "$(sysfs_value "$p/phys_state")" \
+                "$(sysfs_value "$p/rate")" "$(sysfs_value "$p/link_layer")" >>"$fab/sysfs.txt"
+        done
+    done
+    for n in /sys/class/net/*; do
+        [[ -e $n ]] || continue
+        nets=$((nets + 1))
+        printf 'net %s operstate=%s speed=%s mtu=%s carrier=%s driver=%s pci=%s numa_node=%s\n' \
+            "${n##*/}" "$(sysfs_value "$n/operstate")" "$(sysfs_value "$n/speed")" \
+            "$(sysfs_value "$n/mtu")" "$(sysfs_value "$n/carrier")" \
+            "$(sysfs_link "$n/device/driver")" "$(sysfs_link "$n/device")" \
+            "$(sysfs_value "$n/device/numa_node")" >>"$fab/sysfs.txt"
+    done
+    result fabric-sysfs pass "$hcas HCA(s) with $ports port(s), $nets network interface(s): $(grep -E '^(hca|  port)' "$fab/sysfs.txt" | tr -s ' ' | tr '\n' ';' | head -c 500)"
+    nvidia-smi topo -m >"$fab/nvidia-smi-topo.txt" 2>&1
+    rc=$?
+    pass_if fabric-topology "$rc" "nvidia-smi topo -m: exit $rc (fabric/nvidia-smi-topo.txt)"
+    timeout 120 "$PY" -m gpudiag probe --backend nic --wide --format json >"$fab/nic-probe.json" 2>"$fab/nic-probe.stderr"
+    rc=$?
+    said=$("$PY" - "$fab/nic-probe.json" <<'PYEOF' 2>&1
+import json, sys
+r = json.load(open(sys.argv[1]))
+nic = (r.get("backends") or {}).get("nic") or {}
+ports = (nic.get("detail") or {}).get("ports") or []
+print(f"blocker={r['gpu_validation_blocker']} status={nic.get('status')} warnings="
+      f"{','.join(w['code'] for w in r.get('warnings') or ()) or 'none'}; {len(ports)} port(s): "
+      + "; ".join(f"{p.get('port')} {p.get('kind')} {p.get('state')} {p.get('rate_gbps')} Gb/s "
+                  f"fw {p.get('fw_ver')} numa {p.get('numa_node')} gpus {json.dumps(p.get('gpus'))}"
+                  for p in ports))
+PYEOF
+)
+    ok=$?
+    [[ $rc -le 1 ]] || ok=1  # 0 or 1: a verdict either way; more is no answer
+    pass_if fabric-nic-probe "$ok" "exit $rc; $(head -c 600 <<<"$said")"
+fi
+
 # 12. Round 4: kernel facts decide (issue 38). Another uid (65534) holds a context on GPU 0
 # from a process whose command line reads `python3 -m gpudiag.probes cuda`, as a probe's does:
 # gpudiag must take it for a user of the GPU (busy), never for a sibling probe, and make no
@@ -752,6 +968,24 @@ if want texts; then
         pass_if texts "$ok" "exit $rc; ${differ:-?} of the fault/layer pairs differ from the fakes (texts/comparison.txt)"
     fi
     rm -rf "$OUT/fakes-build"
+fi
+
+# Round 5: the inventory as this run found it and left it (every tier above was checked on its
+# own); without the qualify section, the quick tier runs here so that it is checked too.
+if want inventory; then
+    section "inventory: the GPU as this run found it and left it"
+    if ! want qualify; then
+        inv_snap before-quick
+        timeout 200 "$PY" -m gpudiag qualify --tier quick --format json --no-history \
+            >"$OUT/inventory/qualify-quick.json" 2>"$OUT/inventory/qualify-quick.stderr"
+        note "the quick tier for the inventory check: exit $?"
+        inv_snap after-quick
+        inv_same inventory-unchanged-quick before-quick after-quick
+    fi
+    inv_snap end
+    said=$("${GV[@]}" inventory-diff "$OUT/inventory/start.json" "$OUT/inventory/start.json" 2>&1)
+    pass_if inventory-read $? "$said (inventory/start.json, start.smi-q.txt, start.nvml.json)"
+    inv_same inventory-unchanged-run start end
 fi
 
 # The outcome, then one archive of everything.

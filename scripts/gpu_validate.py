@@ -17,6 +17,16 @@
     python scripts/gpu_validate.py judge-apps FILE | judge-free FILE EPOCH
         One line "pass|fail DETAIL" about a watch-apps report, or about a verdict having
         turned ready on a free GPU proven since EPOCH.
+    python scripts/gpu_validate.py spin [--seconds S] | compute [--seconds S] [--n N]
+        The job watch's runs on CUDA ordinal 0: one thread spinning on a flag in device
+        memory (a hung collective: 100% utilization, low power; ends by itself 10 s after S),
+        and a JAX bf16 matmul loop (real work).
+    python scripts/gpu_validate.py samples-summary CSV [--skip-s N]
+        Utilization, power, power over its limit and SM clock (p1/p50/p99) per GPU, from the
+        `nvidia-smi --query-gpu` samples (SAMPLE_FIELDS, csv,noheader,nounits).
+    python scripts/gpu_validate.py inventory SMI_Q [NVML_JSON] | inventory-diff BEFORE AFTER
+        The GPU's settings and firmware (VBIOS, InfoROM, GSP, power limits, application and
+        max clocks, persistence, ECC, compute and MIG mode) as JSON; whether two are equal.
     python scripts/gpu_validate.py get FILE PATH
         A JSON value by dotted path (devices.0.occupancy); prints nothing when absent.
 
@@ -38,13 +48,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 BOGUS_UUID = "GPU-00000000-0000-0000-0000-000000000000"
+Step = tuple[str, Callable[[], int]]
 
 # ---------------------------------------------------------------------------------------------
 # hold: the occupancy helper (someone else's job, as far as gpudiag can tell)
@@ -74,6 +85,7 @@ def hold(mib: int, max_s: float) -> int:
         return 1
     dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     size = mib * MIB
+    steps: tuple[Step, ...]  # (what, the driver call): run in order, the first error ends it
     steps = (("cuInit", lambda: lib.cuInit(0)),
              ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), 0)),
              ("cuCtxCreate_v2", lambda: lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)),
@@ -118,7 +130,7 @@ def compute_app_pids() -> list[int] | None:
 
 def ancestry(pid: int) -> list[int] | None:
     """``pid`` and its ancestors, from /proc; None when it is gone (or in another namespace)."""
-    chain = []
+    chain: list[int] = []
     while pid > 1 and len(chain) < 64:
         chain.append(pid)
         try:
@@ -522,6 +534,271 @@ def rules_test(metrics: Path, rules: Path, out: Path) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# spin, compute: the job watch's two runs (a hung collective's signature, and real work)
+# ---------------------------------------------------------------------------------------------
+
+# One thread spins on a flag in device memory, as a rank waiting in a hung all-reduce does:
+# a kernel always resident (the GPU reads 100% utilization) that does almost nothing (low
+# power). %globaltimer bounds it: the kernel ends by itself after max_ns, whatever the host.
+SPIN_PTX = b"""
+.version 6.0
+.target sm_70
+.address_size 64
+
+.visible .entry spin(
+    .param .u64 flag_param,
+    .param .u64 max_ns_param
+)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<2>;
+    .reg .b64 %rd<6>;
+
+    ld.param.u64 %rd1, [flag_param];
+    ld.param.u64 %rd2, [max_ns_param];
+    cvta.to.global.u64 %rd3, %rd1;
+    mov.u64 %rd4, %globaltimer;
+    add.u64 %rd5, %rd4, %rd2;
+SPIN:
+    ld.volatile.global.u32 %r1, [%rd3];
+    setp.ne.u32 %p1, %r1, 0;
+    @%p1 bra DONE;
+    mov.u64 %rd4, %globaltimer;
+    setp.lt.u64 %p2, %rd4, %rd5;
+    @%p2 bra SPIN;
+DONE:
+    ret;
+}
+\x00"""
+
+
+def spin(seconds: float) -> int:
+    """Spin one thread on CUDA ordinal 0 for ``seconds``, then raise the flag; 1 on failure."""
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        print(f"failed: {e}", flush=True)
+        return 1
+    dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    flag, spinning, copying = ctypes.c_uint64(), ctypes.c_void_p(), ctypes.c_void_p()
+    flag_arg, raise_from = ctypes.c_uint64(), ctypes.c_void_p()  # the 1 to copy: pinned
+    max_ns = ctypes.c_uint64(int((seconds + 10) * 1e9))
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(flag_arg), ctypes.addressof(max_ns))
+    non_blocking = 1  # CU_STREAM_NON_BLOCKING: the flag's copy runs beside the kernel
+    steps: tuple[Step, ...]  # (what, the driver call): run in order, the first error ends it
+    steps = (("cuInit", lambda: lib.cuInit(0)),
+             ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), 0)),
+             ("cuCtxCreate_v2", lambda: lib.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)),
+             ("cuModuleLoadData", lambda: lib.cuModuleLoadData(ctypes.byref(mod), SPIN_PTX)),
+             ("cuModuleGetFunction", lambda: lib.cuModuleGetFunction(ctypes.byref(fn), mod,
+                                                                     b"spin")),
+             ("cuMemAlloc_v2", lambda: lib.cuMemAlloc_v2(ctypes.byref(flag), ctypes.c_size_t(4))),
+             ("cuMemsetD32_v2", lambda: lib.cuMemsetD32_v2(flag, ctypes.c_uint(0),
+                                                           ctypes.c_size_t(1))),
+             ("cuMemHostAlloc", lambda: lib.cuMemHostAlloc(ctypes.byref(raise_from),
+                                                           ctypes.c_size_t(4), 0)),
+             ("cuCtxSynchronize", lambda: lib.cuCtxSynchronize()),
+             ("cuStreamCreate", lambda: lib.cuStreamCreate(ctypes.byref(spinning), non_blocking)),
+             ("cuStreamCreate", lambda: lib.cuStreamCreate(ctypes.byref(copying), non_blocking)))
+    try:
+        for name, call in steps:
+            rc = call()
+            if rc != 0:
+                print(f"failed: {name}: {_cuda_error(lib, rc)}", flush=True)
+                return 1
+        flag_arg.value = flag.value
+        ctypes.cast(raise_from, ctypes.POINTER(ctypes.c_uint32))[0] = 1
+        started = time.monotonic()
+        rc = lib.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, spinning, params, None)
+        if rc != 0:
+            print(f"failed: cuLaunchKernel: {_cuda_error(lib, rc)}", flush=True)
+            return 1
+        print(f"spinning pid={os.getpid()} for {seconds:g} s", flush=True)
+        while not stop["now"] and time.monotonic() - started < seconds:
+            time.sleep(0.1)
+        raised = time.monotonic()
+        rc = lib.cuMemcpyHtoDAsync_v2(flag, raise_from, ctypes.c_size_t(4), copying)
+        rc = rc or lib.cuStreamSynchronize(spinning)
+        ended = time.monotonic()
+        how = "the flag" if ended - raised < 5 else "its own deadline"
+        print(f"spun {ended - started:.1f} s; the kernel ended {ended - raised:.3f} s after the "
+              f"flag was raised (by {how}); rc {rc}", flush=True)
+        return 0 if rc == 0 else 1
+    finally:
+        if flag.value:
+            lib.cuMemFree_v2(flag)
+        if raise_from.value:
+            lib.cuMemFreeHost(raise_from)
+        if ctx.value:
+            lib.cuCtxDestroy_v2(ctx)
+
+
+def compute(seconds: float, n: int) -> int:
+    """A JAX matmul loop for ``seconds``: full utilization at high power (real work)."""
+    import jax  # the job's own framework; imported here only, never by gpudiag's daemon
+    import jax.numpy as jnp
+
+    x = jnp.full((n, n), 1.0 / n, dtype=jnp.bfloat16)
+    step = jax.jit(lambda a: jnp.tanh(a @ a) + a)
+    step(x).block_until_ready()
+    started, steps = time.monotonic(), 0
+    while time.monotonic() - started < seconds:
+        step(x).block_until_ready()  # the same input each time: no value grows without bound
+        steps += 1
+    took = time.monotonic() - started
+    print(f"computed on {jax.devices()[0]}: {steps} steps of a {n}x{n} bf16 matmul in "
+          f"{took:.1f} s, {2 * n**3 * steps / took / 1e12:.1f} TFLOP/s", flush=True)
+    return 0
+
+
+# nvidia-smi --query-gpu fields the job watch section samples once a second, in this order.
+SAMPLE_FIELDS = ("timestamp", "index", "utilization.gpu", "power.draw", "enforced.power.limit",
+                 "clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "pstate")
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.strip())
+    except ValueError:
+        return None  # "[N/A]", "[Not Supported]"
+
+
+def samples_summary(path: Path, skip_s: int) -> int:
+    """One line per GPU: utilization, power, power over the limit and SM clock (p1/p50/p99)
+    over the samples after the first ``skip_s`` (the run's start). 1 when there are none."""
+    per_gpu: dict[str, list[list[float | None]]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        print(f"no samples ({e})")
+        return 1
+    for line in lines:
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(SAMPLE_FIELDS) or not cells[1].isdigit():
+            continue
+        per_gpu.setdefault(cells[1], []).append([_number(c) for c in cells[2:9]])
+    said = []
+    for gpu, rows in sorted(per_gpu.items()):
+        rows = rows[skip_s:] or rows
+
+        def col(i: int, rows: list[list[float | None]] = rows) -> list[float]:
+            return [v for r in rows if (v := r[i]) is not None]
+
+        util, power, limit, sm = col(0), col(1), col(2), col(3)
+        ratio = [r[1] / r[2] for r in rows if r[1] is not None and r[2]]
+
+        def pct(v: list[float], fmt: str) -> str:
+            if not v:
+                return "n/a"
+            return "/".join(format(_percentile(v, q), fmt) for q in (0.01, 0.5, 0.99))
+
+        said.append(f"GPU {gpu}: {len(rows)} samples; utilization % p1/p50/p99 "
+                    f"{pct(util, '.0f')}; power W {pct(power, '.0f')} of limit "
+                    f"{pct(limit, '.0f')}; power/limit {pct(ratio, '.2f')}; SM MHz "
+                    f"{pct(sm, '.0f')}")
+    print("; ".join(said) if said else "no samples")
+    return 0 if said else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# inventory: what a diagnostic must leave as it found it
+# ---------------------------------------------------------------------------------------------
+
+# Sections of `nvidia-smi -q` kept whole, and keys kept wherever they appear: settings and
+# firmware, never readings (clocks now, power now, temperatures, utilization, memory use).
+INVENTORY_SECTIONS = ("Inforom Version", "ECC Mode", "MIG Mode", "Applications Clocks",
+                      "Default Applications Clocks", "Max Clocks", "Deferred Clocks")
+INVENTORY_KEYS = ("Product Name", "GPU UUID", "VBIOS Version", "GSP Firmware Version",
+                  "Persistence Mode", "Compute Mode", "Addressing Mode", "Accounting Mode",
+                  "Driver Version", "Current Power Limit", "Requested Power Limit",
+                  "Default Power Limit", "Enforced Power Limit", "Power Limit",
+                  "Min Power Limit", "Max Power Limit")
+NVML_KEYS = ("uuid", "name", "pci_bus_id", "memory_total_bytes", "power_limit_w")
+
+
+def parse_smi_q(text: str) -> dict[str, str]:
+    """The inventory fields of `nvidia-smi -q`, as "GPU-BUS/Section/Key" -> value."""
+    found: dict[str, str] = {}
+    gpu = ""
+    stack: list[str] = []  # the section headers above the line, by indent level
+    for raw in text.splitlines():
+        if not raw.strip() or raw.startswith("="):
+            continue
+        indent = (len(raw) - len(raw.lstrip(" "))) // 4
+        line = raw.strip()
+        if indent == 0:
+            gpu = line[4:] if line.startswith("GPU ") else ""
+            stack = []
+            if " : " in line and line.partition(" : ")[0].strip() in INVENTORY_KEYS:
+                key, _, value = line.partition(" : ")
+                found[key.strip()] = value.strip()  # Driver Version, above every GPU
+            continue
+        del stack[indent - 1:]
+        key, sep, value = line.partition(":")
+        if not sep or not value.strip():
+            stack.append(line.rstrip(":").strip())
+            continue
+        key = key.strip()
+        if key in INVENTORY_KEYS or any(s in INVENTORY_SECTIONS for s in stack):
+            found["/".join([gpu, *stack, key])] = value.strip()
+    return found
+
+
+def inventory(smi_q: Path, nvml: Path | None) -> int:
+    """Print the inventory (JSON) from a `nvidia-smi -q` text and a nvml probe record."""
+    try:
+        found = parse_smi_q(smi_q.read_text(errors="replace"))
+    except OSError:
+        found = {}
+    try:
+        rec = json.loads(nvml.read_text()) if nvml else {}
+    except (OSError, ValueError):
+        rec = {}
+    for d in rec.get("devices") or () if isinstance(rec, dict) else ():
+        for key in NVML_KEYS:
+            if isinstance(d, dict) and d.get(key) is not None:
+                found[f"nvml/{d.get('index')}/{key}"] = str(d[key])
+    print(json.dumps(found, indent=1, sort_keys=True))
+    return 0
+
+
+def inventory_diff(before: Path, after: Path) -> int:
+    """0 and "unchanged: ..." when both inventories were read and are equal; else 1 and what
+    differs (or that nothing was read)."""
+    try:
+        a, b = json.loads(before.read_text()), json.loads(after.read_text())
+    except (OSError, ValueError) as e:
+        print(f"no inventory read ({e})")
+        return 1
+    if not a or not b:
+        print(f"no inventory read ({len(a)} fields before, {len(b)} after)")
+        return 1
+    changed = [f"{k}: {a.get(k, '(absent)')} -> {b.get(k, '(absent)')}"
+               for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if changed:
+        print(f"{len(changed)} field(s) changed: " + "; ".join(changed))
+        return 1
+    shown = [f"{k.rsplit('/', 1)[-1]}={v}" for k, v in sorted(a.items())
+             if k.endswith(("VBIOS Version", "Image Version", "GSP Firmware Version",
+                            "Current Power Limit", "Enforced Power Limit", "Persistence Mode",
+                            "Compute Mode"))]
+    print(f"unchanged: {len(a)} fields ({'; '.join(shown[:8]) or 'nvml only'})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def get(path: Path, dotted: str) -> int:
@@ -563,6 +840,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("judge-free")
     p.add_argument("file", type=Path)
     p.add_argument("since", type=float)
+    p = sub.add_parser("spin")
+    p.add_argument("--seconds", type=float, default=40.0)
+    p = sub.add_parser("compute")
+    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--n", type=int, default=8192)
+    p = sub.add_parser("samples-summary")
+    p.add_argument("file", type=Path)
+    p.add_argument("--skip-s", type=int, default=0)
+    p = sub.add_parser("inventory")
+    p.add_argument("smi_q", type=Path)
+    p.add_argument("nvml", type=Path, nargs="?")
+    p = sub.add_parser("inventory-diff")
+    p.add_argument("before", type=Path)
+    p.add_argument("after", type=Path)
     p = sub.add_parser("get")
     p.add_argument("file", type=Path)
     p.add_argument("path")
@@ -583,6 +874,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return judge_apps(a.file)
     if a.cmd == "judge-free":
         return judge_free(a.file, a.since)
+    if a.cmd == "spin":
+        return spin(a.seconds)
+    if a.cmd == "compute":
+        return compute(a.seconds, a.n)
+    if a.cmd == "samples-summary":
+        return samples_summary(a.file, a.skip_s)
+    if a.cmd == "inventory":
+        return inventory(a.smi_q, a.nvml)
+    if a.cmd == "inventory-diff":
+        return inventory_diff(a.before, a.after)
     return get(a.file, a.path)
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.gpu_validate import rules_test
-from tests.fakes.build import FakeDriver
+from scripts.gpu_validate import inventory_diff, parse_smi_q, rules_test, samples_summary
+from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.daemon import Daemon, daemon_toml, host_env, wait_for, write_config
 
@@ -83,7 +83,12 @@ def test_on_a_gpu_less_host_every_check_is_a_blocker_record_and_nothing_passes(
                  "together-xid-restart", "nvml-signals", "qualify-quick", "qualify-full",
                  "qualify-abort", "qualify-sdc", "qualify-sdc-determinism",
                  "attribution-application", "attribution-xid", "image-probe",
-                 "identity-disguised-user"):
+                 "identity-disguised-user", "qualify-sdc-timing", "jobwatch-driver-limits",
+                 "jobwatch-spin-samples", "jobwatch-spin-stalled", "jobwatch-compute-samples",
+                 "jobwatch-compute-not-stalled", "fabric-sysfs", "fabric-nic-probe",
+                 "inventory-unchanged-quick", "inventory-unchanged-full",
+                 "inventory-unchanged-abort", "inventory-unchanged-sdc-1", "inventory-read",
+                 "inventory-unchanged-run"):
         assert name in checks, f"{name} missing from checks.tsv:\n{summary}"
     assert {status for status, _ in checks.values()} == {"blocked"}, summary
     # Blocked for a reason of their own (a helper that needs a GPU, a real XID, an image).
@@ -143,6 +148,34 @@ def test_occupancy_section_on_the_fakes_sees_busy_healthy_no_context_then_free_a
 
 
 @pytest.mark.slow
+def test_jobwatch_and_inventory_sections_on_the_fakes_name_the_spinner_alone_and_see_no_change(
+        gpu_env: object, tmp_path: Path) -> None:
+    # The fake GPU reads 100% at 80 W of 700 W (a spinning rank) until the computing job
+    # raises its power to 600 W: the section's daemon, socket, runs and closeouts end to end.
+    state = tmp_path / "gpu-state"
+    write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 1, "FAKE_NVML_UTILIZATION": "0:100",
+                             "FAKE_NVML_POWER_MW": "0:80000"})
+    computer = tmp_path / "compute.sh"
+    computer.write_text("printf 'FAKE_NVML_DEVICE_COUNT=1\\nFAKE_NVML_UTILIZATION=0:100\\n"
+                        f"FAKE_NVML_POWER_MW=0:600000\\n' >{state}\nsleep 8\n")
+    env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, FAKE_GPU_STATE_FILE=str(state))  # type: ignore[operator]
+    env.update(GPUDIAG_VALIDATE_ONLY="jobwatch,inventory", GPUDIAG_VALIDATE_JOBWATCH_S="6",
+               GPUDIAG_VALIDATE_PORT=str(free_port_pair() - 3),
+               GPUDIAG_VALIDATE_COMPUTER=f"sh {computer}")  # the spinner is the script's own
+    out = tmp_path / "val"
+    _, checks = run_script(out, env, timeout=300)
+    summary = (out / "summary.txt").read_text()
+    for name in ("jobwatch-spin-stalled", "jobwatch-compute-not-stalled", "inventory-read",
+                 "inventory-unchanged-quick", "inventory-unchanged-run"):
+        assert checks.get(name, ("missing", ""))[0] == "pass", f"{name}:\n{summary}"
+    assert '"power_max_w": 80.0' in checks["jobwatch-spin-stalled"][1]
+    # The spinner went through the driver API end to end (the fake's kernels end at once).
+    assert "the kernel ended" in checks["jobwatch-spin-stalled"][1]
+    assert "attested=socket warnings: none" in checks["jobwatch-compute-not-stalled"][1]
+    assert "unchanged: " in checks["inventory-unchanged-run"][1]
+
+
+@pytest.mark.slow
 def test_a_daemon_started_while_its_only_gpu_is_busy_publishes_occupancy_and_gets_ready(
         fakes: FakeDriver, tmp_path: Path) -> None:
     with FakeJobs(tmp_path / "state") as jobs:
@@ -197,3 +230,100 @@ def test_the_script_passes_shellcheck() -> None:
     proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# `nvidia-smi -q` as an H200's driver prints it (abridged): settings and firmware beside
+# readings that change from one second to the next.
+SMI_Q = """
+==============NVSMI LOG==============
+
+Timestamp                                 : Sat Dec  5 01:00:00 2026
+Driver Version                            : 570.86.15
+CUDA Version                              : 12.8
+
+Attached GPUs                             : 1
+GPU 00000000:19:00.0
+    Product Name                          : NVIDIA H200
+    Persistence Mode                      : Enabled
+    MIG Mode
+        Current                           : Disabled
+        Pending                           : Disabled
+    GPU UUID                              : GPU-5bd3c2a0-0000-0000-0000-000000000000
+    VBIOS Version                         : 96.00.99.00.01
+    Inforom Version
+        Image Version                     : G520.0200.00.05
+        OEM Object                        : 2.1
+        ECC Object                        : 7.16
+    GSP Firmware Version                  : 570.86.15
+    Compute Mode                          : Default
+    Performance State                     : P0
+    Clocks Event Reasons
+        Idle                              : Active
+        Applications Clocks Setting       : Not Active
+    ECC Mode
+        Current                           : Enabled
+        Pending                           : Enabled
+    Temperature
+        GPU Current Temp                  : 33 C
+    GPU Power Readings
+        Power Draw                        : 120.50 W
+        Current Power Limit               : 700.00 W
+        Requested Power Limit             : 700.00 W
+        Default Power Limit               : 700.00 W
+    Clocks
+        SM                                : 1980 MHz
+    Applications Clocks
+        Graphics                          : 1980 MHz
+        Memory                            : 3201 MHz
+    Max Clocks
+        SM                                : 1980 MHz
+"""
+
+
+def test_the_inventory_keeps_settings_and_firmware_and_leaves_out_readings() -> None:
+    found = parse_smi_q(SMI_Q)
+    gpu = "00000000:19:00.0"
+    assert found["Driver Version"] == "570.86.15"
+    assert found[f"{gpu}/VBIOS Version"] == "96.00.99.00.01"
+    assert found[f"{gpu}/Inforom Version/Image Version"] == "G520.0200.00.05"
+    assert found[f"{gpu}/GSP Firmware Version"] == "570.86.15"
+    assert found[f"{gpu}/GPU Power Readings/Current Power Limit"] == "700.00 W"
+    assert found[f"{gpu}/ECC Mode/Pending"] == "Enabled"
+    assert found[f"{gpu}/MIG Mode/Current"] == "Disabled"
+    assert found[f"{gpu}/Applications Clocks/Memory"] == "3201 MHz"
+    assert found[f"{gpu}/Max Clocks/SM"] == "1980 MHz"
+    # Readings move by themselves: a change there is no change the diagnostic made.
+    assert not [k for k in found if k.endswith(("Power Draw", "GPU Current Temp",
+                                                 "Performance State", "Idle"))]
+    assert f"{gpu}/Clocks/SM" not in found
+
+
+def test_an_inventory_whose_power_limit_moved_is_a_change_and_an_unread_one_no_pass(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before, after, empty = tmp_path / "before.json", tmp_path / "after.json", tmp_path / "e.json"
+    found = parse_smi_q(SMI_Q)
+    before.write_text(json.dumps(found))
+    assert inventory_diff(before, before) == 0
+    assert "unchanged: " in capsys.readouterr().out
+    key = "00000000:19:00.0/GPU Power Readings/Current Power Limit"
+    after.write_text(json.dumps({**found, key: "350.00 W"}))
+    assert inventory_diff(before, after) == 1
+    assert f"{key}: 700.00 W -> 350.00 W" in capsys.readouterr().out
+    empty.write_text("{}")
+    assert inventory_diff(empty, empty) == 1  # nothing read is never "unchanged"
+    assert "no inventory read" in capsys.readouterr().out
+
+
+def test_the_samples_summary_gives_utilization_and_power_over_the_limit_per_gpu(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv = tmp_path / "samples.csv"
+    csv.write_text("".join(
+        f"2026/12/05 01:00:{i:02d}.000, 0, 100, {100 + i}.00, 700.00, 1980, 1980, 3201, 35, P0\n"
+        for i in range(20)) + "2026/12/05 01:00:20.000, 0, [N/A], [N/A], 700.00, 1980, 1980, "
+        "3201, 35, P0\nnvidia-smi: some error\n")
+    assert samples_summary(csv, skip_s=0) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("GPU 0: 21 samples; utilization % p1/p50/p99 100/100/100; ")
+    assert "power W 100/109/119 of limit 700/700/700; power/limit 0.14/0.16/0.17" in said
+    csv.write_text("")
+    assert samples_summary(csv, skip_s=0) == 1  # no samples is no record
