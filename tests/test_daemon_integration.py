@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gpudiag.engine.processes import cmdline
 from tests.fakes.build import FakeDriver, write_state_file
 from tests.support.daemon import (
     Daemon,
@@ -327,7 +328,9 @@ def test_sigterm_while_a_probe_hangs_exits_at_once_and_leaves_nothing(rig: dict[
     daemon.wait_ready()
     write_state_file(rig["state"], {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_INIT_HANG": 1})
     # Wait until an nvml child is hung in nvmlInit (the state file is read at init).
-    wait_for(lambda: any(b"gpudiag.probes\x00nvml" in _cmdline(p)
+    # psutil reads argv as ps does: NUL-separated, or a forked child's setproctitle-style
+    # line split at spaces (gpudiag/probes/forkserver.py).
+    wait_for(lambda: any(" gpudiag.probes nvml" in " ".join(cmdline(p))
                          for p in processes_with_env(str(rig["state"]))), 10)
     time.sleep(1.0)
     t = time.monotonic()

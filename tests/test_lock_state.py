@@ -190,7 +190,7 @@ print(json.dumps({"state": lock_state(Path(sys.argv[1]), sys.argv[2]),
 def _unshare_pid() -> tuple[str, ...]:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a pid namespace")
-    return ("unshare", "--pid", "--fork", "--mount-proc")
+    return ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
 
 
 def test_a_reader_in_its_own_pid_namespace_sees_a_host_lock_held_and_says_where(

@@ -298,6 +298,12 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
             if found is not None and all(sibling_holder(h) for h in others):
                 return lock
             release([lock])  # a shared lock beside someone's use of the GPU (or not named)
+            if found is None and clock() < deadline:
+                # Not named within the naming bound (a loaded host: many probes at once):
+                # unknown is never "a sibling", so not shared now; named again within the
+                # sibling wait, as a sibling's own lock would be waited for.
+                sleep(_SIBLING_POLL_S)
+                continue
             return "locked"
         if lock_state(lock_dir, uuid) == LOCK_FREE and races < _RACE_TRIES:
             # Let go between our try and the look, or another reader's O(1) test held it for
@@ -308,8 +314,9 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
         if not mark_held(lock_dir, uuid):
             return "locked"  # no probe mark held (O(1)): no holder is a sibling probe
         found = holders(lock_dir, uuid)
-        # No holder now: it let go between our try and the kernel's table; try again.
-        if found == [] and clock() < deadline:
+        # No holder now (it let go between our try and the kernel's table), or none named
+        # within the naming bound while a probe mark is held: look again within the wait.
+        if (found == [] or found is None) and clock() < deadline:
             sleep(_SIBLING_POLL_S)
             continue
         # Held exclusively: by a sibling gpudiag probe (exclusive compute mode, the kernel
