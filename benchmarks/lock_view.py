@@ -41,37 +41,7 @@ from gpudiag.engine.locks import (  # noqa: E402
     try_lock,
     wait_for_free,
 )
-
-PER_HOLDER = 15000  # under this machine's RLIMIT_NOFILE hard limit (20000)
-HOLDER = """
-import fcntl, os, resource, sys
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-folder, n = sys.argv[1], int(sys.argv[2])
-fds = []
-for i in range(n):
-    fd = os.open(f"{folder}/{i}", os.O_RDONLY | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    fds.append(fd)
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
-
-def hold_foreign(total: int, work: Path) -> list[subprocess.Popen[str]]:
-    """Processes holding ``total`` flocks between them, each on its own files."""
-    procs = []
-    left, i = total, 0
-    while left > 0:
-        n = min(PER_HOLDER, left)
-        folder = work / f"holder{i}"
-        folder.mkdir()
-        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), str(n)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        procs.append(proc)
-        left, i = left - n, i + 1
-    return procs
+from tests.support.flocks import hold_foreign  # noqa: E402
 
 
 def uuids(n: int) -> list[str]:

@@ -32,6 +32,7 @@ from tests.support.daemon import (
     wait_for,
     write_config,
 )
+from tests.support.flocks import hold_foreign
 from tests.support.host import run_gpudiag
 
 pytestmark = pytest.mark.slow
@@ -42,21 +43,7 @@ pytestmark = pytest.mark.slow
 FLOOD = pytest.mark.skipif(os.environ.get("GPUDIAG_LOCK_FLOOD") != "1",
                            reason="set GPUDIAG_LOCK_FLOOD=1 (slows every flock on the host)")
 
-PER_HOLDER = 15000  # RLIMIT_NOFILE's hard limit here is 20000: several holders
 FOREIGN = 105000
-HOLDER = """
-import fcntl, os, resource, sys
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-folder, n = sys.argv[1], int(sys.argv[2])
-fds = []
-for i in range(n):
-    fd = os.open(f"{folder}/{i}", os.O_RDONLY | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    fds.append(fd)
-print("ready", flush=True)
-sys.stdin.read()
-"""
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +54,7 @@ def flood() -> Iterator[int]:
     root = Path(tempfile.mkdtemp(prefix="gpudiag-flood-", dir=shm if shm.is_dir() else None))
     procs: list[subprocess.Popen[str]] = []
     try:
-        for i in range(0, FOREIGN, PER_HOLDER):
-            folder = root / f"h{i}"
-            folder.mkdir()
-            proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder),
-                                     str(min(PER_HOLDER, FOREIGN - i))],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            procs.append(proc)
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        hold_foreign(FOREIGN, root, procs)
         yield FOREIGN
     finally:
         for p in procs:
