@@ -383,3 +383,29 @@ def test_without_a_private_cache_the_archive_goes_to_one_private_folder_per_user
     assert jobpython.probe_archive(None) == first  # the same folder, the same archive
     os.chmod(Path(first).parent, 0o777)  # a folder others may write is never used
     assert Path(jobpython.probe_archive(None)).parent != Path(first).parent
+
+
+def test_a_job_interpreters_probes_never_touch_a_gpu_another_job_uses(
+        venvs: dict[str, Path], gpu_env: EnvFactory, tmp_path: Path) -> None:
+    """JAX and IREE run under the job's interpreter through the same busy-GPU round: on a
+    node whose GPU 0 another job uses, no context is made there (the fake driver's log)."""
+    from tests.fakes.jobs import FakeJobs, read_context_log
+
+    log = tmp_path / "contexts.jsonl"
+    with FakeJobs(tmp_path / "state") as jobs:
+        env = _job_env(gpu_env(FAKE_NVML_DEVICE_COUNT=2, FAKE_GPU_STATE_FILE=str(jobs.state_file),
+                               FAKE_CUDA_CONTEXT_LOG=str(log)))
+        env["GPUDIAG_LOCK_DIR"] = str(tmp_path / "locks")
+        jobs.start(0, memory_mib=100_000)
+        code, record, err = _gpudiag(Path(sys.executable),
+                                     ["preflight", "--require", "cuda,iree", "--gpus", "1",
+                                      "--no-daemon", "--python", str(venvs["job_jax"])], env)
+        contexts = read_context_log(log, event="context")
+        busy = record["devices"][0]["uuid"]
+        assert record["devices"][0]["occupancy"] == "busy", err
+        assert [c for c in contexts if c.uuid == busy] == [], "a probe touched the busy GPU"
+        assert jobs.contexts_while_busy(read_context_log(log)) == []
+        assert record["evidence"]["job_python"]["path"] == str(venvs["job_jax"])
+        # The free GPU was touched by two processes: the cuda probe and IREE's device made in
+        # the job's interpreter (on the fakes its kernel then fails: iree_execute_failed).
+        assert len({c.pid for c in contexts if c.uuid != busy}) >= 2, contexts
