@@ -144,8 +144,8 @@ def test_a_lock_file_another_user_created_cannot_be_removed_while_root_holds_it(
         close = json.loads((run_folder(tmp_path / "b") / "closeout.json").read_text())
         assert close["gpu_validation_blocker"] == "lock_timeout", close
     finally:
-        first.kill()
-        first.wait(10)
+        first.terminate()  # `gpudiag run` passes SIGTERM on to its job and waits for it
+        first.wait(30)
 
 
 # --- item 5: planted FIFOs and symlinks in the lock folder -------------------------------

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -260,3 +261,87 @@ def test_which_process_holds_a_lock_is_read_from_its_own_descriptors_not_the_tab
     holder_procs.pop().kill()
     holder_procs.append(_hold(lock_file, "shared"))
     assert not locked_by(tmp_path, UUID, holder_procs[0].pid)  # a shared lock is no job's
+
+
+# --- many probes at once (round 5's CI failure: 16 commands together read devices_busy) ------
+
+HOLD_MARKED = """
+import fcntl, os, sys, time
+for path in sys.argv[1:3]:  # the probe mark first, then the GPU's lock: as a probe holds them
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_sibling_whose_mark_a_table_reading_skipped_is_still_named_probing(
+        tmp_path: Path, lock_file: Path, holder_procs: list[subprocess.Popen[str]]) -> None:
+    """/proc/locks is read a page at a time and its walk restarts at each page: an entry can
+    be skipped while other locks come and go. The holder's own descriptors then say it."""
+    mark = lock_file.with_suffix(".probing")
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_MARKED, str(mark), str(lock_file)],
+                            stdout=subprocess.PIPE, text=True)
+    holder_procs.append(proc)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    table = read_lock_table()
+    assert table is not None
+    skipped = [lk for lk in table if lk.inode != mark.stat().st_ino]
+    assert len(skipped) < len(table), "the mark was not in the table to skip"
+    found = holders(tmp_path, UUID, table=skipped)
+    assert found is not None and [(h.pid, h.probing) for h in found] == [(proc.pid, True)]
+    assert locks.holds_probe_mark(tmp_path, UUID, proc.pid)
+    assert not locks.holds_probe_mark(tmp_path, UUID, os.getpid())
+
+
+def test_a_probe_takes_its_mark_even_when_a_reader_s_instant_test_is_preempted(
+        tmp_path: Path) -> None:
+    """Another reader's O(1) look holds a mark exclusively for its moment, longer when it is
+    preempted on a loaded host: the probe waits that out instead of going unmarked (and so
+    looking like a job to its siblings)."""
+    mark = tmp_path / f"{UUID}.probing"
+    tmp_path.mkdir(exist_ok=True)
+    reader = os.open(mark, os.O_RDONLY | os.O_CREAT, 0o644)
+    fcntl.flock(reader, fcntl.LOCK_EX)
+    letter = threading.Timer(0.1, os.close, args=(reader,))  # the reader runs again
+    letter.start()
+    try:
+        lk = try_lock(tmp_path, UUID, purpose="probe", shared=True)
+        assert lk is not None and lk.mark is not None
+        release([lk])
+    finally:
+        letter.join()
+
+
+def test_a_table_reading_begun_before_the_question_never_answers_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reading one caller gave up on is joined by the next only if it began after that
+    caller asked: an older one may list holders gone since and miss the ones come since."""
+    gate = threading.Event()
+    readings: list[int] = []
+
+    def read(path: Path, **_: object) -> list[locks.KernelLock]:
+        readings.append(len(readings))
+        if len(readings) == 1:
+            gate.wait(10)  # the first reading is slow (a loaded host)
+        return []
+
+    monkeypatch.setattr(locks, "read_lock_table", read)
+    reader = locks._TableReader()
+    assert reader.read(0.05) is None  # the first caller gives up
+    threading.Timer(0.1, gate.set).start()
+    assert reader.read(5.0) == []
+    assert readings == [0, 1], "the second caller was answered by the older reading"
+
+
+def test_a_holder_that_let_go_while_named_is_named_again_not_taken_for_a_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpudiag.engine import guard
+    other = locks.Holder(None, (), True, None, False)  # listed, gone when looked at
+    answers: list[list[locks.Holder]] = [[other], []]
+    monkeypatch.setattr(guard, "holders", lambda *_a, **_k: answers.pop(0))
+    monkeypatch.setattr(guard, "lock_state", lambda *_a: LOCK_SHARED)
+    with guard.claim_free({UUID: GpuOccupancy(UUID, FREE)}, [UUID], lock_dir=tmp_path,
+                          sibling_wait_s=5.0) as claim:
+        assert claim.claimed == (UUID,), claim.left_alone
+    assert answers == []

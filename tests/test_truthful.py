@@ -116,7 +116,8 @@ def test_sixteen_mixed_commands_together_never_say_devices_busy(host: dict[str, 
     argvs = [[*kinds[i % len(kinds)], "--no-daemon", "--format", "json"] for i in range(16)]
     for rc, rec in _together(argvs, host):
         codes = [b["code"] for b in rec["blockers"]]
-        assert "devices_busy" not in codes and "backend_unproven" not in codes, codes
+        said = [f"{b['code']}: {b['message']}" for b in rec["blockers"]]
+        assert "devices_busy" not in codes and "backend_unproven" not in codes, said
         if "jax" not in rec["requirement"]["backends"]:
             assert rc == 0, codes
     _no_lock_left(Path(host["GPUDIAG_LOCK_DIR"]))

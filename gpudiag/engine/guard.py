@@ -31,10 +31,9 @@ from gpudiag.engine.locks import (
     LockInfo,
     default_lock_dir,
     holders,
-    kernel_locks,
+    holds_probe_mark,
     lock_state,
     mark_held,
-    probe_markers,
     release,
     try_lock,
 )
@@ -134,8 +133,10 @@ def not_foreign(nvml: NvmlObservation | None, *, lock_dir: Path | None = None,
     A sibling is what the kernel ties to gpudiag, never what an argv says (anyone can name
     a process ``python -m gpudiag.probes cuda``): a process of one of ``uids`` (default:
     this process's own uid) below a process that holds the probe mark of the GPU NVML lists
-    it on (``lock_dir``, default the shared lock folder). Another uid's process is never a
-    sibling; when anything cannot be read, the process counts as a user (the GPU is busy).
+    it on (``lock_dir``, default the shared lock folder), as that parent's own descriptors say
+    (``/proc/PID/fdinfo``: no table read, exact under any load). Another uid's process is
+    never a sibling; when anything cannot be read, the process counts as a user (the GPU is
+    busy).
     """
     ours = own_process_tree()
     own_uids = frozenset({os.geteuid()} if uids is None else uids)
@@ -148,17 +149,10 @@ def not_foreign(nvml: NvmlObservation | None, *, lock_dir: Path | None = None,
             for p in procs or ():
                 if p.pid is not None and p.pid not in ours and uuid and is_full_uuid(uuid):
                     by_gpu.setdefault(uuid, set()).add(p.pid)
-    # A GPU whose probe mark nobody holds (the O(1) attempt) has no sibling on it: the
-    # kernel's table is read (within its bounds) only when some probe mark is held.
-    by_gpu = {uuid: pids for uuid, pids in by_gpu.items() if mark_held(folder, uuid)}
-    if not by_gpu:
-        return ours
-    table = kernel_locks()
-    siblings: set[int] = set()
-    for uuid, pids in by_gpu.items():
-        markers = probe_markers(folder, uuid, table) if table is not None else frozenset()
-        siblings.update(pid for pid in pids if markers and _sibling_probe(pid, markers,
-                                                                          own_uids))
+    # A GPU whose probe mark nobody holds (the O(1) attempt) has no sibling on it; on the
+    # others, each listed process's parents are asked whether they hold it.
+    siblings = {pid for uuid, pids in by_gpu.items() if mark_held(folder, uuid)
+                for pid in pids if _sibling_probe(pid, folder, uuid, own_uids)}
     return ours | frozenset(siblings)
 
 
@@ -166,14 +160,16 @@ def not_foreign(nvml: NvmlObservation | None, *, lock_dir: Path | None = None,
 _SIBLING_DEPTH = 3
 
 
-def _sibling_probe(pid: int, markers: Collection[int], uids: Collection[int]) -> bool:
-    """Whether ``pid`` is a gpudiag probe child of one of ``uids`` below a probe marker."""
+def _sibling_probe(pid: int, lock_dir: Path, uuid: str, uids: Collection[int]) -> bool:
+    """Whether ``pid`` is a gpudiag probe child of one of ``uids`` below a holder of
+    ``uuid``'s probe mark."""
     try:
         proc = psutil.Process(pid)
         if not all(u in uids for u in proc.uids()) or not is_probe_child(cmdline(pid)):
             return False
         for parent in proc.parents()[:_SIBLING_DEPTH]:
-            if parent.pid in markers and all(u in uids for u in parent.uids()):
+            if all(u in uids for u in parent.uids()) and holds_probe_mark(lock_dir, uuid,
+                                                                          parent.pid):
                 return True
     except (psutil.Error, OSError):
         return False
@@ -205,8 +201,9 @@ _EXCLUSIVE_MODES = frozenset({1, 3})
 # How often a probe waiting for a sibling's exclusive probe lock looks again.
 _SIBLING_POLL_S = 0.05
 # A try that met a lock the O(1) test then finds free (let go, or another reader's test held
-# it for microseconds) is tried again this many times, this far apart, whatever the deadline.
-_RACE_TRIES = 5
+# it for its moment: microseconds, or a scheduler slice or several when that reader is
+# preempted on a loaded host) is tried again for this long, whatever the sibling wait.
+_RACE_WAIT_S = 0.5
 _RACE_PAUSE_S = 0.002
 
 
@@ -280,7 +277,7 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
     """A probe's lock on ``uuid``, or why not: ``locked`` (a job, a qualification or another
     user holds it), ``probing`` (a sibling probe held it past the wait) or ``unknown`` (the
     lock file is unusable)."""
-    races = 0
+    race_deadline = clock() + _RACE_WAIT_S
     while True:
         try:
             before = lock_state(lock_dir, uuid)
@@ -298,25 +295,26 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
             if found is not None and all(sibling_holder(h) for h in others):
                 return lock
             release([lock])  # a shared lock beside someone's use of the GPU (or not named)
-            if found is None and clock() < deadline:
-                # Not named within the naming bound (a loaded host: many probes at once):
-                # unknown is never "a sibling", so not shared now; named again within the
-                # sibling wait, as a sibling's own lock would be waited for.
+            if _unnamed(found) and clock() < deadline:
+                # Not named within the naming bound (a loaded host: many probes at once), or
+                # a holder that let go while it was being named: unknown is never "a
+                # sibling", so not shared now; named again within the sibling wait, as a
+                # sibling's own lock would be waited for.
                 sleep(_SIBLING_POLL_S)
                 continue
             return "locked"
-        if lock_state(lock_dir, uuid) == LOCK_FREE and races < _RACE_TRIES:
+        if lock_state(lock_dir, uuid) == LOCK_FREE and clock() < race_deadline:
             # Let go between our try and the look, or another reader's O(1) test held it for
-            # its microseconds: try again (a few times, whatever the deadline).
-            races += 1
+            # its moment: try again (for a bounded while, whatever the sibling wait).
             sleep(_RACE_PAUSE_S)
             continue
         if not mark_held(lock_dir, uuid):
             return "locked"  # no probe mark held (O(1)): no holder is a sibling probe
         found = holders(lock_dir, uuid)
-        # No holder now (it let go between our try and the kernel's table), or none named
-        # within the naming bound while a probe mark is held: look again within the wait.
-        if (found == [] or found is None) and clock() < deadline:
+        # No holder now (it let go between our try and the kernel's table), or one not named
+        # (within the naming bound, or it let go meanwhile) while a probe mark is held: look
+        # again within the wait.
+        if (found == [] or _unnamed(found)) and clock() < deadline:
             sleep(_SIBLING_POLL_S)
             continue
         # Held exclusively: by a sibling gpudiag probe (exclusive compute mode, the kernel
@@ -328,6 +326,13 @@ def _lock_probe(lock_dir: Path, uuid: str, *, shared: bool, deadline: float,
         if clock() >= deadline:
             return "probing"
         sleep(_SIBLING_POLL_S)
+
+
+def _unnamed(found: Sequence[Holder] | None) -> bool:
+    """Whether some holder is not known: the table was not read in time, or a locker in this
+    pid namespace let go between the reading and the look at its process (a sibling probe
+    done). Unknown is never a sibling; it is named again, never taken for a job at once."""
+    return found is None or any(h.pid is None and not h.elsewhere for h in found)
 
 
 def rotated(candidates: Sequence[str], round_index: int) -> list[str]:

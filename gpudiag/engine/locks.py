@@ -142,19 +142,11 @@ def hold_waiting(lock_dir: Path, uuids: Sequence[str]) -> list[int]:
     for ``let_go``."""
     fds: list[int] = []
     for uuid in uuids:
-        fd = None
-        # A qualification's O(1) look at the mark holds it for microseconds: try again.
-        for _ in range(_RACE_TRIES):
-            try:
-                fd = _locked_fd(waiting_path(lock_dir, uuid), shared=True)
-            except (LockFailed, ValueError):
-                break
-            if fd is not None:
-                break
-            time.sleep(0.002)
+        try:
+            fd = _hold_mark(waiting_path(lock_dir, uuid))
+        except ValueError:
+            continue
         if fd is not None:
-            with contextlib.suppress(OSError):
-                _claim(fd)
             fds.append(fd)
     return fds
 
@@ -167,7 +159,12 @@ def let_go(fds: Sequence[int]) -> None:
 
 
 LOCK_FILE_MODE = 0o644
-_RACE_TRIES = 3              # tries of a mark that another reader's O(1) test may hold
+# How long a probe tries for its mark while another reader's O(1) test (``mark_held``) holds
+# it: microseconds, unless that reader is preempted between its flock and its close, which on
+# a loaded host (32 gpudiag commands at once on 2 cores) lasts a scheduler slice or several.
+# A mark not taken makes its probe look like a job to its siblings (``devices_busy``).
+MARK_WAIT_S = 0.5
+_MARK_PAUSE_S = (0.001, 0.02)  # first pause, longest pause (doubling between)
 MAX_HOLDER_BYTES = 4096      # a holder record is ~150 bytes; anyone may write the file
 _OPEN_TRIES = 5              # re-opens when the path was replaced under us
 
@@ -319,22 +316,36 @@ def _take_mark(path: Path) -> tuple[int, int, int] | None:
 
     Without a mark this probe looks like a job to the others (a GPU in use): the safe side.
     """
-    fd = None
-    # Another reader's O(1) look at the mark (``mark_held``) holds it for microseconds.
-    for _ in range(_RACE_TRIES):
+    fd = _hold_mark(path)
+    if fd is None:
+        return None
+    st = os.fstat(fd)
+    return fd, st.st_dev, st.st_ino
+
+
+def _hold_mark(path: Path) -> int | None:
+    """A shared hold of the mark file ``path`` (probe, qualifying or waiting mark), or None
+    when it is unusable or stays held exclusively past ``MARK_WAIT_S``.
+
+    Only another reader's O(1) look (``mark_held``, a qualification's watcher) holds a mark
+    exclusively, for its moment, or someone who planted a lock there: tried again, with
+    doubling pauses, for a bounded while.
+    """
+    deadline = time.monotonic() + MARK_WAIT_S
+    pause, longest = _MARK_PAUSE_S
+    while True:
         try:
             fd = _locked_fd(path, shared=True)
         except LockFailed:
             return None
         if fd is not None:
-            break
-        time.sleep(0.002)
-    if fd is None:
-        return None
-    with contextlib.suppress(OSError):
-        _claim(fd)
-    st = os.fstat(fd)
-    return fd, st.st_dev, st.st_ino
+            with contextlib.suppress(OSError):
+                _claim(fd)
+            return fd
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(pause)
+        pause = min(pause * 2, longest)
 
 
 def mark_held(lock_dir: Path, uuid: str, which: str = "probe") -> bool:
@@ -509,11 +520,17 @@ class _Reading:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.table: list[KernelLock] | None = None
+        self.started = time.monotonic()
 
 
 class _TableReader:
     """One reader thread at a time: callers join the reading in flight and wait for it no
-    longer than they were told, so a table any user can grow never stalls a loop."""
+    longer than they were told, so a table any user can grow never stalls a loop.
+
+    A caller is answered only by a reading begun after it asked: a reading it joined that
+    began earlier (one another caller, or its own earlier call, gave up waiting for) may list
+    holders that have let go since and miss the ones that came since.
+    """
 
     def __init__(self, path: Path = PROC_LOCKS) -> None:
         self.path = path
@@ -521,13 +538,19 @@ class _TableReader:
         self._flight: _Reading | None = None
 
     def read(self, wait_s: float) -> list[KernelLock] | None:
-        with self._guard:
-            flight = self._flight
-            if flight is None:
-                flight = self._flight = _Reading()
-                threading.Thread(target=self._run, args=(flight,), daemon=True,
-                                 name="gpudiag-lock-names").start()
-        return flight.table if flight.done.wait(max(0.0, wait_s)) else None
+        asked = time.monotonic()
+        until = asked + max(0.0, wait_s)
+        while True:
+            with self._guard:
+                flight = self._flight
+                if flight is None:
+                    flight = self._flight = _Reading()
+                    threading.Thread(target=self._run, args=(flight,), daemon=True,
+                                     name="gpudiag-lock-names").start()
+            if not flight.done.wait(max(0.0, until - time.monotonic())):
+                return None
+            if flight.started >= asked:
+                return flight.table
 
     def _run(self, flight: _Reading) -> None:
         try:
@@ -634,8 +657,7 @@ def _holds_file(pid: int, device: int, inode: int) -> bool | None:
     return None if unreadable else False
 
 
-def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int],
-            qualifiers: Collection[int] = ()) -> Holder:
+def _holder(lk: KernelLock, device: int, inode: int, marks: _Marks) -> Holder:
     """The Holder behind one kernel lock entry: the locker, if it still holds the file."""
     unnamed = Holder(None, (), lk.shared, None, False)
     if lk.pid <= 0:
@@ -650,10 +672,10 @@ def _holder(lk: KernelLock, device: int, inode: int, markers: Collection[int],
         return unnamed  # the locker has exited: its heirs hold the lock
     if _holds_file(lk.pid, device, inode) is False:
         return unnamed  # a reused pid, or a locker that handed the file on and closed it
-    holder = Holder(lk.pid, uids, lk.shared, started, lk.pid in markers)
+    holder = Holder(lk.pid, uids, lk.shared, started, marks.probe.held_by(lk.pid))
     # Anyone may hold a qualification mark: what it says is believed only from root or the
     # reader's own uid, whose argv no other user can set either.
-    if lk.pid in qualifiers and holder.of_uid({0, os.geteuid()}):
+    if holder.of_uid({0, os.geteuid()}) and marks.qualify.held_by(lk.pid):
         return replace(holder, qualifying=True, daemon=_serves(proc))
     return holder
 
@@ -705,10 +727,10 @@ def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
         if state == LOCK_FREE:
             return []
         return [Holder(None, (), state == LOCK_SHARED, None, False, elsewhere=True)]
-    markers, qualifiers = (_markers(table, path(lock_dir, uuid))
-                           for path in (_mark_path, qualifying_path))
+    marks = _Marks(_Mark.of(_mark_path(lock_dir, uuid), table),
+                   _Mark.of(qualifying_path(lock_dir, uuid), table))
     device = os.makedev(key[0], key[1])
-    out = [_holder(lk, device, key[2], markers, qualifiers) for lk in found]
+    out = [_holder(lk, device, key[2], marks) for lk in found]
     if any(h.pid is None and not h.elsewhere for h in out):
         # A holder not named may only have let go between the table's reading and the look
         # at its process (a sibling probe done): the table read again says whether its lock
@@ -719,20 +741,44 @@ def holders(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
     return out
 
 
-def _markers(table: list[KernelLock], path: Path) -> set[int]:
-    """The pids the kernel says hold the flock of the mark at ``path`` (none if no file)."""
-    mark = _file_key(path)
-    return {lk.pid for lk in flocks_on(table, *mark)} if mark is not None else set()
+@dataclass(frozen=True)
+class _Mark:
+    """A mark file (probe or qualification) and the pids a table reading lists on it."""
+
+    key: tuple[int, int, int] | None  # (major, minor, inode); None: no such file
+    listed: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, path: Path, table: list[KernelLock] | None) -> _Mark:
+        key = _file_key(path)
+        if key is None or table is None:
+            return cls(key)
+        return cls(key, frozenset(lk.pid for lk in flocks_on(table, *key) if lk.pid > 0))
+
+    def held_by(self, pid: int) -> bool:
+        """Whether ``pid`` holds this mark: listed in the table, else its own descriptors say
+        so. The kernel's table is read a page at a time, its walk restarted at each page, so
+        an entry can be skipped while other locks come and go (32 probes at once): a
+        sibling's mark missing from a reading would make it look like a job."""
+        if pid in self.listed:
+            return True
+        if self.key is None:
+            return False
+        return _fdinfo_holds(pid, os.makedev(self.key[0], self.key[1]), self.key[2],
+                             exclusive=False) is True
 
 
-def probe_markers(lock_dir: Path, uuid: str, table: list[KernelLock] | None = None
-                  ) -> frozenset[int]:
-    """The pids the kernel says hold ``uuid``'s probe mark (gpudiag proving it now)."""
-    mark = _file_key(_mark_path(lock_dir, uuid))
-    table = kernel_locks() if table is None and mark is not None else table
-    if mark is None or table is None:
-        return frozenset()
-    return frozenset(lk.pid for lk in flocks_on(table, *mark) if lk.pid > 0)
+@dataclass(frozen=True)
+class _Marks:
+    probe: _Mark
+    qualify: _Mark
+
+
+def holds_probe_mark(lock_dir: Path, uuid: str, pid: int) -> bool:
+    """Whether process ``pid`` holds ``uuid``'s probe mark now (gpudiag proving it), as its
+    own descriptors say (``/proc/PID/fdinfo``): a read of that process alone, exact at its
+    moment and in any load, with no table to read. False when they cannot be read."""
+    return _Mark.of(_mark_path(lock_dir, uuid), None).held_by(pid)
 
 
 def describe_holders(found: Sequence[Holder] | None) -> str:
@@ -770,9 +816,11 @@ def locked_by(lock_dir: Path, uuid: str, pid: int, table: list[KernelLock] | Non
 _MAX_FDS_LOOKED_AT = 4096  # a process with more: its descriptors are not walked
 
 
-def _fdinfo_holds(pid: int, device: int, inode: int) -> bool | None:
-    """Whether one of ``pid``'s descriptors of the file holds an exclusive flock on it, as its
-    ``/proc/PID/fdinfo`` says; None when that cannot be read (then: the table)."""
+def _fdinfo_holds(pid: int, device: int, inode: int, *, exclusive: bool = True
+                  ) -> bool | None:
+    """Whether one of ``pid``'s descriptors of the file holds a flock on it (an exclusive one
+    when ``exclusive``), as its ``/proc/PID/fdinfo`` says; None when that cannot be read
+    (then: the table)."""
     folder = f"/proc/{pid}/fd"
     try:
         names = os.listdir(folder)
@@ -795,7 +843,7 @@ def _fdinfo_holds(pid: int, device: int, inode: int) -> bool | None:
         for line in info.splitlines():
             if line.startswith("lock:"):
                 found = parse_proc_locks(line.partition(":")[2].strip())
-                if any(lk.kind == "FLOCK" and not lk.shared for lk in found):
+                if any(lk.kind == "FLOCK" and not (exclusive and lk.shared) for lk in found):
                     return True
     return False
 
