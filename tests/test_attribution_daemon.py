@@ -19,8 +19,8 @@ from gpudiag.core.attribution import (
     xid_event,
 )
 from gpudiag.core.findings import XidEvent
+from gpudiag.daemon.closeouts import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.explain import explain
-from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.store import HistoryStore
 from tests.support.host import run_gpudiag
 from tests.support.run import job_record

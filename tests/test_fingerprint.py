@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpudiag.core import registry
-from gpudiag.core.environments import BUILT_IN
+from gpudiag.core.fingerprint_inputs import BUILT_IN
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.engine.fingerprint import fingerprints
 from tests.support.daemon import write_config

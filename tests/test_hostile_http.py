@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gpudiag.core.numbers import ascii_int
+from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.daemon.httpserver import HttpServer, body_length
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, host_env, write_config

@@ -624,7 +624,7 @@ def test_the_epilog_never_drains_on_another_users_record_for_the_job(
         shared: Path, tmp_path: Path) -> None:
     from gpudiag.core.attribution import JOB_INBOX
     from gpudiag.core.findings import XidEvent
-    from gpudiag.daemon.jobs import JobInbox, record_job
+    from gpudiag.daemon.closeouts import JobInbox, record_job
     from gpudiag.daemon.store import HistoryStore, default_path
 
     state = shared / "state"

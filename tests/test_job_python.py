@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from gpudiag.core.environments import BUILT_IN
+from gpudiag.core.fingerprint_inputs import BUILT_IN
 from gpudiag.engine import jobpython
 from tests.support.daemon import Daemon, daemon_toml, write_config
 from tests.support.host import EnvFactory

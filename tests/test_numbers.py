@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpudiag.core.attribution import JOB_INBOX
 from gpudiag.core.usage import BlockRecord, GpuUsage
 from gpudiag.daemon.allocations import AllocationCollector, Allocations
-from gpudiag.daemon.jobs import JobInbox
+from gpudiag.daemon.closeouts import JobInbox
 from gpudiag.daemon.numbers import (
     ENERGY_BUCKETS_J,
     FAULT_BUCKETS_S,

@@ -200,7 +200,7 @@ def _job_python(options: dict[str, str], names: str) -> JobPython | None:
     """The job's interpreter when ``--python`` names one or a backend of ``names`` (a
     --require or --backend list) is proven in the job's environment; else None (a question
     about the device layer alone never looks for one). JobPythonError for a bad one."""
-    from gpudiag.core.environments import BUILT_IN
+    from gpudiag.core.fingerprint_inputs import BUILT_IN
     from gpudiag.engine.jobpython import find
 
     wanted = {part.split(":", 1)[0].strip().lower() for part in names.split(",")}
@@ -213,7 +213,7 @@ def _as_jobs(data: dict[str, object], query: Mapping[str, str], python: JobPytho
              ) -> None:
     """The daemon's record as the job's (engine.route.as_jobs, on the raw record): which
     interpreter was the job's, and preallocation from the job's environment."""
-    off = True  # unset: a child gets core.environments.PREALLOCATION_OFF (probe_environment)
+    off = True  # unset: a child gets core.fingerprint_inputs.PREALLOCATION_OFF (probe_environment)
     if "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ:  # the rule itself costs typing's import
         from gpudiag.core.environment import job_preallocation
 
@@ -278,9 +278,9 @@ _DEVICE_LAYER = frozenset({"host", "nvml", "cuda"})
 def _fingerprint_ids(require: str, env: Mapping[str, str], python: JobPython | None
                      ) -> dict[str, str] | None:
     """The job's fingerprint ids of the backends ``require`` names (the built-in
-    declarations, gpudiag.core.environments), read by the job's interpreter; None for a
+    declarations, gpudiag.core.fingerprint_inputs), read by the job's interpreter; None for a
     name this path does not know."""
-    from gpudiag.core.environments import BUILT_IN
+    from gpudiag.core.fingerprint_inputs import BUILT_IN
 
     names = {part.split(":", 1)[0].strip().lower() for part in require.split(",")} - {""}
     if not names - _DEVICE_LAYER:

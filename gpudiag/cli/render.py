@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gpudiag.core import registry
+from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.catalog import caused_by
-from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import format_size
 from gpudiag.core.termsafe import terminal_safe_record
 from gpudiag.core.verdict import BackendStatus, DeviceInfo, Finding, RecordError, Verdict

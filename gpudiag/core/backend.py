@@ -25,8 +25,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Protocol
 
-    from gpudiag.core.environments import EnvironmentDecl
     from gpudiag.core.findings import Findings, GpuContext
+    from gpudiag.core.fingerprint_inputs import EnvironmentDecl
     from gpudiag.core.verdict import BackendRequirement, BackendStatus
 
     class BackendRun(Protocol):
@@ -108,7 +108,7 @@ class BackendSpec:
     pointed_by: str = POINT_BY_VISIBILITY
     # What of the job's environment decides how it comes up (None: a device-layer probe,
     # the node's fact, shared by every job).
-    environment: EnvironmentDecl | None = None  # gpudiag.core.environments
+    environment: EnvironmentDecl | None = None  # gpudiag.core.fingerprint_inputs
     # gpudiag_build_info labels: label -> the version keys it reads, first found wins.
     version_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Whether its node-health proof is published (snapshot.backends_proven, NFD, fleet).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gpudiag.core.child import preallocation_off
-from gpudiag.core.environments import PREALLOCATION_OFF as PREALLOCATION_OFF
+from gpudiag.core.fingerprint_inputs import PREALLOCATION_OFF as PREALLOCATION_OFF
 from gpudiag.core.redact import redact_environment
 from gpudiag.core.visibility import CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES, pinned_to
 

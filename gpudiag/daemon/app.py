@@ -23,17 +23,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpudiag.core import registry
+from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
-from gpudiag.core.numbers import ascii_int
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement
 from gpudiag.daemon.answers import EncodedAnswer
+from gpudiag.daemon.closeouts import JobInbox
 from gpudiag.daemon.envelope import error_response, json_response, status_line
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
 from gpudiag.daemon.httpserver import PEER_KEY, PEER_PIDFD_KEY, HttpServer
 from gpudiag.daemon.httpserver import start as start_http
-from gpudiag.daemon.jobs import JobInbox
 from gpudiag.daemon.nic_exporter import NicCollector
 from gpudiag.daemon.qualify_queue import (
     ALREADY_QUEUED,

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core import registry
+from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.fileio import RefusedFile, read_regular
 from gpudiag.core.job_watch import JobWatchPolicy
 from gpudiag.core.limits import DEFAULT_PORT
-from gpudiag.core.numbers import ascii_int
 from gpudiag.core.nvml_health import NvmlHealthPolicy
 from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
 from gpudiag.core.qualify_score import Thresholds

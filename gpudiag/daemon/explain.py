@@ -39,7 +39,7 @@ from gpudiag.core.attribution import (
 )
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.fileio import RefusedFile, read_regular
-from gpudiag.daemon.jobs import JobRecordError, future_dated, read_job
+from gpudiag.daemon.closeouts import JobRecordError, future_dated, read_job
 from gpudiag.daemon.runs import BEFORE_S, attribute_window
 from gpudiag.daemon.store import HistoryStore, default_path
 from gpudiag.engine.statedir import default_state_dir

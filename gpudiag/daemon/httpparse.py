@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import h11
 
-from gpudiag.core.numbers import ascii_int
+from gpudiag.core.ascii_ints import ascii_int
 
 MAX_HEAD_BYTES = 16384      # request line and headers together
 MAX_HEADERS = 64

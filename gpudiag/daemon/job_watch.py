@@ -48,7 +48,7 @@ BACKOFF_MAX_S = 60.0
 # daemon's thread wakes rarely, and a run's first sample comes within seconds of its begin,
 # far inside any stall or straggler window.
 IDLE_POLL_S = 5.0
-# What a run's job record is kept with (daemon/jobs.py's Keep): record, uid, how, run id.
+# What a run's job record is kept with (daemon/closeouts.py's Keep): record, uid, how, run id.
 Keep = Callable[[JobRecord, int, "str | None", "str | None"], bool]
 
 

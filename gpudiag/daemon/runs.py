@@ -43,6 +43,7 @@ from typing import Any
 import psutil
 from prometheus_client.core import CounterMetricFamily
 
+from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.attribution import (
     AFTER_END_S,
     Attribution,
@@ -54,7 +55,6 @@ from gpudiag.core.attribution import (
 )
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.limits import MAX_DEVICES
-from gpudiag.core.numbers import ascii_int
 from gpudiag.core.usage import usages_of
 from gpudiag.daemon import open_runs
 from gpudiag.daemon.collectors import StateCollector

@@ -11,7 +11,7 @@ import socket
 import threading
 from collections.abc import Mapping
 
-from gpudiag.core.numbers import ascii_int
+from gpudiag.core.ascii_ints import ascii_int
 
 
 class Notifier:

@@ -45,6 +45,7 @@ from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.app import serve as http_serve
 from gpudiag.daemon.bootid import boot_id
 from gpudiag.daemon.clears import ClearPoller, ClearRequest, recheck_keys
+from gpudiag.daemon.closeouts import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.config import DaemonConfig, load_config
 from gpudiag.daemon.effective import default_socket_path
 from gpudiag.daemon.exporter import HistoryCollector
@@ -52,7 +53,6 @@ from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.job_watch import JobWatch
-from gpudiag.daemon.jobs import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.numbers import Numbers, NumbersCollector
 from gpudiag.daemon.open_runs import OPEN_RUNS_FILE

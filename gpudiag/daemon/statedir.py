@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpudiag.core.numbers import ascii_int
+from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.daemon.recorder import HistoryRecorder
 from gpudiag.daemon.store import DB_NAME, HistoryDamagedError, HistoryError, HistoryStore
 

@@ -265,8 +265,9 @@ class Episode:
 
 
 @dataclass(frozen=True)
-class GpuIdentity:
-    """One (serial, UUID, slot) the history has seen, first and last."""
+class SeenGpu:
+    """One (serial, UUID, slot) the history has seen, first and last (core/identity.GpuIdentity
+    is what NVML last said a GPU index is)."""
 
     serial: str
     uuid: str
@@ -744,7 +745,7 @@ class HistoryStore:
         have = {str(r[1]) for r in self._query(f"PRAGMA table_info({table})", [])}
         return column if column in have else "NULL"
 
-    def identities(self, *, serial: str | None = None) -> list[GpuIdentity]:
+    def identities(self, *, serial: str | None = None) -> list[SeenGpu]:
         """Which serial carried which UUID in which slot, most recently seen first."""
         if not self._has("gpu_identities"):
             return []
@@ -754,7 +755,7 @@ class HistoryStore:
         if serial is not None:
             sql += " WHERE serial = ?"
             args.append(serial)
-        return [GpuIdentity(str(r[0]), str(r[1]), int(r[2]), r[3], float(r[4]), float(r[5]))
+        return [SeenGpu(str(r[0]), str(r[1]), int(r[2]), r[3], float(r[4]), float(r[5]))
                 for r in self._query(sql + " ORDER BY last_seen DESC", args)]
 
     def worst(self, n: int, *, since: float | None = None) -> list[Offender]:

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from gpudiag.core.environments import PREALLOCATION_OFF, EnvironmentDecl
+from gpudiag.core.fingerprint_inputs import PREALLOCATION_OFF, EnvironmentDecl
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Any
 
-    from gpudiag.core.environments import EnvironmentDecl
+    from gpudiag.core.fingerprint_inputs import EnvironmentDecl
 
 JOB_PYTHON_VARIABLE = "GPUDIAG_JOB_PYTHON"
 FINGERPRINT_TIMEOUT_S = 10.0

@@ -21,8 +21,8 @@ import socket
 import stat
 from collections.abc import Mapping
 
+from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.limits import DEFAULT_PORT
-from gpudiag.core.numbers import ascii_int
 from gpudiag.core.peercred import peer_credentials
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
 

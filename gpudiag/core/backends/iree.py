@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpudiag.core import environments
+from gpudiag.core import fingerprint_inputs
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.limits import IREE_DRIVERS
 
@@ -34,5 +34,5 @@ SPEC = BackendSpec(
     platform_help="is not one IREE has; accepted: iree:DRIVER with DRIVER one of {choices}",
     options=_options, scheduled_options={"drivers": ["cuda"]}, touches_gpu=_touches_gpu,
     version_labels={"iree": ("iree-base-runtime", "iree")},
-    environment=environments.IREE,
+    environment=fingerprint_inputs.IREE,
 )

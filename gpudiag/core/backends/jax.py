@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpudiag.core import environments
+from gpudiag.core import fingerprint_inputs
 from gpudiag.core.backend import BackendSpec
 
 TYPE_CHECKING = False  # typing stays off the CLI's fast path (gpudiag.core.backend)
@@ -33,5 +33,5 @@ SPEC = BackendSpec(
     platform_word="JAX platform",
     options=_options, scheduled_options={"platform": "gpu"}, touches_gpu=_touches_gpu,
     version_labels={"jax": ("jax",), "jaxlib": ("jaxlib",)},
-    environment=environments.JAX,
+    environment=fingerprint_inputs.JAX,
 )

@@ -37,7 +37,7 @@ from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.runs import OpenRun, Peer, RefusedRecords, RunReport, RunWindows
 from gpudiag.daemon.store import HistoryError, HistoryStore
 
-log = logging.getLogger("gpudiag.daemon.jobs")
+log = logging.getLogger("gpudiag.daemon.closeouts")
 MAX_RECORD_BYTES = 64 * 1024
 # Records taken in per loop: a flood of planted records costs loops, never a stalled one.
 MAX_RECORDS_PER_POLL = 64
