@@ -81,12 +81,13 @@ def test_writing_replaces_a_planted_link_and_never_writes_through_it(tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.vmfb", "victim"]  # no temp left
 
 
-def test_a_temporary_file_left_by_a_dead_writer_with_our_pid_does_not_block_writing(
+def test_a_temporary_file_left_by_a_dead_writer_does_not_block_writing(
         tmp_path: Path) -> None:
-    _ours(tmp_path / f".m.vmfb.{os.getpid()}.tmp", b"half a module")
+    left = _ours(tmp_path / f".m.vmfb.{os.getpid()}.tmp", b"half a module")
     write_cached(tmp_path / "m.vmfb", MODULE)
     assert read_cached(tmp_path / "m.vmfb") == (MODULE, None)
-    assert [p.name for p in tmp_path.iterdir()] == ["m.vmfb"]
+    assert left.read_bytes() == b"half a module"  # a fresh temporary: never another's file
+    assert sorted(p.name for p in tmp_path.iterdir()) == [left.name, "m.vmfb"]
 
 
 def test_the_key_follows_the_compiler_librarys_file_identity(

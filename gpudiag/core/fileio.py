@@ -33,7 +33,15 @@ def write_error(path: str | os.PathLike[str], error: OSError) -> str:
 
 
 def atomic_write(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o644) -> Path:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    The one crash-safe write of the package (``core/child.py`` alone keeps its own: it is
+    copied into a job's ``sitecustomize.py`` and imports nothing of gpudiag). Safe in a folder
+    others may write: the temporary is a fresh file of a random name (``O_EXCL``: never
+    through a planted link), hidden (``.NAME.*.tmp``: inbox pollers read ``*.json`` only),
+    given ``mode`` on its descriptor, and renamed over ``path``, which replaces a link planted
+    there rather than writing through it.
+    """
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
     raw = data.encode("utf-8") if isinstance(data, str) else data
@@ -43,7 +51,7 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o
             fh.write(raw)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
+            os.fchmod(fh.fileno(), mode)
         os.replace(tmp, target)
     except BaseException:
         try:

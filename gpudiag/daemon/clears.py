@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpudiag.core.fileio import RefusedFile, inbox_names, read_regular
+from gpudiag.core.fileio import RefusedFile, atomic_write, inbox_names, read_regular
 from gpudiag.core.gpunames import GpuNameError, NamedGpu, resolve
 from gpudiag.daemon.snapshot import ProbeKey
 
@@ -64,20 +64,7 @@ def write_request(state_dir: Path, gpu: str | None, reason: str,
     wall = now()
     body = json.dumps({"gpu": gpu, "reason": reason[:MAX_REASON_CHARS],
                        "requested_wall": wall, "no_repair": no_repair}) + "\n"
-    name = f"{time.time_ns()}-{os.getpid()}"
-    tmp = folder / f".{name}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        final = folder / f"{name}.json"
-        os.rename(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return final
+    return atomic_write(folder / f"{time.time_ns()}-{os.getpid()}.json", body, 0o600)
 
 
 def read_request(path: Path) -> ClearRequest:

@@ -12,12 +12,11 @@ the job.
 
 from __future__ import annotations
 
-import contextlib
+import io
 import json
 import os
 import stat
 import subprocess
-import tempfile
 import time
 import zipfile
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.environment import probe_environment
+from gpudiag.core.fileio import atomic_write
 from gpudiag.core.runtime import Runtime
 from gpudiag.core.version import __version__
 
@@ -315,19 +315,14 @@ def probe_archive(folder: Path, *, tag: str | None = None) -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     package = Path(__file__).resolve().parents[1]  # the gpudiag package folder
-    fd, tmp = tempfile.mkstemp(prefix=".probes-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as zf:
-            zf.writestr("__main__.py", ARCHIVE_MAIN)
-            for source in sorted(package.rglob("*.py")):
-                if "__pycache__" not in source.parts:
-                    zf.write(source, f"gpudiag/{source.relative_to(package).as_posix()}")
-        os.chmod(tmp, 0o644)  # the runtime's interpreter reads it as the daemon's user
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("__main__.py", ARCHIVE_MAIN)
+        for source in sorted(package.rglob("*.py")):
+            if "__pycache__" not in source.parts:
+                zf.write(source, f"gpudiag/{source.relative_to(package).as_posix()}")
+    # 0644: the runtime's interpreter reads it as the runtime's user.
+    atomic_write(target, archive.getvalue(), 0o644)
     return target
 
 

@@ -18,7 +18,6 @@ GPU is known even when every GPU is busy.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import os
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.environment import CACHE_VARIABLE, allow_listed
-from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.fileio import RefusedFile, atomic_write, read_regular
 
 # IREE 3.13 compiles for sm_80/86/89 without a GPU, not for sm_90+ (FIELD-NOTES).
 DEFAULT_CUDA_TARGET = "sm_80"
@@ -169,21 +168,7 @@ def read_cached(path: Path) -> tuple[bytes | None, str | None]:
 def write_cached(path: Path, data: bytes) -> None:
     """Write a module atomically: a fresh 0600 file (never through a link), then renamed
     over ``path`` (which replaces a planted link itself, not what it points to)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a writer that died with this pid: the folder is ours alone
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
-    try:
-        with os.fdopen(fd, "wb", closefd=False) as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    finally:
-        os.close(fd)
+    atomic_write(path, data, 0o600)
 
 
 def _compile(backend: str, flags: list[str], use_cache: bool) -> tuple[bytes, dict[str, Any]]:
