@@ -13,10 +13,10 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -27,6 +27,9 @@ from gpudiag.core.redact import redact_text
 from gpudiag.core.termsafe import terminal_safe
 from gpudiag.daemon.config import ConfigError, DaemonConfig, exposure_warning, load_config
 from gpudiag.daemon.effective import default_socket_path, effective_config
+
+if TYPE_CHECKING:  # the store is imported where a command reads it (the CLI starts fast)
+    from gpudiag.daemon.store import ClearEntry, Episode, HistoryEntry
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
                                                                          "asctime"}
@@ -348,8 +351,14 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         # Earlier history lives on in that file (readable with sqlite3 if not too damaged).
         click.echo(f"note: a damaged history was moved aside to {folder / name}; the history "
                    "below starts after it", err=True)
+    _print_history(entries, episodes, clears, bool(since_text))
+
+
+def _print_history(entries: Sequence[HistoryEntry], episodes: Sequence[Episode],
+                   clears: Sequence[ClearEntry], windowed: bool) -> None:
+    """`gpudiag history`'s text: verdict changes, blocker episodes, applied clears."""
     if not entries:
-        click.echo("no verdict changes" + (" in that time" if since_text else ""))
+        click.echo("no verdict changes" + (" in that time" if windowed else ""))
     for entry in entries:
         extra = f"  warnings: {','.join(entry.warnings)}" if entry.warnings else ""
         click.echo(terminal_safe(f"{_when(entry.ts)}  {entry.gpu_validation_blocker:<26} "
