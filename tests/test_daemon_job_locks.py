@@ -18,8 +18,8 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.daemon.scheduler import Scheduler
 from gpudiag.daemon.snapshot import ProbeKey
-from gpudiag.engine.locks import release, try_lock
-from gpudiag.engine.occupancy_view import JOB_LOCKED, relook
+from gpudiag.engine.locks import JOB_LOCKED, release, try_lock
+from gpudiag.engine.occupancy_view import relook
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import (
     Daemon,

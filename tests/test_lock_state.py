@@ -23,6 +23,7 @@ import pytest
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.engine import locks, occupancy_view
 from gpudiag.engine.locks import (
+    JOB_LOCKED,
     LOCK_EXCLUSIVE,
     LOCK_FREE,
     LOCK_SHARED,
@@ -35,7 +36,7 @@ from gpudiag.engine.locks import (
     try_lock,
     wait_for_free,
 )
-from gpudiag.engine.occupancy_view import HELD_UNNAMED, JOB_LOCKED, SHARED_LOCKED, relook
+from gpudiag.engine.occupancy_view import HELD_UNNAMED, SHARED_LOCKED, relook
 
 UUID = "GPU-f00d0000-0000-4000-8000-000000000000"
 HOLD = """
