@@ -84,7 +84,8 @@ def _reading(*processes: list[dict[str, Any]] | None) -> NvmlObservation:
     devices = [{"index": i, "ok": True, "uuid": u, "processes": p,
                 "memory": {"free_bytes": 10, "total_bytes": 20}}
                for i, (u, p) in enumerate(zip((UUID0, UUID1, UUID2), processes, strict=False))]
-    return decode(NvmlObservation, {"ok": True, "devices": devices})
+    nvml: NvmlObservation = decode(NvmlObservation, {"ok": True, "devices": devices})
+    return nvml
 
 
 def test_one_reading_gives_each_gpu_its_state_and_why_from_processes_and_locks(
