@@ -14,15 +14,20 @@ from typing import Any
 
 import pytest
 
+from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
-from gpudiag.daemon.joblocks import JOB_LOCKED, JobLocks
-from gpudiag.engine.locks import release, try_lock
+from gpudiag.daemon.scheduler import Scheduler
+from gpudiag.daemon.snapshot import ProbeKey
+from gpudiag.engine.locks import JOB_LOCKED, release, try_lock
+from gpudiag.engine.occupancy_view import relook
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import (
     Daemon,
+    Replay,
     daemon_toml,
     host_env,
     qualification_outcomes,
+    quick_config,
     wait_for,
     write_config,
 )
@@ -36,6 +41,10 @@ def _free(*uuids: str) -> dict[str, GpuOccupancy]:
     return {u: GpuOccupancy(u, FREE) for u in uuids}
 
 
+def _marked(lock_dir: Path, occupancy: dict[str, GpuOccupancy]) -> dict[str, GpuOccupancy]:
+    return dict(relook(occupancy, occupancy, lock_dir=lock_dir).gpus)
+
+
 def test_a_jobs_lock_is_busy_a_sibling_probes_lock_is_not_and_nothing_stays_held(
         tmp_path: Path) -> None:
     locks = tmp_path / "locks"
@@ -43,7 +52,7 @@ def test_a_jobs_lock_is_busy_a_sibling_probes_lock_is_not_and_nothing_stays_held
     probe = try_lock(locks, UUID1, purpose="probe")
     assert job is not None and probe is not None
     try:
-        seen = JobLocks(locks).mark(_free(UUID0, UUID1, UUID2))
+        seen = _marked(locks, _free(UUID0, UUID1, UUID2))
     finally:
         release([job, probe])
     assert seen[UUID0] == GpuOccupancy(UUID0, BUSY, why=JOB_LOCKED)
@@ -57,8 +66,14 @@ def test_a_jobs_lock_is_busy_a_sibling_probes_lock_is_not_and_nothing_stays_held
 def test_a_busy_or_unknown_gpu_is_left_as_nvml_said(tmp_path: Path) -> None:
     occupancy = {UUID0: GpuOccupancy(UUID0, BUSY, pids=(4242,)),
                  UUID1: GpuOccupancy(UUID1, UNKNOWN)}
-    assert JobLocks(tmp_path / "locks").mark(occupancy) == occupancy
+    assert _marked(tmp_path / "locks", occupancy) == occupancy
     assert not (tmp_path / "locks").exists()  # nothing was even tried
+
+
+def _nvml_run(*uuids: str) -> ProbeRun:
+    devices = [{"index": i, "ok": True, "uuid": u, "processes": [],
+                "memory": {"free_bytes": 10, "total_bytes": 20}} for i, u in enumerate(uuids)]
+    return ProbeRun("nvml", {"ok": True, "devices": devices}, 0.1, exit_code=0)
 
 
 def test_a_lock_file_that_cannot_be_opened_makes_its_gpu_unknown_said_once(
@@ -66,14 +81,18 @@ def test_a_lock_file_that_cannot_be_opened_makes_its_gpu_unknown_said_once(
     locks = tmp_path / "locks"
     locks.mkdir()
     os.mkfifo(locks / f"{UUID0}.lock")  # planted in the shared folder
-    view = JobLocks(locks)
-    with caplog.at_level(logging.WARNING, "gpudiag.daemon.joblocks"):
-        seen = view.mark(_free(UUID0, UUID1))
-        assert view.mark(_free(UUID0, UUID1)) == seen  # every reading: unknown again
-    assert seen[UUID0].state == UNKNOWN and "cannot be checked" in seen[UUID0].why
-    assert seen[UUID1].state == FREE
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and UUID0 in said[0] and "unknown, not free" in said[0], said
+    sched = Scheduler(quick_config(), runner=Replay({"nvml": _nvml_run(UUID0, UUID1)}),
+                      env={}, lock_dir=locks)
+    with caplog.at_level(logging.WARNING, "gpudiag.daemon.scheduler"):
+        for _ in range(2):  # every reading: unknown again
+            assert sched.trigger([ProbeKey("nvml")])[ProbeKey("nvml")].done.wait(10)
+            scope = sched.relook_locks().scope
+            assert scope is not None
+            seen = scope.occupancy
+            assert seen[UUID0].state == UNKNOWN and "cannot be checked" in seen[UUID0].why
+            assert seen[UUID1].state == FREE
+    said = [r.getMessage() for r in caplog.records if "unknown, not free" in r.getMessage()]
+    assert len(said) == 1 and UUID0 in said[0], said
 
 
 def _samples(daemon: Daemon) -> dict[str, float]:

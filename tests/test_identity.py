@@ -17,7 +17,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from gpudiag.core.readiness import BUSY, FREE, GpuOccupancy
-from gpudiag.daemon.joblocks import JobLocks
+from gpudiag.engine.occupancy_view import relook
 from tests.fakes.build import write_state_file
 from tests.support.host import EnvFactory, clean_env, make_host_dirs, run_gpudiag, verdict_of
 from tests.support.run import run_folder
@@ -35,6 +35,11 @@ NOBODY = 65534
 NO_DAEMON = "http://127.0.0.1:9"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                                 reason="needs root and setpriv to act as a second user")
+
+
+def _marked(lock_dir: Path, occupancy: Mapping[str, GpuOccupancy]) -> dict[str, GpuOccupancy]:
+    """The one view's lock answer over ``occupancy`` (engine/occupancy_view.relook)."""
+    return dict(relook(occupancy, occupancy, lock_dir=lock_dir).gpus)
 
 
 def gpu_uuid(i: int) -> str:
@@ -149,7 +154,7 @@ def test_a_forged_probe_record_on_a_root_jobs_lock_leaves_the_gpu_busy(
         wait_for_file(forged, forger)
         assert json.loads(lock_file.read_text())["purpose"] == "probe"  # the forgery held
         # The daemon's lock view: the job's GPU is busy, whatever the record says.
-        seen = JobLocks(locks).mark({uuid: GpuOccupancy(uuid, FREE)})
+        seen = _marked(locks, {uuid: GpuOccupancy(uuid, FREE)})
         assert seen[uuid].state == BUSY, seen
         # Root's inline preflight: the GPU a job holds is busy, not "a sibling probing".
         start = time.monotonic()
@@ -286,7 +291,7 @@ def test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_name
             assert time.monotonic() < deadline, "flock -s never held the lock"
             time.sleep(0.05)
         # The daemon's lock view does not publish it free.
-        seen = JobLocks(locks).mark({gpu_uuid(0): GpuOccupancy(gpu_uuid(0), FREE)})
+        seen = _marked(locks, {gpu_uuid(0): GpuOccupancy(gpu_uuid(0), FREE)})
         assert seen[gpu_uuid(0)].state == BUSY, seen
         job = subprocess.Popen([sys.executable, "-m", "gpudiag", "run", "--artifacts",
                                 str(tmp_path / "run"), "--gpus", "1", "--lock-timeout", "20",

@@ -15,16 +15,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
-from gpudiag.daemon import joblocks
-from gpudiag.daemon.joblocks import HELD_UNNAMED, JOB_LOCKED, SHARED_LOCKED, JobLocks
-from gpudiag.engine import locks
+from gpudiag.engine import locks, occupancy_view
 from gpudiag.engine.locks import (
+    JOB_LOCKED,
     LOCK_EXCLUSIVE,
     LOCK_FREE,
     LOCK_SHARED,
@@ -37,6 +36,7 @@ from gpudiag.engine.locks import (
     try_lock,
     wait_for_free,
 )
+from gpudiag.engine.occupancy_view import HELD_UNNAMED, SHARED_LOCKED, relook
 
 UUID = "GPU-f00d0000-0000-4000-8000-000000000000"
 HOLD = """
@@ -70,6 +70,11 @@ def holder_procs() -> Iterator[list[subprocess.Popen[str]]]:
     for p in procs:
         p.kill()
         p.wait()
+
+
+def _marked(lock_dir: Path, occupancy: Mapping[str, GpuOccupancy]) -> dict[str, GpuOccupancy]:
+    """The one view's lock answer over ``occupancy`` (engine/occupancy_view.relook)."""
+    return dict(relook(occupancy, occupancy, lock_dir=lock_dir).gpus)
 
 
 def test_a_lock_file_that_does_not_exist_or_nobody_holds_is_free(tmp_path: Path) -> None:
@@ -114,18 +119,18 @@ def test_a_held_lock_whose_holder_cannot_be_named_is_busy_never_free(
         monkeypatch: pytest.MonkeyPatch) -> None:
     other = "GPU-f00d0001-0000-4000-8000-000000000001"
     view = {u: GpuOccupancy(u, FREE) for u in (UUID, other)}
-    monkeypatch.setattr(joblocks, "kernel_locks", lambda: None)  # a table past its bounds
+    monkeypatch.setattr(occupancy_view, "kernel_locks", lambda: None)  # a table past its bounds
     holder_procs.append(_hold(lock_file, "exclusive"))
-    marked = JobLocks(tmp_path).mark(view)
+    marked = _marked(tmp_path, view)
     assert marked[UUID].state == BUSY and marked[UUID].why == JOB_LOCKED
     assert marked[other].state == FREE  # nobody holds it: no table needed to say so
     holder_procs.pop().kill()
     holder_procs.append(_hold(lock_file, "shared"))
-    marked = JobLocks(tmp_path).mark(view)
+    marked = _marked(tmp_path, view)
     assert marked[UUID].state == BUSY and marked[UUID].why == SHARED_LOCKED  # no probe mark
     # A probe mark held too: the holder might be a sibling probe, which only a name says.
     holder_procs.append(_hold(lock_file.with_suffix(".probing"), "shared"))
-    marked = JobLocks(tmp_path).mark(view)
+    marked = _marked(tmp_path, view)
     assert marked[UUID].state == BUSY and marked[UUID].why == HELD_UNNAMED
 
 
@@ -134,12 +139,12 @@ def test_a_free_gpu_costs_no_reading_of_the_kernel_s_table(
     def never() -> None:
         raise AssertionError("the kernel's table was read for a lock nobody holds")
 
-    monkeypatch.setattr(joblocks, "kernel_locks", never)
+    monkeypatch.setattr(occupancy_view, "kernel_locks", never)
     monkeypatch.setattr(locks, "kernel_locks", never)
     lk = try_lock(tmp_path, UUID)
     assert lk is not None
     release([lk])
-    marked = JobLocks(tmp_path).mark({UUID: GpuOccupancy(UUID, FREE)})
+    marked = _marked(tmp_path, {UUID: GpuOccupancy(UUID, FREE)})
     assert marked[UUID].state == FREE
     assert holders(tmp_path, UUID) == []
 
@@ -147,7 +152,7 @@ def test_a_free_gpu_costs_no_reading_of_the_kernel_s_table(
 def test_a_planted_lock_file_makes_its_gpu_unknown_in_the_daemon_s_view(
         tmp_path: Path, lock_file: Path) -> None:
     os.mkfifo(lock_file)
-    marked = JobLocks(tmp_path).mark({UUID: GpuOccupancy(UUID, FREE)})
+    marked = _marked(tmp_path, {UUID: GpuOccupancy(UUID, FREE)})
     assert marked[UUID].state == UNKNOWN
 
 
@@ -212,7 +217,7 @@ def test_a_reader_in_its_own_pid_namespace_sees_a_host_lock_held_and_says_where(
 def test_a_lock_held_in_another_pid_namespace_is_busy_to_the_host_s_view(
         tmp_path: Path, lock_file: Path, holder_procs: list[subprocess.Popen[str]]) -> None:
     holder_procs.append(_hold(lock_file, "exclusive", prefix=_unshare_pid()))
-    marked = JobLocks(tmp_path).mark({UUID: GpuOccupancy(UUID, FREE)})
+    marked = _marked(tmp_path, {UUID: GpuOccupancy(UUID, FREE)})
     assert marked[UUID].state == BUSY
 
 

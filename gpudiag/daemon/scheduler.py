@@ -35,7 +35,6 @@ from gpudiag.core.verdict import BackendRequirement, Requirement, Verdict
 from gpudiag.core.xids import fatal_xid
 from gpudiag.daemon import nvlinks
 from gpudiag.daemon.config import SETTINGS_VARIABLE, DaemonConfig, backend_settings_json
-from gpudiag.daemon.joblocks import LOCK_VIEW_WHYS, JobLocks
 from gpudiag.daemon.loop import LoopThread
 from gpudiag.daemon.runtime_health import (
     node_health,
@@ -65,9 +64,9 @@ from gpudiag.daemon.snapshot import (
     verdict_for,
 )
 from gpudiag.engine.forkclient import shared_fork_server
-from gpudiag.engine.guard import not_foreign, occupancy_from_nvml
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir
+from gpudiag.engine.occupancy_view import OccupancyView, occupancy_view, relook
 from gpudiag.engine.round import RoundPolicy, is_active, prove_round
 
 log = logging.getLogger("gpudiag.daemon.scheduler")
@@ -220,7 +219,7 @@ class Scheduler:
         # daemon checked them, never read again from a file (gpudiag.probes.nic_probe).
         self._env[SETTINGS_VARIABLE] = backend_settings_json(config)
         self._lock_dir = lock_dir or default_lock_dir(self._env)
-        self._job_locks = JobLocks(self._lock_dir)
+        self._locks_said: set[str] = set()  # lock files found unusable, logged once each
         # The job environments this node serves (docs/design-notes.md, "Whose environment is
         # proven"): their interpreters, fingerprints and proof on change.
         self._runtimes = RuntimeProofs(config.runtimes, self._env, runtimes_dir)
@@ -622,14 +621,11 @@ class Scheduler:
         backend = key.backend
         if backend == "nvml" and run.ok and run.nvml is not None:
             self._last_seen.learn(run.nvml)
-            # NVML's reading, and the GPUs that `gpudiag run` jobs hold under their locks
-            # (a job may have no process on its GPU yet): one lock view between readings.
-            # Siblings are not users, here as in the busy-GPU round (engine/guard.not_foreign:
-            # the kernel ties them to a probe mark): an inline preflight proving a GPU beside
-            # the daemon does not make it busy to the jobs that ask the daemon meanwhile.
-            self._nvml_occupancy = occupancy_from_nvml(
-                run.nvml, not_foreign(run.nvml, lock_dir=self._lock_dir))
-            self._occupancy = self._job_locks.mark(self._nvml_occupancy)
+            # NVML's reading, siblings not users, and the GPUs that `gpudiag run` jobs hold
+            # under their locks (a job may have no process on its GPU yet): the one view
+            # (engine/occupancy_view.py), kept between readings.
+            view = self._said(occupancy_view(run.nvml, lock_dir=self._lock_dir))
+            self._nvml_occupancy, self._occupancy = dict(view.by_nvml), dict(view.gpus)
         elif backend == "cuda" and run.ok and run.cuda is not None:
             for dev in run.cuda.devices:
                 if dev.context is not None and dev.context.ok and dev.alloc is not None \
@@ -688,14 +684,19 @@ class Scheduler:
         return snapshot
 
     def _relooked(self, occupancy: Mapping[str, GpuOccupancy]) -> dict[str, GpuOccupancy]:
-        """``occupancy`` with its lock view taken now: a GPU BUSY only because of its lock
-        gets the latest NVML reading's word back, then the kernel's lock table decides again
-        (a lock still held keeps it BUSY; a FREE GPU whose lock is now held becomes BUSY)."""
+        """``occupancy`` with its lock view taken now (engine/occupancy_view.relook)."""
         with self._lock:
             base = dict(self._nvml_occupancy)
-        return self._job_locks.mark({
-            uuid: base[uuid] if occ.why in LOCK_VIEW_WHYS and uuid in base else occ
-            for uuid, occ in occupancy.items()})
+        return dict(self._said(relook(occupancy, base, lock_dir=self._lock_dir)).gpus)
+
+    def _said(self, view: OccupancyView) -> OccupancyView:
+        """``view``, its unusable lock files logged (once each: it is read every interval)."""
+        for uuid, error in view.unusable.items():
+            if error not in self._locks_said and len(self._locks_said) < 256:
+                self._locks_said.add(error)
+                log.warning("GPU %s is unknown, not free: its lock cannot be checked: %s",
+                            uuid, error, extra={"uuid": uuid, "lock_dir": str(self._lock_dir)})
+        return view
 
     def set_qualification(self, findings: QualificationFindings) -> Snapshot:
         """What the qualifier found enters the verdicts from the next snapshot (this one)."""

@@ -2,10 +2,10 @@
 
 docs/design-notes.md "Busy GPUs": a probe never touches a GPU that someone else is using.
 Before the cuda, jax and iree children run, the caller reads NVML (which makes no context),
-works out each GPU leaf's occupancy, and claims the FREE ones here: it takes each one's
-full-UUID lock (the lock ``gpudiag run`` takes) without waiting, skipping any that is taken,
-and holds the locks until the children are done. A GPU not claimed is not touched: its last
-active result stands.
+works out each GPU leaf's occupancy (engine/occupancy_view.py), and claims the FREE ones
+here: it takes each one's full-UUID lock (the lock ``gpudiag run`` takes) without waiting,
+skipping any that is taken, and holds the locks until the children are done. A GPU not
+claimed is not touched: its last active result stands.
 """
 
 from __future__ import annotations
@@ -17,27 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from gpudiag.core import registry
 from gpudiag.core.environment import KnownDevice, is_full_uuid, job_view
 from gpudiag.core.observations import NvmlObservation
-from gpudiag.core.occupancy import occupancy as leaf_occupancy
-from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
+from gpudiag.core.readiness import BUSY, UNKNOWN, GpuOccupancy
 from gpudiag.engine.locks import (
     LOCK_FREE,
     Holder,
     LockFailed,
     LockInfo,
-    default_lock_dir,
     holders,
-    holds_probe_mark,
     lock_state,
     mark_held,
     release,
     try_lock,
 )
-from gpudiag.engine.processes import cmdline, is_probe_child, own_process_tree
+from gpudiag.engine.occupancy_view import sibling_holder
 
 
 def touches_gpu(name: str, options: Mapping[str, Any] | None) -> bool:
@@ -45,32 +40,6 @@ def touches_gpu(name: str, options: Mapping[str, Any] | None) -> bool:
     probes run only on FREE GPUs."""
     spec = registry.spec(name)
     return spec is not None and spec.touches_gpu(options or {})
-
-
-def occupancy_from_nvml(nvml: NvmlObservation | None, own: frozenset[int]
-                        ) -> dict[str, GpuOccupancy]:
-    """Each GPU leaf's occupancy from an nvml observation (core.occupancy's rule; MIG
-    instances are leaves too, and a GPU is busy when any of its instances is)."""
-    out: dict[str, GpuOccupancy] = {}
-    if nvml is None or not nvml.ok:
-        return out
-    for dev in nvml.devices:
-        gpu: GpuOccupancy | None = None
-        if dev.uuid is not None and is_full_uuid(dev.uuid):
-            occ = leaf_occupancy(dev, own)
-            gpu = GpuOccupancy(dev.uuid, occ.state, occ.pids, occ.reason or "")
-        for inst in dev.mig.instances if dev.mig is not None and dev.mig.enabled else ():
-            if inst.uuid is None or not is_full_uuid(inst.uuid):
-                continue
-            occ = leaf_occupancy(inst, own, parent=dev)
-            leaf = GpuOccupancy(inst.uuid, occ.state, occ.pids, occ.reason or "")
-            out[leaf.uuid] = leaf
-            if gpu is not None and leaf.state != FREE and gpu.state == FREE:
-                gpu = GpuOccupancy(gpu.uuid, leaf.state, leaf.pids,
-                                   f"a MIG instance is {leaf.state}")
-        if gpu is not None:
-            out[gpu.uuid] = gpu
-    return out
 
 
 # NVML's NOT_LOADED (9) and LIB_NOT_FOUND (12): no NVIDIA driver, so no GPU anyone could use.
@@ -122,65 +91,6 @@ class GpuClaim:
 # How long an inline probe waits for a sibling gpudiag probe's exclusive lock (a GPU in an
 # exclusive compute mode): a few cuda/JAX proofs, well inside a Slurm prolog's minute.
 SIBLING_WAIT_S = 20.0
-
-
-def not_foreign(nvml: NvmlObservation | None, *, lock_dir: Path | None = None,
-                uids: Collection[int] | None = None) -> frozenset[int]:
-    """The PIDs that do not make a GPU busy: this process tree, and sibling gpudiag probe
-    children (a sibling's probe is proving the GPU, not using it: docs/design-notes.md
-    "Siblings are not users"). Only PIDs NVML lists are looked at: a few /proc reads.
-
-    A sibling is what the kernel ties to gpudiag, never what an argv says (anyone can name
-    a process ``python -m gpudiag.probes cuda``): a process of one of ``uids`` (default:
-    this process's own uid) below a process that holds the probe mark of the GPU NVML lists
-    it on (``lock_dir``, default the shared lock folder), as that parent's own descriptors say
-    (``/proc/PID/fdinfo``: no table read, exact under any load). Another uid's process is
-    never a sibling; when anything cannot be read, the process counts as a user (the GPU is
-    busy).
-    """
-    ours = own_process_tree()
-    own_uids = frozenset({os.geteuid()} if uids is None else uids)
-    folder = default_lock_dir() if lock_dir is None else lock_dir
-    by_gpu: dict[str, set[int]] = {}
-    for d in nvml.devices if nvml is not None and nvml.ok else ():
-        lists = [(d.uuid, d.processes),
-                 *((d.uuid, i.processes) for i in (d.mig.instances if d.mig else ()))]
-        for uuid, procs in lists:
-            for p in procs or ():
-                if p.pid is not None and p.pid not in ours and uuid and is_full_uuid(uuid):
-                    by_gpu.setdefault(uuid, set()).add(p.pid)
-    # A GPU whose probe mark nobody holds (the O(1) attempt) has no sibling on it; on the
-    # others, each listed process's parents are asked whether they hold it.
-    siblings = {pid for uuid, pids in by_gpu.items() if mark_held(folder, uuid)
-                for pid in pids if _sibling_probe(pid, folder, uuid, own_uids)}
-    return ours | frozenset(siblings)
-
-
-# How far up a probe child's parents the probing gpudiag may be (child, fork server, daemon).
-_SIBLING_DEPTH = 3
-
-
-def _sibling_probe(pid: int, lock_dir: Path, uuid: str, uids: Collection[int]) -> bool:
-    """Whether ``pid`` is a gpudiag probe child of one of ``uids`` below a holder of
-    ``uuid``'s probe mark."""
-    try:
-        proc = psutil.Process(pid)
-        if not all(u in uids for u in proc.uids()) or not is_probe_child(cmdline(pid)):
-            return False
-        for parent in proc.parents()[:_SIBLING_DEPTH]:
-            if all(u in uids for u in parent.uids()) and holds_probe_mark(lock_dir, uuid,
-                                                                          parent.pid):
-                return True
-    except (psutil.Error, OSError):
-        return False
-    return False
-
-
-def sibling_holder(holder: Holder, uids: Collection[int] | None = None) -> bool:
-    """Whether a lock holder is a gpudiag probe of our own (or the given) uids, proving the
-    GPU right now (the kernel says it holds the probe mark), not a user of it."""
-    own = frozenset({os.geteuid()} if uids is None else uids)
-    return holder.pid is not None and holder.probing and holder.of_uid(own)
 
 
 def why_unclaimed(claim: GpuClaim) -> str:

@@ -36,10 +36,10 @@ from gpudiag.core.qualify_score import (
 )
 from gpudiag.core.sdc import XLA_DETERMINISTIC_FLAGS
 from gpudiag.core.visibility import pinned_to
-from gpudiag.engine.guard import claim_free, occupancy_from_nvml, visible_uuids
+from gpudiag.engine.guard import claim_free, visible_uuids
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir, waiting_path
-from gpudiag.engine.processes import own_process_tree
+from gpudiag.engine.occupancy_view import occupancy_view
 from gpudiag.engine.qualify_history import GoldenStore, HistoryUnavailable, QualificationHistory
 
 REPORT_SCHEMA = "gpudiag.qualify-report/1"
@@ -238,7 +238,8 @@ def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
               ) -> tuple[list[GpuResult], dict[str, str]]:
     nvml = _nvml(env)
     targets = _targets(nvml, env, options.gpus)
-    occupancy = occupancy_from_nvml(nvml, own_process_tree())
+    # The one view: a sibling probe is a user to a measurement; the claim answers the locks.
+    occupancy = occupancy_view(nvml, lock_dir=lock_dir, siblings=False, locks=False).gpus
     results: list[GpuResult] = []
     left: dict[str, str] = {}
     for target in targets:

@@ -25,7 +25,7 @@ from typing import Any
 from gpudiag.core import registry
 from gpudiag.core.backend import EVERY_GPU, POINT_BY_OPTION
 from gpudiag.core.probe_run import ProbeRun
-from gpudiag.core.readiness import BUSY, GpuOccupancy, ProbeScope
+from gpudiag.core.readiness import GpuOccupancy, ProbeScope
 from gpudiag.core.visibility import pinned_to
 from gpudiag.engine.guard import (
     SIBLING_WAIT_S,
@@ -33,14 +33,12 @@ from gpudiag.engine.guard import (
     claim_free,
     driver_absent,
     exclusive_gpus,
-    not_foreign,
-    occupancy_from_nvml,
     rotated,
     touches_gpu,
     visible_uuids,
     why_unclaimed,
 )
-from gpudiag.engine.locks import JOB_LOCKED
+from gpudiag.engine.occupancy_view import locked_by_claim, occupancy_view
 
 # Whether a probe child with these options makes a GPU context (its spec says): such a probe
 # runs only through prove_round.
@@ -111,18 +109,15 @@ def prove_round(nvml_run: ProbeRun, active: Sequence[Request], *,
     probes run together on the first claimed GPU in rotation order.
     """
     nvml = nvml_run.nvml if nvml_run.ok else None
-    # Siblings are what the kernel ties to gpudiag (engine/guard.not_foreign: our uid, under
-    # a holder of the GPU's probe mark), never what an argv says.
-    occupancy = occupancy_from_nvml(nvml, not_foreign(nvml, lock_dir=lock_dir))
+    # The one view; its lock answer is the claim's (which takes the lock in the same step).
+    view = occupancy_view(nvml, lock_dir=lock_dir, locks=False)
     candidates = rotated(visible_uuids(nvml, visibility_env), policy.rotation)
     every = [r for r in active if _proves_on_every(r[0])]
     one = [r for r in active if not _proves_on_every(r[0])]
-    with claim_free(occupancy, candidates, lock_dir=lock_dir, probe_busy=policy.probe_busy,
+    with claim_free(view.gpus, candidates, lock_dir=lock_dir, probe_busy=policy.probe_busy,
                     limit=None if every else 1, exclusive=exclusive_gpus(nvml),
                     sibling_wait_s=policy.sibling_wait_s, held=policy.held) as claim:
-        for uuid, why in claim.left_alone.items():
-            if why == "locked":  # a gpudiag run job holds it (its process may not be up yet)
-                occupancy[uuid] = GpuOccupancy(uuid, BUSY, why=JOB_LOCKED)
+        occupancy = locked_by_claim(view.gpus, claim.left_alone)
         runs = _run_on(every, list(claim.claimed), claim, nvml_run, run) if every else {}
         gpu = claim.claimed[0] if claim.claimed else None
         claim.keep_only(gpu)

@@ -49,7 +49,6 @@ from gpudiag.engine.inline import run_inline
 from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.jobpython import JobPython
 from gpudiag.engine.locks import (
-    LOCK_FREE,
     Holder,
     LockFailed,
     LockInfo,
@@ -60,11 +59,11 @@ from gpudiag.engine.locks import (
     kernel_locks,
     let_go,
     lock_holder,
-    lock_state,
     release,
     try_lock,
     wait_for_free,
 )
+from gpudiag.engine.occupancy_view import any_lock_free, lock_answers
 from gpudiag.engine.route import daemon_else_inline
 
 DEFAULT_LOCK_TIMEOUT_S = 60.0
@@ -507,7 +506,7 @@ class Admitter:
         if len(held) + len(others) < self.gpus:
             raise self._shortage(verdict, candidates, evidence)
         named, qualifying = _held_text(held_by)
-        if attempt <= RACE_RETRIES and _any_free(lock_dir, held_by):
+        if attempt <= RACE_RETRIES and any_lock_free(lock_dir, list(held_by)):
             # A lock that another reader's O(1) test held for its microseconds (or that was
             # let go just now): tried again, whatever the timeout, never refused for it.
             return None
@@ -554,14 +553,12 @@ class Admitter:
             else:
                 held.append(lk)
         # A BUSY leaf locked by another gpudiag job is busy with that job: wait for it. The
-        # kernel says whether anyone holds its lock: nothing is taken to look.
-        for lf in candidates:
-            if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid):
-                try:
-                    if lock_state(lock_dir, lf.uuid) != LOCK_FREE:
-                        others.append(lf)
-                except LockFailed as e:
-                    unusable[lf.uuid] = str(e)
+        # kernel says whether anyone holds its lock (engine/occupancy_view: nothing is taken).
+        busy = [lf for lf in candidates
+                if lf.occupancy == BUSY and lf.uuid and is_full_uuid(lf.uuid)]
+        answers = lock_answers(lock_dir, [str(lf.uuid) for lf in busy])
+        others += [lf for lf in busy if lf.uuid in answers.held]
+        unusable.update(answers.unusable)
         return held, others
 
     def _wait_for_release(self, lock_dir: Path, uuids: Sequence[str], deadline: float,
@@ -630,15 +627,6 @@ class Admitter:
 
 # What a waiting job may count on (probes/qualify.py's watcher sees its waiting mark).
 QUALIFY_YIELDS = "a qualification stops within 1 s for a job that waits for its GPU"
-
-
-def _any_free(lock_dir: Path, held_by: Mapping[str, Sequence[Holder] | None]) -> bool:
-    """Whether one of the locks others were found holding is free now (the O(1) test)."""
-    for uuid in held_by:
-        with contextlib.suppress(LockFailed):
-            if lock_state(lock_dir, uuid) == LOCK_FREE:
-                return True
-    return False
 
 
 def _held_text(held_by: Mapping[str, Sequence[Holder] | None]) -> tuple[str, bool]:
