@@ -14,8 +14,8 @@ the kernel says the lock descriptors it passed hold. No file decides them (the
 ``allocations/`` inbox that any user could plant claims in is gone: docs/security.md).
 ``user`` is the peer uid's name; ``job_id`` the run's Slurm job id (its word, checked for
 shape), else ``pid-PID``, or ``run-ID`` (the daemon's run id) for a run in a pid namespace
-the daemon cannot see; ``scheduler`` ``slurm`` with a job id, else ``none``. A run asking a daemon with any state
-directory shows, for as long as it runs.
+the daemon cannot see; ``scheduler`` ``slurm`` with a job id, else ``none``. A run asking a
+daemon with any state directory shows, for as long as it runs.
 """
 
 from __future__ import annotations
