@@ -525,8 +525,10 @@ def test_the_security_doc_names_only_tests_that_exist() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
     section = doc[doc.index("## Issue 38"):doc.index("## Crash safety")]
     named = set(re.findall(r"`(test_\w+)", section))
-    # This module's tests, and the daemon's qualification tests that class 4 names.
-    modules = (Path(__file__), Path(__file__).with_name("test_qualify_daemon.py"))
+    # This module's tests, the daemon's qualification tests that class 4 names and the run
+    # channel's (issue 49) that class 3 names.
+    modules = (Path(__file__), Path(__file__).with_name("test_qualify_daemon.py"),
+               Path(__file__).with_name("test_run_channel.py"))
     defined = {name for m in modules
                for name in re.findall(r"^def (test_\w+)", m.read_text(), re.M)}
     assert len(named) >= 10 and named <= defined, named - defined
