@@ -530,8 +530,10 @@ def test_the_security_doc_names_only_tests_that_exist() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
     section = doc[doc.index("## Issue 38"):doc.index("## Crash safety")]
     named = set(re.findall(r"`(test_\w+)", section))
-    # This module's tests, and the daemon's qualification tests that class 4 names.
-    modules = (Path(__file__), Path(__file__).with_name("test_qualify_daemon.py"))
+    # This module's tests, the daemon's qualification tests that class 4 names and the run
+    # channel's (issue 49) that class 3 names.
+    modules = (Path(__file__), Path(__file__).with_name("test_qualify_daemon.py"),
+               Path(__file__).with_name("test_run_channel.py"))
     defined = {name for m in modules
                for name in re.findall(r"^def (test_\w+)", m.read_text(), re.M)}
     assert len(named) >= 10 and named <= defined, named - defined
@@ -926,6 +928,49 @@ _FLOOD = textwrap.dedent("""
             fh.write(record.replace('"pid": 10,', f'"pid": {100000 + i},'))
         os.rename(f"{folder}/{i:06d}-{i}.tmp", f"{folder}/{i:06d}-{i}.json")
 """)
+
+
+def test_a_non_root_job_shows_in_the_allocations_while_it_runs_and_its_refusal_counts(
+        node: NodeRig) -> None:
+    """uid 65534's `gpudiag run` speaks to root's daemon on its socket alone: its GPU is in
+    `gpudiag_gpu_allocation_info` (user nobody) while it runs, and once the GPUs are lost its
+    refused run is counted in `gpudiag_preflight_blocks_total` without a file anywhere."""
+    from tests.support.daemon import metric_samples, wait_for
+
+    rig = node
+    started = rig.shared / "alloc-started"
+    job = subprocess.Popen(nobody_argv(
+        rig.python, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts",
+        str(rig.shared / "alloc-runs"), "--", "sh", "-c", f"touch {started}; sleep 2"),
+        env=rig.nobody_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        wait_for_file(started, job, timeout=60)
+        (alloc,) = wait_for(lambda: [lab for lab, v in metric_samples(
+            rig.daemon, "gpudiag_gpu_allocation_info") if v == 1], 10, interval=0.1)
+        _, err = job.communicate(timeout=60)
+    finally:
+        stop(job)
+    assert job.returncode == 0, err
+    closeout = json.loads((run_folder(rig.shared / "alloc-runs") / "closeout.json").read_text())
+    assert alloc["uuid"] == closeout["gpus"][0]["uuid"] and alloc["user"] == "nobody", alloc
+    assert closeout["job_record"]["attested"] == "socket", closeout["job_record"]
+    wait_for(lambda: not metric_samples(rig.daemon, "gpudiag_gpu_allocation_info"), 10)
+    write_state_file(rig.state_file, {"FAKE_NVML_DEVICE_COUNT": 2,
+                                      "FAKE_NVML_DEVICE_ERRORS": "0:15,1:15"})
+    rig.state_file.chmod(0o644)
+    wait_for(lambda: rig.daemon.get("/v1/preflight?require=cuda")[1].get(
+        "gpu_validation_blocker") == "gpu_lost", 20, interval=0.2)
+    refused = subprocess.run(nobody_argv(
+        rig.python, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts",
+        str(rig.shared / "alloc-runs"), "--", "true"), env=rig.nobody_env(),
+        capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 125, refused.stderr
+    blocks = wait_for(lambda: {lab["code"]: v for lab, v in metric_samples(
+        rig.daemon, "gpudiag_preflight_blocks_total")}, 10, interval=0.1)
+    assert blocks == {"gpu_lost": 1.0}, blocks
+    assert not list((rig.state / "job-closeouts").iterdir())
+    assert _refused(rig)["foreign"] == 0, _refused(rig)
 
 
 def test_a_flood_of_planted_records_neither_stalls_the_daemon_nor_grows_its_history(

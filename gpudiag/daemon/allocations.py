@@ -10,11 +10,12 @@ would show the scrape job's name.
 
 The series come from attested runs alone (daemon/runs.py): a run that announced itself on
 the daemon's socket, whose uid and pid the kernel named (peer credentials) and whose GPUs
-the kernel says that pid holds locked. No file decides them (the ``allocations/`` inbox that
-any user could plant claims in is gone: docs/security.md). ``user`` is the peer uid's name;
-``job_id`` the run's Slurm job id (its word, checked for shape), else ``pid-PID``;
-``scheduler`` ``slurm`` with a job id, else ``none``. A run asking a daemon with any state
-directory shows, for as long as it runs.
+the kernel says the lock descriptors it passed hold. No file decides them (the
+``allocations/`` inbox that any user could plant claims in is gone: docs/security.md).
+``user`` is the peer uid's name; ``job_id`` the run's Slurm job id (its word, checked for
+shape), else ``pid-PID``, or ``run-ID`` (the daemon's run id) for a run in a pid namespace
+the daemon cannot see; ``scheduler`` ``slurm`` with a job id, else ``none``. A run asking a
+daemon with any state directory shows, for as long as it runs.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class Allocations:
         found: dict[str, Allocation] = {}
         known = self._leaves()
         for run in self._runs():
-            job = run.slurm_job_id or f"pid-{run.peer.pid}"
+            job = run.slurm_job_id or (f"pid-{run.peer.pid}" if run.peer.pid > 0
+                                       else f"run-{run.id}")
             scheduler = "slurm" if run.slurm_job_id else "none"
             user = self._owner_name(run.peer.uid)
             for uuid in run.gpus:

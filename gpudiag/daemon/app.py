@@ -32,7 +32,7 @@ from gpudiag.daemon.closeouts import JobInbox
 from gpudiag.daemon.envelope import error_response, json_response, status_line
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
-from gpudiag.daemon.httpserver import PEER_KEY, PEER_PIDFD_KEY, HttpServer
+from gpudiag.daemon.httpserver import PEER_FDS_KEY, PEER_KEY, PEER_PIDFD_KEY, HttpServer
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.nic_exporter import NicCollector
 from gpudiag.daemon.qualify_queue import (
@@ -46,13 +46,13 @@ from gpudiag.daemon.qualify_queue import (
 from gpudiag.daemon.qualify_schedule import Qualifier
 from gpudiag.daemon.remediation import RemediationReport
 from gpudiag.daemon.runs import (
-    Peer,
     RunRefused,
     hold,
+    parse_block,
     parse_gpus,
     parse_report,
     parse_slurm_job_id,
-    start_time,
+    peer_of,
 )
 from gpudiag.daemon.runtime_health import runtime_section
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
@@ -84,7 +84,7 @@ StartResponse = Callable[..., Any]
 # needs a probe, a wait or a classification (docs/design-notes.md, "HTTP server").
 NOW_PATHS = frozenset({"/v1/preflight", "/v1/health"})
 # A run announcing itself (daemon/runs.py): answered from the asker's peer credentials.
-RUN_PATHS = frozenset({"/v1/runs/begin", "/v1/runs/end"})
+RUN_PATHS = frozenset({"/v1/runs/begin", "/v1/runs/end", "/v1/runs/blocked"})
 
 
 class _NotNow(Exception):
@@ -275,6 +275,7 @@ class DaemonApp:
             "/v1/history": (("GET",), self._history),
             "/v1/runs/begin": (("POST",), None),
             "/v1/runs/end": (("POST",), None),
+            "/v1/runs/blocked": (("POST",), None),
             "/healthz": (("GET", "HEAD"), self._healthz),
             "/readyz": (("GET", "HEAD"), self._readyz),
         }
@@ -604,7 +605,8 @@ class DaemonApp:
 
     def _run(self, path: str, params: Mapping[str, str], environ: Mapping[str, Any]
              ) -> tuple[int, Any]:
-        """POST /v1/runs/begin and /v1/runs/end: a run's window, as the kernel attests it."""
+        """POST /v1/runs/begin, /end and /blocked: a run's window or refusal, as the kernel
+        attests who sent it (daemon/runs.py)."""
         jobs = self.jobs
         if jobs is None or jobs.runs is None:
             raise ApiError(503, "no_history", "this daemon keeps no job records (no "
@@ -614,26 +616,33 @@ class DaemonApp:
             raise ApiError(403, "not_attested", f"POST {path}: runs announce themselves on "
                            "the daemon's unix socket, where the kernel says who they are; "
                            "this request has no peer credentials (TCP)")
-        begin = path == "/v1/runs/begin"
-        self._only(params, ("gpus", "slurm_job_id") if begin
-                   else ("run", "exit_code", "child_pid"))
-        pidfd = hold(environ[PEER_PIDFD_KEY], creds.pid) if begin else None
-        peer = Peer(creds.uid, creds.pid, start_time(creds.pid), pidfd)
+        begin, blocked = path == "/v1/runs/begin", path == "/v1/runs/blocked"
+        self._only(params, ("gpus", "slurm_job_id") if begin else (
+            ("code", "codes", "slurm_job_id") if blocked else ("run", "exit_code", "child_pid")))
+        # Every path takes the peer's pidfd (its identity); only a begun run keeps it.
+        pidfd = hold(environ[PEER_PIDFD_KEY], creds.pid)
+        peer = peer_of(creds.uid, creds.pid, pidfd)
         try:
             if begin:
                 run = jobs.begin_run(peer, parse_gpus(params.get("gpus")),
-                                     parse_slurm_job_id(params.get("slurm_job_id")))
+                                     parse_slurm_job_id(params.get("slurm_job_id")),
+                                     tuple(environ.get(PEER_FDS_KEY) or ()))
+                pidfd = None  # the run's now
                 return 200, {"run": run.id, "began": run.began, "gpus": list(run.gpus),
                              "uid": creds.uid, "pid": creds.pid}
+            if blocked:
+                code, codes = parse_block(params)
+                block = jobs.block_run(peer, code, codes,
+                                       parse_slurm_job_id(params.get("slurm_job_id")))
+                return 200, {"counted": True, "code": block.code, "uid": creds.uid}
             body = environ["wsgi.input"].read(MAX_BODY_BYTES) if environ.get("wsgi.input") \
                 else b""
             job = jobs.end_run(peer, params.get("run", ""), parse_report(params, body))
-        except BaseException as e:
+        except RunRefused as e:
+            raise ApiError(e.status, e.code, e.message) from e
+        finally:
             if pidfd is not None:
-                os.close(pidfd)  # not the run's: it was never opened
-            if isinstance(e, RunRefused):
-                raise ApiError(e.status, e.code, e.message) from e
-            raise
+                os.close(pidfd)  # not a run's: none was opened with it
         if job is None:
             raise ApiError(503, "history_unavailable", "the job record could not be kept "
                            "now; the run stays open and its inbox record ends it")

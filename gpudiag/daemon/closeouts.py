@@ -1,9 +1,11 @@
 """Runs that closed out on this node: the job-closeouts inbox, counted and kept in the history.
 
 A ``gpudiag run`` that asked this daemon on its unix socket hands its closeout over there
-(``POST /v1/runs/end``, daemon/runs.py): its window is attested. A run that asked no daemon
-drops one ``gpudiag.job/1`` record (who ran what, when, on which GPUs, its failure
-attribution) into ``STATE_DIR/job-closeouts/``. The daemon takes both in: it counts each
+(``POST /v1/runs/end``, daemon/runs.py), and a refused one its refusal (``POST
+/v1/runs/blocked``): its window is attested. The inbox is only the fallback of a run that
+asked no daemon (or reached none): it drops one ``gpudiag.job/1`` record (who ran what, when,
+on which GPUs, its failure attribution) or ``gpudiag.block/1`` record into
+``STATE_DIR/job-closeouts/``. The daemon takes both in: it counts each
 failed or GPU-faulted run in ``gpudiag_job_failures_total{attribution}``, stores the record in
 the history (``gpudiag explain --pid`` and ``--slurm-job`` find runs there) and deletes the
 file. An inbox record counts only when it ends a run the daemon attested, or when root wrote
@@ -133,11 +135,23 @@ class JobInbox:
         with self._lock:
             return dict(self._counts)
 
-    def begin_run(self, peer: Peer, gpus: tuple[str, ...], slurm_job_id: str | None
-                  ) -> OpenRun:
-        """POST /v1/runs/begin: open an attested run (RunRefused when it cannot be)."""
+    def begin_run(self, peer: Peer, gpus: tuple[str, ...], slurm_job_id: str | None,
+                  fds: tuple[int, ...] = ()) -> OpenRun:
+        """POST /v1/runs/begin: open an attested run on the GPUs whose lock the descriptors
+        it passed (``fds``) hold (RunRefused when it cannot be)."""
         assert self.runs is not None
-        return self.runs.begin(peer, gpus, slurm_job_id)
+        return self.runs.begin(peer, gpus, slurm_job_id, fds)
+
+    def block_run(self, peer: Peer, code: str, codes: tuple[str, ...],
+                  slurm_job_id: str | None) -> BlockRecord:
+        """POST /v1/runs/blocked: a run gpudiag refused before its start, counted once per
+        process (RunRefused past the limits); its codes are its word (other outside the
+        catalog)."""
+        assert self.runs is not None
+        self.runs.blocked(peer)
+        record = BlockRecord(peer.pid, code, codes, time.time(), slurm_job_id)
+        self._on_block(record)
+        return record
 
     def end_run(self, peer: Peer, run_id: str, report: RunReport) -> JobRecord | None:
         """POST /v1/runs/end: the run's job record, counted and kept; None when the history

@@ -15,6 +15,7 @@ reconnect anyway.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import io
@@ -75,6 +76,16 @@ SOCKET_MODE = 0o666         # any local user may connect; clients check who answ
 # that opens a pidfd of that client process (None when the kernel gives none).
 PEER_KEY = "gpudiag.peer"
 PEER_PIDFD_KEY = "gpudiag.open_peer_pidfd"
+# The descriptors the unix-socket client passed with its request's first bytes (SCM_RIGHTS),
+# a tuple of ints the server owns and closes with the connection: a run's GPU lock files,
+# for the kernel's word on which locks those very open files hold (daemon/runs.py).
+PEER_FDS_KEY = "gpudiag.peer_fds"
+# At most this many per request (a run's GPU leaves: 8 MIG instances on each of 8 GPUs), and
+# this many held at once over every connection; past either they are closed on arrival (a
+# client cannot fill the daemon's descriptor table). Descriptors sent after the first bytes
+# of a request are dropped by the kernel (they are read with recv, without room for them).
+MAX_PASSED_FDS = 64
+MAX_HELD_FDS = 256
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 # An app's optional ``answer_now``: the answer when it needs no wait, else None (the pool).
@@ -277,6 +288,8 @@ class _Conn:
     registered: bool = False
     # On the unix socket: who connected, as the kernel recorded it (None over TCP).
     creds: PeerCredentials | None = None
+    # The descriptors passed with its first bytes (None: not read yet, or TCP).
+    fds: tuple[int, ...] | None = None
 
 
 class _Pool:
@@ -353,6 +366,7 @@ class HttpServer:
             self._unix_inode = None
             self.server_address = self._listen.getsockname()
             self.loopback = _is_loopback(host)
+        self._held_fds = 0  # passed descriptors held by open connections (selector thread)
         self._pending: dict[int, _Conn] = {}   # reading a head, oldest first
         self._writing: dict[int, _Conn] = {}   # writing a response, oldest first
         self._outbox: queue.SimpleQueue[tuple[_Conn, bytes]] = queue.SimpleQueue()
@@ -551,9 +565,27 @@ class HttpServer:
         """A TCP client for logs: its address."""
         return str(addr[0]) if isinstance(addr, tuple) else str(addr)
 
+    def _receive(self, conn: _Conn) -> bytes:
+        """The next bytes of a request; the first read of a unix-socket client takes the
+        descriptors passed with them too (close-on-exec: probe children never inherit
+        them), within MAX_PASSED_FDS and MAX_HELD_FDS."""
+        if conn.creds is None or conn.fds is not None:
+            return conn.sock.recv(65536)
+        data, ancillary, _flags, _addr = conn.sock.recvmsg(
+            65536, socket.CMSG_SPACE(MAX_PASSED_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+        fds = [fd for level, kind, raw in ancillary
+               if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+               for fd in array.array("i", raw[:len(raw) - len(raw) % 4])]
+        room = max(0, MAX_HELD_FDS - self._held_fds)
+        for fd in fds[room:]:
+            os.close(fd)
+        conn.fds = tuple(fds[:room])
+        self._held_fds += len(conn.fds)
+        return data
+
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(65536)
+            data = self._receive(conn)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -692,6 +724,12 @@ class HttpServer:
         if conn.sock.fileno() >= 0:
             self.open_connections -= 1
             conn.sock.close()
+        if conn.fds:
+            fds, conn.fds = conn.fds, ()
+            self._held_fds -= len(fds)
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def _drop(self, conn: _Conn) -> None:
         self._forget(conn)
@@ -728,6 +766,7 @@ class HttpServer:
             "wsgi.multithread": True, "wsgi.multiprocess": False, "wsgi.run_once": False,
             # The kernel's word on who asks (unix socket only): attested runs (daemon/runs.py).
             PEER_KEY: conn.creds, PEER_PIDFD_KEY: functools.partial(peer_pidfd, conn.sock),
+            PEER_FDS_KEY: conn.fds or (),
         }
         for name, value in request.headers:
             if name == "content-length":

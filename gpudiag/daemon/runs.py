@@ -1,19 +1,26 @@
-"""Attested run windows (issue 38): when a job ran is what the kernel says, not a file.
+"""Attested run windows (issues 38, 49): when a job ran is what the kernel says, not a file.
 
-A ``gpudiag run`` that asked this daemon announces itself on the unix socket:
+A ``gpudiag run`` that asked this daemon speaks to it on one channel, the unix socket:
 ``POST /v1/runs/begin`` once its GPUs are locked, ``POST /v1/runs/end`` once its child and
-every descendant ended. The daemon takes the window from the kernel, never from the request:
+every descendant ended, or ``POST /v1/runs/blocked`` when gpudiag refused it before its start.
+The daemon takes the window from the kernel, never from the request:
 - who: the socket's peer credentials (uid, pid), a pidfd of that very process (SO_PEERPIDFD,
   which no pid reuse can swap) and the pid's start time where this daemon can see it
-  (``/proc/PID``: a sandboxed daemon under ``ProtectProc=invisible`` sees no other user's);
-- which GPUs: those whose lock the kernel says that pid holds exclusively (held at all: the
-  O(1) test; by that pid: its own descriptors' locks in ``/proc/PID/fdinfo``, else
-  ``/proc/locks`` within its bounds: engine/locks.locked_by);
-- when: the daemon's own clock at begin and at end, the end from the same process (same
-  uid and pid, its pidfd not exited, its start time unchanged).
-What the run says itself (its Slurm job id, exit code, argv, closeout path, GPU usage) is kept
-as its word beside the attested window. The job record is built here, attributed from the
-daemon's own history (XIDs, blocker episodes) over the attested window.
+  (``/proc/PID``: a sandboxed daemon under ``ProtectProc=invisible`` sees no other user's). A
+  peer in a pid namespace this daemon cannot see has pid 0 here: its pidfd is who it is (on
+  Linux 6.9+ each process's pidfd has its own inode, the peer's identity across namespaces);
+- which GPUs: those whose lock the run's own descriptors hold exclusively. The run passes
+  its lock descriptors with its begin (SCM_RIGHTS) and the kernel says, in this daemon's own
+  ``/proc/self/fdinfo``, which locks those very open files hold (engine/locks.locked_through):
+  no pid is looked up, so it holds across pid namespaces (a run in a container, a daemon
+  without hostPID). A run that passes none (a gpudiag before issue 49) is checked by its pid
+  (engine/locks.locked_by: the O(1) test, then its ``/proc/PID/fdinfo``), where visible;
+- when: the daemon's own clock at begin and at end, the end from the same process (its
+  pidfd's identity, else the same uid and pid, its pidfd not exited, its start time unchanged).
+What the run says itself (its Slurm job id, exit code, argv, closeout path, GPU usage, its
+refusal's codes) is kept as its word beside the attested facts. The job record is built here,
+attributed from the daemon's own history (XIDs, blocker episodes) over the attested window. A
+refusal counts once per process and at most BLOCKS_PER_UID_MINUTE a minute per uid.
 
 A closeout record in the ``job-closeouts/`` inbox is matched to these windows
 (``RunWindows.match``): one that an attested run wrote (its ``/end`` failed) closes that run;
@@ -59,7 +66,7 @@ from gpudiag.core.usage import usages_of
 from gpudiag.daemon import open_runs
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.store import HistoryError, HistoryStore
-from gpudiag.engine.locks import locked_by
+from gpudiag.engine.locks import locked_by, locked_through
 
 # Open runs at once, and per uid: each holds a pidfd, and a begin needs a GPU lock the
 # kernel says the run holds, so a node has about as many open runs as GPU leaves.
@@ -72,6 +79,11 @@ BEFORE_S = 60.0  # history looked at before a window: what led up to it
 MAX_ARGV_ITEMS = 64
 MAX_TEXT = 1024
 _SLURM_JOB_ID = re.compile(r"[0-9A-Za-z_.+-]{1,64}")
+_CODE = re.compile(r"[a-z0-9_]{1,64}")
+MAX_BLOCK_CODES = 64
+# Refusals a uid may report a minute (each process once): a counter a user can raise by
+# starting processes rises no faster than this.
+BLOCKS_PER_UID_MINUTE = 60
 # Why an inbox record was refused: every reason is a series from the start.
 REFUSED_REASONS = ("unattested", "foreign", "duplicate", "future_dated", "malformed")
 
@@ -93,6 +105,9 @@ class Peer:
     pid: int
     started_at: float | None  # its start time (None: this daemon cannot see the process)
     pidfd: int | None  # a pidfd of it (owned by whoever holds the Peer)
+    # Its pidfd's inode where each process's is its own (pidfs, Linux 6.9+): who it is, in
+    # any pid namespace; None on older kernels (all pidfds share one inode there).
+    identity: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,12 +159,39 @@ def start_time(pid: int) -> float | None:
 def hold(opener: Callable[[], int | None], pid: int) -> int | None:
     """A pidfd of the socket's peer: the kernel's own (SO_PEERPIDFD), else (before Linux
     6.5) one opened by pid while the peer waits for this answer, so it is still that
-    process unless it was killed in between; None when neither can be had."""
+    process unless it was killed in between; None when neither can be had (pid 0: a
+    process of a pid namespace this daemon cannot see)."""
     fd = opener()
-    if fd is None:
+    if fd is None and pid > 0:
         with contextlib.suppress(OSError, AttributeError):
             fd = os.pidfd_open(pid)
     return fd
+
+
+_SHARED_INODE: list[int | None] = []  # this process's own pidfd's inode, once read
+
+
+def identity(pidfd: int | None) -> int | None:
+    """The pidfd's inode when it names its process alone (pidfs: a pidfd of this process
+    has another inode); None without a pidfd, or where every pidfd shares one inode."""
+    if pidfd is None:
+        return None
+    try:
+        ino = os.fstat(pidfd).st_ino
+        if not _SHARED_INODE:
+            own = os.pidfd_open(os.getpid())
+            try:
+                _SHARED_INODE.append(os.fstat(own).st_ino)
+            finally:
+                os.close(own)
+    except (OSError, AttributeError):
+        return None
+    return None if ino == _SHARED_INODE[0] else ino
+
+
+def peer_of(uid: int, pid: int, pidfd: int | None) -> Peer:
+    """The socket's peer as the kernel says (pid 0: not visible here, no start time)."""
+    return Peer(uid, pid, start_time(pid) if pid > 0 else None, pidfd, identity(pidfd))
 
 
 def exited(pidfd: int) -> bool:
@@ -188,6 +230,18 @@ def parse_slurm_job_id(text: str | None) -> str | None:
     if not _SLURM_JOB_ID.fullmatch(text):
         raise RunRefused(400, "bad_parameter", f"slurm_job_id={text[:80]!r} is not a job id")
     return text
+
+
+def parse_block(params: Mapping[str, str]) -> tuple[str, tuple[str, ...]]:
+    """A refusal's ``code`` and ``codes`` (a run's own word; a code outside the catalog
+    counts as ``other``): RunRefused(400) unless code names (lowercase, digits, _)."""
+    code = params.get("code", "")
+    codes = tuple(dict.fromkeys(c for c in params.get("codes", "").split(",") if c))
+    if not _CODE.fullmatch(code) or len(codes) > MAX_BLOCK_CODES or not all(
+            _CODE.fullmatch(c) for c in codes):
+        raise RunRefused(400, "bad_parameter", "code= (and codes=, comma-separated) must be "
+                         f"blocker codes ([a-z0-9_], at most {MAX_BLOCK_CODES})")
+    return code, codes
 
 
 def parse_report(params: Mapping[str, str], body: bytes) -> RunReport:
@@ -230,6 +284,10 @@ class RunWindows:
         self._lock = threading.Lock()
         self._open: dict[str, OpenRun] = {}
         self._recent: deque[EndedRun] = deque(maxlen=RECENT_RUNS)
+        # Refusals reported: each process's once (its identity, or pid and start time), and
+        # when, per uid, over the last minute.
+        self._blocked: deque[tuple[int | None, int, float | None]] = deque(maxlen=RECENT_RUNS)
+        self._block_times: dict[int, deque[float]] = {}
 
     def open_runs(self) -> tuple[OpenRun, ...]:
         """The runs attested and not ended, oldest first (the allocation series' source)."""
@@ -244,7 +302,7 @@ class RunWindows:
         back = open_runs.restore(self._kept, self.lock_dir, start_time)
         with self._lock:
             for r in back:
-                peer = Peer(r.uid, r.pid, r.started_at, r.pidfd)
+                peer = Peer(r.uid, r.pid, r.started_at, r.pidfd, identity(r.pidfd))
                 self._open[r.id] = OpenRun(r.id, peer, r.began, r.gpus, r.slurm_job_id)
             self._save()
         return len(back)
@@ -261,20 +319,29 @@ class RunWindows:
         with self._lock:
             return list(self._open.values())
 
-    def begin(self, peer: Peer, gpus: Sequence[str], slurm_job_id: str | None) -> OpenRun:
-        """Open a run for ``peer`` on the GPUs it holds locked; RunRefused otherwise. The
-        Peer's pidfd is the run's from now on (closed at its end)."""
+    def begin(self, peer: Peer, gpus: Sequence[str], slurm_job_id: str | None,
+              fds: Sequence[int] = ()) -> OpenRun:
+        """Open a run for ``peer`` on the GPUs it holds locked; RunRefused otherwise.
+        ``fds``: the lock descriptors it passed (SCM_RIGHTS). The Peer's pidfd is the run's
+        from now on (closed at its end)."""
         if peer.pidfd is None and peer.started_at is None:
             raise RunRefused(403, "cannot_attest", f"pid {peer.pid} can be neither held (no "
                              "pidfd) nor seen (/proc): its window cannot be attested")
-        # The kernel's word per GPU: held exclusively (O(1)), and by this very process (its
-        # own descriptors' locks; the global table only where those cannot be read).
-        held = tuple(g for g in gpus if locked_by(self.lock_dir, g, peer.pid))
+        if fds:
+            # The kernel's word on the very open files the run passed: no pid involved.
+            held = locked_through(self.lock_dir, gpus, fds)
+            how = f"the {len(fds)} lock descriptor(s) pid {peer.pid} passed hold"
+        else:
+            # Held exclusively (O(1)), and by this very process (its own descriptors' locks;
+            # the global table only where those cannot be read): a pid it must see.
+            held = tuple(g for g in gpus if peer.pid > 0
+                         and locked_by(self.lock_dir, g, peer.pid))
+            how = f"pid {peer.pid} holds"
         if not held:
-            raise RunRefused(409, "gpus_not_locked", f"the kernel says pid {peer.pid} holds "
-                             f"none of the locks of {', '.join(gpus)} in {self.lock_dir} (the "
-                             "daemon's lock folder): a run announces itself once its GPUs "
-                             "are locked there")
+            raise RunRefused(409, "gpus_not_locked", f"the kernel says {how} none of the "
+                             f"locks of {', '.join(gpus)} in {self.lock_dir} (the daemon's "
+                             "lock folder): a run announces itself once its GPUs are locked "
+                             "there, passing their descriptors")
         with self._lock:
             mine = sum(1 for r in self._open.values() if r.peer.uid == peer.uid)
             if len(self._open) >= MAX_OPEN_RUNS or mine >= MAX_OPEN_PER_UID:
@@ -294,12 +361,48 @@ class RunWindows:
         if run is None:
             raise RunRefused(404, "unknown_run", f"no open run {run_id[:40]!r} (ended "
                              "already, or it ended while the daemon was away)")
-        same = (peer.uid, peer.pid) == (run.peer.uid, run.peer.pid)
-        if not same or (run.peer.pidfd is not None and exited(run.peer.pidfd)) or (
-                run.peer.started_at is not None and peer.started_at != run.peer.started_at):
+        if not self._same(run.peer, peer):
             raise RunRefused(403, "not_the_run", f"pid {peer.pid} uid {peer.uid} is not the "
                              f"process that began run {run_id}")
         return run, self._job(run, self._clock(), report)
+
+    @staticmethod
+    def _same(began: Peer, peer: Peer) -> bool:
+        """Whether ``peer`` is the process that began a run: its pidfd's identity where the
+        kernel gives one (any pid namespace), else the same uid and pid, its pidfd not
+        exited and its start time unchanged."""
+        if began.uid != peer.uid:
+            return False
+        if began.identity is not None and peer.identity is not None:
+            return began.identity == peer.identity
+        return began.pid == peer.pid and began.pid > 0 and not (
+            began.pidfd is not None and exited(began.pidfd)) and not (
+            began.started_at is not None and peer.started_at != began.started_at)
+
+    def blocked(self, peer: Peer) -> None:
+        """A refusal ``peer`` reports may count: RunRefused when this process reported one
+        already, or its uid reached BLOCKS_PER_UID_MINUTE in the last minute."""
+        key = (peer.identity, peer.pid, peer.started_at)
+        now = self._clock()
+        with self._lock:
+            if peer.identity is None and (peer.pid <= 0 or peer.started_at is None):
+                raise RunRefused(403, "cannot_attest", f"pid {peer.pid} cannot be told from "
+                                 "another process here (no pidfd identity, no start time)")
+            if key in self._blocked:
+                raise RunRefused(409, "already_blocked", f"pid {peer.pid} reported its "
+                                 "refusal already")
+            for uid, seen in list(self._block_times.items()):
+                while seen and seen[0] <= now - 60.0:
+                    seen.popleft()
+                if not seen:
+                    del self._block_times[uid]
+            times = self._block_times.setdefault(peer.uid, deque())
+            if len(times) >= BLOCKS_PER_UID_MINUTE:
+                raise RunRefused(429, "too_many_blocks", f"uid {peer.uid} reported "
+                                 f"{len(times)} refusals in the last minute (at most "
+                                 f"{BLOCKS_PER_UID_MINUTE})")
+            times.append(now)
+            self._blocked.append(key)
 
     def recorded(self, run: OpenRun, ended: float, *, kept: bool = True) -> None:
         """The run's record is kept (or it vanished): it leaves the open runs."""

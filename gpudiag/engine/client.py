@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
@@ -134,12 +134,13 @@ def daemon_get(url: str, endpoint: str, params: Mapping[str, str], *,
 def daemon_post(url: str, endpoint: str, params: Mapping[str, str], *, body: bytes = b"",
                 env: Mapping[str, str] | None = None,
                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                read_timeout_s: float = 10.0) -> DaemonReply:
+                read_timeout_s: float = 10.0, fds: Sequence[int] = ()) -> DaemonReply:
     """POST to ``endpoint?params`` of the daemon at ``url`` and read its JSON answer (on a
-    unix socket only from the daemon's user, as ``daemon_get``)."""
+    unix socket only from the daemon's user, as ``daemon_get``); ``fds`` are passed with it
+    (SCM_RIGHTS, unix socket only)."""
     status, data, why, refused = wire.request(
         url, "POST", endpoint, params, env=os.environ if env is None else env, body=body,
-        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
+        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, fds=fds)
     return reply_of(url, status, data, why, refused)
 
 

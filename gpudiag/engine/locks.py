@@ -835,17 +835,54 @@ def _fdinfo_holds(pid: int, device: int, inode: int, *, exclusive: bool = True
             continue
         if (st.st_dev, st.st_ino) != (device, inode):
             continue
-        try:
-            with open(f"/proc/{pid}/fdinfo/{name}", "rb") as fh:
-                info = fh.read(64 << 10).decode("ascii", "replace")
-        except OSError:
-            return None
-        for line in info.splitlines():
-            if line.startswith("lock:"):
-                found = parse_proc_locks(line.partition(":")[2].strip())
-                if any(lk.kind == "FLOCK" and not (exclusive and lk.shared) for lk in found):
-                    return True
+        held = _info_holds(f"/proc/{pid}/fdinfo/{name}", exclusive)
+        if held is not False:
+            return held
     return False
+
+
+def _info_holds(fdinfo: str, exclusive: bool) -> bool | None:
+    """Whether the open file of one ``/proc/PID/fdinfo/N`` holds a flock (an exclusive one
+    when ``exclusive``): the kernel lists there the locks of that very open file description;
+    None when it cannot be read."""
+    try:
+        with open(fdinfo, "rb") as fh:
+            info = fh.read(64 << 10).decode("ascii", "replace")
+    except OSError:
+        return None
+    for line in info.splitlines():
+        if line.startswith("lock:"):
+            found = parse_proc_locks(line.partition(":")[2].strip())
+            if any(lk.kind == "FLOCK" and not (exclusive and lk.shared) for lk in found):
+                return True
+    return False
+
+
+def locked_through(lock_dir: Path, uuids: Sequence[str], fds: Sequence[int]
+                   ) -> tuple[str, ...]:
+    """The ``uuids`` whose lock file (as named in ``lock_dir`` now) one of ``fds`` has open
+    and holds exclusively: descriptors another process passed to this one (SCM_RIGHTS), read
+    in this process's own ``/proc/self/fdinfo``. The kernel's word on those very open files,
+    whoever sent them and from whichever pid namespace: no pid is looked up, no table read.
+    A descriptor of another file, or one whose lock is shared or gone, attests nothing."""
+    opened: dict[tuple[int, int], int] = {}
+    for fd in fds:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            opened.setdefault((st.st_dev, st.st_ino), fd)
+    held: list[str] = []
+    for uuid in dict.fromkeys(uuids):
+        try:
+            key = _file_key(_lock_path(lock_dir, uuid))
+        except ValueError:
+            continue
+        mine = opened.get((os.makedev(key[0], key[1]), key[2])) if key is not None else None
+        if mine is not None and _info_holds(f"/proc/self/fdinfo/{mine}", True):
+            held.append(uuid)
+    return tuple(held)
 
 
 # --- waiting for a lock: in the kernel ---------------------------------------------------------

@@ -19,7 +19,7 @@ import pwd
 import re
 import socket
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.limits import DEFAULT_PORT
@@ -211,11 +211,15 @@ def get(url: str, endpoint: str, params: Mapping[str, str], *, env: Mapping[str,
 
 def request(url: str, method: str, endpoint: str, params: Mapping[str, str], *,
             env: Mapping[str, str], body: bytes = b"",
-            connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0
-            ) -> RawReply:
-    """``method endpoint?params`` (with ``body``) to the daemon at ``url``, as ``get``."""
+            connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = 60.0,
+            fds: Sequence[int] = ()) -> RawReply:
+    """``method endpoint?params`` (with ``body``) to the daemon at ``url``, as ``get``;
+    ``fds``: descriptors passed with the request (SCM_RIGHTS; a unix socket only, else the
+    request is not sent)."""
     address = parse_daemon_url(url)
     path = f"{address.prefix}{endpoint}?{query_string(params)}"
+    if fds and address.socket_path is None:
+        return None, b"", f"descriptors cannot be passed to {url}: not a unix socket", False
     sock, why, refused = connect(address, env, connect_timeout_s)
     if sock is None:
         return None, b"", why, refused
@@ -227,7 +231,7 @@ def request(url: str, method: str, endpoint: str, params: Mapping[str, str], *,
         host = f"{host}:{address.port}"
     sock.settimeout(read_timeout_s)
     try:
-        status, data = exchange(sock, host, path, method, body)
+        status, data = exchange(sock, host, path, method, body, fds)
     except (OSError, ValueError) as e:
         return None, b"", f"daemon at {url} did not answer: {e}", False
     finally:
@@ -236,15 +240,18 @@ def request(url: str, method: str, endpoint: str, params: Mapping[str, str], *,
 
 
 def exchange(sock: socket.socket, host: str, path: str, method: str = "GET",
-             body: bytes = b"") -> tuple[int, bytes]:
+             body: bytes = b"", fds: Sequence[int] = ()) -> tuple[int, bytes]:
     """One request on a connected socket: (status, body); ValueError for an answer not
-    HTTP."""
+    HTTP. ``fds`` go with the request's first bytes (SCM_RIGHTS), where the daemon reads
+    them: the kernel's own copies of the sender's open files (daemon/runs.py)."""
     if _UNSAFE.search(path) or _UNSAFE.search(host):
         raise ValueError(f"the request target {path!r} holds spaces or control characters")
     sized = f"Content-Length: {len(body)}\r\n" if body or method != "GET" else ""
-    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAccept: application/json\r\n"
-                 f"Accept-Encoding: identity\r\n{sized}Connection: close\r\n\r\n"
-                 .encode("ascii") + body)
+    request = (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAccept: application/json\r\n"
+               f"Accept-Encoding: identity\r\n{sized}Connection: close\r\n\r\n"
+               .encode("ascii") + body)
+    sent = socket.send_fds(sock, [request], list(fds)) if fds else 0
+    sock.sendall(request[sent:])
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)

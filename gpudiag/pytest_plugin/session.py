@@ -130,7 +130,8 @@ class GpuSession:
                 daemon = default_url(env)
             except DaemonUrlError:
                 daemon = None
-        self.gpu_events = GpuEvents.begin(_gpus(self.admission.leaves), env, daemon)
+        self.gpu_events = GpuEvents.begin(_gpus(self.admission.leaves), env, daemon,
+                                          [lk.fd for lk in self.admission.locks])
 
     def failure_attribution(self, n: int, start: float, stop: float) -> Attribution | None:
         """Who failed a GPU test that ran on the first ``n`` GPUs from ``start`` to ``stop``."""

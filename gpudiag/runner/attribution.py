@@ -6,13 +6,14 @@ Where the evidence comes from:
 - otherwise: the run's own XID watcher (``gpudiag.probes.xid_watch``), started detached
   before the job and stopped after it, so that it covers the whole run.
 The rules themselves are pure (gpudiag.core.attribution). A run that asked a daemon on its
-unix socket announces itself there once its GPUs are locked and hands its closeout over
-there at its end (``POST /v1/runs/begin`` and ``/end``, gpudiag.engine.announce): its window
-is the kernel's word (issue 38), and the record reaches the daemon it asked whoever runs it
-(a non-root job cannot write into a DynamicUser daemon's 0750 state directory). Any other
-run drops a ``gpudiag.job/1`` record into the default state directory's ``job-closeouts/``
-inbox: the daemon keeps it only when root wrote it. Either way the daemon counts the run
-(``gpudiag_job_failures_total``), and ``gpudiag explain --pid``/``--slurm-job`` find it.
+unix socket announces itself there once its GPUs are locked, passing its lock descriptors,
+and hands its closeout over there at its end (``POST /v1/runs/begin`` and ``/end``,
+gpudiag.engine.announce): its window is the kernel's word (issues 38, 49), and the record
+reaches the daemon it asked whoever runs it (a non-root job cannot write into a DynamicUser
+daemon's 0750 state directory). Any other run drops a ``gpudiag.job/1`` record into the
+default state directory's ``job-closeouts/`` inbox: the daemon keeps it only when root wrote
+it. Either way the daemon counts the run (``gpudiag_job_failures_total``), and ``gpudiag
+explain --pid``/``--slurm-job`` find it.
 """
 
 from __future__ import annotations
@@ -293,17 +294,20 @@ class GpuEvents:
         self.unannounced = "the run asked no daemon"
 
     @classmethod
-    def begin(cls, gpus: Sequence[str], env: Mapping[str, str], daemon_url: str | None
-              ) -> GpuEvents:
-        """Start gathering: the run's own watcher unless a daemon keeps the history."""
+    def begin(cls, gpus: Sequence[str], env: Mapping[str, str], daemon_url: str | None,
+              lock_fds: Sequence[int] = ()) -> GpuEvents:
+        """Start gathering: the run's own watcher unless a daemon keeps the history (then
+        the run announces itself there, passing ``lock_fds``, its GPU locks' descriptors)."""
         gathering = cls(gpus, env, daemon_url)
         if gpus and daemon_url is None:
             gathering._watcher = RunWatcher(env, gathering.gpus)
             gathering._watcher.start()
         elif gpus and daemon_url is not None:
-            # Its GPUs are locked by now: the daemon checks that with the kernel.
+            # Its GPUs are locked by now: the daemon checks that with the kernel, on the very
+            # descriptors passed (any pid namespace).
             gathering.run_id, gathering.unannounced = begin_run(
-                daemon_url, sorted(gathering.gpus), env.get("SLURM_JOB_ID") or None, env)
+                daemon_url, sorted(gathering.gpus), env.get("SLURM_JOB_ID") or None, env,
+                lock_fds)
         gathering.started = time.time()
         return gathering
 

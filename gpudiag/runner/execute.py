@@ -449,7 +449,7 @@ def _refused(options: RunOptions, paths: Mapping[str, str], closeout: Closeout,
     primary = verdict.primary
     # Counted by the node's daemon (gpudiag_preflight_blocks_total{code}): the catch rate.
     report_block(verdict.gpu_validation_blocker, sorted({b.code for b in verdict.blockers}),
-                 base)
+                 base, options.daemon_url)
     _say(err, f"gpudiag run: refused: {verdict.gpu_validation_blocker}: "
               f"{primary.message if primary else ''}\n")
     if primary is not None:
@@ -557,7 +557,8 @@ def _launch(options: RunOptions, base: Mapping[str, str], admission: Admission,
                        ready=True)
     asked = closeout.verdict_source in ("daemon", "hybrid")  # a daemon answered (a part)
     gpu_events = GpuEvents.begin(gpus_of([g.record() for g in closeout.gpus]), base,
-                                 options.daemon_url if asked else None)
+                                 options.daemon_url if asked else None,
+                                 [lk.fd for lk in admission.locks])
     meter = JobMeter(physical_gpus(closeout.gpus), base)
     meter.start()
     # Its allocation series (gpudiag_gpu_allocation_info) is the daemon's, from the run's

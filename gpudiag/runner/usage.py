@@ -3,8 +3,9 @@
 - ``JobMeter``: the ``gpudiag.probes.job_meter`` child beside the job (NVML only, no CUDA
   context): energy from the total energy counter start to end, peak memory used and the
   throttle reasons seen, per physical GPU; the closeout's ``gpu_usage``.
-- ``report_block``: a refused run's ``gpudiag.block/1`` record into the job-closeouts inbox
-  (``gpudiag_preflight_blocks_total{code}``).
+- ``report_block``: a refused run's word to the daemon it asked, on its unix socket (``POST
+  /v1/runs/blocked``), else a ``gpudiag.block/1`` record into the job-closeouts inbox (counted
+  only when root wrote it): ``gpudiag_preflight_blocks_total{code}``.
 Each is best effort: without a daemon (no state directory) or without NVML the run goes on
 and its closeout says what is missing.
 """
@@ -26,6 +27,7 @@ from typing import Any
 from gpudiag.core.attribution import JOB_INBOX
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.usage import BlockRecord, GpuUsage, usages_of
+from gpudiag.engine.announce import block_run
 from gpudiag.engine.statedir import default_state_dir
 from gpudiag.runner.attribution import RunWatcher, _prctl_subreaper
 
@@ -140,13 +142,19 @@ def _is_dir(path: Path) -> bool:
         return False
 
 
-def report_block(code: str, codes: Sequence[str], env: Mapping[str, str]) -> str | None:
-    """Drop a refused run's record into the daemon's inbox; its path, or None."""
+def report_block(code: str, codes: Sequence[str], env: Mapping[str, str],
+                 daemon_url: str | None = None) -> str | None:
+    """Tell the node's daemon that gpudiag refused this run: on ``daemon_url``'s unix
+    socket ("socket"), else into its inbox (the file's path); None when neither took it."""
+    slurm_job_id = env.get("SLURM_JOB_ID") or None
+    if daemon_url is not None and daemon_url.startswith("unix:"):
+        counted, _why = block_run(daemon_url, code, codes, slurm_job_id, env)
+        if counted:
+            return "socket"
     folder = default_state_dir(env) / JOB_INBOX
     if not _is_dir(folder):
         return None
-    record = BlockRecord(os.getpid(), code, tuple(codes), time.time(),
-                         env.get("SLURM_JOB_ID") or None)
+    record = BlockRecord(os.getpid(), code, tuple(codes), time.time(), slurm_job_id)
     name = f"{time.time_ns()}-{record.pid}-block"
     tmp, final = folder / f".{name}.tmp", folder / f"{name}.json"
     try:
