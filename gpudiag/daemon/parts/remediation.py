@@ -1,15 +1,17 @@
 """The remediation part ([remediation]): the actor on the snapshots, its metrics and its
-/v1/health evidence; the node name is checked against Slurm first (docs/operations.md)."""
+/v1/health evidence; the node name is checked against the platform (``scheduler``, an
+``Actuator``: Slurm) first (docs/operations.md)."""
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client.registry import Collector
 
+from gpudiag.daemon.actuator import ActuatorError
+from gpudiag.daemon.actuators import spec
 from gpudiag.daemon.part import (
     BasePart,
     Cleared,
@@ -20,13 +22,12 @@ from gpudiag.daemon.part import (
 )
 from gpudiag.daemon.remediation import Remediator
 from gpudiag.daemon.remediation_exporter import RemediationCollector
-from gpudiag.daemon.slurmctl import SlurmError, check_executable
 
 log = logging.getLogger("gpudiag.daemon")
 
 
 class RemediationUnusable(ConfigUnusable):
-    """[remediation] names a node Slurm does not know, or an unsafe executable."""
+    """[remediation] names a node the platform does not know, or an unsafe executable."""
 
 
 class RemediationPart(BasePart):
@@ -49,25 +50,25 @@ class RemediationPart(BasePart):
         cfg = context.cfg.remediation
         if cfg.mode == "off":
             return
-        for path in (cfg.scontrol, cfg.sinfo):
-            unsafe = check_executable(path)
-            if unsafe is not None and os.path.exists(path):
-                raise RemediationUnusable(f"[remediation]: {unsafe}; refusing to run it as the "
-                                          "daemon")
+        platform = spec(cfg.scheduler)
+        unsafe = platform.unsafe(cfg)
+        if unsafe is not None:
+            raise RemediationUnusable(f"[remediation]: {unsafe}; refusing to run it as the "
+                                      "daemon")
         self.remediator = remediator = Remediator(cfg, context.state_dir)
+        node, title = remediator.slurm.node, platform.title
         try:
             info = remediator.check_node()
-            log.info("remediation %s: node %s is %s in Slurm", cfg.mode, remediator.slurm.node,
-                     info.view.state, extra={"node": remediator.slurm.node,
-                                             "remediation_mode": cfg.mode})
-        except SlurmError as e:
+            log.info("remediation %s: node %s is %s in %s", cfg.mode, node, info.view.state,
+                     title, extra={"node": node, "remediation_mode": cfg.mode})
+        except ActuatorError as e:
             if e.kind == "unknown_node":
                 raise RemediationUnusable(
-                    f"[remediation] node_name {remediator.slurm.node!r}: {e}; set node_name "
-                    "to this node's Slurm NodeName") from e
-            # Slurm may be down now: the actor asks again before any action.
-            log.warning("remediation %s: cannot check node %s in Slurm yet (%s); retrying "
-                        "before any action", cfg.mode, remediator.slurm.node, e,
+                    f"[remediation] node_name {node!r}: {e}; set node_name to this node's "
+                    f"{title} NodeName") from e
+            # The platform may be down now: the actor asks again before any action.
+            log.warning("remediation %s: cannot check node %s in %s yet (%s); retrying "
+                        "before any action", cfg.mode, node, title, e,
                         extra={"error": str(e)})
 
     def start(self) -> None:
