@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -28,32 +27,12 @@ from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement
 from gpudiag.daemon.answers import EncodedAnswer
-from gpudiag.daemon.closeouts import JobInbox
 from gpudiag.daemon.envelope import error_response, json_response, status_line
 from gpudiag.daemon.exporter import SnapshotCollector
 from gpudiag.daemon.httpserver import MAX_BODY_BYTES as MAX_BODY_BYTES  # one limit, both layers
-from gpudiag.daemon.httpserver import PEER_FDS_KEY, PEER_KEY, PEER_PIDFD_KEY, HttpServer
+from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
-from gpudiag.daemon.nic_exporter import NicCollector
-from gpudiag.daemon.qualify_queue import (
-    ALREADY_QUEUED,
-    NO_GPUS,
-    OVER_BUDGET,
-    QUEUE_FULL,
-    UNKNOWN_GPU,
-    RequestRefused,
-)
-from gpudiag.daemon.qualify_schedule import Qualifier
-from gpudiag.daemon.remediation import RemediationReport
-from gpudiag.daemon.runs import (
-    RunRefused,
-    hold,
-    parse_block,
-    parse_gpus,
-    parse_report,
-    parse_slurm_job_id,
-    peer_of,
-)
+from gpudiag.daemon.part import Evidence, Handler, Route
 from gpudiag.daemon.runtime_health import runtime_section
 from gpudiag.daemon.scheduler import Scheduler, scheduled_options
 from gpudiag.daemon.snapshot import ProbeKey, keys_for, proofs_for, verdict_for
@@ -64,11 +43,6 @@ log = logging.getLogger("gpudiag.daemon.app")
 MAX_URL_BYTES = 4096
 MAX_PARAMS = 16
 HISTORY_MAX_LIMIT = 1000
-# POST /v1/qualify's refusals (daemon/qualify_queue.py) as HTTP statuses: a name that fits
-# no GPU or a request over its cap is the asker's to change (400); a GPU that has one queued
-# or running conflicts with the queue's state (409); a full queue is "later" (429).
-QUALIFY_REFUSALS = {UNKNOWN_GPU: 400, OVER_BUDGET: 400, ALREADY_QUEUED: 409, QUEUE_FULL: 429,
-                    NO_GPUS: 503}
 PREFLIGHT_PARAMS = ("require", "devices", "min_devices", "min_free_memory", "max_age_s",
                     "wait_s", "cuda_visible_devices", "nvidia_visible_devices", "visibility",
                     "gpus", "fingerprint")
@@ -83,8 +57,6 @@ StartResponse = Callable[..., Any]
 # transport asks ``answer_now`` on its selector thread first, and runs on its pool only what
 # needs a probe, a wait or a classification (docs/design-notes.md, "HTTP server").
 NOW_PATHS = frozenset({"/v1/preflight", "/v1/health"})
-# A run announcing itself (daemon/runs.py): answered from the asker's peer credentials.
-RUN_PATHS = frozenset({"/v1/runs/begin", "/v1/runs/end", "/v1/runs/blocked"})
 
 
 class _NotNow(Exception):
@@ -155,6 +127,16 @@ def _fingerprint(params: Mapping[str, str]) -> tuple[tuple[str, str], ...] | Non
     if len(pairs) != len(parts):
         raise ApiError(400, "bad_fingerprint", f"fingerprint={raw[:80]!r} names a backend twice")
     return tuple(sorted(pairs.items()))
+
+
+def only_params(params: Mapping[str, str], allowed: Iterable[str]) -> None:
+    """400 for a parameter the endpoint does not take."""
+    allowed = tuple(allowed)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ApiError(400, "unknown_parameter",
+                       f"unknown parameter(s) {', '.join(unknown)}; accepted: "
+                       f"{', '.join(allowed) or 'none'}")
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:
@@ -232,17 +214,9 @@ class DaemonApp:
                  history_error: Callable[[], str | None] | None = None) -> None:
         self.scheduler = scheduler
         self.store = store
-        self.qualifier: Qualifier | None = None  # set by the daemon when it qualifies GPUs
-        # The runs' records and their attested windows (POST /v1/runs/*); None: not kept.
-        self.jobs: JobInbox | None = None
-        # What remediation did and how Slurm answers it ([remediation]; None: off): in the
-        # evidence of every node-health answer (/v1/health).
-        self.remediation: Callable[[], RemediationReport] | None = None
         # A part's object in /v1/health's evidence, by name: (version, object); the version
         # moves when the object does (e.g. "runs": the job watch, daemon/job_watch.py).
-        self.health_evidence: dict[str, Callable[[], tuple[int, dict[str, Any]]]] = {}
-        # What parts add to the answer of POST /v1/runs/end, given the run's id.
-        self.run_end_notes: list[Callable[[str], Mapping[str, Any]]] = []
+        self.health_evidence: dict[str, Evidence] = {}
         # Why the daemon's history is not open (e.g. the disk was full at start); None: it
         # keeps none at all. /v1/history says which, and why.
         self.history_error = history_error
@@ -250,35 +224,35 @@ class DaemonApp:
         self._buckets = ProbeBuckets(self.probe_limit, scheduler.clock.monotonic)
         # Answers per (snapshot, requirement, visibility), classified and encoded once: a
         # snapshot never changes.
-        # The last element: remediation's report version and the health evidence's versions
-        # (node health only; (0,) otherwise).
+        # The last element: the health evidence's versions (node health only; () otherwise).
         self._cache: dict[tuple[int, Requirement, tuple[str | None, str | None] | None,
                                 tuple[tuple[str, str], ...] | None, tuple[int, ...]],
                           EncodedAnswer] = {}
         self._metrics_cache: tuple[tuple[int, int], bytes] | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(scheduler.snapshot, wall=scheduler.clock.time))
-        self.registry.register(NicCollector(scheduler.snapshot))  # gpudiag_nic_*
         # Questions per (path, query) of the config they were parsed under: parsing is pure,
         # and a job runner asks the same few questions over and over.
         self._asking: dict[str, Callable[[Mapping[str, str]], _Question]] = {
             "/v1/preflight": self._preflight_question, "/v1/health": self._health_question}
         self._questions: tuple[object, dict[tuple[str, str], _Question]] = (None, {})
-        # None: a question (self._asking), answered by _answer.
-        self._routes: dict[str, tuple[tuple[str, ...], Callable[[Mapping[str, str]],
-                                                                  tuple[int, Any]] | None]] = {
-            "/metrics": (("GET", "HEAD"), self._metrics),
+        # None: a question (self._asking), answered by _answer. The parts add theirs
+        # (add_route: e.g. POST /v1/qualify, /v1/runs/begin).
+        self._routes: dict[str, tuple[tuple[str, ...], Handler | None]] = {
+            "/metrics": (("GET", "HEAD"), _params_only(self._metrics)),
             "/v1/preflight": (("GET",), None),
             "/v1/health": (("GET",), None),
-            "/v1/probe": (("POST",), self._probe),
-            "/v1/qualify": (("POST",), self._qualify),
-            "/v1/history": (("GET",), self._history),
-            "/v1/runs/begin": (("POST",), None),
-            "/v1/runs/end": (("POST",), None),
-            "/v1/runs/blocked": (("POST",), None),
-            "/healthz": (("GET", "HEAD"), self._healthz),
-            "/readyz": (("GET", "HEAD"), self._readyz),
+            "/v1/probe": (("POST",), _params_only(self._probe)),
+            "/v1/history": (("GET",), _params_only(self._history)),
+            "/healthz": (("GET", "HEAD"), _params_only(self._healthz)),
+            "/readyz": (("GET", "HEAD"), _params_only(self._readyz)),
         }
+
+    def add_route(self, path: str, route: Route) -> None:
+        """Serve a part's endpoint (before the listeners start)."""
+        if path in self._routes:
+            raise ValueError(f"two handlers for {path}")
+        self._routes[path] = (route.methods, route.handler)
 
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse
                  ) -> Iterable[bytes]:
@@ -343,12 +317,10 @@ class DaemonApp:
         if method not in methods:
             raise ApiError(405, "method_not_allowed",
                            f"{method} {path}: accepted {', '.join(methods)}")
-        if path in RUN_PATHS:
-            status, payload = self._run(path, self._params(query), environ)
-        elif handler is None:
+        if handler is None:
             status, payload = self._answer(self._question(path, query), at_hand)
         else:
-            status, payload = handler(self._params(query))
+            status, payload = handler(self._params(query), environ)
         if path == "/metrics":
             data = payload
             return status_line(200), [("Content-Type", CONTENT_TYPE_LATEST),
@@ -369,14 +341,7 @@ class DaemonApp:
             params[k] = v
         return params
 
-    @staticmethod
-    def _only(params: Mapping[str, str], allowed: Iterable[str]) -> None:
-        allowed = tuple(allowed)
-        unknown = sorted(set(params) - set(allowed))
-        if unknown:
-            raise ApiError(400, "unknown_parameter",
-                           f"unknown parameter(s) {', '.join(unknown)}; accepted: "
-                           f"{', '.join(allowed) or 'none'}")
+    _only = staticmethod(only_params)
 
     # -- handlers -----------------------------------------------------------------------
     def _metrics(self, params: Mapping[str, str]) -> tuple[int, Any]:
@@ -475,12 +440,10 @@ class DaemonApp:
                 fresh = self.scheduler.ensure_fresh(keys, max_age, wait)
         snap = self.scheduler.snapshot()
         now = self.scheduler.clock.time()
-        extra = self.remediation() if (self.remediation is not None
-                                       and requirement.node_health) else None
         parts = {name: source() for name, source in self.health_evidence.items()} \
             if requirement.node_health else {}
         cache_key = (snap.seq, requirement, visibility, question.fingerprint,
-                     (extra.version if extra else 0, *(v for v, _ in parts.values())))
+                     tuple(v for v, _ in parts.values()))
         answer = self._cache.get(cache_key)
         if answer is None:
             if at_hand:  # classifying and encoding takes milliseconds: the pool does it
@@ -504,9 +467,6 @@ class DaemonApp:
                 if section:
                     verdict = replace(verdict, evidence={**verdict.evidence,
                                                          "runtimes": section})
-            if extra is not None:
-                verdict = replace(verdict, evidence={**verdict.evidence,
-                                                     "remediation": extra.evidence()})
             if parts:
                 verdict = replace(verdict, evidence={**verdict.evidence, **{
                     name: shown for name, (_, shown) in parts.items()}})
@@ -533,35 +493,6 @@ class DaemonApp:
         self.scheduler.trigger(keys)
         return 202, {"accepted": [k.backend for k in keys],
                      "status": "running; GET /v1/preflight or /metrics for the result"}
-
-    def _qualify(self, params: Mapping[str, str]) -> tuple[int, Any]:
-        """Queue a qualification of idle GPUs now (docs/qualify.md); 202, result in /metrics."""
-        self._only(params, ("gpus", "tier"))
-        if self.qualifier is None:
-            raise ApiError(503, "no_qualification", "this daemon runs no qualification")
-        tier = params.get("tier", "quick")
-        if tier not in ("quick", "full", "sdc"):
-            raise ApiError(400, "bad_parameter", f"tier={tier!r}: accepted quick, full, sdc")
-        gpus = [g.strip() for g in params["gpus"].split(",")] if "gpus" in params else []
-        bad = [g for g in gpus if not re.fullmatch(r"[0-9]{1,3}|GPU-[0-9a-fA-F-]{36}", g)]
-        if bad or ("gpus" in params and not gpus):
-            raise ApiError(400, "bad_parameter", f"gpus={params['gpus']!r}: give GPU indices "
-                           "or full GPU- UUIDs, comma-separated")
-        retry = self._buckets.take(["qualify"])
-        if retry > 0:
-            raise ApiError(429, "rate_limited", f"POST /v1/qualify: retry in {retry:.1f} s",
-                           retry_after_s=retry)
-        try:
-            req = self.qualifier.request(gpus or None, tier)
-        except RequestRefused as e:
-            raise ApiError(QUALIFY_REFUSALS[e.code], e.code, e.message,
-                           retry_after_s=e.retry_after_s if e.code in (
-                               QUEUE_FULL, NO_GPUS) else None) from e
-        return 202, {"accepted": {"gpus": list(req.gpus or ()), "tier": req.tier,
-                                  "uuids": list(req.uuids), "budget_gpu_s": req.budget_gpu_s},
-                     "queued": len(self.qualifier.queued()),
-                     "status": "queued; busy GPUs are skipped; the result is in /metrics "
-                               "(gpudiag_gpu_qualification_*) and the history"}
 
     def _limit(self, keys: Iterable[ProbeKey], what: str) -> None:
         """429 when the keys that would start a run have used up their on-demand budget."""
@@ -603,56 +534,6 @@ class DaemonApp:
                      "clears": [c.record() for c in clears],
                      "xids": [x.record() for x in xids]}
 
-    def _run(self, path: str, params: Mapping[str, str], environ: Mapping[str, Any]
-             ) -> tuple[int, Any]:
-        """POST /v1/runs/begin, /end and /blocked: a run's window or refusal, as the kernel
-        attests who sent it (daemon/runs.py)."""
-        jobs = self.jobs
-        if jobs is None or jobs.runs is None:
-            raise ApiError(503, "no_history", "this daemon keeps no job records (no "
-                           "--state-dir)")
-        creds = environ.get(PEER_KEY)
-        if creds is None:
-            raise ApiError(403, "not_attested", f"POST {path}: runs announce themselves on "
-                           "the daemon's unix socket, where the kernel says who they are; "
-                           "this request has no peer credentials (TCP)")
-        begin, blocked = path == "/v1/runs/begin", path == "/v1/runs/blocked"
-        self._only(params, ("gpus", "slurm_job_id") if begin else (
-            ("code", "codes", "slurm_job_id") if blocked else ("run", "exit_code", "child_pid")))
-        # Every path takes the peer's pidfd (its identity); only a begun run keeps it.
-        pidfd = hold(environ[PEER_PIDFD_KEY], creds.pid)
-        peer = peer_of(creds.uid, creds.pid, pidfd)
-        try:
-            if begin:
-                run = jobs.begin_run(peer, parse_gpus(params.get("gpus")),
-                                     parse_slurm_job_id(params.get("slurm_job_id")),
-                                     tuple(environ.get(PEER_FDS_KEY) or ()))
-                pidfd = None  # the run's now
-                return 200, {"run": run.id, "began": run.began, "gpus": list(run.gpus),
-                             "uid": creds.uid, "pid": creds.pid}
-            if blocked:
-                code, codes = parse_block(params)
-                block = jobs.block_run(peer, code, codes,
-                                       parse_slurm_job_id(params.get("slurm_job_id")))
-                return 200, {"counted": True, "code": block.code, "uid": creds.uid}
-            body = environ["wsgi.input"].read(MAX_BODY_BYTES) if environ.get("wsgi.input") \
-                else b""
-            job = jobs.end_run(peer, params.get("run", ""), parse_report(params, body))
-        except RunRefused as e:
-            raise ApiError(e.status, e.code, e.message) from e
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)  # not a run's: none was opened with it
-        if job is None:
-            raise ApiError(503, "history_unavailable", "the job record could not be kept "
-                           "now; the run stays open and its inbox record ends it")
-        notes: dict[str, Any] = {}
-        for note in self.run_end_notes:
-            notes.update(note(params["run"]))
-        return 200, {"run": params["run"], "recorded": True, "started": job.started,
-                     "ended": job.ended, "gpus": list(job.gpus),
-                     "attribution": job.attribution.record(), **notes}
-
     def _healthz(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ())
         if not self.scheduler.alive():
@@ -667,6 +548,13 @@ class DaemonApp:
             raise ApiError(503, "first_round_pending",
                            f"waiting for the first run of {', '.join(pending)}")
         return 200, {"status": "ready", "seq": snap.seq}
+
+
+def _params_only(handler: Callable[[Mapping[str, str]], tuple[int, Any]]) -> Handler:
+    """A handler that needs the query's parameters alone."""
+    def handle(params: Mapping[str, str], environ: Mapping[str, Any]) -> tuple[int, Any]:
+        return handler(params)
+    return handle
 
 
 def serve(app: DaemonApp, host: str, port: int, **options: Any

@@ -25,6 +25,7 @@ from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.nvml_health import NvmlHealthPolicy
 from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
 from gpudiag.core.qualify_score import Thresholds
+from gpudiag.core.remediation_config import RemediationConfig as RemediationConfig
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 from gpudiag.core.runtime import OWN_RUNTIME, RUNTIME_NAME, Runtime
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
@@ -36,6 +37,7 @@ from gpudiag.core.xids import (
     XidRules,
     xid_entry,
 )
+from gpudiag.daemon.actuators import names as actuator_names
 from gpudiag.engine.runtimes import (
     NOBODY,
     can_change_identity,
@@ -114,34 +116,6 @@ class QualificationConfig:
     # A site's own reference table (JSON, docs/qualify.md), read when the config is loaded.
     reference_file: str | None = None
     table: tuple[ReferenceModel, ...] | None = None
-
-
-@dataclass(frozen=True)
-class RemediationConfig:
-    """``[remediation]``: the daemon drains a node on a hardware fault (docs/operations.md).
-
-    Executables and the node come from this root-owned file, never from the environment.
-    """
-
-    mode: str = "off"             # off | observe | act
-    scheduler: str = "slurm"
-    scontrol: str = "/usr/bin/scontrol"
-    sinfo: str = "/usr/bin/sinfo"
-    slurm_conf: str | None = None  # SLURM_CONF for scontrol and sinfo; None: Slurm's default
-    node_name: str | None = None   # None: the short host name
-    partition: str | None = None   # the fleet guard's partition(s); None: the node's own
-    killswitch_file: str = "/etc/gpudiag/remediation-killswitch"
-    tick_s: float = 1.0            # the killswitch is re-read, and the node looked at, each
-    command_timeout_s: float = 5.0
-    retry_max_s: float = 30.0
-    fleet_window_s: float = 600.0
-    fleet_min_nodes: int = 2
-    fleet_ratio: float = 0.10
-    max_attempts_per_gpu: int = 2
-    attempt_window_s: float = 7 * 86400.0
-    # An expected network port down or flapping drains too (default: observe only for NIC
-    # codes; gpudiag.core.catalog.NIC_DRAINS).
-    drain_on_nic: bool = False
 
 
 @dataclass(frozen=True)
@@ -691,7 +665,7 @@ def _remediation(t: _Table) -> RemediationConfig:
     attempts = t.count("max_attempts_per_gpu", 1, 100, "a number of drains from 1 to 100")
     cfg = RemediationConfig(
         mode=t.choice("mode", d.mode, ("off", "observe", "act")),
-        scheduler=t.choice("scheduler", d.scheduler, ("slurm",)),
+        scheduler=t.choice("scheduler", d.scheduler, actuator_names()),
         scontrol=_executable(t, "scontrol", d.scontrol), sinfo=_executable(t, "sinfo", d.sinfo),
         slurm_conf=conf, node_name=name, partition=part,
         killswitch_file=kill if kill is not None else d.killswitch_file,

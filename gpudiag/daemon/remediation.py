@@ -43,9 +43,10 @@ from gpudiag.core.remediation import (
     remember,
     resume_due,
 )
+from gpudiag.core.remediation_config import RemediationConfig
 from gpudiag.core.xids import xid_code
-from gpudiag.daemon.config import RemediationConfig
-from gpudiag.daemon.slurmctl import NodeInfo, SlurmControl, SlurmError
+from gpudiag.daemon.actuator import Actuator, ActuatorError, NodeInfo
+from gpudiag.daemon.actuators import actuator_for
 from gpudiag.daemon.snapshot import Snapshot
 
 log = logging.getLogger("gpudiag.daemon.remediation")
@@ -61,20 +62,19 @@ def node_name(cfg: RemediationConfig) -> str:
     return cfg.node_name or socket.gethostname().split(".")[0]
 
 
-def slurm_control(cfg: RemediationConfig) -> SlurmControl:
-    """scontrol and sinfo as the config names them, for this node."""
-    return SlurmControl(scontrol=cfg.scontrol, sinfo=cfg.sinfo, node=node_name(cfg),
-                        slurm_conf=cfg.slurm_conf, timeout_s=cfg.command_timeout_s)
+def actuator(cfg: RemediationConfig) -> Actuator:
+    """The configured platform's actuator (Slurm: scontrol and sinfo), for this node."""
+    return actuator_for(cfg, node_name(cfg))
 
 
 def check_node_once(cfg: RemediationConfig) -> tuple[bool, str]:
     """``serve --check-config``: (False, why) when Slurm says the node is unknown or cannot
     be asked at all (scontrol absent, failing, timing out): a check of the configuration
     says what would stop remediation (the daemon itself starts and asks again)."""
-    slurm = slurm_control(cfg)
+    slurm = actuator(cfg)
     try:
         info = slurm.show_node()
-    except SlurmError as e:
+    except ActuatorError as e:
         if e.kind == "unknown_node":
             return False, (f"node_name {slurm.node!r} is not a node Slurm knows ({e}); set "
                            "node_name to this node's NodeName")
@@ -160,11 +160,11 @@ class RemediationReport:
 class Remediator:
     """Drains and resumes this node through Slurm, on its own thread (module docstring)."""
 
-    def __init__(self, cfg: RemediationConfig, state_dir: Path, slurm: SlurmControl | None = None,
+    def __init__(self, cfg: RemediationConfig, state_dir: Path, slurm: Actuator | None = None,
                  *, wall: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
-        self.slurm = slurm or slurm_control(cfg)
+        self.slurm = slurm or actuator(cfg)  # the platform's calls (daemon/actuator.py)
         self._path = state_dir / STATE_FILE
         self._wall, self._mono = wall, monotonic
         self._lock = threading.Lock()  # guards _latest, _clears and _report; never held on I/O
@@ -270,7 +270,7 @@ class Remediator:
                 decision = decide(facts, memory, rails)
             if decision.acts:
                 self._act(decision)
-        except SlurmError as e:
+        except ActuatorError as e:
             self._failed(e, first, self._pending(facts, memory, rails))
             return None
         self._succeeded()
@@ -359,7 +359,7 @@ class Remediator:
                        rails)
         return would.why if would.action in ("drain", "resume") else ""
 
-    def _failed(self, e: SlurmError, decision: Decision, pending: str = "") -> None:
+    def _failed(self, e: ActuatorError, decision: Decision, pending: str = "") -> None:
         self._failures += 1
         delay = min(self.cfg.retry_max_s, 0.5 * 2 ** (self._failures - 1))
         self._retry_at = self._mono() + delay

@@ -16,9 +16,10 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from gpudiag.core.remediation import Fleet, NodeView, is_gpudiag_reason
+from gpudiag.core.remediation_config import RemediationConfig
+from gpudiag.daemon.actuator import ActuatorError, ActuatorSpec, NodeInfo
 
 CHILD_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 OUTPUT_LIMIT = 1 << 20
@@ -26,20 +27,8 @@ _FIELD = r"(?:^|\s){key}=(\S*)"
 _REASON = re.compile(r"^\s*Reason=(.*?)(?: \[[^]]*\])?\s*$", re.M)
 
 
-class SlurmError(Exception):
+class SlurmError(ActuatorError):
     """scontrol or sinfo could not answer; ``kind`` says how."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """``scontrol show node NAME``: the view the policy reads, and the node's partitions."""
-
-    view: NodeView
-    partitions: tuple[str, ...]
 
 
 def parse_show_node(text: str) -> NodeInfo:
@@ -159,3 +148,18 @@ class SlurmControl:
             argv.append(f"--partition={','.join(partitions)}")
         return parse_fleet(self._run(argv), node=self.node, now_wall=now_wall,
                            window_s=window_s)
+
+
+def _control(cfg: RemediationConfig, node: str) -> SlurmControl:
+    """scontrol and sinfo as the config names them, for this node."""
+    return SlurmControl(scontrol=cfg.scontrol, sinfo=cfg.sinfo, node=node,
+                        slurm_conf=cfg.slurm_conf, timeout_s=cfg.command_timeout_s)
+
+
+def _unsafe(cfg: RemediationConfig) -> str | None:
+    """The first configured executable that exists and must not be run as the daemon."""
+    return next((why for path in (cfg.scontrol, cfg.sinfo)
+                 if (why := check_executable(path)) is not None and os.path.exists(path)), None)
+
+
+SPEC = ActuatorSpec("slurm", "Slurm", make=_control, unsafe=_unsafe)
