@@ -47,7 +47,7 @@ class CannotListen(StartError):
     exit_code = EXIT_USAGE
 
 
-def lock_state(state_dir: Path) -> StateDirLock:
+def hold_state_dir(state_dir: Path) -> StateDirLock:
     """The state directory's lock, first: a second daemon must not even open (or move aside)
     the history."""
     try:

@@ -43,9 +43,9 @@ from gpudiag.daemon.lifecycle import (
     ShutdownDeadline,
     StateDirUnusable,
     end_probe_children,
+    hold_state_dir,
     listen,
     lock_dir,
-    lock_state,
     probe_cache_environment,
     state_files,
     wait_for_stop,
@@ -131,7 +131,7 @@ class DaemonService:
         """Lock the state dir, build every piece, listen, start the threads, say ready."""
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         with ExitStack() as undo:  # what a failed start takes down again
-            lock = lock_state(self.state_dir)
+            lock = hold_state_dir(self.state_dir)
             undo.callback(lock.release)
             history = DaemonHistory(self.state_dir, self.cfg.history)
             undo.callback(history.close)
