@@ -10,6 +10,7 @@ venvs (tests/support/venvs.py), real JAX on the CPU, the fake driver, real daemo
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import subprocess
@@ -18,8 +19,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import fnmatch
 
 import pytest
 from hypothesis import given
