@@ -86,7 +86,7 @@ def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: floa
                 forker.ask_ahead("nvml", None, child_env)
         from gpudiag.core.classify import classify
         from gpudiag.engine.inline import run_inline
-        from gpudiag.engine.route import as_jobs
+        from gpudiag.engine.jobview import as_jobs
 
         done = run_inline(requirement, timeout_s=timeout_s, only=only, forker=forker,
                           python=python)
