@@ -18,7 +18,9 @@ import time
 import uuid
 
 import psutil
+import pytest
 
+from gpudiag.cli.probing import nvml_runs, parse_backends, probe_requirement
 from tests.support.host import EnvFactory, processes_with_env
 
 GPUDIAG = [sys.executable, "-m", "gpudiag"]
@@ -96,6 +98,18 @@ def test_the_cli_probe_verdict_is_the_one_of_spawned_probes(gpu_env: EnvFactory)
         verdict["evidence"].pop("probe_stderr", None)
     assert forked["gpu_validation_blocker"] == "none"
     assert forked == spawned
+
+
+@pytest.mark.parametrize(("backends", "reads_nvml"), [
+    ("nvml,cuda", True), ("cuda", True), ("nvml", True), ("jax", True), ("host", False),
+    ("host,jax:cpu", False), ("iree:local-task", False)])
+def test_the_cli_asks_for_nvml_ahead_exactly_when_its_run_reads_nvml(
+        backends: str, reads_nvml: bool) -> None:
+    # NVML first, for a GPU-touching probe's busy-GPU round (engine/inline.py); a child
+    # asked for and never taken would be work thrown away.
+    names = parse_backends(backends)
+    only = {name.split(":")[0] for name in names}
+    assert nvml_runs(probe_requirement(names), only) is reads_nvml
 
 
 # A caller of the engine's API: prints whether the server was forked from it, and what a

@@ -163,6 +163,72 @@ def test_a_segfaulting_forked_child_is_a_crash(gpu_env: EnvFactory) -> None:
     assert "Fatal Python error" in forked.stderr_tail  # faulthandler, as in a spawned child
 
 
+def test_a_child_asked_for_ahead_is_the_one_its_run_takes(env: dict[str, str],
+                                                          server: ForkServer) -> None:
+    server.start()
+    assert server.ask_ahead("nvml", None, env)  # the server forks it as soon as it can
+    run = run_probe("nvml", env=env, timeout_s=30, forker=server)
+    spawned = run_probe("nvml", env=env, timeout_s=30)
+    assert run.ok and spawned.ok, (run.error, spawned.error)
+    assert run.argv == spawned.argv
+    assert sorted(run.observation or {}) == sorted(spawned.observation or {})
+    assert _children_of(server.pid) == []  # taken: no second child, none left
+
+
+def test_a_child_asked_for_ahead_is_taken_only_by_the_same_request(
+        env: dict[str, str], server: ForkServer) -> None:
+    server.start()
+    assert server.ask_ahead("host", None, env)
+    visible = "GPU-f00d0000-0000-0000-0000-000000000003"
+    run = run_probe("host", env={**env, "CUDA_VISIBLE_DEVICES": visible}, timeout_s=30,
+                    forker=server)
+    assert run.host is not None, run.error
+    assert run.host.environment.get("CUDA_VISIBLE_DEVICES") == visible  # its own child
+    plain = run_probe("host", env=env, timeout_s=30, forker=server)
+    assert plain.host is not None, plain.error
+    assert "CUDA_VISIBLE_DEVICES" not in plain.host.environment
+
+
+def test_a_hung_child_asked_for_ahead_misses_the_deadline_counted_from_the_ask(
+        gpu_env: EnvFactory) -> None:
+    marker = uuid.uuid4().hex
+    env = probe_environment(gpu_env(FAKE_NVML_INIT_HANG=1, GPUDIAG_TEST_MARK=marker))
+    with ForkServer(env) as server:
+        server.start()
+        assert server.ask_ahead("nvml", None, env)
+        time.sleep(1.0)
+        started = time.monotonic()
+        run = run_probe("nvml", env=env, timeout_s=1.5, forker=server)
+        took = time.monotonic() - started
+        assert run.timed_out and run.signal == signal.SIGKILL
+        assert run.error == "probe nvml missed its 1.5 s deadline and was killed"
+        assert took < 1.4, f"the deadline counted from the run, not the ask ({took:.1f} s)"
+        assert run.duration_s >= 1.5
+    time.sleep(0.2)
+    assert processes_with_env(marker) == []
+
+
+def test_an_unclaimed_child_asked_for_ahead_ends_with_the_server(gpu_env: EnvFactory) -> None:
+    marker = uuid.uuid4().hex
+    env = probe_environment(gpu_env(FAKE_NVML_INIT_HANG=1, GPUDIAG_TEST_MARK=marker))
+    server = ForkServer(env)
+    server.start()
+    assert server.ask_ahead("nvml", None, env)
+    _wait_for(lambda: processes_with_env(marker, cmdline_has="gpudiag.probes nvml") != [])
+    assert processes_with_env(marker, cmdline_has="gpudiag.probes nvml") != []
+    killed = server.close()
+    assert killed >= 1, killed  # killed, as a run's children are at its end
+    time.sleep(0.2)
+    assert processes_with_env(marker) == []
+
+
+def test_nothing_is_asked_for_ahead_where_probes_are_spawned(env: dict[str, str]) -> None:
+    off = {**env, "GPUDIAG_PROBE_FORK_SERVER": "0"}
+    with ForkServer(off) as server:
+        assert not server.ask_ahead("nvml", None, off)
+        assert server.pid is None
+
+
 def test_a_dead_fork_server_means_spawned_probes(env: dict[str, str],
                                                  server: ForkServer) -> None:
     assert run_probe("nvml", env=env, timeout_s=30, forker=server).ok

@@ -10,6 +10,7 @@ venvs (tests/support/venvs.py), real JAX on the CPU, the fake driver, real daemo
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpudiag.core.fingerprint_inputs import BUILT_IN
 from gpudiag.engine import jobpython
@@ -409,3 +412,20 @@ def test_a_job_interpreters_probes_never_touch_a_gpu_another_job_uses(
         # The free GPU was touched by two processes: the cuda probe and IREE's device made in
         # the job's interpreter (on the fakes its kernel then fails: iree_execute_failed).
         assert len({c.pid for c in contexts if c.uuid != busy}) >= 2, contexts
+
+
+_NAME_TEXT = st.text(alphabet="AJXB_*?[]!x", max_size=8)
+
+
+@given(name=_NAME_TEXT, pattern=_NAME_TEXT)
+def test_the_cache_keys_variable_match_is_fnmatchs(name: str, pattern: str) -> None:
+    assert jobpython.name_matches(name, pattern) == fnmatch.fnmatchcase(name, pattern)
+
+
+def test_the_cache_key_follows_every_declared_variable() -> None:
+    decls = dict(BUILT_IN)
+    env = {"JAX_PLATFORMS": "cpu", "LD_LIBRARY_PATH": "/x", "IREE_X": "1", "HOME": "/h",
+           "JAXNOT": "1", "UNRELATED": "1", "XLA_FLAGS": "--f"}
+    assert jobpython._relevant(decls, env) == {
+        k: env[k] for k in ("HOME", "IREE_X", "JAX_PLATFORMS", "LD_LIBRARY_PATH", "XLA_FLAGS")}
+

@@ -13,6 +13,8 @@ from gpudiag.core.verdict import Requirement, Verdict
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from gpudiag.engine.jobpython import JobPython
 
 
@@ -73,12 +75,18 @@ def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: floa
     # under another interpreter (the job's) are spawned, so it does not load them.
     here = sorted(n for n in only
                   if python is None or python.own or not registry.environment_dependent(n))
-    with ForkServer(probe_environment(os.environ), probes=here, fork_here=True) as forker:
+    child_env = probe_environment(os.environ)
+    with ForkServer(child_env, probes=here, fork_here=True) as forker:
         if len(only) > 1:
             forker.start()
+            if nvml_runs(requirement, only):
+                # NVML's reading first (every other device probe waits for it): asked for
+                # now, it runs while this process imports the classifier and the engine
+                # (docs/benchmarks.md, "Probe overhead"); the run below takes it.
+                forker.ask_ahead("nvml", None, child_env)
         from gpudiag.core.classify import classify
         from gpudiag.engine.inline import run_inline
-        from gpudiag.engine.route import as_jobs
+        from gpudiag.engine.jobview import as_jobs
 
         done = run_inline(requirement, timeout_s=timeout_s, only=only, forker=forker,
                           python=python)
@@ -87,6 +95,18 @@ def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: floa
                                expected_gpus=expected_gpus),
                       requirement, os.environ, python, done.runs)
     return verdict if named or python is None else not_checked(verdict, python)
+
+
+def nvml_runs(requirement: Requirement, only: Collection[str]) -> bool:
+    """Whether an inline run of ``only`` runs the nvml probe (engine/inline.py): when named,
+    or first, for any probe that touches a GPU (the busy-GPU round reads NVML first)."""
+    from gpudiag.engine.plan import probes_for
+
+    for name, options in probes_for(requirement, only=only):
+        spec = registry.spec(name)
+        if name == "nvml" or (spec is not None and spec.touches_gpu(options or {})):
+            return True
+    return False
 
 
 def not_checked(verdict: Verdict, python: JobPython) -> Verdict:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-import socket
+# The C module under ``socket``: the daemon-answered CLI call checks its peer, and ``socket``
+# itself costs it about 2 ms more to import (its enums of every constant); a ``socket.socket``
+# is an ``_socket.socket``, so the daemon's side passes its own.
+import _socket
 import struct
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -33,9 +36,9 @@ class PeerCredentials(tuple[int, int, int]):
         return self[2]
 
 
-def peer_credentials(sock: socket.socket) -> PeerCredentials:
+def peer_credentials(sock: _socket.socket) -> PeerCredentials:
     """The credentials of a connected unix socket's peer; OSError when there are none."""
-    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    data = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(data)
     return PeerCredentials(pid, uid, gid)
 
@@ -45,11 +48,11 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
 SO_PEERPIDFD = 77
 
 
-def peer_pidfd(sock: socket.socket) -> int | None:
+def peer_pidfd(sock: _socket.socket) -> int | None:
     """A pidfd of a connected unix socket's peer process (the caller owns it); None when the
     kernel gives none (before Linux 6.5, or not a unix socket)."""
     try:
-        data = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4)
+        data = sock.getsockopt(_socket.SOL_SOCKET, SO_PEERPIDFD, 4)
     except OSError:
         return None
     fd = int.from_bytes(data[:4], "little", signed=True)

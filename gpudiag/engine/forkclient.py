@@ -51,12 +51,32 @@ AFTER_KILL_WAIT_S = 5.0
 
 @dataclass(frozen=True)
 class ForkedChild:
-    """A probe child the server forked: its pid (its group's id) and the caller's pipe ends."""
+    """A probe child the server forked: its pid (its group's id) and the caller's pipe ends;
+    ``asked_at``: when it was asked for ahead (``ForkServer.ask_ahead``; its deadline counts
+    from then), else None."""
 
     pid: int
     stdout: int
     stderr: int
     status: int
+    asked_at: float | None = None
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A child asked for ahead and not yet claimed: its request and the caller's pipe ends."""
+
+    backend: str
+    options: dict[str, Any]
+    env: dict[str, str]
+    stdout: int
+    stderr: int
+    status: int
+    asked_at: float
+
+    def close(self) -> None:
+        for fd in (self.stdout, self.stderr, self.status):
+            os.close(fd)
 
 
 def server_argv(probes: Collection[str] | None = None) -> list[str]:
@@ -158,6 +178,7 @@ class ForkServer:
         self._startup = startup_env(env)
         self._fork_here = fork_here
         self._in_flight = 0  # children asked for or handed out, not yet ``done``
+        self._ahead: list[_Ahead] = []  # asked for ahead, not yet claimed by ``fork``
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | _ForkedServerProcess | None = None
         self._sock: socket.socket | None = None
@@ -230,24 +251,81 @@ class ForkServer:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
-            # Imported here: psutil (7 ms) need not be loaded before a CLI forks its server.
-            from gpudiag.engine.processes import kill_group_leaders_below
-
             # Every child handed out ended with its group killed: no walk of every process
-            # on the host (a few ms at the end of every inline run).
-            killed = kill_group_leaders_below(self._proc.pid) if self._in_flight else 0
+            # on the host (a few ms at the end of every inline run), nor psutil's import
+            # (7 ms of a CLI's probe run).
+            if self._in_flight:
+                from gpudiag.engine.processes import kill_group_leaders_below
+
+                killed = kill_group_leaders_below(self._proc.pid)
             with contextlib.suppress(OSError):
                 self._proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=1.0)
             self._proc = None
+        # Unclaimed children asked for ahead: killed with the server's other children above
+        # (or never forked by a server that was killed first).
+        for ahead in self._ahead:
+            ahead.close()
+            self._in_flight -= 1
+        self._ahead = []
         return killed
+
+    def ask_ahead(self, backend: str, options: Mapping[str, Any] | None,
+                  env: Mapping[str, str]) -> bool:
+        """Ask the server for a child now, without waiting for it: the server forks it as
+        soon as it can (after its own imports) while the caller does other work, and the
+        caller's ``fork`` of the same request (backend, options, env) later takes it, its
+        deadline counted from now. An inline run's first probe (nvml) runs while the CLI
+        imports the classifier. False when the server cannot take it (``fork`` then forks
+        or the caller spawns, as without). An unclaimed one is killed at ``close``."""
+        if not self.serves(env):
+            return False
+        pipes = [os.pipe() for _ in range(3)]
+        request = json.dumps({"backend": backend, "options": dict(options or {}),
+                              "env": dict(env)}).encode()
+        with self._lock:
+            sock = self._connection()
+            try:
+                if sock is None:
+                    raise OSError("no fork server")
+                socket.send_fds(sock, [request], [w for _, w in pipes])
+            except OSError:
+                for r, _ in pipes:
+                    os.close(r)
+                return False
+            finally:
+                for _, w in pipes:
+                    os.close(w)
+            self._in_flight += 1
+            (out_r, _), (err_r, _), (status_r, _) = pipes
+            self._ahead.append(_Ahead(backend, dict(options or {}), dict(env), out_r, err_r,
+                                      status_r, time.monotonic()))
+        return True
+
+    def _claim(self, backend: str, options: Mapping[str, Any] | None,
+               env: Mapping[str, str]) -> _Ahead | None:
+        """The child asked for ahead with exactly this request, taken off the list."""
+        with self._lock:
+            for i, ahead in enumerate(self._ahead):
+                if (ahead.backend, ahead.options, ahead.env) == (backend, dict(options or {}),
+                                                                 dict(env)):
+                    return self._ahead.pop(i)
+        return None
 
     def fork(self, backend: str, options: Mapping[str, Any] | None,
              env: Mapping[str, str]) -> ForkedChild | None:
         """Fork a probe child with exactly ``env``; None when the server cannot (spawn)."""
         if not self.serves(env):
             return None
+        ahead = self._claim(backend, options, env)
+        if ahead is not None:
+            pid = _read_pid(ahead.status)
+            if pid is None:  # the server died or refused it: spawn, as for any fork
+                ahead.close()
+                self.done()
+                return None
+            return ForkedChild(pid, ahead.stdout, ahead.stderr, ahead.status, ahead.asked_at)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         status_r, status_w = os.pipe()

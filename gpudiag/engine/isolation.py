@@ -116,6 +116,8 @@ def _run_forked(forker: ForkServer, backend: str, env: Mapping[str, str], timeou
     child = forker.fork(backend, options, env)
     if child is None:
         return None
+    if child.asked_at is not None:  # asked for ahead (ForkServer.ask_ahead): it ran since
+        started = child.asked_at
     try:
         got = collect(child, started + timeout_s)
         timed_out = got.status is None and not got.server_gone

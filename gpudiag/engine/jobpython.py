@@ -260,12 +260,23 @@ def _unreadable(decls: Mapping[str, EnvironmentDecl], why: str, error: str | Non
 
 def _relevant(decls: Mapping[str, EnvironmentDecl], env: Mapping[str, str]) -> dict[str, str]:
     """The variables a reading depends on: the search path and each declaration's patterns."""
-    import fnmatch
-
     patterns = [p for d in decls.values() for p in d.variables]
     return {k: v for k, v in sorted(env.items())
             if k in ("PYTHONPATH", "PYTHONHOME", "PYTHONNOUSERSITE", "PYTHONUSERBASE", "HOME")
-            or any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+            or any(name_matches(k, p) for p in patterns)}
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """``fnmatch.fnmatchcase(name, pattern)``, without compiling a regular expression for
+    the declarations' usual patterns (a name, or a prefix and ``*``): the daemon-answered
+    call reads its cache key on every call, and each compiled pattern cost it ~0.1 ms."""
+    prefix = pattern.endswith("*")
+    head = pattern[:-1] if prefix else pattern
+    if any(c in head for c in "*?["):
+        import fnmatch
+
+        return fnmatch.fnmatchcase(name, pattern)
+    return name.startswith(head) if prefix else name == pattern
 
 
 def _cache_key(decls: Mapping[str, EnvironmentDecl], env: Mapping[str, str], path: str

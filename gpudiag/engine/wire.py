@@ -2,9 +2,10 @@
 
 ``gpudiag.engine.client`` reads these answers into typed verdicts; the console entry's fast
 path (``gpudiag.cli.entry``) prints a daemon-answered verdict from them directly. Neither
-``http.client`` (email, ssl) nor ``urllib.parse`` (ipaddress) nor ``dataclasses`` is imported
-on the unix-socket path: each costs a daemon-answered CLI call more than the answer itself
-(docs/benchmarks.md, "CLI start").
+``http.client`` (email, ssl) nor ``urllib.parse`` (ipaddress) nor ``dataclasses`` nor even
+``socket`` (its enums; the C module ``_socket`` does) is imported on the unix-socket path:
+each costs a daemon-answered CLI call more than the answer itself (docs/benchmarks.md, "CLI
+start").
 
 The daemon is reached on its unix socket by default (``unix:PATH``), and an answer there is
 trusted only from a peer running as the daemon's user (SO_PEERCRED): any local user can bind
@@ -14,10 +15,10 @@ a free TCP port and answer, but not run as that user. ``http://HOST:PORT`` stays
 
 from __future__ import annotations
 
+import _socket  # not ``socket``: see connect
 import os
 import pwd
 import re
-import socket
 import stat
 from collections.abc import Mapping, Sequence
 
@@ -137,17 +138,23 @@ def socket_folder_owner(socket_path: str) -> tuple[int, str]:
 
 
 def connect(address: DaemonAddress, env: Mapping[str, str], timeout_s: float
-             ) -> tuple[socket.socket | None, str, bool]:
-    """A connected socket to a trusted daemon, or None with why (and whether refused)."""
+             ) -> tuple[_socket.socket | None, str, bool]:
+    """A connected socket to a trusted daemon, or None with why (and whether refused).
+
+    The unix socket is the C module's (``_socket``, which ``socket.socket`` extends):
+    importing ``socket`` costs a daemon-answered CLI call about 2 ms (it builds enums of
+    every constant), and this path needs nothing it adds."""
     url = address.url
     if address.socket_path is None:
+        import socket  # TCP: its name resolution (create_connection)
+
         try:
             tcp = socket.create_connection((address.host, address.port), timeout=timeout_s)
         except OSError as e:
             return None, f"no daemon at {url}: {e.strerror or e}", False
         return tcp, "", False
     configured = configured_daemon_user(env)  # a typo is an error even with no daemon up
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
         sock.connect(address.socket_path)
@@ -239,7 +246,7 @@ def request(url: str, method: str, endpoint: str, params: Mapping[str, str], *,
     return status, data, "", False
 
 
-def exchange(sock: socket.socket, host: str, path: str, method: str = "GET",
+def exchange(sock: _socket.socket, host: str, path: str, method: str = "GET",
              body: bytes = b"", fds: Sequence[int] = ()) -> tuple[int, bytes]:
     """One request on a connected socket: (status, body); ValueError for an answer not
     HTTP. ``fds`` go with the request's first bytes (SCM_RIGHTS), where the daemon reads
@@ -250,7 +257,11 @@ def exchange(sock: socket.socket, host: str, path: str, method: str = "GET",
     request = (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nAccept: application/json\r\n"
                f"Accept-Encoding: identity\r\n{sized}Connection: close\r\n\r\n"
                .encode("ascii") + body)
-    sent = socket.send_fds(sock, [request], list(fds)) if fds else 0
+    sent = 0
+    if fds:  # a run's begin only: ``socket`` stays off the daemon-answered call's path
+        import socket
+
+        sent = socket.send_fds(sock, [request], list(fds))  # type: ignore[arg-type]
     sock.sendall(request[sent:])
     data = b""
     while b"\r\n\r\n" not in data:

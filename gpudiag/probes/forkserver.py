@@ -30,7 +30,6 @@ import selectors
 import signal
 import socket
 import sys
-import traceback
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -209,6 +208,10 @@ def _fork(request: Mapping[str, Any], fds: list[int], control: socket.socket) ->
         try:
             code = _child(request, fds, control, title)
         except BaseException:  # the child must end here, whatever happened
+            # Imported only here: the CLI imports this module before it forks its server,
+            # and traceback (with textwrap) is of use only to a child that failed.
+            import traceback
+
             traceback.print_exc()
         finally:
             sys.stdout.flush()
