@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpudiag.core import registry
-from gpudiag.core.fingerprint_inputs import BUILT_IN
+from gpudiag.core.fingerprint_inputs import BUILT_IN, DEVICE_LAYER, backend_names
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.engine.fingerprint import fingerprints
 from tests.support.daemon import write_config
@@ -52,6 +52,16 @@ def test_the_fast_paths_declarations_are_the_specs_own() -> None:
         assert spec is not None and spec.environment is decl, name
     declared = {s.name for s in registry.specs() if s.environment is not None}
     assert declared == set(BUILT_IN)
+
+
+def test_the_device_layer_is_named_once_the_registrys_word() -> None:
+    """The fast path's plain-data device layer is exactly the registry's built-in backends
+    proven on the node (no environment declared), and its job-environment ones are BUILT_IN."""
+    node = {s.name for s in registry.specs() if not registry.environment_dependent(s.name)}
+    job = {s.name for s in registry.specs() if registry.environment_dependent(s.name)}
+    assert DEVICE_LAYER == node
+    assert set(BUILT_IN) == job
+    assert backend_names("jax:cpu, CUDA,,iree") == {"jax", "cuda", "iree"}
 
 
 def test_installed_backends_are_read_from_the_folders_without_importing(tmp_path: Path

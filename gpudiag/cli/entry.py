@@ -200,11 +200,10 @@ def _job_python(options: dict[str, str], names: str) -> JobPython | None:
     """The job's interpreter when ``--python`` names one or a backend of ``names`` (a
     --require or --backend list) is proven in the job's environment; else None (a question
     about the device layer alone never looks for one). JobPythonError for a bad one."""
-    from gpudiag.core.fingerprint_inputs import BUILT_IN
+    from gpudiag.core.fingerprint_inputs import BUILT_IN, backend_names
     from gpudiag.engine.jobpython import find
 
-    wanted = {part.split(":", 1)[0].strip().lower() for part in names.split(",")}
-    if "--python" not in options and not wanted & set(BUILT_IN):
+    if "--python" not in options and not backend_names(names) & set(BUILT_IN):
         return None
     return find(os.environ, explicit=options.get("--python"))
 
@@ -271,26 +270,21 @@ def _raw_query(options: dict[str, str], env: Mapping[str, str], python: JobPytho
     return query
 
 
-# The device layer's probes: the node's facts, never proven in a job's environment.
-_DEVICE_LAYER = frozenset({"host", "nvml", "cuda"})
-
-
 def _fingerprint_ids(require: str, env: Mapping[str, str], python: JobPython | None
                      ) -> dict[str, str] | None:
     """The job's fingerprint ids of the backends ``require`` names (the built-in
     declarations, gpudiag.core.fingerprint_inputs), read by the job's interpreter; None for a
     name this path does not know."""
-    from gpudiag.core.fingerprint_inputs import BUILT_IN
+    from gpudiag.core.fingerprint_inputs import BUILT_IN, DEVICE_LAYER, backend_names
 
-    names = {part.split(":", 1)[0].strip().lower() for part in require.split(",")} - {""}
-    if not names - _DEVICE_LAYER:
+    names = backend_names(require) - DEVICE_LAYER
+    if not names:
         return {}
-    if not names - _DEVICE_LAYER <= set(BUILT_IN):
+    if not names <= set(BUILT_IN):
         return None
     from gpudiag.engine.jobpython import find, fingerprint_ids
 
-    return fingerprint_ids({n: BUILT_IN[n] for n in names - _DEVICE_LAYER}, env,
-                           python or find(env))
+    return fingerprint_ids({n: BUILT_IN[n] for n in names}, env, python or find(env))
 
 
 def _leaves_proof_here(data: object) -> bool:

@@ -69,3 +69,13 @@ IREE = EnvironmentDecl(
 # The built-in declarations by backend name, for the fast path only (tests/test_fingerprint.py
 # checks that each is the one its spec holds).
 BUILT_IN = {"jax": JAX, "iree": IREE}
+# The built-in backends proven on the node, never in a job's environment (their specs declare
+# none): the device layer. Plain data for the daemon-answered CLI call, which reads no
+# registry; tests/test_fingerprint.py keeps it equal to the registry's word
+# (``registry.environment_dependent``), so the layer is named once.
+DEVICE_LAYER = frozenset({"host", "nvml", "cuda", "nic"})
+
+
+def backend_names(listed: str) -> set[str]:
+    """The backend names of a ``--require`` or ``--backend`` list (``jax:cpu,cuda``)."""
+    return {part.split(":", 1)[0].strip().lower() for part in listed.split(",")} - {""}
