@@ -530,6 +530,9 @@ WARNING_CASES: tuple[Case, ...] = (
     _d("gpu_reset_pending", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"}),
     _d("gpu_ecc_correctable", {"FAKE_NVML_ECC_VOLATILE_CORRECTED": "1:5"}),
     _d("gpu_persistence_off", {"FAKE_NVML_PERSISTENCE": "2:0"}),
+    # GPU 3 capped at 500 W on an older VBIOS among seven at 700 W (issue 51's inventory).
+    _d("gpu_config_drift", {"FAKE_NVML_POWER_LIMIT_MW": "3:500000",
+                            "FAKE_NVML_VBIOS": "3:96.00.9F.00.01"}),
     _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,3:1,2:13"}, via_daemon=True),
     # Issue 52: a storm of application XIDs (45 mostly) across GPUs is a warning, one per GPU
     # and XID, never a blocker (tests/test_xid_storms.py has the corpus).

@@ -22,6 +22,7 @@ from gpudiag.core.environment import (
     match_entry,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.gpu_config import drift, drift_text
 from gpudiag.core.gpu_processes import device_processes
 from gpudiag.core.gpunames import NamedGpu, matches, no_gpu_named
 from gpudiag.core.identity import GpuIdentity
@@ -195,6 +196,12 @@ def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
         if d.persistence_mode is False:
             f.warn("gpu_persistence_off", f"GPU {d.index}: persistence mode is off",
                    backend="nvml", device=label)
+    # Against the whole node's GPUs, not just those selected: one odd GPU is odd for every job.
+    drifted = drift(peers or devs)
+    for d in devs:
+        if d.ok and d.label in drifted:
+            f.warn("gpu_config_drift", drift_text(d, drifted[d.label]), backend="nvml",
+                   device=d.label)
     by_uuid = {d.uuid: d for d in devs}
     by_index: dict[int | None, NvmlDevice] = {d.index: d for d in devs}
     for j in judge_xids(xids, xid_rules):
