@@ -548,6 +548,10 @@ WARNING_CASES: tuple[Case, ...] = (
        env=lambda r, t: _job_env(r, t, FAKE_NVML_DEVICE_ERRORS="1:15")),
     # GPU 4 at a quarter of its peers' copy speed: a warning (qualification.block = false).
     _q("gpu_underperforming", QUALIFY_SLOW_4),
+    # A qualification whose work changed GPU 4's application clocks (the fake libcuda's
+    # FAKE_CUDA_WORK_SETS): read before and after the run, the change is a side effect.
+    _q("diagnostic_side_effect", {**QUALIFY_BASE,
+                                  "FAKE_CUDA_WORK_SETS": "4:FAKE_NVML_APP_CLOCKS_MHZ=4:1755/3201"}),
     # JAX enabled in a daemon no runtime of which requires it: node health says so, as a
     # warning, with how to configure a runtime (test_nobody_configured_is_not_checked).
     Case("backend_not_checked", "node_health"),

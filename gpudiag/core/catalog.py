@@ -329,6 +329,13 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "Watch the rate; a rising count predicts uncorrectable errors."),
         CatalogEntry("gpu_persistence_off", "device", "Persistence mode is off.",
                      "Enable nvidia-persistenced so that init is fast and state is kept."),
+        CatalogEntry("diagnostic_side_effect", "device",
+                     "A diagnostic (a qualification) left the GPU's configuration changed: its "
+                     "inventory (power limit, application clocks, persistence, ECC, compute "
+                     "or MIG mode, firmware) differs after the run from before it.",
+                     "Set the field the message names back (nvidia-smi -pl, -ac, -pm, -e, -c) "
+                     "and find what changed it: a diagnostic must leave the GPU as it found "
+                     "it. The GPU's next qualification replaces the warning."),
         CatalogEntry("gpu_config_drift", "device",
                      "A GPU's configuration or firmware (driver, VBIOS, InfoROM, GSP firmware, "
                      "power limit, application clocks, persistence, ECC or compute mode) "
