@@ -26,7 +26,8 @@ from gpudiag.core.gpu_config import drift, drift_text
 from gpudiag.core.gpu_processes import device_processes
 from gpudiag.core.gpunames import NamedGpu, matches, no_gpu_named
 from gpudiag.core.identity import GpuIdentity
-from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
+from gpudiag.core.missing import missing_gpu_findings, pci_address, sysfs_bus_ids
+from gpudiag.core.nic import NicObservation, gpus_nic_trouble
 from gpudiag.core.nvml_health import (
     NvmlHealthPolicy,
     NvmlHistory,
@@ -500,7 +501,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         devices = [_device_info(d, bus_ids.get(d.index), d.index in remembered)
                    for d in selected]
         if scope is not None:
-            devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
+            devices = list(settle(f, devices, requirement, scope, checked_at=checked_at,
+                                  nic_trouble=_nic_trouble(runs.get("nic"), selected)))
     gpu = GpuContext(nvml_ok=layer.nvml_ok, cuda_ok=layer.cuda_ok,
                      gpu_blocked=bool(f.blockers),
                      cuda_driver_version=_driver_cuda_version(layer.nvml, layer.cuda))
@@ -522,6 +524,17 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         checked_at=checked_at,
         source=source,
     )
+
+
+def _nic_trouble(run: ProbeRun | None, devs: Sequence[NvmlDevice]
+                 ) -> dict[str, tuple[str, ...]]:
+    """Each GPU (by label) whose nearest NICs include one down or degraded (core.nic)."""
+    obs = run.parsed if run is not None and run.ok else None
+    if not isinstance(obs, NicObservation):
+        return {}
+    by_bus = gpus_nic_trouble(obs)
+    return {d.label: ports for d in devs
+            if d.pci_bus_id and (ports := by_bus.get(pci_address(d.pci_bus_id) or ""))}
 
 
 def _select_gpus(runs: Mapping[str, ProbeRun], layer: _Layer, requirement: Requirement,
