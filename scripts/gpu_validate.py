@@ -770,6 +770,12 @@ def inventory(smi_q: Path, nvml: Path | None) -> int:
         for key in NVML_KEYS:
             if isinstance(d, dict) and d.get(key) is not None:
                 found[f"nvml/{d.get('index')}/{key}"] = str(d[key])
+        # The probe's own inventory (issue 51's gpu_config_drift reads it): set beside
+        # nvidia-smi's, so that a real card shows both read the same.
+        config = d.get("config") if isinstance(d, dict) else None
+        for key, value in (config.items() if isinstance(config, dict) else ()):
+            if value is not None:
+                found[f"nvml/{d.get('index')}/config/{key}"] = str(value)
     print(json.dumps(found, indent=1, sort_keys=True))
     return 0
 

@@ -530,6 +530,9 @@ WARNING_CASES: tuple[Case, ...] = (
     _d("gpu_reset_pending", {"FAKE_NVML_REMAPPED_ROWS": "4:0/2/1/0"}),
     _d("gpu_ecc_correctable", {"FAKE_NVML_ECC_VOLATILE_CORRECTED": "1:5"}),
     _d("gpu_persistence_off", {"FAKE_NVML_PERSISTENCE": "2:0"}),
+    # GPU 3 capped at 500 W on an older VBIOS among seven at 700 W (issue 51's inventory).
+    _d("gpu_config_drift", {"FAKE_NVML_POWER_LIMIT_MW": "3:500000",
+                            "FAKE_NVML_VBIOS": "3:96.00.9F.00.01"}),
     _d("gpu_xid_application", {"FAKE_NVML_XIDS": "0:1,1:1,2:1,3:1,2:13"}, via_daemon=True),
     # Issue 52: a storm of application XIDs (45 mostly) across GPUs is a warning, one per GPU
     # and XID, never a blocker (tests/test_xid_storms.py has the corpus).
@@ -545,6 +548,10 @@ WARNING_CASES: tuple[Case, ...] = (
        env=lambda r, t: _job_env(r, t, FAKE_NVML_DEVICE_ERRORS="1:15")),
     # GPU 4 at a quarter of its peers' copy speed: a warning (qualification.block = false).
     _q("gpu_underperforming", QUALIFY_SLOW_4),
+    # A qualification whose work changed GPU 4's application clocks (the fake libcuda's
+    # FAKE_CUDA_WORK_SETS): read before and after the run, the change is a side effect.
+    _q("diagnostic_side_effect", {**QUALIFY_BASE,
+                                  "FAKE_CUDA_WORK_SETS": "4:FAKE_NVML_APP_CLOCKS_MHZ=4:1755/3201"}),
     # JAX enabled in a daemon no runtime of which requires it: node health says so, as a
     # warning, with how to configure a runtime (test_nobody_configured_is_not_checked).
     Case("backend_not_checked", "node_health"),

@@ -89,7 +89,8 @@ def rig(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         prometheus = None
         try:
             healthy = node("a")
-            lost = node("b", FAKE_NVML_DEVICE_ERRORS="1:15")  # GPU 1: GPU_IS_LOST
+            # GPU 1: GPU_IS_LOST; GPU 0 on an older VBIOS than the other nodes' (--drift)
+            lost = node("b", FAKE_NVML_DEVICE_ERRORS="1:15", FAKE_NVML_VBIOS="0:96.00.9F.00.01")
             busy = node("c", FAKE_GPU_STATE_FILE=str(jobs.state_file))
             jobs.start(0, memory_mib=70_000)  # someone else's job on node c's GPU 0
             prometheus = start_prometheus(root, [d.instance for d in daemons])
@@ -210,6 +211,26 @@ def test_qualified_counts_only_gpus_that_passed_qualification_lately(rig: FleetR
     assert code == EXIT_BLOCKED, record
     node = nodes_of(record)[rig.healthy.instance]
     assert node["state"] == "blocked" and "passed qualification within 1 s" in node["reason"]
+
+
+def test_drift_names_the_node_whose_gpu_inventory_differs_from_the_others(
+        rig: FleetRig) -> None:
+    proc = rig.fleet("--drift", "--format", "json")
+    assert proc.returncode == EXIT_BLOCKED, proc.stdout + proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["query"] == {"job": "gpudiag", "drift_by": "partition"}
+    nodes = nodes_of(record)
+    assert nodes[rig.lost.instance]["fields"] == [
+        {"field": "vbios_version", "value": "96.00.9F.00.01", "majority": "96.00.9F.00.04",
+         "agree": 2, "of": 3}]
+    assert nodes[rig.healthy.instance]["drifted"] is False
+    assert {n["model"] for n in nodes.values()} == {"NVIDIA H200"}
+    text = rig.fleet("--drift")
+    assert text.returncode == EXIT_BLOCKED
+    assert (f"{rig.lost.instance} (partition=-, NVIDIA H200): vbios_version 96.00.9F.00.01, "
+            "the majority 96.00.9F.00.04 (2 of 3 nodes)") in text.stdout
+    bad = rig.fleet("--drift", "--drift-by", "not a label")
+    assert bad.returncode == EXIT_USAGE and "--drift-by" in bad.stderr
 
 
 def test_usage_errors_exit_2(rig: FleetRig) -> None:

@@ -27,6 +27,8 @@ from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Verdict
 from gpudiag.probes import nic_probe
+from tests.fakes.build import FakeDriver
+from tests.support.daemon import host_env
 from tests.support.sysfs import DISABLED, DOWN, HDR, POLLING, SysfsTree
 
 
@@ -399,3 +401,32 @@ def test_only_rdma_and_expected_ports_are_shown_so_pod_veths_add_nothing(
     _settings(monkeypatch, expect=["mlx5_0/1", "eth9"])
     shown = _verdict(_run()).backends["nic"].detail["ports"]
     assert [p["port"] for p in shown] == ["mlx5_0/1", "eth9"]
+
+
+# -- --gpus N prefers GPUs whose NICs are up ------------------------------------------------------
+SWITCH_A = (HOST0, "0000:00:01.0", "0000:01:00.0")
+SWITCH_B = (HOST0, "0000:00:02.0", "0000:02:00.0")
+
+
+def test_a_job_on_n_gpus_gets_those_whose_nearest_nic_is_up(
+        tree: SysfsTree, fakes: FakeDriver, tmp_path: Path) -> None:
+    # The fake NVML's GPUs 0 and 1 sit at 18:00.0 and 19:00.0, each behind its own PCIe
+    # switch with an HCA; GPU 0's HCA trains at HDR beside an NDR peer (a warning).
+    tree.gpu("0000:18:00.0", under=(*SWITCH_A, "0000:03:00.0"))
+    tree.gpu("0000:19:00.0", under=(*SWITCH_B, "0000:04:00.0"))
+    tree.ib_port("mlx5_0", rate=HDR, bus_id="0000:05:00.0", under=(*SWITCH_A, "0000:03:01.0"))
+    tree.ib_port("mlx5_1", bus_id="0000:06:00.0", under=(*SWITCH_B, "0000:04:01.0"))
+    cfg = tmp_path / "gpudiag.toml"
+    cfg.write_text('[backends.nic]\nexpect = ["mlx5_0/1", "mlx5_1/1"]\n')
+    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2,
+                   FAKE_CUDA_DEVICE_COUNT=2)
+    out = _gpudiag({**env, **tree.env()}, "preflight", "--require", "cuda,nic", "--gpus", "1",
+                   "--no-daemon", "--config", str(cfg), "--format", "json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    record = json.loads(out.stdout)
+    assert [(w["code"], w["device"]) for w in record["warnings"]] == [
+        ("nic_link_degraded", "mlx5_0/1")]
+    selected = {d["index"]: d for d in record["devices"]}
+    assert [i for i, d in selected.items() if d.get("selected")] == [1]
+    assert "its NIC mlx5_0/1 down or degraded" in selected[0]["selection"]
+    assert selected[1]["selection"].startswith("chosen: healthy and free, no warning")

@@ -24,6 +24,7 @@ from gpudiag.engine.fleet import (
     PrometheusError,
     ask_fleet,
 )
+from gpudiag.engine.fleet_drift import DEFAULT_GROUP_LABEL, DriftQuery, ask_drift, render_drift
 
 
 class _Failed(click.ClickException):
@@ -41,6 +42,7 @@ def _positive(value: float, name: str) -> float:
                    "gpudiag fleet --prometheus http://prometheus:9090",
                    "gpudiag fleet --prometheus http://prometheus:9090 --require jax --gpus 4",
                    "gpudiag fleet --prometheus http://prometheus:9090 --qualified 86400",
+                   "gpudiag fleet --prometheus http://prometheus:9090 --drift",
                    "gpudiag fleet --prometheus https://prom.example --bearer-token-file "
                    "/etc/gpudiag/token --format json"))
 @click.option("--prometheus", "url", envvar="GPUDIAG_PROMETHEUS_URL", metavar="URL",
@@ -61,6 +63,13 @@ def _positive(value: float, name: str) -> float:
 @click.option("--qualified", "qualified_s", type=float, default=None, metavar="SECONDS",
               help="Count only GPUs whose qualification passed within this many seconds "
               "(gpudiag qualify; docs/qualify.md).")
+@click.option("--drift", is_flag=True,
+              help="Instead: name the nodes whose GPU inventory (driver, firmware, power "
+              "limit, clocks, modes) differs from the majority of their group; exits 1 when "
+              "one does.")
+@click.option("--drift-by", "drift_by", default=DEFAULT_GROUP_LABEL, show_default=True,
+              metavar="LABEL", help="With --drift: the target label that groups nodes "
+              "(nodes without it form one group); each group is split by GPU model.")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True,
               metavar="SECONDS", help="Per request to Prometheus.")
 @click.option("--user", default=None, metavar="NAME", help="Basic auth user.")
@@ -73,14 +82,16 @@ def _positive(value: float, name: str) -> float:
 @click.option("--insecure-skip-tls-verify", "insecure", is_flag=True,
               help="Do not verify Prometheus's TLS certificate (verification is on by default).")
 def fleet(url: str | None, require: str, gpus: int, fmt: str, job: str, max_age_s: float,
-          qualified_s: float | None, timeout_s: float, user: str | None, password_file: str | None,
-          bearer_token_file: str | None, ca_file: str | None, insecure: bool) -> None:
+          qualified_s: float | None, drift: bool, drift_by: str, timeout_s: float,
+          user: str | None, password_file: str | None, bearer_token_file: str | None,
+          ca_file: str | None, insecure: bool) -> None:
     """Ask Prometheus which nodes can run the requirement on N GPUs now, and why not the others.
 
     A node can when its daemon proved every required backend, at least N GPUs are healthy
     and free, and its metrics are fresh; a node whose daemon stopped answering is unknown.
     Exits 0 when at least one node can, 1 when none can, 2 on usage errors, 3 when
-    Prometheus cannot be asked.
+    Prometheus cannot be asked. With --drift: 0 when every node agrees with its group, 1
+    when one differs.
     """
     if not url:
         raise click.UsageError("no Prometheus to ask: pass --prometheus URL or set "
@@ -99,8 +110,11 @@ def fleet(url: str | None, require: str, gpus: int, fmt: str, job: str, max_age_
         query = FleetQuery(backends=backends, gpus=gpus, job=job, max_age_s=max_age_s,
                            qualified_within_s=qualified_s)
         client = PrometheusClient(access)
+        drift_query = DriftQuery(job=job, group_label=drift_by) if drift else None
     except (RequirementError, FleetUsageError) as e:
         raise click.UsageError(str(e)) from e
+    if drift_query is not None:
+        _drift(drift_query, client, fmt)
     try:
         answer = ask_fleet(query, client, url=url)
     except PrometheusError as e:
@@ -109,6 +123,16 @@ def fleet(url: str | None, require: str, gpus: int, fmt: str, job: str, max_age_
     click.echo(json.dumps(answer.record(), indent=2, allow_nan=False) if fmt == "json"
                else render_text(answer))
     raise SystemExit(EXIT_READY if answer.any_ready else EXIT_BLOCKED)
+
+
+def _drift(query: DriftQuery, client: PrometheusClient, fmt: str) -> None:
+    try:
+        answer = ask_drift(query, client)
+    except PrometheusError as e:
+        raise _Failed(str(e)) from e
+    click.echo(json.dumps(answer.record(), indent=2, allow_nan=False) if fmt == "json"
+               else render_drift(answer))
+    raise SystemExit(EXIT_BLOCKED if answer.any_drifted else EXIT_READY)
 
 
 def _read_secret(path: str, name: str) -> str:

@@ -194,6 +194,8 @@ def render(record: dict[str, object], out: IO[str]) -> None:
             out.write(f"  check {c['check']}: {c['status'].upper()}: {c['detail']}{where}\n")
         if checks:
             out.write(_coverage_line(q.get("coverage") or {}))
+        for change in q.get("side_effects") or ():
+            out.write(f"  diagnostic_side_effect: the run left {change}\n")
         if q["duration_s"] is not None:
             out.write(f"  took {q['duration_s']:.2f} s, GPU held {q['gpu_seconds'] or 0:.2f} s, "
                       f"{(q['bytes_used'] or 0) / 2**20:.0f} MiB\n")

@@ -37,6 +37,7 @@ STATUS_WORDS: Mapping[str, str] = {
     "gpu_thermal_throttling": "hot", "gpu_power_throttling": "power capped",
     "gpu_ecc_correctable": "ECC corrected", "gpu_xid_application": "XID",
     "gpu_pcie_link_degraded": "PCIe narrowed", "gpu_persistence_off": "persistence off",
+    "gpu_config_drift": "config drift",
 }
 _STATUS_WORD_STYLE = {"ready": "green", "selected": "bold green", "busy": "yellow",
                       "unknown": "dim"}

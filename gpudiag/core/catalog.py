@@ -329,6 +329,21 @@ WARNINGS: dict[str, CatalogEntry] = {
                      "Watch the rate; a rising count predicts uncorrectable errors."),
         CatalogEntry("gpu_persistence_off", "device", "Persistence mode is off.",
                      "Enable nvidia-persistenced so that init is fast and state is kept."),
+        CatalogEntry("diagnostic_side_effect", "device",
+                     "A diagnostic (a qualification) left the GPU's configuration changed: its "
+                     "inventory (power limit, application clocks, persistence, ECC, compute "
+                     "or MIG mode, firmware) differs after the run from before it.",
+                     "Set the field the message names back (nvidia-smi -pl, -ac, -pm, -e, -c) "
+                     "and find what changed it: a diagnostic must leave the GPU as it found "
+                     "it. The GPU's next qualification replaces the warning."),
+        CatalogEntry("gpu_config_drift", "device",
+                     "A GPU's configuration or firmware (driver, VBIOS, InfoROM, GSP firmware, "
+                     "power limit, application clocks, persistence, ECC or compute mode) "
+                     "differs from the majority of the node's GPUs of its model.",
+                     "Set the field the message names back to the node's value (nvidia-smi "
+                     "-pl, -ac, -pm, -e, -c; an ECC change applies at the next reset) or flash "
+                     "the GPU's firmware to its peers' at the next drain; gpudiag never "
+                     "changes a GPU's settings itself."),
         CatalogEntry("gpu_xid_application", "device",
                      "An application XID (13 31 43 45 ...; docs/xids.md) was reported.",
                      "Usually a bug or fault in a job, not in the GPU; read the job's log."),

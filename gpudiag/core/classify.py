@@ -22,10 +22,12 @@ from gpudiag.core.environment import (
     match_entry,
 )
 from gpudiag.core.findings import Findings, GpuContext, XidEvent
+from gpudiag.core.gpu_config import drift, drift_text
 from gpudiag.core.gpu_processes import device_processes
 from gpudiag.core.gpunames import NamedGpu, matches, no_gpu_named
 from gpudiag.core.identity import GpuIdentity
-from gpudiag.core.missing import missing_gpu_findings, sysfs_bus_ids
+from gpudiag.core.missing import missing_gpu_findings, pci_address, sysfs_bus_ids
+from gpudiag.core.nic import NicObservation, gpus_nic_trouble
 from gpudiag.core.nvml_health import (
     NvmlHealthPolicy,
     NvmlHistory,
@@ -195,6 +197,12 @@ def _device_findings(devs: Sequence[NvmlDevice], xids: Sequence[XidEvent],
         if d.persistence_mode is False:
             f.warn("gpu_persistence_off", f"GPU {d.index}: persistence mode is off",
                    backend="nvml", device=label)
+    # Against the whole node's GPUs, not just those selected: one odd GPU is odd for every job.
+    drifted = drift(peers or devs)
+    for d in devs:
+        if d.ok and d.label in drifted:
+            f.warn("gpu_config_drift", drift_text(d, drifted[d.label]), backend="nvml",
+                   device=d.label)
     by_uuid = {d.uuid: d for d in devs}
     by_index: dict[int | None, NvmlDevice] = {d.index: d for d in devs}
     for j in judge_xids(xids, xid_rules):
@@ -493,7 +501,8 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         devices = [_device_info(d, bus_ids.get(d.index), d.index in remembered)
                    for d in selected]
         if scope is not None:
-            devices = list(settle(f, devices, requirement, scope, checked_at=checked_at))
+            devices = list(settle(f, devices, requirement, scope, checked_at=checked_at,
+                                  nic_trouble=_nic_trouble(runs.get("nic"), selected)))
     gpu = GpuContext(nvml_ok=layer.nvml_ok, cuda_ok=layer.cuda_ok,
                      gpu_blocked=bool(f.blockers),
                      cuda_driver_version=_driver_cuda_version(layer.nvml, layer.cuda))
@@ -515,6 +524,17 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
         checked_at=checked_at,
         source=source,
     )
+
+
+def _nic_trouble(run: ProbeRun | None, devs: Sequence[NvmlDevice]
+                 ) -> dict[str, tuple[str, ...]]:
+    """Each GPU (by label) whose nearest NICs include one down or degraded (core.nic)."""
+    obs = run.parsed if run is not None and run.ok else None
+    if not isinstance(obs, NicObservation):
+        return {}
+    by_bus = gpus_nic_trouble(obs)
+    return {d.label: ports for d in devs
+            if d.pci_bus_id and (ports := by_bus.get(pci_address(d.pci_bus_id) or ""))}
 
 
 def _select_gpus(runs: Mapping[str, ProbeRun], layer: _Layer, requirement: Requirement,

@@ -362,6 +362,34 @@ def drift(ports: Sequence[NicPort]) -> tuple[NicFinding, ...]:
     return tuple(out)
 
 
+# The link codes that make a port a poor one for a GPU's traffic (not errors_rising: a
+# counter climbing still carries the job's traffic, nor config drift).
+LINK_TROUBLE = frozenset({"nic_link_down", "nic_link_flapping", "nic_link_degraded"})
+# Nearest first, as `nvidia-smi topo -m` orders them (core.nic.affinity).
+AFFINITY_ORDER = ("PIX", "PXB", "PHB", "NODE", "SYS")
+
+
+def gpu_nics(obs: NicObservation) -> dict[str, tuple[str, ...]]:
+    """Each GPU (its sysfs PCI address) -> its NICs: the expected ports nearest to it."""
+    expected = set(expected_ports(obs))
+    near: dict[str, list[tuple[int, str]]] = {}
+    for p in obs.ports:
+        if p.name in expected:
+            for bus, how in p.gpus.items():
+                rank = AFFINITY_ORDER.index(how) if how in AFFINITY_ORDER else len(AFFINITY_ORDER)
+                near.setdefault(bus, []).append((rank, p.name))
+    return {bus: tuple(sorted(n for r, n in ports if r == min(r for r, _ in ports)))
+            for bus, ports in near.items()}
+
+
+def gpus_nic_trouble(obs: NicObservation) -> dict[str, tuple[str, ...]]:
+    """Each GPU (sysfs PCI address) whose NICs include one down, flapping or degraded ->
+    those ports (job readiness on N GPUs prefers the others: core.readiness)."""
+    bad = {f.port for f in assess(obs) if f.code in LINK_TROUBLE}
+    return {bus: hit for bus, ports in gpu_nics(obs).items()
+            if (hit := tuple(p for p in ports if p in bad))}
+
+
 def shown_ports(obs: NicObservation) -> tuple[NicPort, ...]:
     """The ports the record and the metrics show: RDMA ports and expected ones. A node's
     other netdevs (containers' veths, bridges, the management NIC) would only add series

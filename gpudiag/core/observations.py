@@ -303,6 +303,24 @@ class MigState(_Record):
 
 
 @dataclass(frozen=True, repr=False, eq=False)
+class GpuConfig(_Record):
+    """What an operator or a firmware flash sets on a GPU, beyond the readings: firmware
+    versions, the configured power limit (W), application clocks (MHz) and ECC mode now and
+    after the next reset (True enabled). Each None where the GPU cannot say (core.gpu_config)."""
+
+    vbios_version: str | None = field(default=None, metadata=_LENIENT)
+    inforom_image_version: str | None = field(default=None, metadata=_LENIENT)
+    gsp_firmware_version: str | None = field(default=None, metadata=_LENIENT)
+    power_management_limit_w: Number | None = field(default=None, metadata=_LENIENT)
+    applications_clock_sm_mhz: int | None = field(default=None, metadata=from_json(
+        as_type=Number | None, then=_int, lenient=True))
+    applications_clock_memory_mhz: int | None = field(default=None, metadata=from_json(
+        as_type=Number | None, then=_int, lenient=True))
+    ecc_mode_current: bool | None = field(default=None, metadata=_LENIENT)
+    ecc_mode_pending: bool | None = field(default=None, metadata=_LENIENT)
+
+
+@dataclass(frozen=True, repr=False, eq=False)
 class NvmlDevice(_Record):
     """One GPU as the nvml probe read it; ``ok`` is False when the device itself failed."""
 
@@ -342,6 +360,7 @@ class NvmlDevice(_Record):
     nvlinks: NvLinks | None = None
     fabric: FabricInfo | None = None
     graphics_processes: tuple[GpuProcess, ...] | None = None
+    config: GpuConfig | None = None
 
     @property
     def memory(self) -> Memory | None:

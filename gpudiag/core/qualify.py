@@ -40,6 +40,7 @@ PASSED = "none"
 UNDERPERFORMING = "gpu_underperforming"
 COMPUTE_MISMATCH = "gpu_compute_mismatch"
 ABORTED = "qualification_aborted"
+DIAGNOSTIC_SIDE_EFFECT = "diagnostic_side_effect"  # the run changed its GPU (a warning)
 
 GIB = 1024 ** 3
 

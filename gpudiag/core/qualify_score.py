@@ -94,6 +94,9 @@ class GpuResult:
     # An abort that is not ``yielded`` (a driver call failed, the child died) is gpudiag
     # failing to measure.
     yielded: bool = False
+    # What the run changed on the GPU (``field before -> after``, engine.qualify_inventory):
+    # diagnostic_side_effect when any.
+    side_effects: tuple[str, ...] = ()
 
     def value(self, measure: str) -> float | None:
         """The measured value of ``measure``, None when it was not measured."""
@@ -239,7 +242,8 @@ def result_record(r: GpuResult) -> dict[str, Any]:
             "budget_s": r.budget_s, "yielded": r.yielded, "versions": dict(r.versions),
             "measurements": [m.record() for m in r.measurements],
             "known_answers": [vars(k) for k in r.known_answers],
-            "checks": [c.record() for c in r.checks]}
+            "checks": [c.record() for c in r.checks],
+            **({"side_effects": list(r.side_effects)} if r.side_effects else {})}
 
 
 OUTCOMES = (PASSED, UNDERPERFORMING, COMPUTE_MISMATCH, MEMORY_TEST_FAILED, ABORTED)
@@ -264,6 +268,10 @@ def _opt_int(value: Any) -> int | None:
 
 def _opt_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _texts(value: Any) -> tuple[str, ...]:
+    return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
 
 
 def parse_result(data: Any) -> GpuResult:
@@ -300,7 +308,8 @@ def parse_result(data: Any) -> GpuResult:
                      _opt_str(data.get("aborted")), _num(data.get("started_at")),
                      _num(data.get("duration_s")), _num(data.get("gpu_seconds")),
                      _opt_int(data.get("bytes_used")), checks, versions,
-                     _num(data.get("budget_s")), data.get("yielded") is True)
+                     _num(data.get("budget_s")), data.get("yielded") is True,
+                     _texts(data.get("side_effects")))
 
 
 def parse_qualification(data: Any) -> Qualification:

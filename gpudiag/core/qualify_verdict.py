@@ -4,6 +4,8 @@ A GPU that computes wrong answers is broken: ``gpu_compute_mismatch`` is a devic
 blocker naming it. A slow one still computes right: ``gpu_underperforming`` is a warning,
 a blocker when the site says so (``qualification.block``). An aborted run measured nothing
 and changes nothing; a later passing run of the same GPU replaces the outcome, so clears it.
+A run that left the GPU's configuration changed (engine.qualify_inventory) adds the warning
+``diagnostic_side_effect``, whatever it measured, until the GPU's next outcome replaces it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gpudiag.core.qualify import COMPUTE_MISMATCH, UNDERPERFORMING
+from gpudiag.core.qualify import COMPUTE_MISMATCH, DIAGNOSTIC_SIDE_EFFECT, UNDERPERFORMING
 from gpudiag.core.qualify_score import Qualification
 from gpudiag.core.sdc import MEMORY_TEST_FAILED
 from gpudiag.core.verdict import Finding
@@ -43,6 +45,8 @@ def qualification_findings(latest: Iterable[Qualification], *, block: bool
     blockers: list[Finding] = []
     warnings: list[Finding] = []
     for q in sorted(latest, key=lambda q: q.result.uuid):
+        if q.result.side_effects:
+            warnings.append(side_effect_finding(q))
         if q.result.aborted is not None or q.code not in (COMPUTE_MISMATCH, MEMORY_TEST_FAILED,
                                                            UNDERPERFORMING):
             continue
@@ -57,3 +61,12 @@ def qualification_findings(latest: Iterable[Qualification], *, block: bool
             q.code, f"{where}: qualification ({q.result.tier} tier): {q.message}",
             backend="cuda", device=q.result.uuid, warning=warning))
     return QualificationFindings(tuple(blockers), tuple(warnings))
+
+
+def side_effect_finding(q: Qualification) -> Finding:
+    """``diagnostic_side_effect``: the run left its GPU's configuration changed."""
+    where = f"GPU {q.result.index}" if q.result.index is not None else q.result.uuid
+    return Finding.of(DIAGNOSTIC_SIDE_EFFECT,
+                      f"{where}: the qualification ({q.result.tier} tier) left its "
+                      f"configuration changed: {'; '.join(q.result.side_effects)}",
+                      backend="cuda", device=q.result.uuid, warning=True)

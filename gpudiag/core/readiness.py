@@ -75,15 +75,18 @@ class ProbeScope:
 
 
 def settle(f: Findings, devices: Sequence[DeviceInfo], requirement: Requirement,
-           scope: ProbeScope, *, checked_at: str) -> tuple[DeviceInfo, ...]:
-    """Apply occupancy to the findings (in place) and return the devices as reported."""
+           scope: ProbeScope, *, checked_at: str,
+           nic_trouble: Mapping[str, tuple[str, ...]] | None = None
+           ) -> tuple[DeviceInfo, ...]:
+    """Apply occupancy to the findings (in place) and return the devices as reported;
+    ``nic_trouble``: GPU label -> its NICs down, flapping or degraded (core.nic)."""
     _in_use_is_occupancy(f, scope)
     faulty = {b.device for b in f.blockers if b.device and b.layer in GPU_FAULT_LAYERS}
     reported = [_device(d, scope, faulty, checked_at) for d in devices]
     if requirement.node_health:
         return tuple(reported)
     if requirement.gpus is not None:
-        return tuple(_choose(f, reported, requirement.gpus, scope))
+        return tuple(_choose(f, reported, requirement.gpus, scope, nic_trouble or {}))
     _every_visible_gpu(f, reported, scope)
     return tuple(reported)
 
@@ -107,21 +110,24 @@ def _device(d: DeviceInfo, scope: ProbeScope, faulty: set[str], checked_at: str
     return replace(d, occupancy=scope.state(d.uuid), healthy=healthy, last_proven_at=proven)
 
 
-def _choose(f: Findings, devices: list[DeviceInfo], n: int, scope: ProbeScope
-            ) -> list[DeviceInfo]:
+def _choose(f: Findings, devices: list[DeviceInfo], n: int, scope: ProbeScope,
+            nic_trouble: Mapping[str, tuple[str, ...]]) -> list[DeviceInfo]:
     """Job readiness on N GPUs: pick N healthy FREE ones; faults elsewhere become warnings."""
     ready = [d for d in devices if d.healthy and d.occupancy == FREE]
-    # The healthiest first: a GPU without a warning (a narrowed PCIe link, throttling, ECC)
-    # before one with; then the GPUs the backends were proven on (the verdict names what was
-    # proven); then the most free memory; then the device order.
+    # The healthiest first: a GPU whose NICs are up before one whose nearest NIC is down,
+    # flapping or slow (its job's traffic would cross the node or crawl: issue 51); then a
+    # GPU without a warning (a narrowed PCIe link, throttling, ECC) before one with; then
+    # the GPUs the backends were proven on (the verdict names what was proven); then the
+    # most free memory; then the device order.
     proven = {g for g in scope.backend_gpu.values() if g}
     warned: dict[str, list[str]] = {}
     for w in f.warnings:
         if w.device:
             warned.setdefault(w.device, []).append(w.code)
-    ready.sort(key=lambda d: (label_of(d) in warned, d.uuid not in proven,
-                              -(d.memory_free_bytes or 0), d.index))
-    why = {label_of(d): _why(d, warned, proven, rank, n) for rank, d in enumerate(ready)}
+    ready.sort(key=lambda d: (label_of(d) in nic_trouble, label_of(d) in warned,
+                              d.uuid not in proven, -(d.memory_free_bytes or 0), d.index))
+    why = {label_of(d): _why(d, warned, proven, rank, n, nic_trouble.get(label_of(d)))
+           for rank, d in enumerate(ready)}
     devices = [replace(d, selection=why.get(label_of(d), _passed_over(d))) for d in devices]
     if len(ready) >= n:
         chosen = {label_of(d) for d in ready[:n]}
@@ -152,10 +158,12 @@ def _choose(f: Findings, devices: list[DeviceInfo], n: int, scope: ProbeScope
 
 
 def _why(d: DeviceInfo, warned: Mapping[str, list[str]], proven: set[str], rank: int,
-         n: int) -> str:
+         n: int, nics_down: tuple[str, ...] | None = None) -> str:
     """Why a healthy FREE GPU ranks where it does among them (``devices[].selection``)."""
     codes = warned.get(label_of(d))
     parts = [f"warnings: {', '.join(dict.fromkeys(codes))}" if codes else "no warning"]
+    if nics_down:
+        parts.insert(0, f"its NIC {', '.join(nics_down)} down or degraded")
     if d.uuid in proven:
         parts.append("backends proven on it")
     if d.memory_free_bytes is not None:

@@ -110,8 +110,10 @@ class _Pending:
     fault_wall: float
 
 
-# Findings that say nothing about the part's health: not a sign "before the XID".
-NOT_PRECURSORS = frozenset({"gpu_persistence_off", "gpu_fault_outside_selection"})
+# Findings that say nothing about the part's health: not a sign "before the XID" (a GPU's
+# settings against its peers' or a diagnostic's change to them are configuration).
+NOT_PRECURSORS = frozenset({"gpu_persistence_off", "gpu_fault_outside_selection",
+                            "gpu_config_drift", "diagnostic_side_effect"})
 
 
 def gpu_findings(verdict: Verdict | None, *, blockers_only: bool = False,

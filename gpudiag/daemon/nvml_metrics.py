@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from gpudiag.core.gpu_config import inventory
 from gpudiag.core.nvml_health import CLOCK_GROUPS, CODES
 from gpudiag.core.recovery import RECOVERY_ACTION_NAMES
 from gpudiag.daemon.snapshot import Snapshot
@@ -45,6 +46,12 @@ def nvml_health_metrics(snap: Snapshot, known: Known) -> Iterator[Metric]:
     condition = GaugeMetricFamily("gpudiag_gpu_condition",
                                   "1 while a GPU health code (blocker or warning) names this "
                                   "GPU in the node-health verdict.", labels=[*gl, "code"])
+    config = GaugeMetricFamily("gpudiag_gpu_config_info",
+                               "1 per field of the GPU's configuration and firmware inventory "
+                               "(driver, VBIOS, InfoROM, GSP firmware, power limit, "
+                               "application clocks, persistence, ECC, compute and MIG mode): "
+                               "what gpu_config_drift and gpudiag fleet --drift compare.",
+                               labels=[*gl, "field", "value"])
     found = _conditions(snap)
     history = snap.nvml_history
     for d in obs.devices if obs is not None else ():
@@ -71,12 +78,14 @@ def nvml_health_metrics(snap: Snapshot, known: Known) -> Iterator[Metric]:
             links.add_metric([*labels, "inactive"], float(len(d.nvlinks.inactive)))
         if d.fabric is not None and d.fabric.state is not None:
             fabric.add_metric(labels, float(d.fabric.state))
+        for field, text in inventory(d, obs.driver_version if obs else None).items():
+            config.add_metric([*labels, field, text], 1.0)
         if d.retired_pages_pending is not None:
             pending.add_metric(labels, 1.0 if d.retired_pages_pending else 0.0)
         if d.recovery_action is not None:
             for name in RECOVERY_ACTION_NAMES:
                 action.add_metric([*labels, name], 1.0 if d.recovery_action == name else 0.0)
-    yield from (gen, width, links, fabric, pending, action, held, condition)
+    yield from (gen, width, links, fabric, pending, action, held, condition, config)
 
 
 def _conditions(snap: Snapshot) -> set[tuple[str, str]]:

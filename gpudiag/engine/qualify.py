@@ -41,6 +41,7 @@ from gpudiag.engine.isolation import run_probe
 from gpudiag.engine.locks import default_lock_dir, waiting_path
 from gpudiag.engine.occupancy_view import occupancy_view
 from gpudiag.engine.qualify_history import GoldenStore, HistoryUnavailable, QualificationHistory
+from gpudiag.engine.qualify_inventory import inventories, read_inventories, with_side_effects
 
 REPORT_SCHEMA = "gpudiag.qualify-report/1"
 PLATFORMS = ("cuda", "cpu")
@@ -242,6 +243,7 @@ def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
     occupancy = occupancy_view(nvml, lock_dir=lock_dir, siblings=False, locks=False).gpus
     results: list[GpuResult] = []
     left: dict[str, str] = {}
+    before = inventories(nvml)  # diagnostic_side_effect: read again after each GPU's run
     for target in targets:
         uuid = str(target["uuid"])
         if target["mig"]:
@@ -256,8 +258,11 @@ def _run_cuda(options: QualifyOptions, env: Mapping[str, str], lock_dir: Path
             if options.tier == "sdc":
                 child_env["XLA_FLAGS"] = deterministic_xla_flags(env.get("XLA_FLAGS", ""))
             # A job waiting for this GPU (its waiting mark held) stops the measurement.
-            results += _run_child(options, [target], child_env, "cuda",
+            measured = _run_child(options, [target], child_env, "cuda",
                                   yield_to=str(waiting_path(lock_dir, uuid)))
+            after = read_inventories(env)
+            results += with_side_effects(measured, before, after)
+            before = after or before
     return results, left
 
 

@@ -243,6 +243,33 @@ def _mig(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, Any] | None:
     return out
 
 
+def _config(pynvml: Any, handle: Any, fields: _Fields) -> dict[str, Any]:
+    """The GPU's inventory beyond the readings (core.observations.GpuConfig): read only,
+    never set; each field None with its reason where the GPU cannot say."""
+    limit_mw = fields.read("config.power_management_limit",
+                           lambda: int(pynvml.nvmlDeviceGetPowerManagementLimit(handle)))
+    ecc = fields.read("config.ecc_mode", lambda: pynvml.nvmlDeviceGetEccMode(handle))
+    return {
+        "vbios_version": fields.read(
+            "config.vbios", lambda: _decode(pynvml.nvmlDeviceGetVbiosVersion(handle))),
+        "inforom_image_version": fields.read(
+            "config.inforom_image",
+            lambda: _decode(pynvml.nvmlDeviceGetInforomImageVersion(handle))),
+        "gsp_firmware_version": fields.read(
+            "config.gsp_firmware",
+            lambda: _decode(pynvml.nvmlDeviceGetGspFirmwareVersion(handle)) or None),
+        "power_management_limit_w": None if limit_mw is None else limit_mw / 1000.0,
+        "applications_clock_sm_mhz": fields.read(
+            "config.applications_clock_sm",
+            lambda: int(pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_SM))),
+        "applications_clock_memory_mhz": fields.read(
+            "config.applications_clock_memory",
+            lambda: int(pynvml.nvmlDeviceGetApplicationsClock(handle, pynvml.NVML_CLOCK_MEM))),
+        "ecc_mode_current": None if ecc is None else int(ecc[0]) == 1,
+        "ecc_mode_pending": None if ecc is None else int(ecc[1]) == 1,
+    }
+
+
 def _device(pynvml: Any, index: int) -> dict[str, Any]:
     dev: dict[str, Any] = {"index": index, "ok": True, "error": None}
     try:
@@ -291,6 +318,7 @@ def _device(pynvml: Any, index: int) -> dict[str, Any]:
         dev["compute_mode"] = fields.read(
             "compute_mode", lambda: int(pynvml.nvmlDeviceGetComputeMode(handle)))
         dev["mig"] = _mig(pynvml, handle, fields)
+        dev["config"] = _config(pynvml, handle, fields)
         action = fields.read("recovery_action",
                              lambda: _field_value(pynvml, handle, FIELD_RECOVERY_ACTION))
         dev["recovery_action"] = None if action is None else RECOVERY_ACTIONS.get(

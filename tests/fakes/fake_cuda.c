@@ -38,6 +38,14 @@
  *                              every allocation (mod its size) reads back flipped (MODE
  *                              flip, the default), as 0 (stuck0) or as 1 (stuck1), in every
  *                              device-to-host copy that covers it (see memory_fault)
+ *   FAKE_CUDA_WORK_SETS=IDX:KEY=VALUE
+ *                              a diagnostic that changes its GPU (diagnostic_side_effect):
+ *                              the first device-to-device copy of a process on physical GPU
+ *                              IDX (the work qualification does; the cuda probe only
+ *                              allocates) writes KEY=VALUE into FAKE_GPU_STATE_FILE
+ *                              (replacing the file atomically), as if the work had changed
+ *                              a setting the fake NVML then reports
+ *                              (e.g. FAKE_NVML_APP_CLOCKS_MHZ=4:1755/3201)
  *   FAKE_GPU_NAME, FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MIG,
  *   FAKE_NVML_MEMORY_USED_MIB  shared with the fake NVML
  *
@@ -703,6 +711,34 @@ static CUresult ctx_create_checked(CUcontext *pctx, CUdevice dev) {
     t_ctx_stack[t_ctx_depth++] = c; /* a new context becomes current */
     *pctx = c;
     return CUDA_SUCCESS;
+}
+
+/* FAKE_CUDA_WORK_SETS: append KEY=VALUE to the state file, once per process and GPU. */
+static void work_side_effect(int dev) {
+    static unsigned long long done; /* physical GPUs this process changed already */
+    int gpu = g_visible[dev].gpu;
+    if (gpu < 0 || gpu >= 64 || (done >> gpu) & 1ULL) return;
+    char *knob = fake_get_dup("FAKE_CUDA_WORK_SETS");
+    const char *path = getenv("FAKE_GPU_STATE_FILE");
+    char *colon = knob ? strchr(knob, ':') : NULL;
+    if (colon && path && *path && strchr(colon + 1, '=')) {
+        *colon = '\0';
+        long long idx;
+        if (fake_parse_ll(knob, &idx) && idx == gpu) {
+            done |= 1ULL << gpu;
+            char tmp[4200];
+            snprintf(tmp, sizeof tmp, "%s.ctx-%ld", path, (long)getpid());
+            FILE *in = fopen(path, "r"), *out = fopen(tmp, "w");
+            if (out) {
+                int c;
+                while (in && (c = fgetc(in)) != EOF) fputc(c, out);
+                fprintf(out, "\n%s\n", colon + 1);
+                if (fclose(out) == 0) rename(tmp, path);
+            }
+            if (in) fclose(in);
+        }
+    }
+    free(knob);
 }
 
 static CUresult ctx_create(CUcontext *pctx, CUdevice dev, const char *call) {
@@ -1381,6 +1417,7 @@ static CUresult do_copy(copy_kind kind, void *dst, const void *src, size_t n, co
     int dev = current_device();
     if (kind != COPY_ANY && dev >= 0)
         log_device_event("copy", call, dev, CUDA_SUCCESS, n > (size_t)LLONG_MAX ? LLONG_MAX : (long long)n);
+    if (kind == COPY_DTOD && dev >= 0) work_side_effect(dev);
     return CUDA_SUCCESS;
 }
 

@@ -21,7 +21,8 @@
  *   FAKE_NVML_UNSUPPORTED=f1,f2       listed query families return NOT_SUPPORTED:
  *       power, temperature, utilization, ecc, remapped_rows, retired_pages,
  *       clocks_event_reasons, persistence, compute_mode, mig, field_values,
- *       processes, events, memory, pcie, nvlink, fabric, serial, energy, clocks
+ *       processes, events, memory, pcie, nvlink, fabric, serial, energy, clocks,
+ *       firmware
  *   FAKE_GPU_MEMORY_TOTAL_MIB, FAKE_NVML_MEMORY_USED_MIB=IDX[.J]:MIB
  *   FAKE_NVML_UTILIZATION=IDX:PCT, FAKE_NVML_MEMORY_UTILIZATION=IDX:PCT
  *   FAKE_NVML_TEMPERATURE_C=IDX:C (35), FAKE_NVML_POWER_MW=IDX:MW (75000),
@@ -58,6 +59,12 @@
  *       GPU's power (FAKE_NVML_POWER_MW) times the wall clock's seconds, so that it grows at
  *       the board's power and agrees across processes
  *   FAKE_NVML_DRIVER_VERSION (570.124.06), FAKE_CUDA_DRIVER_VERSION (12080)
+ *   The inventory (gpu_config_drift, diagnostic_side_effect), each per GPU:
+ *   FAKE_NVML_VBIOS=IDX:TEXT (96.00.9F.00.04), FAKE_NVML_INFOROM=IDX:TEXT (G525.0230.00.01),
+ *   FAKE_NVML_GSP_FIRMWARE=IDX:TEXT (the driver version), all three of family "firmware";
+ *   FAKE_NVML_APP_CLOCKS_MHZ=IDX:SM/MEM (1980/3201) the application clocks (family clocks);
+ *   FAKE_NVML_ECC_MODE=IDX:CUR[/PENDING] (1/1) ECC mode now and after the next reset;
+ *   the power management limit is FAKE_NVML_POWER_LIMIT_MW's (family power)
  * FAKE_NVML_COMPUTE_MODE, FAKE_NVML_PROCESSES and FAKE_NVML_MEMORY_USED_MIB also
  * decide whether the fake libcuda creates a context on a GPU (see fake_cuda.c).
  */
@@ -618,8 +625,13 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t device, unsigned int
 FAKE_EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, int *current, int *pending) {
     CHECK_DEVICE(device, "ecc", 0);
     if (!current || !pending) return NVML_ERROR_INVALID_ARGUMENT;
-    *current = 1; /* NVML_FEATURE_ENABLED */
-    *pending = 1;
+    char buf[32];
+    long long cur = 1, pend = 1; /* NVML_FEATURE_ENABLED */
+    if (fake_list_str("FAKE_NVML_ECC_MODE", device->gpu, -1, buf, sizeof buf)) {
+        if (sscanf(buf, "%lld/%lld", &cur, &pend) == 1) pend = cur;
+    }
+    *current = cur ? 1 : 0;
+    *pending = pend ? 1 : 0;
     return NVML_SUCCESS;
 }
 
@@ -722,6 +734,58 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode
     CHECK_DEVICE(device, "compute_mode", 0);
     if (!mode) return NVML_ERROR_INVALID_ARGUMENT;
     *mode = (int)fake_list_ll("FAKE_NVML_COMPUTE_MODE", device->gpu, -1, 0);
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Inventory: firmware versions and the configuration an operator sets       */
+/* ------------------------------------------------------------------------- */
+
+/* An H200's answers; each a per-GPU knob so that one GPU can differ from its peers. */
+static nvmlReturn_t inventory_text(nvmlDevice_t device, const char *knob, const char *def,
+                                   char *out, unsigned int len) {
+    CHECK_DEVICE(device, "firmware", 0);
+    char buf[96];
+    if (!fake_list_str(knob, device->gpu, -1, buf, sizeof buf)) snprintf(buf, sizeof buf, "%s", def);
+    return copy_string(out, len, buf);
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetVbiosVersion(nvmlDevice_t device, char *version,
+                                                   unsigned int length) {
+    return inventory_text(device, "FAKE_NVML_VBIOS", "96.00.9F.00.04", version, length);
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetInforomImageVersion(nvmlDevice_t device, char *version,
+                                                          unsigned int length) {
+    return inventory_text(device, "FAKE_NVML_INFOROM", "G525.0230.00.01", version, length);
+}
+
+/* pynvml passes a 64-byte buffer (NVML_GSP_FIRMWARE_VERSION_BUF_SIZE) and no length. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetGspFirmwareVersion(nvmlDevice_t device, char *version) {
+    char def[64];
+    char *driver = fake_get_dup("FAKE_NVML_DRIVER_VERSION");
+    snprintf(def, sizeof def, "%s", driver && *driver ? driver : FAKE_DEFAULT_DRIVER_VERSION);
+    free(driver);
+    return inventory_text(device, "FAKE_NVML_GSP_FIRMWARE", def, version, 64);
+}
+
+/* The configured limit (nvidia-smi -pl); the enforced one is the same knob. */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device,
+                                                           unsigned int *limit) {
+    return nvmlDeviceGetEnforcedPowerLimit(device, limit);
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetApplicationsClock(nvmlDevice_t device, int type,
+                                                        unsigned int *clock) {
+    CHECK_DEVICE(device, "clocks", 0);
+    if (!clock) return NVML_ERROR_INVALID_ARGUMENT;
+    char buf[64];
+    long long sm = 1980, mem = 3201;
+    if (fake_list_str("FAKE_NVML_APP_CLOCKS_MHZ", device->gpu, -1, buf, sizeof buf))
+        sscanf(buf, "%lld/%lld", &sm, &mem);
+    if (type == 0 || type == 1) *clock = (unsigned int)sm; /* GRAPHICS, SM */
+    else if (type == 2) *clock = (unsigned int)mem;        /* MEM */
+    else return NVML_ERROR_INVALID_ARGUMENT;
     return NVML_SUCCESS;
 }
 
