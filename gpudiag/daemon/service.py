@@ -49,6 +49,8 @@ from gpudiag.daemon.closeouts import JobFailuresCollector, JobInbox, record_job
 from gpudiag.daemon.config import DaemonConfig, load_config
 from gpudiag.daemon.effective import default_socket_path
 from gpudiag.daemon.exporter import HistoryCollector
+from gpudiag.daemon.gpu_reset import GpuResetter
+from gpudiag.daemon.gpu_reset_part import start_gpu_reset
 from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
@@ -140,6 +142,7 @@ class _Parts:
     servers: tuple[HttpServer, ...]  # TCP first, then the unix socket if one is configured
     remediator: Remediator | None = None  # [remediation] mode observe or act
     job_watch: JobWatch | None = None  # [jobs]: hung collectives and stragglers
+    gpu_reset: GpuResetter | None = None  # [gpu_reset] enabled: the reset rung
 
 
 class DaemonService:
@@ -201,6 +204,8 @@ class DaemonService:
             parts.remediator.start()
         if parts.job_watch is not None:
             parts.job_watch.start()
+        if parts.gpu_reset is not None:
+            parts.gpu_reset.start()
         self._say_ready(parts)
 
     def request_stop(self) -> None:
@@ -226,6 +231,8 @@ class DaemonService:
             parts.remediator.stop()
         if parts.job_watch is not None:
             parts.job_watch.stop()
+        if parts.gpu_reset is not None:
+            parts.gpu_reset.stop()
         parts.scheduler.stop()
         parts.watcher.stop()
         # A probe child still running (even hung in the driver) must not hold the exit up to
@@ -311,13 +318,18 @@ class DaemonService:
         app.run_end_notes.append(job_watch.end_notes)
         remediator = self._start_remediation(scheduler, app, qualifier)
         self._start_healer(recorder, watcher, scheduler, clears, qualifier)
+        gpu_reset = start_gpu_reset(
+            cfg.gpu_reset, self.state_dir, locks.path, self._env,
+            on_snapshot=scheduler.on_snapshot, registry=app.registry,
+            health_evidence=app.health_evidence, submit=clears.submit,
+            store=partial(_open_store, recorder))
         try:
             servers = self._listen(app)
         except BaseException:
             qualifier.stop()
             raise
         return _Parts(lock, notifier, recorder, writer, watcher, scheduler, reloader,
-                      qualifier, servers, remediator, job_watch)
+                      qualifier, servers, remediator, job_watch, gpu_reset)
 
     def _start_healer(self, recorder: HistoryRecorder, watcher: XidWatcher,
                       scheduler: Scheduler, clears: ClearPoller, qualifier: Qualifier) -> None:

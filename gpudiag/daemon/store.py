@@ -107,6 +107,18 @@ CREATE TABLE IF NOT EXISTS boots (
     boot_id TEXT NOT NULL
 )"""
 
+# Issue 52: the daemon's GPU resets (the reset rung, daemon/gpu_reset.py), one row per reset
+# when its outcome is known. Created on first use, as clears are.
+_RESETS_DDL = """
+CREATE TABLE IF NOT EXISTS resets (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    gpu TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    serial TEXT
+)"""
+
 # Created with the first job closeout, as clears are: the jobs that closed out on this node,
 # for `gpudiag explain` and a run's failure attribution (the XID timeline is ``xids`` above).
 _JOBS_DDL = """
@@ -262,6 +274,22 @@ class Episode:
                 "backend": self.backend, "device": self.device, "started": self.started,
                 "ended": self.ended, "message": self.message, "evidence": dict(self.evidence),
                 "serial": self.serial}
+
+
+@dataclass(frozen=True)
+class ResetEntry:
+    """One GPU reset the daemon made (the reset rung), and what became of it."""
+
+    id: int
+    ts: float  # when the reset was made
+    gpu: str
+    outcome: str  # core.gpu_reset.OUTCOMES
+    detail: str
+    serial: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.id, "ts": self.ts, "gpu": self.gpu, "outcome": self.outcome,
+                "detail": self.detail, "serial": self.serial}
 
 
 @dataclass(frozen=True)
@@ -553,6 +581,25 @@ class HistoryStore:
                                   int(no_repair), ",".join(sorted(set(codes)))))
             return int(cur.lastrowid or 0)
 
+    def record_reset(self, *, gpu: str, outcome: str, detail: str, ts: float) -> int:
+        """Store a GPU reset the daemon made (made at ``ts``) and its outcome; its id."""
+        with self._lock:
+            with self._transaction("record the GPU reset in") as db:
+                db.execute(_RESETS_DDL)
+                cur = db.execute("INSERT INTO resets (ts, gpu, outcome, detail, serial) VALUES "
+                                 "(?,?,?,?,?)", (ts, gpu, outcome, _tail(redact_text(detail)),
+                                                 self._serial_of(gpu)))
+            return int(cur.lastrowid or 0)
+
+    def resets(self, *, since: float | None = None, limit: int = 50) -> list[ResetEntry]:
+        """The daemon's GPU resets, newest first (none before the first)."""
+        if not self._has("resets"):
+            return []
+        rows = self._newest("SELECT id, ts, gpu, outcome, detail, serial FROM resets",
+                            {"ts >= ?": since}, limit)
+        return [ResetEntry(int(r[0]), float(r[1]), str(r[2]), str(r[3]), str(r[4]), r[5])
+                for r in rows]
+
     def record_xids(self, events: Sequence[XidEvent]) -> None:
         """Store XIDs the watcher saw (so that a restart holds them again), in one commit."""
         with self._lock:
@@ -653,7 +700,7 @@ class HistoryStore:
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
             db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
             db.execute("DELETE FROM gpu_identities WHERE last_seen < ?", (cutoff,))
-            for table in ("clears", "xids", "jobs"):  # made on first use
+            for table in ("clears", "xids", "jobs", "resets"):  # made on first use
                 if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
                               (table,)).fetchone():
                     # A fixed name from the tuple above, never input.

@@ -1,0 +1,104 @@
+"""The GPU reset rung as a daemon part: built from ``[gpu_reset]``, fed the scheduler's
+snapshots, its metrics (``gpudiag_gpu_reset*``, per scrape), its /v1/health evidence and its
+history rows (daemon/gpu_reset.py does the work).
+
+Every outcome and reason is present from the start (0), so alerts need no absent();
+docs/reference.md lists them, prometheus/gpudiag.rules.yml alerts on a reset that did not
+repair its GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpudiag.core.gpu_reset import LEFT_ALONE_REASONS, OUTCOMES, GpuResetConfig
+from gpudiag.daemon.clears import ClearRequest
+from gpudiag.daemon.gpu_reset import GpuResetter, ResetReport
+from gpudiag.daemon.slurmctl import check_executable
+from gpudiag.daemon.snapshot import Snapshot
+from gpudiag.daemon.store import HistoryError, HistoryStore
+
+log = logging.getLogger("gpudiag.daemon.gpu_reset")
+
+
+class GpuResetCollector:
+    """gpudiag_gpu_reset*: read from the resetter's report on each scrape."""
+
+    def __init__(self, report: Callable[[], ResetReport]) -> None:
+        self._report = report
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._report()
+        resets = CounterMetricFamily(
+            "gpudiag_gpu_resets", "GPU resets the daemon made ([gpu_reset]), by what the "
+            "fresh pass after each found (recovered, still_faulty), or failed, unverified.",
+            labels=["outcome"])
+        for outcome in OUTCOMES:
+            resets.add_metric([outcome], r.resets.get(outcome, 0))
+        yield resets
+        left = CounterMetricFamily(
+            "gpudiag_gpu_reset_left_alone", "Faulty GPUs a reset would repair that the daemon "
+            "left alone, once per GPU incident and reason (busy, domain_busy, mig, ...).",
+            labels=["reason"])
+        for reason in LEFT_ALONE_REASONS:
+            left.add_metric([reason], r.left_alone.get(reason, 0))
+        yield left
+        yield GaugeMetricFamily("gpudiag_gpu_reset_enabled",
+                                "1 when the GPU reset rung is on ([gpu_reset] enabled).",
+                                value=1.0 if r.enabled else 0.0)
+        yield GaugeMetricFamily("gpudiag_gpu_reset_pending",
+                                "GPUs reset whose verifying fresh pass is not in yet.",
+                                value=float(len(r.pending)))
+
+
+def keep_in_history(store: Callable[[], HistoryStore | None]
+                    ) -> Callable[[str, str, str, float], None]:
+    """``record`` for GpuResetter: the outcome into the history's ``resets`` (the history
+    as it is now: it may open late), or a log line saying why not."""
+    def record(gpu: str, outcome: str, detail: str, at: float) -> None:
+        history = store()
+        if history is None:
+            log.warning("GPU reset of %s (%s) not recorded: the history is not writable", gpu,
+                        outcome, extra={"uuid": gpu})
+            return
+        try:
+            history.record_reset(gpu=gpu, outcome=outcome, detail=detail, ts=at)
+        except HistoryError as e:
+            log.warning("GPU reset of %s (%s) not recorded: %s", gpu, outcome, e,
+                        extra={"uuid": gpu})
+    return record
+
+
+def start_gpu_reset(cfg: GpuResetConfig, state_dir: Path, lock_dir: Path,
+                    env: Mapping[str, str], *, on_snapshot: Callable[[Callable[[Snapshot], None]],
+                                                                     None],
+                    registry: CollectorRegistry,
+                    health_evidence: dict[str, Callable[[], tuple[int, dict[str, Any]]]],
+                    submit: Callable[[ClearRequest], None],
+                    store: Callable[[], HistoryStore | None]) -> GpuResetter | None:
+    """[gpu_reset] enabled: the resetter on the scheduler's snapshots, its metrics and
+    /v1/health evidence (not started yet); None when the rung is off. A tool the daemon must
+    not run (not an executable, writable by others) keeps the rung off, loudly."""
+    if not cfg.enabled:
+        return None
+    unsafe = check_executable(cfg.nvidia_smi)
+    if unsafe is not None:
+        log.error("[gpu_reset] is enabled but %s: the GPU reset rung stays off", unsafe,
+                  extra={"nvidia_smi": cfg.nvidia_smi})
+        cfg = replace(cfg, enabled=False)
+    resetter = GpuResetter(cfg, state_dir, lock_dir, submit=submit,
+                           record=keep_in_history(store), env=env)
+    on_snapshot(resetter.offer)
+    registry.register(GpuResetCollector(resetter.report))
+    health_evidence["gpu_reset"] = resetter.evidence
+    log.info("GPU reset rung %s: %s resets idle GPUs with gpu_reset_required",
+             "on" if cfg.enabled else "off", cfg.nvidia_smi,
+             extra={"nvidia_smi": cfg.nvidia_smi})
+    return resetter
