@@ -130,7 +130,7 @@ def node(fakes: FakeDriver, tmp_path: Path) -> dict[str, Any]:
             "tmp": tmp_path, "log": log, "smi": str(fakes.nvidia_smi)}
 
 
-def _start(node: dict[str, Any], enabled: bool = True, **knobs: str | int) -> Daemon:
+def _start(node: dict[str, Any], *, enabled: bool = True, **knobs: str | int) -> Daemon:
     write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2, **knobs})
     reset = {"enabled": enabled, "nvidia_smi": node["smi"], "tick_s": 0.1,
              "verify_timeout_s": 60}

@@ -33,9 +33,11 @@ DOMAIN_BUSY = "domain_busy"  # another GPU of its NVLink domain does
 MIG = "mig"                  # MIG mode is on
 ATTEMPTS = "attempts_used"   # max_attempts_per_gpu within attempt_window_s already
 NO_BUS_ID = "no_bus_id"      # NVML gave no PCI bus id to name it to the tool by
-LOCKED = "locked"            # a lock of its domain was taken when the daemon tried
 SEEN_BUSY = "busy_under_lock"  # the tool showed a process on its domain under the locks
-LEFT_ALONE_REASONS = (BUSY, DOMAIN_BUSY, MIG, ATTEMPTS, NO_BUS_ID, LOCKED, SEEN_BUSY)
+LEFT_ALONE_REASONS = (BUSY, DOMAIN_BUSY, MIG, ATTEMPTS, NO_BUS_ID, SEEN_BUSY)
+# A lock of its domain was taken when the daemon tried (a probe's, a job starting): said once,
+# not counted, and tried again the next cycle.
+LOCKED = "locked"
 
 # What became of a reset (the ``outcome`` label of gpudiag_gpu_resets_total).
 RECOVERED = "recovered"        # a fresh pass after it found no fault on the GPU
