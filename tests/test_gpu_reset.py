@@ -234,7 +234,7 @@ def test_a_busy_gpu_is_never_reset_and_is_reset_once_its_job_ends(node: dict[str
 def test_a_gpu_whose_nvlink_peer_runs_a_job_is_not_reset(node: dict[str, Any]) -> None:
     knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_NVLINKS": "0:4,1:4"}
     with FakeJobs(node["state_file"], knobs=knobs) as jobs:
-        daemon = _start(node, **knobs)
+        daemon = _start(node, FAKE_NVML_NVLINKS="0:4,1:4")
         try:
             jobs.set_knobs(**knobs)
             jobs.start(0, memory_mib=4096)  # the peer, not the faulty GPU
