@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,31 @@ def test_the_rung_is_off_by_default_and_its_config_is_checked() -> None:
                 {"reset_all": True}):
         with pytest.raises(ConfigError, match="gpu_reset"):
             from_mapping({"gpu_reset": bad})
+
+
+# -- the fake tool behaves as the real one does where it matters ------------------------------
+def test_the_fake_nvidia_smi_resets_one_idle_gpu_with_persistence_off_and_nothing_else(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    write_state_file(state, {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_RECOVERY_ACTION": "1:1",
+                             "FAKE_NVML_PROCESSES": "0:4242:100"})
+    env = fakes.env(FAKE_GPU_STATE_FILE=str(state))
+
+    def smi(*args: str) -> int:
+        return subprocess.run([str(fakes.nvidia_smi), *args], env=env, capture_output=True,
+                              timeout=30, check=False).returncode
+
+    assert smi("-r") == 2  # never every GPU at once
+    assert smi("-r", "-i", BUS1) == 255  # persistence mode is on
+    assert smi("-i", BUS1, "-pm", "0") == 0
+    write_state_file(state, {**dict(line.split("=", 1) for line in
+                                    state.read_text().splitlines()),
+                             "FAKE_NVML_NVLINKS": "0:4,1:4"})
+    assert smi("-r", "-i", BUS1) == 255  # its NVLink peer runs a process
+    text = state.read_text().replace("FAKE_NVML_NVLINKS=0:4,1:4", "")
+    state.write_text(text)
+    assert smi("-r", "-i", BUS1) == 0
+    assert "FAKE_NVML_RECOVERY_ACTION" not in state.read_text()
 
 
 # -- a real daemon on the fakes -----------------------------------------------------------------
