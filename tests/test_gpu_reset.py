@@ -36,7 +36,7 @@ from gpudiag.core.gpu_reset import (
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.store import default_path
 from tests.fakes.build import FakeDriver, write_state_file
-from tests.fakes.jobs import FakeJobs
+from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.daemon import (
     Daemon,
     daemon_toml,
@@ -151,8 +151,9 @@ def node(fakes: FakeDriver, tmp_path: Path) -> dict[str, Any]:
     write_state_file(state_file, {"FAKE_NVML_DEVICE_COUNT": 2})
     log = tmp_path / "smi.log"
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state_file),
-                   FAKE_NVIDIA_SMI_LOG=str(log))
-    return {"env": env, "state_file": state_file, "state": tmp_path / "state",
+                   FAKE_NVIDIA_SMI_LOG=str(log),
+                   FAKE_CUDA_CONTEXT_LOG=str(tmp_path / "contexts.log"))
+    return {"env": env, "contexts": tmp_path / "contexts.log", "state_file": state_file, "state": tmp_path / "state",
             "tmp": tmp_path, "log": log, "smi": str(fakes.nvidia_smi)}
 
 
@@ -248,6 +249,8 @@ def test_a_busy_gpu_is_never_reset_and_is_reset_once_its_job_ends(node: dict[str
                                       "reason")[BUSY] == 1, 30, interval=0.2)
             time.sleep(1.0)  # cycles go on while it stays busy: still nothing
             assert _resets(node) == [] and _blocked(daemon)
+            # Nor did anything of the daemon touch it: no CUDA context while the job ran.
+            assert jobs.contexts_while_busy(read_context_log(node["contexts"])) == []
             job = jobs.stop(job)
             wait_for(lambda: _resets(node), 30, interval=0.2)
             ((reset,),) = [_resets(node)]
