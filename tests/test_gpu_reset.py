@@ -153,8 +153,8 @@ def node(fakes: FakeDriver, tmp_path: Path) -> dict[str, Any]:
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state_file),
                    FAKE_NVIDIA_SMI_LOG=str(log),
                    FAKE_CUDA_CONTEXT_LOG=str(tmp_path / "contexts.log"))
-    return {"env": env, "contexts": tmp_path / "contexts.log", "state_file": state_file, "state": tmp_path / "state",
-            "tmp": tmp_path, "log": log, "smi": str(fakes.nvidia_smi)}
+    return {"env": env, "contexts": tmp_path / "contexts.log", "state_file": state_file,
+            "state": tmp_path / "state", "tmp": tmp_path, "log": log, "smi": str(fakes.nvidia_smi)}
 
 
 def _start(node: dict[str, Any], *, enabled: bool = True, **knobs: str | int) -> Daemon:

@@ -54,6 +54,7 @@ from gpudiag.daemon.gpu_reset_part import start_gpu_reset
 from gpudiag.daemon.holds import HistoryAtStart, XidKeeper, restore_holds
 from gpudiag.daemon.httpserver import HttpServer
 from gpudiag.daemon.httpserver import start as start_http
+from gpudiag.daemon.incidents import IncidentTracker
 from gpudiag.daemon.job_watch import JobWatch
 from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.numbers import Numbers, NumbersCollector
@@ -296,14 +297,18 @@ class DaemonService:
             runtimes_dir=self.state_dir / "runtimes")
         scheduler.on_snapshot(numbers.verdict)
         scheduler.on_snapshot(partial(_record, writer))
+        incidents = IncidentTracker(self.state_dir, partial(_open_store, recorder))
+        scheduler.on_snapshot(incidents.offer)
         if cfg.nfd_features_file is not None:
-            scheduler.on_snapshot(partial(_label, NfdFeatureFile(cfg.nfd_features_file,
-                                                                 cfg.nfd_expiry_s)))
+            scheduler.on_snapshot(partial(_label, NfdFeatureFile(
+                cfg.nfd_features_file, cfg.nfd_expiry_s, incident=incidents.id_for)))
         store = recorder.store
         self._app = app = DaemonApp(scheduler, store if isinstance(store, HistoryStore) else None,
                                     history_error=lambda: writer.health().last_error)
         app.registry.register(HistoryCollector(writer.health))
         app.registry.register(LockDirCollector(locks.shared))
+        app.registry.register(incidents.collector())
+        app.health_evidence["incident"] = incidents.evidence
         reloader = Reloader(scheduler, self._load, retune_xid=watcher.retune, notifier=notifier,
                             set_log_level=_set_log_level)
         app.registry.register(ReloadCollector(reloader.state))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.incident import Incident
 from gpudiag.core.redact import redact_text
 from gpudiag.core.verdict import Verdict
 
@@ -117,6 +118,18 @@ CREATE TABLE IF NOT EXISTS resets (
     outcome TEXT NOT NULL,
     detail TEXT NOT NULL,
     serial TEXT
+)"""
+
+# Issue 52: the node's incidents (core.incident), one row per incident id, updated as codes
+# join it and when it closes. Created on first use, as clears are.
+_INCIDENTS_DDL = """
+CREATE TABLE IF NOT EXISTS incidents (
+    id TEXT PRIMARY KEY,
+    started REAL NOT NULL,
+    ended REAL,
+    code TEXT NOT NULL,
+    gpu TEXT,
+    codes TEXT NOT NULL
 )"""
 
 # Created with the first job closeout, as clears are: the jobs that closed out on this node,
@@ -591,6 +604,27 @@ class HistoryStore:
                                                  self._serial_of(gpu)))
             return int(cur.lastrowid or 0)
 
+    def record_incident(self, incident: Incident) -> None:
+        """Store an incident as it stands now (opened, joined or closed), by its id."""
+        with self._lock:
+            with self._transaction("record the incident in") as db:
+                db.execute(_INCIDENTS_DDL)
+                db.execute("INSERT INTO incidents (id, started, ended, code, gpu, codes) VALUES "
+                           "(?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET ended=excluded.ended, "
+                           "codes=excluded.codes",
+                           (incident.id, incident.started_wall, incident.ended_wall,
+                            incident.code, incident.gpu, ",".join(incident.codes)))
+
+    def incidents(self, *, since: float | None = None, limit: int = 50) -> list[Incident]:
+        """The node's incidents, newest first (none before the first)."""
+        if not self._has("incidents"):
+            return []
+        rows = self._query("SELECT id, started, code, gpu, codes, ended FROM incidents" + (
+            " WHERE started >= ?" if since is not None else "") +
+            " ORDER BY started DESC LIMIT ?", [*([since] if since is not None else []), limit])
+        return [Incident(str(r[0]), float(r[1]), str(r[2]), r[3], _split(r[4] or ""),
+                         None if r[5] is None else float(r[5])) for r in rows]
+
     def resets(self, *, since: float | None = None, limit: int = 50) -> list[ResetEntry]:
         """The daemon's GPU resets, newest first (none before the first)."""
         if not self._has("resets"):
@@ -705,6 +739,10 @@ class HistoryStore:
                               (table,)).fetchone():
                     # A fixed name from the tuple above, never input.
                     db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,))
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
+                          "name='incidents'").fetchone():
+                db.execute("DELETE FROM incidents WHERE ended IS NOT NULL AND ended < ?",
+                           (cutoff,))
         self._prune_jobs_by_size()
         for _ in range(20):
             if self.size_bytes() <= self.max_bytes:
