@@ -230,6 +230,9 @@ def test_an_idle_gpu_with_a_reset_xid_is_reset_verified_and_recorded(node: dict[
         evidence = _health(daemon)["evidence"]["gpu_reset"]
         assert evidence["last"]["outcome"] == "recovered" and evidence["pending"] == []
         assert _history(node, "SELECT gpu, outcome FROM resets") == [(G1, "recovered")]
+        status, history = daemon.get("/v1/history")
+        assert status == 200 and [(r["gpu"], r["outcome"]) for r in history["resets"]] == [
+            (G1, "recovered")]
         ((gpu, reason),) = _history(node, "SELECT gpu, reason FROM clears")
         assert gpu == G1 and reason.startswith("reset by gpudiag")
         assert any("GPU reset of " + G1 + ": recovered" in line for line in daemon.lines)

@@ -192,6 +192,10 @@ def test_one_incident_one_id_across_history_health_npd_nfd_and_metrics(
         ((row_id, code, codes, ended),) = _rows(node)
         assert row_id == ident and code == "gpu_reset_required" and ended is not None
         assert codes.split(",")[:2] == ["gpu_reset_required", "gpu_lost"]
+        status, history = daemon.get("/v1/history")
+        assert status == 200
+        assert [(i["id"], i["code"]) for i in history["incidents"]] == [
+            (ident, "gpu_reset_required")]
         assert sum(f"incident {ident} opened" in line for line in daemon.lines) == 0
         assert any(f"incident {ident} closed" in line for line in daemon.lines)
     finally:

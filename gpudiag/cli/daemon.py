@@ -334,6 +334,8 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
             entries = store.verdicts(since=since, blocked=blocked, limit=limit)
             episodes = store.episodes(since=since, limit=limit)
             clears = store.clears(since=since, limit=limit)
+            incidents = store.incidents(since=since, limit=limit)
+            resets = store.resets(since=since, limit=limit)
         finally:
             store.close()
     except HistoryError as e:
@@ -342,6 +344,8 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         click.echo(json.dumps({"verdicts": [v.record() for v in entries],
                                "episodes": [ep.record() for ep in episodes],
                                "clears": [c.record() for c in clears],
+                               "incidents": [i.record() for i in incidents],
+                               "resets": [r.record() for r in resets],
                                "damaged": [str(folder / n) for n in damaged]}, indent=2))
         return
     for name in damaged:
@@ -370,3 +374,15 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
         click.echo(terminal_safe(f"{_when(c.ts)}  {c.gpu or 'all GPUs'}  by uid {c.uid}: "
                                  f"{c.reason or '(no reason)'}; {c.released} held XID(s) "
                                  "released", one_line=True))
+    if incidents:
+        click.echo("\nincidents:")
+    for inc in incidents:
+        end = "open" if inc.ended_wall is None else _when(inc.ended_wall)
+        click.echo(terminal_safe(f"{_when(inc.started_wall)} .. {end}  {inc.id}  {inc.code} "
+                                 f"on {inc.gpu or 'the node'} ({','.join(inc.codes)})",
+                                 one_line=True))
+    if resets:
+        click.echo("\nGPU resets (the reset rung):")
+    for r in resets:
+        click.echo(terminal_safe(f"{_when(r.ts)}  {r.gpu}  {r.outcome}: {r.detail}",
+                                 one_line=True))
