@@ -235,6 +235,9 @@ def test_an_idle_gpu_with_a_reset_xid_is_reset_verified_and_recorded(node: dict[
             (G1, "recovered")]
         ((gpu, reason),) = _history(node, "SELECT gpu, reason FROM clears")
         assert gpu == G1 and reason.startswith("reset by gpudiag")
+        # The reset names the incident it answers, as the history's incidents row does.
+        ((ident,),) = _history(node, "SELECT id FROM incidents")
+        assert reason.endswith(f"(incident {ident})")
         assert any("GPU reset of " + G1 + ": recovered" in line for line in daemon.lines)
     finally:
         assert daemon.stop() == 0

@@ -174,16 +174,19 @@ class GpuResetter:
                  submit: Callable[[ClearRequest], None],
                  record: Callable[[str, str, str, float], None],
                  env: Mapping[str, str], runner: Runner = run_bounded,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 incident: Callable[[Snapshot], str | None] | None = None) -> None:
         """``submit`` applies the daemon's own clear of a reset GPU; ``record(gpu, outcome,
         detail, reset_wall)`` keeps an outcome in the history; ``env`` is what the tool
-        sees (the daemon's environment)."""
+        sees (the daemon's environment); ``incident`` names the node's open incident as of a
+        snapshot (daemon/incidents.py), said with each reset so that it can be followed."""
         self.cfg = cfg
         self.tool = ResetTool(cfg.nvidia_smi, cfg.command_timeout_s, env, runner)
         self._path = state_dir / STATE_FILE
         self._lock_dir = lock_dir
         self._submit, self._record = submit, record
         self._wall = wall
+        self._incident = incident
         self._lock = threading.Lock()  # guards _latest and _report; never held on I/O
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -295,22 +298,24 @@ class GpuResetter:
                                  f"tool shows work on its NVLink domain ({'; '.join(seen)[:300]})")
                 return
             at = self._wall()
+            ident = self._incident(snap) if self._incident is not None else None
+            within = f" (incident {ident})" if ident else ""
             walls = (*self._memory.attempts.get(plan.uuid, ()), at)[-MAX_WALLS:]
             self._keep(replace(self._memory, attempts={**self._memory.attempts,
                                                        plan.uuid: walls}))
-            log.warning("resetting GPU %s (%s): gpu_reset_required, the GPU and its NVLink "
-                        "domain idle and locked", plan.uuid, plan.bus_id,
+            log.warning("resetting GPU %s (%s)%s: gpu_reset_required, the GPU and its NVLink "
+                        "domain idle and locked", plan.uuid, plan.bus_id, within,
                         extra={"uuid": plan.uuid, "pci_bus_id": plan.bus_id,
-                               "domain": list(plan.domain)})
+                               "domain": list(plan.domain), "incident": ident})
             try:
                 self._run_reset(plan.bus_id)
             except ToolFailed as e:
-                self._finish(plan.uuid, at, FAILED, str(e))
+                self._finish(plan.uuid, at, FAILED, f"{e}{within}")
                 return
         self._keep(replace(self._memory, pending={**self._memory.pending, plan.uuid: at}))
         self._set(pending=tuple(self._memory.pending))
         self._submit(ClearRequest(gpu=plan.uuid, reason=f"reset by gpudiag (nvidia-smi -r -i "
-                                  f"{plan.bus_id}): gpu_reset_required on an idle GPU",
+                                  f"{plan.bus_id}): gpu_reset_required on an idle GPU{within}",
                                   uid=os.getuid(), requested_wall=at, automatic=True))
 
     def _run_reset(self, bus_id: str) -> None:

@@ -82,7 +82,9 @@ def start_gpu_reset(cfg: GpuResetConfig, state_dir: Path, lock_dir: Path,
                     registry: CollectorRegistry,
                     health_evidence: dict[str, Callable[[], tuple[int, dict[str, Any]]]],
                     submit: Callable[[ClearRequest], None],
-                    store: Callable[[], HistoryStore | None]) -> GpuResetter | None:
+                    store: Callable[[], HistoryStore | None],
+                    incident: Callable[[Snapshot], str | None] | None = None
+                    ) -> GpuResetter | None:
     """[gpu_reset] enabled: the resetter on the scheduler's snapshots, its metrics and
     /v1/health evidence (not started yet); None when the rung is off. A tool the daemon must
     not run (not an executable, writable by others) keeps the rung off, loudly."""
@@ -94,7 +96,7 @@ def start_gpu_reset(cfg: GpuResetConfig, state_dir: Path, lock_dir: Path,
                   extra={"nvidia_smi": cfg.nvidia_smi})
         cfg = replace(cfg, enabled=False)
     resetter = GpuResetter(cfg, state_dir, lock_dir, submit=submit,
-                           record=keep_in_history(store), env=env)
+                           record=keep_in_history(store), env=env, incident=incident)
     on_snapshot(resetter.offer)
     registry.register(GpuResetCollector(resetter.report))
     health_evidence["gpu_reset"] = resetter.evidence

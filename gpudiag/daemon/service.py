@@ -327,7 +327,7 @@ class DaemonService:
             cfg.gpu_reset, self.state_dir, locks.path, self._env,
             on_snapshot=scheduler.on_snapshot, registry=app.registry,
             health_evidence=app.health_evidence, submit=clears.submit,
-            store=partial(_open_store, recorder))
+            store=partial(_open_store, recorder), incident=incidents.id_for)
         try:
             servers = self._listen(app)
         except BaseException:
