@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,8 @@ class IncidentTracker:
         self._current = self._load()
         self._opened = 0
         self._version = 1
+        self._rows: queue.SimpleQueue[Incident] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
 
     # -- the listeners' side -------------------------------------------------------------
     def offer(self, snap: Snapshot) -> None:
@@ -104,6 +107,20 @@ class IncidentTracker:
             self._record(new)
 
     def _record(self, inc: Incident) -> None:
+        """To the history on the tracker's own writer thread, in order: a history write
+        stuck in the disk never holds up the thread that publishes snapshots (the state
+        file, written here, is what a restart needs)."""
+        self._rows.put(inc)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_rows, name="incident-history",
+                                            daemon=True)
+            self._writer.start()
+
+    def _write_rows(self) -> None:
+        while True:
+            self._write(self._rows.get())
+
+    def _write(self, inc: Incident) -> None:
         history = self._store()
         if history is None:
             return
