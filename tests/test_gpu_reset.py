@@ -58,10 +58,14 @@ def _gpu(uuid: str, occupancy: str = "free", *, nvlink: bool = False, mig: bool 
 
 
 # -- the policy --------------------------------------------------------------------------------
-def test_only_gpu_reset_required_on_a_gpu_is_a_reset_fault() -> None:
+def test_only_gpu_reset_required_on_a_gpu_with_nothing_beyond_a_reset_is_a_reset_fault(
+) -> None:
     blockers = [("gpu_reset_required", G1), ("gpu_lost", G0), ("gpu_reset_required", None),
                 ("gpu_reset_required", "index 3"), ("gpu_reset_required", G1)]
     assert reset_faults(blockers) == [G1]
+    # A GPU also off the bus (or asking for a reboot) needs more than a reset.
+    assert reset_faults([("gpu_reset_required", G1), ("gpu_lost", G1)]) == []
+    assert reset_faults([("gpu_reset_required", G1), ("node_reboot_required", G1)]) == []
 
 
 def test_an_idle_pcie_gpu_is_reset_alone() -> None:

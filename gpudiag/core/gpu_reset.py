@@ -9,6 +9,8 @@ of the NVLink domain runs work. So, in the order checked:
 - off unless ``[gpu_reset] enabled``; only ``gpu_reset_required`` on a GPU named by its
   full UUID;
 - never a GPU in MIG mode (its instances would have to be destroyed first: a person's call);
+- never a GPU that also shows something a reset does not repair (``gpu_lost``, ``gpu_missing``,
+  ``node_reboot_required``);
 - the GPU and every GPU of its NVLink domain must be FREE (no process, no lock; UNKNOWN is
   never FREE). Which GPUs share an NVLink domain is not read from the topology: a GPU with
   NVLink links is taken to share one domain with every other GPU of the node (an NVSwitch
@@ -87,12 +89,20 @@ class ResetPlan:
     domain: tuple[str, ...] = ()
 
 
+# A GPU that also shows one of these needs more than a reset (off the bus, a reboot): a reset
+# would fail or hide it, and use up the GPU's attempts.
+BEYOND_RESET = frozenset({"gpu_lost", "gpu_missing", "node_reboot_required"})
+
+
 def reset_faults(blockers: Sequence[tuple[str, str | None]]) -> list[str]:
-    """The GPUs a reset may repair: ``gpu_reset_required`` on a GPU (full UUID), from the
-    node-health verdict's (code, device) pairs, each once, in order."""
+    """The GPUs a reset may repair: ``gpu_reset_required`` on a GPU (full UUID) and nothing
+    beyond a reset on it, from the node-health verdict's (code, device) pairs, each once,
+    in order."""
+    beyond = {device for code, device in blockers if code in BEYOND_RESET}
     out: list[str] = []
     for code, device in blockers:
-        if code == RESET_CODE and device and device.startswith("GPU-") and device not in out:
+        if (code == RESET_CODE and device and device.startswith("GPU-") and device not in out
+                and device not in beyond):
             out.append(device)
     return out
 
