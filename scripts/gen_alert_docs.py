@@ -33,6 +33,9 @@ FIRES_WHEN = {
                                      "gpudiag (`gpudiag_remediation_needs_person`)",
     "GpudiagRemediationSlurmFailing": "scontrol or sinfo keeps failing, hanging or is absent "
                                       "(`gpudiag_remediation_scontrol_failing`)",
+    "GpudiagGpuResetDidNotRepair": "a GPU reset by the daemon's reset rung (`[gpu_reset]`) "
+                                   "left the GPU faulty or failed "
+                                   "(`gpudiag_gpu_resets_total{outcome}`): a person's now",
     "GpudiagGpuLinkDown": "a GPU has NVLink links down or its NVSwitch fabric is not ready "
                           "(`gpudiag_gpu_condition`)",
     "GpudiagGpuDegraded": "a GPU shows a degraded PCIe link, held clock events, memory no "

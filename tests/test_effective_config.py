@@ -80,6 +80,15 @@ straggler_after_s = 600
 straggler_ratio = 0.8
 busy_utilization = 0.6
 
+[gpu_reset]
+enabled = true
+nvidia_smi = "/opt/nvidia/bin/nvidia-smi"
+command_timeout_s = 30
+max_attempts_per_gpu = 2
+attempt_window_s = 3600
+verify_timeout_s = 120
+tick_s = 0.5
+
 [runtimes.gpudiag]
 require = "jax"
 
@@ -119,7 +128,7 @@ def test_every_field_is_printed_or_said_why_not() -> None:
     shown = {line.lstrip("# ").split(" ")[0] for line in text.splitlines()}
     for name in _names(DaemonConfig()) - {"backends", "xid", "history", "nvml",
                                           "qualification", "thresholds", "runtimes",
-                                          "remediation", "jobs"}:
+                                          "remediation", "jobs", "gpu_reset"}:
         qual = [q for q in (*PLACES, *NOT_IN_FILE) if q.endswith(f".{name}")]
         assert name in shown or qual, f"{name} is missing from serve --check-config"
     assert {"nfd_features_file", "nfd_expiry_s", "clock_event_dwell_s"} <= shown

@@ -14,6 +14,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,8 @@ from gpudiag.daemon.config import ConfigError, DaemonConfig, exposure_warning, l
 from gpudiag.daemon.effective import default_socket_path, effective_config
 
 if TYPE_CHECKING:  # the store is imported where a command reads it (the CLI starts fast)
-    from gpudiag.daemon.store import ClearEntry, Episode, HistoryEntry
+    from gpudiag.core.incident import Incident
+    from gpudiag.daemon.store import ClearEntry, Episode, HistoryEntry, ResetEntry
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message",
                                                                          "asctime"}
@@ -334,29 +336,46 @@ def history(state_dir: str | None, since_text: str | None, blocked: bool, limit:
     try:
         store = HistoryStore(path, readonly=True)
         try:
-            entries = store.verdicts(since=since, blocked=blocked, limit=limit)
-            episodes = store.episodes(since=since, limit=limit)
-            clears = store.clears(since=since, limit=limit)
+            read = _HistoryRead(store.verdicts(since=since, blocked=blocked, limit=limit),
+                                store.episodes(since=since, limit=limit),
+                                store.clears(since=since, limit=limit),
+                                store.incidents(since=since, limit=limit),
+                                store.resets(since=since, limit=limit))
         finally:
             store.close()
     except HistoryError as e:
         raise _Failed(str(e)) from e
     if as_json:
-        click.echo(json.dumps({"verdicts": [v.record() for v in entries],
-                               "episodes": [ep.record() for ep in episodes],
-                               "clears": [c.record() for c in clears],
-                               "damaged": [str(folder / n) for n in damaged]}, indent=2))
+        click.echo(json.dumps({**read.record(), "damaged": [str(folder / n) for n in damaged]},
+                              indent=2))
         return
     for name in damaged:
         # Earlier history lives on in that file (readable with sqlite3 if not too damaged).
         click.echo(f"note: a damaged history was moved aside to {folder / name}; the history "
                    "below starts after it", err=True)
-    _print_history(entries, episodes, clears, bool(since_text))
+    _print_history(read, bool(since_text))
 
 
-def _print_history(entries: Sequence[HistoryEntry], episodes: Sequence[Episode],
-                   clears: Sequence[ClearEntry], windowed: bool) -> None:
-    """`gpudiag history`'s text: verdict changes, blocker episodes, applied clears."""
+@dataclass(frozen=True)
+class _HistoryRead:
+    """What `gpudiag history` read of the store, in its window."""
+
+    verdicts: Sequence[HistoryEntry]
+    episodes: Sequence[Episode]
+    clears: Sequence[ClearEntry]
+    incidents: Sequence[Incident]
+    resets: Sequence[ResetEntry]
+
+    def record(self) -> dict[str, list[dict[str, Any]]]:
+        return {name: [row.record() for row in getattr(self, name)]
+                for name in ("verdicts", "episodes", "clears", "incidents", "resets")}
+
+
+def _print_history(read: _HistoryRead, windowed: bool) -> None:
+    """`gpudiag history`'s text: verdict changes, blocker episodes, applied clears,
+    incidents and the reset rung's resets."""
+    entries, episodes, clears = read.verdicts, read.episodes, read.clears
+    incidents, resets = read.incidents, read.resets
     if not entries:
         click.echo("no verdict changes" + (" in that time" if windowed else ""))
     for entry in entries:
@@ -379,3 +398,15 @@ def _print_history(entries: Sequence[HistoryEntry], episodes: Sequence[Episode],
         click.echo(terminal_safe(f"{_when(c.ts)}  {c.gpu or 'all GPUs'}  by uid {c.uid}: "
                                  f"{c.reason or '(no reason)'}; {c.released} held XID(s) "
                                  "released", one_line=True))
+    if incidents:
+        click.echo("\nincidents:")
+    for inc in incidents:
+        end = "open" if inc.ended_wall is None else _when(inc.ended_wall)
+        click.echo(terminal_safe(f"{_when(inc.started_wall)} .. {end}  {inc.id}  {inc.code} "
+                                 f"on {inc.gpu or 'the node'} ({','.join(inc.codes)})",
+                                 one_line=True))
+    if resets:
+        click.echo("\nGPU resets (the reset rung):")
+    for r in resets:
+        click.echo(terminal_safe(f"{_when(r.ts)}  {r.gpu}  {r.outcome}: {r.detail}",
+                                 one_line=True))

@@ -49,12 +49,21 @@ def _cut(text: str) -> str:
 
 
 def from_verdict(verdict: Verdict) -> NpdAnswer:
-    """A node-health verdict as NPD's answer: ready OK, a fault NonOK, not-broken Unknown."""
+    """A node-health verdict as NPD's answer: ready OK, a fault NonOK, not-broken Unknown.
+
+    With the daemon's open incident in the evidence (core.incident), a fault's message is
+    ``<incident id>: <its reason>``: the same for the whole incident (codes joining it change
+    nothing, so NPD's condition keeps its transition time), and the id the history, the
+    metrics and the NFD label carry."""
     code = verdict.gpu_validation_blocker
     if verdict.ready:
         return NpdAnswer(NPD_OK, "gpudiag: ready")
     if code in NOT_BROKEN_CODES:
         return NpdAnswer(NPD_UNKNOWN, _cut(f"gpudiag: {code} (nothing known broken)"))
+    incident = verdict.evidence.get("incident")
+    if isinstance(incident, dict) and incident.get("open") is True and isinstance(
+            incident.get("id"), str) and isinstance(incident.get("code"), str):
+        return NpdAnswer(NPD_PROBLEM, _cut(f"{incident['id']}: {incident['code']}"))
     return NpdAnswer(NPD_PROBLEM, _cut(f"gpudiag: {code}"))
 
 

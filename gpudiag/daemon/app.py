@@ -527,12 +527,16 @@ class DaemonApp:
             episodes = self.store.episodes(since=since, limit=limit)
             clears = self.store.clears(since=since, limit=limit)
             xids = self.store.xids(since=since, limit=limit)
+            incidents = self.store.incidents(since=since, limit=limit)
+            resets = self.store.resets(since=since, limit=limit)
         except HistoryError as e:
             raise ApiError(503, "history_unavailable", str(e)) from e
         return 200, {"verdicts": [e.record() for e in entries],
                      "episodes": [e.record() for e in episodes],
                      "clears": [c.record() for c in clears],
-                     "xids": [x.record() for x in xids]}
+                     "xids": [x.record() for x in xids],
+                     "incidents": [i.record() for i in incidents],
+                     "resets": [r.record() for r in resets]}
 
     def _healthz(self, params: Mapping[str, str]) -> tuple[int, Any]:
         self._only(params, ())

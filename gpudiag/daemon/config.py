@@ -20,6 +20,7 @@ from gpudiag.core import registry
 from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.backend import BackendSpec
 from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.gpu_reset import GpuResetConfig
 from gpudiag.core.job_watch import JobWatchPolicy
 from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.nvml_health import NvmlHealthPolicy
@@ -159,6 +160,8 @@ class DaemonConfig:
     remediation: RemediationConfig = field(default_factory=RemediationConfig)
     # [jobs]: the job watch over the attested runs (core.job_watch, daemon/job_watch.py).
     jobs: JobWatchPolicy = field(default_factory=JobWatchPolicy)
+    # [gpu_reset]: the reset rung, off by default (core.gpu_reset, daemon/gpu_reset.py).
+    gpu_reset: GpuResetConfig = field(default_factory=GpuResetConfig)
 
     @property
     def enabled_backends(self) -> tuple[str, ...]:
@@ -685,6 +688,24 @@ def _remediation(t: _Table) -> RemediationConfig:
     return cfg
 
 
+def _gpu_reset(t: _Table) -> GpuResetConfig:
+    d = GpuResetConfig()
+    attempts = t.count("max_attempts_per_gpu", 1, 100, "a number of resets from 1 to 100")
+    cfg = GpuResetConfig(
+        enabled=t.flag("enabled", d.enabled),
+        nvidia_smi=_executable(t, "nvidia_smi", d.nvidia_smi),
+        command_timeout_s=t.seconds("command_timeout_s", d.command_timeout_s, minimum=1.0,
+                                    maximum=600.0),
+        max_attempts_per_gpu=d.max_attempts_per_gpu if attempts is None else attempts,
+        attempt_window_s=t.seconds("attempt_window_s", d.attempt_window_s, minimum=1.0,
+                                   maximum=366 * 86400.0),
+        verify_timeout_s=t.seconds("verify_timeout_s", d.verify_timeout_s, minimum=1.0,
+                                   maximum=86400.0),
+        tick_s=t.seconds("tick_s", d.tick_s, minimum=0.05, maximum=60.0))
+    t.finish()
+    return cfg
+
+
 def _jobs(t: _Table) -> JobWatchPolicy:
     d = JobWatchPolicy()
     cfg = JobWatchPolicy(
@@ -747,7 +768,8 @@ def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
         backends=backends, xid=xid, history=history, log_format=log_format,
         log_level=log_level, qualification=_qualification(top.table("qualification")),
         runtimes=_runtimes(top.table("runtimes")),
-        remediation=_remediation(top.table("remediation")), jobs=_jobs(top.table("jobs")))
+        remediation=_remediation(top.table("remediation")), jobs=_jobs(top.table("jobs")),
+        gpu_reset=_gpu_reset(top.table("gpu_reset")))
     sched.finish()
     top.finish()
     return cfg

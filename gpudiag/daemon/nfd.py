@@ -26,8 +26,9 @@ PREFIX = "gpudiag"
 DEFAULT_EXPIRY_S = 600.0
 
 
-def feature_labels(snap: Snapshot) -> dict[str, str]:
-    """The labels a snapshot proves: node readiness, per backend, and healthy GPUs."""
+def feature_labels(snap: Snapshot, incident: str | None = None) -> dict[str, str]:
+    """The labels a snapshot proves: node readiness, per backend, and healthy GPUs; with an
+    open incident, its id (``gpudiag.incident``, daemon/incidents.py)."""
     full = snap.full
     labels = {f"{PREFIX}.ready": "true" if snap.ready is not None and snap.ready.ready
               else "false"}
@@ -38,6 +39,8 @@ def feature_labels(snap: Snapshot) -> dict[str, str]:
         labels[f"{PREFIX}.ready.{backend}.{runtime}"] = "true" if ok else "false"
     healthy = sum(1 for d in full.devices if d.healthy) if full is not None else 0
     labels[f"{PREFIX}.gpus-healthy"] = str(healthy)
+    if incident is not None:
+        labels[f"{PREFIX}.incident"] = incident
     return labels
 
 
@@ -55,8 +58,11 @@ class NfdFeatureFile:
     """A snapshot listener that keeps ``path`` equal to the latest snapshot's labels."""
 
     def __init__(self, path: str | Path, expiry_s: float = DEFAULT_EXPIRY_S,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 incident: Callable[[Snapshot], str | None] | None = None) -> None:
+        """``incident``: the open incident's id as of a snapshot (None: no such label)."""
         self.path = Path(path)
+        self._incident = incident
         self._expiry_s = expiry_s
         self._wall = wall
         self._lock = threading.Lock()
@@ -69,7 +75,7 @@ class NfdFeatureFile:
         """Rewrite the file when its labels changed or half its lifetime passed."""
         if snap.full is None:
             return False  # nothing proven yet: no labels rather than false ones
-        labels = feature_labels(snap)
+        labels = feature_labels(snap, self._incident(snap) if self._incident else None)
         now = self._wall()
         with self._lock:
             if labels == self._written and now - self._written_wall < self._expiry_s / 2:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread
     from gpudiag.daemon.scheduler import Scheduler
     from gpudiag.daemon.snapshot import Snapshot
+    from gpudiag.daemon.store import HistoryStore
     from gpudiag.daemon.watcher import XidWatcher
 
 # An HTTP route's handler: the query's parameters and the WSGI environ (peer credentials,
@@ -173,6 +174,13 @@ class PartContext:
     # complete once every part is built); the codes they cleared.
     announce_clear: Callable[[Cleared], list[str]] = lambda cleared: []
     built: list[Part] = field(default_factory=list)
+
+    def store(self) -> HistoryStore | None:
+        """The history as it is now (it may open late): None while it cannot be written."""
+        from gpudiag.daemon.store import HistoryStore
+
+        store = self.recorder.store
+        return store if isinstance(store, HistoryStore) else None
 
     def part(self, kind: type[P]) -> P:
         """The built part of class ``kind`` (built earlier in the list: a programming error

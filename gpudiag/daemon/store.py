@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.incident import Incident
 from gpudiag.core.redact import redact_text
 from gpudiag.core.verdict import Verdict
 
@@ -105,6 +106,30 @@ CREATE TABLE IF NOT EXISTS boots (
     id INTEGER PRIMARY KEY,
     ts REAL NOT NULL,
     boot_id TEXT NOT NULL
+)"""
+
+# Issue 52: the daemon's GPU resets (the reset rung, daemon/gpu_reset.py), one row per reset
+# when its outcome is known. Created on first use, as clears are.
+_RESETS_DDL = """
+CREATE TABLE IF NOT EXISTS resets (
+    id INTEGER PRIMARY KEY,
+    ts REAL NOT NULL,
+    gpu TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    serial TEXT
+)"""
+
+# Issue 52: the node's incidents (core.incident), one row per incident id, updated as codes
+# join it and when it closes. Created on first use, as clears are.
+_INCIDENTS_DDL = """
+CREATE TABLE IF NOT EXISTS incidents (
+    id TEXT PRIMARY KEY,
+    started REAL NOT NULL,
+    ended REAL,
+    code TEXT NOT NULL,
+    gpu TEXT,
+    codes TEXT NOT NULL
 )"""
 
 # Created with the first job closeout, as clears are: the jobs that closed out on this node,
@@ -262,6 +287,22 @@ class Episode:
                 "backend": self.backend, "device": self.device, "started": self.started,
                 "ended": self.ended, "message": self.message, "evidence": dict(self.evidence),
                 "serial": self.serial}
+
+
+@dataclass(frozen=True)
+class ResetEntry:
+    """One GPU reset the daemon made (the reset rung), and what became of it."""
+
+    id: int
+    ts: float  # when the reset was made
+    gpu: str
+    outcome: str  # core.gpu_reset.OUTCOMES
+    detail: str
+    serial: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.id, "ts": self.ts, "gpu": self.gpu, "outcome": self.outcome,
+                "detail": self.detail, "serial": self.serial}
 
 
 @dataclass(frozen=True)
@@ -553,6 +594,46 @@ class HistoryStore:
                                   int(no_repair), ",".join(sorted(set(codes)))))
             return int(cur.lastrowid or 0)
 
+    def record_reset(self, *, gpu: str, outcome: str, detail: str, ts: float) -> int:
+        """Store a GPU reset the daemon made (made at ``ts``) and its outcome; its id."""
+        with self._lock:
+            with self._transaction("record the GPU reset in") as db:
+                db.execute(_RESETS_DDL)
+                cur = db.execute("INSERT INTO resets (ts, gpu, outcome, detail, serial) VALUES "
+                                 "(?,?,?,?,?)", (ts, gpu, outcome, _tail(redact_text(detail)),
+                                                 self._serial_of(gpu)))
+            return int(cur.lastrowid or 0)
+
+    def record_incident(self, incident: Incident) -> None:
+        """Store an incident as it stands now (opened, joined or closed), by its id."""
+        with self._lock:
+            with self._transaction("record the incident in") as db:
+                db.execute(_INCIDENTS_DDL)
+                db.execute("INSERT INTO incidents (id, started, ended, code, gpu, codes) VALUES "
+                           "(?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET ended=excluded.ended, "
+                           "codes=excluded.codes",
+                           (incident.id, incident.started_wall, incident.ended_wall,
+                            incident.code, incident.gpu, ",".join(incident.codes)))
+
+    def incidents(self, *, since: float | None = None, limit: int = 50) -> list[Incident]:
+        """The node's incidents, newest first (none before the first)."""
+        if not self._has("incidents"):
+            return []
+        rows = self._query("SELECT id, started, code, gpu, codes, ended FROM incidents" + (
+            " WHERE started >= ?" if since is not None else "") +
+            " ORDER BY started DESC LIMIT ?", [*([since] if since is not None else []), limit])
+        return [Incident(str(r[0]), float(r[1]), str(r[2]), r[3], _split(r[4] or ""),
+                         None if r[5] is None else float(r[5])) for r in rows]
+
+    def resets(self, *, since: float | None = None, limit: int = 50) -> list[ResetEntry]:
+        """The daemon's GPU resets, newest first (none before the first)."""
+        if not self._has("resets"):
+            return []
+        rows = self._newest("SELECT id, ts, gpu, outcome, detail, serial FROM resets",
+                            {"ts >= ?": since}, limit)
+        return [ResetEntry(int(r[0]), float(r[1]), str(r[2]), str(r[3]), str(r[4]), r[5])
+                for r in rows]
+
     def record_xids(self, events: Sequence[XidEvent]) -> None:
         """Store XIDs the watcher saw (so that a restart holds them again), in one commit."""
         with self._lock:
@@ -653,11 +734,15 @@ class HistoryStore:
                        "(SELECT MAX(id) FROM verdicts)", (cutoff,))
             db.execute("DELETE FROM episodes WHERE ended IS NOT NULL AND ended < ?", (cutoff,))
             db.execute("DELETE FROM gpu_identities WHERE last_seen < ?", (cutoff,))
-            for table in ("clears", "xids", "jobs"):  # made on first use
+            for table in ("clears", "xids", "jobs", "resets"):  # made on first use
                 if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?",
                               (table,)).fetchone():
                     # A fixed name from the tuple above, never input.
                     db.execute(f"DELETE FROM {table} WHERE ts < ?", (cutoff,))
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
+                          "name='incidents'").fetchone():
+                db.execute("DELETE FROM incidents WHERE ended IS NOT NULL AND ended < ?",
+                           (cutoff,))
         self._prune_jobs_by_size()
         for _ in range(20):
             if self.size_bytes() <= self.max_bytes:

@@ -15,6 +15,8 @@ from gpudiag.core.findings import XidEvent
 from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.part import Cleared, Listens, Part, PartContext, each_logged
 from gpudiag.daemon.parts.clears import ClearsPart
+from gpudiag.daemon.parts.gpu_reset import GpuResetPart
+from gpudiag.daemon.parts.incidents import IncidentsPart
 from gpudiag.daemon.parts.job_watch import JobWatchPart
 from gpudiag.daemon.parts.nfd import NfdPart
 from gpudiag.daemon.parts.nic import NicPart
@@ -33,6 +35,8 @@ PARTS: list[Callable[[], Part]] = [
     RunsPart,
     QualificationPart,
     RebootsPart,
+    IncidentsPart,
+    GpuResetPart,
     NfdPart,
 ]
 STOP_LIMIT_S = 5.0  # every part's stop(deadline): at most this from when the stop began

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpudiag.daemon.nfd import NfdFeatureFile
 from gpudiag.daemon.part import BasePart, Listens, PartContext
+from gpudiag.daemon.parts.incidents import IncidentsPart
 from gpudiag.daemon.snapshot import Snapshot
 
 
@@ -19,7 +20,9 @@ class NfdPart(BasePart):
     def build(self, context: PartContext) -> None:
         cfg = context.cfg
         if cfg.nfd_features_file is not None:
-            self.file = NfdFeatureFile(cfg.nfd_features_file, cfg.nfd_expiry_s)
+            tracker = context.part(IncidentsPart).tracker  # the label gpudiag.incident
+            self.file = NfdFeatureFile(cfg.nfd_features_file, cfg.nfd_expiry_s,
+                                       incident=tracker.id_for if tracker else None)
 
     def listens(self) -> Listens:
         return Listens(snapshots=self._label) if self.file is not None else Listens()
