@@ -56,6 +56,7 @@ from gpudiag.core.gpu_reset import (
 )
 from gpudiag.core.readiness import UNKNOWN
 from gpudiag.daemon.clears import ClearRequest
+from gpudiag.daemon.cycles import CycleThread
 from gpudiag.daemon.slurmctl import Runner, SlurmError, run_bounded
 from gpudiag.daemon.snapshot import Snapshot
 from gpudiag.engine.guard import claim_free
@@ -188,9 +189,7 @@ class GpuResetter:
         self._wall = wall
         self._incident = incident
         self._lock = threading.Lock()  # guards _latest and _report; never held on I/O
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = CycleThread("gpu-reset", self.cycle, lambda: self.cfg.tick_s)
         self._latest: Snapshot | None = None
         self._memory = self._load()
         self._report = ResetReport(1, cfg.enabled, pending=tuple(self._memory.pending))
@@ -201,7 +200,7 @@ class GpuResetter:
         """The scheduler's listener: keep the newest snapshot, wake the worker; never blocks."""
         with self._lock:
             self._latest = snap
-        self._wake.set()
+        self._worker.wake()
 
     def report(self) -> ResetReport:
         with self._lock:
@@ -213,25 +212,10 @@ class GpuResetter:
         return r.version, r.evidence()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="gpu-reset", daemon=True)
-        self._thread.start()
+        self._worker.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.cfg.tick_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self.cycle()
-            except Exception:  # a bug of ours: said, and the next cycle tries again
-                log.exception("GPU reset cycle failed")
+        self._worker.stop(timeout_s)
 
     # -- one cycle -----------------------------------------------------------------------
     def cycle(self) -> ResetPlan | None:

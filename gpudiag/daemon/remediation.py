@@ -47,6 +47,7 @@ from gpudiag.core.remediation_config import RemediationConfig
 from gpudiag.core.xids import xid_code
 from gpudiag.daemon.actuator import Actuator, ActuatorError, NodeInfo
 from gpudiag.daemon.actuators import actuator_for
+from gpudiag.daemon.cycles import CycleThread
 from gpudiag.daemon.snapshot import Snapshot
 
 log = logging.getLogger("gpudiag.daemon.remediation")
@@ -168,9 +169,7 @@ class Remediator:
         self._path = state_dir / STATE_FILE
         self._wall, self._mono = wall, monotonic
         self._lock = threading.Lock()  # guards _latest, _clears and _report; never held on I/O
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = CycleThread("remediation", self.cycle, lambda: self.cfg.tick_s)
         self._latest: Snapshot | None = None
         self._clears: list[tuple[str | None, float, bool]] = []
         self._memory = self._load()
@@ -196,40 +195,24 @@ class Remediator:
         """The scheduler's listener: keep the newest snapshot, wake the worker; never blocks."""
         with self._lock:
             self._latest = snap
-        self._wake.set()
+        self._worker.wake()
 
     def cleared(self, uuid: str | None, wall: float, *, by_person: bool = True) -> None:
         """A ``gpudiag clear`` of ``uuid`` (None: all) was applied at ``wall`` (``by_person``
         False: the daemon released a reboot-class hold itself)."""
         with self._lock:
             self._clears.append((uuid, wall, by_person))
-        self._wake.set()
+        self._worker.wake()
 
     def report(self) -> RemediationReport:
         with self._lock:
             return self._report
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="remediation", daemon=True)
-        self._thread.start()
+        self._worker.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    # -- the worker ----------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.cfg.tick_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self.cycle()
-            except Exception:  # a bug of ours: said, and the next cycle tries again
-                log.exception("remediation cycle failed")
+        self._worker.stop(timeout_s)
 
     def cycle(self) -> Decision | None:
         """One look at the facts and at most one action (public for tests)."""
