@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.fakes.build import FakeDriver, build_fakes
@@ -21,6 +19,7 @@ from tests.support.host import (
     clean_env,
     make_host_dirs,
 )
+from tests.support.survivors import SESSION_MARK, kill, mark_session, survivors
 
 # A suite started in the background by a shell without job control (`pytest ... &`, a CI
 # step, nohup) inherits SIGINT ignored, and an ignored signal stays ignored across exec: every
@@ -36,12 +35,6 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # interpreter is found (tests/test_job_python.py) remove the variable from their children's
 # environments.
 os.environ.setdefault("GPUDIAG_JOB_PYTHON", sys.executable)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _session_locks() -> Iterator[None]:
-    yield
-    shutil.rmtree(SESSION_LOCKS, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -221,20 +214,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-def _survivors(basetemp: str) -> list[psutil.Process]:
-    """Processes still alive that a test of this session started: their command line names
-    this session's temporary folder (a daemon's config or state folder, a fake host's env
-    file, a job's artifacts), and they are not this process or its ancestors."""
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or ())
-        except (psutil.Error, TypeError):
-            continue
-        if proc.info["pid"] not in mine and basetemp in cmdline:
-            found.append(proc)
-    return found
+# Every process the session starts carries a mark in its environment (tests/support/
+# survivors.py): the session-end check finds what a test left running even when its command
+# line names no temporary folder (a fake job's `sleep`). The controller draws it before xdist
+# starts its workers, which inherit it; a pytest session a test starts draws its own, so it
+# never counts its parent's processes.
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        mark_session()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Every process imports this file and so makes its SESSION_LOCKS (the xdist controller,
+    # which runs no fixture, too): each removes its own.
+    shutil.rmtree(SESSION_LOCKS, ignore_errors=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -244,22 +237,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return  # an xdist worker: the controller looks once every worker is done
     factory = getattr(session.config, "_tmp_path_factory", None)
     basetemp = getattr(factory, "_basetemp", None)
-    if basetemp is None:
+    mark = os.environ.get(SESSION_MARK)
+    if basetemp is None or not mark:
         return
-    survivors = _survivors(str(basetemp))
-    if not survivors:
-        return
-    lines = []
-    for proc in survivors:
-        try:
-            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:300]}")
-            with contextlib.suppress(OSError):  # its group too (what it started), not ours
-                group = os.getpgid(proc.pid)
-                if group != os.getpgid(0):
-                    os.killpg(group, signal.SIGKILL)
-            proc.kill()
-        except psutil.Error:
-            continue
+    lines = kill(survivors(str(basetemp), mark))
     if lines:
         sys.stderr.write("\ntests left processes running (killed now):\n" + "\n".join(lines)
                          + "\n")
