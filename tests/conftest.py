@@ -205,13 +205,30 @@ for _module, _names in INNER_LOOP_SLOW.items():
     SLOW_TESTS[_module] = (*SLOW_TESTS.get(_module, ()), *_names)
 
 
+def _shares_a_fixture_of_its_module(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture its own module defines for more than one test (scope
+    class, module or session: a daemon, a Slurm cluster, a booted machine, an image)."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    if info is None or module is None:
+        return False
+    return any(d.scope != "function" and getattr(d.func, "__module__", None) == module
+               for defs in info.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests of SLOW_MODULES and SLOW_TESTS slow."""
+    """Mark the tests of SLOW_MODULES and SLOW_TESTS slow, and keep the tests of a module
+    that share one of its fixtures on one xdist worker (`--dist loadgroup`, the README's
+    command): spread over two workers, each would build it (two daemons, two clusters). The
+    other tests go to whichever worker is free."""
     for item in items:
         module = item.path.stem
         function = getattr(item, "originalname", item.name)
         if module in SLOW_MODULES or function in SLOW_TESTS.get(module, ()):
             item.add_marker(pytest.mark.slow)
+        if _shares_a_fixture_of_its_module(item):
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
 # Every process the session starts carries a mark in its environment (tests/support/
