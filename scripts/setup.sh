@@ -113,7 +113,7 @@ else
     say ".venv is up to date (pyproject.toml unchanged since the last install)"
 fi
 if [[ $tests == yes ]]; then
-    say "done: .venv/bin/python -m pytest -q -p no:cacheprovider (GPUDIAG_REAL_JAX=0 skips the 5.5 GB real JAX CUDA tier)"
+    say "done: .venv/bin/python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup (GPUDIAG_REAL_JAX=0 skips the 5.5 GB real JAX CUDA tier)"
 else
     say "done: .venv/bin/gpudiag probe; no GPU? see docs/try-without-a-gpu.md"
 fi

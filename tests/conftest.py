@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.fakes.build import FakeDriver, build_fakes
@@ -21,6 +19,7 @@ from tests.support.host import (
     clean_env,
     make_host_dirs,
 )
+from tests.support.survivors import SESSION_MARK, kill, mark_session, survivors
 
 # A suite started in the background by a shell without job control (`pytest ... &`, a CI
 # step, nohup) inherits SIGINT ignored, and an ignored signal stays ignored across exec: every
@@ -36,12 +35,6 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # interpreter is found (tests/test_job_python.py) remove the variable from their children's
 # environments.
 os.environ.setdefault("GPUDIAG_JOB_PYTHON", sys.executable)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _session_locks() -> Iterator[None]:
-    yield
-    shutil.rmtree(SESSION_LOCKS, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -92,10 +85,20 @@ SLOW_MODULES = {
     "test_slurm": "a real Slurm cluster (munged, slurmctld, slurmd)",
     "test_remediation_slurm": "a real Slurm cluster and real daemons draining it",
     "test_soak": "a daemon under flapping faults for 45 s",
+    "test_runtime_alerts": "a real daemon proving runtimes, and Prometheus rules over it",
+    "test_slurm_software": "a real Slurm cluster whose prolog asks runtimes",
+    "test_real_nvidia": "NVIDIA's real user space, fetched and unpacked once",
 }
 SLOW_TESTS = {
     # Each waits out a lock timeout, a qualification or a daemon (15-40 s on 2 cores).
     "test_identity": (
+        "test_the_epilog_trusts_only_a_window_the_daemon_attested_over_its_socket",
+        "test_attested_runs_by_the_hundred_keep_the_history_bound_and_its_verdicts",
+        "test_an_xid_on_the_gpu_of_a_mig_run_is_in_its_attested_window",
+        "test_escape_sequences_in_a_run_another_user_wrote_never_reach_the_terminal",
+        "test_a_flood_of_planted_records_neither_stalls_the_daemon_nor_grows_its_history",
+        "test_a_run_that_ended_while_the_daemon_was_away_is_not_opened_again",
+        "test_a_run_attested_before_a_daemon_restart_is_still_attested_after_it",
         "test_a_job_waiting_for_a_gpu_under_another_users_shared_lock_sleeps_and_names_it",
         "test_a_job_waiting_for_a_gpu_under_qualification_gets_it_within_seconds",
         "test_a_daemon_answer_that_does_not_hold_is_said_and_answered_here",
@@ -142,6 +145,7 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_holds": (
         "test_an_xid_held_before_a_restart_ends_with_its_hold",
+        "test_an_xid_held_before_a_restart_blocks_until_gpudiag_clear",
     ),
     "test_daemon_shutdown": (
         "test_sigterm_at_any_stage_stops_the_daemon_within_its_limit",
@@ -159,6 +163,8 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
         "test_a_full_qualification_by_the_daemon_yields_to_a_waiting_job_within_1_s",
     ),
     "test_truthful": (
+        "test_eight_cuda_preflights_for_one_gpu_together_are_all_ready_on_a_named_gpu",
+        "test_with_every_gpu_locked_by_jobs_a_missing_jax_plugin_is_still_known",
         "test_eight_jax_preflights_started_together_equal_the_lone_answer",
         "test_sixteen_mixed_commands_together_never_say_devices_busy",
         "test_admission_proves_a_backend_it_could_not_prove_before_it_runs_the_job",
@@ -168,6 +174,8 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_hostile_local": (
         "test_a_fifo_renamed_over_a_held_lock_while_waiting_gives_125_and_a_closeout",
+        "test_a_lock_file_another_user_created_cannot_be_removed_while_root_holds_it",
+        "test_default_run_folders_are_fresh_private_and_unpredictable",
     ),
     "test_slow_questions": (
         "test_eight_waiting_health_questions_leave_metrics_healthz_readyz_under_100_ms",
@@ -176,6 +184,9 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
         "test_a_slow_gpu_3_among_8_is_caught_against_table_and_peers",
     ),
     "test_attribution_runs": (
+        "test_no_history_and_no_watcher_is_unknown_naming_why",
+        "test_exit_1_with_no_gpu_event_is_the_application",
+        "test_a_watcher_that_cannot_register_for_xids_leaves_a_failed_run_unknown",
         "test_cuinit_failing_mid_run_is_software",
         "test_a_row_remap_failure_mid_run_is_hardware_from_the_daemons_nvml_probe",
         "test_an_xid_79_during_a_run_without_a_daemon_is_hardware_with_the_xid",
@@ -207,34 +218,96 @@ INNER_LOOP_SLOW: dict[str, tuple[str, ...]] = {
         "test_an_idle_http_listener_sleeps_instead_of_polling",
         "test_the_xid_supervisor_wakes_per_line_not_five_times_a_second",
     ),
+    # Issue 50 (`pytest -n 2 -m "not slow" --durations=60`, 2026-12-05, load average 9-11:
+    # 2811 tests in 616 s): each took 4-18 s there (real daemons, restarts, attested runs,
+    # whole documented recipes, a static pass over the package).
+    "test_reboots": (
+        "test_a_reboot_class_hold_is_kept_in_its_boot_and_healed_by_a_reboot_and_a_clean_pass",
+        "test_with_qualification_on_the_quick_tier_runs_before_the_reboot_releases_a_hold",
+    ),
+    "test_docs_run": ("test_every_documented_block_runs_as_written",),
+    "test_day_one": (
+        "test_qualify_prints_each_reason_once_and_says_what_it_compared_with",
+        "test_a_host_without_a_driver_shows_the_root_cause_and_folds_its_consequences",
+        "test_the_gpu_table_shows_what_nvidia_smi_users_scan_for",
+        "test_serve_on_every_interface_without_read_only_warns_at_check_and_at_start",
+        "test_cuda_init_failed_tells_the_operator_what_to_do_next",
+        "test_a_gpu_less_host_shows_no_preallocation_line_and_says_why_cuda_is_blocked",
+    ),
+    "test_dead_code": ("test_gpudiag_defines_nothing_that_nothing_reads",),
+    "test_store": ("test_jobs_are_pruned_apart_and_never_cost_the_verdict_history_its_place",
+                   "test_history_cli_reads_text_and_json"),
+    "test_one_deadline": (
+        "test_a_mute_daemon_costs_one_connection_and_one_wait_on_both_paths",
+        "test_a_slow_refusing_or_lying_daemon_costs_one_ask_and_the_same_answer_on_both_paths",
+    ),
+    "test_runtime_privilege": (
+        "test_a_runtime_becoming_writable_while_the_daemon_runs_is_refused_and_nothing_runs_"
+        "as_root",
+        "test_a_root_daemon_runs_a_runtimes_children_as_nobody",
+    ),
+    "test_try_friction": (
+        "test_the_xid_recipe_on_a_taken_port_says_the_daemon_ended_instead_of_hanging",
+        "test_the_fakes_command_says_an_8_gpu_host",
+    ),
+    "test_socket": (
+        "test_gpudiag_run_asks_the_daemon_on_the_socket",
+        "test_a_second_daemon_on_the_same_socket_exits_2_and_the_first_keeps_it",
+        "test_the_daemon_removes_its_socket_when_it_stops",
+        "test_preflight_through_the_socket_says_source_daemon",
+    ),
+    "test_nvml_health": ("test_a_link_that_went_down_while_the_daemon_was_stopped_is_missed",),
+    "test_hostile_secrets": ("test_no_planted_secret_reaches_a_record_artifact_or_output",),
+    "test_nic_daemon": ("test_a_real_veth_cut_and_restored_gives_a_verdict_in_time_and_flaps",),
+    "test_hostile_http": (
+        "test_a_listener_whose_loop_died_makes_the_daemon_exit_instead_of_idling",),
+    "test_clear": (
+        "test_clear_names_a_gpu_by_index_uuid_prefix_or_pci_bus_id_as_nvidia_smi_does",),
 }
 for _module, _names in INNER_LOOP_SLOW.items():
     SLOW_TESTS[_module] = (*SLOW_TESTS.get(_module, ()), *_names)
 
 
+def _shares_a_fixture_of_its_module(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture its own module defines for more than one test (scope
+    class, module or session: a daemon, a Slurm cluster, a booted machine, an image)."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    if info is None or module is None:
+        return False
+    return any(d.scope != "function" and getattr(d.func, "__module__", None) == module
+               for defs in info.name2fixturedefs.values() for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests of SLOW_MODULES and SLOW_TESTS slow."""
+    """Mark the tests of SLOW_MODULES and SLOW_TESTS slow, and keep the tests of a module
+    that share one of its fixtures on one xdist worker (`--dist loadgroup`, the README's
+    command): spread over two workers, each would build it (two daemons, two clusters). The
+    other tests go to whichever worker is free."""
     for item in items:
         module = item.path.stem
         function = getattr(item, "originalname", item.name)
         if module in SLOW_MODULES or function in SLOW_TESTS.get(module, ()):
             item.add_marker(pytest.mark.slow)
+        if _shares_a_fixture_of_its_module(item):
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
-def _survivors(basetemp: str) -> list[psutil.Process]:
-    """Processes still alive that a test of this session started: their command line names
-    this session's temporary folder (a daemon's config or state folder, a fake host's env
-    file, a job's artifacts), and they are not this process or its ancestors."""
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or ())
-        except (psutil.Error, TypeError):
-            continue
-        if proc.info["pid"] not in mine and basetemp in cmdline:
-            found.append(proc)
-    return found
+# Every process the session starts carries a mark in its environment (tests/support/
+# survivors.py): the session-end check finds what a test left running even when its command
+# line names no temporary folder (a fake job's `sleep`). The controller draws it before xdist
+# starts its workers, which inherit it; a pytest session a test starts draws its own, so it
+# never counts its parent's processes.
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        mark_session()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # Every process imports this file and so makes its SESSION_LOCKS (the xdist controller,
+    # which runs no fixture, too): each removes its own.
+    shutil.rmtree(SESSION_LOCKS, ignore_errors=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -244,22 +317,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return  # an xdist worker: the controller looks once every worker is done
     factory = getattr(session.config, "_tmp_path_factory", None)
     basetemp = getattr(factory, "_basetemp", None)
-    if basetemp is None:
+    mark = os.environ.get(SESSION_MARK)
+    if basetemp is None or not mark:
         return
-    survivors = _survivors(str(basetemp))
-    if not survivors:
-        return
-    lines = []
-    for proc in survivors:
-        try:
-            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:300]}")
-            with contextlib.suppress(OSError):  # its group too (what it started), not ours
-                group = os.getpgid(proc.pid)
-                if group != os.getpgid(0):
-                    os.killpg(group, signal.SIGKILL)
-            proc.kill()
-        except psutil.Error:
-            continue
+    lines = kill(survivors(str(basetemp), mark))
     if lines:
         sys.stderr.write("\ntests left processes running (killed now):\n" + "\n".join(lines)
                          + "\n")

@@ -142,19 +142,18 @@ def test_a_hung_probe_never_slows_metrics_or_preflight(rig: dict[str, Any]) -> N
     assert verdict["blockers"][0]["backend"] == "nvml"
     assert "missed its 1.5 s deadline" in verdict["blockers"][0]["message"]
     # Killed at its deadline: the hung child ran 1.5 s (plus the kill), no longer.
-    assert 1.5 <= verdict["backends"]["nvml"]["duration_s"] < 2.5
-    # The next nvml run starts within 0.5 s (interval) of the hang, so the verdict changed
-    # within interval + deadline (+ scheduling slack on a busy machine).
-    assert became <= 4.0
-    # Every answer within 50 ms of the daemon's own time; over loopback, 99% of what a
-    # client saw within 50 ms and none anywhere near the 1.5 s a blocked thread would take.
-    # (This 2-core machine is shared: a single answer may wait for a CPU now and then; the
-    # usual max here is 15-25 ms.)
+    # Liveness bounds only (issue 50): killed, not left hanging; the figures (a 1.5 s run, a
+    # verdict within interval + deadline) are docs/benchmarks.md's, not this test's.
+    assert 1.5 <= verdict["backends"]["nvml"]["duration_s"] < 8
+    assert became < 8
+    # No answer waits for the hung probe: under the 1.5 s a blocked thread would take. The
+    # latency figures (usually 15-25 ms here) are benchmarks/daemon.py's and
+    # benchmarks/preflight_p99.py's; a loaded machine may delay any answer by hundreds of ms.
     client_ms.sort()
     p99 = client_ms[int(len(client_ms) * 0.99)]
     seen = f"p99 {p99:.1f} ms, max {client_ms[-1]:.1f} ms over {len(client_ms)} answers"
-    assert max(server_ms) < 50, f"daemon took {max(server_ms):.1f} ms while a probe hung"
-    assert p99 < 50 and client_ms[-1] < 250, seen
+    assert max(server_ms) < 500, f"daemon took {max(server_ms):.1f} ms while a probe hung"
+    assert p99 < 500 and client_ms[-1] < 1400, seen
     status, text = daemon.get("/metrics")
     assert _metric(text, 'gpudiag_probe_runs_total{backend="nvml",outcome="timeout"}') >= 1
     assert _metric(text, 'gpudiag_blocker{code="probe_timeout",layer="probe"}') == 1

@@ -285,7 +285,7 @@ def test_a_write_stuck_in_the_disk_never_blocks_whoever_publishes_snapshots() ->
     for v in [*CHANGES[1:], CHANGES[-1], CHANGES[-1]]:  # repeats are no change: not queued
         writer.submit(v, wait_s=0.2)
     # The publisher waited at most wait_s per change, never on the disk itself.
-    assert _time.monotonic() - t0 < 2.0
+    assert _time.monotonic() - t0 < 20  # about 1 s; the stuck write would be for ever
     health = writer.health()
     assert health.pending == 2 and health.dropped == 2  # 1 stuck in the write, 2 queued
     assert writer.stop(timeout_s=0.2) is False  # stuck: the daemon exits without waiting

@@ -183,7 +183,7 @@ def test_reading_a_planted_lock_holder_never_blocks_follows_or_reads_without_bou
     assert lock_holder(locks, gpu_uuid(0)) is None  # a FIFO: no writer would ever come
     assert lock_holder(locks, gpu_uuid(1)) is None  # a symlink: not followed
     assert lock_holder(locks, gpu_uuid(2)) is None  # 50 MB of zeros: 4 KiB read, no JSON
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 20  # the FIFO would block for ever
 
 
 def test_a_fifo_renamed_over_a_held_lock_while_waiting_gives_125_and_a_closeout(

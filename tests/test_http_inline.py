@@ -170,7 +170,8 @@ def test_questions_that_need_a_probe_or_a_classification_go_to_the_pool(sides: S
     wait_for(lambda: len(watched.threads) == 5, 5)  # the waiting question is on a worker
     started = time.monotonic()
     quick = fetch(port, target)
-    assert time.monotonic() - started < 0.5 and quick.startswith(b"HTTP/1.1 200 ")
+    # At once, not after the held probe (it is held until the test lets it go).
+    assert time.monotonic() - started < 5 and quick.startswith(b"HTTP/1.1 200 ")
     assert len(watched.inline) == 2 and not waiting
     replay.gate.set()
     asker.join(10)

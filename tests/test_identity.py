@@ -994,7 +994,7 @@ def test_a_flood_of_planted_records_neither_stalls_the_daemon_nor_grows_its_hist
         time.sleep(0.05)
     took = time.monotonic() - start
     print(f"3000 planted records refused in {took:.1f} s; slowest /healthz {worst * 1000:.0f} ms")
-    assert worst < 2.0, f"/healthz took {worst:.1f} s while the inbox was taken in"
+    assert worst < 5.0, f"/healthz took {worst:.1f} s while the inbox was taken in"
     assert _refused(rig)["unattested"] == 3000, _refused(rig)
     store = HistoryStore(default_path(rig.state), readonly=True)
     try:

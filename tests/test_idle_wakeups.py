@@ -131,4 +131,4 @@ def test_the_xid_supervisor_wakes_per_line_not_five_times_a_second(tmp_path: Pat
         watcher.stop()
     # stop() kills the child; its end wakes the sleeping supervisor at once.
     assert watcher._thread is not None and not watcher._thread.is_alive()
-    assert time.monotonic() - stopped < 3.0
+    assert time.monotonic() - stopped < 6.0  # not the 8 s silence limit it slept towards

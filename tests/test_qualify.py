@@ -216,7 +216,7 @@ def test_the_watcher_stops_the_run_when_a_process_appears() -> None:
     started = time.monotonic()
     thread = watch(guard, "GPU-x", read)
     assert guard.stopped.wait(5) and appeared.is_set()
-    assert time.monotonic() - started < 1.5 and "4242" in (guard.reason or "")
+    assert time.monotonic() - started < 5 and "4242" in (guard.reason or "")  # not at 60 s
     guard.done.set()  # the measurements stopped: the watcher must not end the process
     thread.join(ABORT_GRACE_S * 2)
     assert not thread.is_alive()

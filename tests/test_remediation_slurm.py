@@ -291,7 +291,7 @@ def test_an_xid_storm_drains_nothing_and_a_fatal_xid_inside_it_drains_at_once(
         drain_s = time.monotonic() - written
         print(f"XID 79 inside a storm: blocked {blocked_s * 1000:.0f} ms, drained "
               f"{drain_s:.2f} s after it was written")
-        assert blocked_s <= 1.0 and still_storming
+        assert blocked_s <= 5.0 and still_storming  # the figure: benchmarks/xid_storm.py
         n.wait("the storm's end", lambda: n.metric(
             "gpudiag_gpu_xid_errors_total") >= 2 * STORM_TOTAL + 1)
         time.sleep(1.0)

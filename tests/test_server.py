@@ -233,7 +233,8 @@ def test_threaded_server_answers_over_loopback_while_a_preflight_waits(
         started_at = time.perf_counter()
         with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
             assert r.status == 200
-        assert time.perf_counter() - started_at < 1.0
+        # Not behind the waiting question (that would be its 3 s or the 5 s timeout).
+        assert time.perf_counter() - started_at < 2.5
         gate.set()
         waiting.join(5)
     finally:

@@ -64,7 +64,9 @@ def test_eight_waiting_health_questions_leave_metrics_healthz_readyz_under_100_m
             seen.sort()
             p99 = seen[min(len(seen) - 1, int(len(seen) * 0.99))]
             print(f"{path}: p99 {p99:.1f} ms, max {seen[-1]:.1f} ms, n={len(seen)}")
-            assert p99 < 100, (f"{path}: p99 {p99:.1f} ms, max {seen[-1]:.1f} ms over "
+            # Liveness, not a figure (issue 50): far under the seconds the waiting questions
+            # hold; the latency itself is benchmarks/preflight_path.py's (docs/benchmarks.md).
+            assert p99 < 1000, (f"{path}: p99 {p99:.1f} ms, max {seen[-1]:.1f} ms over "
                                f"{len(seen)} answers while {WAITERS} health questions waited")
     finally:
         assert daemon.stop() == 0

@@ -36,3 +36,15 @@ def test_the_slow_marker_is_registered_and_ci_runs_every_tier() -> None:
     pytest_lines = [line for line in ci.splitlines() if "-m pytest" in line]
     assert pytest_lines and not any("slow" in line or " -k " in line or " -m " in
                                     line.replace("-m pytest", "") for line in pytest_lines)
+
+
+def test_ci_runs_the_readme_s_test_command_spread_over_the_cores() -> None:
+    readme = (TESTS.parent / "README.md").read_text()
+    (command,) = [line for line in readme.splitlines()
+                  if line.startswith("scripts/setup.sh --tests && ")]
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    (ci_line,) = [line for line in ci.splitlines() if "-m pytest" in line]
+    # CI adds only -rs (skip reasons shown); the workers, one a core, with a module's shared
+    # fixture on one of them (tests/conftest.py adds the groups).
+    assert ci_line.replace(" -rs", "") == command
+    assert " -n auto " in f"{command} " and " --dist loadgroup" in command

@@ -7,11 +7,14 @@ not a skip: scripts/setup.sh --tests installs them, so CI never passes without r
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +34,25 @@ def require_root_tools(*tools: str) -> None:
                     "installs buildah, podman, runc, mmdebstrap and systemd-container)")
 
 
+@contextlib.contextmanager
+def one_builder(name: str) -> Iterator[None]:
+    """One builder of ``name`` at a time on this machine: the suite's xdist workers (and
+    sessions side by side) share .cache/ and the image's tag, and two mmdebstraps writing one
+    tarball or two builds of one tag would race. The others wait, then find its result."""
+    folder = ROOT / ".cache"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f".{name}.lock", "w", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def build_image(tag: str = IMAGE_TAG) -> tuple[str, float]:
     """scripts/build-image.sh (Debian rootfs base, cached under .cache/image); (tag, seconds)."""
+    with one_builder("image"):
+        return _build_image(tag)
+
+
+def _build_image(tag: str) -> tuple[str, float]:
     started = time.monotonic()
     proc = subprocess.run([str(ROOT / "scripts" / "build-image.sh"), "--base", "debian",
                            "--tag", tag], capture_output=True, text=True, timeout=900,
@@ -46,6 +66,11 @@ def build_image(tag: str = IMAGE_TAG) -> tuple[str, float]:
 
 def debian_rootfs(name: str, packages: str) -> Path:
     """A Debian bookworm rootfs tarball from mmdebstrap, made once and cached in .cache/."""
+    with one_builder(f"rootfs-{name}"):
+        return _debian_rootfs(name, packages)
+
+
+def _debian_rootfs(name: str, packages: str) -> Path:
     cache = ROOT / ".cache" / "rootfs"
     tar = cache / f"{name}.tar"
     if tar.is_file():
