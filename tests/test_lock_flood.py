@@ -43,7 +43,7 @@ pytestmark = pytest.mark.slow
 FLOOD = pytest.mark.skipif(os.environ.get("GPUDIAG_LOCK_FLOOD") != "1",
                            reason="set GPUDIAG_LOCK_FLOOD=1 (slows every flock on the host)")
 
-FOREIGN = 105000
+FOREIGN = 190000  # issue 49: ten other processes (one reading of /proc/locks took ~6 s)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_a_flood_of_foreign_locks_neither_fails_healthz_nor_slows_an_inline_pref
             pre = run_gpudiag(["preflight", "--no-daemon", "--gpus", "1", "--format", "kv"],
                               env, timeout=120)
             took = time.monotonic() - t0
-            time.sleep(max(0.0, 10.0 - took))  # /healthz polled for 10 s at least
+            time.sleep(max(0.0, 20.0 - took))  # /healthz polled for 20 s at least
         finally:
             done.set()
             poller.join()
