@@ -15,7 +15,7 @@ import pytest
 from gpudiag.core.version import __version__
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import host_env
-from tests.support.deploy import ROOT
+from tests.support.deploy import ROOT, one_builder
 from tests.support.host import run_gpudiag
 
 
@@ -23,9 +23,10 @@ from tests.support.host import run_gpudiag
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`python -m build` of this checkout: one sdist and one wheel."""
     out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir",
-                           str(out), str(ROOT)], capture_output=True, text=True, timeout=600,
-                          check=False)
+    with one_builder("checkout-build"):  # another xdist worker may build it in place too
+        proc = subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir",
+                               str(out), str(ROOT)], capture_output=True, text=True,
+                              timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 

@@ -26,7 +26,7 @@ import pytest
 
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import wait_for
-from tests.support.deploy import ROOT, debian_rootfs, require_root_tools
+from tests.support.deploy import ROOT, debian_rootfs, one_builder, require_root_tools
 from tests.support.host import make_host_dirs
 
 # One machine per session: ~45 s to unpack, boot and install, ~80 s for the file; the rootfs
@@ -104,9 +104,10 @@ def stage(root: Path, fakes: FakeDriver) -> None:
     shutil.copy(DOCS, src / "docs" / "operations.md")
     wheels = root / "root" / "wheels"
     for args in (["--no-deps", str(ROOT)], [str(ROOT)]):
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check",
-                        "-w", str(wheels), *args], check=True, timeout=600,
-                       capture_output=True)
+        with one_builder("checkout-build"):  # another xdist worker may build it in place too
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q",
+                            "--disable-pip-version-check", "-w", str(wheels), *args],
+                           check=True, timeout=600, capture_output=True)
     # The driver's user space where its packages put it; the fake nvidia-smi needs pynvml.
     libdir = root / "usr" / "lib" / "x86_64-linux-gnu"
     for lib in fakes.lib_dir.iterdir():

@@ -38,7 +38,9 @@ def require_root_tools(*tools: str) -> None:
 def one_builder(name: str) -> Iterator[None]:
     """One builder of ``name`` at a time on this machine: the suite's xdist workers (and
     sessions side by side) share .cache/ and the image's tag, and two mmdebstraps writing one
-    tarball or two builds of one tag would race. The others wait, then find its result."""
+    tarball or two builds of one tag would race. The others wait, then find its result.
+    "checkout-build": whatever builds this checkout in place (pip wheel, python -m build,
+    scripts/build-image.sh write build/ and *.egg-info in it) builds it alone."""
     folder = ROOT / ".cache"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f".{name}.lock", "w", encoding="utf-8") as lock:
@@ -48,7 +50,7 @@ def one_builder(name: str) -> Iterator[None]:
 
 def build_image(tag: str = IMAGE_TAG) -> tuple[str, float]:
     """scripts/build-image.sh (Debian rootfs base, cached under .cache/image); (tag, seconds)."""
-    with one_builder("image"):
+    with one_builder("image"), one_builder("checkout-build"):
         return _build_image(tag)
 
 
