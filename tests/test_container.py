@@ -28,7 +28,10 @@ PODMAN_RUN = ("podman", "run", "--runtime", "runc", "--ulimit", "nofile=1024:102
               "--ulimit", "nproc=1024:1024", "--network", "none")
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 # The image is built once per session: ~40 s with the cached Debian rootfs, ~3 min cold.
-pytestmark = pytest.mark.slow
+# A cold first build (mmdebstrap, no .cache/ on a fresh CI machine: ~3 min alone) counts
+# against the first test's timeout, and waits for another worker's build of the checkout
+# (tests/support/deploy.one_builder): the suite's 300 s per test is too short for that.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="session")

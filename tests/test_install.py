@@ -18,6 +18,10 @@ from tests.support.daemon import host_env
 from tests.support.deploy import ROOT, one_builder
 from tests.support.host import run_gpudiag
 
+# The build waits for another worker's build of this checkout (an image's, a machine's wheel:
+# tests/support/deploy.one_builder), which a cold CI machine makes minutes long.
+pytestmark = pytest.mark.timeout(1200)
+
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:

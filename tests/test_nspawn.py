@@ -31,7 +31,10 @@ from tests.support.host import make_host_dirs
 
 # One machine per session: ~45 s to unpack, boot and install, ~80 s for the file; the rootfs
 # (mmdebstrap, ~3 min) is made once and cached in .cache/rootfs.
-pytestmark = pytest.mark.slow
+# A cold first build (mmdebstrap, no .cache/ on a fresh CI machine: ~3 min alone) counts
+# against the first test's timeout, and waits for another worker's build of the checkout
+# (tests/support/deploy.one_builder): the suite's 300 s per test is too short for that.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 PACKAGES = "systemd,systemd-sysv,dbus,procps,python3,python3-venv"
 INSIDE_PATH = "/opt/gpudiag/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DOCS = ROOT / "docs" / "operations.md"
