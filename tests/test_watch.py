@@ -73,3 +73,32 @@ def test_watch_refuses_what_it_cannot_show(gpu_env: EnvFactory, args: list[str],
     proc = subprocess.run([sys.executable, "-m", "gpudiag", "health", *args], env=gpu_env(),
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+
+
+def test_a_ctrl_c_whose_interrupt_a_finalizer_swallowed_still_ends_the_watch() -> None:
+    """Python drops an exception raised while a finalizer runs ("Exception ignored in"): a
+    Ctrl-C that lands there must still end the watch after that round, not draw on."""
+    import io
+    import os
+
+    from gpudiag.cli.watch import run_watch
+    from tests.support.verdicts import verdict
+
+    rounds: list[int] = []
+
+    def produce() -> object:
+        rounds.append(len(rounds))
+        if len(rounds) == 2:
+            try:  # the interrupt raised where Python swallows it
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt:
+                pass
+        if len(rounds) > 5:
+            raise AssertionError("the watch drew on after its Ctrl-C")
+        return verdict()
+
+    before = signal.getsignal(signal.SIGINT)
+    rc = run_watch(produce, 0.0, "test", stream=io.StringIO(),  # type: ignore[arg-type]
+                   sleep=lambda _s: None)
+    assert len(rounds) == 2 and rc in (0, 1)
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is given back

@@ -13,7 +13,9 @@ import io
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -103,8 +105,9 @@ def run_watch(produce: Callable[[], Verdict], interval_s: float, title: str, *,
     last: Verdict | None = None
     if tty:
         out.write(_HIDE_CURSOR + _CLEAR_SCREEN)
+    ctrl_c = _CtrlC()
     try:
-        while True:
+        while not ctrl_c.pressed:
             started = time.monotonic()
             last = produce()
             if as_json:
@@ -120,9 +123,34 @@ def run_watch(produce: Callable[[], Verdict], interval_s: float, title: str, *,
     except KeyboardInterrupt:
         pass
     finally:
+        ctrl_c.restore()
         if tty:
             out.write(_SHOW_CURSOR + "\n")
             out.flush()
     if last is None:
         return 130  # interrupted before a first answer: nothing was said
     return 0 if last.ready else 1
+
+
+class _CtrlC:
+    """Ctrl-C ends the watch even when its KeyboardInterrupt is lost: Python swallows (and
+    prints "Exception ignored in ...") an exception raised while a finalizer runs, and a
+    round's probes make and drop many objects, so now and then the interrupt landed there and
+    the watch drew on. The handler also sets a flag that the loop reads each round. Only in
+    the main thread, and never over an inherited SIG_IGN (``nohup``: Ctrl-C is not wanted)."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: object = None
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+            self._previous = None
