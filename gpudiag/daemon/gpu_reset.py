@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.fileio import RefusedFile, atomic_write, read_regular
 from gpudiag.core.gpu_reset import (
     FAILED,
     LOCKED,
@@ -356,14 +356,8 @@ class GpuResetter:
     def _keep(self, memory: _Memory) -> None:
         """Remember, in memory and in the state dir, before anything else happens."""
         self._memory = memory
-        tmp = self._path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(memory.record(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._path)
+            atomic_write(self._path, json.dumps(memory.record()), 0o600)
         except OSError as e:
             log.error("GPU reset: cannot keep its state in %s (%s): a restart would not know "
                       "this node's resets", self._path, e)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpudiag.core.catalog import NIC_DRAINS, drains
-from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.fileio import RefusedFile, atomic_write, read_regular
 from gpudiag.core.remediation import (
     KILL_ALL,
     Decision,
@@ -396,14 +395,8 @@ class Remediator:
         self._memory = memory
         if memory.drain != self._report.drain or memory.tally != self._report.tally:
             self._set(drain=memory.drain, tally=memory.tally)
-        tmp = self._path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(memory.record(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._path)
+            atomic_write(self._path, json.dumps(memory.record()), 0o600)
         except OSError as e:
             log.error("remediation: cannot keep its state in %s (%s): a restart would not "
                       "know this node's drain", self._path, e)

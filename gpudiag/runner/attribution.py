@@ -49,6 +49,7 @@ from gpudiag.core.attribution import (
     xid_event,
 )
 from gpudiag.core.environment import probe_environment
+from gpudiag.core.fileio import atomic_write
 from gpudiag.core.observations import parse_watcher_line
 from gpudiag.core.probe_run import bounded_tail
 from gpudiag.core.requirement import parse_requirement
@@ -410,19 +411,11 @@ def report_job(job: JobRecord, env: Mapping[str, str], unattested: str = ""
     if not folder.parent.is_dir():
         return {"path": None, **said,
                 "error": f"no daemon state directory at {folder.parent}"}
-    name = f"{time.time_ns()}-{job.pid}"
-    tmp, final = folder / f".{name}.tmp", folder / f"{name}.json"
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(job.record(), default=str) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.rename(tmp, final)
+        final = atomic_write(folder / f"{time.time_ns()}-{job.pid}.json",
+                             json.dumps(job.record(), default=str) + "\n", 0o600)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         return {"path": None, **said,
                 "error": f"cannot write into {folder}: {e.strerror or e}"}
     return {"path": str(final), **said, "error": None}

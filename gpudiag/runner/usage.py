@@ -26,6 +26,7 @@ from typing import Any
 
 from gpudiag.core.attribution import JOB_INBOX
 from gpudiag.core.environment import probe_environment
+from gpudiag.core.fileio import atomic_write
 from gpudiag.core.usage import BlockRecord, GpuUsage, usages_of
 from gpudiag.engine.announce import block_run
 from gpudiag.engine.statedir import default_state_dir
@@ -155,17 +156,9 @@ def report_block(code: str, codes: Sequence[str], env: Mapping[str, str],
     if not _is_dir(folder):
         return None
     record = BlockRecord(os.getpid(), code, tuple(codes), time.time(), slurm_job_id)
-    name = f"{time.time_ns()}-{record.pid}-block"
-    tmp, final = folder / f".{name}.tmp", folder / f"{name}.json"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(record.record()) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.rename(tmp, final)
+        final = atomic_write(folder / f"{time.time_ns()}-{record.pid}-block.json",
+                             json.dumps(record.record()) + "\n", 0o600)
     except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         return None
     return str(final)
