@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpudiag.core.classify import classify
+from gpudiag.core.classify import NodeFacts, classify
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.daemon.config import XidConfig
@@ -74,7 +74,8 @@ def test_an_open_xid_episode_of_an_older_history_is_held_again(
     env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_NVML_DEVICE_COUNT=2)
     runs = real_runs(env, ("host", "nvml"))
     verdict = classify(runs, parse_requirement("nvml", node_health=True), host="h",
-                       checked_at="2027-01-15T08:00:00Z", xids=[XidEvent(79, 1, UUID1, T0)])
+                       checked_at="2027-01-15T08:00:00Z",
+                       facts=NodeFacts(xids=[XidEvent(79, 1, UUID1, T0)]))
     assert verdict.gpu_validation_blocker == "gpu_lost"
     store = _store(tmp_path / "state")
     store.record(verdict, now=T0 + 0.5)

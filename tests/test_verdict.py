@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gpudiag.core.classify import classify
+from gpudiag.core.classify import NodeFacts, classify
 from gpudiag.core.environment import (
     KnownDevice,
     allow_listed,
@@ -107,7 +107,8 @@ def _one_gpu_lost(last_seen: dict[int, GpuIdentity] | None) -> Verdict:
     nvml = {"ok": True, "device_count": 2, "devices": [
         {"index": 0, "ok": True, "uuid": U0, "pci_bus_id": "00000000:18:00.0"}, lost]}
     return classify({"nvml": ProbeRun("nvml", nvml, 0.1)}, parse_requirement("cuda"),
-                    host="h", checked_at="2026-12-01T00:00:00.000Z", last_seen=last_seen)
+                    host="h", checked_at="2026-12-01T00:00:00.000Z",
+                    facts=NodeFacts(last_seen=last_seen))
 
 
 def test_a_lost_gpu_is_named_by_its_last_uuid_never_by_one_another_gpu_carries() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpudiag.core.classify import classify
+from gpudiag.core.classify import NodeFacts, classify
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Verdict
 from gpudiag.core.xids import xid_code
@@ -126,7 +126,7 @@ def _replay(storm: Storm, env: dict[str, str], state_file: Path, runs: Runs) -> 
         logger.removeHandler(handler)
         logger.setLevel(old_level)
     verdict = classify(runs, parse_requirement("cuda"), host="h", checked_at="t",
-                       source="daemon", xids=state.recent)
+                       source="daemon", facts=NodeFacts(xids=state.recent))
     return Replayed(state, records, fatal_held_s, verdict)
 
 

@@ -11,7 +11,7 @@ from typing import TypeAlias
 import pytest
 
 from gpudiag.core.catalog import BLOCKERS, WARNINGS
-from gpudiag.core.classify import classify
+from gpudiag.core.classify import NodeFacts, classify
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.verdict import Finding
@@ -115,7 +115,7 @@ def test_every_catalog_xid_produces_its_code_through_the_watcher(xid: int, watch
     events = [x for x in state.recent if x.xid == xid]
     assert events and events[0].device_index == 0 and events[0].uuid
     verdict = classify(runs, parse_requirement("cuda"), host="h", checked_at="t",
-                       source="daemon", xids=[_fresh(events[0])])
+                       source="daemon", facts=NodeFacts(xids=[_fresh(events[0])]))
     def about(findings: Iterable[Finding]) -> list[str]:
         return [f.code for f in findings if f"XID {xid} " in f.message]
 
@@ -216,11 +216,12 @@ def test_a_promoted_xid_blocks_its_gpu_in_the_verdict(watched: Watched) -> None:
     now = time.time()
     events = [XidEvent(13, first.device_index, first.uuid, now - k) for k in range(5)]
     verdict = classify(runs, parse_requirement("cuda"), host="h", checked_at="t",
-                       source="daemon", xids=events)
+                       source="daemon", facts=NodeFacts(xids=events))
     assert verdict.gpu_validation_blocker == PROMOTED_CODE
     (b,) = [b for b in verdict.blockers if "XID 13 " in b.message]
     assert "seen 5 times" in b.message and "promoted from a warning at 5" in b.message
     quiet = classify(runs, parse_requirement("cuda"), host="h", checked_at="t",
-                     source="daemon", xids=events, xid_rules=XidRules({}))
+                     source="daemon",
+                     facts=NodeFacts(xids=events, xid_rules=XidRules({})))
     assert [w.code for w in quiet.warnings if "XID 13 " in w.message] == [
         "gpu_xid_application"]

@@ -84,7 +84,7 @@ def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: floa
                 # now, it runs while this process imports the classifier and the engine
                 # (docs/benchmarks.md, "Probe overhead"); the run below takes it.
                 forker.ask_ahead("nvml", None, child_env)
-        from gpudiag.core.classify import classify
+        from gpudiag.core.classify import NodeFacts, classify
         from gpudiag.engine.inline import run_inline
         from gpudiag.engine.jobview import as_jobs
 
@@ -92,7 +92,7 @@ def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: floa
                           python=python)
     verdict = as_jobs(classify(done.runs, requirement, host=socket.gethostname(),
                                checked_at=done.checked_at, scope=done.scope,
-                               expected_gpus=expected_gpus),
+                               facts=NodeFacts(expected_gpus=expected_gpus)),
                       requirement, os.environ, python, done.runs)
     return verdict if named or python is None else not_checked(verdict, python)
 

@@ -455,17 +455,32 @@ class _Layer:
         return bool(self.cuda and self.cuda.init_ok)
 
 
+@dataclass(frozen=True)
+class NodeFacts:
+    """What a verdict weighs besides this round's probe runs: what the node's daemon knows
+    (held XIDs, its warnings, qualification findings, NVML's history, each index's last
+    identity) and the site's expectations. An inline run knows only ``expected_gpus``."""
+
+    xids: Sequence[XidEvent] = ()
+    extra_warnings: Sequence[Finding] = ()
+    # They name GPUs (by label) and come from outside the probe round (the daemon's
+    # qualification); only those of GPUs the requirement selects count.
+    device_blockers: Sequence[Finding] = ()
+    device_warnings: Sequence[Finding] = ()
+    expected_gpus: int | None = None
+    # Feed the NVML health rules (core.nvml_health).
+    nvml_history: NvmlHistory | None = None
+    nvml_policy: NvmlHealthPolicy | None = None
+    # Each GPU index's last identity (the daemon's core.identity memory).
+    last_seen: Mapping[int, GpuIdentity] | None = None
+    # How held XIDs become findings (core.xids.judge_xids; None: the catalog's).
+    xid_rules: XidRules | None = None
+
+
 def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: str,
-             checked_at: str, source: str = "inline", xids: Sequence[XidEvent] = (),
-             extra_warnings: Sequence[Finding] = (),
-             device_blockers: Sequence[Finding] = (),
-             device_warnings: Sequence[Finding] = (),
+             checked_at: str, source: str = "inline",
              visibility: tuple[str | None, str | None] | None = None,
-             scope: ProbeScope | None = None,
-             expected_gpus: int | None = None, nvml_history: NvmlHistory | None = None,
-             nvml_policy: NvmlHealthPolicy | None = None,
-             last_seen: Mapping[int, GpuIdentity] | None = None,
-             xid_rules: XidRules | None = None) -> Verdict:
+             scope: ProbeScope | None = None, facts: NodeFacts = NodeFacts()) -> Verdict:
     """The verdict for ``requirement`` from what the probe children observed.
 
     ``visibility`` is the job's (CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES) when it
@@ -473,14 +488,10 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     applies only where a host observation exists, which is where visibility is read from.
     ``scope`` says which GPUs the active probes could touch and each GPU's occupancy
     (core.readiness); without it every GPU is taken as probed (a caller without NVML).
-    ``nvml_history`` and ``nvml_policy`` feed the NVML health rules (core.nvml_health).
-    ``device_blockers`` and ``device_warnings`` name GPUs (by label) and come from outside the
-    probe round (the daemon's qualification); only those of GPUs the requirement selects count.
-    ``last_seen``: each GPU index's last identity (the daemon's core.identity memory).
-    ``xid_rules``: how held XIDs become findings (core.xids.judge_xids; None: the catalog's).
+    ``facts``: what else the verdict weighs (``NodeFacts``: the daemon's memory).
     """
     f = Findings()
-    f.warnings.extend(extra_warnings)
+    f.warnings.extend(facts.extra_warnings)
     _probe_layer(runs, f)
     layer = _Layer(_ok(runs.get("host")), _ok(runs.get("nvml")), _ok(runs.get("cuda")))
     if layer.host is None:
@@ -488,14 +499,14 @@ def classify(runs: Mapping[str, ProbeRun], requirement: Requirement, *, host: st
     devices: list[DeviceInfo] = []
     if requirement.needs_gpu:
         candidates, selected, remembered = _select_gpus(runs, layer, requirement, visibility,
-                                                        last_seen, f)
-        _device_findings(selected, xids, f, nvml_history, nvml_policy,
+                                                        facts.last_seen, f)
+        _device_findings(selected, facts.xids, f, facts.nvml_history, facts.nvml_policy,
                          peers=layer.nvml.devices if layer.nvml is not None else (),
-                         xid_rules=xid_rules)
+                         xid_rules=facts.xid_rules)
         labels = {d.label for d in selected}
-        f.blockers.extend(b for b in device_blockers if b.device in labels)
-        f.warnings.extend(w for w in device_warnings if w.device in labels)
-        _layer_findings(layer, candidates, selected, requirement, expected_gpus, f)
+        f.blockers.extend(b for b in facts.device_blockers if b.device in labels)
+        f.warnings.extend(w for w in facts.device_warnings if w.device in labels)
+        _layer_findings(layer, candidates, selected, requirement, facts.expected_gpus, f)
         # A lost GPU keeps the PCI bus id sysfs knows for its place (nvidia-smi shows it too).
         bus_ids = sysfs_bus_ids(_json(layer.host_run), _json(layer.nvml_run))
         devices = [_device_info(d, bus_ids.get(d.index), d.index in remembered)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpudiag.core import registry
-from gpudiag.core.classify import classify
+from gpudiag.core.classify import NodeFacts, classify
 from gpudiag.core.classify_nic import remembered
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.findings import XidEvent
@@ -385,14 +385,15 @@ def verdict_for(snapshot: Snapshot, requirement: Requirement, *, now_wall: float
                 "xid_watcher_gap", f"the XID watcher has been down for {gap:.0f} s "
                 f"(limit {policy.gap_warning_s:g} s, {watcher.restarts} restart(s)){why}",
                 backend="nvml", warning=True))
+    facts = NodeFacts(xids=xids, extra_warnings=extra,
+                      device_blockers=snapshot.qualification.blockers,
+                      device_warnings=snapshot.qualification.warnings,
+                      expected_gpus=policy.expected_gpus, nvml_history=snapshot.nvml_history,
+                      nvml_policy=policy.nvml, last_seen=snapshot.last_seen,
+                      xid_rules=policy.xid_rules)
     verdict = classify(runs, requirement, host=_hostname(), checked_at=rfc3339(oldest),
-                       source="daemon", xids=xids, extra_warnings=extra,
-                       device_blockers=snapshot.qualification.blockers,
-                       device_warnings=snapshot.qualification.warnings,
-                       visibility=visibility, scope=_runtime_scope(snapshot, proofs),
-                       expected_gpus=policy.expected_gpus,
-                       nvml_history=snapshot.nvml_history, nvml_policy=policy.nvml,
-                       last_seen=snapshot.last_seen, xid_rules=policy.xid_rules)
+                       source="daemon", visibility=visibility,
+                       scope=_runtime_scope(snapshot, proofs), facts=facts)
     if overridden:
         # cuInit ran with the daemon's visibility, so its device count is not the job's.
         verdict = replace(verdict, warnings=tuple(

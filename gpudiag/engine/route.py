@@ -79,15 +79,15 @@ def daemon_else_inline(requirement: Requirement, *, url: str | None = None,
     import socket
 
     from gpudiag.core import registry
-    from gpudiag.core.classify import classify
+    from gpudiag.core.classify import NodeFacts, classify
     from gpudiag.engine.inline import run_inline
 
     done = run_inline(requirement, env=env, timeout_s=timeout_s, timeouts=fallback_timeouts(
         registry.timeouts_s(), timeout_s, answer.waited_s), python=python)
     verdict = as_jobs(classify(done.runs, requirement, host=socket.gethostname(),
                                checked_at=done.checked_at, scope=done.scope,
-                               expected_gpus=expected_gpus), requirement, base, python,
-                      done.runs)
+                               facts=NodeFacts(expected_gpus=expected_gpus)),
+                      requirement, base, python, done.runs)
     # Why no daemon verdict was used (not listening, refused peer) goes into the evidence.
     return Routed(answer.fallback(verdict), done.runs,
                   answer.reason if answer.reason != "not asked" else None, answer.refused,
