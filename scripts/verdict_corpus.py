@@ -66,6 +66,7 @@ def _dump(run: Any) -> dict[str, Any]:
 
 def classify_all(source: Path) -> dict[str, Any]:
     """Every verdict record of the corpus, keyed by what produced it."""
+    from gpudiag.core import classify as classifier
     from gpudiag.core.classify import classify
     from gpudiag.core.findings import XidEvent
     from gpudiag.core.probe_run import ProbeRun
@@ -94,8 +95,12 @@ def classify_all(source: Path) -> dict[str, Any]:
                                     else backends[backend_key(name, options or {})], name)
                        for name, options in plan}
                 for xids in ((), (XidEvent(79, 0, None, 1.0e9),)):
+                    # NodeFacts since round 6; a checkout before it takes xids= itself.
+                    facts = getattr(classifier, "NodeFacts", None)
+                    more: dict[str, Any] = ({"facts": facts(xids=xids)} if facts is not None
+                                            else {"xids": xids})
                     verdict = classify(got, req, host="h", checked_at="2026-12-01T00:00:00Z",
-                                       xids=xids)
+                                       **more)
                     rec = verdict.record()
                     rec.pop("gpudiag_version", None)
                     out[f"{scenario}|{text}|gpus={gpus}|health={health}|xids={len(xids)}"
