@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from gpudiag.engine.answercheck import Question
     from gpudiag.engine.client import DaemonAnswer
     from gpudiag.engine.jobpython import JobPython
+    from gpudiag.engine.wire import RawReply
 
     # An exit code; the daemon's failed answer for the click path (one ask per call); or
     # None: click answers from scratch (usage errors, a URL it must word).
@@ -163,10 +164,7 @@ def answer_daemon(command: str, options: dict[str, str]) -> Fast:
     if status != 200:
         # No daemon, refused, or an error: click's path says why and runs the probes here,
         # with this answer and the time it took (a 400 is a value click words first).
-        from gpudiag.engine.client import answer_of, reply_of
-
-        return answer_of(url, reply_of(url, status, body, why, refused),
-                         time.monotonic() - started, None)
+        return _to_click(url, (status, body, why, refused), started, None)
     import json
 
     from gpudiag.core.recordtext import own_record_text
@@ -181,10 +179,7 @@ def answer_daemon(command: str, options: dict[str, str]) -> Fast:
         # A backend to prove in this environment (the click path makes the hybrid answer
         # from this one), or an answer that does not hold (said once, answered here): the
         # typed answer goes to the click path, which never asks again.
-        from gpudiag.engine.client import answer_of, reply_of
-
-        return answer_of(url, reply_of(url, status, body, why, refused),
-                         time.monotonic() - started, question)
+        return _to_click(url, (status, body, why, refused), started, question)
     fmt = options["--format"]
     if isinstance(data, dict):
         _as_jobs(data, query, python)
@@ -194,6 +189,16 @@ def answer_daemon(command: str, options: dict[str, str]) -> Fast:
     text, ready = own
     _echo(text)
     return EXIT_READY if ready else EXIT_BLOCKED
+
+
+def _to_click(url: str, got: RawReply, started: float,
+              question: Question | None) -> Fast:
+    """The daemon's answer as the click path takes it (engine.client), with the time it took."""
+    import time
+
+    from gpudiag.engine.client import answer_of, reply_of
+
+    return answer_of(url, reply_of(url, *got), time.monotonic() - started, question)
 
 
 def _job_python(options: dict[str, str], names: str) -> JobPython | None:
