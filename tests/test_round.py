@@ -133,10 +133,11 @@ def _calls_of(module: Path, function: str) -> int:
 
 def test_the_safety_rule_lives_in_one_place() -> None:
     """Only engine/round.py claims GPUs for probes (qualification claims one GPU itself, for
-    its own measurement), and both the scheduler and inline runs go through it."""
+    its own measurement; the reset rung its GPU's NVLink domain, exclusively, for a reset),
+    and both the scheduler and inline runs go through it."""
     package = ROOT / "gpudiag"
     claims = {p.relative_to(package).as_posix() for p in package.rglob("*.py")
               if _calls_of(p, "claim_free")}
-    assert claims == {"engine/round.py", "engine/qualify.py"}
+    assert claims == {"engine/round.py", "engine/qualify.py", "daemon/gpu_reset.py"}
     assert _calls_of(package / "engine" / "inline.py", "prove_round") == 1
     assert _calls_of(package / "daemon" / "scheduler.py", "prove_round") == 1

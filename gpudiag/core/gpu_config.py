@@ -129,9 +129,3 @@ def changes(before: Mapping[str, Inventory], after: Mapping[str, Inventory]
         out += [Change(uuid, name, b[name], a[name]) for name in FIELDS
                 if name in b and name in a and b[name] != a[name]]
     return tuple(out)
-
-
-def change_text(uuid: str, found: Sequence[Change]) -> str:
-    """The side effect's message: what the diagnostic changed on one GPU."""
-    said = "; ".join(f"{c.field} {c.before} -> {c.after}" for c in found)
-    return f"GPU {uuid}: the diagnostic left its configuration changed: {said}"
