@@ -38,8 +38,7 @@ class DaemonHistory:
 
     def store(self) -> HistoryStore | None:
         """The store as it is now (None: not writable yet, or none at all)."""
-        store = self.recorder.store
-        return store if isinstance(store, HistoryStore) else None
+        return self.recorder.history_store()
 
     def restore_holds(self, watcher: XidWatcher, hold_s: float) -> HistoryState:
         """Hand the history's held XIDs back to the watcher; what the history could say."""

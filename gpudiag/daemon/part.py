@@ -177,10 +177,7 @@ class PartContext:
 
     def store(self) -> HistoryStore | None:
         """The history as it is now (it may open late): None while it cannot be written."""
-        from gpudiag.daemon.store import HistoryStore
-
-        store = self.recorder.store
-        return store if isinstance(store, HistoryStore) else None
+        return self.recorder.history_store()
 
     def part(self, kind: type[P]) -> P:
         """The built part of class ``kind`` (built earlier in the list: a programming error

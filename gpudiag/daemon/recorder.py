@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gpudiag.core.verdict import Verdict
-from gpudiag.daemon.store import HistoryError, fingerprint
+from gpudiag.daemon.store import HistoryError, HistoryStore, fingerprint
 
 log = logging.getLogger("gpudiag.daemon.history")
 
@@ -158,6 +158,12 @@ class HistoryRecorder:
     def store(self) -> VerdictWriter | None:
         """The open store (None until a history that could not be opened at start opens)."""
         return self._store
+
+    def history_store(self) -> HistoryStore | None:
+        """The open store as a HistoryStore, to read or keep more than verdicts (None until
+        it opens, or when it is another writer: a test's)."""
+        store = self._store
+        return store if isinstance(store, HistoryStore) else None
 
     def _flush(self) -> list[tuple[Verdict, int]]:
         written: list[tuple[Verdict, int]] = []

@@ -44,7 +44,6 @@ from gpudiag.daemon.runs import (
     peer_of,
 )
 from gpudiag.daemon.scheduler import Scheduler
-from gpudiag.daemon.store import HistoryStore
 
 log = logging.getLogger("gpudiag.daemon")
 
@@ -65,7 +64,7 @@ class RunsPart(BasePart):
         watch = context.part(JobWatchPart)
         recorder, scheduler = context.recorder, context.scheduler
         # From the attested runs alone (the runs' socket, the kernel's word): no file inbox.
-        runs = RunWindows(context.lock_dir, partial(_open_store, recorder),
+        runs = RunWindows(context.lock_dir, recorder.history_store,
                           kept=context.state_dir / OPEN_RUNS_FILE,
                           mig_parents=partial(_mig_parents, scheduler))
         watch.runs = runs
@@ -153,12 +152,6 @@ def _record_job(recorder: HistoryRecorder, job: JobRecord, uid: int, attested: s
                 run_id: str | None) -> bool:
     # The store as it is now: it may open late.
     return record_job(recorder.store, job, uid, attested, run_id)
-
-
-def _open_store(recorder: HistoryRecorder) -> HistoryStore | None:
-    """The history as it is now (it may open late), for attributing a run's window."""
-    store = recorder.store
-    return store if isinstance(store, HistoryStore) else None
 
 
 def _leaves(scheduler: Scheduler) -> set[str] | None:
