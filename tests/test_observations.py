@@ -6,7 +6,6 @@ hand-written observations (the JSON edge is the thing under test).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -152,16 +151,3 @@ def test_nothing_above_core_reads_a_raw_observation() -> None:
             readers += [f"{layer}/{path.name}:{node.lineno}" for node in ast.walk(tree)
                         if isinstance(node, ast.Attribute) and node.attr == "observation"]
     assert readers == []
-
-
-def test_records_compare_hash_and_show_as_dataclasses_would() -> None:
-    from gpudiag.core.observations import ErrorInfo, Memory
-
-    a = ErrorInfo(code=12, name="NVML_ERROR_LIBRARY_NOT_FOUND", record={"code": 12})
-    b = ErrorInfo(code=12, name="NVML_ERROR_LIBRARY_NOT_FOUND", record={"other": 1})
-    assert a == b and hash(a) == hash(b)  # `record` is compare=False, as before
-    assert a != ErrorInfo(code=13) and a != Memory()
-    assert repr(Memory(1, 2, 3)).startswith("Memory(total_bytes=1, ")
-    assert "record=" not in repr(a)  # repr=False fields stay out
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        a.code = 1  # type: ignore[misc]

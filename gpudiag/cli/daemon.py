@@ -14,7 +14,6 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ import click
 from gpudiag.cli.commands import examples
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.limits import DEFAULT_PORT, EXIT_FAILED, EXIT_USAGE
+from gpudiag.core.records import dataclass
 from gpudiag.core.redact import redact_text
 from gpudiag.core.termsafe import terminal_safe
 from gpudiag.daemon.config import ConfigError, DaemonConfig, exposure_warning, load_config

@@ -14,11 +14,11 @@ docs/runner.md shows each rule with an example closeout.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.job_watch import RunWarning, run_warnings
+from gpudiag.core.records import dataclass
 from gpudiag.core.usage import GpuUsage, usages_of
 from gpudiag.core.xids import APPLICATION, LOST, REBOOT, RESET, xid_code, xid_description
 

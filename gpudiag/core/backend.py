@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from gpudiag.core.records import dataclass
 
 # The classifier and the typed observation are named by "module:attribute" and imported on
 # first use: parsing a requirement (the CLI's daemon-answered fast path, docs/benchmarks.md)

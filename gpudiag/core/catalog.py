@@ -7,7 +7,9 @@ the lowest layer in ``LAYER_ORDER``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
+
+from gpudiag.core.records import dataclass
 
 LAYER_ORDER: tuple[str, ...] = (
     "probe",

@@ -7,7 +7,7 @@ root cause brings with it stays listed under ``blockers`` as consequences.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from gpudiag.core import registry
@@ -46,6 +46,7 @@ from gpudiag.core.observations import (
 )
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope, require_proof, settle, with_proof_gpu
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import (
     UNPROVEN,
     BackendStatus,

@@ -8,12 +8,12 @@ text (``<file>:<line>: STATUS; message``), with the inner CUDA_ERROR name, say w
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.classify_jax import cuda_error_meaning
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, IreeObservation
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
 
 TYPE_CHECKING = False  # BackendRun is a Protocol for the type checker only

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.findings import Findings, GpuContext
 from gpudiag.core.observations import ErrorInfo, JaxObservation
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import UNPROVEN, BackendRequirement, BackendStatus
 
 TYPE_CHECKING = False  # BackendRun is a Protocol for the type checker only

@@ -18,8 +18,9 @@ import json as _json
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, Union
+
+from gpudiag.core.records import dataclass
 
 MISSING: Any = dataclasses.MISSING
 _SCALARS = (str, int, float, bool)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 from gpudiag.core.child import preallocation_off
 from gpudiag.core.fingerprint_inputs import PREALLOCATION_OFF as PREALLOCATION_OFF
+from gpudiag.core.records import dataclass
 from gpudiag.core.redact import redact_environment
 from gpudiag.core.visibility import CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES, pinned_to
 

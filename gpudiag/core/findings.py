@@ -6,8 +6,9 @@ directly: they need these types, and classify needs them, without a cycle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Finding
 
 

@@ -18,9 +18,9 @@ message, an info series' ``value`` label and ``gpudiag fleet --drift`` compare. 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from gpudiag.core.observations import NvmlDevice
+from gpudiag.core.records import dataclass
 
 # Every field of the inventory, in the order messages and series name them.
 FIELDS: tuple[str, ...] = (

@@ -24,7 +24,8 @@ only then runs the tool.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+from gpudiag.core.records import dataclass
 
 RESET_CODE = "gpu_reset_required"
 FREE = "free"

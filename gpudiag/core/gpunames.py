@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from gpudiag.core.records import dataclass
 
 
 @dataclass(frozen=True)

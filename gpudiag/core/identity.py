@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from gpudiag.core.observations import NvmlObservation
+from gpudiag.core.records import dataclass
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from gpudiag.core.npd import NOT_BROKEN_CODES
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Verdict
 
 ID_PREFIX = "gpudiag-"

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from gpudiag.core.records import dataclass
 
 STALLED = "job_stalled"
 STRAGGLER = "gpu_straggler_suspect"

@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Any
+
+from gpudiag.core.records import dataclass
 
 # The InfiniBand counters whose growth means a sick link (the kernel's sysfs-class-infiniband
 # ABI, ``ports/N/counters``): symbol errors, link downs, receive errors, link integrity.

@@ -16,8 +16,7 @@ reads it. The file, schema ``gpudiag.npd/1``, is two lines::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Verdict
 
 NPD_OK, NPD_PROBLEM, NPD_UNKNOWN = 0, 1, 2

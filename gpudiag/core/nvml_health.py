@@ -22,10 +22,11 @@ remembers between rounds, :class:`NvmlHistory`) into blockers and warnings. The 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from gpudiag.core.findings import Findings
 from gpudiag.core.observations import Ecc, NvmlDevice, NvmlObservation, RemappedRows
+from gpudiag.core.records import dataclass
 
 # NVIDIA's recovery-action values (core.recovery's names, as the probe reports them):
 # name -> (code, what to do). "none" needs nothing.

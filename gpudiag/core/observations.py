@@ -15,14 +15,14 @@ the nvml probe's devices and the XID watcher's telemetry lines carry, under the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, ClassVar, TypeAlias
 
 from gpudiag.core.decode import decode, from_json
+from gpudiag.core.records import dataclass
 from gpudiag.core.visibility import CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES
 
 Number: TypeAlias = int | float
@@ -93,51 +93,11 @@ _WHOLE = from_json(whole=True, as_type=Any)  # the record's own JSON, for eviden
 _VERSIONS = from_json(as_type=Mapping[str, Scalar | None], then=_str_values)
 
 
-# -- one equality, hash and repr for every record ----------------------------------------------
-
-
-_KEYS: dict[type, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
-
-
-def _keys(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """A record class's field names: compared, hashed and shown (as dataclass would)."""
-    found = _KEYS.get(cls)
-    if found is None:
-        fs = dataclasses.fields(cls)
-        found = _KEYS[cls] = (
-            tuple(f.name for f in fs if f.compare),
-            tuple(f.name for f in fs if (f.compare if f.hash is None else f.hash)),
-            tuple(f.name for f in fs if f.repr))
-    return found
-
-
-class _Record:
-    """What ``@dataclass(frozen=True)`` would generate for each record (eq, hash, repr),
-    written once: a dataclass generates each method with its own ``exec``, six a frozen
-    class, and with 32 records that was most of this module's import cost (every CLI call
-    that probes pays it; docs/benchmarks.md). The records keep ``frozen=True``."""
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        names = _keys(type(self))[0]
-        return all(getattr(self, n) == getattr(other, n) for n in names)
-
-    def __hash__(self) -> int:
-        return hash(tuple(getattr(self, n) for n in _keys(type(self))[1]))
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in _keys(type(self))[2])
-        return f"{type(self).__qualname__}({shown})"
-
-
 # -- shared records --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class ErrorInfo(_Record):
+@dataclass(frozen=True)
+class ErrorInfo:
     """An error a probe recorded (NVML, CUDA, Python or IREE); ``record`` is its JSON."""
 
     EMPTY_IS_NONE: ClassVar[bool] = True  # an empty record says nothing: no error
@@ -155,8 +115,8 @@ class ErrorInfo(_Record):
         return {k: v for k, v in self.record.items() if k != "traceback"}
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class Memory(_Record):
+@dataclass(frozen=True)
+class Memory:
     """Device memory as NVML reads it, in bytes."""
 
     total_bytes: int | None = field(default=None, metadata=_INT)
@@ -164,8 +124,8 @@ class Memory(_Record):
     used_bytes: int | None = field(default=None, metadata=_INT)
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class GpuReadings(_Record):
+@dataclass(frozen=True)
+class GpuReadings:
     """One GPU's live readings, the one vocabulary of the nvml probe and the XID watcher."""
 
     index: int | None = field(default=None, metadata=from_json(
@@ -208,8 +168,8 @@ def parse_telemetry(value: Any) -> dict[int, GpuReadings]:
 # -- nvml ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class GpuProcess(_Record):
+@dataclass(frozen=True)
+class GpuProcess:
     """A compute process NVML lists on a GPU or MIG instance."""
 
     pid: int | None = field(metadata=_INT)
@@ -219,8 +179,8 @@ class GpuProcess(_Record):
     user: str | None = field(default=None, metadata=_LENIENT)
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class Ecc(_Record):
+@dataclass(frozen=True)
+class Ecc:
     """ECC error counters; None where the GPU does not report them."""
 
     volatile_corrected: Number | None = None
@@ -230,8 +190,8 @@ class Ecc(_Record):
     aggregate_uncorrected: Number | None = None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class RemappedRows(_Record):
+@dataclass(frozen=True)
+class RemappedRows:
     """Row remapping: counts, and whether a remap is pending or has failed."""
 
     correctable: Number | bool | None = None
@@ -247,8 +207,8 @@ class RemappedRows(_Record):
             ("pending", self.pending), ("failure", self.failure)) if v is not None}
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class PcieLink(_Record):
+@dataclass(frozen=True)
+class PcieLink:
     """The PCIe link now and at most (what this GPU and its slot can do together)."""
 
     current_generation: int | None = None
@@ -257,16 +217,16 @@ class PcieLink(_Record):
     max_width: int | None = None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class NvLinks(_Record):
+@dataclass(frozen=True)
+class NvLinks:
     """The GPU's NVLink links by state (a GPU without NVLink has none: the field is None)."""
 
     active: tuple[int, ...] = ()
     inactive: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class FabricInfo(_Record):
+@dataclass(frozen=True)
+class FabricInfo:
     """NVSwitch fabric registration: state 0 not supported, 1 not started, 2 in progress,
     3 completed; status is the nvmlReturn_t of the registration once completed."""
 
@@ -274,16 +234,16 @@ class FabricInfo(_Record):
     status: int | None = None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class ClockEvents(_Record):
+@dataclass(frozen=True)
+class ClockEvents:
     """Why the clocks are held down: NVML's reason names, and its bit mask (checked, unread)."""
 
     reasons: tuple[str, ...] = ()
     mask: Number | None = None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class MigInstance(_Record):
+@dataclass(frozen=True)
+class MigInstance:
     """One MIG instance: a schedulable leaf of its GPU."""
 
     slot: int | None = field(metadata=_INT)
@@ -293,8 +253,8 @@ class MigInstance(_Record):
     error: ErrorInfo | None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class MigState(_Record):
+@dataclass(frozen=True)
+class MigState:
     """MIG mode of a GPU and its instances."""
 
     enabled: bool = field(metadata=_BOOL)
@@ -302,8 +262,8 @@ class MigState(_Record):
     instances: tuple[MigInstance, ...] = ()
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class GpuConfig(_Record):
+@dataclass(frozen=True)
+class GpuConfig:
     """What an operator or a firmware flash sets on a GPU, beyond the readings: firmware
     versions, the configured power limit (W), application clocks (MHz) and ECC mode now and
     after the next reset (True enabled). Each None where the GPU cannot say (core.gpu_config)."""
@@ -320,8 +280,8 @@ class GpuConfig(_Record):
     ecc_mode_pending: bool | None = field(default=None, metadata=_LENIENT)
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class NvmlDevice(_Record):
+@dataclass(frozen=True)
+class NvmlDevice:
     """One GPU as the nvml probe read it; ``ok`` is False when the device itself failed."""
 
     index: int
@@ -378,8 +338,8 @@ class NvmlDevice(_Record):
         return tuple(i.uuid for i in (self.mig.instances if self.mig else ()) if i.uuid)
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class NvmlObservation(_Record):
+@dataclass(frozen=True)
+class NvmlObservation:
     """What the nvml probe read: versions and every device."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -405,8 +365,8 @@ def _visibility(env: Mapping[str, str | None]) -> tuple[str | None, str | None]:
 # -- host ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class PciGpu(_Record):
+@dataclass(frozen=True)
+class PciGpu:
     """A display or 3D controller of NVIDIA's on the PCI bus, and the driver bound to it."""
 
     address: str  # required: a controller without one names no GPU
@@ -414,16 +374,16 @@ class PciGpu(_Record):
     driver: str | None = None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class PciBus(_Record):
+@dataclass(frozen=True)
+class PciBus:
     """NVIDIA's GPUs on the PCI bus (``available``: whether sysfs could be read)."""
 
     available: bool | None = None
     gpus: tuple[PciGpu, ...] = ()
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class DeviceNodes(_Record):
+@dataclass(frozen=True)
+class DeviceNodes:
     """The /dev/nvidia* nodes the host probe found (absent means none were found)."""
 
     dir: str | None = None
@@ -435,8 +395,8 @@ class DeviceNodes(_Record):
     permission_denied: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class CommandResult(_Record):
+@dataclass(frozen=True)
+class CommandResult:
     """How a command the host probe ran (nvidia-smi) ended."""
 
     missing: bool = field(default=False, metadata=_BOOL)
@@ -450,8 +410,8 @@ def _host_evidence(o: Record) -> dict[str, Any]:
                                   "device_nodes", "driver_proc")}
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class HostObservation(_Record):
+@dataclass(frozen=True)
+class HostObservation:
     """What the host probe saw; the raw records travel on into evidence as they are."""
 
     ok: bool | None = field(default=None, metadata=_FLAG)
@@ -479,8 +439,8 @@ class HostObservation(_Record):
 # -- cuda ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class CudaStep(_Record):
+@dataclass(frozen=True)
+class CudaStep:
     """One driver call's outcome (cuInit, context, allocation); ``record`` is its JSON."""
 
     EMPTY_IS_NONE: ClassVar[bool] = True
@@ -491,8 +451,8 @@ class CudaStep(_Record):
     record: Record = field(default_factory=dict, compare=False, repr=False, metadata=_WHOLE)
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class CudaDevice(_Record):
+@dataclass(frozen=True)
+class CudaDevice:
     """One device as cuInit listed it, with its context and allocation steps."""
 
     ordinal: Any
@@ -502,8 +462,8 @@ class CudaDevice(_Record):
     alloc: CudaStep | None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class CudaObservation(_Record):
+@dataclass(frozen=True)
+class CudaObservation:
     """What the cuda probe proved: library, cuInit, and a context per device."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -526,8 +486,8 @@ class CudaObservation(_Record):
 # -- jax -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class JaxDevice(_Record):
+@dataclass(frozen=True)
+class JaxDevice:
     """A device JAX listed."""
 
     platform: Any
@@ -540,8 +500,8 @@ class JaxDevice(_Record):
         return f"{self.platform}:{self.id} {self.kind}"
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class JaxCompute(_Record):
+@dataclass(frozen=True)
+class JaxCompute:
     """The tiny jitted computation: where it ran and how it ended; ``record`` is its JSON."""
 
     EMPTY_IS_NONE: ClassVar[bool] = True
@@ -552,8 +512,8 @@ class JaxCompute(_Record):
     record: Record = field(default_factory=dict, compare=False, repr=False, metadata=_WHOLE)
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class JaxObservation(_Record):
+@dataclass(frozen=True)
+class JaxObservation:
     """What the jax probe saw: versions, platforms, errors, and the computation."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -587,8 +547,8 @@ class JaxObservation(_Record):
 # -- iree ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class IreeExecute(_Record):
+@dataclass(frozen=True)
+class IreeExecute:
     """The tiny kernel on one driver: compiled, run, or skipped (and why)."""
 
     compile: Record | None = None
@@ -601,8 +561,8 @@ class IreeExecute(_Record):
         return bool((self.compile or {}).get("cached"))
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class IreeDevice(_Record):
+@dataclass(frozen=True)
+class IreeDevice:
     """A device an IREE driver listed."""
 
     device_id: Any
@@ -614,8 +574,8 @@ class IreeDevice(_Record):
         return f"{self.device_id} {self.name}"
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class IreeDriver(_Record):
+@dataclass(frozen=True)
+class IreeDriver:
     """One IREE HAL driver as the iree probe found it."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -627,8 +587,8 @@ class IreeDriver(_Record):
     compute_s: Any = None
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class IreeObservation(_Record):
+@dataclass(frozen=True)
+class IreeObservation:
     """What the iree probe saw: versions and each driver it tried."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -649,8 +609,8 @@ class IreeObservation(_Record):
 # -- any other probe -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class OtherObservation(_Record):
+@dataclass(frozen=True)
+class OtherObservation:
     """An observation of a probe gpudiag does not classify: only whether it said ok."""
 
     ok: bool | None = field(metadata=_FLAG)
@@ -660,8 +620,8 @@ ProbeObservation: TypeAlias = (HostObservation | NvmlObservation | CudaObservati
                                | JaxObservation | IreeObservation | OtherObservation)
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class Malformed(_Record):
+@dataclass(frozen=True)
+class Malformed:
     """Why an observation could not be read: the field that was wrong."""
 
     problem: str
@@ -670,8 +630,8 @@ class Malformed(_Record):
 # -- the XID watcher's lines -----------------------------------------------------------------
 
 
-@dataclass(frozen=True, repr=False, eq=False)
-class WatcherLine(_Record):
+@dataclass(frozen=True)
+class WatcherLine:
     """One JSON line of the XID watcher child (gpudiag.probes.xid_watch), typed.
 
     ``kind`` is hello, xid, telemetry, heartbeat or error; the fields of other kinds are

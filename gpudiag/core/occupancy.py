@@ -11,7 +11,6 @@ Admission (gpudiag.runner.admission) uses it to pick GPUs; classification can us
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 from gpudiag.core.environment import is_full_uuid
@@ -23,6 +22,7 @@ from gpudiag.core.observations import (
     NvmlDevice,
     NvmlObservation,
 )
+from gpudiag.core.records import dataclass
 
 # The one spelling of a leaf's occupancy in gpudiag: the verdict record's (devices[].occupancy),
 # the metrics' (gpudiag_gpu_occupancy{state}), admission's evidence and the guard's readings

@@ -11,7 +11,7 @@ which stays only for evidence and history. A malformed observation turns the run
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Generic, TypeVar
 
 from gpudiag.core.observations import (
@@ -23,6 +23,7 @@ from gpudiag.core.observations import (
     NvmlObservation,
     ProbeObservation,
 )
+from gpudiag.core.records import dataclass
 from gpudiag.core.registry import parse_observation
 
 STDERR_TAIL_BYTES = 64 * 1024

@@ -10,7 +10,8 @@ line per lock, ``ID: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE START END``; lines
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from gpudiag.core.records import dataclass
 
 # "12: FLOCK  ADVISORY  WRITE 4242 fe:00:2146312 0 EOF" (device numbers in hex, as the
 # kernel prints them; the pid is 0 for a holder outside the reader's pid namespace).

@@ -18,8 +18,10 @@ No I/O here: the engine runs the child and keeps the history, this module decide
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from gpudiag.core.records import dataclass
 
 SCHEMA = "gpudiag.qualification/1"
 

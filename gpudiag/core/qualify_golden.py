@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from gpudiag.core.qualify_score import GpuResult
+from gpudiag.core.records import dataclass
 from gpudiag.core.sdc import PENDING, judge_golden
 
 

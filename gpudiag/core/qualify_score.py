@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from gpudiag.core.probe_run import ProbeRun
@@ -28,6 +28,7 @@ from gpudiag.core.qualify import (
     expected,
     reference_for,
 )
+from gpudiag.core.records import dataclass
 from gpudiag.core.sdc import (
     FAIL,
     GIB,

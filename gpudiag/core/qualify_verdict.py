@@ -11,10 +11,10 @@ A run that left the GPU's configuration changed (engine.qualify_inventory) adds 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from gpudiag.core.qualify import COMPUTE_MISMATCH, DIAGNOSTIC_SIDE_EFFECT, UNDERPERFORMING
 from gpudiag.core.qualify_score import Qualification
+from gpudiag.core.records import dataclass
 from gpudiag.core.sdc import MEMORY_TEST_FAILED
 from gpudiag.core.verdict import Finding
 

@@ -19,12 +19,13 @@ other processes use is occupancy, not a fault. Pure: no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from gpudiag.core.findings import Findings
 from gpudiag.core.occupancy import BUSY as BUSY  # re-exported: one spelling package-wide
 from gpudiag.core.occupancy import FREE as FREE
 from gpudiag.core.occupancy import UNKNOWN as UNKNOWN
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import (
     UNPROVEN,
     BackendRequirement,

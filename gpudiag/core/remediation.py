@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from gpudiag.core.catalog import drains
+from gpudiag.core.records import dataclass
 
 MODES = ("off", "observe", "act")
 OWN_PREFIX = "gpudiag:"

@@ -3,7 +3,7 @@ gpudiag/core/remediation.py and every actuator (gpudiag/daemon/actuators.py) rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from gpudiag.core.records import dataclass
 
 
 @dataclass(frozen=True)

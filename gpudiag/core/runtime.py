@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import BackendRequirement
 
 OWN_RUNTIME = "gpudiag"

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from gpudiag.core.records import dataclass
 
 GEMM_CHECKS: tuple[str, ...] = ("gemm_repeat", "golden")
 MEMORY_CHECKS: tuple[str, ...] = ("memory_address", "memory_walking_ones", "memory_random")

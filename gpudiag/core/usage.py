@@ -14,8 +14,9 @@ daemon's socket (daemon/runs.py), never a record.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, TypeGuard
+
+from gpudiag.core.records import dataclass
 
 BLOCK_SCHEMA = "gpudiag.block/1"
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from gpudiag.core.catalog import LAYER_ORDER, WARNINGS, entry, layer_rank
+from gpudiag.core.records import dataclass
 from gpudiag.core.recordtext import SCHEMA, render_kv
 from gpudiag.core.redact import redact_record
 from gpudiag.core.version import __version__

@@ -10,10 +10,11 @@ published XID catalog for Ampere and newer GPUs (``SOURCE_URL``), its "Resolutio
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from gpudiag.core.catalog import BLOCKERS
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.records import dataclass
 
 SOURCE_URL = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 

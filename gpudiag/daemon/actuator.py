@@ -11,9 +11,9 @@ unknown_node, unparsable) is the metric's label. A platform is one module declar
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from gpudiag.core.records import dataclass
 from gpudiag.core.remediation import Fleet, NodeView
 from gpudiag.core.remediation_config import RemediationConfig
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import pwd
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpudiag.core.environment import is_full_uuid
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.runs import OpenRun
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import dataclass
 
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Verdict
 from gpudiag.daemon.envelope import encode_json
 

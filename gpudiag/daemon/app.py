@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -24,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gpudiag.core import registry
 from gpudiag.core.ascii_ints import ascii_int
 from gpudiag.core.limits import IREE_DRIVERS, MAX_DEVICES
+from gpudiag.core.records import dataclass
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Requirement
 from gpudiag.daemon.answers import EncodedAnswer

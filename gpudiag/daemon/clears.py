@@ -17,12 +17,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpudiag.core.fileio import RefusedFile, atomic_write, inbox_names, read_regular
 from gpudiag.core.gpunames import GpuNameError, NamedGpu, resolve
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.snapshot import ProbeKey
 
 log = logging.getLogger("gpudiag.daemon.clears")

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from gpudiag.core.limits import DEFAULT_PORT
 from gpudiag.core.nvml_health import NvmlHealthPolicy
 from gpudiag.core.qualify import ReferenceError, ReferenceModel, parse_reference_table
 from gpudiag.core.qualify_score import Thresholds
+from gpudiag.core.records import dataclass
 from gpudiag.core.remediation_config import RemediationConfig as RemediationConfig
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 from gpudiag.core.runtime import OWN_RUNTIME, RUNTIME_NAME, Runtime

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from gpudiag.core.attribution import (
 )
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.fileio import RefusedFile, read_regular
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.closeouts import JobRecordError, future_dated, read_job
 from gpudiag.daemon.runs import BEFORE_S, attribute_window
 from gpudiag.daemon.store import HistoryStore, default_path

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ from gpudiag.core.gpu_reset import (
     reset_faults,
 )
 from gpudiag.core.readiness import UNKNOWN
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.clears import ClearRequest
 from gpudiag.daemon.cycles import CycleThread
 from gpudiag.daemon.slurmctl import Runner, SlurmError, run_bounded

@@ -20,12 +20,12 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.core.clock import rfc3339
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.recorder import HistoryRecorder, RecorderThread
 from gpudiag.daemon.snapshot import HistoryState
 from gpudiag.daemon.statedir import damaged_histories

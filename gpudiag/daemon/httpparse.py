@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import h11
 
 from gpudiag.core.ascii_ints import ascii_int
+from gpudiag.core.records import dataclass
 
 MAX_HEAD_BYTES = 16384      # request line and headers together
 MAX_HEADERS = 64

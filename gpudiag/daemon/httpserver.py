@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 from urllib.parse import unquote
 
@@ -39,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from gpudiag.core.peercred import PeerCredentials, peer_credentials, peer_pidfd
+from gpudiag.core.records import dataclass
 from gpudiag.daemon import envelope
 from gpudiag.daemon.envelope import status_line, wire_bytes
 from gpudiag.daemon.httpparse import MAX_BODY_BYTES as MAX_BODY_BYTES

@@ -31,13 +31,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import IO, Any, Protocol
 
 from prometheus_client.core import GaugeMetricFamily
 
 from gpudiag.core.attribution import JobRecord
 from gpudiag.core.job_watch import GpuSample, JobWatchPolicy, RunWarning, RunWatch
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.collectors import StateCollector
 
 log = logging.getLogger("gpudiag.daemon.job_watch")

@@ -9,11 +9,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.core.environment import CACHE_VARIABLE, probe_environment
 from gpudiag.core.limits import EXIT_FAILED, EXIT_USAGE
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.app import serve as http_serve
 from gpudiag.daemon.config import DaemonConfig

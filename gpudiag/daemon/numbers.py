@@ -22,13 +22,14 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from gpudiag.core.attribution import JobRecord
 from gpudiag.core.catalog import BLOCKERS
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.records import dataclass
 from gpudiag.core.usage import BlockRecord
 from gpudiag.core.verdict import Verdict
 from gpudiag.core.xids import xid_entry

@@ -20,11 +20,11 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.fileio import RefusedFile, atomic_write, read_regular
+from gpudiag.core.records import dataclass
 from gpudiag.engine.locks import locked_by
 
 log = logging.getLogger("gpudiag.daemon.runs")

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from gpudiag.core.limits import EXIT_FAILED, EXIT_USAGE
+from gpudiag.core.records import dataclass
 
 log = logging.getLogger("gpudiag.daemon")
 

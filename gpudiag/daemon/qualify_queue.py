@@ -16,11 +16,11 @@ refusal is the app's (daemon/app.py).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.gpunames import GpuNameError, NamedGpu, resolve
 from gpudiag.core.qualify import TIERS
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.snapshot import Snapshot
 
 # Refusal codes (docs/reference.md, "HTTP API of the daemon").

@@ -15,13 +15,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 
 from gpudiag.core.gpunames import NamedGpu
 from gpudiag.core.qualify_score import Qualification, parse_qualification
 from gpudiag.core.qualify_verdict import replaces
 from gpudiag.core.readiness import FREE, GpuOccupancy
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.config import QualificationConfig
 from gpudiag.daemon.loop import LoopThread
 from gpudiag.daemon.qualify_queue import QualifyRequest as QualifyRequest

@@ -22,9 +22,10 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from gpudiag.core.findings import XidEvent
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Verdict
 from gpudiag.core.xids import xid_entry
 from gpudiag.daemon.clears import ClearRequest

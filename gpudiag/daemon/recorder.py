@@ -15,9 +15,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Verdict
 from gpudiag.daemon.store import HistoryError, HistoryStore, fingerprint
 

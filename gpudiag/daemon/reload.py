@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.config import ConfigError, DaemonConfig, XidConfig
 from gpudiag.daemon.scheduler import Scheduler

@@ -19,11 +19,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 
 from gpudiag.core.catalog import NIC_DRAINS, drains
 from gpudiag.core.fileio import RefusedFile, atomic_write, read_regular
+from gpudiag.core.records import dataclass
 from gpudiag.core.remediation import (
     KILL_ALL,
     Decision,

@@ -43,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ from gpudiag.core.attribution import (
 )
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.limits import MAX_DEVICES
+from gpudiag.core.records import dataclass
 from gpudiag.core.usage import usages_of
 from gpudiag.daemon import open_runs
 from gpudiag.daemon.collectors import StateCollector

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from gpudiag.core.nvml_health import NvmlHistory, advance
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
+from gpudiag.core.records import dataclass
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.core.verdict import BackendRequirement, Requirement, Verdict

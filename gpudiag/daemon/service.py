@@ -27,12 +27,12 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from gpudiag.core.environment import probe_environment
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.app import DaemonApp
 from gpudiag.daemon.config import DaemonConfig, load_config
 from gpudiag.daemon.history import DaemonHistory

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Any
 
 from gpudiag.core import registry
@@ -23,6 +23,7 @@ from gpudiag.core.observations import GpuReadings
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.qualify_verdict import QualificationFindings
 from gpudiag.core.readiness import ProbeScope
+from gpudiag.core.records import dataclass
 from gpudiag.core.runtime import OWN_RUNTIME, Runtime
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.core.xids import XidRules

@@ -19,10 +19,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.core.ascii_ints import ascii_int
+from gpudiag.core.records import dataclass
 from gpudiag.daemon.recorder import HistoryRecorder
 from gpudiag.daemon.store import DB_NAME, HistoryDamagedError, HistoryError, HistoryStore
 

@@ -15,12 +15,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpudiag.core.findings import XidEvent
 from gpudiag.core.incident import Incident
+from gpudiag.core.records import dataclass
 from gpudiag.core.redact import redact_text
 from gpudiag.core.verdict import Verdict
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import RecordError, Requirement, Verdict
 from gpudiag.engine import wire
 from gpudiag.engine.answercheck import Question, check_answer, fingerprint_of, untrusted

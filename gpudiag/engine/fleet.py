@@ -17,12 +17,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from gpudiag.core import registry
 from gpudiag.core.catalog import layer_rank
+from gpudiag.core.records import dataclass
 
 # A job needs at least this many GPUs by default; cuda is the default requirement.
 DEFAULT_JOB = "gpudiag"

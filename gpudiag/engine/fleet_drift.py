@@ -14,10 +14,11 @@ names no majority and says nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from gpudiag.core.gpu_config import FIELDS
+from gpudiag.core.records import dataclass
 from gpudiag.engine.fleet import FleetUsageError, PrometheusClient, Sample
 
 DEFAULT_GROUP_LABEL = "partition"

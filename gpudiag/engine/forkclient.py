@@ -22,10 +22,10 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.environment import PREALLOCATION_OFF, SYSTEMD_ONLY
+from gpudiag.core.records import dataclass
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
 
 # GPUDIAG_PROBE_FORK_SERVER=0 in the probe environment: spawn every probe (the old path);

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from gpudiag.core import registry
 from gpudiag.core.environment import KnownDevice, is_full_uuid, job_view
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.readiness import BUSY, UNKNOWN, GpuOccupancy
+from gpudiag.core.records import dataclass
 from gpudiag.engine.locks import (
     LOCK_FREE,
     Holder,

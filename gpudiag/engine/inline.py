@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from gpudiag.core import registry
@@ -13,6 +12,7 @@ from gpudiag.core.clock import now_rfc3339
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import ProbeScope
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Requirement
 from gpudiag.engine.forkclient import ForkServer
 from gpudiag.engine.isolation import run_probes

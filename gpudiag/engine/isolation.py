@@ -13,10 +13,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from gpudiag.core.probe_run import ProbeRun, bounded_tail
+from gpudiag.core.records import dataclass
 from gpudiag.engine.forkclient import AFTER_KILL_WAIT_S, ForkServer, collect
 
 STDOUT_LIMIT_BYTES = 16 * 1024 * 1024

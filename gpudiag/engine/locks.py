@@ -16,7 +16,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +25,7 @@ import psutil
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.proclocks import KernelLock as KernelLock
 from gpudiag.core.proclocks import flocks_on, parse_proc_locks
+from gpudiag.core.records import dataclass
 
 SYSTEM_LOCK_DIR = Path("/run/gpudiag/locks")
 # Why a GPU whose full-UUID lock a job holds is BUSY (its process may not be up yet).

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
 import psutil
@@ -26,6 +26,7 @@ from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.observations import NvmlObservation
 from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
+from gpudiag.core.records import dataclass
 from gpudiag.engine.locks import (
     JOB_LOCKED,
     LOCK_EXCLUSIVE,

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from dataclasses import dataclass
 
 import psutil
 
 from gpudiag.core import registry
+from gpudiag.core.records import dataclass
 
 
 @dataclass(frozen=True)

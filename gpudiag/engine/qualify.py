@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from gpudiag.core.qualify_score import (
     parse_result,
     score,
 )
+from gpudiag.core.records import dataclass
 from gpudiag.core.sdc import XLA_DETERMINISTIC_FLAGS
 from gpudiag.core.visibility import pinned_to
 from gpudiag.engine.guard import claim_free, visible_uuids

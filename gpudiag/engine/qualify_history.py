@@ -12,11 +12,11 @@ import fcntl
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpudiag.core.qualify import SCHEMA
+from gpudiag.core.records import dataclass
 
 FILE_NAME = "qualifications.jsonl"
 MAX_RECORDS = 5000

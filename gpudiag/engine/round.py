@@ -18,7 +18,7 @@ caller's held GPUs) call this one function; what differs between them is a param
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from gpudiag.core import registry
 from gpudiag.core.backend import EVERY_GPU, POINT_BY_OPTION
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GpuOccupancy, ProbeScope
+from gpudiag.core.records import dataclass
 from gpudiag.core.visibility import pinned_to
 from gpudiag.engine.guard import (
     SIBLING_WAIT_S,

@@ -8,9 +8,9 @@ The one implementation of "ask the daemon, else run inline", used by ``gpudiag.p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from gpudiag.core.deadlines import daemon_wait_s, fallback_timeouts
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.engine.client import DaemonAnswer, ask_daemon, default_url, prove_here
 from gpudiag.engine.jobview import as_jobs as as_jobs

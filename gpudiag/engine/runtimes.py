@@ -20,12 +20,13 @@ import subprocess
 import time
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.fileio import atomic_write
+from gpudiag.core.records import dataclass
 from gpudiag.core.runtime import Runtime
 from gpudiag.core.version import __version__
 

@@ -18,9 +18,10 @@ import os
 import select
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import IO, Any
 
+from gpudiag.core.records import dataclass
 from gpudiag.probes.nvml import throttle_reasons
 
 

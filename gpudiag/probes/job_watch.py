@@ -21,9 +21,10 @@ import select
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import IO, Any
 
+from gpudiag.core.records import dataclass
 from gpudiag.probes.nvml import throttle_reasons
 
 SLOW_EVERY = 10  # samples between reads of what changes slowly (power limit, PCIe link, ECC)

@@ -35,10 +35,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from gpudiag.core.qualify import TIERS, TierSpec, memory_budget_bytes, sized_copy_bytes
+from gpudiag.core.records import dataclass
 from gpudiag.core.sdc import SDC
 from gpudiag.probes.cuda import _foreign_pids, _load, _uuid_string
 from gpudiag.probes.qualify_sdc import read_conditions

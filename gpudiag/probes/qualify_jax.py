@@ -17,10 +17,11 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from gpudiag.core.qualify import TierSpec
+from gpudiag.core.records import dataclass
 from gpudiag.probes import qualify_iree
 
 FP32_TOLERANCE = 1e-4

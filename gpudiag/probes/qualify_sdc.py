@@ -29,9 +29,9 @@ import importlib.metadata
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gpudiag.core.records import dataclass
 from gpudiag.core.sdc import (
     FAIL,
     PASS,

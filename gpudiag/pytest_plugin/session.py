@@ -12,7 +12,7 @@ import ast
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from gpudiag.core.attribution import Attribution, Window
 from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.limits import MAX_DEVICES
 from gpudiag.core.occupancy import Leaf
+from gpudiag.core.records import dataclass
 from gpudiag.core.requirement import RequirementError, parse_requirement
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.engine.client import DaemonUrlError, default_url

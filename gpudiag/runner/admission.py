@@ -18,7 +18,7 @@ import random
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +38,7 @@ from gpudiag.core.observations import ErrorInfo
 from gpudiag.core.occupancy import BUSY, FREE, UNKNOWN, Leaf, leaves_from_nvml
 from gpudiag.core.probe_run import ProbeRun
 from gpudiag.core.readiness import GPU_FAULT_LAYERS
+from gpudiag.core.records import dataclass
 from gpudiag.core.verdict import Finding, Requirement, Verdict
 from gpudiag.core.visibility import (
     CUDA_VISIBLE_DEVICES,

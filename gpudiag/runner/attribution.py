@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Any
 
 from gpudiag.core.attribution import (
@@ -52,6 +52,7 @@ from gpudiag.core.environment import probe_environment
 from gpudiag.core.fileio import atomic_write
 from gpudiag.core.observations import parse_watcher_line
 from gpudiag.core.probe_run import bounded_tail
+from gpudiag.core.records import dataclass
 from gpudiag.core.requirement import parse_requirement
 from gpudiag.core.usage import GpuUsage, merge_xids
 from gpudiag.engine.announce import begin_run, end_body, end_run

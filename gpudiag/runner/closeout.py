@@ -9,10 +9,11 @@ the file (blockers, evidence, attribution, the job record) stay JSON-ready mappi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 from gpudiag.core.attribution import Attribution
+from gpudiag.core.records import dataclass
 from gpudiag.core.recordtext import kv_value
 from gpudiag.core.usage import GpuUsage
 

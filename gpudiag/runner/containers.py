@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+from gpudiag.core.records import dataclass
 
 DOCKER_INFO_TIMEOUT_S = 10.0
 CDI_KIND = "nvidia.com/gpu"

@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any, BinaryIO
@@ -36,6 +36,7 @@ from gpudiag.core.child import (
 from gpudiag.core.environment import gpudiag_variables
 from gpudiag.core.fileio import atomic_write, write_error
 from gpudiag.core.limits import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, EXIT_REFUSED
+from gpudiag.core.records import dataclass
 from gpudiag.core.termsafe import terminal_safe
 from gpudiag.core.verdict import Requirement, Verdict
 from gpudiag.core.version import __version__
