@@ -18,14 +18,15 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import field, replace
 from pathlib import Path
-from typing import Any, Literal
-
-import psutil
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpudiag.core.environment import is_full_uuid
 from gpudiag.core.proclocks import KernelLock as KernelLock
 from gpudiag.core.proclocks import flocks_on, parse_proc_locks
 from gpudiag.core.records import dataclass
+
+if TYPE_CHECKING:
+    import psutil  # imported where a lock holder is named: 11 ms of every CLI start else
 
 SYSTEM_LOCK_DIR = Path("/run/gpudiag/locks")
 # Why a GPU whose full-UUID lock a job holds is BUSY (its process may not be up yet).
@@ -660,6 +661,7 @@ def _holds_file(pid: int, device: int, inode: int) -> bool | None:
 
 def _holder(lk: KernelLock, device: int, inode: int, marks: _Marks) -> Holder:
     """The Holder behind one kernel lock entry: the locker, if it still holds the file."""
+    import psutil
     unnamed = Holder(None, (), lk.shared, None, False)
     if lk.pid <= 0:
         return replace(unnamed, elsewhere=True)  # outside this pid namespace
@@ -684,6 +686,7 @@ def _holder(lk: KernelLock, device: int, inode: int, marks: _Marks) -> Holder:
 def _serves(proc: psutil.Process) -> bool:
     """Whether ``proc``'s argv is ``gpudiag serve`` (``gpudiag ... serve``, ``python -m
     gpudiag serve``): the daemon, as far as a process of a trusted uid says."""
+    import psutil
     try:
         argv = proc.cmdline()
     except (psutil.Error, OSError):

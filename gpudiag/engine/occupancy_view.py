@@ -16,14 +16,12 @@ try-lock answers and takes in one step), and qualification counts sibling probes
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
 
-import psutil
-
 from gpudiag.core.environment import is_full_uuid
-from gpudiag.core.observations import NvmlObservation
+from gpudiag.core.observations import GpuProcess, NvmlObservation
 from gpudiag.core.occupancy import occupancy as leaf_occupancy
 from gpudiag.core.readiness import BUSY, FREE, UNKNOWN, GpuOccupancy
 from gpudiag.core.records import dataclass
@@ -65,7 +63,11 @@ def occupancy_view(nvml: NvmlObservation | None, *, lock_dir: Path, siblings: bo
     """Each GPU leaf's occupancy from an NVML reading: its processes, less this process tree
     (and sibling probes unless ``siblings`` is False), and with ``locks`` the kernel's answer
     on each FREE GPU's lock over it."""
-    own = _not_foreign(nvml, lock_dir) if siblings else own_process_tree()
+    own: frozenset[int] = frozenset()
+    if any(procs for _, procs in _listed(nvml)):
+        # Only a listed process can make a GPU busy: with none (an idle node), this tree
+        # (every /proc/PID/stat read) is not needed, nor psutil's import in a CLI.
+        own = _not_foreign(nvml, lock_dir) if siblings else own_process_tree()
     by_nvml = _by_nvml(nvml, own)
     return _with_locks(by_nvml, by_nvml, lock_dir) if locks else OccupancyView(by_nvml, by_nvml)
 
@@ -110,6 +112,15 @@ def _by_nvml(nvml: NvmlObservation | None, own: frozenset[int]) -> dict[str, Gpu
     return out
 
 
+def _listed(nvml: NvmlObservation | None) -> list[tuple[str | None, Sequence[GpuProcess]]]:
+    """Each GPU's and MIG instance's processes in an NVML reading, under the GPU's uuid."""
+    listed: list[tuple[str | None, Sequence[GpuProcess]]] = []
+    for d in nvml.devices if nvml is not None and nvml.ok else ():
+        listed.append((d.uuid, d.processes or ()))
+        listed += [(d.uuid, i.processes or ()) for i in (d.mig.instances if d.mig else ())]
+    return listed
+
+
 def _not_foreign(nvml: NvmlObservation | None, lock_dir: Path) -> frozenset[int]:
     """The PIDs that make no GPU busy: this process tree, and sibling probe children (of our
     uid, below a process whose own descriptors hold the probe mark of the GPU NVML lists
@@ -117,13 +128,10 @@ def _not_foreign(nvml: NvmlObservation | None, lock_dir: Path) -> frozenset[int]
     ours = own_process_tree()
     own_uids = frozenset({os.geteuid()})
     by_gpu: dict[str, set[int]] = {}
-    for d in nvml.devices if nvml is not None and nvml.ok else ():
-        lists = [(d.uuid, d.processes),
-                 *((d.uuid, i.processes) for i in (d.mig.instances if d.mig else ()))]
-        for uuid, procs in lists:
-            for p in procs or ():
-                if p.pid is not None and p.pid not in ours and uuid and is_full_uuid(uuid):
-                    by_gpu.setdefault(uuid, set()).add(p.pid)
+    for uuid, procs in _listed(nvml):
+        for p in procs:
+            if p.pid is not None and p.pid not in ours and uuid and is_full_uuid(uuid):
+                by_gpu.setdefault(uuid, set()).add(p.pid)
     # A GPU whose probe mark nobody holds (the O(1) attempt) has no sibling on it; on the
     # others, each listed process's parents are asked whether they hold it.
     siblings = {pid for uuid, pids in by_gpu.items() if mark_held(lock_dir, uuid)
@@ -136,6 +144,7 @@ _SIBLING_DEPTH = 3
 
 
 def _sibling_probe(pid: int, lock_dir: Path, uuid: str, uids: Collection[int]) -> bool:
+    import psutil
     try:
         proc = psutil.Process(pid)
         return (all(u in uids for u in proc.uids()) and is_probe_child(cmdline(pid))
