@@ -50,7 +50,8 @@ NOT_ON_THE_PROBE_PATH = ("click", "rich", "prometheus_client", "gpudiag.cli.comm
 # What moves between two probe runs of the same host: times, durations, nvidia-smi's clock.
 _VOLATILE = (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z"),
              re.compile(r"(duration_s[\\\"]*[=:] ?)[0-9.e-]+"),
-             re.compile(r"\w{3} \w{3} [ 0-9]\d \d\d:\d\d:\d\d \d{4}"))
+             re.compile(r"\w{3} \w{3} [ 0-9]\d \d\d:\d\d:\d\d \d{4}"),
+             re.compile(r"\b\d+\.\d\ds\b"))  # the text table's probe durations
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,11 @@ def _steady(text: str) -> str:
     (["probe", "--backend", "nvml,cuda", "--format", "json", "--json"], {}, 0),
     (["probe", "--backend", "nvml,cuda", "--format", "kv", "--expected-gpus", "4"], {}, 1),
     (["probe", "--backend", "host,nvml,cuda", "--json"], {"FAKE_CUDA_INIT_ERROR": "999"}, 1),
+    (["probe", "--backend", "nvml,cuda"], {}, 0),
+    (["probe", "--backend", "nvml,cuda", "--format", "text", "--wide"], {}, 0),
+    (["probe", "--backend", "host,nvml,cuda"], {"FAKE_CUDA_INIT_ERROR": "999"}, 1),
 ])
-def test_probe_in_json_or_kv_prints_what_the_click_command_prints(
+def test_probe_in_any_format_prints_what_the_click_command_prints(
         gpu_env: object, argv: list[str], knobs: dict[str, str], code: int) -> None:
     env = gpu_env(FAKE_NVML_DEVICE_COUNT=2, **knobs)  # type: ignore[operator]
     assert parse_fast(argv) is not None, "this call should take the fast path"
@@ -231,8 +235,8 @@ def test_bad_probe_values_get_click_s_usage_errors(gpu_env: object) -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    [], ["probe"], ["preflight"], ["preflight", "--format", "text"],
-    ["probe", "--format", "text"], ["probe", "--json", "--watch"], ["probe", "--json", "--wide"],
+    [], ["preflight"], ["preflight", "--format", "text"], ["probe", "--wide", "--wide"],
+    ["probe", "--wide=1"], ["probe", "--json", "--watch"], ["probe", "--config", "x.toml"],
     ["probe", "--json", "--json"], ["probe", "--json=1"], ["probe", "--format", "json", "-h"],
     ["probe", "--json", "--format", "kv"], ["probe", "--json", "--expected-gpus", "1025"],
     ["preflight", "--format", "kv", "--json"],
@@ -249,7 +253,7 @@ def test_calls_the_fast_path_does_not_know_exactly_go_to_click(argv: list[str]) 
 
 
 # What the fast path leaves to click, per command, and why: with any of these a call is no
-# longer the daemon-answered (or, for probe, probed-here) kv/json call that the entry answers.
+# longer the daemon-answered kv/json call (or, for probe, the probed-here call) that the entry answers.
 # Every other option of the click command is in the entry's table: a new click option fails
 # test_the_fast_table_is_what_the_click_commands_regenerate until it is placed on one side.
 CLICK_ONLY = {
@@ -261,7 +265,7 @@ CLICK_ONLY = {
     "health": {"--record": "as preflight", "--no-daemon": "as preflight",
                "--wide": "as preflight", "--watch": "many verdicts: the click path",
                "--config": "as preflight"},
-    "probe": {"--wide": "as preflight", "--watch": "as health", "--config": "as preflight"},
+    "probe": {"--watch": "as health", "--config": "as preflight"},
 }
 
 
@@ -286,7 +290,7 @@ def _regenerated_table(name: str) -> tuple[frozenset[str], frozenset[str],
             ranges[long] = (kind.min, kind.max)
         if long == "--format":
             assert isinstance(param.type, click.Choice)
-            assert set(FAST_FORMATS) <= set(param.type.choices)
+            assert set(FAST_FORMATS[name]) <= set(param.type.choices)
     return frozenset(options), frozenset(flags), ranges
 
 

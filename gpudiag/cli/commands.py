@@ -6,17 +6,17 @@ failed.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
 from gpudiag.cli import options, probing
+from gpudiag.cli.spinner import progress
 from gpudiag.cli.watch import watch_command, watch_option
 from gpudiag.core import registry
 from gpudiag.core.limits import (
@@ -51,18 +51,6 @@ def _timeout(value: str | None, name: str = "--timeout") -> float | None:
         return parse_timeout(value, name=name)
     except RequirementError as e:
         raise _usage(str(e)) from e
-
-
-@contextlib.contextmanager
-def _progress(message: str) -> Iterator[None]:
-    """A live spinner on a terminal; nothing at all when stderr is a pipe or a file."""
-    if sys.stderr.isatty():
-        from rich.console import Console
-
-        with Console(stderr=True).status(message):
-            yield
-    else:
-        yield
 
 
 def _emit(verdict: Verdict, fmt: str, wide: bool = False) -> None:
@@ -225,7 +213,7 @@ def probe(backend_text: str, fmt: str | None, as_json: bool, timeout_text: str |
     if watch_text is not None:
         sys.exit(watch_command(produce, watch_text, "gpudiag probe --backend " + ",".join(names),
                                fmt, wide))
-    with _progress("probing " + ", ".join(names)):
+    with progress("probing " + ", ".join(names)):
         verdict = produce()
     _emit(verdict, fmt, wide)
     sys.exit(EXIT_READY if verdict.ready else EXIT_BLOCKED)
@@ -354,7 +342,7 @@ def _answer(requirement: Requirement, what: str, timeout_text: str | None, fmt: 
 
         sys.exit(watch_command(produce, watch_text, "gpudiag " + what, fmt, wide))
 
-    with _progress(what):
+    with progress(what):
         try:
             routed = daemon_else_inline(requirement, url=daemon_url, use_daemon=not no_daemon,
                                         timeout_s=timeout_s, expected_gpus=expected_gpus,

@@ -3,10 +3,12 @@
 ``gpudiag --version`` and a daemon-answered ``gpudiag preflight|health --format kv|json`` (a
 Slurm prolog, a pytest session, ``gpudiag run``'s callers) are answered here without click,
 the classifier or the probe engine: most of their wall time was Python importing what they
-do not use (docs/benchmarks.md, "CLI start"). ``gpudiag probe --format kv|json`` (or
-``--json``) runs its probes here without click (``gpudiag.cli.probing``, which the click
-command calls too). Everything else, and every case the fast path does not recognize exactly
-(other flags, ``--help``, a bad value, a terminal on stderr, no daemon answer), goes to the
+do not use (docs/benchmarks.md, "CLI start"). ``gpudiag probe`` in any format (without
+``--watch`` or ``--config``) runs its probes here without click (``gpudiag.cli.probing``,
+which the click command calls too), with the same spinner on a terminal and the same
+rendering. Everything else, and every case the fast path does not recognize exactly (other
+flags, ``--help``, a bad value, a terminal on stderr for a daemon's answer, no daemon answer),
+goes to the
 click commands in ``gpudiag.cli.commands`` unchanged, which then say what is wrong or run the
 probes here. When the daemon was asked and gave no usable answer, that answer (its reason and
 the time it took) goes to the click path with the call, which never asks again: one deadline
@@ -49,11 +51,14 @@ FAST_OPTIONS = {
     "probe": frozenset({"--backend", "--format", "--timeout", "--expected-gpus", "--python"}),
 }
 # The on/off flags the fast path understands (click is_flag options), per command.
-FAST_FLAGS = {"probe": frozenset({"--json"})}
+FAST_FLAGS = {"probe": frozenset({"--json", "--wide"})}
 # click.IntRange bounds of the integer options, checked here so that click reports the rest.
 _INT_RANGES = {"--min-devices": (0, MAX_DEVICES), "--gpus": (1, 64),
                "--expected-gpus": (1, 1024)}
-FAST_FORMATS = ("kv", "json")
+# The formats the fast path prints, per command: probe's text too (its own verdict, rendered
+# as the click command renders it); a daemon's verdict in text goes to click's path.
+FAST_FORMATS = {"preflight": ("kv", "json"), "health": ("kv", "json"),
+                "probe": ("text", "kv", "json")}
 
 
 def parse_fast(argv: list[str]) -> tuple[str, dict[str, str]] | None:
@@ -81,8 +86,8 @@ def parse_fast(argv: list[str]) -> tuple[str, dict[str, str]] | None:
     if "--json" in options:
         if options.setdefault("--format", "json") != "json":
             return None  # --json with another --format: click words the disagreement
-    if options.get("--format") not in FAST_FORMATS:
-        return None  # text (the default) renders for people: click's path
+    if options.setdefault("--format", "text") not in FAST_FORMATS[argv[0]]:
+        return None  # a format this path does not print: click's path
     for name, (low, high) in _INT_RANGES.items():
         if name in options:
             text = options[name]
@@ -123,10 +128,13 @@ def answer_probe(options: dict[str, str]) -> int | None:
     from gpudiag.cli.settings import backend_settings
 
     backend_settings(None, explicit=False)  # the node's config file, as the click path reads it
-    verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
-                            expected_gpus=None if expected is None else int(expected),
-                            python=python, named="--backend" in options)
-    return _printed(verdict, options["--format"])
+    from gpudiag.cli.spinner import progress
+
+    with progress("probing " + ", ".join(names)):
+        verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
+                                expected_gpus=None if expected is None else int(expected),
+                                python=python, named="--backend" in options)
+    return _printed(verdict, options["--format"], wide="--wide" in options)
 
 
 def answer_daemon(command: str, options: dict[str, str]) -> Fast:
@@ -347,9 +355,14 @@ def _answer_typed(command: str, options: dict[str, str], url: str, read_timeout_
     return _printed(as_jobs(verdict, requirement, os.environ, python), options["--format"])
 
 
-def _printed(verdict: Verdict, fmt: str) -> int:
-    """Print the verdict as the click commands' ``--format json|kv`` does; its exit code."""
-    _echo(verdict.json() + "\n" if fmt == "json" else verdict.kv())
+def _printed(verdict: Verdict, fmt: str, *, wide: bool = False) -> int:
+    """Print the verdict as the click commands' ``--format`` does; its exit code."""
+    if fmt == "text":
+        from gpudiag.cli.render import render_text
+
+        render_text(verdict, sys.stdout, color=sys.stdout.isatty(), wide=wide)
+    else:
+        _echo(verdict.json() + "\n" if fmt == "json" else verdict.kv())
     return EXIT_READY if verdict.ready else EXIT_BLOCKED
 
 
@@ -372,7 +385,9 @@ def main() -> int:
 
         print(f"gpudiag, version {__version__}")  # click.version_option's words
         return 0
-    fast = parse_fast(argv) if not sys.stderr.isatty() else None  # a terminal gets a spinner
+    fast = parse_fast(argv)
+    if fast is not None and fast[0] != "probe" and sys.stderr.isatty():
+        fast = None  # a terminal gets a spinner while the click path probes here
     if fast is not None:
         # The same last lines of defence as click's standalone mode and
         # gpudiag.cli.commands.main around it, without click.
