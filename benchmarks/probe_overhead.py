@@ -1,7 +1,7 @@
 """Overhead of `gpudiag probe --backend nvml,cuda` over a bare NVML child, against the fakes.
 
-Prints, in one run, the median wall time of each and their ratio (target <= 1.5), with the
-same command with its fork server exec'd instead of forked from the CLI
+Prints, in one run, the median wall time of each and their ratio (target <= 1.5): the
+command as typed (text output), the same with --json, with its fork server exec'd instead of forked from the CLI
 (GPUDIAG_PROBE_FORK_SERVER=exec, the path before issue 31's third pass) and with every probe
 spawned (GPUDIAG_PROBE_FORK_SERVER=0, the path before the probe fork server); and each
 command's CPU time, its whole process tree's (a forked server saves CPU, not wall time, where
@@ -80,20 +80,27 @@ def main() -> None:
                         help="another checkout's gpudiag package folder's parent")
     args = parser.parse_args()
     py = sys.executable
-    probe = [py, "-m", "gpudiag", "probe", "--backend", "nvml,cuda", "--json"]
+    # The command as a person types it (text, the default), and as a script reads it (--json).
+    probe = [py, "-m", "gpudiag", "probe", "--backend", "nvml,cuda"]
+    probe_json = [*probe, "--json"]
     here = Path(__file__).resolve().parent.parent
     for folder in [here / "gpudiag", *([args.base / "gpudiag"] if args.base else [])]:
         compileall.compile_dir(str(folder), quiet=1)
     with tempfile.TemporaryDirectory() as tmp:
         fakes = build_fakes(Path(tmp) / "fakes")
         dev, proc = make_host_dirs(Path(tmp) / "host", gpus=args.devices)
+        # PYTHONPATH names the checkout measured, and every command runs in an empty folder:
+        # ``python -m`` puts its working folder first on sys.path, so run from a checkout it
+        # would import that checkout's gpudiag whatever PYTHONPATH says (--base did, before).
         env = fakes.env(base={**clean_env(), "GPUDIAG_DEVICE_DIR": str(dev),
-                              "GPUDIAG_DRIVER_PROC_DIR": str(proc)},
+                              "GPUDIAG_DRIVER_PROC_DIR": str(proc), "PYTHONPATH": str(here)},
                         FAKE_NVML_DEVICE_COUNT=args.devices)
+        os.chdir(tmp)
         # name -> (argv, env); "spawned" is the path before the probe fork server.
         cases = {
             "bare pynvml init + device count": ([py, "-c", BARE], env),
             "gpudiag probe --backend nvml,cuda": (probe, env),
+            "  the same, --json": (probe_json, env),
             "  the same, fork server exec'd": (
                 probe, {**env, "GPUDIAG_PROBE_FORK_SERVER": "exec"}),
             "  the same, every probe spawned": (

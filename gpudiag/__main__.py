@@ -1,7 +1,5 @@
 """``python -m gpudiag`` is the ``gpudiag`` command."""
 
-import sys
+from gpudiag.cli.entry import run
 
-from gpudiag.cli.entry import main
-
-sys.exit(main())
+run()

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from gpudiag.core.verdict import Verdict
     from gpudiag.engine.answercheck import Question
     from gpudiag.engine.client import DaemonAnswer
+    from gpudiag.engine.forkclient import ForkServer
     from gpudiag.engine.jobpython import JobPython
     from gpudiag.engine.wire import RawReply
 
@@ -106,6 +107,17 @@ def answer_fast(command: str, options: dict[str, str]) -> Fast:
 
 def answer_probe(options: dict[str, str]) -> int | None:
     """``gpudiag probe``'s verdict from probes run here; None for a value click must word."""
+    from gpudiag.cli.ahead import nvml_ahead
+
+    forker = nvml_ahead(options.get("--backend"))  # first: it runs while the rest imports
+    try:
+        return _probe_here(options, forker)
+    finally:
+        if forker is not None:
+            forker.close()
+
+
+def _probe_here(options: dict[str, str], forker: ForkServer | None) -> int | None:
     from gpudiag.cli.probing import (
         BackendListError,
         default_backends,
@@ -133,7 +145,8 @@ def answer_probe(options: dict[str, str]) -> int | None:
     with progress("probing " + ", ".join(names)):
         verdict = probe_verdict(names, requirement, timeout_s=timeout_s,
                                 expected_gpus=None if expected is None else int(expected),
-                                python=python, named="--backend" in options)
+                                python=python, named="--backend" in options,
+                                forker=forker)
     return _printed(verdict, options["--format"], wide="--wide" in options)
 
 
@@ -422,6 +435,29 @@ def main() -> int:
     return 0
 
 
+def run() -> None:
+    """The ``gpudiag`` program (console script, ``python -m gpudiag``): ``main``, then the end.
+
+    When ``main`` returns (the fast path, ``--version``) and nothing is left for Python's
+    shutdown to do but take its modules apart (no atexit callback, no other thread, stdout
+    and stderr flushed), the process ends at once: that teardown was 11 ms of a 120 ms
+    ``gpudiag probe`` (docs/benchmarks.md, "Probe overhead"). Anything else, and every
+    click path (which exits by SystemExit), ends as Python ends.
+    """
+    code = main()
+    import atexit
+
+    threading = sys.modules.get("threading")
+    if atexit._ncallbacks() == 0 and (threading is None or threading.active_count() == 1):
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:
+            sys.exit(code)  # a reader gone: Python's own shutdown says so, as without this
+        os._exit(code)
+    sys.exit(code)
+
+
 def _pacify() -> None:
     """After a broken pipe: no second error when Python flushes stdout at exit."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -430,4 +466,4 @@ def _pacify() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -15,6 +15,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Collection
 
+    from gpudiag.engine.forkclient import ForkServer
     from gpudiag.engine.jobpython import JobPython
 
 
@@ -53,37 +54,29 @@ def probe_requirement(names: list[str]) -> Requirement:
 
 def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: float | None,
                   expected_gpus: int | None, python: JobPython | None = None,
-                  named: bool = True) -> Verdict:
+                  named: bool = True, forker: ForkServer | None = None) -> Verdict:
     """Run the named probes here, each in its child, and classify what they saw.
 
     ``python``: the job's interpreter (engine/jobpython.py; found from this environment when
     None): JAX and IREE run under it. ``named``: the backends were asked for by name; else
     (``gpudiag probe``'s default list) one the job's environment lacks is not checked.
+    ``forker``: a fork server the caller started for this run (``cli.ahead.nvml_ahead``,
+    which asked for NVML's child already); it stays the caller's to close.
     """
+    import contextlib
     import os
     import socket
 
     from gpudiag.core.environment import probe_environment
     from gpudiag.engine import jobpython
-    from gpudiag.engine.forkclient import ForkServer
 
     only = {n.split(":")[0] for n in names}
     if python is None and any(registry.environment_dependent(n) for n in only):
         python = jobpython.find(os.environ)
-    # The probe fork server is forked from this process now, before the classifier's and
-    # the engine's imports: its own (pynvml, the probe modules) run beside them. Probes run
-    # under another interpreter (the job's) are spawned, so it does not load them.
-    here = sorted(n for n in only
-                  if python is None or python.own or not registry.environment_dependent(n))
     child_env = probe_environment(os.environ)
-    with ForkServer(child_env, probes=here, fork_here=True) as forker:
-        if len(only) > 1:
-            forker.start()
-            if nvml_runs(requirement, only):
-                # NVML's reading first (every other device probe waits for it): asked for
-                # now, it runs while this process imports the classifier and the engine
-                # (docs/benchmarks.md, "Probe overhead"); the run below takes it.
-                forker.ask_ahead("nvml", None, child_env)
+    with contextlib.ExitStack() as stack:
+        if forker is None or not forker.serves(child_env):
+            forker = stack.enter_context(_forker_ahead(only, requirement, python, child_env))
         from gpudiag.core.classify import NodeFacts, classify
         from gpudiag.engine.inline import run_inline
         from gpudiag.engine.jobview import as_jobs
@@ -95,6 +88,26 @@ def probe_verdict(names: list[str], requirement: Requirement, *, timeout_s: floa
                                facts=NodeFacts(expected_gpus=expected_gpus)),
                       requirement, os.environ, python, done.runs)
     return verdict if named or python is None else not_checked(verdict, python)
+
+
+def _forker_ahead(only: Collection[str], requirement: Requirement, python: JobPython | None,
+                  child_env: dict[str, str]) -> ForkServer:
+    """The probe fork server, forked from this process now, before the classifier's and the
+    engine's imports: its own (pynvml, the probe modules) run beside them. Probes run under
+    another interpreter (the job's) are spawned, so it does not load them."""
+    from gpudiag.engine.forkclient import ForkServer
+
+    here = sorted(n for n in only
+                  if python is None or python.own or not registry.environment_dependent(n))
+    forker = ForkServer(child_env, probes=here, fork_here=True)
+    if len(only) > 1:
+        forker.start()
+        if nvml_runs(requirement, only):
+            # NVML's reading first (every other device probe waits for it): asked for
+            # now, it runs while this process imports the classifier and the engine
+            # (docs/benchmarks.md, "Probe overhead"); the run takes it.
+            forker.ask_ahead("nvml", None, child_env)
+    return forker
 
 
 def nvml_runs(requirement: Requirement, only: Collection[str]) -> bool:

@@ -137,10 +137,25 @@ class _ForkedServerProcess:
         """Wait up to ``timeout`` s for it to end; its exit code, or TimeoutExpired."""
         end = time.monotonic() + timeout
         while self.poll() is None:
-            if time.monotonic() > end:
+            left = end - time.monotonic()
+            if left < 0:
                 raise subprocess.TimeoutExpired(cmd=["fork server", str(self.pid)], timeout=timeout)
-            time.sleep(0.005)
+            self._until_ended(min(left, 0.005))
         return self.returncode
+
+    def _until_ended(self, timeout: float) -> None:
+        """Sleep until it ends (its pidfd reads ready), or ``timeout`` s at most: a poll every
+        5 ms cost a killed server's caller 4 ms at the end of every inline run. Not reaped
+        yet, its pid is still its own."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError:  # a kernel before 5.3
+            time.sleep(timeout)
+            return
+        try:
+            select.select([pidfd], [], [], timeout)
+        finally:
+            os.close(pidfd)
 
 
 def _fork_server_here(control: socket.socket,
