@@ -145,10 +145,12 @@ def fleet(fakes: FakeDriver, tmp_path_factory: pytest.TempPathFactory) -> Iterat
              "GPUDIAG_LOCK_DIR": str(root / "locks")}
     healthy = start_daemon(root / "a", env_a, ("--socket", str(root / "a.sock")))
     # Node b: GPU 1 fell off the bus (XID 79), has a failed row remap and uncorrectable
-    # ECC errors; GPU 0 saw an application XID 13 (a warning, not a blocker).
+    # ECC errors, and another VBIOS than GPU 0; GPU 0 saw an application XID 13 (a warning,
+    # not a blocker).
     blocked = start_daemon(root / "b", node_env(
         fakes, root / "host-b", FAKE_NVML_XIDS="1:79,0:13",
-        FAKE_NVML_REMAPPED_ROWS="1:0/0/0/1", FAKE_NVML_ECC_AGGREGATE_UNCORRECTED="1:2"))
+        FAKE_NVML_REMAPPED_ROWS="1:0/0/0/1", FAKE_NVML_ECC_AGGREGATE_UNCORRECTED="1:2",
+        FAKE_NVML_VBIOS="1:96.00.9F.00.01"))
     prometheus = start_prometheus(root, [healthy.instance, blocked.instance])
     port = prometheus.port  # type: ignore[attr-defined]
     try:
@@ -352,3 +354,17 @@ def test_the_power_panel_joins_the_job_holding_a_gpu_by_its_job_id_once_per_gpu(
     finally:
         end_run(url, run, 0, os.getpid(), end_body([], None, []), os.environ)
         release([lock])
+
+
+def test_the_drift_panel_shows_the_field_a_node_s_gpus_differ_in(fleet: Fleet) -> None:
+    (expr,) = [e for t, _, e in expressions() if t.startswith("GPU configuration that differs")]
+    rows = []
+    deadline = time.monotonic() + 30
+    while not rows and time.monotonic() < deadline:
+        rows = fleet.query(substitute(expr, ".*", ".*"))
+        time.sleep(0.5)
+    seen = {(r["metric"]["instance"], r["metric"]["gpu"], r["metric"]["field"],
+             r["metric"]["value"]) for r in rows}
+    b = fleet.blocked.instance
+    assert seen == {(b, "0", "vbios_version", "96.00.9F.00.04"),
+                    (b, "1", "vbios_version", "96.00.9F.00.01")}
