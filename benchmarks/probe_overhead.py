@@ -1,8 +1,9 @@
 """Overhead of `gpudiag probe --backend nvml,cuda` over a bare NVML child, against the fakes.
 
 Prints, in one run, the median wall time of each and their ratio (target <= 1.5): the
-command as typed (text output), the same with --json, with its fork server exec'd instead of forked from the CLI
-(GPUDIAG_PROBE_FORK_SERVER=exec, the path before issue 31's third pass) and with every probe
+command as typed (text output), the same with --json, with its fork server exec'd instead
+of forked from the CLI (GPUDIAG_PROBE_FORK_SERVER=exec, the path before issue 31's third
+pass) and with every probe
 spawned (GPUDIAG_PROBE_FORK_SERVER=0, the path before the probe fork server); and each
 command's CPU time, its whole process tree's (a forked server saves CPU, not wall time, where
 a spare core starts the exec'd one beside the CLI's imports):

@@ -253,7 +253,8 @@ def test_calls_the_fast_path_does_not_know_exactly_go_to_click(argv: list[str]) 
 
 
 # What the fast path leaves to click, per command, and why: with any of these a call is no
-# longer the daemon-answered kv/json call (or, for probe, the probed-here call) that the entry answers.
+# longer the daemon-answered kv/json call (or, for probe, the probed-here call) that the
+# entry answers.
 # Every other option of the click command is in the entry's table: a new click option fails
 # test_the_fast_table_is_what_the_click_commands_regenerate until it is placed on one side.
 CLICK_ONLY = {

@@ -150,7 +150,7 @@ def test_other_flags_go_to_the_standard_library() -> None:
         a: int
 
     assert Ordered(1) < Ordered(2)
-    assert "__record_table__" not in Ordered.__dict__
+    assert "__record_frozen__" not in Ordered.__dict__
 
 
 def test_frozen_and_mutable_do_not_mix_as_in_the_standard_library() -> None:
@@ -177,7 +177,7 @@ def test_every_record_class_of_the_package_is_made_here() -> None:
             if (isinstance(value, type) and dataclasses.is_dataclass(value)
                     and value.__module__ == module.__name__):
                 found.append(value)
-    stdlib_made = [c.__qualname__ for c in found if "__record_table__" not in c.__dict__
+    stdlib_made = [c.__qualname__ for c in found if "__record_frozen__" not in c.__dict__
                    and "__lt__" not in c.__dict__]  # order=True: the standard library's
     assert len(found) > 200
     assert stdlib_made == []
