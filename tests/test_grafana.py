@@ -358,7 +358,7 @@ def test_the_power_panel_joins_the_job_holding_a_gpu_by_its_job_id_once_per_gpu(
 
 def test_the_drift_panel_shows_the_field_a_node_s_gpus_differ_in(fleet: Fleet) -> None:
     (expr,) = [e for t, _, e in expressions() if t.startswith("GPU configuration that differs")]
-    rows = []
+    rows: list[dict[str, Any]] = []
     deadline = time.monotonic() + 30
     while not rows and time.monotonic() < deadline:
         rows = fleet.query(substitute(expr, ".*", ".*"))
