@@ -65,7 +65,7 @@ def schedule(scale: float) -> list[Phase]:
 
 
 # The shared test daemon config (tests/support/daemon.py), probing every second.
-SOAK_CONFIG = {
+SOAK_CONFIG: dict[str, dict[str, float]] = {
     "backends.nvml": {"interval_s": 1, "deadline_s": 5},
     "backends.cuda": {"interval_s": 1, "deadline_s": 1.5},
     "xid": {"heartbeat_s": 0.5, "telemetry_s": 2, "gap_warning_s": 30},

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml  # type: ignore[import-untyped]
+import yaml  # type: ignore[import-untyped, unused-ignore]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.docblock import replace_block
