@@ -6,6 +6,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core.settings import declared
 from gpudiag.daemon.config import DaemonConfig, load_config
 from gpudiag.daemon.effective import NOT_IN_FILE, PLACES, effective_lines
 
@@ -112,6 +113,16 @@ def _names(obj: Any) -> set[str]:
     return out
 
 
+def _classes(obj: Any) -> set[type]:
+    """The record classes of a dataclass and of the records inside it."""
+    out: set[type] = {type(obj)}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            out |= _classes(value)
+    return out
+
+
 def test_every_key_round_trips_through_the_printed_configuration(tmp_path: Path) -> None:
     given = tmp_path / "given.toml"
     given.write_text(EVERY_KEY)
@@ -124,12 +135,16 @@ def test_every_key_round_trips_through_the_printed_configuration(tmp_path: Path)
 
 def test_every_field_is_printed_or_said_why_not() -> None:
     text = "\n".join(effective_lines(DaemonConfig()))
-    keys = {place.rpartition(".")[2] for place in PLACES.values()}
+    places = [*PLACES.values(), *(s.at for cls in _classes(DaemonConfig())
+                                  for s in declared(cls).values() if s.at)]
+    keys = {place.rpartition(".")[2] for place in places}
     shown = {line.lstrip("# ").split(" ")[0] for line in text.splitlines()}
     for name in _names(DaemonConfig()) - {"backends", "xid", "history", "nvml",
                                           "qualification", "thresholds", "runtimes",
                                           "remediation", "jobs", "gpu_reset"}:
-        qual = [q for q in (*PLACES, *NOT_IN_FILE) if q.endswith(f".{name}")]
+        qual = [q for q in (*PLACES, *NOT_IN_FILE) if q.endswith(f".{name}")] + [
+            s.at for cls in _classes(DaemonConfig()) for n, s in declared(cls).items()
+            if n == name and s.at]
         assert name in shown or qual, f"{name} is missing from serve --check-config"
     assert {"nfd_features_file", "nfd_expiry_s", "clock_event_dwell_s"} <= shown
     assert "[runtimes.gpudiag]" in shown  # a table per runtime, the daemon's own always

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gpudiag.core.records import dataclass
+from gpudiag.core.settings import Count, Flag, executable, seconds, setting
 
 RESET_CODE = "gpu_reset_required"
 FREE = "free"
@@ -57,13 +58,14 @@ class GpuResetConfig:
     The tool comes from this root-owned file, never from the environment.
     """
 
-    enabled: bool = False
-    nvidia_smi: str = "/usr/bin/nvidia-smi"
-    command_timeout_s: float = 60.0   # each call of the tool
-    max_attempts_per_gpu: int = 1
-    attempt_window_s: float = 86400.0
-    verify_timeout_s: float = 300.0   # a fresh pass must come within this after a reset
-    tick_s: float = 1.0
+    enabled: bool = setting(False, Flag())
+    nvidia_smi: str = setting("/usr/bin/nvidia-smi", executable())
+    command_timeout_s: float = setting(60.0, seconds(1.0, 600.0))  # each call of the tool
+    max_attempts_per_gpu: int = setting(1, Count(1, 100, "a number of resets from 1 to 100"))
+    attempt_window_s: float = setting(86400.0, seconds(1.0))
+    # A fresh pass must come within this after a reset.
+    verify_timeout_s: float = setting(300.0, seconds(1.0, 86400.0))
+    tick_s: float = setting(1.0, seconds(0.05, 60.0))
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ give is None, and the rule goes on without it (utilization and power are enough)
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
 from gpudiag.core.records import dataclass
+from gpudiag.core.settings import Flag, Number, seconds, setting, share
 
 STALLED = "job_stalled"
 STRAGGLER = "gpu_straggler_suspect"
@@ -40,15 +42,16 @@ MAX_LAG_S = 5.0  # a gap between samples longer than this restarts every hold (n
 class JobWatchPolicy:
     """``[jobs]``: the job watch's thresholds (docs/daemon.md; calibration: docs/validation)."""
 
-    enabled: bool = True
-    interval_s: float = 1.0
-    stall_after_s: float = 120.0
-    stall_utilization: float = 0.90
-    stall_power_ratio: float = 0.40
-    link_flat_kbps: float = 1024.0
-    straggler_after_s: float = 300.0
-    straggler_ratio: float = 0.85
-    busy_utilization: float = 0.50
+    enabled: bool = setting(True, Flag())
+    interval_s: float = setting(1.0, seconds(0.05, 60.0))
+    stall_after_s: float = setting(120.0, seconds(maximum=86400.0))
+    stall_utilization: float = setting(0.90, share())
+    stall_power_ratio: float = setting(0.40, share())
+    link_flat_kbps: float = setting(1024.0, Number(0.0, math.inf, "a throughput in kB/s, 0 "
+                                                   "or more"))
+    straggler_after_s: float = setting(300.0, seconds(maximum=86400.0))
+    straggler_ratio: float = setting(0.85, share())
+    busy_utilization: float = setting(0.50, share())
 
 
 @dataclass(frozen=True)

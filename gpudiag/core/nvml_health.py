@@ -27,6 +27,7 @@ from dataclasses import field, replace
 from gpudiag.core.findings import Findings
 from gpudiag.core.observations import Ecc, NvmlDevice, NvmlObservation, RemappedRows
 from gpudiag.core.records import dataclass
+from gpudiag.core.settings import Count, seconds, setting
 
 # NVIDIA's recovery-action values (core.recovery's names, as the probe reports them):
 # name -> (code, what to do). "none" needs nothing.
@@ -88,13 +89,17 @@ class NvmlHistory:
 class NvmlHealthPolicy:
     """The thresholds (daemon config; these defaults everywhere else)."""
 
-    expected_nvlinks: int | None = None
-    clock_dwell_s: float = 60.0
+    expected_nvlinks: int | None = setting(None, Count(
+        1, 18, "the number of NVLink links each GPU must have active, an integer from 1 to 18 "
+        "(leave it out to compare with the most links seen active)"))
+    clock_dwell_s: float = setting(60.0, seconds(0.0, 86400.0), at="clock_event_dwell_s")
     # Used memory above max(floor, share of total) with no process listed is "held".
     held_memory_floor_bytes: int = GIB
     held_memory_share: float = 0.02
     # A link narrower than this many lanes blocks (None: a narrow link only ever warns).
-    pcie_block_below_width: int | None = None
+    pcie_block_below_width: int | None = setting(None, Count(
+        1, 32, "a PCIe lane count from 1 to 32; a narrower link blocks (leave it out to only "
+        "warn)"))
 
 
 def working(d: NvmlDevice) -> bool:

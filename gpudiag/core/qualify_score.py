@@ -42,6 +42,7 @@ from gpudiag.core.sdc import (
     parse_check,
     parse_conditions,
 )
+from gpudiag.core.settings import Flag, ratio, setting, share
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,15 @@ class GpuResult:
 class Thresholds:
     """When a measurement counts as too slow (config ``[qualification]``; docs/qualify.md)."""
 
-    table_ratio: float = 0.5        # of what a healthy GPU of the model reaches
-    peer_ratio: float = 0.8         # of the node's median for the model
-    history_ratio: float = 0.8      # of this GPU's own recent median
+    table_ratio: float = setting(0.5, share())    # of what a healthy GPU of the model reaches
+    peer_ratio: float = setting(0.8, share())     # of the node's median for the model
+    history_ratio: float = setting(0.8, share())  # of this GPU's own recent median
     min_peers: int = 3              # a median of fewer GPUs says little
     history_window: int = 5
     min_history: int = 3
-    hysteresis: float = 0.05        # a GPU found slow must beat threshold + this to pass again
-    block: bool = False             # gpu_underperforming blocks job readiness and node health
+    # A GPU found slow must beat threshold + this to pass again.
+    hysteresis: float = setting(0.05, ratio())
+    block: bool = setting(False, Flag())  # gpu_underperforming blocks readiness and health
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ seconds and may be fractions so that tests can run the scheduler quickly.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
@@ -30,6 +29,20 @@ from gpudiag.core.records import dataclass
 from gpudiag.core.remediation_config import RemediationConfig as RemediationConfig
 from gpudiag.core.requirement import RequirementError, parse_backends, parse_size
 from gpudiag.core.runtime import OWN_RUNTIME, RUNTIME_NAME, Runtime
+from gpudiag.core.settings import (
+    Check,
+    Choice,
+    Count,
+    Flag,
+    Table,
+    path,
+    ratio,
+    read_fields,
+    read_section,
+    seconds,
+    setting,
+)
+from gpudiag.core.settings import ConfigError as ConfigError
 from gpudiag.core.visibility import VISIBILITY_VARIABLES
 from gpudiag.core.xids import (
     APPLICATION,
@@ -58,125 +71,6 @@ MAX_SOCKET_PATH = 107
 MAX_CONFIG_BYTES = 1 << 20
 MAX_REFERENCE_BYTES = 8 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-class ConfigError(ValueError):
-    """A configuration file or value that cannot be used; the message names the key."""
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    """How one backend is scheduled."""
-
-    enabled: bool
-    interval_s: float
-    deadline_s: float
-    # The backend's own keys as written ([backends.nic] expect, ...), checked at load.
-    settings: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class XidConfig:
-    """The supervised NVML event watcher."""
-
-    enabled: bool = True
-    hold_s: float = 3600.0
-    gap_warning_s: float = 60.0
-    heartbeat_s: float = 1.0
-    telemetry_s: float = 5.0
-    restart_backoff_max_s: float = 60.0
-    # One finding, one log line and one history row per (GPU, XID) per this many seconds;
-    # the counters count every event (docs/xids.md "Storms").
-    storm_window_s: float = 300.0
-    # [xid.promote]: per application XID, occurrences within a window that make it block.
-    rules: XidRules = field(default_factory=XidRules)
-
-
-@dataclass(frozen=True)
-class HistoryConfig:
-    """Retention of the SQLite history."""
-
-    retention_s: float = 30 * 86400.0
-    max_bytes: int = 64 * 2**20
-
-
-@dataclass(frozen=True)
-class QualificationConfig:
-    """The quick tier on idle GPUs (docs/qualify.md): when, and how results are judged."""
-
-    enabled: bool = True          # the off switch
-    tier: str = "quick"
-    idle_s: float = 900.0         # FREE in every reading for this long before it is measured
-    max_age_s: float = 86400.0    # a GPU qualified more recently than this is left alone
-    tick_s: float = 5.0
-    # POST /v1/qualify's bounds (docs/qualify.md "On demand"): a request's budget, its tier's
-    # deadline times its GPUs, at most this many GPU-seconds (8 GPUs of the full tier), and
-    # at most this many requests waiting at once (besides one per GPU, and the one running).
-    max_request_gpu_s: float = 480.0
-    max_queued: int = 8
-    thresholds: Thresholds = field(default_factory=Thresholds)
-    # A site's own reference table (JSON, docs/qualify.md), read when the config is loaded.
-    reference_file: str | None = None
-    table: tuple[ReferenceModel, ...] | None = None
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    """Everything ``gpudiag serve`` can be told."""
-
-    listen_host: str = DEFAULT_HOST
-    listen_port: int = DEFAULT_PORT
-    default_requirement: str = "cuda"
-    preflight_wait_s: float = 20.0
-    jitter_ratio: float = 0.1
-    backoff_max_s: float = 600.0
-    tick_s: float = 0.5
-    # docs/design-notes.md "Busy GPUs": active probes skip GPUs other processes use. A site
-    # that wants its busy GPUs probed anyway (a context costs a job memory, and fails in
-    # exclusive mode) says so here.
-    probe_busy_gpus: bool = False
-    backends: Mapping[str, BackendConfig] = field(default_factory=lambda: {
-        s.name: BackendConfig(s.enabled, s.interval_s, s.timeout_s)
-        for s in registry.specs()})
-    xid: XidConfig = field(default_factory=XidConfig)
-    history: HistoryConfig = field(default_factory=HistoryConfig)
-    log_format: str = "text"
-    log_level: str = "info"
-    # The unix socket for preflight and control: None means the default (the systemd
-    # runtime directory's gpudiag.sock when there is one), "" means none.
-    socket_path: str | None = None
-    # TCP answers only the monitoring endpoints (/metrics, /healthz, /readyz, /v1/history).
-    tcp_read_only: bool = False
-    expected_gpus: int | None = None  # NVIDIA GPUs this node must show; None: PCI decides
-    # [nvml]: expected_nvlinks and the clock-event dwell time (core.nvml_health).
-    nvml: NvmlHealthPolicy = field(default_factory=NvmlHealthPolicy)
-    # Kubernetes: a node-feature-discovery local feature file (features.d) to keep current;
-    # None writes none. Its labels expire after nfd_expiry_s unless the daemon rewrites it.
-    nfd_features_file: str | None = None
-    nfd_expiry_s: float = 600.0
-    qualification: QualificationConfig = field(default_factory=QualificationConfig)
-    # [runtimes.NAME]: the job environments this node serves (core.runtime); the daemon's own
-    # (``gpudiag``) is always there, first.
-    runtimes: tuple[Runtime, ...] = (Runtime(OWN_RUNTIME),)
-    remediation: RemediationConfig = field(default_factory=RemediationConfig)
-    # [jobs]: the job watch over the attested runs (core.job_watch, daemon/job_watch.py).
-    jobs: JobWatchPolicy = field(default_factory=JobWatchPolicy)
-    # [gpu_reset]: the reset rung, off by default (core.gpu_reset, daemon/gpu_reset.py).
-    gpu_reset: GpuResetConfig = field(default_factory=GpuResetConfig)
-
-    @property
-    def enabled_backends(self) -> tuple[str, ...]:
-        return tuple(n for n in registry.probe_names()
-                     if n in self.backends and self.backends[n].enabled)
-
-    def with_listen(self, text: str) -> DaemonConfig:
-        """A copy listening on ``HOST:PORT`` (the --listen flag wins over the file)."""
-        host, port = parse_listen(text, "--listen")
-        return replace(self, listen_host=host, listen_port=port)
-
-    def with_socket(self, path: str) -> DaemonConfig:
-        """A copy serving on the unix socket ``path`` (the --socket flag wins over the file)."""
-        return replace(self, socket_path=parse_socket(path, "--socket"))
 
 
 def parse_socket(path: object, key: str = "socket") -> str:
@@ -209,6 +103,155 @@ def parse_nfd_file(path: object, key: str = "nfd_features_file") -> str | None:
         raise ConfigError(f"{key} {path!r}: node-feature-discovery skips hidden files; "
                           "give a name without a leading dot")
     return path
+
+
+def _size(value: object, key: str) -> int:
+    """Bytes, at least 4096: an integer or a size such as "64MiB"."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 4096:
+        return value
+    if isinstance(value, str):
+        try:
+            size = parse_size(value)
+        except RequirementError as e:
+            raise ConfigError(f"{key}: {e}") from e
+        if size >= 4096:
+            return size
+    raise ConfigError(f"{key} = {value!r}: expected bytes (at least 4096) or a size such as "
+                      "\"64MiB\"")
+
+
+def _requirement(requirement: object, key: str) -> str:
+    """A requirement in the CLI's syntax (``cuda``, ``jax,iree``)."""
+    try:
+        if not isinstance(requirement, str):
+            raise RequirementError(f"{requirement!r} is not a string")
+        parse_backends(requirement)
+    except RequirementError as e:
+        raise ConfigError(f"{key}: {e}") from e
+    return requirement
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """How one backend is scheduled."""
+
+    enabled: bool
+    interval_s: float
+    deadline_s: float
+    # The backend's own keys as written ([backends.nic] expect, ...), checked at load.
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class XidConfig:
+    """The supervised NVML event watcher."""
+
+    enabled: bool = setting(True, Flag())
+    hold_s: float = setting(3600.0, seconds())
+    gap_warning_s: float = setting(60.0, seconds())
+    heartbeat_s: float = setting(1.0, seconds(maximum=60.0))
+    telemetry_s: float = setting(5.0, seconds(maximum=3600.0))
+    restart_backoff_max_s: float = setting(60.0, seconds(maximum=3600.0))
+    # One finding, one log line and one history row per (GPU, XID) per this many seconds;
+    # the counters count every event (docs/xids.md "Storms").
+    storm_window_s: float = setting(300.0, seconds(1.0, 86400.0))
+    # [xid.promote]: per application XID, occurrences within a window that make it block.
+    rules: XidRules = field(default_factory=XidRules)
+
+
+@dataclass(frozen=True)
+class HistoryConfig:
+    """Retention of the SQLite history."""
+
+    retention_s: float = setting(30 * 86400.0, seconds(1.0, 3650 * 86400.0))
+    max_bytes: int = setting(64 * 2**20, Check(_size))
+
+
+@dataclass(frozen=True)
+class QualificationConfig:
+    """The quick tier on idle GPUs (docs/qualify.md): when, and how results are judged."""
+
+    enabled: bool = setting(True, Flag())  # the off switch
+    tier: str = setting("quick", Choice(("quick", "full", "sdc")))
+    # FREE in every reading for this long before it is measured.
+    idle_s: float = setting(900.0, seconds(maximum=7 * 86400.0))
+    # A GPU qualified more recently than this is left alone.
+    max_age_s: float = setting(86400.0, seconds(1.0))
+    tick_s: float = setting(5.0, seconds(maximum=60.0))
+    # POST /v1/qualify's bounds (docs/qualify.md "On demand"): a request's budget, its tier's
+    # deadline times its GPUs, at most this many GPU-seconds (8 GPUs of the full tier; at
+    # least one GPU of the shortest tier, 10 s: a smaller cap refuses every request), and at
+    # most this many requests waiting at once (besides one per GPU, and the one running).
+    max_request_gpu_s: float = setting(480.0, seconds(10.0, 86400.0))
+    max_queued: int = setting(8, Count(1, 1024, "the most on-demand requests waiting at once, "
+                                       "an integer from 1 to 1024"))
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    # A site's own reference table (JSON, docs/qualify.md), read when the config is loaded.
+    reference_file: str | None = setting(None, path("an absolute path to a JSON reference "
+                                                    "table"))
+    table: tuple[ReferenceModel, ...] | None = None
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``gpudiag serve`` can be told."""
+
+    listen_host: str = DEFAULT_HOST
+    listen_port: int = DEFAULT_PORT
+    default_requirement: str = setting("cuda", Check(_requirement))
+    preflight_wait_s: float = setting(20.0, seconds(maximum=600.0))
+    jitter_ratio: float = setting(0.1, ratio(), at="scheduler.jitter_ratio")
+    backoff_max_s: float = setting(600.0, seconds(maximum=86400.0), at="scheduler.backoff_max_s")
+    tick_s: float = setting(0.5, seconds(maximum=5.0), at="scheduler.tick_s")
+    # docs/design-notes.md "Busy GPUs": active probes skip GPUs other processes use. A site
+    # that wants its busy GPUs probed anyway (a context costs a job memory, and fails in
+    # exclusive mode) says so here.
+    probe_busy_gpus: bool = setting(False, Flag(), at="scheduler.probe_busy_gpus")
+    backends: Mapping[str, BackendConfig] = field(default_factory=lambda: {
+        s.name: BackendConfig(s.enabled, s.interval_s, s.timeout_s)
+        for s in registry.specs()})
+    xid: XidConfig = field(default_factory=XidConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+    log_format: str = setting("text", Choice(LOG_FORMATS), at="log.format")
+    log_level: str = setting("info", Choice(LOG_LEVELS), at="log.level")
+    # The unix socket for preflight and control: None means the default (the systemd
+    # runtime directory's gpudiag.sock when there is one), "" means none.
+    socket_path: str | None = setting(None, Check(parse_socket), at="socket")
+    # TCP answers only the monitoring endpoints (/metrics, /healthz, /readyz, /v1/history).
+    tcp_read_only: bool = setting(False, Flag())
+    # NVIDIA GPUs this node must show; None: PCI decides.
+    expected_gpus: int | None = setting(None, Count(
+        1, 1024, "the number of NVIDIA GPUs this node must show, an integer from 1 to 1024 "
+        "(leave it out to compare the PCI bus with NVML only)"))
+    # [nvml]: expected_nvlinks and the clock-event dwell time (core.nvml_health).
+    nvml: NvmlHealthPolicy = field(default_factory=NvmlHealthPolicy)
+    # Kubernetes: a node-feature-discovery local feature file (features.d) to keep current;
+    # None writes none. Its labels expire after nfd_expiry_s unless the daemon rewrites it.
+    nfd_features_file: str | None = setting(None, Check(parse_nfd_file))
+    nfd_expiry_s: float = setting(600.0, seconds(10.0, 7 * 86400.0))
+    qualification: QualificationConfig = field(default_factory=QualificationConfig)
+    # [runtimes.NAME]: the job environments this node serves (core.runtime); the daemon's own
+    # (``gpudiag``) is always there, first.
+    runtimes: tuple[Runtime, ...] = (Runtime(OWN_RUNTIME),)
+    remediation: RemediationConfig = field(default_factory=RemediationConfig)
+    # [jobs]: the job watch over the attested runs (core.job_watch, daemon/job_watch.py).
+    jobs: JobWatchPolicy = field(default_factory=JobWatchPolicy)
+    # [gpu_reset]: the reset rung, off by default (core.gpu_reset, daemon/gpu_reset.py).
+    gpu_reset: GpuResetConfig = field(default_factory=GpuResetConfig)
+
+    @property
+    def enabled_backends(self) -> tuple[str, ...]:
+        return tuple(n for n in registry.probe_names()
+                     if n in self.backends and self.backends[n].enabled)
+
+    def with_listen(self, text: str) -> DaemonConfig:
+        """A copy listening on ``HOST:PORT`` (the --listen flag wins over the file)."""
+        host, port = parse_listen(text, "--listen")
+        return replace(self, listen_host=host, listen_port=port)
+
+    def with_socket(self, path: str) -> DaemonConfig:
+        """A copy serving on the unix socket ``path`` (the --socket flag wins over the file)."""
+        return replace(self, socket_path=parse_socket(path, "--socket"))
 
 
 def exposure_warning(cfg: DaemonConfig) -> str | None:
@@ -244,192 +287,36 @@ def parse_listen(text: str, key: str = "listen") -> tuple[str, int]:
     return host, port
 
 
-class _Table:
-    """One TOML table being read: typed getters that remember which keys were used."""
-
-    def __init__(self, raw: Mapping[str, Any], where: str) -> None:
-        self.raw, self.where, self.used = raw, where, set[str]()
-
-    def _key(self, key: str) -> str:
-        return f"{self.where}.{key}" if self.where else key
-
-    def get(self, key: str) -> Any:
-        self.used.add(key)
-        return self.raw.get(key)
-
-    def seconds(self, key: str, default: float, *, minimum: float = 0.01,
-                maximum: float = 366 * 86400.0) -> float:
-        value = self.get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-                value) or not minimum <= value <= maximum:
-            raise ConfigError(f"{self._key(key)} = {value!r}: expected a number of seconds from "
-                              f"{minimum:g} to {maximum:g}")
-        return float(value)
-
-    def ratio(self, key: str, default: float) -> float:
-        value = self.get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.5:
-            raise ConfigError(f"{self._key(key)} = {value!r}: expected a number from 0 to 0.5")
-        return float(value)
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise ConfigError(f"{self._key(key)} = {value!r}: expected true or false")
-        return value
-
-    def count(self, key: str, low: int, high: int, expected: str) -> int | None:
-        """An optional integer from ``low`` to ``high``; ``expected`` says what it is."""
-        value = self.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not low <= value <= high):
-            raise ConfigError(f"{self._key(key)} = {value!r}: expected {expected}")
-        return value
-
-    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
-        value = self.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, str) or value.lower() not in choices:
-            raise ConfigError(f"{self._key(key)} = {value!r}: expected one of "
-                              f"{', '.join(choices)}")
-        return value.lower()
-
-    def table(self, key: str) -> _Table:
-        value = self.get(key)
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{self._key(key)} must be a table ([{self._key(key)}])")
-        return _Table(value, self._key(key))
-
-    def finish(self) -> None:
-        unknown = sorted(set(self.raw) - self.used)
-        if unknown:
-            allowed = ", ".join(sorted(self.used))
-            raise ConfigError(f"unknown key(s) {', '.join(self._key(k) for k in unknown)}; "
-                              f"accepted here: {allowed}")
-
-
-def _size(t: _Table, key: str, default: int) -> int:
-    value = t.get(key)
-    if value is None:
-        return default
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 4096:
-        return value
-    if isinstance(value, str):
-        try:
-            size = parse_size(value)
-        except RequirementError as e:
-            raise ConfigError(f"{t._key(key)}: {e}") from e
-        if size >= 4096:
-            return size
-    raise ConfigError(f"{t._key(key)} = {value!r}: expected bytes (at least 4096) or a size "
-                      "such as \"64MiB\"")
-
-
-def _expected_gpus(t: _Table) -> int | None:
-    return t.count("expected_gpus", 1, 1024,
-                   "the number of NVIDIA GPUs this node must show, an integer from 1 to 1024 "
-                   "(leave it out to compare the PCI bus with NVML only)")
-
-
-def _nvml_policy(t: _Table) -> NvmlHealthPolicy:
-    base = NvmlHealthPolicy()
-    links = t.count("expected_nvlinks", 1, 18,
-                    "the number of NVLink links each GPU must have active, an integer from 1 "
-                    "to 18 (leave it out to compare with the most links seen active)")
-    dwell = t.seconds("clock_event_dwell_s", base.clock_dwell_s, minimum=0.0, maximum=86400.0)
-    lanes = t.count("pcie_block_below_width", 1, 32,
-                    "a PCIe lane count from 1 to 32; a narrower link blocks (leave it out to "
-                    "only warn)")
-    t.finish()
-    return replace(base, expected_nvlinks=links, clock_dwell_s=dwell,
-                   pcie_block_below_width=lanes)
-def _share(t: _Table, key: str, default: float) -> float:
-    value = t.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"{t._key(key)} = {value!r}: expected a ratio above 0 and at most 1 "
-                          "(0.8: at least 80% of the reference)")
-    return float(value)
-
-
-def _qualification(t: _Table) -> QualificationConfig:
-    d, dt = QualificationConfig(), Thresholds()
-    th = Thresholds(table_ratio=_share(t, "table_ratio", dt.table_ratio),
-                    peer_ratio=_share(t, "peer_ratio", dt.peer_ratio),
-                    history_ratio=_share(t, "history_ratio", dt.history_ratio),
-                    hysteresis=t.ratio("hysteresis", dt.hysteresis),
-                    block=t.flag("block", dt.block))
-    cfg = QualificationConfig(
-        enabled=t.flag("enabled", d.enabled),
-        tier=t.choice("tier", d.tier, ("quick", "full", "sdc")),
-        idle_s=t.seconds("idle_s", d.idle_s, maximum=7 * 86400.0),
-        max_age_s=t.seconds("max_age_s", d.max_age_s, minimum=1.0, maximum=366 * 86400.0),
-        tick_s=t.seconds("tick_s", d.tick_s, maximum=60.0), thresholds=th,
-        # At least one GPU of the shortest tier (10 s): a smaller cap refuses every request.
-        max_request_gpu_s=t.seconds("max_request_gpu_s", d.max_request_gpu_s, minimum=10.0,
-                                    maximum=86400.0),
-        max_queued=t.count("max_queued", 1, 1024, "the most on-demand requests waiting at "
-                           "once, an integer from 1 to 1024") or d.max_queued,
-        **_reference(t))
-    t.finish()
-    return cfg
-
-
-def _reference(t: _Table) -> dict[str, Any]:
-    path = t.get("reference_file")
-    if path is None:
-        return {}
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ConfigError(f"{t._key('reference_file')} = {path!r}: expected an absolute path "
-                          "to a JSON reference table")
+def _qualification(t: Table) -> QualificationConfig:
+    cfg = read_section(t, QualificationConfig, thresholds=Thresholds(
+        **read_fields(t, Thresholds)))
+    if cfg.reference_file is None:
+        return cfg
+    key, file = t.key("reference_file"), cfg.reference_file
     try:
-        raw, _ = read_regular(path, MAX_REFERENCE_BYTES, follow=True)
-        table = parse_reference_table(json.loads(raw.decode("utf-8")))
+        raw, _ = read_regular(file, MAX_REFERENCE_BYTES, follow=True)
+        return replace(cfg, table=parse_reference_table(json.loads(raw.decode("utf-8"))))
     except RefusedFile as e:
-        raise ConfigError(f"{t._key('reference_file')}: cannot read {path}: {e}") from e
+        raise ConfigError(f"{key}: cannot read {file}: {e}") from e
     except (ValueError, ReferenceError, RecursionError) as e:
-        raise ConfigError(f"{t._key('reference_file')}: {path}: {e}") from e
-    return {"reference_file": path, "table": table}
+        raise ConfigError(f"{key}: {file}: {e}") from e
 
 
-def _default_requirement(top: _Table, default: str) -> str:
-    requirement = top.get("default_requirement")
-    if requirement is None:
-        return default
-    try:
-        if not isinstance(requirement, str):
-            raise RequirementError(f"{requirement!r} is not a string")
-        parse_backends(requirement)
-    except RequirementError as e:
-        raise ConfigError(f"default_requirement: {e}") from e
-    return requirement
-
-
-def _backends(t: _Table) -> dict[str, BackendConfig]:
+def _backends(t: Table) -> dict[str, BackendConfig]:
     backends: dict[str, BackendConfig] = {}
     for s in registry.specs():
         b = t.table(s.name)
         backends[s.name] = BackendConfig(
-            enabled=b.flag("enabled", s.enabled),
-            interval_s=b.seconds("interval_s", s.interval_s),
-            deadline_s=b.seconds("deadline_s", s.timeout_s, maximum=3600.0),
+            enabled=b.read("enabled", Flag(), s.enabled),
+            interval_s=b.read("interval_s", seconds(), s.interval_s),
+            deadline_s=b.read("deadline_s", seconds(maximum=3600.0), s.timeout_s),
             settings=_settings(s, b))
         b.finish()
     t.finish()
     return backends
 
 
-def _settings(spec: BackendSpec, b: _Table) -> dict[str, Any]:
+def _settings(spec: BackendSpec, b: Table) -> dict[str, Any]:
     """A backend's own keys (``BackendSpec.settings_keys``), checked by its spec."""
     own = {k: b.get(k) for k in spec.settings_keys if b.raw.get(k) is not None}
     try:
@@ -449,49 +336,29 @@ def backend_settings_json(cfg: DaemonConfig) -> str:
                        if b.settings}, sort_keys=True)
 
 
-def _xid(x: _Table) -> XidConfig:
-    d = XidConfig()
-    xid = XidConfig(enabled=x.flag("enabled", d.enabled), hold_s=x.seconds("hold_s", d.hold_s),
-                    gap_warning_s=x.seconds("gap_warning_s", d.gap_warning_s),
-                    heartbeat_s=x.seconds("heartbeat_s", d.heartbeat_s, maximum=60.0),
-                    telemetry_s=x.seconds("telemetry_s", d.telemetry_s, maximum=3600.0),
-                    restart_backoff_max_s=x.seconds("restart_backoff_max_s",
-                                                    d.restart_backoff_max_s, maximum=3600.0),
-                    storm_window_s=x.seconds("storm_window_s", d.storm_window_s,
-                                             minimum=1.0, maximum=86400.0),
-                    rules=XidRules(_promotions(x.table("promote"))))
-    x.finish()
-    return xid
+def _xid(x: Table) -> XidConfig:
+    return read_section(x, XidConfig, rules=XidRules(_promotions(x.table("promote"))))
 
 
-def _promotions(t: _Table) -> dict[int, Promotion]:
+def _promotions(t: Table) -> dict[int, Promotion]:
     """``[xid.promote]``: ``13 = {count = 5, window_s = 3600}`` per application XID; a count
     of 0 turns the catalog's promotion of that XID off."""
     promotions = dict(DEFAULT_PROMOTIONS)
     for key in list(t.raw):
         entry = xid_entry(int(key)) if key.isascii() and key.isdigit() else None
         if entry is None or entry.code != APPLICATION or not entry.solo:
-            raise ConfigError(f"{t._key(key)}: expected the number of an application-class "
+            raise ConfigError(f"{t.key(key)}: expected the number of an application-class "
                               f"XID that stands alone (13, 31, 43, ...; 45 only follows "
                               f"another XID)")
         rule = t.table(key)
-        count = rule.count("count", 0, 1_000_000, "a count from 0 (off) to 1000000")
+        count = rule.read("count", Count(0, 1_000_000, "a count from 0 (off) to 1000000"))
         if count is None:
-            raise ConfigError(f"{rule._key('count')} is required")
-        window = rule.seconds("window_s", PROMOTION_WINDOW_S, minimum=1.0, maximum=30 * 86400.0)
+            raise ConfigError(f"{rule.key('count')} is required")
+        window = rule.read("window_s", seconds(1.0, 30 * 86400.0), PROMOTION_WINDOW_S)
         rule.finish()
         promotions[entry.xid] = Promotion(count, window)  # 0: kept, so the file says "off"
     t.finish()
     return promotions
-
-
-def _history(h: _Table) -> HistoryConfig:
-    hd = HistoryConfig()
-    history = HistoryConfig(retention_s=h.seconds("retention_s", hd.retention_s, minimum=1.0,
-                                                  maximum=3650 * 86400.0),
-                            max_bytes=_size(h, "max_bytes", hd.max_bytes))
-    h.finish()
-    return history
 
 
 MAX_RUNTIMES = 16
@@ -503,7 +370,7 @@ def _environment_backends() -> tuple[str, ...]:
     return tuple(s.name for s in registry.specs() if s.environment is not None and s.requirable)
 
 
-def _runtime_require(r: _Table) -> tuple[str, ...] | None:
+def _runtime_require(r: Table) -> tuple[str, ...] | None:
     value = r.get("require")
     if value is None:
         return None
@@ -517,61 +384,61 @@ def _runtime_require(r: _Table) -> tuple[str, ...] | None:
             "runtime's jobs use another (jax:cpu for a runtime that serves CPU jobs, "
             "iree:local-task) (\"\" for none), or an array of them")
     if names is None:
-        raise ConfigError(f"{r._key('require')} = {value!r}: {hint}")
+        raise ConfigError(f"{r.key('require')} = {value!r}: {hint}")
     out: list[str] = []
     for name in (n for n in names if n):
         try:
             entries = parse_backends(name)
         except RequirementError as e:
-            raise ConfigError(f"{r._key('require')} = {value!r}: {e}; {hint}") from None
+            raise ConfigError(f"{r.key('require')} = {value!r}: {e}; {hint}") from None
         entry = entries[0]
         if entry.name not in allowed:
-            raise ConfigError(f"{r._key('require')} = {value!r}: {entry.name} is not proven "
+            raise ConfigError(f"{r.key('require')} = {value!r}: {entry.name} is not proven "
                               f"in a job's environment; {hint}")
         if any(o.partition(":")[0] == entry.name for o in out):
-            raise ConfigError(f"{r._key('require')} = {value!r}: {entry.name} is named twice "
+            raise ConfigError(f"{r.key('require')} = {value!r}: {entry.name} is named twice "
                               "(a runtime serves one platform of a backend)")
         out.append(entry.spec())
     return tuple(out)
 
 
-def _runtime_env(r: _Table) -> dict[str, str]:
+def _runtime_env(r: Table) -> dict[str, str]:
     value = r.get("env")
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ConfigError(f"{r._key('env')} must be a table of strings, e.g. "
+        raise ConfigError(f"{r.key('env')} must be a table of strings, e.g. "
                           "env = { LD_LIBRARY_PATH = \"/usr/local/cuda/compat\" }")
     out: dict[str, str] = {}
     for key, text in value.items():
         if not _ENV_NAME.fullmatch(key) or not isinstance(text, str) or "\0" in text:
-            raise ConfigError(f"{r._key('env')}.{key} = {text!r}: expected a variable name "
+            raise ConfigError(f"{r.key('env')}.{key} = {text!r}: expected a variable name "
                               "and a string value")
         if key in VISIBILITY_VARIABLES:
-            raise ConfigError(f"{r._key('env')}.{key}: the visibility variables are set by "
+            raise ConfigError(f"{r.key('env')}.{key}: the visibility variables are set by "
                               "the probe round itself (each probe is pointed at the GPUs it "
                               "may touch); leave them out")
         out[key] = text
     return out
 
 
-def _runtime(name: str, r: _Table) -> Runtime:
+def _runtime(name: str, r: Table) -> Runtime:
     require = _runtime_require(r)
     if name == OWN_RUNTIME:
         for key in ("python", "env"):
             if r.get(key) not in (None, {}):
-                raise ConfigError(f"{r._key(key)}: [runtimes.{OWN_RUNTIME}] is the daemon's "
+                raise ConfigError(f"{r.key(key)}: [runtimes.{OWN_RUNTIME}] is the daemon's "
                                   "own environment (its interpreter and the unit's variables)"
                                   "; only its require may be set")
         r.finish()
         return Runtime(OWN_RUNTIME, require=require)
     python = r.get("python")
     if not isinstance(python, str) or not python:
-        raise ConfigError(f"{r._key('python')} = {python!r}: expected the absolute path of the "
+        raise ConfigError(f"{r.key('python')} = {python!r}: expected the absolute path of the "
                           "job environment's interpreter, e.g. \"/opt/venvs/train/bin/python\"")
     problem = python_problem(python)
     if problem is not None:
-        raise ConfigError(f"{r._key('python')}: {problem}")
+        raise ConfigError(f"{r.key('python')}: {problem}")
     env = _runtime_env(r)
     user, identity = _runtime_user(r)
     r.finish()
@@ -587,7 +454,7 @@ def _runtime(name: str, r: _Table) -> Runtime:
     return runtime
 
 
-def _runtime_user(r: _Table) -> tuple[str | None, tuple[int, int] | None]:
+def _runtime_user(r: Table) -> tuple[str | None, tuple[int, int] | None]:
     """``user`` as written and the (uid, gid) the runtime's children run as (None: the
     daemon's own). A root daemon runs a runtime without ``user`` as nobody (65534)."""
     value = r.get("user")
@@ -598,14 +465,14 @@ def _runtime_user(r: _Table) -> tuple[str | None, tuple[int, int] | None]:
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str) or not value or "\0" in value:
-        raise ConfigError(f"{r._key('user')} = {value!r}: expected a user name or a uid, "
+        raise ConfigError(f"{r.key('user')} = {value!r}: expected a user name or a uid, "
                           "e.g. user = \"train\"")
     try:
         identity = resolve_user(value)
     except ValueError as e:
-        raise ConfigError(f"{r._key('user')} = {value!r}: {e}") from None
+        raise ConfigError(f"{r.key('user')} = {value!r}: {e}") from None
     if identity != (os.geteuid(), os.getegid()) and not can_change_identity():
-        raise ConfigError(f"{r._key('user')} = {value!r}: this daemon (uid {os.geteuid()}) "
+        raise ConfigError(f"{r.key('user')} = {value!r}: this daemon (uid {os.geteuid()}) "
                           "cannot start children as another user: it needs root or "
                           "CAP_SETUID and CAP_SETGID (docs/security.md, \"Who can run code "
                           "where\")")
@@ -619,7 +486,7 @@ def _nobody_gid() -> int:
         return NOBODY
 
 
-def _runtimes(t: _Table) -> tuple[Runtime, ...]:
+def _runtimes(t: Table) -> tuple[Runtime, ...]:
     names = sorted(t.raw)
     if len(names) > MAX_RUNTIMES:
         raise ConfigError(f"runtimes: {len(names)} runtimes; at most {MAX_RUNTIMES}")
@@ -633,147 +500,32 @@ def _runtimes(t: _Table) -> tuple[Runtime, ...]:
     return tuple(runtimes.values())
 
 
-def _executable(t: _Table, key: str, default: str) -> str:
-    value = t.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
-        raise ConfigError(f"{t._key(key)} = {value!r}: expected the absolute path of the "
-                          "executable (never looked up in PATH)")
-    return value
-
-
-def _remediation(t: _Table) -> RemediationConfig:
-    d = RemediationConfig()
-    name, part, conf = t.get("node_name"), t.get("partition"), t.get("slurm_conf")
-    # One node: a list ("n1,n2") would let one daemon drain several nodes.
-    if name is not None and (not isinstance(name, str)
-                             or not re.fullmatch(r"[A-Za-z0-9._-]{1,255}", name)):
-        raise ConfigError(f"{t._key('node_name')} = {name!r}: expected one Slurm node name "
-                          "(letters, digits, '.', '_', '-'; no list or host range: a daemon "
-                          "drains its own node only)")
-    if part is not None and (not isinstance(part, str)
-                             or not re.fullmatch(r"[A-Za-z0-9._,-]{1,255}", part)):
-        raise ConfigError(f"{t._key('partition')} = {part!r}: expected a Slurm name (letters, "
-                          "digits, '.', '_', '-'; partitions comma-separated)")
-    if conf is not None and (not isinstance(conf, str) or not conf.startswith("/")):
-        raise ConfigError(f"{t._key('slurm_conf')} = {conf!r}: expected an absolute path")
-    kill = t.get("killswitch_file")
-    if kill is not None and (not isinstance(kill, str) or not kill.startswith("/")):
-        raise ConfigError(f"{t._key('killswitch_file')} = {kill!r}: expected an absolute path")
-    ratio = t.get("fleet_ratio")
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
-                              or not 0 <= ratio <= 1):
-        raise ConfigError(f"{t._key('fleet_ratio')} = {ratio!r}: expected a share from 0 to 1")
-    min_nodes = t.count("fleet_min_nodes", 0, 100000, "a node count from 0 to 100000")
-    attempts = t.count("max_attempts_per_gpu", 1, 100, "a number of drains from 1 to 100")
-    cfg = RemediationConfig(
-        mode=t.choice("mode", d.mode, ("off", "observe", "act")),
-        scheduler=t.choice("scheduler", d.scheduler, actuator_names()),
-        scontrol=_executable(t, "scontrol", d.scontrol), sinfo=_executable(t, "sinfo", d.sinfo),
-        slurm_conf=conf, node_name=name, partition=part,
-        killswitch_file=kill if kill is not None else d.killswitch_file,
-        tick_s=t.seconds("tick_s", d.tick_s, minimum=0.05, maximum=60.0),
-        command_timeout_s=t.seconds("command_timeout_s", d.command_timeout_s, minimum=0.1,
-                                    maximum=60.0),
-        retry_max_s=t.seconds("retry_max_s", d.retry_max_s, minimum=0.1, maximum=3600.0),
-        fleet_window_s=t.seconds("fleet_window_s", d.fleet_window_s, minimum=1.0,
-                                 maximum=86400.0),
-        fleet_min_nodes=d.fleet_min_nodes if min_nodes is None else min_nodes,
-        fleet_ratio=d.fleet_ratio if ratio is None else float(ratio),
-        max_attempts_per_gpu=d.max_attempts_per_gpu if attempts is None else attempts,
-        attempt_window_s=t.seconds("attempt_window_s", d.attempt_window_s, minimum=1.0,
-                                   maximum=366 * 86400.0),
-        drain_on_nic=t.flag("drain_on_nic", d.drain_on_nic))
-    t.finish()
-    return cfg
-
-
-def _gpu_reset(t: _Table) -> GpuResetConfig:
-    d = GpuResetConfig()
-    attempts = t.count("max_attempts_per_gpu", 1, 100, "a number of resets from 1 to 100")
-    cfg = GpuResetConfig(
-        enabled=t.flag("enabled", d.enabled),
-        nvidia_smi=_executable(t, "nvidia_smi", d.nvidia_smi),
-        command_timeout_s=t.seconds("command_timeout_s", d.command_timeout_s, minimum=1.0,
-                                    maximum=600.0),
-        max_attempts_per_gpu=d.max_attempts_per_gpu if attempts is None else attempts,
-        attempt_window_s=t.seconds("attempt_window_s", d.attempt_window_s, minimum=1.0,
-                                   maximum=366 * 86400.0),
-        verify_timeout_s=t.seconds("verify_timeout_s", d.verify_timeout_s, minimum=1.0,
-                                   maximum=86400.0),
-        tick_s=t.seconds("tick_s", d.tick_s, minimum=0.05, maximum=60.0))
-    t.finish()
-    return cfg
-
-
-def _jobs(t: _Table) -> JobWatchPolicy:
-    d = JobWatchPolicy()
-    cfg = JobWatchPolicy(
-        enabled=t.flag("enabled", d.enabled),
-        interval_s=t.seconds("interval_s", d.interval_s, minimum=0.05, maximum=60.0),
-        stall_after_s=t.seconds("stall_after_s", d.stall_after_s, maximum=86400.0),
-        stall_utilization=_share(t, "stall_utilization", d.stall_utilization),
-        stall_power_ratio=_share(t, "stall_power_ratio", d.stall_power_ratio),
-        link_flat_kbps=_kbps(t, "link_flat_kbps", d.link_flat_kbps),
-        straggler_after_s=t.seconds("straggler_after_s", d.straggler_after_s,
-                                    maximum=86400.0),
-        straggler_ratio=_share(t, "straggler_ratio", d.straggler_ratio),
-        busy_utilization=_share(t, "busy_utilization", d.busy_utilization))
-    t.finish()
-    return cfg
-
-
-def _kbps(t: _Table, key: str, default: float) -> float:
-    value = t.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{t._key(key)} = {value!r}: expected a throughput in kB/s, 0 or "
-                          "more")
-    return float(value)
+def _remediation(t: Table) -> RemediationConfig:
+    # The platforms are registered at run time (daemon/actuators.py), not in core.
+    platform = t.read("scheduler", Choice(actuator_names()), RemediationConfig.scheduler)
+    return read_section(t, RemediationConfig, scheduler=platform)
 
 
 def from_mapping(raw: Mapping[str, Any]) -> DaemonConfig:
     """Validate a parsed TOML document into a DaemonConfig."""
-    top = _Table(raw, "")
-    base = DaemonConfig()
+    top = Table(raw, "")
     listen = top.get("listen")
-    host, port = (base.listen_host, base.listen_port) if listen is None else parse_listen(listen)
-    requirement = _default_requirement(top, base.default_requirement)
-    sched = top.table("scheduler")
-    backends = _backends(top.table("backends"))
-    xid = _xid(top.table("xid"))
-    history = _history(top.table("history"))
-    log = top.table("log")
-    log_format = log.choice("format", base.log_format, LOG_FORMATS)
-    log_level = log.choice("level", base.log_level, LOG_LEVELS)
-    log.finish()
-    socket_raw = top.get("socket")
-    socket_path = None if socket_raw is None else parse_socket(socket_raw)
-    nfd_raw = top.get("nfd_features_file")
-    nfd_file = None if nfd_raw is None else parse_nfd_file(nfd_raw)
-    cfg = DaemonConfig(
-        socket_path=socket_path, tcp_read_only=top.flag("tcp_read_only", False),
-        expected_gpus=_expected_gpus(top), nvml=_nvml_policy(top.table("nvml")),
-        nfd_features_file=nfd_file,
-        nfd_expiry_s=top.seconds("nfd_expiry_s", base.nfd_expiry_s, minimum=10.0,
-                                 maximum=7 * 86400.0),
-        listen_host=host, listen_port=port, default_requirement=requirement,
-        preflight_wait_s=top.seconds("preflight_wait_s", base.preflight_wait_s, maximum=600.0),
-        jitter_ratio=sched.ratio("jitter_ratio", base.jitter_ratio),
-        backoff_max_s=sched.seconds("backoff_max_s", base.backoff_max_s, maximum=86400.0),
-        tick_s=sched.seconds("tick_s", base.tick_s, maximum=5.0),
-        probe_busy_gpus=sched.flag("probe_busy_gpus", base.probe_busy_gpus),
-        backends=backends, xid=xid, history=history, log_format=log_format,
-        log_level=log_level, qualification=_qualification(top.table("qualification")),
+    host, port = (DEFAULT_HOST, DEFAULT_PORT) if listen is None else parse_listen(listen)
+    placed: dict[str, Any] = {}
+    for name in ("scheduler", "log"):  # DaemonConfig's own settings kept in these tables
+        sub = top.table(name)
+        placed |= read_fields(sub, DaemonConfig, name)
+        sub.finish()
+    return read_section(
+        top, DaemonConfig, listen_host=host, listen_port=port,
+        backends=_backends(top.table("backends")), xid=_xid(top.table("xid")),
+        history=read_section(top.table("history"), HistoryConfig),
+        nvml=read_section(top.table("nvml"), NvmlHealthPolicy),
+        qualification=_qualification(top.table("qualification")),
         runtimes=_runtimes(top.table("runtimes")),
-        remediation=_remediation(top.table("remediation")), jobs=_jobs(top.table("jobs")),
-        gpu_reset=_gpu_reset(top.table("gpu_reset")))
-    sched.finish()
-    top.finish()
-    return cfg
+        remediation=_remediation(top.table("remediation")),
+        jobs=read_section(top.table("jobs"), JobWatchPolicy),
+        gpu_reset=read_section(top.table("gpu_reset"), GpuResetConfig), **placed)
 
 
 def load_config(path: str | Path | None) -> DaemonConfig:

@@ -17,19 +17,13 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from gpudiag.core.settings import SETTING
 from gpudiag.daemon.config import DaemonConfig
 
 # Class.field -> where the file has it, relative to the class's table ("a.b": table a, key b;
-# "": its fields go into the parent's table).
+# "": its fields go into the parent's table), where its setting's ``at`` does not say
+# (gpudiag.core.settings: ``scheduler.tick_s``, ``log.format``, ``socket``, ...).
 PLACES: Mapping[str, str] = {
-    "DaemonConfig.jitter_ratio": "scheduler.jitter_ratio",
-    "DaemonConfig.backoff_max_s": "scheduler.backoff_max_s",
-    "DaemonConfig.tick_s": "scheduler.tick_s",
-    "DaemonConfig.probe_busy_gpus": "scheduler.probe_busy_gpus",
-    "DaemonConfig.log_format": "log.format",
-    "DaemonConfig.log_level": "log.level",
-    "DaemonConfig.socket_path": "socket",
-    "NvmlHealthPolicy.clock_dwell_s": "clock_event_dwell_s",
     "QualificationConfig.thresholds": "",
     "XidConfig.rules": "promote",
     "XidRules.promotions": "",
@@ -85,7 +79,8 @@ def _walk(obj: Any, table: str, tables: dict[str, list[str]]) -> None:
     for f in fields(obj):
         qual = f"{type(obj).__name__}.{f.name}"
         value = getattr(obj, f.name)
-        place = PLACES.get(qual, f.name)
+        place = PLACES.get(qual, f.metadata[SETTING].at or f.name if SETTING in f.metadata
+                           else f.name)
         if is_dataclass(value) and not isinstance(value, type):
             _walk(value, _join(table, place), tables)
             continue
