@@ -28,11 +28,11 @@ from gpudiag.core.gpu_reset import (
     OUTCOMES,
     GpuResetConfig,
     ResetGpu,
-    nvlink_domain,
     plan_reset,
     processes_on,
     reset_faults,
 )
+from gpudiag.core.nvlink_domain import WHOLE_NODE, nvlink_domain
 from gpudiag.daemon.config import ConfigError, from_mapping
 from gpudiag.daemon.store import default_path
 from tests.fakes.build import FakeDriver, write_state_file
@@ -74,9 +74,10 @@ def test_an_idle_pcie_gpu_is_reset_alone() -> None:
     assert plan.reset and plan.bus_id == BUS1 and plan.domain == (G1,)
 
 
-def test_an_nvlink_gpu_is_reset_only_with_every_gpu_of_the_node_idle() -> None:
+def test_an_nvlink_gpu_whose_topology_was_not_read_is_reset_only_with_the_node_idle() -> None:
     idle = {G0: _gpu(G0, nvlink=True), G1: _gpu(G1, nvlink=True, bus=BUS1)}
-    assert nvlink_domain(G1, idle) == (G1, G0)
+    assert nvlink_domain(G1, idle).gpus == (G1, G0)
+    assert nvlink_domain(G1, idle).basis == WHOLE_NODE  # tests/test_nvlink_domain.py: the rest
     assert plan_reset(G1, idle, (), 1000.0, ON).domain == (G1, G0)
     for state in ("busy", "unknown"):
         peer_busy = {**idle, G0: _gpu(G0, state, nvlink=True)}

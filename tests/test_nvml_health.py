@@ -294,7 +294,10 @@ def test_the_probe_reads_link_fabric_and_pending_state_from_the_driver(
     observed = nvml_run.observation
     assert observed is not None
     assert gpu0.nvlinks is None and "nvlinks" in observed["devices"][0]["unsupported"]
-    assert gpu1.nvlinks == NvLinks((0, 2), (1, 3))
+    assert gpu1.nvlinks is not None
+    assert (gpu1.nvlinks.active, gpu1.nvlinks.inactive) == ((0, 2), (1, 3))
+    # Where each active link ends (an NVSwitch: the fake's default; tests/test_nvlink_domain.py).
+    assert [e.link for e in gpu1.nvlinks.remotes or ()] == [0, 2]
     assert gpu2.fabric == FabricInfo(2, 0) and gpu0.fabric is None
     assert gpu2.retired_pages_pending is True and gpu0.retired_pages_pending is False
     assert gpu2.graphics_processes == (GpuProcess(99, 64 * 2**20),)

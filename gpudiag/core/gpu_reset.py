@@ -12,9 +12,9 @@ of the NVLink domain runs work. So, in the order checked:
 - never a GPU that also shows something a reset does not repair (``gpu_lost``, ``gpu_missing``,
   ``node_reboot_required``);
 - the GPU and every GPU of its NVLink domain must be FREE (no process, no lock; UNKNOWN is
-  never FREE). Which GPUs share an NVLink domain is not read from the topology: a GPU with
-  NVLink links is taken to share one domain with every other GPU of the node (an NVSwitch
-  board, HGX or NVL), a GPU without NVLink is a domain of its own;
+  never FREE). The domain is read from the topology (core.nvlink_domain: the GPUs joined by
+  direct links, every GPU behind an NVSwitch fabric, itself alone without an active link;
+  the whole node when the topology cannot be read);
 - at most ``max_attempts_per_gpu`` resets of one GPU within ``attempt_window_s``: a GPU a
   reset did not repair is a person's (the drain, if remediation is on, says so).
 The daemon (daemon/gpu_reset.py) then locks the domain, looks again under the locks, and
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from gpudiag.core.nvlink_domain import NvlinkDomain, nvlink_domain
+from gpudiag.core.observations import NvLinkEnd
 from gpudiag.core.records import dataclass
 from gpudiag.core.settings import Count, Flag, executable, seconds, setting
 
@@ -75,8 +77,12 @@ class ResetGpu:
     uuid: str
     pci_bus_id: str | None
     occupancy: str      # free | busy | unknown (core.readiness)
-    nvlink: bool        # it has NVLink links: its domain is every GPU of the node
+    nvlink: bool        # it has NVLink links (any state)
     mig: bool = False   # MIG mode is on
+    # Where its active links end (the nvml probe's reading); None: not read, ``unread`` says
+    # why, and its domain is the whole node (core.nvlink_domain).
+    ends: tuple[NvLinkEnd, ...] | None = None
+    unread: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class ResetPlan:
     why: str = ""
     bus_id: str = ""
     domain: tuple[str, ...] = ()
+    nvlink: NvlinkDomain | None = None  # how the domain was found, where it was looked at
 
 
 # A GPU that also shows one of these needs more than a reset (off the bus, a reboot): a reset
@@ -108,15 +115,6 @@ def reset_faults(blockers: Sequence[tuple[str, str | None]]) -> list[str]:
                 and device not in beyond):
             out.append(device)
     return out
-
-
-def nvlink_domain(uuid: str, gpus: Mapping[str, ResetGpu]) -> tuple[str, ...]:
-    """The GPUs that must be idle for ``uuid`` to be reset: itself first, then, when it has
-    NVLink, every other GPU of the node (module docstring)."""
-    own = gpus.get(uuid)
-    if own is None or not own.nvlink:
-        return (uuid,)
-    return (uuid, *sorted(u for u in gpus if u != uuid))
 
 
 def attempts_within(walls: Sequence[float], now_wall: float, window_s: float) -> int:
@@ -142,12 +140,13 @@ def plan_reset(uuid: str, gpus: Mapping[str, ResetGpu], attempts: Sequence[float
     if not gpu.pci_bus_id:
         return ResetPlan(uuid, False, NO_BUS_ID, f"GPU {uuid}: NVML gave no PCI bus id")
     domain = nvlink_domain(uuid, gpus)
-    busy = [u for u in domain[1:] if gpus[u].occupancy != FREE]
+    busy = [u for u in domain.gpus[1:] if gpus[u].occupancy != FREE]
     if busy:
         return ResetPlan(uuid, False, DOMAIN_BUSY,
-                         f"GPU {uuid} shares its NVLink domain with GPU(s) in use or unknown "
-                         f"({', '.join(busy)}): a reset would end their work")
-    return ResetPlan(uuid, True, bus_id=gpu.pci_bus_id, domain=domain)
+                         f"GPU {uuid} shares its NVLink domain ({domain.why}) with GPU(s) in "
+                         f"use or unknown ({', '.join(busy)}): a reset would end their work",
+                         nvlink=domain)
+    return ResetPlan(uuid, True, bus_id=gpu.pci_bus_id, domain=domain.gpus, nvlink=domain)
 
 
 def processes_on(lines: str, domain: Sequence[str]) -> list[str]:

@@ -218,11 +218,26 @@ class PcieLink:
 
 
 @dataclass(frozen=True)
+class NvLinkEnd:
+    """Where one active NVLink link ends: ``device_type`` as the driver names it (``gpu``,
+    ``switch``, ``ibmnpu``, ``unknown``; None where the driver has no such call) and the
+    remote end's PCI bus id (a peer GPU's own, or the NVSwitch's)."""
+
+    link: int
+    device_type: str | None = field(default=None, metadata=_LENIENT)
+    pci_bus_id: str | None = field(default=None, metadata=_LENIENT)
+
+
+@dataclass(frozen=True)
 class NvLinks:
-    """The GPU's NVLink links by state (a GPU without NVLink has none: the field is None)."""
+    """The GPU's NVLink links by state (a GPU without NVLink has none: the field is None),
+    and where each active link ends (``remotes``; None when that could not be read, with
+    ``remote_error`` saying why: the topology is then unknown, core.nvlink_domain)."""
 
     active: tuple[int, ...] = ()
     inactive: tuple[int, ...] = ()
+    remotes: tuple[NvLinkEnd, ...] | None = None
+    remote_error: str | None = field(default=None, metadata=_TEXT)
 
 
 @dataclass(frozen=True)

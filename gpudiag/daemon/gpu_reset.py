@@ -5,9 +5,11 @@ keeps the newest and wakes its thread; the loop, /metrics and /v1/preflight neve
 reset) and, for each GPU the node-health verdict blocks with ``gpu_reset_required``, asks
 the pure policy (core.gpu_reset) whether it may reset it now. When it may, on its own thread:
 
-1. lock the GPU and every GPU of its NVLink domain, exclusively, without waiting (the lock
-   ``gpudiag run`` jobs and the probes take: none of them starts there meanwhile; a lock
-   already taken leaves the GPU alone until the next cycle);
+1. lock the GPU and every GPU of its NVLink domain (core.nvlink_domain: read from the
+   topology the nvml probe read, the whole node when it could not be read; each faulty GPU's
+   domain and how it was found are in the evidence, ``domains``), exclusively, without
+   waiting (the lock ``gpudiag run`` jobs and the probes take: none of them starts there
+   meanwhile; a lock already taken leaves the GPU alone until the next cycle);
 2. look again under the locks, with the configured tool (``--query-compute-apps``): a
    process on any GPU of the domain, or an answer that cannot be read, leaves it alone;
 3. note the attempt (``gpu-resets.json`` in the state dir, before the reset, so that a
@@ -54,6 +56,7 @@ from gpudiag.core.gpu_reset import (
     processes_on,
     reset_faults,
 )
+from gpudiag.core.nvlink_domain import NvlinkDomain, nvlink_domain
 from gpudiag.core.readiness import UNKNOWN
 from gpudiag.core.records import dataclass
 from gpudiag.daemon.clears import ClearRequest
@@ -82,12 +85,15 @@ class ResetReport:
     left_alone: Mapping[str, int] = field(default_factory=dict)  # reason -> count
     pending: tuple[str, ...] = ()  # GPUs reset, their verifying pass not yet in
     last: Mapping[str, Any] | None = None
+    # Each GPU a reset would repair now: its NVLink domain and how it was found.
+    domains: Mapping[str, NvlinkDomain] = field(default_factory=dict)
 
     def evidence(self) -> dict[str, Any]:
         """The ``gpu_reset`` object of /v1/health's evidence."""
         return {"enabled": self.enabled, "resets": dict(sorted(self.resets.items())),
                 "left_alone": dict(sorted(self.left_alone.items())),
-                "pending": list(self.pending), "last": dict(self.last) if self.last else None}
+                "pending": list(self.pending), "last": dict(self.last) if self.last else None,
+                "domains": {u: d.evidence() for u, d in sorted(self.domains.items())}}
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,8 @@ class ResetTool:
 
 def gpus_of(snap: Snapshot) -> dict[str, ResetGpu]:
     """Each GPU of the snapshot's NVML reading as the rung sees it (occupancy from the
-    published scope: processes, locks; a GPU not read is UNKNOWN)."""
+    published scope: processes, locks; a GPU not read is UNKNOWN; where its NVLink links
+    end, or why that is not known)."""
     result = snap.result("nvml")
     nvml = result.run.nvml if result is not None else None
     scope = snap.scope
@@ -162,10 +169,14 @@ def gpus_of(snap: Snapshot) -> dict[str, ResetGpu]:
             continue
         links = d.nvlinks
         state = scope.state(d.uuid) if scope is not None else UNKNOWN
+        ends = links.remotes if links is not None else None
         out[d.uuid] = ResetGpu(
             d.uuid, d.pci_bus_id, state,
             nvlink=links is not None and bool(links.active or links.inactive),
-            mig=d.mig is not None and bool(d.mig.enabled))
+            mig=d.mig is not None and bool(d.mig.enabled), ends=ends,
+            unread="" if ends is not None else (links.remote_error if links is not None
+                                                and links.remote_error else
+                                                "where its links end was not read"))
     return out
 
 
@@ -230,6 +241,7 @@ class GpuResetter:
         faulty = reset_faults([(b.code, b.device) for b in snap.ready.blockers])
         self._said = {(u, r) for u, r in self._said if u in faulty}
         gpus = gpus_of(snap)
+        self._set(domains={u: nvlink_domain(u, gpus) for u in faulty})
         now = self._wall()
         for uuid in faulty:
             if uuid in self._memory.pending:
@@ -288,10 +300,12 @@ class GpuResetter:
             walls = (*self._memory.attempts.get(plan.uuid, ()), at)[-MAX_WALLS:]
             self._keep(replace(self._memory, attempts={**self._memory.attempts,
                                                        plan.uuid: walls}))
+            how = plan.nvlink.why if plan.nvlink is not None else "not looked at"
             log.warning("resetting GPU %s (%s)%s: gpu_reset_required, the GPU and its NVLink "
-                        "domain idle and locked", plan.uuid, plan.bus_id, within,
+                        "domain (%s) idle and locked", plan.uuid, plan.bus_id, within, how,
                         extra={"uuid": plan.uuid, "pci_bus_id": plan.bus_id,
-                               "domain": list(plan.domain), "incident": ident})
+                               "domain": list(plan.domain), "incident": ident,
+                               "domain_basis": plan.nvlink.basis if plan.nvlink else None})
             try:
                 self._run_reset(plan.bus_id)
             except ToolFailed as e:

@@ -29,6 +29,8 @@ RECOVERY_ACTIONS = dict(enumerate(RECOVERY_ACTION_NAMES))
 FIELD_RECOVERY_ACTION = 230
 NVLINK_MAX_LINKS = 18  # nvml.h's NVML_NVLINK_MAX_LINKS where pynvml lacks it (newer: 36)
 _NO_SUCH_LINK = {2, 3}  # INVALID_ARGUMENT past the last link, NOT_SUPPORTED without NVLink
+# nvmlIntNvLinkDeviceType_t: what an NVLink link's remote end is (0xFF: unknown).
+_DEVICE_TYPES = {0: "gpu", 1: "ibmnpu", 2: "switch"}
 
 
 @functools.cache
@@ -154,8 +156,9 @@ def _pcie(pynvml: Any, handle: Any) -> dict[str, int]:
             "max_width": int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))}
 
 
-def _nvlinks(pynvml: Any, handle: Any) -> dict[str, list[int]]:
-    """Active and inactive NVLink links; raises NOT_SUPPORTED for a GPU without NVLink."""
+def _nvlinks(pynvml: Any, handle: Any) -> dict[str, Any]:
+    """Active and inactive NVLink links, and where each active one ends (``_remotes``);
+    raises NOT_SUPPORTED for a GPU without NVLink."""
     active: list[int] = []
     inactive: list[int] = []
     # The first link past the GPU's last answers INVALID_ARGUMENT: the bound rarely matters.
@@ -167,7 +170,37 @@ def _nvlinks(pynvml: Any, handle: Any) -> dict[str, list[int]]:
                 break  # past this GPU's last link
             raise
         (active if state == 1 else inactive).append(link)
-    return {"active": active, "inactive": inactive}
+    remotes, error = _remotes(pynvml, handle, active)
+    return {"active": active, "inactive": inactive, "remotes": remotes, "remote_error": error}
+
+
+def _remotes(pynvml: Any, handle: Any, links: list[int]
+             ) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Where each active link ends (the GPU reset rung's NVLink domain): the remote device
+    type (a GPU peer, an NVSwitch) and PCI bus id. A driver without the type call
+    (FUNCTION_NOT_FOUND) leaves the type None, to be told by the bus id; any other error
+    leaves the whole topology unread (None, and why): a domain is never guessed smaller."""
+    out: list[dict[str, Any]] = []
+    typed = True
+    for link in links:
+        try:
+            kind: str | None = None
+            if typed:
+                try:
+                    kind = _DEVICE_TYPES.get(
+                        int(pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)), "unknown")
+                except pynvml.NVMLError as e:
+                    if int(getattr(e, "value", -1)) != 13:  # FUNCTION_NOT_FOUND: older driver
+                        raise
+                    typed = False
+            bus = _decode(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+        except pynvml.NVMLError as e:
+            rec = error_record(pynvml, e)
+            if rec["code"] in DEVICE_FATAL:
+                raise
+            return None, f"link {link}: {rec['name']}: {rec['message']}"
+        out.append({"link": link, "device_type": kind, "pci_bus_id": bus})
+    return out, None
 
 
 def _fabric(pynvml: Any, handle: Any) -> dict[str, int]:

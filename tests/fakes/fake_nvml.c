@@ -43,6 +43,11 @@
  *   FAKE_NVML_PCIE=IDX:CURGEN/MAXGEN/CURWIDTH/MAXWIDTH (5/5/16/16): the PCIe link
  *   FAKE_NVML_NVLINKS=IDX:N           NVLink links per GPU (0: NOT_SUPPORTED, a PCIe GPU)
  *   FAKE_NVML_NVLINK_DOWN=IDX:L/L...  those links report inactive
+ *   FAKE_NVML_NVLINK_PEERS=IDX:P[/P...]  where GPU IDX's links end: link L at GPU P (the
+ *       L mod n-th of the list: 0:1 a pair, 0:1/2 a ring); `switch` (also the default of a GPU
+ *       with links and no entry: an HGX baseboard) an NVSwitch, switch L mod 4 (bus C0..C3).
+ *       Families nvlink_remote (remote PCI info and device type NOT_SUPPORTED) and
+ *       nvlink_remote_type (the type answers FUNCTION_NOT_FOUND: a driver before the call)
  *   FAKE_NVML_FABRIC=IDX:STATE/STATUS fabric state (0 not supported, 1 not started,
  *       2 in progress, 3 completed) and status (an nvmlReturn_t); unset: NOT_SUPPORTED
  *   FAKE_NVML_RETIRED_PAGES_PENDING=IDX:0|1  pages waiting for a reset to retire
@@ -90,6 +95,7 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
     NVML_ERROR_UNKNOWN = 999,
 };
 
@@ -992,6 +998,68 @@ FAKE_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned 
         return NVML_ERROR_INVALID_ARGUMENT;
     *isActive = nvlink_down(device->gpu, link) ? 0 : 1;
     return NVML_SUCCESS;
+}
+
+/* nvmlIntNvLinkDeviceType_t */
+#define NVML_NVLINK_DEVICE_TYPE_GPU 0x00
+#define NVML_NVLINK_DEVICE_TYPE_SWITCH 0x02
+#define FAKE_NVSWITCHES 4
+
+/* Where link `link` of `gpu` ends: a GPU index, or -1 for an NVSwitch (FAKE_NVML_NVLINK_PEERS). */
+static int nvlink_peer(int gpu, unsigned int link) {
+    char buf[256];
+    if (!fake_list_str("FAKE_NVML_NVLINK_PEERS", gpu, -1, buf, sizeof buf)) return -1;
+    int peers[NVML_NVLINK_MAX_LINKS], n = 0;
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, "/", &save); tok && n < NVML_NVLINK_MAX_LINKS;
+         tok = strtok_r(NULL, "/", &save)) {
+        long long x;
+        peers[n++] = fake_parse_ll(tok, &x) && x >= 0 ? (int)x : -1; /* `switch` */
+    }
+    return n ? peers[link % (unsigned int)n] : -1;
+}
+
+/* The remote-end calls' prologue: a link that exists and is active, remote calls supported. */
+static nvmlReturn_t check_remote(nvmlDevice_t device, unsigned int link) {
+    unsigned int active = 0;
+    nvmlReturn_t rc = nvmlDeviceGetNvLinkState(device, link, &active);
+    if (rc != NVML_SUCCESS) return rc;
+    if (unsupported("nvlink_remote")) return NVML_ERROR_NOT_SUPPORTED;
+    return active ? NVML_SUCCESS : NVML_ERROR_NOT_SUPPORTED;
+}
+
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device,
+                                                             unsigned int link,
+                                                             unsigned int *type) {
+    nvmlReturn_t rc = check_remote(device, link);
+    if (rc != NVML_SUCCESS) return rc;
+    if (unsupported("nvlink_remote_type")) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    if (!type) return NVML_ERROR_INVALID_ARGUMENT;
+    *type = nvlink_peer(device->gpu, link) >= 0 ? NVML_NVLINK_DEVICE_TYPE_GPU
+                                                : NVML_NVLINK_DEVICE_TYPE_SWITCH;
+    return NVML_SUCCESS;
+}
+
+/* The peer GPU's own PCI info, or an NVSwitch's (bus C0 + link mod 4). */
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device,
+                                                             unsigned int link,
+                                                             nvmlPciInfo_t *pci) {
+    nvmlReturn_t rc = check_remote(device, link);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
+    int peer = nvlink_peer(device->gpu, link);
+    if (peer >= 0) return nvmlDeviceGetPciInfo_v3(&g_gpus[peer % FAKE_MAX_GPUS], pci);
+    memset(pci, 0, sizeof *pci);
+    unsigned int bus = 0xC0u + link % FAKE_NVSWITCHES;
+    pci->bus = bus;
+    pci->pciDeviceId = 0x22A310DEu; /* an NVSwitch of an HGX H100/H200 baseboard */
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "0000:%02X:00.0", bus);
+    snprintf(pci->busId, sizeof pci->busId, "00000000:%02X:00.0", bus);
+    return NVML_SUCCESS;
+}
+FAKE_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int link,
+                                                          nvmlPciInfo_t *pci) {
+    return nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, pci);
 }
 
 /* FAKE_NVML_FABRIC=IDX:STATE/STATUS; returns 0 (NOT_SUPPORTED) when unset for this GPU. */
