@@ -17,9 +17,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from gpudiag.engine import wire
 from gpudiag.engine.locks import locked_through, release, try_lock
 from tests.fakes.build import FakeDriver
 from tests.support.daemon import Daemon, daemon_toml, metric_samples, wait_for, write_config
-from tests.support.run import Rig, run_folder
+from tests.support.run import Rig, job_record, run_folder
 
 GPU0 = "GPU-f00d0000-0000-4000-8000-000000000000"
 GPU1 = "GPU-f00d0001-0000-4000-8000-000000000001"
@@ -110,6 +112,105 @@ def test_a_begin_with_descriptors_needs_no_pid_and_one_without_a_visible_pid_is_
             child.wait()
     finally:
         release([lock])
+
+
+# --- a run the daemon cannot see, across a daemon restart (issue 49's leftover) ---------------
+
+def _invisible_run(locks: Path, kept: Path
+                   ) -> tuple[RunWindows, str, subprocess.Popen[bytes], Any]:
+    """A run begun with pid 0 (another pid namespace) on GPU0's lock by a child process;
+    (the windows, its id, that process, its lock)."""
+    lock = try_lock(locks, GPU0)
+    assert lock is not None
+    runs = RunWindows(locks, lambda: None, kept=kept)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fd = os.pidfd_open(proc.pid)
+    run = runs.begin(Peer(os.getuid(), 0, None, fd, identity(fd)), [GPU0], "42", [lock.fd])
+    return runs, run.id, proc, lock
+
+
+def _peer(proc: subprocess.Popen[bytes]) -> Peer:
+    """The process as a peer of another pid namespace (pid 0), its pidfd taken now."""
+    fd = os.pidfd_open(proc.pid)
+    return Peer(os.getuid(), 0, None, fd, identity(fd))
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def _record_of(run_id: str | None, pid: int = 4242) -> Any:
+    return replace(job_record(pid, [], exit_code=0, started=time.time() - 5), run=run_id)
+
+
+def test_a_run_seen_by_no_pid_is_opened_again_after_a_restart_while_its_lock_is_held(
+        tmp_path: Path) -> None:
+    locks, kept = tmp_path / "locks", tmp_path / "open-runs.json"
+    _, run_id, proc, lock = _invisible_run(locks, kept)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (entry,) = json.loads(kept.read_text())["runs"]
+        assert entry["pid"] == 0 and entry["seen_by"] == "locks" and entry["identity"]
+        assert list(entry["locks"]) == [GPU0]
+        # The daemon restarts: the kernel says the very lock file is held; no pid is asked.
+        again = RunWindows(locks, lambda: None, kept=kept)
+        assert again.restore() == 1
+        (back,) = again.open_runs()
+        assert (back.id, back.gpus, back.peer.pid, back.slurm_job_id) == (
+            run_id, (GPU0,), 0, "42")
+        again.poll()
+        assert [r.id for r in again.open_runs()] == [run_id]  # still held: still open
+        # Only the process that began it ends it (its pidfd's identity, kept across).
+        with pytest.raises(RunRefused) as refused:
+            again.end(_peer(other), run_id, RunReport(0))
+        assert refused.value.code == "not_the_run"
+        ran, job = again.end(_peer(proc), run_id, RunReport(0))
+        assert ran.id == run_id and job.gpus == (GPU0,)
+    finally:
+        release([lock])
+        _stop(proc)
+        _stop(other)
+    # Its lock gone, a reopened run seen by no pid leaves the open runs at the next poll.
+    again.poll()
+    assert again.open_runs() == ()
+
+
+def test_a_run_whose_lock_went_while_the_daemon_was_down_is_closed_and_its_record_matched(
+        tmp_path: Path) -> None:
+    locks, kept = tmp_path / "locks", tmp_path / "open-runs.json"
+    _, run_id, proc, lock = _invisible_run(locks, kept)
+    _stop(proc)
+    release([lock])  # the run ended while no daemon ran
+    again = RunWindows(locks, lambda: None, kept=kept)
+    assert again.restore() == 0
+    assert json.loads(kept.read_text())["runs"] == []
+    # Its inbox record names its run id: matched to that run whatever pid it names, and
+    # only when the kernel says the run's own uid wrote it.
+    assert again.match(_record_of(run_id), 65534)[0] == "foreign"
+    how, job, matched = again.match(_record_of(run_id), os.getuid())
+    assert (how, matched) == ("socket", run_id) and job is not None
+    assert job.pid == 0 and job.gpus == (GPU0,)
+    again.close_matched(run_id, job.ended)
+    assert again.match(_record_of(run_id), os.getuid())[0] == "duplicate"
+    # A run id the daemon never gave attests nothing.
+    assert again.match(_record_of("0123456789abcdef"), 65534)[0] == "unattested"
+
+
+def test_a_lock_file_replaced_while_the_daemon_was_down_reopens_no_run(tmp_path: Path) -> None:
+    """Another file of the same name, held by someone else, is not the run's lock."""
+    locks, kept = tmp_path / "locks", tmp_path / "open-runs.json"
+    _, _, proc, lock = _invisible_run(locks, kept)
+    _stop(proc)
+    release([lock])
+    (locks / f"{GPU0}.lock").unlink()
+    other = try_lock(locks, GPU0)
+    assert other is not None
+    try:
+        again = RunWindows(locks, lambda: None, kept=kept)
+        assert again.restore() == 0 and again.open_runs() == ()
+    finally:
+        release([other])
 
 
 def test_a_refusal_counts_once_per_process_and_at_most_the_rate_per_uid() -> None:
@@ -353,3 +454,130 @@ def test_a_begin_over_a_socket_pair_from_a_process_without_locks_attests_nothing
     finally:
         a.close()
         b.close()
+
+
+# --- a run the daemon cannot see, across a real daemon restart ----------------------------------
+
+def _waiting_run(rig: Rig, sock: Path, name: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """A host `gpudiag run` on the daemon's socket, its job waiting for a go file; (the
+    process, its artifacts folder, the go file), once its job started."""
+    started, go, artifacts = rig.root / f"{name}-started", rig.root / f"{name}-go", \
+        rig.root / name
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpudiag", "run", "--gpus", "1", "--artifacts", str(artifacts),
+         "--daemon-url", f"unix:{sock}", "--", "sh", "-c",
+         f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"],
+        env=rig.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: started.exists() or proc.poll() is not None, 60)
+    assert proc.poll() is None, proc.communicate()
+    return proc, artifacts, go
+
+
+def _run_shown(daemon: Daemon) -> str:
+    """The one run the allocation series names (pid 0 to the daemon: by its run id)."""
+    (alloc,) = wait_for(lambda: _allocations(daemon), 20)
+    job_id: str = alloc["job_id"]
+    assert job_id.startswith("run-"), alloc
+    return job_id.removeprefix("run-")
+
+
+def _open_in_health(daemon: Daemon) -> list[str]:
+    status, health = daemon.get("/v1/health")
+    assert status in (200, 503), health
+    return [r["run"] for r in health["evidence"]["runs"]["open"]]
+
+
+@pytest.mark.slow
+def test_a_run_the_daemon_cannot_see_is_shown_across_a_daemon_restart_and_closed_after(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    """The daemon (its own pid namespace) sees the run as pid 0: restarted mid-run, it opens
+    the run again from its lock file, still held, and the run's end reaches it."""
+    _pid_namespaces()
+    rig = Rig(fakes, tmp_path)
+    daemon, sock = _daemon(rig, tmp_path, UNSHARE_PID)
+    proc: subprocess.Popen[str] | None = None
+    try:
+        daemon.wait_ready(60)
+        proc, artifacts, go = _waiting_run(rig, sock, "across")
+        run_id = _run_shown(daemon)
+        (kept,) = json.loads((rig.state_dir / "open-runs.json").read_text())["runs"]
+        assert (kept["id"], kept["pid"], kept["seen_by"]) == (run_id, 0, "locks"), kept
+        daemon.stop()
+        daemon, _ = _daemon(rig, tmp_path, UNSHARE_PID)
+        daemon.wait_ready(60)
+        assert any("still running: open again" in line for line in daemon.lines)
+        assert _run_shown(daemon) == run_id
+        assert run_id in wait_for(lambda: _open_in_health(daemon) or None, 20)
+        go.touch()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        closeout = json.loads((run_folder(artifacts) / "closeout.json").read_text())
+        assert closeout["job_record"]["attested"] == "socket", closeout["job_record"]
+        assert closeout["job_record"]["run"] == run_id
+        wait_for(lambda: not _allocations(daemon), 10, interval=0.1)
+        (job,) = wait_for(lambda: _jobs(rig.state_dir), 10)
+        assert (job.attested, job.run_id) == ("socket", run_id), job
+        assert json.loads((rig.state_dir / "open-runs.json").read_text())["runs"] == []
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        daemon.stop()
+
+
+@pytest.mark.slow
+def test_a_run_that_ended_while_the_daemon_was_down_is_closed_and_its_inbox_record_matched(
+        fakes: FakeDriver, tmp_path: Path) -> None:
+    """Its end reaches no daemon: its inbox record names its run id and closes that run at
+    the restart, pid 0 or not; another user's copy of that record closes nothing."""
+    _pid_namespaces()
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv(1) to act as a second user")
+    rig = Rig(fakes, tmp_path)
+    daemon, sock = _daemon(rig, tmp_path, UNSHARE_PID)
+    proc: subprocess.Popen[str] | None = None
+    try:
+        daemon.wait_ready(60)
+        proc, artifacts, go = _waiting_run(rig, sock, "down")
+        run_id = _run_shown(daemon)
+        daemon.stop()
+        go.touch()  # the run ends (its lock with it) while no daemon runs
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        said = json.loads((run_folder(artifacts) / "closeout.json").read_text())["job_record"]
+        assert said["run"] == run_id and said["path"], said
+        record = Path(said["path"]).read_text()
+        assert json.loads(record)["run"] == run_id
+        # uid 65534 drops a copy naming the same run into the (sticky, 1733) inbox: written
+        # by that user (setpriv) where it may write, moved in with its owner kept (pytest's
+        # folders are closed to other users).
+        spool = Path(tempfile.mkdtemp(prefix="gpudiag-forge-"))
+        try:
+            spool.chmod(0o777)
+            planted = subprocess.run(
+                ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                 sys.executable, "-I", "-c",
+                 "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
+                 str(spool / "forged.json"), record], capture_output=True, text=True,
+                timeout=30)
+            assert planted.returncode == 0, planted.stderr
+            forged = rig.state_dir / "job-closeouts" / "0-forged.json"
+            shutil.move(spool / "forged.json", forged)
+            assert forged.stat().st_uid == 65534
+        finally:
+            shutil.rmtree(spool, ignore_errors=True)
+        daemon, _ = _daemon(rig, tmp_path, UNSHARE_PID)
+        daemon.wait_ready(60)
+        assert any("ended while the daemon was down" in line for line in daemon.lines)
+        (job,) = wait_for(lambda: _jobs(rig.state_dir), 20)
+        assert (job.attested, job.run_id, job.uid) == ("socket", run_id, 0), job
+        refused = wait_for(lambda: {lab["reason"]: v for lab, v in metric_samples(
+            daemon, "gpudiag_job_records_refused_total")} if not list(
+            (rig.state_dir / "job-closeouts").iterdir()) else None, 20)
+        assert (refused["foreign"], refused["unattested"]) == (1, 0), refused
+        assert not _allocations(daemon)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        daemon.stop()

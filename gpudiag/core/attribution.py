@@ -13,6 +13,7 @@ docs/runner.md shows each rule with an example closeout.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeGuard
 
@@ -242,6 +243,7 @@ def _number(value: Any) -> TypeGuard[int | float]:
 # --- the record a run leaves for the daemon (its job-closeouts inbox) ----------------------
 
 JOB_SCHEMA = "gpudiag.job/1"
+_RUN_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 JOB_INBOX = "job-closeouts"
 
 
@@ -265,6 +267,9 @@ class JobRecord:
     gpu_usage: tuple[GpuUsage, ...] = ()
     # The daemon's job watch (core.job_watch): job_stalled, gpu_straggler_suspect.
     warnings: tuple[RunWarning, ...] = ()
+    # The id the daemon gave the run at its begin, when the run left this record because its
+    # end did not reach that daemon: the record is then matched to that run alone.
+    run: str | None = None
 
     def record(self) -> dict[str, Any]:
         """The inbox file's JSON (``warnings`` only when the job watch gave some)."""
@@ -276,6 +281,8 @@ class JobRecord:
                "gpu_usage": [u.record() for u in self.gpu_usage]}
         if self.warnings:
             rec["warnings"] = [w.record() for w in self.warnings]
+        if self.run is not None:
+            rec["run"] = self.run
         return rec
 
     @property
@@ -296,11 +303,13 @@ class JobRecord:
         if not (isinstance(pid, int) and isinstance(code, int) and _number(started)
                 and _number(ended)):
             raise ValueError("pid, exit_code, started and ended must be numbers")
-        slurm = rec.get("slurm_job_id")
+        slurm, run = rec.get("slurm_job_id"), rec.get("run")
+        if run is not None and not (isinstance(run, str) and _RUN_ID.fullmatch(run)):
+            raise ValueError("run must be the daemon's run id (up to 64 of 0-9a-zA-Z_-)")
         return cls(pid, child if isinstance(child, int) else None,
                    tuple(str(a) for a in rec.get("argv") or []),
                    str(slurm) if slurm not in (None, "") else None, str(rec.get("host") or ""),
                    float(started), float(ended), code,
                    tuple(str(g) for g in rec.get("gpus") or []), attribution,
                    _opt_str(rec.get("closeout")), usages_of(rec.get("gpu_usage")),
-                   run_warnings(rec.get("warnings")))
+                   run_warnings(rec.get("warnings")), run)

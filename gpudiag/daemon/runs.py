@@ -67,7 +67,13 @@ from gpudiag.core.usage import usages_of
 from gpudiag.daemon import open_runs
 from gpudiag.daemon.collectors import StateCollector
 from gpudiag.daemon.store import HistoryError, HistoryStore
-from gpudiag.engine.locks import locked_by, locked_through
+from gpudiag.engine.locks import (
+    LockFileKey,
+    lock_file_key,
+    locked_by,
+    locked_through,
+    still_held,
+)
 
 # Open runs at once, and per uid: each holds a pidfd, and a begin needs a GPU lock the
 # kernel says the run holds, so a node has about as many open runs as GPU leaves.
@@ -121,6 +127,9 @@ class OpenRun:
     # The locks the kernel said the run's process held at its begin (GPUs or MIG leaves).
     gpus: tuple[str, ...]
     slurm_job_id: str | None  # the run's own word: checked only against its owner's uid
+    # Each GPU's lock file as the kernel named it at the begin (engine/locks.LockFileKey):
+    # how a run this daemon cannot see (pid 0) is recognised again after a restart.
+    locks: tuple[tuple[str, LockFileKey], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -300,11 +309,18 @@ class RunWindows:
         checks each again: daemon/open_runs.py); how many."""
         if self._kept is None:
             return 0
-        back = open_runs.restore(self._kept, self.lock_dir, start_time)
+        back, ended = open_runs.restore(self._kept, self.lock_dir, start_time, identity)
+        now = self._clock()
         with self._lock:
             for r in back:
-                peer = Peer(r.uid, r.pid, r.started_at, r.pidfd, identity(r.pidfd))
-                self._open[r.id] = OpenRun(r.id, peer, r.began, r.gpus, r.slurm_job_id)
+                peer = Peer(r.uid, r.pid, r.started_at, r.pidfd, r.identity)
+                self._open[r.id] = OpenRun(r.id, peer, r.began, r.gpus, r.slurm_job_id,
+                                           r.locks)
+            # Ended while the daemon was down: closed now, unrecorded; the inbox record it
+            # left (naming its run id) still closes it, its window ending by now at latest.
+            for r in ended:
+                self._recent.append(EndedRun(r.id, r.uid, r.pid, r.began, now, r.gpus,
+                                             r.slurm_job_id, False))
             self._save()
         return len(back)
 
@@ -313,7 +329,7 @@ class RunWindows:
         if self._kept is not None:
             open_runs.save(self._kept, [open_runs.Restored(
                 r.id, r.peer.uid, r.peer.pid, r.peer.started_at, None, r.began, r.gpus,
-                r.slurm_job_id) for r in self._open.values()])
+                r.slurm_job_id, r.peer.identity, r.locks) for r in self._open.values()])
 
     def opened(self) -> list[OpenRun]:
         """The runs open now (the job watch's narrow view: each one's id and GPUs)."""
@@ -349,7 +365,8 @@ class RunWindows:
                 raise RunRefused(429, "too_many_runs", f"{len(self._open)} runs open "
                                  f"({mine} of uid {peer.uid}); the limits are "
                                  f"{MAX_OPEN_RUNS} and {MAX_OPEN_PER_UID} per uid")
-            run = OpenRun(secrets.token_hex(8), peer, self._clock(), held, slurm_job_id)
+            run = OpenRun(secrets.token_hex(8), peer, self._clock(), held, slurm_job_id,
+                          _lock_keys(self.lock_dir, held))
             self._open[run.id] = run
             self._save()
         return run
@@ -424,14 +441,24 @@ class RunWindows:
         now = self._clock()
         for run in runs:
             fd, start = run.peer.pidfd, run.peer.started_at
-            gone = exited(fd) if fd is not None else start_time(run.peer.pid) != start
+            if fd is not None:
+                gone = exited(fd)
+            elif run.peer.pid > 0:
+                gone = start_time(run.peer.pid) != start
+            else:
+                # Reopened after a restart, seen by no pid: open while one of its very lock
+                # files is held (the kernel's O(1) answer, any pid namespace).
+                gone = not any(still_held(self.lock_dir, gpu, key) for gpu, key in run.locks)
             if gone:
                 self.recorded(run, now, kept=False)
 
     def match(self, job: JobRecord, uid: int) -> tuple[str, JobRecord | None, str | None]:
         """What an inbox record (written by ``uid``) is: ("socket", record, run id) when it
         ends an attested run that has no record yet, ("root", job, None) for root's own
-        word, else (refusal reason, None, None)."""
+        word, else (refusal reason, None, None). A record naming its run's id (``run``) is
+        that run's alone: kept when the file's owner is the run's uid."""
+        if job.run is not None:
+            return self._match_id(job, job.run, uid)
         with self._lock:
             open_runs = [r for r in self._open.values() if r.peer.pid == job.pid]
             recent = [r for r in self._recent if r.pid == job.pid
@@ -443,8 +470,7 @@ class RunWindows:
         if any(r.peer.uid != uid for r in open_runs) or any(r.uid != uid for r in recent) or (
                 uid != 0 and any(u != uid for u in slurm)):
             return "foreign", None, None
-        report = RunReport(job.exit_code, job.child_pid, job.argv, job.closeout,
-                           [u.record() for u in job.gpu_usage])
+        report = _report(job)
         if open_runs:
             run = open_runs[0]
             ended = max(run.began, min(job.ended, self._clock()))
@@ -459,6 +485,29 @@ class RunWindows:
         if recent:
             return "duplicate", None, None
         return ("root", job, None) if uid == 0 else ("unattested", None, None)
+
+    def _match_id(self, job: JobRecord, run_id: str, uid: int
+                  ) -> tuple[str, JobRecord | None, str | None]:
+        """An inbox record naming run ``run_id`` (the id the daemon gave the run at its
+        begin): the run's end when the kernel says its owner wrote the file."""
+        with self._lock:
+            run = self._open.get(run_id)
+            ended = next((r for r in self._recent if r.id == run_id), None)
+        owner = run.peer.uid if run is not None else (ended.uid if ended else None)
+        if owner is None:
+            return ("root", job, None) if uid == 0 else ("unattested", None, None)
+        if owner != uid:
+            return "foreign", None, None
+        if run is not None:
+            return "socket", self._job(run, max(run.began, min(job.ended, self._clock())),
+                                       _report(job)), run.id
+        assert ended is not None
+        if ended.recorded:
+            return "duplicate", None, None
+        run = OpenRun(ended.id, Peer(ended.uid, ended.pid, None, None), ended.began,
+                      ended.gpus, ended.slurm_job_id)
+        return "socket", self._job(run, max(ended.began, min(job.ended, ended.ended)),
+                                   _report(job)), ended.id
 
     def close_matched(self, run_id: str, ended: float) -> None:
         """An inbox record closed run ``run_id`` (open, or vanished unrecorded)."""
@@ -490,6 +539,17 @@ class RunWindows:
         return JobRecord(run.peer.pid, report.child_pid, report.argv, run.slurm_job_id,
                          socket.gethostname(), run.began, ended, report.exit_code,
                          gpus, got, report.closeout, usages_of(report.gpu_usage))
+
+
+def _report(job: JobRecord) -> RunReport:
+    """What an inbox record says of its run: its word, as an end's report."""
+    return RunReport(job.exit_code, job.child_pid, job.argv, job.closeout,
+                     [u.record() for u in job.gpu_usage])
+
+
+def _lock_keys(lock_dir: Path, gpus: Sequence[str]) -> tuple[tuple[str, LockFileKey], ...]:
+    """Each GPU's lock file as the kernel names it now (the run holds them all)."""
+    return tuple((gpu, key) for gpu in gpus if (key := lock_file_key(lock_dir, gpu)))
 
 
 class RefusedRecords:

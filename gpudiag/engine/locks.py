@@ -476,6 +476,37 @@ def lock_state(lock_dir: Path, uuid: str) -> LockState:
         os.close(fd)  # the last descriptor of this description: our attempt's lock goes
 
 
+# A lock file as the kernel names it: (major, minor, inode, ctime in ns). The change time
+# tells a file from a later one that reuses its inode number; nobody can set it, and nothing
+# changes the file while its exclusive holder holds it (only that holder writes its record).
+LockFileKey = tuple[int, int, int, int]
+
+
+def lock_file_key(lock_dir: Path, uuid: str) -> LockFileKey | None:
+    """``uuid``'s lock file as named in ``lock_dir`` now; None when there is none (or the
+    name is no GPU's)."""
+    try:
+        st = os.lstat(_lock_path(lock_dir, uuid))
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino, st.st_ctime_ns
+
+
+def still_held(lock_dir: Path, uuid: str, key: LockFileKey) -> bool:
+    """Whether ``uuid``'s lock file is still the file ``key`` names (not removed nor
+    replaced) and someone holds it exclusively: the O(1) answer, valid for a holder in any
+    pid namespace (a run this reader cannot see)."""
+    if lock_file_key(lock_dir, uuid) != key:
+        return False
+    try:
+        held = lock_state(lock_dir, uuid) == LOCK_EXCLUSIVE
+    except LockFailed:
+        return False
+    return held and lock_file_key(lock_dir, uuid) == key
+
+
 # --- who holds a lock: the kernel's word, to NAME a holder only -------------------------------
 
 PROC_LOCKS = Path("/proc/locks")

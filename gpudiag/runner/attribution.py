@@ -419,7 +419,8 @@ def report_job(job: JobRecord, env: Mapping[str, str], unattested: str = ""
     except OSError as e:
         return {"path": None, **said,
                 "error": f"cannot write into {folder}: {e.strerror or e}"}
-    return {"path": str(final), **said, "error": None}
+    return {"path": str(final), **said, "error": None,
+            **({"run": job.run} if job.run is not None else {})}
 
 
 def window_xids(events: Sequence[JobEvent], window: Window) -> list[tuple[str | None, int]]:
@@ -441,8 +442,11 @@ def close_attribution(gpu_events: GpuEvents, closeout: Closeout, argv: Sequence[
                     tuple(sorted(window.gpus)), attribution,
                     closeout.artifacts.get("closeout_json"), used)
     handed = gpu_events.hand_over(job)
+    # A run the daemon attested whose end did not reach it: its record names the run's id,
+    # so that the daemon matches it to that run (whichever pid it had there).
     reported = handed if handed is not None else report_job(
-        job, env, gpu_events.unannounced if window.gpus else "")
+        replace(job, run=gpu_events.run_id), env,
+        gpu_events.unannounced if window.gpus else "")
     # The window too, so that `gpudiag explain --run` can ask the history about it later.
     return replace(closeout, attribution={**attribution.record(), "window": {
         "start": window.start, "end": window.end, "gpus": sorted(window.gpus)}},
