@@ -9,7 +9,6 @@ No test here (or anywhere) runs a real nvidia-smi: the tool is always the fake's
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import subprocess
 import time
@@ -39,11 +38,15 @@ from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.daemon import (
     Daemon,
-    daemon_toml,
-    host_env,
     metric_samples,
     wait_for,
-    write_config,
+)
+from tests.support.reset_rung import (
+    ResetNode,
+    reset_node,
+    smi_calls,
+    smi_resets,
+    start_reset_daemon,
 )
 
 G0 = "GPU-f00d0000-0000-4000-8000-000000000000"
@@ -151,44 +154,12 @@ def test_the_fake_nvidia_smi_resets_one_idle_gpu_with_persistence_off_and_nothin
 
 # -- a real daemon on the fakes -----------------------------------------------------------------
 @pytest.fixture
-def node(fakes: FakeDriver, tmp_path: Path) -> dict[str, Any]:
-    state_file = tmp_path / "gpu-state"
-    write_state_file(state_file, {"FAKE_NVML_DEVICE_COUNT": 2})
-    log = tmp_path / "smi.log"
-    env = host_env(fakes, tmp_path / "host", gpus=2, FAKE_GPU_STATE_FILE=str(state_file),
-                   FAKE_NVIDIA_SMI_LOG=str(log),
-                   FAKE_CUDA_CONTEXT_LOG=str(tmp_path / "contexts.log"))
-    return {"env": env, "contexts": tmp_path / "contexts.log", "state_file": state_file,
-            "state": tmp_path / "state", "tmp": tmp_path, "log": log, "smi": str(fakes.nvidia_smi)}
+def node(fakes: FakeDriver, tmp_path: Path) -> ResetNode:
+    return reset_node(fakes, tmp_path, gpus=2)
 
 
-def _start(node: dict[str, Any], *, enabled: bool = True, **knobs: str | int) -> Daemon:
-    write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2, **knobs})
-    reset = {"enabled": enabled, "nvidia_smi": node["smi"], "tick_s": 0.1,
-             "verify_timeout_s": 60}
-    toml = daemon_toml({"xid": {"hold_s": 3600}, "qualification": {"enabled": False},
-                        "gpu_reset": reset})
-    daemon = Daemon(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
-                    node["state"])
-    try:
-        daemon.wait_ready(60)
-    except BaseException:
-        daemon.stop()
-        raise
-    return daemon
-
-
-def _calls(node: dict[str, Any]) -> list[dict[str, Any]]:
-    """What the fake nvidia-smi changed, in order."""
-    try:
-        text = node["log"].read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def _resets(node: dict[str, Any]) -> list[dict[str, Any]]:
-    return [c for c in _calls(node) if "-r" in c["argv"]]
+def _start(node: ResetNode, *, enabled: bool = True, **knobs: str | int) -> Daemon:
+    return start_reset_daemon(node, knobs, enabled=enabled)
 
 
 def _health(daemon: Daemon) -> dict[str, Any]:
@@ -206,8 +177,8 @@ def _counted(daemon: Daemon, name: str, label: str) -> dict[str, float]:
     return {lab[label]: v for lab, v in metric_samples(daemon, name)}
 
 
-def _history(node: dict[str, Any], sql: str) -> list[tuple[Any, ...]]:
-    db = sqlite3.connect(default_path(node["state"]))
+def _history(node: ResetNode, sql: str) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(default_path(node.state))
     try:
         return list(db.execute(sql))
     except sqlite3.OperationalError:
@@ -216,22 +187,22 @@ def _history(node: dict[str, Any], sql: str) -> list[tuple[Any, ...]]:
         db.close()
 
 
-def test_an_idle_gpu_with_a_reset_xid_is_reset_verified_and_recorded(node: dict[str, Any]
+def test_an_idle_gpu_with_a_reset_xid_is_reset_verified_and_recorded(node: ResetNode
                                                                      ) -> None:
     daemon = _start(node)
     try:
         assert _counted(daemon, "gpudiag_gpu_resets_total", "outcome") == dict.fromkeys(
             OUTCOMES, 0.0)
-        write_state_file(node["state_file"], {"FAKE_NVML_DEVICE_COUNT": 2,
+        write_state_file(node.state_file, {"FAKE_NVML_DEVICE_COUNT": 2,
                                               "FAKE_NVML_XIDS": "1:48"})
         wait_for(lambda: _counted(daemon, "gpudiag_gpu_resets_total", "outcome")[
             "recovered"] == 1, 30, interval=0.2)
         assert not _blocked(daemon)
         assert _health(daemon)["gpu_validation_blocker"] == "none"
         # Persistence handled: off for the reset, on again after it; one GPU named.
-        assert [c["argv"] for c in _calls(node)] == [
+        assert [c["argv"] for c in smi_calls(node)] == [
             ["-i", BUS1, "-pm", "0"], ["-r", "-i", BUS1], ["-i", BUS1, "-pm", "1"]]
-        assert all(c["exit"] == 0 for c in _calls(node))
+        assert all(c["exit"] == 0 for c in smi_calls(node))
         evidence = _health(daemon)["evidence"]["gpu_reset"]
         assert evidence["last"]["outcome"] == "recovered" and evidence["pending"] == []
         assert _history(node, "SELECT gpu, outcome FROM resets") == [(G1, "recovered")]
@@ -248,9 +219,9 @@ def test_an_idle_gpu_with_a_reset_xid_is_reset_verified_and_recorded(node: dict[
         assert daemon.stop() == 0
 
 
-def test_a_busy_gpu_is_never_reset_and_is_reset_once_its_job_ends(node: dict[str, Any]
+def test_a_busy_gpu_is_never_reset_and_is_reset_once_its_job_ends(node: ResetNode
                                                                    ) -> None:
-    with FakeJobs(node["state_file"], knobs={"FAKE_NVML_DEVICE_COUNT": 2}) as jobs:
+    with FakeJobs(node.state_file, knobs={"FAKE_NVML_DEVICE_COUNT": 2}) as jobs:
         daemon = _start(node)
         try:
             jobs.set_knobs(FAKE_NVML_DEVICE_COUNT=2)  # the start rewrote the file: own it again
@@ -259,21 +230,21 @@ def test_a_busy_gpu_is_never_reset_and_is_reset_once_its_job_ends(node: dict[str
             wait_for(lambda: _counted(daemon, "gpudiag_gpu_reset_left_alone_total",
                                       "reason")[BUSY] == 1, 30, interval=0.2)
             time.sleep(1.0)  # cycles go on while it stays busy: still nothing
-            assert _resets(node) == [] and _blocked(daemon)
+            assert smi_resets(node) == [] and _blocked(daemon)
             # Nor did anything of the daemon touch it: no CUDA context while the job ran.
-            assert jobs.contexts_while_busy(read_context_log(node["contexts"])) == []
+            assert jobs.contexts_while_busy(read_context_log(node.contexts)) == []
             job = jobs.stop(job)
-            wait_for(lambda: _resets(node), 30, interval=0.2)
-            ((reset,),) = [_resets(node)]
+            wait_for(lambda: smi_resets(node), 30, interval=0.2)
+            ((reset,),) = [smi_resets(node)]
             assert job.stopped_at is not None and reset["time"] > job.stopped_at
             wait_for(lambda: not _blocked(daemon), 30, interval=0.2)
         finally:
             assert daemon.stop() == 0
 
 
-def test_a_gpu_whose_nvlink_peer_runs_a_job_is_not_reset(node: dict[str, Any]) -> None:
+def test_a_gpu_whose_nvlink_peer_runs_a_job_is_not_reset(node: ResetNode) -> None:
     knobs: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 2, "FAKE_NVML_NVLINKS": "0:4,1:4"}
-    with FakeJobs(node["state_file"], knobs=knobs) as jobs:
+    with FakeJobs(node.state_file, knobs=knobs) as jobs:
         daemon = _start(node, FAKE_NVML_NVLINKS="0:4,1:4")
         try:
             jobs.set_knobs(**knobs)
@@ -282,13 +253,13 @@ def test_a_gpu_whose_nvlink_peer_runs_a_job_is_not_reset(node: dict[str, Any]) -
             wait_for(lambda: _counted(daemon, "gpudiag_gpu_reset_left_alone_total",
                                       "reason")[DOMAIN_BUSY] == 1, 30, interval=0.2)
             time.sleep(1.0)
-            assert _resets(node) == [] and _blocked(daemon)
+            assert smi_resets(node) == [] and _blocked(daemon)
             assert any("NVLink domain" in line for line in daemon.lines)
         finally:
             assert daemon.stop() == 0
 
 
-def test_a_reset_that_does_not_repair_is_said_once_and_not_tried_again(node: dict[str, Any]
+def test_a_reset_that_does_not_repair_is_said_once_and_not_tried_again(node: ResetNode
                                                                         ) -> None:
     # NVML's recovery action asks for a reset, and the reset leaves it there.
     daemon = _start(node, FAKE_NVML_RECOVERY_ACTION="1:1", FAKE_NVIDIA_SMI_RESET_KEEPS_FAULT=1)
@@ -298,7 +269,7 @@ def test_a_reset_that_does_not_repair_is_said_once_and_not_tried_again(node: dic
         wait_for(lambda: _counted(daemon, "gpudiag_gpu_reset_left_alone_total", "reason")[
             ATTEMPTS] == 1, 10, interval=0.2)
         time.sleep(1.0)
-        assert len(_resets(node)) == 1 and _blocked(daemon)
+        assert len(smi_resets(node)) == 1 and _blocked(daemon)
         assert _history(node, "SELECT outcome FROM resets") == [("still_faulty",)]
     finally:
         assert daemon.stop() == 0
@@ -307,17 +278,17 @@ def test_a_reset_that_does_not_repair_is_said_once_and_not_tried_again(node: dic
     try:
         wait_for(lambda: _counted(daemon, "gpudiag_gpu_reset_left_alone_total", "reason")[
             ATTEMPTS] == 1, 30, interval=0.2)
-        assert len(_resets(node)) == 1
+        assert len(smi_resets(node)) == 1
     finally:
         assert daemon.stop() == 0
 
 
-def test_a_failing_reset_is_counted_and_persistence_is_restored(node: dict[str, Any]) -> None:
+def test_a_failing_reset_is_counted_and_persistence_is_restored(node: ResetNode) -> None:
     daemon = _start(node, FAKE_NVML_RECOVERY_ACTION="1:1", FAKE_NVIDIA_SMI_RESET_FAIL=1)
     try:
         wait_for(lambda: _counted(daemon, "gpudiag_gpu_resets_total", "outcome")[
             "failed"] == 1, 30, interval=0.2)
-        assert [c["argv"][-2:] for c in _calls(node)] == [["-pm", "0"], ["-i", BUS1],
+        assert [c["argv"][-2:] for c in smi_calls(node)] == [["-pm", "0"], ["-i", BUS1],
                                                           ["-pm", "1"]]
         assert _blocked(daemon)
         ((detail,),) = _history(node, "SELECT detail FROM resets")
@@ -326,12 +297,12 @@ def test_a_failing_reset_is_counted_and_persistence_is_restored(node: dict[str, 
         assert daemon.stop() == 0
 
 
-def test_with_the_rung_off_nothing_is_reset(node: dict[str, Any]) -> None:
+def test_with_the_rung_off_nothing_is_reset(node: ResetNode) -> None:
     daemon = _start(node, enabled=False, FAKE_NVML_XIDS="1:48")
     try:
         wait_for(lambda: _blocked(daemon), 30, interval=0.2)
         time.sleep(1.0)
-        assert _calls(node) == []
+        assert smi_calls(node) == []
         assert metric_samples(daemon, "gpudiag_gpu_resets_total") == []
     finally:
         assert daemon.stop() == 0

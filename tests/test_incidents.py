@@ -105,14 +105,8 @@ def _start(node: dict[str, Any], **knobs: str | int) -> Daemon:
     node["nfd"].parent.mkdir(exist_ok=True)
     toml = daemon_toml({"": {"nfd_features_file": str(node["nfd"])},
                         "xid": {"hold_s": 3600}, "qualification": {"enabled": False}})
-    daemon = Daemon(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
-                    node["state"])
-    try:
-        daemon.wait_ready(60)
-    except BaseException:
-        daemon.stop()
-        raise
-    return daemon
+    return Daemon.ready(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
+                        node["state"])
 
 
 def _evidence(daemon: Daemon) -> dict[str, Any]:

@@ -8,7 +8,6 @@ domain, with the fake nvidia-smi's log showing every reset made.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +26,19 @@ from gpudiag.core.nvlink_domain import (
 )
 from gpudiag.core.observations import NvLinkEnd
 from gpudiag.engine.isolation import run_probe
-from tests.fakes.build import FakeDriver, write_state_file
+from tests.fakes.build import FakeDriver
 from tests.fakes.jobs import FakeJobs
 from tests.support.daemon import (
     Daemon,
-    daemon_toml,
     host_env,
     metric_samples,
     wait_for,
-    write_config,
+)
+from tests.support.reset_rung import (
+    ResetNode,
+    reset_node,
+    smi_resets,
+    start_reset_daemon,
 )
 
 U = [f"GPU-f00d000{i}-0000-4000-8000-00000000000{i}" for i in range(4)]
@@ -154,38 +157,12 @@ PAIRS: dict[str, str | int] = {"FAKE_NVML_DEVICE_COUNT": 4,
 
 
 @pytest.fixture
-def node(fakes: FakeDriver, tmp_path: Path) -> dict[str, Any]:
-    state_file = tmp_path / "gpu-state"
-    write_state_file(state_file, {"FAKE_NVML_DEVICE_COUNT": 4})
-    log = tmp_path / "smi.log"
-    env = host_env(fakes, tmp_path / "host", gpus=4, FAKE_GPU_STATE_FILE=str(state_file),
-                   FAKE_NVIDIA_SMI_LOG=str(log))
-    return {"env": env, "state_file": state_file, "state": tmp_path / "state", "tmp": tmp_path,
-            "log": log, "smi": str(fakes.nvidia_smi)}
+def node(fakes: FakeDriver, tmp_path: Path) -> ResetNode:
+    return reset_node(fakes, tmp_path, gpus=4)
 
 
-def _start(node: dict[str, Any], knobs: dict[str, str | int]) -> Daemon:
-    write_state_file(node["state_file"], knobs)
-    reset = {"enabled": True, "nvidia_smi": node["smi"], "tick_s": 0.1, "verify_timeout_s": 60}
-    toml = daemon_toml({"xid": {"hold_s": 3600}, "qualification": {"enabled": False},
-                        "gpu_reset": reset})
-    daemon = Daemon(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
-                    node["state"])
-    try:
-        daemon.wait_ready(60)
-    except BaseException:
-        daemon.stop()
-        raise
-    return daemon
-
-
-def _resets(node: dict[str, Any]) -> list[list[str]]:
-    try:
-        text = node["log"].read_text()
-    except FileNotFoundError:
-        return []
-    return [c["argv"] for line in text.splitlines() if line.strip()
-            if "-r" in (c := json.loads(line))["argv"]]
+def _resets(node: ResetNode) -> list[list[str]]:
+    return [c["argv"] for c in smi_resets(node)]
 
 
 def _domains(daemon: Daemon) -> dict[str, Any]:
@@ -201,13 +178,13 @@ def _left_alone(daemon: Daemon) -> dict[str, float]:
         daemon, "gpudiag_gpu_reset_left_alone_total")}
 
 
-def _one_busy_gpu_and_two_faulty(node: dict[str, Any], knobs: dict[str, str | int],
+def _one_busy_gpu_and_two_faulty(node: ResetNode, knobs: dict[str, str | int],
                                  faulty: str) -> tuple[Daemon, FakeJobs]:
     """GPU 0 runs a job; the GPUs ``faulty`` (``1:48,3:48``) get a reset XID."""
-    jobs = FakeJobs(node["state_file"], knobs=knobs)
+    jobs = FakeJobs(node.state_file, knobs=knobs)
     jobs.__enter__()
     try:
-        daemon = _start(node, knobs)
+        daemon = start_reset_daemon(node, knobs)
     except BaseException:
         jobs.__exit__(None, None, None)
         raise
@@ -218,7 +195,7 @@ def _one_busy_gpu_and_two_faulty(node: dict[str, Any], knobs: dict[str, str | in
 
 
 def test_two_pairs_the_idle_pair_is_reset_and_the_busy_gpus_partner_is_not(
-        node: dict[str, Any]) -> None:
+        node: ResetNode) -> None:
     daemon, jobs = _one_busy_gpu_and_two_faulty(node, PAIRS, "1:48,3:48")
     try:
         wait_for(lambda: _resets(node), 30, interval=0.2)
@@ -245,7 +222,7 @@ def test_two_pairs_the_idle_pair_is_reset_and_the_busy_gpus_partner_is_not(
      "NVML_ERROR_NOT_SUPPORTED"),
 ], ids=["nvswitch", "unsupported"])
 def test_a_fabric_or_an_unread_topology_is_one_domain_of_the_whole_node(
-        node: dict[str, Any], knobs: dict[str, str | int], basis: str, said: str) -> None:
+        node: ResetNode, knobs: dict[str, str | int], basis: str, said: str) -> None:
     daemon, jobs = _one_busy_gpu_and_two_faulty(node, knobs, "3:48")
     try:
         wait_for(lambda: _left_alone(daemon)[DOMAIN_BUSY] == 1, 30, interval=0.2)

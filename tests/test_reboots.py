@@ -95,14 +95,8 @@ def _start(node: dict[str, Any], boot: str, qualify: bool = False,
     qualification = ({"enabled": True, "idle_s": 3600, "tick_s": 0.1} if qualify
                      else {"enabled": False})
     toml = daemon_toml({"xid": {"hold_s": 3600}, "qualification": qualification})
-    daemon = Daemon(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
-                    node["state"])
-    try:
-        daemon.wait_ready(60)
-    except BaseException:
-        daemon.stop()  # never left running behind a failed start
-        raise
-    return daemon
+    return Daemon.ready(node["env"], write_config(node["tmp"] / "gpudiag.toml", toml),
+                        node["state"])
 
 
 def _health(daemon: Daemon) -> dict[str, Any]:

@@ -24,13 +24,8 @@ from tests.support.venvs import make_venv
 
 def _daemon(tmp_path: Path, env: dict[str, str], extra: str) -> Daemon:
     toml = daemon_toml({"backends.jax": {"enabled": True, "interval_s": 600}}) + extra
-    daemon = Daemon(env, write_config(tmp_path / "daemon.toml", toml), tmp_path / "state")
-    try:
-        daemon.wait_ready(120)
-    except BaseException:
-        daemon.stop()
-        raise
-    return daemon
+    return Daemon.ready(env, write_config(tmp_path / "daemon.toml", toml), tmp_path / "state",
+                        timeout=120)
 
 
 def _runtime_blockers(d: Daemon) -> dict[tuple[str, str], float]:

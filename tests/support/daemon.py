@@ -158,6 +158,18 @@ class Daemon:
             self.stop()
             raise AssertionError("daemon did not start:\n" + "\n".join(self.lines[-40:]))
 
+    @classmethod
+    def ready(cls, env: Mapping[str, str], config: Path, state_dir: Path,
+              timeout: float = 60, **kwargs: Any) -> Daemon:
+        """A daemon started and ready (``/readyz``); stopped when it never gets there."""
+        daemon = cls(env, config, state_dir, **kwargs)
+        try:
+            daemon.wait_ready(timeout)
+        except BaseException:
+            daemon.stop()
+            raise
+        return daemon
+
     @property
     def log_lines(self) -> int:
         """How many log lines the daemon has written so far."""
