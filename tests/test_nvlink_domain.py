@@ -16,6 +16,7 @@ import pytest
 from gpudiag.core.environment import probe_environment
 from gpudiag.core.gpu_reset import DOMAIN_BUSY, ResetGpu
 from gpudiag.core.nvlink_domain import (
+    BASES,
     GPU_LINKS,
     NO_ACTIVE_LINK,
     NO_NVLINK,
@@ -57,6 +58,12 @@ def _node(*gpus: ResetGpu) -> dict[str, ResetGpu]:
 
 
 # -- the rule --------------------------------------------------------------------------------
+def test_every_basis_is_documented_where_the_evidence_is() -> None:
+    reference = (Path(__file__).resolve().parent.parent / "docs" / "reference.md").read_text()
+    said = reference.split("The NVLink domain (`core/nvlink_domain.py`)", 1)[1][:800]
+    assert [b for b in BASES if f"`{b}`" not in said] == []
+
+
 def test_pci_bus_ids_compare_in_either_of_nvmls_spellings() -> None:
     assert bus_key("00000000:1A:00.0") == bus_key("0000:1a:00.0") == "0:1a:00.0"
     assert bus_key(None) is None and bus_key("odd") == "odd"
