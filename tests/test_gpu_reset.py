@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,10 @@ from tests.fakes.build import FakeDriver, write_state_file
 from tests.fakes.jobs import FakeJobs, read_context_log
 from tests.support.daemon import (
     Daemon,
+    daemon_toml,
     metric_samples,
     wait_for,
+    write_config,
 )
 from tests.support.reset_rung import (
     ResetNode,
@@ -125,6 +128,33 @@ def test_the_rung_is_off_by_default_and_its_config_is_checked() -> None:
                 {"reset_all": True}):
         with pytest.raises(ConfigError, match="gpu_reset"):
             from_mapping({"gpu_reset": bad})
+
+
+@pytest.mark.parametrize("tool", ["missing", "writable", "fake"])
+def test_check_config_refuses_a_reset_tool_the_daemon_would_not_run(
+        fakes: FakeDriver, tmp_path: Path, tool: str) -> None:
+    """The daemon keeps the rung off with such a tool; --check-config says it and exits 2."""
+    path = {"missing": str(tmp_path / "nvidia-smi"), "fake": str(fakes.nvidia_smi)}.get(
+        tool, str(tmp_path / "smi"))
+    if tool == "writable":
+        Path(path).write_bytes(fakes.nvidia_smi.read_bytes())
+        Path(path).chmod(0o777)
+    config = write_config(tmp_path / "gpudiag.toml", daemon_toml(
+        {"gpu_reset": {"enabled": True, "nvidia_smi": path}}))
+    done = subprocess.run([sys.executable, "-m", "gpudiag", "serve", "--check-config",
+                           "--config", str(config)], capture_output=True, text=True,
+                          timeout=60)
+    if tool == "fake":
+        assert done.returncode == 0, done.stderr
+        assert f"# gpu_reset: {path} may be run" in done.stdout
+        return
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    unsafe = {"missing": f"{path}: No such file or directory",
+              "writable": f"{path} is writable by its group or by everyone (mode 777)"}[tool]
+    assert f"gpudiag serve: [gpu_reset] nvidia_smi: {unsafe}; give the absolute path" \
+        in done.stderr, done.stderr
+    assert "would keep the GPU reset rung off" in done.stdout
+    assert "Traceback" not in done.stderr
 
 
 # -- the fake tool behaves as the real one does where it matters ------------------------------

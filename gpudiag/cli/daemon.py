@@ -128,6 +128,21 @@ def _check_remediation_node(cfg: DaemonConfig) -> None:
         raise click.exceptions.Exit(EXIT_USAGE)
 
 
+def _check_reset_tool(cfg: DaemonConfig) -> None:
+    """--check-config with [gpu_reset] on: a tool the daemon would refuse to run (the rung
+    would stay off) is exit 2, named."""
+    from gpudiag.daemon.slurmctl import check_executable
+
+    unsafe = check_executable(cfg.gpu_reset.nvidia_smi)
+    if unsafe is None:
+        click.echo(f"# gpu_reset: {cfg.gpu_reset.nvidia_smi} may be run")
+        return
+    click.echo(f"# gpu_reset: {unsafe}: the daemon would keep the GPU reset rung off")
+    click.echo(f"gpudiag serve: [gpu_reset] nvidia_smi: {unsafe}; give the absolute path of "
+               "NVIDIA's nvidia-smi, an executable file only its owner can write", err=True)
+    raise click.exceptions.Exit(EXIT_USAGE)
+
+
 @click.command(short_help="Run the daemon: probes, XID watcher, /metrics, preflight API.",
                epilog=examples(
                    "gpudiag serve                                 # 127.0.0.1:9477",
@@ -166,6 +181,8 @@ def serve(listen: str | None, socket_path: str | None, config_path: str | None,
                    "after --listen/--socket), as TOML:")
         for line in effective_config(cfg, state_dir or str(default_state_dir())):
             click.echo(line)
+        if cfg.gpu_reset.enabled:
+            _check_reset_tool(cfg)
         if cfg.remediation.mode != "off":
             _check_remediation_node(cfg)
         return
