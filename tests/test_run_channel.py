@@ -31,6 +31,7 @@ from gpudiag.daemon.httpserver import MAX_PASSED_FDS, PEER_FDS_KEY
 from gpudiag.daemon.httpserver import start as start_http
 from gpudiag.daemon.runs import (
     BLOCKS_PER_UID_MINUTE,
+    LET_GO_GRACE_S,
     Peer,
     RunRefused,
     RunReport,
@@ -154,7 +155,8 @@ def test_a_run_seen_by_no_pid_is_opened_again_after_a_restart_while_its_lock_is_
         assert entry["pid"] == 0 and entry["seen_by"] == "locks" and entry["identity"]
         assert list(entry["locks"]) == [GPU0]
         # The daemon restarts: the kernel says the very lock file is held; no pid is asked.
-        again = RunWindows(locks, lambda: None, kept=kept)
+        now = [time.time()]
+        again = RunWindows(locks, lambda: None, kept=kept, clock=lambda: now[0])
         assert again.restore() == 1
         (back,) = again.open_runs()
         assert (back.id, back.gpus, back.peer.pid, back.slurm_job_id) == (
@@ -165,13 +167,22 @@ def test_a_run_seen_by_no_pid_is_opened_again_after_a_restart_while_its_lock_is_
         with pytest.raises(RunRefused) as refused:
             again.end(_peer(other), run_id, RunReport(0))
         assert refused.value.code == "not_the_run"
+        # `gpudiag run` lets its locks go (and proves them free) before its end arrives:
+        # the run stays open for that end.
+        release([lock])
+        again.poll()
+        assert [r.id for r in again.open_runs()] == [run_id]
         ran, job = again.end(_peer(proc), run_id, RunReport(0))
         assert ran.id == run_id and job.gpus == (GPU0,)
     finally:
         release([lock])
         _stop(proc)
         _stop(other)
-    # Its lock gone, a reopened run seen by no pid leaves the open runs at the next poll.
+    # No end came: LET_GO_GRACE_S after its locks went, it leaves the open runs unrecorded.
+    now[0] += LET_GO_GRACE_S - 0.1
+    again.poll()
+    assert [r.id for r in again.open_runs()] == [run_id]
+    now[0] += 0.1
     again.poll()
     assert again.open_runs() == ()
 

@@ -88,6 +88,10 @@ MAX_TEXT = 1024
 _SLURM_JOB_ID = re.compile(r"[0-9A-Za-z_.+-]{1,64}")
 _CODE = re.compile(r"[a-z0-9_]{1,64}")
 MAX_BLOCK_CODES = 64
+# A run the daemon sees by its lock files alone (pid 0, after a restart) lets them go before
+# its end arrives (`gpudiag run` proves them free first: runner/execute._release_and_check);
+# it stays open this long after, so that its end is still taken.
+LET_GO_GRACE_S = 15.0
 # Refusals a uid may report a minute (each process once): a counter a user can raise by
 # starting processes rises no faster than this.
 BLOCKS_PER_UID_MINUTE = 60
@@ -294,6 +298,8 @@ class RunWindows:
         self._lock = threading.Lock()
         self._open: dict[str, OpenRun] = {}
         self._recent: deque[EndedRun] = deque(maxlen=RECENT_RUNS)
+        # Runs seen by their lock files alone: when none of those was held any more.
+        self._let_go: dict[str, float] = {}
         # Refusals reported: each process's once (its identity, or pid and start time), and
         # when, per uid, over the last minute.
         self._blocked: deque[tuple[int | None, int, float | None]] = deque(maxlen=RECENT_RUNS)
@@ -425,6 +431,7 @@ class RunWindows:
     def recorded(self, run: OpenRun, ended: float, *, kept: bool = True) -> None:
         """The run's record is kept (or it vanished): it leaves the open runs."""
         with self._lock:
+            self._let_go.pop(run.id, None)
             if self._open.pop(run.id, None) is None:
                 return
             self._save()
@@ -447,10 +454,21 @@ class RunWindows:
                 gone = start_time(run.peer.pid) != start
             else:
                 # Reopened after a restart, seen by no pid: open while one of its very lock
-                # files is held (the kernel's O(1) answer, any pid namespace).
-                gone = not any(still_held(self.lock_dir, gpu, key) for gpu, key in run.locks)
+                # files is held (the kernel's O(1) answer, any pid namespace), and for
+                # LET_GO_GRACE_S after, while its end is on its way.
+                gone = self._let_go_long_ago(run, now)
             if gone:
                 self.recorded(run, now, kept=False)
+
+    def _let_go_long_ago(self, run: OpenRun, now: float) -> bool:
+        """Whether run's lock files have all been let go for LET_GO_GRACE_S."""
+        held = any(still_held(self.lock_dir, gpu, key) for gpu, key in run.locks)
+        with self._lock:
+            if held:
+                self._let_go.pop(run.id, None)
+                return False
+            since = self._let_go.setdefault(run.id, now)
+        return now - since >= LET_GO_GRACE_S
 
     def match(self, job: JobRecord, uid: int) -> tuple[str, JobRecord | None, str | None]:
         """What an inbox record (written by ``uid``) is: ("socket", record, run id) when it
