@@ -206,8 +206,11 @@ def test_clear_releases_held_xids_and_a_gpu_that_still_fails_is_blocked_again(
                             "--state-dir", str(state)], env)
         assert proc.returncode == 0, proc.stderr
         def released() -> list[dict[str, Any]] | None:
+            # GPU 1's occupancy can read UNKNOWN (device_state_unknown) before the clear's
+            # re-probe says why: wait for the probe's word.
             now = _blockers(daemon)
-            return now if now and not any("XID" in b["message"] for b in now) else None
+            return now if now and not any("XID" in b["message"] for b in now) and any(
+                b["code"] == "gpu_reset_required" for b in now) else None
 
         after = wait_for(released, 15, interval=0.1)
         assert [(b["code"], b["device"]) for b in after] == [

@@ -161,7 +161,7 @@ def test_jobwatch_and_inventory_sections_on_the_fakes_name_the_spinner_alone_and
     computer.write_text("printf 'FAKE_NVML_DEVICE_COUNT=1\\nFAKE_NVML_UTILIZATION=0:100\\n"
                         f"FAKE_NVML_POWER_MW=0:600000\\n' >{state}\nsleep 8\n")
     env = gpu_env(FAKE_NVML_DEVICE_COUNT=1, FAKE_GPU_STATE_FILE=str(state))  # type: ignore[operator]
-    env.update(GPUDIAG_VALIDATE_ONLY="jobwatch,inventory", GPUDIAG_VALIDATE_JOBWATCH_S="6",
+    env.update(GPUDIAG_VALIDATE_ONLY="jobwatch,inventory", GPUDIAG_VALIDATE_JOBWATCH_S="12",
                GPUDIAG_VALIDATE_PORT=str(free_port_pair() - 3),
                GPUDIAG_VALIDATE_COMPUTER=f"sh {computer}")  # the spinner is the script's own
     out = tmp_path / "val"
